@@ -1,0 +1,51 @@
+"""The launcher interface and what a launch reports."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Protocol
+
+from orchestrator.runtime.request import StageRequest
+
+
+@dataclass
+class LaunchResult:
+    state: str  # done | failed | cancelled | submitted (wait=false)
+    job_id: Optional[str]
+    log_path: str
+    result: Any = None  # rank 0's summary when done
+    message: str = ""
+    job_folder: Optional[str] = None  # slurm: submitit's folder, to re-attach
+
+    @property
+    def ok(self) -> bool:
+        return self.state in ("done", "submitted")
+
+
+class Launcher(Protocol):
+    name: str
+
+    def submit(self, request: StageRequest, after: Optional[str] = None) -> Any:
+        """Start the stage's ranks (after job `after` succeeded, if given); returns a handle."""
+
+    def job_id(self, handle) -> Optional[str]:
+        """The id the ledger records for this launch."""
+
+    def job_folder(self, handle) -> Optional[str]:
+        """Where another process can re-attach to the launch, if it can."""
+
+    def wait(self, handle, request: StageRequest) -> LaunchResult:
+        """Block until the launch ends; report how."""
+
+
+def read_rank0_result(request: StageRequest) -> Optional[dict]:
+    """Rank 0's result file, written only when the stage finished on every rank."""
+    path = Path(request.result_path)
+    if not path.exists():
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except ValueError:
+        return None

@@ -1,0 +1,88 @@
+"""launcher=local: the stage's ranks on this machine with `mpiexec -n <ranks>`.
+
+The mpich wheel from PyPI provides mpiexec, so no system MPI is needed. A single-rank stage
+(e.g. search) runs in this process.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from orchestrator.errors import ConfigError
+from orchestrator.launch.base import LaunchResult, read_rank0_result
+from orchestrator.runtime.request import StageRequest
+
+
+@dataclass
+class LocalHandle:
+    proc: Optional[subprocess.Popen]  # None: the stage ran in-process
+    result: Optional[LaunchResult] = None
+
+
+def mpiexec_command(mpiexec: str, ranks: int, request_path: str | Path, extra_args=()) -> list:
+    """The command line that starts `ranks` copies of the rank runtime."""
+    return [mpiexec, "-n", str(ranks), *extra_args, sys.executable, "-m", "orchestrator.runtime",
+            str(request_path)]
+
+
+class LocalLauncher:
+    name = "local"
+
+    def __init__(self, cfg):
+        self.mpiexec = cfg.launcher.mpiexec
+        self.extra_args = list(cfg.launcher.mpiexec_args)
+
+    def submit(self, request: StageRequest, after: Optional[str] = None) -> LocalHandle:
+        Path(request.run_dir).mkdir(parents=True, exist_ok=True)
+        if request.extra.get("ranks") == "one":
+            from orchestrator.runtime import run_inprocess
+
+            try:
+                result = run_inprocess(request)
+                return LocalHandle(None, LaunchResult("done", None, request.run_dir, result))
+            except Exception as e:
+                # Errors a user can act on keep their type (and exit code); others are failures.
+                from orchestrator.errors import OrchestratorError
+
+                if isinstance(e, OrchestratorError):
+                    raise
+                return LocalHandle(None, LaunchResult("failed", None, request.run_dir, None,
+                                                      f"{type(e).__name__}: {e}"))
+        if shutil.which(self.mpiexec) is None:
+            raise ConfigError(f"launcher.mpiexec={self.mpiexec!r} not found on PATH; "
+                              f"`pip install mpich` provides one")
+        request_path = request.save(Path(request.run_dir) / "request.json")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // request.world_size)))
+        cmd = mpiexec_command(self.mpiexec, request.world_size, request_path, self.extra_args)
+        # Own process group: a Ctrl-C here stops every rank, not only mpiexec.
+        return LocalHandle(subprocess.Popen(cmd, env=env, start_new_session=True))
+
+    def job_id(self, handle: LocalHandle) -> Optional[str]:
+        return f"local-{handle.proc.pid}" if handle.proc else None
+
+    def job_folder(self, handle) -> Optional[str]:
+        return None
+
+    def wait(self, handle: LocalHandle, request: StageRequest) -> LaunchResult:
+        if handle.proc is None:
+            return handle.result
+        try:
+            rc = handle.proc.wait()
+        except KeyboardInterrupt:
+            os.killpg(handle.proc.pid, signal.SIGTERM)
+            handle.proc.wait()
+            return LaunchResult("cancelled", self.job_id(handle), request.run_dir,
+                                message="interrupted (Ctrl-C)")
+        rank0 = read_rank0_result(request)
+        if rc == 0 and rank0 and rank0.get("ok"):
+            return LaunchResult("done", self.job_id(handle), request.run_dir, rank0.get("result"))
+        cause = f"killed by signal {-rc}" if rc < 0 else f"mpiexec exited with {rc}"
+        return LaunchResult("failed", self.job_id(handle), request.run_dir,
+                            message=f"{cause}; rank logs: {request.run_dir}/rank*.log")

@@ -1,0 +1,182 @@
+"""The one rank bootstrap: MPI tells each rank who it is; torch.distributed is set up from that.
+
+`run_rank(request)` is what every rank runs, whoever launched it (mpiexec here, srun under
+submitit). `run_inprocess(request)` runs a single-rank stage in the calling process.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Optional
+
+from orchestrator.errors import LaunchError
+from orchestrator.runtime.context import RankContext
+from orchestrator.runtime.request import StageRequest
+from orchestrator.runtime.stage_run import StageRun
+from orchestrator.store import write_json
+
+log = logging.getLogger("orchestrator.runtime")
+
+
+def _job_id() -> Optional[str]:
+    if "SLURM_JOB_ID" in os.environ:
+        array = os.environ.get("SLURM_ARRAY_JOB_ID")
+        task = os.environ.get("SLURM_ARRAY_TASK_ID")
+        return f"{array}_{task}" if array and task else os.environ["SLURM_JOB_ID"]
+    return None
+
+
+def _node_name() -> str:
+    # Fake Slurm nodes share a host: SLURMD_NODENAME tells them apart.
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def check_world_size(mpi_size: int, expected: int) -> None:
+    """Fail with the fix when MPI's world is not the one the stage asked for."""
+    if mpi_size == expected:
+        return
+    ntasks = int(os.environ.get("SLURM_NTASKS", "0") or 0)
+    if mpi_size == 1 and ntasks > 1:
+        raise LaunchError(
+            f"MPI sees COMM_WORLD.size == 1 but Slurm started {ntasks} tasks: srun lacks a PMI "
+            f"flag, so every task is its own MPI world. Set cluster.mpi_flag=--mpi=pmi2 "
+            f"(what the mpich wheel speaks) or your site's PMI flag.")
+    raise LaunchError(f"MPI world size {mpi_size} != the {expected} ranks the stage needs "
+                      f"(cluster.nodes * cluster.tasks_per_node)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _master_addr(node_names: list) -> str:
+    if os.environ.get("MASTER_ADDR"):
+        return os.environ["MASTER_ADDR"]
+    if len(set(node_names)) == 1 and "SLURM_JOB_ID" not in os.environ:
+        return "127.0.0.1"
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def bootstrap(request: StageRequest) -> RankContext:
+    """Join MPI, check the world size, and initialise torch.distributed on this rank.
+
+    Sets torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK,
+    MASTER_ADDR, MASTER_PORT) so code written for torchrun runs unchanged.
+    """
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    check_world_size(size, request.world_size)
+
+    node_names = comm.allgather(_node_name())
+    order = list(dict.fromkeys(node_names))  # nodes in order of their first rank
+    node_of_rank = [order.index(n) for n in node_names]
+    node_rank = node_of_rank[rank]
+    local_rank = node_of_rank[:rank].count(node_rank)
+    local_world_size = node_of_rank.count(node_rank)
+
+    addr, port = comm.bcast((_master_addr(node_names), _free_port()) if rank == 0 else None, root=0)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(local_rank),
+                      LOCAL_WORLD_SIZE=str(local_world_size), GROUP_RANK=str(node_rank),
+                      MASTER_ADDR=addr, MASTER_PORT=str(port))
+
+    import torch
+    import torch.distributed as dist
+
+    backend = request.backend
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise LaunchError("cluster.backend=nccl but this rank sees no GPU; use backend=gloo "
+                              "or request GPUs (cluster.gpus_per_node)")
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        # Ranks share the node's cores; oversubscribed intra-op threads slow everything down.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
+                            world_size=size, timeout=datetime.timedelta(minutes=10))
+    return RankContext(rank=rank, world_size=size, local_rank=local_rank,
+                       local_world_size=local_world_size, node_rank=node_rank,
+                       num_nodes=len(order), node_name=node_names[rank],
+                       node_of_rank=node_of_rank, backend=backend, device=device,
+                       job_id=request.job_id or _job_id(), comm=comm)
+
+
+def _setup_logging(request: StageRequest, rank: int) -> None:
+    Path(request.run_dir).mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(Path(request.run_dir) / f"rank{rank}.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s rank%(rank)s %(levelname)s %(message)s"
+                                           .replace("%(rank)s", str(rank))))
+    root = logging.getLogger("orchestrator")
+    root.setLevel(logging.INFO)
+    for old in [h for h in root.handlers if getattr(h, "orchestrator_rank_log", False)]:
+        root.removeHandler(old)  # one log file per launch, also when tests run stages in-process
+        old.close()
+    handler.orchestrator_rank_log = True
+    root.addHandler(handler)
+
+
+def _run_stage(request: StageRequest, ctx: RankContext):
+    from orchestrator.stages import get_stage
+
+    spec = get_stage(request.stage)
+    run = StageRun(request, ctx)
+    run.hosts = [h for h in (ctx.gather(socket.gethostname()) or [])]
+    result = spec.run(ctx, run)
+    if ctx.is_root:
+        run.finish(result)
+        write_json(request.result_path, {"ok": True, "result": result, "job_id": ctx.job_id,
+                                         "ended": time.time()})
+    return result
+
+
+def run_rank(request: StageRequest):
+    """Run the stage on this rank (every rank calls this); rank 0 returns the stage's result.
+
+    On an error the rank logs it and aborts the whole MPI job, so no rank waits forever in a
+    collective for a peer that is gone.
+    """
+    rank = int(os.environ.get("PMI_RANK", os.environ.get("SLURM_PROCID", "0")))
+    _setup_logging(request, rank)
+    ctx = None
+    try:
+        ctx = bootstrap(request)
+        log.info("rank %d/%d on %s (node %d, local rank %d), backend %s", ctx.rank,
+                 ctx.world_size, ctx.node_name, ctx.node_rank, ctx.local_rank, ctx.backend)
+        result = _run_stage(request, ctx)
+        ctx.barrier()
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+        return result if ctx.is_root else None
+    except BaseException as e:
+        msg = f"rank {rank}: {type(e).__name__}: {e}"
+        log.error("%s\n%s", msg, traceback.format_exc())
+        print(msg, file=sys.stderr, flush=True)
+        if ctx is not None and ctx.world_size > 1:
+            ctx.comm.Abort(1)
+        raise
+
+
+def run_inprocess(request: StageRequest):
+    """Run a single-rank stage here, without MPI or torch.distributed (e.g. search)."""
+    import torch
+
+    _setup_logging(request, 0)
+    ctx = RankContext(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0,
+                      num_nodes=1, node_name=_node_name(), node_of_rank=[0], backend="none",
+                      device=torch.device("cpu"), job_id=_job_id())
+    return _run_stage(request, ctx)

@@ -1,0 +1,11 @@
+"""`python -m orchestrator.runtime <request.json>`: what mpiexec starts on every local rank."""
+import sys
+
+from orchestrator.runtime import run_rank
+from orchestrator.runtime.request import StageRequest
+
+if __name__ == "__main__":
+    try:
+        run_rank(StageRequest.load(sys.argv[1]))
+    except BaseException:
+        sys.exit(1)  # run_rank already logged the error and told the other ranks

@@ -1,0 +1,41 @@
+"""What a stage sees on its rank: who it is, where it runs, and how to talk to the other ranks."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+
+@dataclass
+class RankContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    node_name: str
+    node_of_rank: List[int]  # node_rank of every global rank (intra/inter-node decisions)
+    backend: str  # gloo | nccl | none (a single in-process rank without torch.distributed)
+    device: Any  # torch.device
+    job_id: Optional[str] = None
+    comm: Any = field(default=None, repr=False)  # mpi4py COMM_WORLD, None in-process
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+    def gather(self, obj) -> Optional[list]:
+        """Every rank's obj, in rank order, on rank 0 (None elsewhere), over MPI."""
+        if self.comm is None:
+            return [obj]
+        return self.comm.gather(obj, root=0)
+
+    def bcast(self, obj):
+        """Rank 0's obj on every rank, over MPI."""
+        if self.comm is None:
+            return obj
+        return self.comm.bcast(obj, root=0)
+
+    def barrier(self) -> None:
+        if self.comm is not None:
+            self.comm.Barrier()

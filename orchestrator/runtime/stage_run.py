@@ -1,0 +1,86 @@
+"""StageRun: a stage's handle on its own bookkeeping, on every rank.
+
+It gives the sub-parts to run, marks each one in the ledger as it starts and ends (rank 0 only),
+and loads what an earlier, interrupted run of the same config already wrote, so that a rerun
+resumes instead of starting over.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+import traceback
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from orchestrator.runtime.context import RankContext
+from orchestrator.runtime.request import StageRequest
+from orchestrator.store import new_profile, provenance, read_json
+from orchestrator.store.ledger import Ledger
+
+
+class StageRun:
+    def __init__(self, request: StageRequest, ctx: RankContext):
+        self.request = request
+        self.ctx = ctx
+        self.cfg: DictConfig = OmegaConf.create(request.config)
+        self.todo = list(request.todo)
+        self.started = time.time()
+        self.ledger = Ledger(request.ledger_dir) if ctx.is_root else None
+        self.hosts: list = []
+
+    @property
+    def key(self) -> str:
+        return self.request.ledger_key
+
+    def subpart_key(self, name: str) -> str:
+        return f"{self.key}/{name}"
+
+    @contextlib.contextmanager
+    def subpart(self, name: str):
+        """Run one sub-part: ledger running -> done, or failed with the error, on rank 0.
+
+        Write the sub-part's results inside the block: it is marked done only after them.
+        """
+        if self.ledger is not None:
+            job = {"job_id": self.ctx.job_id} if self.ctx.job_id else {}
+            self.ledger.update(self.subpart_key(name), state="running", started=time.time(),
+                               config_hash=self.request.config_hash, ended=None,
+                               log_path=self.request.run_dir, error=None, **job)
+        try:
+            yield
+        except BaseException as e:
+            if self.ledger is not None:
+                self.ledger.update(self.subpart_key(name), state="failed", ended=time.time(),
+                                   error=f"{type(e).__name__}: {e}",
+                                   traceback=traceback.format_exc(limit=5))
+            raise
+        if self.ledger is not None:
+            self.ledger.update(self.subpart_key(name), state="done", ended=time.time())
+
+    def provenance(self) -> dict:
+        return provenance(self.request.config, self.request.config_hash, job_id=self.ctx.job_id,
+                          hosts=self.hosts, started=self.started)
+
+    def resume_profile(self, path: Path, kind: str, source: str, **fields) -> dict:
+        """The profile at `path` if an earlier run of this same config wrote it, else a new one.
+
+        A file from another config (or a corrupt one) is not merged into: its parts are redone.
+        """
+        if path.exists():
+            try:
+                old = read_json(path)
+                if (old.get("kind") == kind
+                        and old.get("provenance", {}).get("config_hash") == self.request.config_hash):
+                    old["provenance"] = self.provenance()
+                    return old
+            except ValueError:
+                pass
+        return new_profile(kind, source, self.provenance(), **fields)
+
+    def finish(self, result: Optional[dict]) -> None:
+        """Rank 0: mark the stage done in the ledger."""
+        if self.ledger is not None:
+            self.ledger.update(self.key, state="done", ended=time.time(), error=None,
+                               summary=result if isinstance(result, dict) else None)

@@ -1,0 +1,154 @@
+"""Profile files: where they live, how they are written (atomically, with provenance), how they are read.
+
+One JSON writer for the whole project: `write_json`. Readers go through `read_profile`, which
+validates and, on a missing, corrupt or stale file, raises ProfileError naming the command that
+rebuilds it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from orchestrator.errors import ProfileError
+
+SCHEMA_VERSION = 1
+
+
+def cluster_dir(profiles_dir: str | os.PathLike, cluster_name: str) -> Path:
+    """The folder that holds every file of one cluster: profiles/<cluster.name>/."""
+    return Path(profiles_dir) / cluster_name
+
+
+def hardware_path(profiles_dir, cluster_name) -> Path:
+    return cluster_dir(profiles_dir, cluster_name) / "hardware.json"
+
+
+def model_profile_path(profiles_dir, cluster_name, model_name) -> Path:
+    return cluster_dir(profiles_dir, cluster_name) / "model" / f"{model_name}.json"
+
+
+def strategy_path(profiles_dir, cluster_name, model_name) -> Path:
+    return cluster_dir(profiles_dir, cluster_name) / "strategy" / f"{model_name}.json"
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> Path:
+    """Write obj as JSON atomically: a temp file in the same folder, fsync, then rename.
+
+    A reader never sees a half-written file, and a crash leaves the previous version intact.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1, sort_keys=False, default=_json_default)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return path
+
+
+def _json_default(obj):
+    # numpy scalars and arrays, Paths: the only non-JSON types the stages produce.
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def config_hash(section: Any) -> str:
+    """A short stable hash of a config section (plain containers), used to tell stale results."""
+    blob = json.dumps(section, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def library_versions() -> dict:
+    """Versions that change what a measurement means: python, torch, NCCL, MPI."""
+    versions = {"python": platform.python_version()}
+    try:
+        import torch
+
+        versions["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            versions["cuda"] = torch.version.cuda
+            versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    except ImportError:
+        pass
+    try:
+        from mpi4py import MPI
+        import mpi4py
+
+        versions["mpi4py"] = mpi4py.__version__
+        versions["mpi"] = MPI.Get_library_version().strip().splitlines()[0]
+    except ImportError:
+        pass
+    return versions
+
+
+def provenance(config: Mapping, config_hash_: str, *, job_id: Optional[str], hosts: list,
+               started: float, ended: Optional[float] = None) -> dict:
+    """The provenance block every profile carries. Times are Unix seconds."""
+    return {
+        "config": config,
+        "config_hash": config_hash_,
+        "job_id": job_id,
+        "hosts": sorted(set(hosts)) or [socket.gethostname()],
+        "versions": library_versions(),
+        "argv": sys.argv,
+        "started": started,
+        "ended": ended if ended is not None else time.time(),
+    }
+
+
+def new_profile(kind: str, source: str, prov: dict, **fields) -> dict:
+    """The common header of every profile file, then the kind's own fields."""
+    return {"schema_version": SCHEMA_VERSION, "kind": kind, "source": source,
+            "provenance": prov, **fields}
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+def read_profile(path: str | os.PathLike, kind: str, rebuild: str,
+                 expect_hash: Optional[str] = None) -> dict:
+    """Read and validate a profile file.
+
+    `rebuild` is the command that writes it; every error names the file and that command.
+    With `expect_hash`, a file written under another config (provenance.config_hash) is stale.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ProfileError(f"{path}: missing. Run: {rebuild}")
+    try:
+        profile = read_json(path)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ProfileError(f"{path}: corrupt JSON ({e}). Rerun: {rebuild} force=true")
+    if not isinstance(profile, dict) or profile.get("kind") != kind:
+        raise ProfileError(f"{path}: not a {kind} profile. Rerun: {rebuild} force=true")
+    version = profile.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise ProfileError(f"{path}: schema version {version}, this orchestrator reads "
+                           f"{SCHEMA_VERSION}: stale. Rerun: {rebuild} force=true")
+    got_hash = profile.get("provenance", {}).get("config_hash")
+    if expect_hash is not None and got_hash != expect_hash:
+        raise ProfileError(f"{path}: written under another config (hash {got_hash}, "
+                           f"now {expect_hash}): stale. Rerun: {rebuild}")
+    return profile
