@@ -80,7 +80,7 @@ def _request(plan: StagePlan, cfg, run_dir: Path) -> StageRequest:
         config=OmegaConf.to_container(cfg, resolve=True), config_hash=plan.config_hash,
         todo=plan.todo, ledger_dir=str(ledger_for(cfg).path.parent), run_dir=str(run_dir),
         world_size=plan.world_size, backend=cfg.cluster.backend, launcher=cfg.launcher.name,
-        extra={"ranks": plan.ranks})
+        extra={"ranks": plan.ranks, "torch_distributed": plan.spec.torch_distributed})
 
 
 def _mark_started(ledger: Ledger, plan: StagePlan, launcher, handle, request, state="running"):

@@ -39,6 +39,18 @@ class Launcher(Protocol):
         """Block until the launch ends; report how."""
 
 
+def prepare_run_dir(request: StageRequest) -> None:
+    """A fresh run folder: no result file from an earlier launch can be mistaken for this one's."""
+    Path(request.run_dir).mkdir(parents=True, exist_ok=True)
+    Path(request.result_path).unlink(missing_ok=True)
+
+
+def failure_detail(request: StageRequest) -> str:
+    """Rank 0's own error line, if it wrote one before dying."""
+    rank0 = read_rank0_result(request)
+    return f": {rank0['error']}" if rank0 and rank0.get("error") else ""
+
+
 def read_rank0_result(request: StageRequest) -> Optional[dict]:
     """Rank 0's result file, written only when the stage finished on every rank."""
     path = Path(request.result_path)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from orchestrator.errors import ConfigError
-from orchestrator.launch.base import LaunchResult, read_rank0_result
+from orchestrator.launch.base import LaunchResult, failure_detail, prepare_run_dir, read_rank0_result
 from orchestrator.runtime.request import StageRequest
 
 
@@ -39,7 +39,7 @@ class LocalLauncher:
         self.extra_args = list(cfg.launcher.mpiexec_args)
 
     def submit(self, request: StageRequest, after: Optional[str] = None) -> LocalHandle:
-        Path(request.run_dir).mkdir(parents=True, exist_ok=True)
+        prepare_run_dir(request)
         if request.extra.get("ranks") == "one":
             from orchestrator.runtime import run_inprocess
 
@@ -85,4 +85,5 @@ class LocalLauncher:
             return LaunchResult("done", self.job_id(handle), request.run_dir, rank0.get("result"))
         cause = f"killed by signal {-rc}" if rc < 0 else f"mpiexec exited with {rc}"
         return LaunchResult("failed", self.job_id(handle), request.run_dir,
-                            message=f"{cause}; rank logs: {request.run_dir}/rank*.log")
+                            message=f"{cause}{failure_detail(request)}; rank logs: "
+                                    f"{request.run_dir}/rank*.log")

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from orchestrator.launch.base import LaunchResult, read_rank0_result
+from orchestrator.launch.base import LaunchResult, failure_detail, prepare_run_dir, read_rank0_result
 from orchestrator.runtime.request import StageRequest
 
 # Slurm states after which a job will not run again by itself.
@@ -97,6 +97,7 @@ class SlurmLauncher:
 
         from orchestrator.runtime import run_rank
 
+        prepare_run_dir(request)
         folder = Path(request.run_dir) / "submitit"
         executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
         executor.update_parameters(**executor_parameters(
@@ -141,7 +142,8 @@ class SlurmLauncher:
                                 job_folder=self.job_folder(job))
         ledger_state = _ledger_state(state) if state != "COMPLETED" else "failed"
         return LaunchResult(ledger_state, self.job_id(job), log,
-                            message=f"Slurm job {job.job_id} ended {state}; logs: {job.paths.folder}",
+                            message=f"Slurm job {job.job_id} ended {state}{failure_detail(request)}; "
+                                    f"logs: {job.paths.folder}",
                             job_folder=self.job_folder(job))
 
 

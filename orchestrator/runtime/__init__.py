@@ -45,7 +45,7 @@ def check_world_size(mpi_size: int, expected: int) -> None:
     if mpi_size == 1 and ntasks > 1:
         raise LaunchError(
             f"MPI sees COMM_WORLD.size == 1 but Slurm started {ntasks} tasks: srun lacks a PMI "
-            f"flag, so every task is its own MPI world. Set cluster.mpi_flag=--mpi=pmi2 "
+            f"flag, so every task is its own MPI world. Set cluster.mpi_flag='--mpi=pmi2' "
             f"(what the mpich wheel speaks) or your site's PMI flag.")
     raise LaunchError(f"MPI world size {mpi_size} != the {expected} ranks the stage needs "
                       f"(cluster.nodes * cluster.tasks_per_node)")
@@ -87,6 +87,13 @@ def bootstrap(request: StageRequest) -> RankContext:
     local_rank = node_of_rank[:rank].count(node_rank)
     local_world_size = node_of_rank.count(node_rank)
 
+    context = dict(rank=rank, world_size=size, local_rank=local_rank,
+                   local_world_size=local_world_size, node_rank=node_rank, num_nodes=len(order),
+                   node_name=node_names[rank], node_of_rank=node_of_rank,
+                   job_id=request.job_id or _job_id(), comm=comm)
+    if not request.extra.get("torch_distributed", True):
+        return RankContext(backend="none", device=None, **context)
+
     addr, port = comm.bcast((_master_addr(node_names), _free_port()) if rank == 0 else None, root=0)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(local_rank),
                       LOCAL_WORLD_SIZE=str(local_world_size), GROUP_RANK=str(node_rank),
@@ -108,11 +115,7 @@ def bootstrap(request: StageRequest) -> RankContext:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
                             world_size=size, timeout=datetime.timedelta(minutes=10))
-    return RankContext(rank=rank, world_size=size, local_rank=local_rank,
-                       local_world_size=local_world_size, node_rank=node_rank,
-                       num_nodes=len(order), node_name=node_names[rank],
-                       node_of_rank=node_of_rank, backend=backend, device=device,
-                       job_id=request.job_id or _job_id(), comm=comm)
+    return RankContext(backend=backend, device=device, **context)
 
 
 def _setup_logging(request: StageRequest, rank: int) -> None:
@@ -158,14 +161,17 @@ def run_rank(request: StageRequest):
                  ctx.world_size, ctx.node_name, ctx.node_rank, ctx.local_rank, ctx.backend)
         result = _run_stage(request, ctx)
         ctx.barrier()
-        import torch.distributed as dist
+        if ctx.backend != "none":
+            import torch.distributed as dist
 
-        dist.destroy_process_group()
+            dist.destroy_process_group()
         return result if ctx.is_root else None
     except BaseException as e:
         msg = f"rank {rank}: {type(e).__name__}: {e}"
         log.error("%s\n%s", msg, traceback.format_exc())
         print(msg, file=sys.stderr, flush=True)
+        if rank == 0:  # the launcher shows the user this line, not only "job failed"
+            write_json(request.result_path, {"ok": False, "error": msg, "ended": time.time()})
         if ctx is not None and ctx.world_size > 1:
             ctx.comm.Abort(1)
         raise

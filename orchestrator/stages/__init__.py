@@ -50,6 +50,8 @@ class StageSpec:
     subparts: Callable = _no_subparts  # cfg -> sub-part names in run order
     inputs: Callable = _no_inputs  # cfg -> list[StageInput]
     validate: Callable = _valid  # cfg -> None, raises ConfigError before launch
+    # False: the ranks get MPI only (no torch import, no process group): a cheaper start.
+    torch_distributed: bool = True
     extras: dict = field(default_factory=dict)
 
 

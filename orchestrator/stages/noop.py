@@ -12,4 +12,5 @@ SPEC = StageSpec(
     ledger_key=lambda cfg: "noop",
     outputs=lambda cfg: [],
     hash_sections=("cluster",),
+    torch_distributed=False,
 )

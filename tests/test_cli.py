@@ -1,0 +1,111 @@
+"""The command line as a user meets it: composing configs, refusing bad input, running a stage locally."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from conftest import REPO, ledger, run_cli
+from orchestrator.config import register_configs
+
+
+def _compose(overrides=()):
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_defaults_run_here():
+    cfg = _compose()
+    assert cfg.stage.name == "all"
+    assert cfg.launcher.name == "local"
+    assert (cfg.cluster.nodes, cfg.cluster.tasks_per_node, cfg.cluster.backend) == (1, 4, "gloo")
+    assert cfg.profiles_dir == "profiles"
+
+
+def test_typo_in_key_fails_at_compose_time():
+    with pytest.raises((ConfigCompositionException, ConfigKeyError)):
+        _compose(["cluster.nodez=2"])
+
+
+def test_wrong_type_fails_at_compose_time():
+    with pytest.raises((ConfigCompositionException, ValidationError)):
+        _compose(["cluster.nodes=abc"])
+
+
+def test_group_files_are_typed_by_the_schema():
+    cfg = _compose(["cluster=dev", "launcher=slurm", "stage=profile_hardware"])
+    assert (cfg.cluster.nodes, cfg.cluster.tasks_per_node) == (2, 2)
+    assert cfg.launcher.name == "slurm"
+    assert cfg.stage.name == "profile_hardware"
+
+
+@pytest.mark.parametrize("args, words", [
+    (["stage=bogus"], ["unknown stage 'bogus'", "profile_hardware"]),
+    (["launcher=pbs"], ["unknown launcher 'pbs'", "local, slurm"]),
+    (["stage=profile_hardware", "cluster.nodes=2"], ["cluster.nodes(2)", "launcher=slurm"]),
+    (["stage=profile_hardware", "cluster.backend=nccl", "cluster.gpus_per_node=8"],
+     ["tasks_per_node(4) != cluster.gpus_per_node(8)"]),
+    (["stage=profile_hardware", "profile_hardware.benchmarks=[allreduce,bogus]"],
+     ["unknown ['bogus']", "allowed"]),
+])
+def test_bad_input_is_one_line_exit_2_and_nothing_written(profiles, args, words):
+    proc = run_cli(*args, profiles_dir=profiles)
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip()
+    assert len(err.splitlines()) == 1, err
+    for word in words:
+        assert word in err
+    assert not (profiles / "local" / "ledger.json").exists()
+
+
+def test_help_and_cfg_job_work_as_in_any_hydra_app(profiles):
+    proc = run_cli("--help", profiles_dir=profiles, check=0)
+    assert "stage" in proc.stdout and "cluster" in proc.stdout
+    proc = run_cli("--cfg", "job", "stage=profile_hardware", profiles_dir=profiles, check=0)
+    assert "tasks_per_node: 4" in proc.stdout and "name: profile_hardware" in proc.stdout
+
+
+def test_inventory_on_4_local_ranks_then_rerun_skips(profiles):
+    proc = run_cli("stage=profile_hardware", "profile_hardware.benchmarks=[inventory]",
+                   profiles_dir=profiles, check=0)
+    profile = json.loads((profiles / "local" / "hardware.json").read_text())
+    ranks = profile["inventory"]["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
+    assert [r["local_rank"] for r in ranks] == [0, 1, 2, 3]
+    assert all(r["torch"] and r["mpi"] and r["cpu_count"] >= 1 and r["mem_GiB"] > 0 for r in ranks)
+    assert profile["schema_version"] == 1 and profile["kind"] == "hardware"
+    prov = profile["provenance"]
+    assert prov["config_hash"] and prov["ended"] >= prov["started"] and prov["hosts"]
+    entries = ledger(profiles)
+    assert entries["profile_hardware"]["state"] == "done"
+    assert entries["profile_hardware/inventory"]["state"] == "done"
+    first_job = entries["profile_hardware"]["job_id"]
+    assert first_job.startswith("local-")
+
+    proc = run_cli("stage=profile_hardware", "profile_hardware.benchmarks=[inventory]",
+                   profiles_dir=profiles, check=0)
+    assert "skipping" in proc.stdout
+    assert ledger(profiles)["profile_hardware"]["job_id"] == first_job
+
+    proc = run_cli("stage=profile_hardware", "profile_hardware.benchmarks=[inventory]", "force=true",
+                   profiles_dir=profiles, check=0)
+    assert ledger(profiles)["profile_hardware"]["job_id"] != first_job
+
+
+def test_status_from_a_fresh_process(profiles):
+    proc = run_cli("stage=status", profiles_dir=profiles, check=0)
+    assert "nothing has run" in proc.stdout
+    run_cli("stage=noop", profiles_dir=profiles, check=0)
+    proc = run_cli("stage=status", profiles_dir=profiles, check=0)
+    assert "noop" in proc.stdout and "done" in proc.stdout
+
+
+def test_missing_input_names_the_command_that_builds_it(profiles):
+    proc = run_cli("stage=search", profiles_dir=profiles)
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert "hardware.json: missing" in proc.stderr
+    assert "python -m orchestrator stage=profile_hardware" in proc.stderr
