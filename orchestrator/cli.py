@@ -155,7 +155,13 @@ def _finish(ledger, launcher, plan, handle, request) -> dict:
             console.print(f"  job {launcher.job_id(handle)}: {state}")
             if state == "RUNNING":
                 ledger.update(plan.key, state="running")
-        outcome = launcher.wait(handle, request, on_state=on_state)
+        try:
+            outcome = launcher.wait(handle, request, on_state=on_state,
+                                    on_output=lambda text: console.out(text, end=""))
+        except KeyboardInterrupt:
+            console.print(f"\njob {launcher.job_id(handle)} keeps running; `stage=status` "
+                          f"re-attaches, `scancel {launcher.job_id(handle)}` stops it")
+            raise SystemExit(130)
     else:
         outcome = launcher.wait(handle, request)
     mark_ended(ledger, plan.key, outcome.state, plan.todo, outcome.message)

@@ -29,6 +29,25 @@ class LauncherConfig:
 
 
 @dataclass
+class LinkSheetConfig:
+    """Published link figures, for `profile_hardware.source=analytic` (clusters too big to profile).
+
+    Defaults: DGX/HGX H100, NVLink 4 + NVSwitch (nccl-tests allreduce busbw ~450 GB/s), 8 x 400 Gb/s
+    InfiniBand NDR per node.
+    """
+
+    intra_busbw_GBps: float = 450.0
+    intra_p2p_GBps: float = 370.0
+    nics_per_node: int = 8
+    nic_Gbps: float = 400.0
+    inter_efficiency: float = 0.9
+    intra_latency_us: float = 3.0
+    inter_latency_us: float = 8.0
+    overlap_coe: float = 1.2
+    dtype: str = "bf16"
+
+
+@dataclass
 class ClusterConfig:
     name: str = "local"
     nodes: int = 1
@@ -49,6 +68,7 @@ class ClusterConfig:
     sbatch_args: Dict[str, Any] = field(default_factory=dict)  # extra #SBATCH key: value
     signal_delay_s: int = 90  # USR2 this long before the time limit (checkpoint + requeue)
     setup: List[str] = field(default_factory=list)  # shell lines run before srun (module load ...)
+    links: LinkSheetConfig = field(default_factory=LinkSheetConfig)
 
 
 # Cluster fields that only say how to submit: changing them does not invalidate a profile.
@@ -63,31 +83,36 @@ class ProfileHardwareConfig:
     # Sub-parts in order; each is a ledger entry, so a rerun redoes only what is not done.
     benchmarks: List[str] = field(default_factory=lambda: [
         "inventory", "allreduce", "p2p", "reduce_scatter", "all_gather", "all2all", "overlap"])
-    source: str = "measured"  # measured | analytic (from the cluster sheet, no launch)
+    source: str = "measured"  # measured | analytic (from cluster.links, no launch)
     min_size_bytes: int = 1024
     max_size_bytes: Optional[int] = None  # None: 64 MiB on CPU, 256 MiB on GPU
     size_step: int = 4  # multiply the size by this between points
-    dtype: Optional[str] = None  # None: float32 on CPU, bfloat16 on GPU
+    dtype: Optional[str] = None  # fp32 | bf16 | fp16; None: fp32 on CPU, bf16 on GPU
     max_tp: int = 8  # reduce_scatter/all_gather/all2all group sizes up to min(world, max_tp)
+    max_group: Optional[int] = None  # allreduce group sizes up to this (None: the world)
+    max_pp: Optional[int] = None  # p2p pipeline degrees up to this (None: the world)
     warmup_iters: int = 3
     min_iters: int = 5
-    max_iters: int = 200
-    max_time_s: float = 1.0  # per point
-    stable_spread: float = 0.1  # stop when (p90 - p10) / median is below this
+    max_iters: int = 100
+    max_time_s: float = 0.5  # per point
+    rel_spread: float = 0.1  # stop when (p90 - p10) / median is below this
     export: Optional[str] = None  # galvatron: also write Galvatron's hardware files
     plot: bool = True
 
 
 @dataclass
 class ProfileModelConfig:
-    seq_lens: List[int] = field(default_factory=list)  # empty: min/max/step below
+    # Sequence lengths profiled: this list, or min_seq_len..max_seq_len by seq_len_step.
+    seq_lens: List[int] = field(default_factory=list)
     min_seq_len: int = 128
-    max_seq_len: int = 512
-    seq_len_step: int = 128
-    max_tp: int = 4
+    max_seq_len: Optional[int] = None  # None: model.seq_len
+    seq_len_step: Optional[int] = None  # None: about 4 points from min to max (multiples of 32)
+    # TP degrees 1, 2, 4, ... up to max_tp; each must divide the model's heads, KV heads, FFN and
+    # vocab. None: every degree the model allows, up to the world size (measured) or 8 (analytic).
+    max_tp: Optional[int] = None
     micro_batch_size: int = 1
-    source: str = "auto"  # auto | measured | analytic
-    device: str = "cpu"  # conf/device/<name>.yaml sheet for analytic compute time
+    source: str = "auto"  # auto | measured | analytic (FLOPs + device sheet, exact memory)
+    device: Optional[str] = None  # conf/device/<name>.yaml for analytic times; None: cpu (gloo), h100 (nccl)
     warmup_iters: int = 2
     iters: int = 5
     plot: bool = True

@@ -114,10 +114,21 @@ class SlurmLauncher:
     def log_path(self, job) -> str:
         return str(job.paths.stderr).replace("%t", "0")
 
-    def wait(self, job, request: StageRequest, on_state=None) -> LaunchResult:
-        """Poll until the job ends (sacct, else squeue and result files); report how it ended."""
-        state, unknown_since = None, None
+    def wait(self, job, request: StageRequest, on_state=None, on_output=None) -> LaunchResult:
+        """Poll until the job ends (sacct, else squeue and result files); report how it ended.
+
+        `on_output(text)` receives what rank 0 printed since the last poll (its progress).
+        """
+        state, unknown_since, offset = None, None, 0
+        rank0_stdout = (job._sub_jobs[0] if getattr(job, "_sub_jobs", None) else job).paths.stdout
         while True:
+            if on_output is not None and rank0_stdout.exists():
+                with open(rank0_stdout, errors="replace") as f:
+                    f.seek(offset)
+                    text = f.read()
+                    offset = f.tell()
+                if text:
+                    on_output(text)
             new = job_state(job, request)
             if new != state and on_state is not None:
                 on_state(new)

@@ -47,9 +47,6 @@ def validate_cluster(cfg) -> None:
                           f"({c.tasks_per_node}) != cluster.gpus_per_node({c.gpus_per_node})")
     if cfg.launcher.name not in ("local", "slurm"):
         raise ConfigError(f"launcher={cfg.launcher.name!r}; allowed: local, slurm")
-    if cfg.launcher.name == "local" and c.nodes != 1:
-        raise ConfigError(f"launcher=local runs on this machine only: cluster.nodes({c.nodes}) "
-                          f"must be 1 (use launcher=slurm for {c.nodes} nodes)")
 
 
 def stage_hash(spec: StageSpec, cfg: DictConfig) -> str:
@@ -91,6 +88,10 @@ def plan_stage(name: str, cfg: DictConfig, ledger: Ledger, force: bool = False) 
         todo = []
         done = not force and outputs_there and ledger.is_done(key, h)
     ranks = spec.ranks(cfg)
+    if ranks == "cluster" and cfg.launcher.name == "local" and cfg.cluster.nodes != 1:
+        raise ConfigError(f"launcher=local runs {name} on this machine only: cluster.nodes"
+                          f"({cfg.cluster.nodes}) must be 1 (use launcher=slurm for "
+                          f"{cfg.cluster.nodes} nodes)")
     return StagePlan(spec=spec, key=key, config_hash=h, subparts=subparts, todo=todo, done=done,
                      ranks=ranks, world_size=world_size(cfg) if ranks == "cluster" else 1,
                      notes=notes)

@@ -2,16 +2,20 @@
 
 Writes profiles/<cluster.name>/hardware.json (schema: docs/profile-schema.md). Each benchmark is
 a sub-part: it is merged into the file and marked done in the ledger as soon as it finishes, so a
-rank killed in the middle of one loses only that one.
+rank killed in the middle of one loses only that one. With `profile_hardware.source=analytic` the
+profile comes from the cluster's published link figures (`cluster.links`), in this process.
 """
 from __future__ import annotations
 
+from dataclasses import asdict
+from pathlib import Path
+
 from orchestrator.errors import ConfigError
-from orchestrator.profiling.inventory import rank_inventory
 from orchestrator.stages import StageSpec
-from orchestrator.store import hardware_path, write_json
+from orchestrator.store import cluster_dir, hardware_path, write_json
 
 BENCHMARKS = ("inventory", "allreduce", "p2p", "reduce_scatter", "all_gather", "all2all", "overlap")
+DTYPES = ("fp32", "bf16", "fp16")
 
 
 def _cluster_summary(cfg) -> dict:
@@ -21,49 +25,160 @@ def _cluster_summary(cfg) -> dict:
             "gpus_per_node": c.gpus_per_node}
 
 
-def _measure(name: str, ctx, cfg, progress=None):
-    """Run benchmark `name` on every rank; returns its section of hardware.json (rank 0)."""
+def sweep_config(hw):
+    """The benchmarks' sweep settings from the stage's config section."""
+    from orchestrator.profiling.collectives import SweepConfig
+    from orchestrator.profiling.timing import StopRule
+
+    stop = StopRule(warmup_iters=hw.warmup_iters, min_iters=hw.min_iters, max_iters=hw.max_iters,
+                    max_time_s=hw.max_time_s, rel_spread=hw.rel_spread)
+    return SweepConfig(min_bytes=hw.min_size_bytes, max_bytes=hw.max_size_bytes,
+                       step=hw.size_step, dtype=hw.dtype, max_tp=hw.max_tp,
+                       max_group=hw.max_group, max_pp=hw.max_pp, stop=stop)
+
+
+def link_sheet(cfg):
+    from orchestrator.profiling.analytic import LinkSheet
+
+    gpus = cfg.cluster.gpus_per_node or cfg.cluster.tasks_per_node
+    return LinkSheet(gpus_per_node=gpus, **dict(cfg.cluster.links))
+
+
+def _measure(name: str, ctx, cfg, on_point):
+    """Run benchmark `name` on every rank; returns its section of hardware.json on rank 0."""
     if name == "inventory":
+        from orchestrator.profiling.inventory import rank_inventory
+
         records = ctx.gather(rank_inventory(ctx))
         return {"ranks": records} if ctx.is_root else None
-    from orchestrator.profiling import collectives, overlap
-
-    hw = cfg.profile_hardware
     if name == "overlap":
-        return overlap.measure_overlap(ctx, hw)
-    return collectives.run_benchmark(name, ctx, hw, on_point=progress)
+        from orchestrator.profiling.overlap import OverlapConfig, measure_overlap
+
+        return measure_overlap(ctx, OverlapConfig(dtype=cfg.profile_hardware.dtype))
+    from orchestrator.profiling import collectives
+
+    bench = getattr(collectives, f"bench_{name}")
+    return bench(ctx, sweep_config(cfg.profile_hardware), on_point=on_point)
+
+
+def _progress(ctx, names):
+    """A rich progress bar on rank 0 (a no-op elsewhere): one task per benchmark."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if not ctx.is_root:
+        return None, lambda *a: None
+    progress = Progress(TextColumn("{task.description:>16}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn())
+    tasks = {n: progress.add_task(n, total=None) for n in names}
+
+    def on_point(name, done, total):
+        progress.update(tasks[name], completed=done, total=total)
+
+    return progress, on_point
+
+
+def _finish_outputs(profile: dict, cfg, path: Path) -> dict:
+    """Table, PNG and exports next to hardware.json (rank 0, at the end)."""
+    import sys
+
+    from rich.console import Console
+
+    from orchestrator.profiling.report import plot_busbw, print_report
+
+    outputs = {"path": str(path)}
+    # Under mpiexec or srun stdout is a pipe, where rich would squeeze the tables into 80 columns.
+    print_report(profile, console=Console(width=None if sys.stdout.isatty() else 140))
+    hw = cfg.profile_hardware
+    if hw.plot and any(b.get("points") for b in profile["benchmarks"].values() if isinstance(b, dict)):
+        outputs["plot"] = str(plot_busbw(profile, path.with_name("hardware.png")))
+    if hw.export == "galvatron":
+        from orchestrator.profiling.galvatron import write_galvatron_dir
+
+        files = write_galvatron_dir(profile, cluster_dir(cfg.profiles_dir, cfg.cluster.name) / "galvatron")
+        outputs["galvatron"] = [str(f) for f in files]
+    return outputs
 
 
 def run(ctx, run):
     cfg = run.cfg
     path = hardware_path(cfg.profiles_dir, cfg.cluster.name)
+    if cfg.profile_hardware.source == "analytic":
+        return _run_analytic(ctx, run, path)
     profile = None
     if ctx.is_root:
         profile = run.resume_profile(path, "hardware", "measured",
                                      cluster=_cluster_summary(cfg), inventory=None, benchmarks={})
-    for name in run.todo:
-        with run.subpart(name):
-            section = _measure(name, ctx, cfg)
-            if ctx.is_root:
-                if name == "inventory":
-                    profile["inventory"] = section
-                else:
-                    profile["benchmarks"][name] = section
-                profile["provenance"] = run.provenance()
-                write_json(path, profile)
+    progress, on_point = _progress(ctx, [n for n in run.todo if n != "inventory"])
+    if progress is not None:
+        progress.start()
+    try:
+        for name in run.todo:
+            with run.subpart(name):
+                section = _measure(name, ctx, cfg, on_point)
+                if ctx.is_root:
+                    if name == "inventory":
+                        profile["inventory"] = section
+                    else:
+                        profile["benchmarks"][name] = section
+                    profile["provenance"] = run.provenance()
+                    write_json(path, profile)
+    finally:
+        if progress is not None:
+            progress.stop()
     if not ctx.is_root:
         return None
-    return {"path": str(path), "ran": list(run.todo),
-            "hosts": sorted({r["node"] for r in (profile.get("inventory") or {}).get("ranks", [])})}
+    outputs = _finish_outputs(profile, cfg, path)
+    return {**outputs, "ran": list(run.todo),
+            "nodes": sorted({r["node"] for r in (profile.get("inventory") or {}).get("ranks", [])})}
+
+
+def _run_analytic(ctx, run, path: Path) -> dict:
+    """The whole profile from published figures (no measurement): marked source=analytic."""
+    from orchestrator.profiling.analytic import analytic_hardware
+
+    cfg = run.cfg
+    world = cfg.cluster.nodes * cfg.cluster.tasks_per_node
+    with run.subpart("analytic"):
+        body = analytic_hardware(cfg.cluster.name, world, link_sheet(cfg),
+                                 max_tp=cfg.profile_hardware.max_tp)
+        body["provenance"] = run.provenance()
+        write_json(path, body)
+    return _finish_outputs(body, cfg, path)
 
 
 def validate(cfg) -> None:
+    """Refuse what cannot be measured on this cluster, before anything is launched."""
+    from orchestrator.profiling.groups import check_group_size, check_pp
+
     hw = cfg.profile_hardware
     unknown = [b for b in hw.benchmarks if b not in BENCHMARKS]
     if unknown:
         raise ConfigError(f"profile_hardware.benchmarks: unknown {unknown}; allowed: {list(BENCHMARKS)}")
     if hw.source not in ("measured", "analytic"):
         raise ConfigError(f"profile_hardware.source={hw.source!r}; allowed: measured, analytic")
+    if hw.dtype is not None and hw.dtype not in DTYPES:
+        raise ConfigError(f"profile_hardware.dtype={hw.dtype!r}; allowed: {', '.join(DTYPES)}")
+    if hw.export not in (None, "galvatron"):
+        raise ConfigError(f"profile_hardware.export={hw.export!r}; allowed: galvatron")
+    if hw.size_step < 2 or hw.min_size_bytes < 1:
+        raise ConfigError(f"profile_hardware.size_step({hw.size_step}) must be >= 2 and "
+                          f"min_size_bytes({hw.min_size_bytes}) >= 1")
+    world = cfg.cluster.nodes * cfg.cluster.tasks_per_node
+    try:
+        if hw.max_group is not None:
+            check_group_size(world, hw.max_group)
+        if hw.max_pp is not None:
+            check_pp(world, hw.max_pp)
+    except ConfigError as e:
+        raise ConfigError(f"profile_hardware: {e}") from None
+    if hw.source == "analytic":
+        link_sheet(cfg)  # its own checks (positive figures, overlap_coe >= 1)
+
+
+def _subparts(cfg):
+    if cfg.profile_hardware.source == "analytic":
+        return ["analytic"]
+    return [b for b in BENCHMARKS if b in cfg.profile_hardware.benchmarks]
 
 
 SPEC = StageSpec(
@@ -73,6 +188,7 @@ SPEC = StageSpec(
     outputs=lambda cfg: [hardware_path(cfg.profiles_dir, cfg.cluster.name)],
     hash_sections=("cluster", "profile_hardware"),
     hash_exclude=("profile_hardware.benchmarks", "profile_hardware.export", "profile_hardware.plot"),
-    subparts=lambda cfg: [b for b in BENCHMARKS if b in cfg.profile_hardware.benchmarks],
+    ranks=lambda cfg: "one" if cfg.profile_hardware.source == "analytic" else "cluster",
+    subparts=_subparts,
     validate=validate,
 )

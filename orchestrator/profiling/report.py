@@ -1,0 +1,115 @@
+"""Human views of a hardware profile: nccl-tests-like tables (rich) and a busbw plot (PNG)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from rich.console import Console
+from rich.table import Table
+
+OP_ORDER = ("allreduce", "reduce_scatter", "all_gather", "all2all", "p2p")
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if n == int(n) else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} GiB"
+
+
+def _ops(hardware: Mapping) -> List[str]:
+    benches = hardware.get("benchmarks", {})
+    return [op for op in OP_ORDER if op in benches]
+
+
+def op_table(hardware: Mapping, op: str) -> Table:
+    """One op's points, nccl-tests style: a row per (group size, layout, size); times in us,
+    bandwidths in GB/s."""
+    bench = hardware["benchmarks"][op]
+    table = Table(title=f"{op} ({hardware.get('source', 'measured')})", title_justify="left")
+    for col in ("group", "layout", "size", "dtype", "time us", "p10 us", "p90 us", "algbw GB/s",
+                "busbw GB/s", "iters"):
+        table.add_column(col, justify="left" if col in ("layout", "dtype") else "right")
+    points = sorted(bench.get("points", []),
+                    key=lambda p: (p["group_size"], p["layout"], p["size_bytes"]))
+    for p in points:
+        table.add_row(str(p["group_size"]), p["layout"], _human_bytes(p["size_bytes"]),
+                      str(p["dtype"]), f"{p['time_us_median']:.1f}", f"{p['time_us_p10']:.1f}",
+                      f"{p['time_us_p90']:.1f}", f"{p['algbw_GBps']:.3f}",
+                      f"{p['busbw_GBps']:.3f}", str(p["iters"]))
+    return table
+
+
+def fits_table(hardware: Mapping) -> Table:
+    """Every alpha-beta fit: latency (us), bandwidth (GB/s) and the worst relative error."""
+    table = Table(title="alpha-beta fits: time_us = alpha_us + bytes / (algbw_GBps * 1e3)",
+                  title_justify="left")
+    for col in ("op", "group", "layout", "alpha us", "algbw GB/s", "max rel err"):
+        table.add_column(col, justify="left" if col in ("op", "layout") else "right")
+    for op in _ops(hardware):
+        for f in hardware["benchmarks"][op].get("fits", []):
+            err = f.get("max_rel_err")
+            table.add_row(op, str(f["group_size"]), f["layout"], f"{f['alpha_us']:.1f}",
+                          f"{f['algbw_GBps']:.3f}", "-" if err is None else f"{err:.1%}")
+    return table
+
+
+def print_report(hardware: Mapping, console: Optional[Console] = None) -> None:
+    """Print every op's table, the fits and the overlap coefficient."""
+    console = console or Console()
+    for op in _ops(hardware):
+        console.print(op_table(hardware, op))
+    console.print(fits_table(hardware))
+    overlap = hardware.get("benchmarks", {}).get("overlap")
+    if overlap:
+        def fmt(v: Any) -> str:
+            return "-" if v is None else f"{v:.3f}"
+        console.print(f"overlap: compute slowdown {fmt(overlap.get('compute_slowdown'))}, "
+                      f"comm slowdown {fmt(overlap.get('comm_slowdown'))}, "
+                      f"overlap_coe {fmt(overlap.get('overlap_coe'))}")
+
+
+def _series(points: List[Mapping]) -> Dict[Tuple[int, str], Tuple[List[float], List[float]]]:
+    series: Dict[Tuple[int, str], Tuple[List[float], List[float]]] = {}
+    for p in sorted(points, key=lambda p: p["size_bytes"]):
+        xs, ys = series.setdefault((p["group_size"], p["layout"]), ([], []))
+        xs.append(p["size_bytes"])
+        ys.append(p["busbw_GBps"])
+    return series
+
+
+def plot_busbw(hardware: Mapping, path: os.PathLike) -> Path:
+    """Write a PNG of busbw (GB/s) against message size: one panel per op, one line per
+    (group size, layout). Returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = [op for op in _ops(hardware) if hardware["benchmarks"][op].get("points")]
+    ncols = min(3, max(1, len(ops)))
+    nrows = max(1, -(-len(ops) // ncols))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 4 * nrows), squeeze=False)
+    for ax, op in zip(axes.flat, ops):
+        for (group_size, layout), (xs, ys) in sorted(
+                _series(hardware["benchmarks"][op]["points"]).items()):
+            ax.plot(xs, ys, marker="o", markersize=3, label=f"n={group_size} {layout}")
+        ax.set_xscale("log", base=2)
+        ax.set_title(op)
+        ax.set_xlabel("message size per rank (bytes)")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(ops):]:
+        ax.set_visible(False)
+    cluster = hardware.get("cluster", {})
+    fig.suptitle(f"{cluster.get('name', '')}: {cluster.get('world_size', '?')} ranks, "
+                 f"{hardware.get('source', 'measured')}")
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,131 @@
+"""profile_hardware through the CLI: real ranks, a killed rank, analytic profiles, Galvatron export."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ledger, run_cli, start_cli
+from orchestrator.profiling.bandwidth import busbw_factor
+from orchestrator.profiling.fit import predict_fit_time_us
+from orchestrator.profiling.galvatron import read_galvatron_dir
+
+# Small sweeps: the point is the path and the bookkeeping, not the figures.
+QUICK = ["profile_hardware.max_size_bytes=1048576", "profile_hardware.max_time_s=0.1",
+         "profile_hardware.size_step=8"]
+
+
+def _hardware(profiles, cluster="local"):
+    return json.loads((profiles / cluster / "hardware.json").read_text())
+
+
+def test_full_profile_on_4_local_ranks(profiles):
+    proc = run_cli("stage=profile_hardware", *QUICK, profiles_dir=profiles, check=0, timeout=600)
+    assert "alpha-beta fits" in proc.stdout  # the table at the end
+    hw = _hardware(profiles)
+    assert set(hw["benchmarks"]) == {"allreduce", "p2p", "reduce_scatter", "all_gather",
+                                     "all2all", "overlap"}
+    shapes = set()
+    for name, section in hw["benchmarks"].items():
+        if name == "overlap":
+            continue
+        assert section["points"] and section["fits"]
+        for p in section["points"]:
+            assert p["time_us_p10"] <= p["time_us_median"] <= p["time_us_p90"]
+            assert p["busbw_GBps"] == pytest.approx(p["algbw_GBps"] * busbw_factor(p["op"], p["group_size"]))
+            shapes.add((p["op"], p["group_size"], p["layout"]))
+        for f in section["fits"]:
+            assert f["alpha_us"] >= 0 and f["algbw_GBps"] > 0
+    # Both rank layouts for allreduce groups of 2, one group of 4, p2p for pp = 2 and 4.
+    assert {("allreduce", 2, "consec"), ("allreduce", 2, "strided"), ("allreduce", 4, "consec"),
+            ("p2p", 2, "intra"), ("p2p", 4, "intra"), ("all2all", 4, "consec")} <= shapes
+    assert hw["benchmarks"]["overlap"]["overlap_coe"] >= 1.0
+    assert (profiles / "local" / "hardware.png").stat().st_size > 10_000
+    entries = ledger(profiles)
+    assert all(entries[f"profile_hardware/{b}"]["state"] == "done" for b in
+               ("inventory", "allreduce", "p2p", "reduce_scatter", "all_gather", "all2all", "overlap"))
+
+
+def _rank_pids(run_marker: str):
+    # The ranks themselves, not mpiexec (whose command line names the runtime too).
+    out = subprocess.run(["pgrep", "-f", f"^{sys.executable} -m orchestrator.runtime .*{run_marker}"],
+                         capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_killed_rank_in_all2all_then_rerun_resumes(profiles):
+    args = ["stage=profile_hardware", "profile_hardware.benchmarks=[inventory,allreduce,all2all,overlap]",
+            "profile_hardware.max_size_bytes=16777216", "profile_hardware.max_time_s=0.5",
+            "profile_hardware.min_size_bytes=65536"]
+    proc = start_cli(*args, profiles_dir=profiles)
+    try:
+        deadline = time.monotonic() + 300
+        while ledger(profiles).get("profile_hardware/all2all", {}).get("state") != "running":
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read()
+            time.sleep(0.1)
+        pids = _rank_pids(str(profiles))
+        assert len(pids) == 4
+        os.kill(pids[-1], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 5, out
+    assert "rerun the same command to resume" in out
+    entries = ledger(profiles)
+    assert entries["profile_hardware/inventory"]["state"] == "done"
+    assert entries["profile_hardware/allreduce"]["state"] == "done"
+    assert entries["profile_hardware/all2all"]["state"] == "failed"
+    assert entries["profile_hardware/overlap"]["state"] == "failed"
+    assert entries["profile_hardware"]["state"] == "failed"
+    assert "rank" in entries["profile_hardware"]["log_path"] or entries["profile_hardware"]["log_path"]
+    hw = _hardware(profiles)  # valid, with what finished before the kill
+    assert set(hw["benchmarks"]) == {"allreduce"} and len(hw["inventory"]["ranks"]) == 4
+    allreduce_before = hw["benchmarks"]["allreduce"]
+
+    proc = run_cli(*args, profiles_dir=profiles, check=0, timeout=600)
+    assert "skipping: inventory, allreduce" in proc.stdout
+    assert "(all2all, overlap)" in proc.stdout
+    hw = _hardware(profiles)
+    assert set(hw["benchmarks"]) == {"allreduce", "all2all", "overlap"}
+    assert hw["benchmarks"]["allreduce"] == allreduce_before  # not measured again
+    assert all(ledger(profiles)[f"profile_hardware/{b}"]["state"] == "done"
+               for b in ("inventory", "allreduce", "all2all", "overlap"))
+
+
+@pytest.mark.parametrize("arg, words", [
+    ("profile_hardware.max_group=8", "group size (8) > world size (4)"),
+    ("profile_hardware.max_pp=3", "pp (3) does not divide world size (4)"),
+    ("profile_hardware.dtype=int8", "allowed: fp32, bf16, fp16"),
+])
+def test_impossible_groups_refused_before_launch(profiles, arg, words):
+    proc = run_cli("stage=profile_hardware", arg, profiles_dir=profiles)
+    assert proc.returncode == 2 and words in proc.stderr, proc.stderr
+    assert not (profiles / "local" / "ledger.json").exists()
+    assert not (profiles / "local" / "hardware.json").exists()
+
+
+def test_analytic_profile_for_8192_gpus_and_galvatron_round_trip(profiles):
+    t0 = time.monotonic()
+    run_cli("stage=profile_hardware", "profile_hardware.source=analytic", "cluster=dgx_h100",
+            "cluster.nodes=1024", "profile_hardware.export=galvatron", "profile_hardware.plot=false",
+            profiles_dir=profiles, check=0)
+    assert time.monotonic() - t0 < 30
+    hw = _hardware(profiles, "dgx_h100")
+    assert hw["source"] == "analytic" and hw["cluster"]["world_size"] == 8192
+    fits = {(f["group_size"], f["layout"]): f for f in hw["benchmarks"]["allreduce"]["fits"]}
+    assert (8, "consec") in fits and (8192, "consec") in fits
+    # Inside a node NVLink; across nodes InfiniBand: the strided group of 8 is much slower.
+    assert fits[(8, "consec")]["algbw_GBps"] > 3 * fits[(8, "strided")]["algbw_GBps"]
+
+    back = read_galvatron_dir(profiles / "dgx_h100" / "galvatron", 8192, 8)
+    size = 32 * 2**20
+    for f in back["allreduce"]["fits"]:
+        ours = fits[(f["group_size"], f["layout"])]
+        assert predict_fit_time_us(f, size) == pytest.approx(predict_fit_time_us(ours, size), rel=1e-3)
+    assert back["overlap"]["overlap_coe"] == pytest.approx(hw["benchmarks"]["overlap"]["overlap_coe"])
