@@ -16,22 +16,13 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import dataclass
-from typing import Any, Dict, List
+from typing import Dict
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MiB = 1024 * 1024
-
-
-@dataclass
-class _Rank:
-    rank: int
-    world_size: int
-    node_of_rank: List[int]
-    device: Any
 
 
 def _bare_torch_time_us(size_bytes: int, iters: int, device) -> float:
@@ -99,29 +90,6 @@ def run_agreement(ctx, comm, *, min_bytes: int = 1024, max_bytes: int = 64 * MiB
     }
 
 
-def _bootstrap():
-    """gloo over TCP with rank and world size from MPI (the runtime will do this for stages)."""
-    import socket
-
-    import torch
-    import torch.distributed as dist
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
-    port = None
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port, root=0)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // comm.size))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank,
-                            world_size=comm.size)
-    hosts = comm.allgather(socket.gethostname())
-    node_ids = {h: i for i, h in enumerate(dict.fromkeys(hosts))}
-    return _Rank(comm.rank, comm.size, [node_ids[h] for h in hosts], torch.device("cpu")), comm
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-mib", type=float, default=64)
@@ -129,7 +97,12 @@ def main() -> None:
     args = parser.parse_args()
     import torch.distributed as dist
 
-    ctx, comm = _bootstrap()
+    from mpi4py import MPI
+
+    from orchestrator.runtime import bootstrap
+
+    comm = MPI.COMM_WORLD
+    ctx = bootstrap(comm.Get_size(), "gloo")
     try:
         out = run_agreement(ctx, comm, max_bytes=int(args.max_mib * MiB), iters=args.iters)
     finally:

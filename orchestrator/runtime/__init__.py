@@ -68,7 +68,8 @@ def _master_addr(node_names: list) -> str:
         return "127.0.0.1"
 
 
-def bootstrap(request: StageRequest) -> RankContext:
+def bootstrap(world_size: int, backend: str = "gloo", torch_distributed: bool = True,
+              job_id: Optional[str] = None) -> RankContext:
     """Join MPI, check the world size, and initialise torch.distributed on this rank.
 
     Sets torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK,
@@ -78,7 +79,7 @@ def bootstrap(request: StageRequest) -> RankContext:
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    check_world_size(size, request.world_size)
+    check_world_size(size, world_size)
 
     node_names = comm.allgather(_node_name())
     order = list(dict.fromkeys(node_names))  # nodes in order of their first rank
@@ -90,8 +91,8 @@ def bootstrap(request: StageRequest) -> RankContext:
     context = dict(rank=rank, world_size=size, local_rank=local_rank,
                    local_world_size=local_world_size, node_rank=node_rank, num_nodes=len(order),
                    node_name=node_names[rank], node_of_rank=node_of_rank,
-                   job_id=request.job_id or _job_id(), comm=comm)
-    if not request.extra.get("torch_distributed", True):
+                   job_id=job_id or _job_id(), comm=comm)
+    if not torch_distributed:
         return RankContext(backend="none", device=None, **context)
 
     addr, port = comm.bcast((_master_addr(node_names), _free_port()) if rank == 0 else None, root=0)
@@ -102,7 +103,6 @@ def bootstrap(request: StageRequest) -> RankContext:
     import torch
     import torch.distributed as dist
 
-    backend = request.backend
     if backend == "nccl":
         if not torch.cuda.is_available():
             raise LaunchError("cluster.backend=nccl but this rank sees no GPU; use backend=gloo "
@@ -156,7 +156,8 @@ def run_rank(request: StageRequest):
     _setup_logging(request, rank)
     ctx = None
     try:
-        ctx = bootstrap(request)
+        ctx = bootstrap(request.world_size, request.backend,
+                        request.extra.get("torch_distributed", True), request.job_id)
         log.info("rank %d/%d on %s (node %d, local rank %d), backend %s", ctx.rank,
                  ctx.world_size, ctx.node_name, ctx.node_rank, ctx.local_rank, ctx.backend)
         result = _run_stage(request, ctx)
