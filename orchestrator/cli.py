@@ -111,10 +111,13 @@ def run_stages(cfg: DictConfig) -> List[dict]:
     validate_cluster(cfg)
     names = stages_for(cfg.stage.name)
     ledger = ledger_for(cfg)
-    plans = [plan_stage(n, cfg, ledger, force=cfg.force) for n in names]  # validates all first
+    for name in names:  # validate every stage before anything runs
+        plan_stage(name, cfg, ledger, force=cfg.force)
     launcher = make_launcher(cfg)
     rows, pending, produced_now, previous_job = [], [], set(), None
-    for plan in plans:
+    for name in names:
+        # Planned again now: an earlier stage of this command may have just written its inputs.
+        plan = plan_stage(name, cfg, ledger, force=cfg.force)
         if plan.done:
             console.print(f"[green]✓[/] {plan.key}: done (config {plan.config_hash}); "
                           f"skipping (force=true redoes it)")
@@ -124,50 +127,55 @@ def run_stages(cfg: DictConfig) -> List[dict]:
         if skipped:
             console.print(f"{plan.key}: sub-parts done, skipping: {', '.join(skipped)}")
         _check_inputs(plan, cfg, produced_now)
-        request = _request(plan, cfg, _run_dir(plan.spec.name, len(plans)))
-        console.print(f"[bold]{plan.key}[/]: {len(plan.todo) or 1} part(s) on "
-                      f"{plan.world_size} rank(s) via launcher={launcher.name}"
-                      + (f" ({', '.join(plan.todo)})" if plan.todo else ""))
+        request = _request(plan, cfg, _run_dir(plan.spec.name, len(names)))
+        where = f"{plan.world_size} rank(s)" if plan.ranks == "cluster" else "1 process"
+        console.print(f"[bold]{plan.key}[/]: {len(plan.todo) or 1} part(s) on {where} via "
+                      f"launcher={launcher.name}" + (f" ({', '.join(plan.todo)})" if plan.todo else ""))
         handle = launcher.submit(request, after=previous_job if launcher.name == "slurm" else None)
         _mark_started(ledger, plan, launcher, handle, request,
                       state="pending" if launcher.name == "slurm" else "running")
+        produced_now.add(plan.spec.name)
         if launcher.name == "slurm":
             previous_job = launcher.job_id(handle)
             console.print(f"  submitted Slurm job {previous_job}; logs: {launcher.job_folder(handle)}")
             pending.append((plan, handle, request))
-            produced_now.add(plan.spec.name)
             continue
         rows.append(_finish(ledger, launcher, plan, handle, request))
-        produced_now.add(plan.spec.name)
-    if launcher.name == "slurm":
-        for plan, handle, request in pending:
-            if not cfg.wait:
-                rows.append({"stage": plan.key, "state": "submitted",
-                             "job_id": launcher.job_id(handle), "log": launcher.job_folder(handle)})
-                continue
-            rows.append(_finish(ledger, launcher, plan, handle, request))
+    for plan, handle, request in pending:
+        if not cfg.wait:
+            rows.append({"stage": plan.key, "state": "submitted",
+                         "job_id": launcher.job_id(handle), "log": launcher.job_folder(handle)})
+            continue
+        rows.append(_finish(ledger, launcher, plan, handle, request))
     return rows
 
 
 def _finish(ledger, launcher, plan, handle, request) -> dict:
-    if launcher.name == "slurm":
-        def on_state(state):
-            console.print(f"  job {launcher.job_id(handle)}: {state}")
-            if state == "RUNNING":
-                ledger.update(plan.key, state="running")
-        try:
-            outcome = launcher.wait(handle, request, on_state=on_state,
-                                    on_output=lambda text: console.out(text, end=""))
-        except KeyboardInterrupt:
-            console.print(f"\njob {launcher.job_id(handle)} keeps running; `stage=status` "
-                          f"re-attaches, `scancel {launcher.job_id(handle)}` stops it")
-            raise SystemExit(130)
-    else:
-        outcome = launcher.wait(handle, request)
+    """Wait for one launch, record how it ended, and raise if it did not finish."""
+    try:
+        if launcher.name == "slurm":
+            def on_state(state):
+                console.print(f"  job {launcher.job_id(handle)}: {state}")
+                if state == "RUNNING":
+                    ledger.update(plan.key, state="running")
+            try:
+                outcome = launcher.wait(handle, request, on_state=on_state,
+                                        on_output=lambda text: console.out(text, end=""))
+            except KeyboardInterrupt:
+                console.print(f"\njob {launcher.job_id(handle)} keeps running; `stage=status` "
+                              f"re-attaches, `scancel {launcher.job_id(handle)}` stops it")
+                raise SystemExit(130)
+        else:
+            outcome = launcher.wait(handle, request)
+    except OrchestratorError as e:  # raised in this process by an in-process stage
+        mark_ended(ledger, plan.key, "failed", plan.todo, str(e))
+        raise
     mark_ended(ledger, plan.key, outcome.state, plan.todo, outcome.message)
     if outcome.state != "done":
-        raise LaunchError(f"{plan.key} {outcome.state}: {outcome.message}. Parts finished before "
-                          f"are kept; rerun the same command to resume.")
+        error = LaunchError(f"{plan.key} {outcome.state}: {outcome.message}. Parts finished before "
+                            f"are kept; rerun the same command to resume.")
+        error.exit_code = outcome.exit_code or LaunchError.exit_code
+        raise error
     console.print(f"[green]✓[/] {plan.key}: done" + _summary_text(outcome.result))
     return {"stage": plan.key, "state": "done", "job_id": outcome.job_id, "log": outcome.log_path,
             "result": outcome.result}

@@ -17,6 +17,7 @@ class LaunchResult:
     result: Any = None  # rank 0's summary when done
     message: str = ""
     job_folder: Optional[str] = None  # slurm: submitit's folder, to re-attach
+    exit_code: Optional[int] = None  # the error's own exit code, when a rank raised one
 
     @property
     def ok(self) -> bool:
@@ -49,6 +50,12 @@ def failure_detail(request: StageRequest) -> str:
     """Rank 0's own error line, if it wrote one before dying."""
     rank0 = read_rank0_result(request)
     return f": {rank0['error']}" if rank0 and rank0.get("error") else ""
+
+
+def failure_exit_code(request: StageRequest) -> Optional[int]:
+    """The exit code of the error rank 0 raised (e.g. 3: no feasible layout), if any."""
+    rank0 = read_rank0_result(request)
+    return rank0.get("exit_code") if rank0 else None
 
 
 def read_rank0_result(request: StageRequest) -> Optional[dict]:

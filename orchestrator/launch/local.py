@@ -15,14 +15,15 @@ from pathlib import Path
 from typing import Optional
 
 from orchestrator.errors import ConfigError
-from orchestrator.launch.base import LaunchResult, failure_detail, prepare_run_dir, read_rank0_result
+from orchestrator.launch.base import (LaunchResult, failure_detail, failure_exit_code,
+                                      prepare_run_dir, read_rank0_result)
 from orchestrator.runtime.request import StageRequest
 
 
 @dataclass
 class LocalHandle:
-    proc: Optional[subprocess.Popen]  # None: the stage ran in-process
-    result: Optional[LaunchResult] = None
+    proc: Optional[subprocess.Popen]  # None: a single-rank stage, run in this process
+    inprocess: Optional[StageRequest] = None
 
 
 def mpiexec_command(mpiexec: str, ranks: int, request_path: str | Path, extra_args=()) -> list:
@@ -41,19 +42,7 @@ class LocalLauncher:
     def submit(self, request: StageRequest, after: Optional[str] = None) -> LocalHandle:
         prepare_run_dir(request)
         if request.extra.get("ranks") == "one":
-            from orchestrator.runtime import run_inprocess
-
-            try:
-                result = run_inprocess(request)
-                return LocalHandle(None, LaunchResult("done", None, request.run_dir, result))
-            except Exception as e:
-                # Errors a user can act on keep their type (and exit code); others are failures.
-                from orchestrator.errors import OrchestratorError
-
-                if isinstance(e, OrchestratorError):
-                    raise
-                return LocalHandle(None, LaunchResult("failed", None, request.run_dir, None,
-                                                      f"{type(e).__name__}: {e}"))
+            return LocalHandle(None, request)  # runs in this process, in wait()
         if shutil.which(self.mpiexec) is None:
             raise ConfigError(f"launcher.mpiexec={self.mpiexec!r} not found on PATH; "
                               f"`pip install mpich` provides one")
@@ -72,7 +61,12 @@ class LocalLauncher:
 
     def wait(self, handle: LocalHandle, request: StageRequest) -> LaunchResult:
         if handle.proc is None:
-            return handle.result
+            from orchestrator.runtime import run_inprocess
+
+            # Errors a user can act on (a missing profile, no feasible layout) keep their type
+            # and exit code; the caller records them in the ledger.
+            result = run_inprocess(handle.inprocess)
+            return LaunchResult("done", None, request.run_dir, result)
         try:
             rc = handle.proc.wait()
         except KeyboardInterrupt:
@@ -86,4 +80,5 @@ class LocalLauncher:
         cause = f"killed by signal {-rc}" if rc < 0 else f"mpiexec exited with {rc}"
         return LaunchResult("failed", self.job_id(handle), request.run_dir,
                             message=f"{cause}{failure_detail(request)}; rank logs: "
-                                    f"{request.run_dir}/rank*.log")
+                                    f"{request.run_dir}/rank*.log",
+                            exit_code=failure_exit_code(request))

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from orchestrator.launch.base import LaunchResult, failure_detail, prepare_run_dir, read_rank0_result
+from orchestrator.launch.base import (LaunchResult, failure_detail, failure_exit_code,
+                                      prepare_run_dir, read_rank0_result)
 from orchestrator.runtime.request import StageRequest
 
 # Slurm states after which a job will not run again by itself.
@@ -155,7 +156,7 @@ class SlurmLauncher:
         return LaunchResult(ledger_state, self.job_id(job), log,
                             message=f"Slurm job {job.job_id} ended {state}{failure_detail(request)}; "
                                     f"logs: {job.paths.folder}",
-                            job_folder=self.job_folder(job))
+                            job_folder=self.job_folder(job), exit_code=failure_exit_code(request))
 
 
 def reattach(job_folder: str, job_id: str):

@@ -5,6 +5,7 @@ Pure functions of the config and the ledger; nothing here launches anything.
 from __future__ import annotations
 
 import copy
+import hashlib
 from dataclasses import dataclass, field
 from typing import List
 
@@ -49,6 +50,10 @@ def validate_cluster(cfg) -> None:
         raise ConfigError(f"launcher={cfg.launcher.name!r}; allowed: local, slurm")
 
 
+def _file_digest(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
 def stage_hash(spec: StageSpec, cfg: DictConfig) -> str:
     """Hash of the config sections that decide whether the stage's results are still valid."""
     section = {}
@@ -58,6 +63,9 @@ def stage_hash(spec: StageSpec, cfg: DictConfig) -> str:
             node = {k: v for k, v in node.items() if k not in SUBMISSION_ONLY_FIELDS}
         section[name] = node
     section = copy.deepcopy(section)
+    # A stage whose inputs changed (a profile measured again) must run again.
+    section["inputs"] = {str(i.path): _file_digest(i.path) for i in spec.inputs(cfg)
+                         if i.path.exists()}
     for dotted in spec.hash_exclude:
         head, _, leaf = dotted.rpartition(".")
         parent = section

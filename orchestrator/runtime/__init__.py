@@ -172,7 +172,8 @@ def run_rank(request: StageRequest):
         log.error("%s\n%s", msg, traceback.format_exc())
         print(msg, file=sys.stderr, flush=True)
         if rank == 0:  # the launcher shows the user this line, not only "job failed"
-            write_json(request.result_path, {"ok": False, "error": msg, "ended": time.time()})
+            write_json(request.result_path, {"ok": False, "error": msg, "ended": time.time(),
+                                             "exit_code": getattr(e, "exit_code", None)})
         if ctx is not None and ctx.world_size > 1:
             ctx.comm.Abort(1)
         raise

@@ -1,0 +1,213 @@
+"""ParallelLayout: one validated object for how a model is split over devices.
+
+Shared by search (what it returns), train (what it builds) and trace (what it checks). Like
+torchtitan's ParallelDims it validates itself on construction and its messages print the numbers
+(`dp(2) * tp(4) * pp(2) != world_size(8)`), so a bad layout fails where it is written, not deep
+inside a launch.
+
+Rank order is Megatron's (tp fastest, then dp, then pp): global rank = tp_rank + tp * dp_rank +
+tp * dp * pp_rank. Tensor-parallel groups are consecutive ranks, data-parallel groups have stride
+tp, pipeline neighbours are tp * dp ranks apart.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+from orchestrator.errors import ConfigError
+
+SCHEDULES = ("1f1b", "interleaved")
+RECOMPUTE_MODES = ("none", "selective", "full")
+ZERO_STAGES = (0, 1, 2, 3)
+
+# (mode, k_layers): how many layers of the stage use `mode`; the others keep all activations.
+# "none" has k == 0, "selective" covers every layer of the stage (Megatron cannot do part of a
+# stage), "full" recomputes the first k layers of the stage (Megatron's --recompute-method block).
+StageRecompute = Tuple[str, int]
+
+
+class LayoutError(ConfigError, ValueError):
+    """A ParallelLayout that cannot run; the message prints the offending numbers."""
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How one training job is split: degrees, batch, schedule, pipeline partition, recompute.
+
+    - world_size = dp * tp * pp.
+    - zero: 0 (plain data parallel), 1 (optimizer states sharded over dp), 2 (+ gradients),
+      3 (+ parameters). `distributed_optimizer` is Megatron's name for sharded optimizer states:
+      it is True exactly when zero >= 1 (left as None it is derived from zero).
+    - global batch (sequences) = dp * micro_batch_size * num_micro_batches.
+    - schedule "1f1b" (virtual_stages == 1) or "interleaved" (virtual_stages = v >= 2 model
+      chunks per device; each stage's layer count and full-recompute count divisible by v, and
+      num_micro_batches divisible by pp as Megatron requires).
+    - layers_per_stage: transformer blocks per pipeline stage, uneven allowed (>= 1 each).
+    - recompute: one (mode, k_layers) per pipeline stage, see StageRecompute.
+    """
+
+    world_size: int
+    pp: int
+    tp: int
+    dp: int
+    layers_per_stage: Tuple[int, ...]
+    recompute: Tuple[StageRecompute, ...] = ()
+    zero: int = 0
+    distributed_optimizer: Optional[bool] = None
+    sequence_parallel: bool = False
+    micro_batch_size: int = 1
+    num_micro_batches: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+
+    def __post_init__(self) -> None:
+        # Normalise containers first so that lists from JSON or callers compare and hash.
+        object.__setattr__(self, "layers_per_stage", tuple(int(n) for n in self.layers_per_stage))
+        recompute = self.recompute or tuple(("none", 0) for _ in self.layers_per_stage)
+        object.__setattr__(self, "recompute",
+                           tuple((str(mode), int(k)) for mode, k in recompute))
+        if self.distributed_optimizer is None:
+            object.__setattr__(self, "distributed_optimizer", self.zero >= 1)
+        self._validate()
+
+    # ---------------------------------------------------------------- validation
+    def _validate(self) -> None:
+        for name in ("world_size", "pp", "tp", "dp", "micro_batch_size", "num_micro_batches",
+                     "virtual_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LayoutError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.dp * self.tp * self.pp != self.world_size:
+            raise LayoutError(f"dp({self.dp}) * tp({self.tp}) * pp({self.pp}) != "
+                              f"world_size({self.world_size})")
+        if self.zero not in ZERO_STAGES:
+            raise LayoutError(f"zero must be one of {ZERO_STAGES}, got {self.zero!r}")
+        if bool(self.distributed_optimizer) != (self.zero >= 1):
+            raise LayoutError(
+                f"distributed_optimizer({self.distributed_optimizer}) means optimizer states "
+                f"sharded over dp, i.e. zero >= 1, but zero({self.zero}); set zero=1 for "
+                f"Megatron's distributed optimizer or leave distributed_optimizer unset")
+        if self.sequence_parallel and self.tp == 1:
+            raise LayoutError("sequence_parallel needs tp > 1 (tp(1)); it shards activations "
+                              "over the tensor-parallel group")
+        if self.schedule not in SCHEDULES:
+            raise LayoutError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        v = self.virtual_stages
+        if self.schedule == "1f1b" and v != 1:
+            raise LayoutError(f"schedule '1f1b' has virtual_stages 1, got virtual_stages({v}); "
+                              f"use schedule 'interleaved' for v > 1")
+        if self.schedule == "interleaved":
+            if v < 2:
+                raise LayoutError(f"schedule 'interleaved' needs virtual_stages >= 2, got {v}")
+            if self.pp < 2:
+                raise LayoutError(f"schedule 'interleaved' needs pp >= 2, got pp({self.pp})")
+            if self.num_micro_batches % self.pp:
+                raise LayoutError(f"interleaved schedule: num_micro_batches"
+                                  f"({self.num_micro_batches}) % pp({self.pp}) != 0")
+        if len(self.layers_per_stage) != self.pp:
+            raise LayoutError(f"len(layers_per_stage)={len(self.layers_per_stage)} != "
+                              f"pp({self.pp}): give one layer count per pipeline stage")
+        for stage, n in enumerate(self.layers_per_stage):
+            if n < 1:
+                raise LayoutError(f"layers_per_stage[{stage}]={n}: every stage needs >= 1 layer")
+            if n % v:
+                raise LayoutError(f"layers_per_stage[{stage}]={n} % virtual_stages({v}) != 0: "
+                                  f"each model chunk needs the same number of layers")
+        if len(self.recompute) != self.pp:
+            raise LayoutError(f"len(recompute)={len(self.recompute)} != pp({self.pp}): give one "
+                              f"(mode, k_layers) per pipeline stage")
+        for stage, ((mode, k), n) in enumerate(zip(self.recompute, self.layers_per_stage)):
+            if mode not in RECOMPUTE_MODES:
+                raise LayoutError(f"recompute[{stage}] mode must be one of {RECOMPUTE_MODES}, "
+                                  f"got {mode!r}")
+            if mode == "none" and k != 0:
+                raise LayoutError(f"recompute[{stage}]=('none', {k}): k_layers must be 0")
+            if mode == "selective" and k != n:
+                raise LayoutError(f"recompute[{stage}]=('selective', {k}): selective recompute "
+                                  f"covers the whole stage, k_layers must be "
+                                  f"layers_per_stage[{stage}]={n}")
+            if mode == "full":
+                if not 1 <= k <= n:
+                    raise LayoutError(f"recompute[{stage}]=('full', {k}): k_layers must be in "
+                                      f"1..layers_per_stage[{stage}]={n}")
+                if k % v:
+                    raise LayoutError(f"recompute[{stage}]=('full', {k}) % virtual_stages({v}) "
+                                      f"!= 0: each model chunk recomputes the same layers")
+
+    def check_model_layers(self, layers: int, model_name: str = "model") -> None:
+        """Raise LayoutError unless the stages hold exactly the model's `layers` blocks."""
+        if self.num_layers != layers:
+            raise LayoutError(f"sum(layers_per_stage)={self.num_layers} != layers({layers}) of "
+                              f"{model_name}")
+
+    # ---------------------------------------------------------------- derived values
+    @property
+    def num_layers(self) -> int:
+        """Transformer blocks over all stages."""
+        return sum(self.layers_per_stage)
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per iteration: dp * micro_batch_size * num_micro_batches."""
+        return self.dp * self.micro_batch_size * self.num_micro_batches
+
+    def describe(self) -> str:
+        """One line for logs, e.g. `tp4 pp2 dp8 zero1 sp mbs1 x16 1f1b [18,18] rc[full2,none]`."""
+        rc = ",".join(mode if mode != "full" else f"full{k}" for mode, k in self.recompute)
+        sched = (self.schedule if self.virtual_stages == 1
+                 else f"{self.schedule}(v{self.virtual_stages})")
+        return (f"tp{self.tp} pp{self.pp} dp{self.dp} zero{self.zero}"
+                f"{' sp' if self.sequence_parallel else ''} mbs{self.micro_batch_size}"
+                f" x{self.num_micro_batches} {sched} "
+                f"[{','.join(map(str, self.layers_per_stage))}] rc[{rc}]")
+
+    # ---------------------------------------------------------------- construction / JSON
+    @classmethod
+    def uniform(cls, world_size: int, tp: int, pp: int, layers: int, *,
+                recompute: StageRecompute | str = "none", **kwargs: Any) -> "ParallelLayout":
+        """A layout with dp = world_size / (tp * pp), layers split as evenly as possible (the
+        first stages take the remainder) and the same recompute on every stage ("none",
+        "selective", "full" for the whole stage, or an explicit (mode, k_layers))."""
+        if tp < 1 or pp < 1 or world_size % (tp * pp):
+            raise LayoutError(f"tp({tp}) * pp({pp}) does not divide world_size({world_size})")
+        v = kwargs.get("virtual_stages", 1)
+        chunks = layers // v
+        base, extra = divmod(chunks, pp)
+        stages = tuple((base + (1 if s < extra else 0)) * v for s in range(pp))
+        if isinstance(recompute, str):
+            per_stage = tuple((recompute, 0 if recompute == "none" else n) for n in stages)
+        else:
+            per_stage = tuple(recompute for _ in stages)
+        return cls(world_size=world_size, pp=pp, tp=tp, dp=world_size // (tp * pp),
+                   layers_per_stage=stages, recompute=per_stage, **kwargs)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain JSON-ready dict (lists for tuples); from_dict(to_dict()) == self."""
+        return {
+            "world_size": self.world_size, "pp": self.pp, "tp": self.tp, "dp": self.dp,
+            "zero": self.zero, "distributed_optimizer": bool(self.distributed_optimizer),
+            "sequence_parallel": self.sequence_parallel,
+            "micro_batch_size": self.micro_batch_size,
+            "num_micro_batches": self.num_micro_batches,
+            "global_batch_size": self.global_batch_size,
+            "schedule": self.schedule, "virtual_stages": self.virtual_stages,
+            "layers_per_stage": list(self.layers_per_stage),
+            "recompute": [[mode, k] for mode, k in self.recompute],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ParallelLayout":
+        """Inverse of to_dict; `global_batch_size`, when present, must match the product."""
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(d) - known - {"global_batch_size"}
+        if unknown:
+            raise LayoutError(f"unknown layout keys {sorted(unknown)}; known: {sorted(known)}")
+        layout = cls(**{k: (tuple(tuple(x) if isinstance(x, list) else x for x in v)
+                            if isinstance(v, list) else v)
+                        for k, v in d.items() if k in known})
+        gbs = d.get("global_batch_size")
+        if gbs is not None and gbs != layout.global_batch_size:
+            raise LayoutError(f"global_batch_size({gbs}) != dp({layout.dp}) * micro_batch_size"
+                              f"({layout.micro_batch_size}) * num_micro_batches"
+                              f"({layout.num_micro_batches}) = {layout.global_batch_size}")
+        return layout

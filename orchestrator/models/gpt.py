@@ -1,0 +1,205 @@
+"""A decoder-only transformer in plain PyTorch, readable top to bottom.
+
+    tokens -> tok_emb -> blocks[0..L) -> norm -> lm_head -> logits (-> cross-entropy loss)
+    Block:  x = x + attn(attn_norm(x));  x = x + mlp(mlp_norm(x))
+
+The model knows nothing about how it is split: tensor/sequence parallelism and the pipeline split
+are applied from outside (orchestrator/models/parallelize.py). For that, every module reads local
+sizes (heads on this rank) from the tensors it sees, never from the global config.
+"""
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from orchestrator.models.config import ModelConfig, validate_model
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a config dtype name such as "bfloat16"."""
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class Rotary(nn.Module):
+    """Cos/sin tables for rotary position embeddings, shape (seq_len, head_dim / 2), float32.
+
+    One instance is shared by the model and its pipeline stages, so a stage moved off the meta
+    device can rebuild the tables with `reset()`.
+    """
+
+    def __init__(self, head_dim: int, seq_len: int, theta: float):
+        super().__init__()
+        self.head_dim, self.seq_len, self.theta = head_dim, seq_len, theta
+        self.register_buffer("cos", torch.empty(seq_len, head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(seq_len, head_dim // 2), persistent=False)
+        self.reset()
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        if self.cos.is_meta:
+            return
+        inv_freq = 1.0 / self.theta ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim)
+        angles = torch.outer(torch.arange(self.seq_len).float(), inv_freq)
+        self.cos.copy_(angles.cos())
+        self.sin.copy_(angles.sin())
+
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos, self.sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., :d/2], x[..., d/2:]) of x (batch, seq, heads, head_dim) by position."""
+    seq = x.shape[1]
+    cos, sin = cos[:seq, None, :], sin[:seq, None, :]  # broadcast over heads
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return rotated.type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query heads (kv_heads <= heads) and rotary embeddings."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.hidden // cfg.heads
+        kv_dim = cfg.kv_heads * self.head_dim
+        self.wq = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+        self.wk = nn.Linear(cfg.hidden, kv_dim, bias=False)
+        self.wv = nn.Linear(cfg.hidden, kv_dim, bias=False)
+        self.wo = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1: the number of heads on this rank (all of them, or heads / tp after column sharding).
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: w_down(silu(w_gate(x)) * w_up(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w_gate = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
+        self.w_up = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
+        self.w_down = nn.Linear(cfg.ffn, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    """One pre-norm transformer layer. forward(x, cos, sin) -> x of the same shape."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss (nats) of logits (batch, seq, vocab) against targets (batch, seq).
+
+    Also the `loss_fn` for a pipeline schedule; works on vocab-sharded DTensor logits inside
+    `torch.distributed.tensor.parallel.loss_parallel()`.
+    """
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+class GPT(nn.Module):
+    """The whole model. `GPT(cfg)` under `torch.device("meta")` allocates nothing (for counting).
+
+    Parameters are created in `cfg.dtype` and initialised deterministically from `seed`.
+    """
+
+    def __init__(self, cfg: ModelConfig, seed: int = 0):
+        super().__init__()
+        validate_model(cfg)
+        self.cfg = cfg
+        dtype = torch_dtype(cfg.dtype)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            self.tok_emb = nn.Embedding(cfg.vocab, cfg.hidden)
+            self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+            self.norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+            self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        self.rope = Rotary(cfg.hidden // cfg.heads, cfg.seq_len, cfg.rope_theta)
+        self.init_weights(seed)
+
+    def init_weights(self, seed: int = 0) -> None:
+        """(Re)initialise every parameter not on the meta device; see `init_parameters`."""
+        init_parameters(self, self.cfg, seed)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids (batch, seq) -> hidden states (batch, seq, hidden)."""
+        return self.tok_emb(tokens)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Hidden states (batch, seq, hidden) -> logits (batch, seq, vocab)."""
+        return self.lm_head(self.norm(h))
+
+    def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Hidden states and targets (batch, seq) -> mean cross-entropy loss (scalar)."""
+        return cross_entropy_loss(self.head(h), targets)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Loss (scalar) if targets are given, else logits (batch, seq, vocab)."""
+        cos, sin = self.rope()
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h, cos, sin)
+        logits = self.head(h)
+        return logits if targets is None else cross_entropy_loss(logits, targets)
+
+
+@torch.no_grad()
+def init_parameters(module: nn.Module, cfg: ModelConfig, seed: int = 0) -> None:
+    """Initialise the GPT parameters of `module` (a GPT or a pipeline stage of one) in place.
+
+    Each parameter's values depend only on (seed, its name, its shape), so a pipeline stage or a
+    tensor-parallel shard initialised on its own gets exactly the values of the whole model.
+    Norm weights are ones; output projections (wo, w_down) use std 0.02 / sqrt(2 * layers)
+    (GPT-2); everything else std 0.02. Parameters still on the meta device are skipped.
+    """
+    for name, param in module.named_parameters():
+        if param.is_meta:
+            continue
+        if "norm" in name:
+            full = torch.ones(param.shape)
+        else:
+            std = 0.02 / math.sqrt(2 * cfg.layers) if name.endswith(("wo.weight", "w_down.weight")) else 0.02
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            full = torch.randn(param.shape, generator=generator) * std
+        _copy_full_into(param, full)
+    for sub in module.modules():
+        if isinstance(sub, Rotary):
+            sub.reset()
+
+
+def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a whole (unsharded) tensor into a parameter, or into this rank's shard of a DTensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        # Every rank computed the same full tensor: take the local shard without communication.
+        shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(shard.to_local())
+    else:
+        param.copy_(full)

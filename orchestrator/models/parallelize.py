@@ -1,0 +1,147 @@
+"""Parallelism applied to a GPT from outside, torch-native (as torchtitan does).
+
+- `apply_tensor_parallel`: Megatron-style tensor parallelism with DTensor on a 1-D DeviceMesh,
+  optionally with sequence parallelism (norms and residual stream sharded on the sequence dim).
+- `split_pipeline`: contiguous layer ranges per pipeline stage, as modules sharing the model's
+  parameters and keeping the model's parameter names.
+"""
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from orchestrator.models.config import validate_model
+from orchestrator.models.gpt import GPT, Rotary, init_parameters
+
+
+def apply_tensor_parallel(
+    model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bool = True, loss_parallel: bool = False
+) -> GPT:
+    """Shard `model` in place over the ranks of the 1-D `tp_mesh`; returns the same model.
+
+    Column-wise: wq, wk, wv, w_gate, w_up (each rank owns whole heads / FFN columns).
+    Row-wise: wo, w_down (partial sums reduced: all-reduce, or reduce-scatter with SP).
+    Embedding: row-wise over the vocabulary, tokens replicated. LM head: column-wise over vocab.
+    With `sequence_parallel`, the norms run on a sequence shard and the residual stream between
+    layers is this rank's (batch, seq / tp, hidden) slice.
+    With `loss_parallel`, logits stay vocab-sharded DTensors; forward and backward must then run
+    inside `torch.distributed.tensor.parallel.loss_parallel()`. Without it the logits are gathered
+    and `model(tokens, targets)` is an ordinary loss.
+    """
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"tp_mesh must be 1-D (e.g. mesh['tp']), got {tp_mesh.ndim} dims")
+    tp = tp_mesh.size()
+    validate_model(model.cfg, tp=tp)
+
+    # Layout of the residual stream between modules: sequence shard with SP, else replicated.
+    stream = Shard(1) if sequence_parallel else Replicate()
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+            **({"norm": SequenceParallel()} if sequence_parallel else {}),
+            "lm_head": ColwiseParallel(
+                input_layouts=stream,
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            ),
+        },
+    )
+    for block in model.blocks:
+        plan = {
+            "attn.wq": ColwiseParallel(),
+            "attn.wk": ColwiseParallel(),
+            "attn.wv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(output_layouts=stream),
+            "mlp.w_gate": ColwiseParallel(),
+            "mlp.w_up": ColwiseParallel(),
+            "mlp.w_down": RowwiseParallel(output_layouts=stream),
+        }
+        if sequence_parallel:
+            plan |= {
+                "attn_norm": SequenceParallel(),
+                "mlp_norm": SequenceParallel(),
+                # All-gather the sequence once per sub-layer, before the column-wise projections.
+                "attn": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None),
+                    desired_input_layouts=(Replicate(), None, None),
+                ),
+                "mlp": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                ),
+            }
+        parallelize_module(block, tp_mesh, plan)
+    return model
+
+
+def stage_layer_ranges(layers_per_stage: list[int], layers: int) -> list[range]:
+    """Block indices owned by each pipeline stage, in order; a stage may own none."""
+    if not layers_per_stage:
+        raise ValueError("layers_per_stage is empty; give one entry per pipeline stage")
+    if any(not isinstance(n, int) or n < 0 for n in layers_per_stage):
+        raise ValueError(f"layers_per_stage {list(layers_per_stage)} must be integers >= 0")
+    if sum(layers_per_stage) != layers:
+        raise ValueError(
+            f"sum(layers_per_stage {list(layers_per_stage)}) = {sum(layers_per_stage)} "
+            f"!= model.layers({layers})"
+        )
+    ranges, start = [], 0
+    for n in layers_per_stage:
+        ranges.append(range(start, start + n))
+        start += n
+    return ranges
+
+
+class PipelineStageModule(nn.Module):
+    """One pipeline stage of a GPT: [tok_emb] -> blocks[first..last] -> [norm -> lm_head].
+
+    Holds the model's own submodules (no copy) under the model's parameter names, so
+    `stage.state_dict()` keys are a subset of the model's. Input: token ids on the first stage,
+    hidden states otherwise. Output: logits on the last stage (loss via `cross_entropy_loss`),
+    hidden states otherwise.
+    """
+
+    def __init__(self, model: GPT, layer_range: range, is_first: bool, is_last: bool):
+        super().__init__()
+        self.cfg = model.cfg
+        self.layer_range, self.is_first, self.is_last = layer_range, is_first, is_last
+        self.rope: Rotary = model.rope
+        self.tok_emb = model.tok_emb if is_first else None
+        # Keyed by the global block index, so names match the whole model's ("blocks.5.attn...").
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layer_range})
+        self.norm = model.norm if is_last else None
+        self.lm_head = model.lm_head if is_last else None
+
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise this stage's parameters to the values the whole model would get."""
+        init_parameters(self, self.cfg, seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.rope()
+        h = self.tok_emb(x) if self.is_first else x
+        for block in self.blocks.values():
+            h = block(h, cos, sin)
+        return self.lm_head(self.norm(h)) if self.is_last else h
+
+
+def split_pipeline(model: GPT, layers_per_stage: list[int]) -> list[PipelineStageModule]:
+    """Split `model` into len(layers_per_stage) stages of consecutive blocks (uneven allowed).
+
+    The first stage also owns the embedding, the last the final norm and LM head. Raises
+    ValueError unless every entry is >= 0 and they sum to model.cfg.layers.
+    """
+    ranges = stage_layer_ranges(list(layers_per_stage), model.cfg.layers)
+    last = len(ranges) - 1
+    return [
+        PipelineStageModule(model, r, is_first=(i == 0), is_last=(i == last))
+        for i, r in enumerate(ranges)
+    ]

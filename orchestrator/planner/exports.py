@@ -1,0 +1,137 @@
+"""A ParallelLayout in the words of other trainers: Megatron-LM arguments, a Galvatron strategy.
+
+Both raise ExportError (strict, the default) when the layout uses something the trainer cannot
+express, naming it; with strict=False they approximate it on the memory-safe side and warn.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, List
+
+from orchestrator.errors import ConfigError
+from orchestrator.layout import ParallelLayout
+
+
+class ExportError(ConfigError, ValueError):
+    """The layout cannot be written for this trainer; the message says what and why."""
+
+
+def _problem(strict: bool, message: str) -> None:
+    if strict:
+        raise ExportError(message)
+    warnings.warn(message, stacklevel=3)
+
+
+def megatron_args(layout: ParallelLayout, strict: bool = True) -> List[str]:
+    """Megatron-LM command-line arguments for `layout` (parallel sizes, batch, schedule,
+    recompute, uneven first/last stage), as a list of strings ready for subprocess.
+
+    Megatron expresses: uneven layer counts on the first and last stage only (the stages between
+    are equal); one recompute setting for every stage (block method: the first k layers of each
+    stage, or of each model chunk when interleaved); ZeRO 1 as --use-distributed-optimizer and
+    ZeRO 3 as --use-torch-fsdp2. Anything else is an ExportError (strict) or, with strict=False,
+    approximated on the memory-safe side (ZeRO 2 -> distributed optimizer, differing recompute ->
+    the most recompute any stage has) with a warning."""
+    p, v = layout.pp, layout.virtual_stages
+    layers = list(layout.layers_per_stage)
+    args = ["--tensor-model-parallel-size", str(layout.tp),
+            "--pipeline-model-parallel-size", str(p),
+            "--num-layers", str(layout.num_layers),
+            "--micro-batch-size", str(layout.micro_batch_size),
+            "--global-batch-size", str(layout.global_batch_size)]
+    if layout.sequence_parallel:
+        args.append("--sequence-parallel")
+    if layout.zero == 1:
+        args.append("--use-distributed-optimizer")
+    elif layout.zero == 2:
+        _problem(strict, "Megatron-LM has no ZeRO-2 (sharded gradients without sharded "
+                         "parameters); its distributed optimizer is ZeRO-1")
+        args.append("--use-distributed-optimizer")
+    elif layout.zero == 3:
+        args.append("--use-torch-fsdp2")
+
+    # Pipeline partition: first / middle / last.
+    if p > 1:
+        middle = layers[1:-1]
+        if middle and len(set(middle)) > 1:
+            raise ExportError(f"Megatron-LM needs equal middle pipeline stages, got "
+                              f"layers_per_stage={layers}")
+        if v > 1:
+            if len(set(layers)) > 1:
+                raise ExportError(f"Megatron-LM's interleaved schedule here needs equal stages, "
+                                  f"got layers_per_stage={layers}")
+            args += ["--num-layers-per-virtual-pipeline-stage", str(layers[0] // v)]
+        elif middle:
+            q = middle[0]
+            if layers[0] != q:
+                args += ["--decoder-first-pipeline-num-layers", str(layers[0])]
+            if layers[-1] != q:
+                args += ["--decoder-last-pipeline-num-layers", str(layers[-1])]
+        elif layers[0] != layers[1]:
+            args += ["--decoder-first-pipeline-num-layers", str(layers[0]),
+                     "--decoder-last-pipeline-num-layers", str(layers[1])]
+
+    # Recompute: one setting for all stages.
+    modes = {mode for mode, _ in layout.recompute}
+    settings = set(layout.recompute) if modes != {"selective"} else {("selective", 0)}
+    full_k = max((k for mode, k in layout.recompute if mode == "full"), default=0)
+    if len(settings) > 1:
+        _problem(strict, f"Megatron-LM applies one recompute setting to every stage, got "
+                         f"{list(layout.recompute)}")
+    if full_k:
+        args += ["--recompute-granularity", "full", "--recompute-method", "block",
+                 "--recompute-num-layers", str(full_k // v)]
+    elif "selective" in modes:
+        args += ["--recompute-granularity", "selective"]
+    return args
+
+
+def galvatron_strategy(layout: ParallelLayout, strict: bool = True) -> Dict[str, Any]:
+    """A Galvatron (PKU-DAIR/Hetu-Galvatron) strategy JSON dict for `layout`: per-layer encodings
+    as comma-separated strings (tp_sizes_enc, tp_consecutive_flags, dp_types_enc, use_sp,
+    checkpoint), pp_deg / pp_division / chunks / pipeline_type / global_bsz, default_dp_type and
+    the vocabulary's vtp / vsp / embed_sdp.
+
+    Megatron-style sequence parallelism is Galvatron's global `--sequence-parallel` training
+    argument, not a JSON field (its per-layer `use_sp` is Ulysses, written as 0). Galvatron has
+    no interleaved schedule and no selective recompute: ExportError (strict) or, with
+    strict=False, 1F1B (pipedream_flush) and full checkpointing of those layers, with a warning."""
+    L = layout.num_layers
+    if layout.schedule != "1f1b":
+        _problem(strict, "Galvatron has no interleaved pipeline schedule; it would run "
+                         "pipedream_flush (1F1B)")
+    checkpoint: List[int] = []
+    for (mode, k), n in zip(layout.recompute, layout.layers_per_stage):
+        if mode == "selective":
+            _problem(strict, "Galvatron has no selective recompute; those layers would be "
+                             "fully checkpointed")
+            checkpoint += [1] * n
+        elif mode == "full":
+            # Megatron's block method recomputes the first k layers of each chunk; Galvatron
+            # flags layers one by one, so mark the same layers.
+            v = layout.virtual_stages
+            per_chunk, chunk = k // v, n // v
+            checkpoint += ([1] * per_chunk + [0] * (chunk - per_chunk)) * v
+        else:
+            checkpoint += [0] * n
+    zero3 = layout.zero == 3
+
+    def enc(values) -> str:
+        return ",".join(str(x) for x in values)
+
+    return {
+        "pp_deg": layout.pp,
+        "tp_sizes_enc": enc([layout.tp] * L),
+        "tp_consecutive_flags": enc([1] * L),
+        "dp_types_enc": enc([1 if zero3 else 0] * L),
+        "use_sp": enc([0] * L),
+        "checkpoint": enc(checkpoint),
+        "global_bsz": layout.global_batch_size,
+        "chunks": layout.num_micro_batches,
+        "pp_division": enc(layout.layers_per_stage),
+        "pipeline_type": "pipedream_flush",
+        "default_dp_type": "ddp" if layout.zero == 0 else "zero2",
+        "vtp": layout.tp,
+        "vsp": 0,
+        "embed_sdp": 1 if zero3 else 0,
+    }

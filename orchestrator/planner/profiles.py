@@ -1,0 +1,337 @@
+"""Adapters from the JSON profiles (docs/profile-schema.md) to what the cost model asks.
+
+HardwareModel answers "how long does this collective take on a group of n ranks laid out like
+this"; ModelCost answers "how long does a transformer block take at this sequence length and
+tensor-parallel degree, and how much memory does it hold". Both are built from plain dicts (the
+loaded JSON) and hold no file handles.
+"""
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+from orchestrator.errors import ProfileError
+
+COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather", "all2all")
+OPS = COLLECTIVES + ("p2p",)
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
+               "float32": 4, "fp32": 4, "float": 4}
+
+
+def busbw_factor(op: str, group_size: int) -> float:
+    """nccl-tests bus bandwidth factor: busbw = algbw * factor."""
+    n = group_size
+    if op == "allreduce":
+        return 2.0 * (n - 1) / n
+    if op in ("reduce_scatter", "all_gather", "all2all"):
+        return (n - 1) / n
+    if op == "p2p":
+        return 1.0
+    raise ValueError(f"unknown op {op!r}; one of {OPS}")
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """One alpha-beta fit: time_us(size) = alpha_us + size_bytes / (algbw_GBps * 1e3)."""
+
+    group_size: int
+    alpha_us: float
+    algbw_GBps: float
+
+
+class HardwareModel:
+    """Collective and point-to-point times from a hardware profile's alpha-beta fits.
+
+    Lookup rule for `time_us(op, group_size, layout, size_bytes)`:
+    1. the fit measured for exactly that (op, layout, group_size);
+    2. otherwise the nearest larger group measured with that layout (a pessimistic stand-in);
+    3. beyond the largest measured group, ring extrapolation from the largest one: bus bandwidth
+       stays constant (algbw = busbw / factor(n)) and latency grows with the ring's steps
+       (alpha * (n - 1) / (n0 - 1)).
+    A layout that was never measured (a one-node profile has no "strided" groups of the whole
+    world) falls back to the other layout. p2p fits are looked up by "intra"/"inter" with the
+    group size exact, else nearest larger, else largest (p2p does not grow with the pipeline).
+
+    Which layout a group uses is decided from `tasks_per_node` (group_layout): a group inside one
+    node is "consec" (intra-node), a group with one member per node is "strided", and a group
+    spread over several nodes with several members on each is "consec" (a consecutive group of
+    the same size spans nodes the same way).
+    """
+
+    def __init__(self, tasks_per_node: int, world_size: int, overlap_coe: float,
+                 fits: Mapping[Tuple[str, str], Tuple[LinkFit, ...]], name: str = "cluster"):
+        if tasks_per_node < 1:
+            raise ProfileError(f"hardware profile of {name}: tasks_per_node must be >= 1, got "
+                               f"{tasks_per_node}")
+        self.name = name
+        self.tasks_per_node = int(tasks_per_node)
+        self.world_size = int(world_size)
+        # A slowdown below 1 would make overlapping faster than running alone: treat as 1.
+        self.overlap_coe = max(1.0, float(overlap_coe))
+        self._fits = {key: tuple(sorted(v, key=lambda f: f.group_size)) for key, v in fits.items()}
+        self._cache: Dict[Tuple[str, int, str], Tuple[float, float]] = {}
+
+    @classmethod
+    def from_dict(cls, hardware: Mapping[str, Any]) -> "HardwareModel":
+        """Build from a loaded hardware.json (docs/profile-schema.md)."""
+        try:
+            cluster = hardware["cluster"]
+            benchmarks = hardware["benchmarks"]
+        except KeyError as e:
+            raise ProfileError(f"hardware profile lacks {e}; rerun "
+                               f"`python -m orchestrator stage=profile_hardware`") from None
+        name = cluster.get("name", "cluster")
+        fits: Dict[Tuple[str, str], list] = {}
+        for bench_name, bench in benchmarks.items():
+            if bench_name == "overlap" or not isinstance(bench, Mapping):
+                continue
+            for fit in bench.get("fits", ()):
+                key = (fit["op"], fit["layout"])
+                fits.setdefault(key, []).append(
+                    LinkFit(int(fit["group_size"]), float(fit["alpha_us"]),
+                            float(fit["algbw_GBps"])))
+        overlap = benchmarks.get("overlap") or {}
+        return cls(tasks_per_node=int(cluster["tasks_per_node"]),
+                   world_size=int(cluster.get("world_size",
+                                              cluster["tasks_per_node"] * cluster.get("nodes", 1))),
+                   overlap_coe=float(overlap.get("overlap_coe", 1.0)),
+                   fits={k: tuple(v) for k, v in fits.items()}, name=name)
+
+    # ---------------------------------------------------------------- lookup
+    def _line(self, op: str, group_size: int, layout: str) -> Tuple[float, float]:
+        """(alpha_us, us_per_byte) for the group, by the lookup rule in the class docstring."""
+        key = (op, group_size, layout)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        fits = self._fits.get((op, layout))
+        if not fits:
+            other = {"consec": "strided", "strided": "consec",
+                     "intra": "inter", "inter": "intra"}.get(layout)
+            fits = self._fits.get((op, other))
+        if not fits:
+            raise ProfileError(
+                f"hardware profile of {self.name} has no {op!r} fits; rerun "
+                f"`python -m orchestrator stage=profile_hardware "
+                f"profile_hardware.benchmarks=[{'p2p' if op == 'p2p' else op}]`")
+        sizes = [f.group_size for f in fits]
+        i = bisect_left(sizes, group_size)
+        if i < len(fits):
+            fit = fits[i]  # exact or nearest larger
+            line = (fit.alpha_us, 1.0 / (fit.algbw_GBps * 1e3))
+        elif op == "p2p":
+            fit = fits[-1]
+            line = (fit.alpha_us, 1.0 / (fit.algbw_GBps * 1e3))
+        else:
+            fit = fits[-1]
+            n0, n = fit.group_size, group_size
+            busbw = fit.algbw_GBps * busbw_factor(op, n0) if n0 > 1 else fit.algbw_GBps
+            algbw = busbw / busbw_factor(op, n)
+            alpha = fit.alpha_us * (n - 1) / (n0 - 1) if n0 > 1 else fit.alpha_us * (n - 1)
+            line = (alpha, 1.0 / (algbw * 1e3))
+        self._cache[key] = line
+        return line
+
+    def time_us(self, op: str, group_size: int, layout: str, size_bytes: float) -> float:
+        """Time in us of one `op` on a group of `group_size` ranks in `layout` ("consec" |
+        "strided" for collectives, "intra" | "inter" for p2p) with a per-rank buffer of
+        `size_bytes` (nccl-tests convention). A group of one rank costs nothing."""
+        if group_size <= 1 and op != "p2p":
+            return 0.0
+        if size_bytes <= 0:
+            return 0.0
+        alpha, us_per_byte = self._line(op, int(group_size), layout)
+        return alpha + size_bytes * us_per_byte
+
+    def group_layout(self, group_size: int, stride: int) -> str:
+        """Measured layout standing for a group of `group_size` ranks `stride` apart (see the class
+        docstring): "consec" inside a node or several members per node, "strided" when every
+        member is on its own node."""
+        if group_size * stride <= self.tasks_per_node:
+            return "consec"
+        if stride >= self.tasks_per_node:
+            return "strided"
+        return "consec"
+
+    def collective_line(self, op: str, group_size: int, stride: int) -> Tuple[float, float]:
+        """(alpha_us, us_per_byte) of `op` on a group of `group_size` ranks `stride` apart, so a
+        caller can price many sizes at once; (0, 0) for a group of one rank."""
+        if group_size <= 1:
+            return 0.0, 0.0
+        return self._line(op, int(group_size), self.group_layout(group_size, stride))
+
+    def collective_time_us(self, op: str, group_size: int, stride: int,
+                           size_bytes: float) -> float:
+        """Time in us of `op` on a group of `group_size` ranks `stride` apart (tp groups: stride 1;
+        Megatron dp groups: stride tp)."""
+        if group_size <= 1:
+            return 0.0
+        return self.time_us(op, group_size, self.group_layout(group_size, stride), size_bytes)
+
+    def same_node(self, rank_a: int, rank_b: int) -> bool:
+        """Whether two global ranks share a node (ranks fill nodes in order)."""
+        return rank_a // self.tasks_per_node == rank_b // self.tasks_per_node
+
+    def p2p_time_us(self, size_bytes: float, intra: bool, pp: int) -> float:
+        """Time in us of one send/recv of `size_bytes` between pipeline neighbours."""
+        if size_bytes <= 0:
+            return 0.0
+        return self.time_us("p2p", max(pp, 2), "intra" if intra else "inter", size_bytes)
+
+    @property
+    def measured(self) -> Tuple[Tuple[str, str], ...]:
+        """(op, layout) pairs the profile has fits for."""
+        return tuple(sorted(self._fits))
+
+
+# ==================================================================== model
+@dataclass(frozen=True)
+class PartMemory:
+    """Memory of one part (a transformer block or "other") on one rank of a TP group.
+    act_bytes_per_token holds the figures at act_seq_len; act_bytes_fit, when the profile has it,
+    is bytes per micro-batch as [c0, c1, c2] in seq_len, used to move to other lengths."""
+
+    param_bytes: float
+    grad_bytes: float
+    optim_bytes: float
+    act_bytes_per_token: Mapping[str, float]  # keys none | selective | full
+    act_seq_len: int = 0
+    act_bytes_fit: Optional[Mapping[str, Tuple[float, ...]]] = None
+
+    def act_bytes_per_token_at(self, mode: str, seq_len: float) -> float:
+        """Activation bytes per token at `seq_len`: the profiled figure scaled by the fit's
+        bytes-per-token ratio between `seq_len` and the profiled length (constant without a
+        fit, as with flash attention)."""
+        per_token = self.act_bytes_per_token[mode]
+        fit = (self.act_bytes_fit or {}).get(mode)
+        if not fit or not self.act_seq_len or seq_len == self.act_seq_len:
+            return per_token
+        at_profiled = _poly(fit, self.act_seq_len) / self.act_seq_len
+        if at_profiled <= 0:
+            return per_token
+        return per_token * (_poly(fit, seq_len) / seq_len) / at_profiled
+
+
+@dataclass(frozen=True)
+class TpFit:
+    block_fwd: Tuple[float, float, float]  # c0 + c1 s + c2 s^2, us per sequence
+    block_bwd: Tuple[float, float, float]
+    other_fwd: Tuple[float, float]  # c0 + c1 s
+    other_bwd: Tuple[float, float]
+
+
+def _poly(coeffs: Tuple[float, ...], s: float) -> float:
+    return max(0.0, sum(c * s ** i for i, c in enumerate(coeffs)))
+
+
+class ModelCost:
+    """Compute time and memory of a transformer from a model profile, per tensor-parallel degree.
+
+    Times are per micro-batch of ONE sequence in us (callers multiply by the micro-batch size) and
+    do not include tensor-parallel communication (the cost model adds it from the hardware
+    profile). Fits are quadratic in seq_len for a block (attention's s^2 term), linear for
+    "other" (embedding + final norm + LM head + loss); a fit that dips below zero is clamped at 0.
+
+    Activation memory (`act_bytes_per_token`) is read as the sequence-parallel figure at that tp
+    (profile_model measures with sequence parallelism on: every activation sharded over the tp
+    group), moved to other sequence lengths with the profile's `act_bytes_fit` when present; a
+    layout without sequence parallelism adds the part that sequence parallelism would shard (see
+    cost_model.NO_SP_EXTRA_BYTES_PER_HIDDEN).
+    """
+
+    def __init__(self, name: str, hidden: int, ffn: int, layers: int, heads: int, kv_heads: int,
+                 vocab: int, seq_len: int, dtype: str, fits: Mapping[int, TpFit],
+                 memory: Mapping[int, Tuple[PartMemory, PartMemory]]):
+        self.name = name
+        self.hidden = int(hidden)
+        self.ffn = int(ffn)
+        self.layers = int(layers)
+        self.heads = int(heads)
+        self.kv_heads = int(kv_heads)
+        self.vocab = int(vocab)
+        self.seq_len = int(seq_len)
+        self.dtype = dtype
+        if dtype not in DTYPE_BYTES:
+            raise ProfileError(f"model profile {name}: unknown dtype {dtype!r}; one of "
+                               f"{sorted(DTYPE_BYTES)}")
+        self.dtype_bytes = DTYPE_BYTES[dtype]
+        self._fits = dict(fits)
+        self._memory = dict(memory)
+        self.tps = tuple(sorted(set(self._fits) & set(self._memory)))
+
+    @classmethod
+    def from_dict(cls, model_profile: Mapping[str, Any]) -> "ModelCost":
+        """Build from a loaded profiles/<cluster>/model/<name>.json (docs/profile-schema.md)."""
+        try:
+            m = model_profile["model"]
+            fits_json = model_profile["fits"]
+            memory_json = model_profile["memory"]
+        except KeyError as e:
+            raise ProfileError(f"model profile lacks {e}; rerun "
+                               f"`python -m orchestrator stage=profile_model`") from None
+        fits = {}
+        for tp, f in fits_json.items():
+            fits[int(tp)] = TpFit(tuple(map(float, f["block_fwd_us"])),
+                                  tuple(map(float, f["block_bwd_us"])),
+                                  tuple(map(float, f["other_fwd_us"])),
+                                  tuple(map(float, f["other_bwd_us"])))
+        memory = {}
+        for tp, mem in memory_json.items():
+            parts = []
+            for part in ("block", "other"):
+                p = mem[part]
+                act = {mode: float(p["act_bytes_per_token"][mode]) for mode in RECOMPUTE_MODES}
+                fit = p.get("act_bytes_fit")
+                if fit is not None:
+                    fit = {mode: tuple(map(float, fit[mode])) for mode in RECOMPUTE_MODES
+                           if mode in fit}
+                parts.append(PartMemory(float(p["param_bytes"]), float(p["grad_bytes"]),
+                                        float(p["optim_bytes"]), act,
+                                        int(p.get("act_seq_len", m.get("seq_len", 0)) or 0),
+                                        fit))
+            memory[int(tp)] = (parts[0], parts[1])
+        return cls(name=m.get("name", "model"), hidden=m["hidden"], ffn=m["ffn"],
+                   layers=m["layers"], heads=m["heads"], kv_heads=m.get("kv_heads", m["heads"]),
+                   vocab=m["vocab"], seq_len=m.get("seq_len", 0), dtype=m.get("dtype", "bfloat16"),
+                   fits=fits, memory=memory)
+
+    def _fit(self, tp: int) -> TpFit:
+        fit = self._fits.get(tp)
+        if fit is None:
+            raise ProfileError(f"model profile {self.name} has no fit for tp={tp} (profiled: "
+                               f"{sorted(self._fits)}); rerun `python -m orchestrator "
+                               f"stage=profile_model model={self.name} profile_model.max_tp={tp}`")
+        return fit
+
+    def block_fwd_us(self, seq_len: float, tp: int) -> float:
+        """Forward time (us) of one transformer block for one sequence of `seq_len` tokens."""
+        return _poly(self._fit(tp).block_fwd, seq_len)
+
+    def block_bwd_us(self, seq_len: float, tp: int) -> float:
+        """Backward time (us) of one block for one sequence (no recompute)."""
+        return _poly(self._fit(tp).block_bwd, seq_len)
+
+    def attention_core_fwd_us(self, seq_len: float, tp: int) -> float:
+        """The quadratic (s^2) term of the block forward fit in us: the attention score/softmax/
+        value product that selective recompute reruns."""
+        return max(0.0, self._fit(tp).block_fwd[2]) * seq_len ** 2
+
+    def other_fwd_us(self, seq_len: float, tp: int) -> float:
+        """Forward time (us) of embedding + final norm + LM head + loss for one sequence."""
+        return _poly(self._fit(tp).other_fwd, seq_len)
+
+    def other_bwd_us(self, seq_len: float, tp: int) -> float:
+        """Backward time (us) of "other" for one sequence."""
+        return _poly(self._fit(tp).other_bwd, seq_len)
+
+    def memory(self, tp: int) -> Tuple[PartMemory, PartMemory]:
+        """(block, other) memory per rank of a TP group of size `tp`."""
+        mem = self._memory.get(tp)
+        if mem is None:
+            raise ProfileError(f"model profile {self.name} has no memory for tp={tp} (profiled: "
+                               f"{sorted(self._memory)}); rerun `python -m orchestrator "
+                               f"stage=profile_model model={self.name}`")
+        return mem

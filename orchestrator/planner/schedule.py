@@ -1,0 +1,158 @@
+"""Pipeline schedules: an event-driven simulation and the closed forms it must agree with.
+
+The simulation places every forward and backward of every micro-batch (and model chunk, for the
+interleaved schedule) on its stage in the order the schedule prescribes (Megatron's 1F1B and
+interleaved 1F1B) and starts each operation as soon as its stage is free and its input has
+arrived. Point-to-point sends occupy the sending stage (Megatron's blocking send/recv around each
+operation), so a stage's forward time includes its send to the next stage.
+
+Closed forms (p stages, m micro-batches, equal stages of forward f and backward b, no p2p):
+1F1B makespan (m + p - 1)(f + b), bubble fraction (p - 1) / m; interleaved with v chunks per
+stage: m (f + b) + (p - 1)(f + b) / v, bubble fraction (p - 1) / (v m).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+SCHEDULES = ("1f1b", "interleaved")
+
+
+@dataclass(frozen=True)
+class ScheduleResult:
+    """Times in microseconds. `stage_finish_us[j]` is when stage j ends its last operation;
+    busy + idle = iteration time for every stage."""
+
+    iteration_time_us: float
+    stage_busy_us: Tuple[float, ...]
+    stage_idle_us: Tuple[float, ...]
+    stage_finish_us: Tuple[float, ...]
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle over busy on the busiest stage: (p - 1) / m for equal 1F1B stages."""
+        j = max(range(len(self.stage_busy_us)), key=lambda s: self.stage_busy_us[s])
+        return self.stage_idle_us[j] / self.stage_busy_us[j]
+
+
+def closed_form_time_us(fwd_us: float, bwd_us: float, pp: int, num_micro_batches: int,
+                        virtual_stages: int = 1) -> float:
+    """Makespan (us) of equal stages with no p2p: m (f + b) + (p - 1)(f + b) / v."""
+    t = fwd_us + bwd_us
+    return num_micro_batches * t + (pp - 1) * t / virtual_stages
+
+
+def stage_order(pp: int, stage: int, num_micro_batches: int, schedule: str = "1f1b",
+                virtual_stages: int = 1) -> List[Tuple[str, int, int]]:
+    """The operations of `stage` in execution order: ("F" | "B", chunk, micro_batch).
+
+    1F1B: min(p - stage - 1, m) warm-up forwards, then forward/backward pairs, then the
+    remaining backwards. Interleaved (Megatron): micro-batches go in groups of p through chunk
+    0, 1, ..., v-1 (backwards through v-1, ..., 0), with (p - stage - 1) * 2 + (v - 1) * p
+    warm-up forwards."""
+    m, v, p = num_micro_batches, virtual_stages, pp
+    if schedule == "1f1b":
+        if v != 1:
+            raise ValueError(f"1f1b has virtual_stages 1, got {v}")
+        warmup = min(p - stage - 1, m)
+        fwd = [("F", 0, i) for i in range(m)]
+        bwd = [("B", 0, i) for i in range(m)]
+    elif schedule == "interleaved":
+        if m % p:
+            raise ValueError(f"interleaved schedule: num_micro_batches({m}) % pp({p}) != 0")
+        total = m * v
+        warmup = min((p - stage - 1) * 2 + (v - 1) * p, total)
+
+        def chunk_mb(k: int, forward: bool) -> Tuple[int, int]:
+            group, within = divmod(k, p * v)
+            chunk = within // p
+            if not forward:
+                chunk = v - 1 - chunk
+            return chunk, group * p + within % p
+
+        fwd = [("F", *chunk_mb(k, True)) for k in range(total)]
+        bwd = [("B", *chunk_mb(k, False)) for k in range(total)]
+    else:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    order = fwd[:warmup]
+    steady = len(fwd) - warmup
+    for i in range(steady):
+        order.append(fwd[warmup + i])
+        order.append(bwd[i])
+    order.extend(bwd[steady:])
+    return order
+
+
+def simulate(fwd_us: Sequence[float], bwd_us: Sequence[float], num_micro_batches: int,
+             schedule: str = "1f1b", virtual_stages: int = 1,
+             p2p_us: float | Sequence[float] = 0.0) -> ScheduleResult:
+    """Simulate one iteration; returns times in us.
+
+    fwd_us[j], bwd_us[j]: stage j's forward and backward time for one micro-batch over all its
+    layers (each of the v chunks takes 1/v of it). p2p_us: time of one activation (or gradient)
+    send across boundary j -> j+1, a scalar or one value per boundary (length p - 1, or p where
+    entry p-1 is the interleaved wrap-around from the last stage to the first; by default the
+    largest boundary). A send occupies the sending stage right after the operation."""
+    p = len(fwd_us)
+    if len(bwd_us) != p or p < 1:
+        raise ValueError(f"need one forward and one backward time per stage, got "
+                         f"{len(fwd_us)} and {len(bwd_us)}")
+    m, v = num_micro_batches, virtual_stages
+    if isinstance(p2p_us, (int, float)):
+        boundary = [float(p2p_us)] * p
+    else:
+        boundary = [float(x) for x in p2p_us]
+        if len(boundary) == p - 1:
+            boundary.append(max(boundary, default=0.0))
+        if len(boundary) != p:
+            raise ValueError(f"p2p_us needs p - 1 = {p - 1} or p = {p} values, got {len(boundary)}")
+    last_virtual = p * v - 1
+
+    def duration(kind: str, stage: int, chunk: int) -> float:
+        base = (fwd_us[stage] if kind == "F" else bwd_us[stage]) / v
+        vs = chunk * p + stage  # virtual stage index along the model
+        if kind == "F" and vs < last_virtual:
+            return base + boundary[stage]  # send to stage + 1 (or wrap to stage 0)
+        if kind == "B" and vs > 0:
+            return base + boundary[(stage - 1) % p]  # send back to stage - 1 (or wrap)
+        return base
+
+    orders = [stage_order(p, s, m, schedule, v) for s in range(p)]
+    end = {}  # (kind, virtual stage, micro_batch) -> end time
+    free = [0.0] * p
+    busy = [0.0] * p
+    nxt = [0] * p
+    # Stages that might be able to start their next op; a stage is re-checked when it finishes
+    # an op or when an op another stage waits on completes.
+    work = deque(range(p))
+    queued = [True] * p
+    while work:
+        s = work.popleft()
+        queued[s] = False
+        while nxt[s] < len(orders[s]):
+            kind, chunk, mb = orders[s][nxt[s]]
+            vs = chunk * p + s
+            if kind == "F":
+                dep = ("F", vs - 1, mb) if vs > 0 else None
+            else:
+                dep = ("B", vs + 1, mb) if vs < last_virtual else ("F", vs, mb)
+            if dep is not None and dep not in end:
+                break
+            start = max(free[s], end[dep] if dep is not None else 0.0)
+            d = duration(kind, s, chunk)
+            end[(kind, vs, mb)] = start + d
+            free[s] = start + d
+            busy[s] += d
+            nxt[s] += 1
+            # Wake the stages whose next op may depend on this one.
+            for other in ((s + 1) % p, (s - 1) % p):
+                if not queued[other]:
+                    queued[other] = True
+                    work.append(other)
+    if any(nxt[s] < len(orders[s]) for s in range(p)):
+        raise RuntimeError("pipeline schedule deadlocked; this is a bug in stage_order")
+    total = max(free)
+    return ScheduleResult(iteration_time_us=total, stage_busy_us=tuple(busy),
+                          stage_idle_us=tuple(total - b for b in busy),
+                          stage_finish_us=tuple(free))

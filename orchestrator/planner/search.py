@@ -1,0 +1,514 @@
+"""Exact search of the fastest ParallelLayout under a memory budget.
+
+The space: every (tp, pp, dp, ZeRO stage, sequence parallel, micro-batch size, schedule, virtual
+stages) allowed by SearchSpace and by divisibility (a "config"), times every pipeline partition
+(uneven layers per stage) and every per-stage recompute choice. The result is the minimum of
+cost_model.evaluate() over all feasible layouts of the space, found without enumerating them:
+
+1. Per config, stage j's best recompute for n layers is the fastest option that fits the budget
+   (time grows and memory falls with recompute, and e_0 does not depend on it), tabulated for
+   all n at once with numpy: t*_j(n).
+2. The objective alpha * sum_j t_j + beta * max_j t_j + e_0(n_0) is a sum plus a max, so for a
+   threshold tau on max_j t_j a dynamic programme over (stage, layers used) gives the least sum
+   with every stage <= tau; minimising beta * tau + that sum over the distinct values of t*
+   is exact. Thresholds are batched through one vectorised DP and stop as soon as
+   beta * tau + (a lower bound of the sum) cannot beat the incumbent.
+3. Configs are visited in order of a lower bound (no recompute, perfectly balanced stages);
+   once the bound reaches the k-th best found, the rest cannot enter the top-k and are skipped.
+
+Fast mode keeps one schedule (the first of SearchSpace.schedules), recomputes whole stages only
+(no choice of k layers) and takes only the min-max threshold and the next few (no full sweep).
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from orchestrator import errors
+from orchestrator.layout import ParallelLayout
+from orchestrator.planner.cost_model import (GiB, MODE_NAMES, ConfigKey, CostOptions, Prediction,
+                                             StageCosts, evaluate)
+from orchestrator.planner.profiles import HardwareModel, ModelCost
+
+INF = float("inf")
+FAST_MODE_THRESHOLDS = 2  # thresholds tried per config in fast mode (min-max and the next one)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the search may choose from. Memory in bytes per device, sequences for the batch."""
+
+    world_size: int
+    memory_budget_bytes: float
+    global_batch_size: int
+    seq_len: int
+    max_tp: int = 8
+    max_pp: int = 64
+    tp_within_node: bool = True
+    zero_stages: Tuple[int, ...] = (0, 1, 2, 3)
+    recompute: Tuple[str, ...] = ("none", "selective", "full")
+    micro_batch_sizes: Tuple[int, ...] = (1, 2, 4)
+    schedules: Tuple[str, ...] = ("1f1b", "interleaved")
+    virtual_stages: Tuple[int, ...] = (2, 4)
+    sequence_parallel: Tuple[bool, ...] = (True, False)
+    fast_mode: bool = False
+    top_k: int = 10
+    options: CostOptions = CostOptions()
+
+    def __post_init__(self) -> None:
+        for name in ("zero_stages", "recompute", "micro_batch_sizes", "schedules",
+                     "virtual_stages", "sequence_parallel"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.world_size < 1 or self.global_batch_size < 1 or self.seq_len < 1:
+            raise errors.ConfigError(
+                f"search space needs world_size, global_batch_size and seq_len >= 1, got "
+                f"{self.world_size}, {self.global_batch_size}, {self.seq_len}")
+        if self.memory_budget_bytes <= 0:
+            raise errors.ConfigError(f"memory_budget_bytes must be > 0, got "
+                                     f"{self.memory_budget_bytes}")
+        bad = [m for m in self.recompute if m not in MODE_NAMES]
+        if bad or not self.recompute:
+            raise errors.ConfigError(f"recompute modes must be a non-empty subset of "
+                                     f"{MODE_NAMES}, got {self.recompute}")
+        bad = [s for s in self.schedules if s not in ("1f1b", "interleaved")]
+        if bad or not self.schedules:
+            raise errors.ConfigError(f"schedules must be a non-empty subset of ('1f1b', "
+                                     f"'interleaved'), got {self.schedules}")
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """best/prediction: the fastest feasible layout and evaluate()'s prediction for it; top: up
+    to top_k (layout, prediction), best first, one per config; considered: configs that passed
+    the divisibility rules; rejected: configs dropped, by reason; pruned: configs skipped because
+    their lower bound could not enter the top_k; solved: configs whose partitions were optimised;
+    elapsed_s: wall time of the search."""
+
+    best: ParallelLayout
+    prediction: Prediction
+    top: Tuple[Tuple[ParallelLayout, Prediction], ...]
+    considered: int
+    rejected: Dict[str, int]
+    pruned: int
+    solved: int
+    elapsed_s: float
+    fast_mode: bool
+
+    def to_dict(self) -> Dict[str, Any]:
+        """JSON-ready summary (the strategy file's body)."""
+        return {
+            "best": self.best.to_dict(),
+            "prediction": self.prediction.to_dict(),
+            "top": [{"layout": lay.to_dict(), "iteration_time_us": pred.iteration_time_us,
+                     "peak_memory_bytes": pred.peak_memory_bytes} for lay, pred in self.top],
+            "considered": self.considered, "rejected": dict(self.rejected),
+            "pruned": self.pruned, "solved": self.solved, "elapsed_s": self.elapsed_s,
+            "fast_mode": self.fast_mode,
+        }
+
+
+class InfeasibleError(errors.InfeasibleError):
+    """No layout of the space fits. Carries the closest layout (least memory per device), the
+    bytes it needs per device, and which bound to relax ("memory_budget_bytes",
+    "global_batch_size", ...) with suggestions."""
+
+    def __init__(self, message: str, bound: str, closest: Optional[ParallelLayout] = None,
+                 needed_bytes: Optional[float] = None, suggestions: Sequence[str] = ()):
+        super().__init__(message)
+        self.bound = bound
+        self.closest = closest
+        self.needed_bytes = needed_bytes
+        self.suggestions = tuple(suggestions)
+
+
+# ====================================================================== configs
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_configs(model: ModelCost, hardware: HardwareModel, space: SearchSpace,
+                      rejected: Dict[str, int]) -> List[ConfigKey]:
+    """All configs of the space that pass the divisibility rules; counts the others in
+    `rejected` by reason."""
+    def reject(reason: str, count: int = 1) -> None:
+        rejected[reason] = rejected.get(reason, 0) + count
+
+    W, L = space.world_size, model.layers
+    schedules = space.schedules[:1] if space.fast_mode else space.schedules
+    configs = []
+    for tp in _divisors(W):
+        if tp > space.max_tp:
+            continue
+        if tp not in model.tps:
+            reject("tp_not_profiled")
+            continue
+        if space.tp_within_node and (tp > hardware.tasks_per_node
+                                     or hardware.tasks_per_node % tp):
+            reject("tp_crosses_node")
+            continue
+        if model.heads % tp or model.kv_heads % tp:
+            reject("tp_splits_heads")
+            continue
+        for pp in _divisors(W // tp):
+            if pp > space.max_pp:
+                continue
+            if pp > L:
+                reject("pp_exceeds_layers")
+                continue
+            dp = W // (tp * pp)
+            if space.global_batch_size % dp:
+                reject("batch_not_divisible")
+                continue
+            per_replica = space.global_batch_size // dp
+            for mbs in space.micro_batch_sizes:
+                if per_replica % mbs:
+                    reject("batch_not_divisible")
+                    continue
+                m = per_replica // mbs
+                scheds = []
+                for sched in schedules:
+                    if sched == "1f1b":
+                        scheds.append(("1f1b", 1))
+                        continue
+                    for v in space.virtual_stages:
+                        if v < 2 or pp < 2 or m % pp or L % v or pp * v > L:
+                            reject("interleave_not_divisible")
+                            continue
+                        scheds.append(("interleaved", v))
+                for sp in space.sequence_parallel:
+                    if sp and tp == 1:
+                        continue
+                    zeros = space.zero_stages if dp > 1 else (0,)
+                    for zero in dict.fromkeys(zeros):
+                        for sched, v in scheds:
+                            configs.append(ConfigKey(W, tp, pp, dp, zero, sp, mbs, m, sched, v))
+    return configs
+
+
+# ====================================================================== per-config tables
+@dataclass
+class _Table:
+    """Stage options of one config: t[j, n] fastest time (us) of stage j with n layers under the
+    budget (inf: none fits), code/k: its recompute; c[j, n]: its contribution to the objective."""
+
+    t: np.ndarray
+    code: np.ndarray
+    k: np.ndarray
+    c: np.ndarray
+    sum_lb: float  # lower bound of alpha * sum t + e_0 over all partitions
+
+
+def _stage_options(costs: StageCosts, L: int, budget: float, modes: Sequence[str],
+                   fast: bool) -> _Table:
+    """Tabulate, for every stage j and layer count n (a multiple of v), the fastest recompute
+    that fits the budget, as (pp, N + 1) arrays."""
+    key = costs.key
+    p, v = key.pp, key.virtual_stages
+    N = L - (p - 1) * v
+    n = np.broadcast_to(np.arange(N + 1, dtype=float), (p, N + 1))
+    j = np.arange(p)[:, None]
+    valid = (n >= v) & (n % v == 0)
+    zeros = np.zeros_like(n)
+    best_t = np.full((p, N + 1), INF)
+    best_code = np.zeros((p, N + 1), dtype=np.int8)
+    best_k = np.zeros((p, N + 1), dtype=np.int64)
+
+    def offer(opt_t, opt_ok, opt_code, opt_k):
+        better = opt_ok & valid & (opt_t < best_t)
+        best_t[better] = opt_t[better]
+        best_code[better] = opt_code
+        best_k[better] = opt_k[better]
+
+    if "none" in modes:
+        ok = costs.memory_bytes(j, n, 0, zeros) <= budget
+        offer(costs.stage_time_us(j, n, 0, zeros), ok, 0, zeros.astype(np.int64))
+    if "selective" in modes:
+        ok = costs.memory_bytes(j, n, 1, n) <= budget
+        offer(costs.stage_time_us(j, n, 1, n), ok, 1, n.astype(np.int64))
+    if "full" in modes:
+        if fast:
+            k = n.copy()
+        else:
+            # Memory falls linearly in k: the least k (a multiple of v) that fits, checked
+            # against the exact arithmetic one step either side of the rounding.
+            mem0 = costs.memory_bytes(j, n, 2, zeros)
+            slope = costs.tokens * costs.in_flight[j] * (costs.act_none - costs.act_full)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                need = np.where(mem0 <= budget, 0.0, np.ceil((mem0 - budget) / slope))
+            need = np.where(np.isfinite(need) & (need >= 0), need, n + v)
+            k = np.maximum(v, np.ceil(np.maximum(need, 1.0) / v) * v)
+            k = np.minimum(k, n + v)  # n + v: does not fit even fully recomputed
+            lower = np.maximum(k - v, v)
+            lower_ok = costs.memory_bytes(j, n, 2, lower) <= budget
+            k = np.where(lower_ok & (lower < k), lower, k)
+            k_ok = costs.memory_bytes(j, n, 2, np.minimum(k, n)) <= budget
+            k = np.where(~k_ok & (k + v <= n), k + v, k)
+        k = np.minimum(k, np.maximum(n, v))
+        ok = (costs.memory_bytes(j, n, 2, k) <= budget) & (k <= n)
+        offer(costs.stage_time_us(j, n, 2, k), ok, 2, k.astype(np.int64))
+    c = costs.alpha * best_t
+    e0 = costs.dp_exposed_us(0, n[0])
+    c[0] = c[0] + e0
+    # Lower bound of the sum part: every layer without recompute, fixed per-stage terms, the
+    # least e_0 any first stage can have.
+    fixed = float(np.sum(costs.other_f + costs.other_b + costs.send_f + costs.send_b))
+    finite_e0 = e0[valid[0] & np.isfinite(best_t[0])]
+    sum_lb = (costs.alpha * (L * (costs.layer_f + costs.layer_b) + fixed)
+              + (float(finite_e0.min()) if finite_e0.size else 0.0))
+    return _Table(best_t, best_code, best_k, c, sum_lb)
+
+
+def config_lower_bound(costs: StageCosts, L: int) -> float:
+    """A lower bound (us) of the iteration time of any layout of this config: no recompute,
+    perfectly balanced stages, no exposed data-parallel sync."""
+    key = costs.key
+    p, v = key.pp, key.virtual_stages
+    layer = costs.layer_f + costs.layer_b
+    per_stage = costs.other_f + costs.other_b + costs.send_f + costs.send_b
+    total = L * layer + float(per_stage.sum())
+    biggest = math.ceil(L / (p * v)) * v  # some stage holds at least this many layers
+    max_lb = max(total / p, biggest * layer + float(per_stage.min()))
+    return costs.alpha * total + costs.beta * max_lb
+
+
+def _min_sum_dp(table: _Table, L: int, v: int, taus: np.ndarray):
+    """For each threshold in `taus`: least sum of table.c over partitions of L layers with every
+    stage time <= tau. Returns (values[T], choice[p, T, L+1]) for backtracking."""
+    p, width = table.t.shape
+    T = len(taus)
+    dp = np.full((T, L + 1), INF)
+    dp[:, 0] = 0.0
+    choice = np.zeros((p, T, L + 1), dtype=np.int16)
+    tau_max = float(taus.max())
+    for j in range(p):
+        new = np.full((T, L + 1), INF)
+        ch = choice[j]
+        lo, hi = j * v, L - (p - j) * v  # layers before stage j: v per stage either side
+        hi_after = L - (p - 1 - j) * v
+        if hi < lo:
+            return np.full(T, INF), choice
+        for n in range(v, width, v):
+            tn = table.t[j, n]
+            if not tn <= tau_max or lo + n > hi_after:
+                break  # times grow with n: no larger stage fits any threshold
+            top = min(hi, hi_after - n)
+            cand = dp[:, lo:top + 1] + table.c[j, n]
+            allowed = tn <= taus
+            if not allowed.all():
+                cand = np.where(allowed[:, None], cand, INF)
+            dst = new[:, lo + n:top + n + 1]
+            better = cand < dst
+            if better.any():
+                dst[better] = cand[better]
+                ch[:, lo + n:top + n + 1][better] = n
+        dp = new
+    return dp[:, L], choice
+
+
+def _backtrack(choice: np.ndarray, t_index: int, L: int) -> List[int]:
+    p = choice.shape[0]
+    layers = []
+    l = L
+    for j in range(p - 1, -1, -1):
+        n = int(choice[j, t_index, l])
+        layers.append(n)
+        l -= n
+    assert l == 0, "backtrack did not use every layer"
+    return layers[::-1]
+
+
+def solve_config(costs: StageCosts, L: int, budget: float, modes: Sequence[str],
+                 bound: float = INF, fast: bool = False
+                 ) -> Optional[Tuple[float, List[int], List[Tuple[str, int]]]]:
+    """Fastest partition + per-stage recompute of one config under the memory budget:
+    (objective_us, layers_per_stage, recompute); None when no partition fits the budget;
+    (inf, [], []) when partitions fit but none beats `bound`."""
+    key = costs.key
+    p, v = key.pp, key.virtual_stages
+    table = _stage_options(costs, L, budget, modes, fast)
+    if not np.isfinite(table.t[:, v]).all():
+        return None  # some stage cannot hold even v layers
+    values = np.unique(table.t[np.isfinite(table.t)])
+    # Least threshold at which the stages can hold L layers (times grow with n, so stage j can
+    # take any multiple of v up to nmax_j(tau)); a valid lower end for the sweep.
+    valid_t = table.t[:, v::v]
+    counts = np.stack([np.searchsorted(np.sort(row[np.isfinite(row)]), values, side="right")
+                       for row in valid_t])
+    reachable = (counts.sum(axis=0) * v >= L) & (counts.min(axis=0) >= 1)
+    if not reachable.any():
+        return None
+    taus = values[np.argmax(reachable):]
+    if costs.beta <= 0:
+        taus = taus[-1:]  # one micro-batch: the max term has no weight
+    best: Tuple[float, Optional[List[int]]] = (bound, None)  # (objective, layers_per_stage)
+    batch = FAST_MODE_THRESHOLDS if fast else 16
+    start = 0
+    while start < len(taus):
+        chunk = taus[start:start + batch]
+        # Thresholds whose best case cannot beat the incumbent end the sweep.
+        live = costs.beta * chunk + table.sum_lb < best[0]
+        if not live.any():
+            break
+        chunk = chunk[:int(np.argmin(live)) if not live.all() else len(chunk)]
+        sums, choice = _min_sum_dp(table, L, v, chunk)
+        obj = sums + costs.beta * chunk
+        i = int(np.argmin(obj))
+        if obj[i] < best[0]:
+            best = (float(obj[i]), _backtrack(choice, i, L))
+        start += len(chunk)
+        if fast:
+            break
+        batch = min(batch * 2, 256)
+    if best[1] is None:
+        return INF, [], []
+    layers = best[1]
+    recompute = []
+    for j, n in enumerate(layers):
+        code = int(table.code[j, n])
+        recompute.append((MODE_NAMES[code], 0 if code == 0 else int(table.k[j, n])))
+    return best[0], layers, recompute
+
+
+# ====================================================================== search
+def search(model_cost: ModelCost, hardware: HardwareModel, space: SearchSpace) -> SearchResult:
+    """Fastest feasible layout of `space` by evaluate(); raises InfeasibleError when none fits."""
+    t_start = time.perf_counter()
+    L = model_cost.layers
+    rejected: Dict[str, int] = {}
+    configs = enumerate_configs(model_cost, hardware, space, rejected)
+    if not configs:
+        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(rejected.items())) or "none"
+        raise InfeasibleError(
+            f"no (tp, pp, dp, micro-batch) combination of world_size={space.world_size} divides "
+            f"global_batch_size={space.global_batch_size} with micro_batch_sizes="
+            f"{list(space.micro_batch_sizes)} (rejected: {reasons}); relax global_batch_size "
+            f"(a multiple of world_size / (tp * pp)) or micro_batch_sizes, or raise max_pp/max_tp",
+            bound="global_batch_size",
+            suggestions=("global_batch_size", "micro_batch_sizes", "max_pp", "max_tp"))
+    modes = space.recompute
+    budget = float(space.memory_budget_bytes)
+    fast = space.fast_mode
+
+    costs_of = []
+    bounds = np.empty(len(configs))
+    for i, key in enumerate(configs):
+        costs = StageCosts(key, model_cost, hardware, space.seq_len, space.options)
+        costs_of.append(costs)
+        bounds[i] = config_lower_bound(costs, L)
+    order = np.argsort(bounds, kind="stable")
+
+    top_k = max(1, space.top_k)
+    heap: List[Tuple[float, int, List[int], List[Tuple[str, int]]]] = []  # max-heap by -obj
+    pruned = solved = 0
+    memory_rejected = 0
+    for rank, i in enumerate(order):
+        kth = -heap[0][0] if len(heap) >= top_k else INF
+        if bounds[i] >= kth:
+            pruned = len(order) - rank
+            break
+        solved += 1
+        found = solve_config(costs_of[i], L, budget, modes, bound=kth, fast=fast)
+        if found is None:
+            memory_rejected += 1
+            continue
+        obj, layers, recompute = found
+        if not layers:
+            continue  # fits, but cannot enter the top_k
+        entry = (-obj, -int(i), layers, recompute)
+        if len(heap) < top_k:
+            heapq.heappush(heap, entry)
+        elif obj < -heap[0][0]:
+            heapq.heapreplace(heap, entry)
+    if memory_rejected:
+        rejected["memory"] = rejected.get("memory", 0) + memory_rejected
+    if not heap:
+        _raise_infeasible(model_cost, hardware, space, configs, costs_of, rejected)
+
+    ranked = sorted(heap, key=lambda e: (-e[0], -e[1]))
+    top = []
+    for _neg_obj, neg_i, layers, recompute in ranked:
+        costs = costs_of[-neg_i]
+        layout = costs.key.layout(layers, recompute)
+        pred = evaluate(layout, model_cost, hardware, space.seq_len, budget, space.options,
+                        _costs=costs)
+        top.append((layout, pred))
+    top.sort(key=lambda lp: lp[1].iteration_time_us)
+    best, prediction = top[0]
+    return SearchResult(best=best, prediction=prediction, top=tuple(top),
+                        considered=len(configs), rejected=rejected, pruned=pruned,
+                        solved=solved, elapsed_s=time.perf_counter() - t_start, fast_mode=fast)
+
+
+# ====================================================================== infeasible
+def _least_memory_layout(costs: StageCosts, L: int, modes: Sequence[str]
+                         ) -> Optional[Tuple[float, ParallelLayout]]:
+    """The partition of this config whose largest per-device memory is least, each stage using
+    its most memory-saving recompute: (bytes, layout)."""
+    key = costs.key
+    p, v = key.pp, key.virtual_stages
+    N = L - (p - 1) * v
+    n = np.arange(v, N + 1, v, dtype=float)
+    mem = np.full((p, len(n)), INF)
+    pick = np.zeros((p, len(n)), dtype=np.int8)
+    for j in range(p):
+        for code, mode in enumerate(MODE_NAMES):
+            if mode not in modes:
+                continue
+            k = np.zeros_like(n) if code == 0 else n
+            m = costs.memory_bytes(j, n, code, k)
+            better = m < mem[j]
+            mem[j][better] = m[better]
+            pick[j][better] = code
+    values = np.unique(mem)
+    counts = np.stack([np.searchsorted(row, values, side="right") for row in mem])  # rows grow
+    ok = (counts.sum(axis=0) * v >= L) & (counts.min(axis=0) >= 1)
+    if not ok.any():
+        return None
+    limit = values[np.argmax(ok)]
+    caps = counts[:, np.argmax(ok)] * v
+    layers = [v] * p
+    spare = L - p * v
+    for j in range(p):
+        add = min(spare, int(caps[j]) - v)
+        layers[j] += add
+        spare -= add
+    recompute = []
+    for j, nj in enumerate(layers):
+        code = int(pick[j, nj // v - 1])
+        recompute.append((MODE_NAMES[code], 0 if code == 0 else nj))
+    return float(limit), key.layout(layers, recompute)
+
+
+def _raise_infeasible(model: ModelCost, hardware: HardwareModel, space: SearchSpace,
+                      configs: List[ConfigKey], costs_of: List[StageCosts],
+                      rejected: Dict[str, int]) -> None:
+    best = None
+    for costs in costs_of:
+        found = _least_memory_layout(costs, model.layers, space.recompute)
+        if found is not None and (best is None or found[0] < best[0]):
+            best = found
+    needed, layout = best
+    suggestions = [f"memory_budget_bytes >= {needed / GiB:.2f} GiB"]
+    if "full" not in space.recompute:
+        suggestions.append("add 'full' to recompute")
+    if 3 not in space.zero_stages:
+        suggestions.append("add ZeRO stage 3 to zero_stages")
+    if space.max_pp < min(model.layers, space.world_size):
+        suggestions.append(f"raise max_pp above {space.max_pp}")
+    if space.max_tp < max(model.tps):
+        suggestions.append(f"raise max_tp above {space.max_tp}")
+    if min(space.micro_batch_sizes) > 1:
+        suggestions.append("allow micro_batch_size 1")
+    suggestions.append("a shorter seq_len or more devices")
+    raise InfeasibleError(
+        f"no layout of {model.name} fits memory_budget_bytes={space.memory_budget_bytes / GiB:.2f}"
+        f" GiB per device on {space.world_size} devices (seq_len {space.seq_len}, global batch "
+        f"{space.global_batch_size}); the closest, {layout.describe()}, needs "
+        f"{needed / GiB:.2f} GiB. Relax: " + "; ".join(suggestions),
+        bound="memory_budget_bytes", closest=layout, needed_bytes=needed,
+        suggestions=suggestions)

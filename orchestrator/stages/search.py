@@ -1,0 +1,165 @@
+"""search: the fastest layout under a per-device memory budget, from the two profiles.
+
+Reads profiles/<cluster>/hardware.json and profiles/<cluster>/model/<model>.json; writes
+profiles/<cluster>/strategy/<model>.json (best layout, prediction and breakdown, top alternatives,
+counts, inputs' hashes) and, next to it, the exports: Megatron-LM arguments
+(<model>.megatron.args), a Galvatron strategy (<model>.galvatron.json), the layout our own
+`train` reads (<model>.layout.json), and a PNG. Runs in one process: it is arithmetic.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from pathlib import Path
+
+from orchestrator.errors import ConfigError
+from orchestrator.stages import StageInput, StageSpec
+from orchestrator.store import (hardware_path, model_profile_path, new_profile, read_profile,
+                                strategy_path, write_json)
+
+GiB = 2**30
+SCHEDULES = ("1f1b", "interleaved")
+RECOMPUTE = ("none", "selective", "full")
+
+
+def _inputs(cfg):
+    return [StageInput(hardware_path(cfg.profiles_dir, cfg.cluster.name), "hardware", "profile_hardware"),
+            StageInput(model_profile_path(cfg.profiles_dir, cfg.cluster.name, cfg.model.name), "model",
+                       "profile_model")]
+
+
+def _rebuild(cfg, producer: str) -> str:
+    cmd = f"python -m orchestrator stage={producer} cluster={cfg.cluster.name}"
+    return cmd + (f" model={cfg.model.name}" if producer == "profile_model" else "")
+
+
+def file_sha(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+def fast_mode(cfg) -> bool:
+    return bool(cfg.search.fast_mode) or os.environ.get("ORCHESTRATOR_FAST_MODE", "") not in ("", "0")
+
+
+def search_space(cfg):
+    """The planner's SearchSpace from the `search` config section (and the cluster's defaults)."""
+    from orchestrator.planner import CostOptions, SearchSpace
+
+    s = cfg.search
+    memory_GiB = s.memory_GiB or cfg.cluster.device_mem_GiB
+    return SearchSpace(
+        world_size=s.world_size or cfg.cluster.nodes * cfg.cluster.tasks_per_node,
+        memory_budget_bytes=memory_GiB * GiB, global_batch_size=s.global_batch_size,
+        seq_len=s.seq_len or cfg.model.seq_len, max_tp=s.max_tp, max_pp=s.max_pp,
+        tp_within_node=s.tp_within_node, zero_stages=tuple(s.zero_stages),
+        recompute=tuple(s.recompute), micro_batch_sizes=tuple(s.micro_batch_sizes),
+        schedules=tuple(s.schedules), virtual_stages=tuple(s.virtual_stages),
+        fast_mode=fast_mode(cfg), top_k=s.top_k,
+        options=CostOptions(reserve_bytes=s.reserve_GiB * GiB))
+
+
+def _exports(layout) -> dict:
+    """Megatron and Galvatron forms of the layout; approximations are listed, not hidden."""
+    from orchestrator.planner import galvatron_strategy, megatron_args
+
+    out = {}
+    for name, fn in (("megatron", megatron_args), ("galvatron", galvatron_strategy)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out[name] = fn(layout, strict=False)
+        out[f"{name}_approximations"] = [str(w.message) for w in caught]
+    return out
+
+
+def run(ctx, run):
+    from orchestrator.planner import HardwareModel, ModelCost, search
+
+    cfg = run.cfg
+    hw_in, model_in = _inputs(cfg)
+    hw = read_profile(hw_in.path, "hardware", _rebuild(cfg, "profile_hardware"))
+    mp = read_profile(model_in.path, "model", _rebuild(cfg, "profile_model"))
+    space = search_space(cfg)
+    result = search(ModelCost.from_dict(mp), HardwareModel.from_dict(hw), space)
+    best = result.best
+    out = strategy_path(cfg.profiles_dir, cfg.cluster.name, cfg.model.name)
+    exports = _exports(best)
+    source = "analytic" if "analytic" in (hw.get("source"), mp.get("source")) else "measured"
+    body = new_profile(
+        "strategy", source, run.provenance(), model=cfg.model.name,
+        inputs={str(p.path): {"sha256": file_sha(p.path), "source": d.get("source")}
+                for p, d in ((hw_in, hw), (model_in, mp))},
+        space={"world_size": space.world_size, "memory_GiB": space.memory_budget_bytes / GiB,
+               "global_batch_size": space.global_batch_size, "seq_len": space.seq_len,
+               "fast_mode": space.fast_mode},
+        layout=best.to_dict(), describe=best.describe(), **result.to_dict(), exports=exports)
+    write_json(out, body)
+    write_json(out.with_suffix(".layout.json"),
+               {"model": cfg.model.name, "seq_len": space.seq_len, "layout": best.to_dict()})
+    out.with_suffix(".megatron.args").write_text(" ".join(exports["megatron"]) + "\n")
+    write_json(out.with_suffix(".galvatron.json"), exports["galvatron"])
+    _report(result, source, cfg)
+    summary = {"path": str(out), "layout": best.describe(),
+               "iteration_time_ms": result.prediction.iteration_time_us / 1e3,
+               "peak_memory_GiB": result.prediction.peak_memory_bytes / GiB,
+               "search_s": result.elapsed_s}
+    if cfg.search.plot:
+        from orchestrator.planner.report import plot_strategy
+
+        summary["plot"] = str(plot_strategy(result, out.with_suffix(".png")))
+    return summary
+
+
+def _report(result, source: str, cfg) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    import sys
+
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    table = Table(title=f"best layouts for {cfg.model.name} on {result.best.world_size} devices "
+                        f"({source} profiles; searched {result.considered} configs in "
+                        f"{result.elapsed_s:.2f} s)")
+    for col in ("#", "layout", "iteration ms", "tokens/s", "peak GiB"):
+        table.add_column(col, justify="right" if col != "layout" else "left")
+    for i, (layout, pred) in enumerate(result.top):
+        table.add_row(str(i + 1), layout.describe(), f"{pred.iteration_time_us / 1e3:.1f}",
+                      f"{pred.tokens_per_s:,.0f}", f"{pred.peak_memory_bytes / GiB:.1f}")
+    console.print(table)
+    b = result.prediction.breakdown_us
+    console.print("breakdown (ms): " + ", ".join(f"{k} {v / 1e3:.1f}" for k, v in b.items()))
+    if result.rejected:
+        console.print("rejected: " + ", ".join(f"{k} {v}" for k, v in result.rejected.items()))
+
+
+def validate(cfg) -> None:
+    s = cfg.search
+    memory = s.memory_GiB or cfg.cluster.device_mem_GiB
+    if not memory or memory <= 0:
+        raise ConfigError(f"search needs a memory budget per device: set search.memory_GiB "
+                          f"(cluster {cfg.cluster.name!r} has device_mem_GiB={cfg.cluster.device_mem_GiB})")
+    bad = [x for x in s.schedules if x not in SCHEDULES]
+    if bad:
+        raise ConfigError(f"search.schedules: unknown {bad}; allowed: {list(SCHEDULES)}")
+    bad = [x for x in s.recompute if x not in RECOMPUTE]
+    if bad:
+        raise ConfigError(f"search.recompute: unknown {bad}; allowed: {list(RECOMPUTE)}")
+    bad = [z for z in s.zero_stages if z not in (0, 1, 2, 3)]
+    if bad:
+        raise ConfigError(f"search.zero_stages: unknown {bad}; allowed: [0, 1, 2, 3]")
+    if s.global_batch_size < 1 or any(m < 1 for m in s.micro_batch_sizes):
+        raise ConfigError(f"search.global_batch_size({s.global_batch_size}) and "
+                          f"search.micro_batch_sizes({list(s.micro_batch_sizes)}) must be >= 1")
+
+
+SPEC = StageSpec(
+    name="search",
+    run=run,
+    ledger_key=lambda cfg: f"search/{cfg.model.name}",
+    outputs=lambda cfg: [strategy_path(cfg.profiles_dir, cfg.cluster.name, cfg.model.name)],
+    hash_sections=("cluster", "model", "search"),
+    hash_exclude=("search.plot", "search.top_k"),
+    ranks=lambda cfg: "one",
+    inputs=_inputs,
+    validate=validate,
+)

@@ -1,0 +1,118 @@
+"""Synthetic hardware and model profiles, shaped like docs/profile-schema.md, for planner tests
+and bench/search_speed.py. Numbers are analytic-looking (A100/H100-class GPUs, NVLink inside a
+node, InfiniBand between nodes); they are test inputs, not measurements."""
+from __future__ import annotations
+
+from typing import Dict, Iterable, Optional, Sequence
+
+GiB = 1 << 30
+
+
+def _factor(op: str, n: int) -> float:
+    if op == "allreduce":
+        return 2.0 * (n - 1) / n
+    if op == "p2p":
+        return 1.0
+    return (n - 1) / n
+
+
+def synthetic_hardware(nodes: int = 2, tasks_per_node: int = 8, *, intra_busbw_GBps: float = 150.0,
+                       inter_busbw_GBps: float = 20.0, intra_alpha_us: float = 8.0,
+                       inter_alpha_us: float = 25.0, overlap_coe: float = 1.2,
+                       max_group: Optional[int] = None, name: str = "synthetic") -> Dict:
+    """A hardware.json dict: alpha-beta fits for every collective at group sizes 2, 4, ... (up to
+    `max_group`, default the world) in both layouts, and intra/inter p2p fits."""
+    world = nodes * tasks_per_node
+    top = min(world, max_group or world)
+    benchmarks: Dict[str, Dict] = {}
+    for op in ("allreduce", "reduce_scatter", "all_gather", "all2all"):
+        fits = []
+        n = 2
+        while n <= top:
+            if world % n == 0:
+                for layout in ("consec", "strided"):
+                    if layout == "strided" and n == world:
+                        continue
+                    stride = 1 if layout == "consec" else world // n
+                    intra = (n * stride <= tasks_per_node)
+                    busbw = intra_busbw_GBps if intra else inter_busbw_GBps
+                    alpha = (intra_alpha_us if intra else inter_alpha_us) * (1 + 0.1 * (n - 2))
+                    fits.append({"op": op, "group_size": n, "layout": layout, "alpha_us": alpha,
+                                 "algbw_GBps": busbw / _factor(op, n), "max_rel_err": 0.02})
+            n *= 2
+        benchmarks[op] = {"points": [], "fits": fits}
+    p2p_fits = []
+    for layout, bw, alpha in (("intra", intra_busbw_GBps / 2, intra_alpha_us),
+                              ("inter", inter_busbw_GBps, inter_alpha_us)):
+        p2p_fits.append({"op": "p2p", "group_size": 2, "layout": layout, "alpha_us": alpha,
+                         "algbw_GBps": bw, "max_rel_err": 0.02})
+    benchmarks["p2p"] = {"points": [], "fits": p2p_fits}
+    benchmarks["overlap"] = {"compute_slowdown": overlap_coe, "comm_slowdown": overlap_coe,
+                             "overlap_coe": overlap_coe}
+    return {
+        "schema_version": 1, "kind": "hardware", "source": "analytic", "provenance": {},
+        "cluster": {"name": name, "nodes": nodes, "tasks_per_node": tasks_per_node,
+                    "world_size": world, "backend": "nccl"},
+        "inventory": {"ranks": []},
+        "benchmarks": benchmarks,
+    }
+
+
+def synthetic_model(name: str = "tiny", *, hidden: int = 256, ffn: int = 1024, layers: int = 6,
+                    heads: int = 8, kv_heads: Optional[int] = None, vocab: int = 1000,
+                    seq_len: int = 512, tps: Iterable[int] = (1, 2, 4, 8),
+                    tflops: float = 400.0, efficiency: float = 0.5,
+                    overhead_us: float = 20.0) -> Dict:
+    """A model.json dict for a GPT-like decoder: compute from FLOPs at `tflops` x `efficiency`
+    (TP divides the work; a fixed per-kernel overhead does not shrink), memory of mixed-precision
+    Adam (2 + 4 + 12 bytes per parameter) and Megatron-style activations per token."""
+    kv_heads = kv_heads or heads
+    head_dim = hidden // heads
+    block_params = (hidden * hidden * 2 + 2 * hidden * kv_heads * head_dim  # q, o, k, v
+                    + 3 * hidden * ffn + 2 * hidden)  # gated MLP + norms
+    other_params = 2 * vocab * hidden + hidden  # untied embedding + LM head + final norm
+    rate = tflops * 1e6 * efficiency  # FLOP per us
+    fits, memory, points = {}, {}, []
+    for tp in tps:
+        c1 = 2.0 * block_params / tp / rate  # matmuls: 2 FLOP per param per token
+        c2 = 2.0 * hidden / tp / rate  # causal attention: QK^T + AV, half of 4 s^2 h
+        o1 = 2.0 * vocab * hidden / tp / rate
+        fits[str(tp)] = {"block_fwd_us": [overhead_us, c1, c2],
+                         "block_bwd_us": [2 * overhead_us, 2 * c1, 2.5 * c2],
+                         "other_fwd_us": [overhead_us, o1],
+                         "other_bwd_us": [2 * overhead_us, 2 * o1],
+                         "max_rel_err": 0.03}
+        sel = (18.0 * hidden + 4.0 * ffn) / tp
+        memory[str(tp)] = {
+            "block": {"param_bytes": 2.0 * block_params / tp, "grad_bytes": 4.0 * block_params / tp,
+                      "optim_bytes": 12.0 * block_params / tp,
+                      "act_bytes_per_token": {"none": sel + 6.0 * hidden / tp, "selective": sel,
+                                              "full": 2.0 * hidden / tp}},
+            "other": {"param_bytes": 2.0 * other_params / tp, "grad_bytes": 4.0 * other_params / tp,
+                      "optim_bytes": 12.0 * other_params / tp,
+                      "act_bytes_per_token": {"none": 6.0 * vocab / tp + 2.0 * hidden,
+                                              "selective": 6.0 * vocab / tp + 2.0 * hidden,
+                                              "full": 6.0 * vocab / tp + 2.0 * hidden}},
+        }
+    return {
+        "schema_version": 1, "kind": "model", "source": "analytic", "provenance": {},
+        "model": {"name": name, "hidden": hidden, "ffn": ffn, "layers": layers, "heads": heads,
+                  "kv_heads": kv_heads, "vocab": vocab, "seq_len": seq_len, "dtype": "bfloat16"},
+        "points": points, "fits": fits, "memory": memory,
+    }
+
+
+# Named models of the bench (GPT-like shapes).
+def llama2_7b(**kw) -> Dict:
+    return synthetic_model("llama2_7b", hidden=4096, ffn=11008, layers=32, heads=32, kv_heads=32,
+                           vocab=32000, seq_len=4096, **kw)
+
+
+def qwen_30b(**kw) -> Dict:
+    return synthetic_model("qwen_30b", hidden=5120, ffn=25600, layers=72, heads=64, kv_heads=8,
+                           vocab=32000, seq_len=32768, **kw)
+
+
+def qwen_100b(**kw) -> Dict:
+    return synthetic_model("qwen_100b", hidden=8192, ffn=49152, layers=74, heads=64, kv_heads=8,
+                           vocab=32000, seq_len=131072, **kw)

@@ -1,0 +1,92 @@
+"""ParallelLayout validates itself with messages that print the numbers, and round-trips JSON."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from orchestrator.errors import ConfigError
+from orchestrator.layout import LayoutError, ParallelLayout
+
+
+def _layout(**kw):
+    base = dict(world_size=8, pp=2, tp=2, dp=2, layers_per_stage=(4, 4), micro_batch_size=1,
+                num_micro_batches=4)
+    base.update(kw)
+    return ParallelLayout(**base)
+
+
+def test_degrees_must_multiply_to_world_size():
+    with pytest.raises(LayoutError, match=r"dp\(2\) \* tp\(4\) \* pp\(2\) != world_size\(8\)"):
+        _layout(tp=4)
+
+
+def test_layer_count_must_match_model():
+    layout = _layout(layers_per_stage=(3, 3))
+    with pytest.raises(LayoutError, match=r"sum\(layers_per_stage\)=6 != layers\(8\) of gpt"):
+        layout.check_model_layers(8, "gpt")
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(layers_per_stage=(8,)), r"len\(layers_per_stage\)=1 != pp\(2\)"),
+    (dict(layers_per_stage=(8, 0)), r"layers_per_stage\[1\]=0"),
+    (dict(zero=4), r"zero must be one of"),
+    (dict(zero=0, distributed_optimizer=True), r"distributed_optimizer\(True\).*zero\(0\)"),
+    (dict(tp=1, dp=4, sequence_parallel=True), r"sequence_parallel needs tp > 1"),
+    (dict(schedule="gpipe"), r"schedule must be one of"),
+    (dict(virtual_stages=2), r"'1f1b' has virtual_stages 1"),
+    (dict(schedule="interleaved", virtual_stages=2, num_micro_batches=3),
+     r"num_micro_batches\(3\) % pp\(2\) != 0"),
+    (dict(schedule="interleaved", virtual_stages=3, layers_per_stage=(3, 5)),
+     r"layers_per_stage\[1\]=5 % virtual_stages\(3\) != 0"),
+    (dict(recompute=(("full", 5), ("none", 0))), r"\('full', 5\): k_layers must be in 1..*=4"),
+    (dict(recompute=(("selective", 2), ("none", 0))), r"k_layers must be layers_per_stage\[0\]=4"),
+    (dict(recompute=(("none", 1), ("none", 0))), r"\('none', 1\): k_layers must be 0"),
+    (dict(recompute=(("none", 0),)), r"len\(recompute\)=1 != pp\(2\)"),
+    (dict(micro_batch_size=0), r"micro_batch_size must be an integer >= 1, got 0"),
+])
+def test_invalid_layouts_name_the_numbers(kw, message):
+    with pytest.raises(LayoutError, match=message):
+        _layout(**kw)
+
+
+def test_layout_error_is_a_value_error_and_a_config_error():
+    assert issubclass(LayoutError, ValueError) and issubclass(LayoutError, ConfigError)
+
+
+def test_global_batch_is_dp_times_micro_batch_times_count():
+    layout = _layout(micro_batch_size=2, num_micro_batches=8)
+    assert layout.global_batch_size == 2 * 2 * 8
+
+
+def test_distributed_optimizer_follows_zero_when_unset():
+    assert _layout(zero=1).distributed_optimizer is True
+    assert _layout(zero=0).distributed_optimizer is False
+    assert _layout(zero=3).distributed_optimizer is True
+
+
+def test_json_round_trip():
+    layout = _layout(zero=1, sequence_parallel=True, schedule="interleaved", virtual_stages=2,
+                     layers_per_stage=(4, 6), recompute=(("full", 2), ("selective", 6)))
+    again = ParallelLayout.from_dict(json.loads(json.dumps(layout.to_dict())))
+    assert again == layout and hash(again) == hash(layout)
+
+
+def test_from_dict_rejects_unknown_keys_and_wrong_global_batch():
+    d = _layout().to_dict()
+    with pytest.raises(LayoutError, match="unknown layout keys"):
+        ParallelLayout.from_dict({**d, "tensor_parallel": 2})
+    with pytest.raises(LayoutError, match=r"global_batch_size\(99\) != dp\(2\)"):
+        ParallelLayout.from_dict({**d, "global_batch_size": 99})
+
+
+def test_uniform_splits_layers_and_sets_recompute():
+    layout = ParallelLayout.uniform(12, 2, 3, 10, recompute="full", num_micro_batches=6)
+    assert layout.layers_per_stage == (4, 3, 3)
+    assert layout.recompute == (("full", 4), ("full", 3), ("full", 3))
+    assert layout.dp == 2
+
+
+def test_uniform_rejects_degrees_that_do_not_divide_world():
+    with pytest.raises(LayoutError, match=r"tp\(2\) \* pp\(3\) does not divide world_size\(16\)"):
+        ParallelLayout.uniform(16, 2, 3, 10)

@@ -1,0 +1,149 @@
+"""The GPT model on one process: shapes, refusals, counting on meta, pipeline split."""
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from orchestrator.models.config import ModelConfig, count_params, validate_model
+from orchestrator.models.gpt import GPT, cross_entropy_loss
+from orchestrator.models.parallelize import split_pipeline, stage_layer_ranges
+
+CONF_MODEL = Path(__file__).resolve().parent.parent / "conf" / "model"
+
+
+def _batch(cfg: ModelConfig, batch: int = 2, seq: int = 32, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab, (batch, seq + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def test_tiny_forward_backward_gives_finite_loss_and_every_gradient():
+    cfg = ModelConfig()
+    model = GPT(cfg)
+    tokens, targets = _batch(cfg)
+    assert model(tokens).shape == (2, 32, cfg.vocab)
+    loss = model(tokens, targets)
+    # An untrained model predicts about uniformly: loss near ln(vocab).
+    assert abs(loss.item() - torch.log(torch.tensor(cfg.vocab)).item()) < 0.5
+    loss.backward()
+    for name, param in model.named_parameters():
+        assert param.grad is not None and torch.isfinite(param.grad).all(), name
+
+
+def test_same_seed_gives_same_weights_and_other_seed_does_not():
+    cfg = ModelConfig(layers=1)
+    a, b, c = GPT(cfg, seed=3), GPT(cfg, seed=3), GPT(cfg, seed=4)
+    assert torch.equal(a.blocks[0].attn.wq.weight, b.blocks[0].attn.wq.weight)
+    assert not torch.equal(a.blocks[0].attn.wq.weight, c.blocks[0].attn.wq.weight)
+
+
+def test_attention_is_causal():
+    cfg = ModelConfig(layers=2)
+    model = GPT(cfg)
+    tokens, _ = _batch(cfg, seq=16)
+    changed = tokens.clone()
+    changed[:, 10:] = (changed[:, 10:] + 1) % cfg.vocab
+    torch.testing.assert_close(model(tokens)[:, :10], model(changed)[:, :10])
+
+
+@pytest.mark.parametrize(
+    "overrides, tp, message",
+    [
+        ({"heads": 6, "hidden": 96}, 4, "model.heads(6) is not divisible by tp(4)"),
+        ({"hidden": 102}, 1, "model.hidden(102) is not divisible by model.heads(4)"),
+        ({"kv_heads": 3}, 1, "model.heads(4) is not divisible by model.kv_heads(3)"),
+        ({}, 4, "model.kv_heads(2) is not divisible by tp(4)"),
+        ({"kv_heads": 4, "ffn": 390}, 4, "model.ffn(390) is not divisible by tp(4)"),
+        ({"kv_heads": 4, "vocab": 510}, 4, "model.vocab(510) is not divisible by tp(4)"),
+        ({"kv_heads": 4, "seq_len": 250}, 4, "model.seq_len(250) is not divisible by tp(4)"),
+        ({"layers": 0}, 1, "model.layers(0) must be a positive integer"),
+        ({"dtype": "fp8"}, 1, "model.dtype('fp8') must be one of"),
+        ({"hidden": 12, "heads": 4, "kv_heads": 4}, 1, "must be even for rotary"),
+    ],
+)
+def test_invalid_shapes_are_refused_with_the_numbers(overrides, tp, message):
+    cfg = dataclasses.replace(ModelConfig(), **overrides)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        validate_model(cfg, tp=tp)
+    if tp == 1:  # the model refuses to be built, too
+        with pytest.raises(ValueError):
+            GPT(cfg)
+
+
+@pytest.mark.parametrize("path", sorted(CONF_MODEL.glob("*.yaml")), ids=lambda p: p.stem)
+def test_model_yaml_has_every_field_and_meta_count_matches_analytic(path):
+    fields = yaml.safe_load(path.read_text())
+    assert set(fields) == {f.name for f in dataclasses.fields(ModelConfig)}, path.name
+    cfg = ModelConfig(**fields)
+    validate_model(cfg)
+    with torch.device("meta"):  # no memory, even for 100B parameters
+        model = GPT(cfg)
+    assert sum(p.numel() for p in model.parameters()) == count_params(cfg)
+    assert model.lm_head.weight.dtype == getattr(torch, cfg.dtype)
+
+
+def test_published_llama2_7b_parameter_count():
+    cfg = ModelConfig(**yaml.safe_load((CONF_MODEL / "llama2_7b.yaml").read_text()))
+    assert count_params(cfg) == 6_738_415_616
+
+
+@pytest.mark.parametrize("layers_per_stage", [[4], [1, 1, 1, 1], [3, 1], [0, 4], [2, 0, 2]])
+def test_pipeline_split_covers_each_block_once_and_matches_whole_model(layers_per_stage):
+    cfg = ModelConfig()
+    model = GPT(cfg)
+    tokens, targets = _batch(cfg)
+    stages = split_pipeline(model, layers_per_stage)
+    owned = [int(i) for stage in stages for i in stage.blocks]
+    assert owned == list(range(cfg.layers))
+    assert stages[0].tok_emb is model.tok_emb and stages[-1].lm_head is model.lm_head
+    h = tokens
+    for stage in stages:
+        h = stage(h)
+    torch.testing.assert_close(cross_entropy_loss(h, targets), model(tokens, targets))
+    # Parameter names of the stages are the model's own, each exactly once.
+    names = [n for stage in stages for n in stage.state_dict()]
+    assert sorted(names) == sorted(model.state_dict())
+
+
+def test_pipeline_stage_built_on_meta_initialises_to_whole_model_values():
+    cfg = ModelConfig()
+    whole = GPT(cfg, seed=5)
+    with torch.device("meta"):
+        lazy = GPT(cfg, seed=5)
+    stage = split_pipeline(lazy, [1, 3])[1]
+    stage.to_empty(device="cpu")
+    stage.init_weights(seed=5)
+    whole_params = dict(whole.named_parameters())
+    for name, param in stage.named_parameters():
+        assert torch.equal(param, whole_params[name]), name
+    h = whole.embed(_batch(cfg)[0])
+    h = whole.blocks[0](h, *whole.rope())
+    torch.testing.assert_close(stage(h), whole(_batch(cfg)[0]))
+
+
+@pytest.mark.parametrize(
+    "layers_per_stage, message",
+    [
+        ([2, 1], r"sum\(layers_per_stage \[2, 1\]\) = 3 != model.layers\(4\)"),
+        ([5, -1], r"must be integers >= 0"),
+        ([], r"layers_per_stage is empty"),
+    ],
+)
+def test_bad_pipeline_split_is_refused(layers_per_stage, message):
+    with pytest.raises(ValueError, match=message):
+        stage_layer_ranges(layers_per_stage, layers=4)
+
+
+def test_profiler_pieces_compose_to_the_whole_forward():
+    cfg = ModelConfig()
+    model = GPT(cfg)
+    tokens, targets = _batch(cfg)
+    h = model.embed(tokens)
+    cos, sin = model.rope()
+    for block in model.blocks:
+        h = block(h, cos, sin)
+    torch.testing.assert_close(model.head_loss(h, targets), model(tokens, targets))

@@ -1,0 +1,241 @@
+"""The cost model: closed-form pipeline time, Megatron-style memory and communication, and the
+profile adapters it reads."""
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.errors import ProfileError
+from orchestrator.layout import LayoutError, ParallelLayout
+from orchestrator.planner import CostOptions, HardwareModel, ModelCost, evaluate
+from orchestrator.planner.cost_model import (BREAKDOWN_KINDS, ConfigKey, StageCosts,
+                                             overlap_extra_us)
+from planner_fixtures import GiB, synthetic_hardware, synthetic_model
+
+SEQ = 512
+
+
+@pytest.fixture(scope="module")
+def model_json():
+    return synthetic_model(layers=8, hidden=256, ffn=1024, heads=8, vocab=1000)
+
+
+@pytest.fixture(scope="module")
+def model(model_json):
+    return ModelCost.from_dict(model_json)
+
+
+@pytest.fixture(scope="module")
+def hw():
+    return HardwareModel.from_dict(synthetic_hardware(2, 8))
+
+
+def _block_params(model_json, tp):
+    return model_json["memory"][str(tp)]["block"]["param_bytes"] / 2  # bf16: 2 bytes each
+
+
+# ------------------------------------------------------------------ time
+def test_iteration_is_sum_plus_m_minus_1_times_slowest_stage(model, hw):
+    layout = ParallelLayout.uniform(8, 2, 4, 8, sequence_parallel=True, num_micro_batches=8)
+    pred = evaluate(layout, model, hw, SEQ)  # dp = 1: no gradient sync
+    t = pred.stage_time_us
+    assert pred.iteration_time_us == pytest.approx(sum(t) + 7 * max(t), rel=1e-12)
+
+
+def test_closed_form_equals_simulation_when_last_stage_is_slowest(model, hw):
+    layout = ParallelLayout.uniform(8, 2, 4, 8, sequence_parallel=True, num_micro_batches=8)
+    pred = evaluate(layout, model, hw, SEQ, simulate=True)
+    assert max(pred.stage_time_us) == pred.stage_time_us[-1]
+    assert pred.simulated_iteration_time_us == pytest.approx(pred.iteration_time_us, rel=1e-9)
+
+
+def test_interleaving_shrinks_the_bubble(model, hw):
+    kw = dict(sequence_parallel=True, num_micro_batches=8)
+    plain = evaluate(ParallelLayout.uniform(8, 2, 4, 8, **kw), model, hw, SEQ)
+    inter = evaluate(ParallelLayout.uniform(8, 2, 4, 8, schedule="interleaved",
+                                            virtual_stages=2, **kw), model, hw, SEQ)
+    assert inter.breakdown_us["bubble"] < plain.breakdown_us["bubble"]
+
+
+@pytest.mark.parametrize("kw", [
+    dict(tp=2, pp=2, sequence_parallel=True, zero=1, num_micro_batches=4),
+    dict(tp=1, pp=4, zero=3, num_micro_batches=8, recompute="full"),
+    dict(tp=4, pp=2, zero=2, num_micro_batches=4, schedule="interleaved", virtual_stages=2,
+         recompute="selective"),
+    dict(tp=1, pp=1, zero=0, num_micro_batches=2),
+])
+def test_breakdown_adds_up_to_the_iteration(model, hw, kw):
+    layout = ParallelLayout.uniform(16, kw.pop("tp"), kw.pop("pp"), 8, **kw)
+    pred = evaluate(layout, model, hw, SEQ)
+    assert set(pred.breakdown_us) == set(BREAKDOWN_KINDS)
+    assert sum(pred.breakdown_us.values()) == pytest.approx(pred.iteration_time_us, rel=1e-9)
+    assert all(v >= -1e-6 for v in pred.breakdown_us.values())
+    assert pred.tokens_per_s == pytest.approx(
+        layout.global_batch_size * SEQ / (pred.iteration_time_us * 1e-6))
+
+
+def test_recompute_costs_time(model, hw):
+    base = dict(sequence_parallel=True, num_micro_batches=4)
+    times = [evaluate(ParallelLayout.uniform(8, 2, 2, 8, recompute=rc, **base), model, hw,
+                      SEQ).iteration_time_us for rc in ("none", "selective", "full")]
+    assert times[0] < times[1] < times[2]
+
+
+def test_sequence_parallel_backward_moves_more_than_forward(model, hw):
+    key = ConfigKey(8, 4, 1, 2, 0, True, 1, 4, "1f1b", 1)
+    costs = StageCosts(key, model, hw, SEQ)
+    assert costs.tp_b > costs.tp_f > 0  # 4 AG + 2 RS vs 2 AG + 2 RS
+    no_sp = StageCosts(ConfigKey(8, 4, 1, 2, 0, False, 1, 4, "1f1b", 1), model, hw, SEQ)
+    assert no_sp.tp_b == no_sp.tp_f  # 2 all-reduce each way
+
+
+def test_overlap_slows_both_sides_by_the_coefficient():
+    assert overlap_extra_us(10.0, 4.0, 1.5) == pytest.approx(2.0)  # comm hidden, compute slowed
+    assert overlap_extra_us(4.0, 10.0, 1.5) == pytest.approx(8.0)  # comm sticks out
+    assert overlap_extra_us(4.0, 10.0, 1.0) == pytest.approx(6.0)
+
+
+def test_gradient_sync_is_exposed_only_with_data_parallelism(model, hw):
+    single = evaluate(ParallelLayout.uniform(2, 2, 1, 8, sequence_parallel=True), model, hw, SEQ)
+    many = evaluate(ParallelLayout.uniform(16, 2, 1, 8, sequence_parallel=True), model, hw, SEQ)
+    assert single.breakdown_us["dp_sync_exposed"] == 0
+    assert many.breakdown_us["dp_sync_exposed"] > 0
+
+
+# ------------------------------------------------------------------ memory
+@pytest.mark.parametrize("zero,bytes_per_param", [
+    (0, lambda dp: 18.0), (1, lambda dp: 6.0 + 12.0 / dp), (2, lambda dp: 2.0 + 16.0 / dp),
+    (3, lambda dp: 18.0 / dp)])
+def test_bytes_per_param_by_zero_stage(model_json, model, hw, zero, bytes_per_param):
+    layout = ParallelLayout.uniform(16, 2, 2, 8, zero=zero, num_micro_batches=2)
+    pred = evaluate(layout, model, hw, SEQ)
+    # Stage 1 holds 4 blocks and half of "other" (the LM head).
+    other = model_json["memory"]["2"]["other"]["param_bytes"] / 2 * 0.5
+    params = 4 * _block_params(model_json, 2) + other
+    mem = pred.memory_bytes[1]
+    assert mem["params"] + mem["grads"] + mem["optim"] == pytest.approx(
+        params * bytes_per_param(layout.dp), rel=1e-12)
+
+
+def test_1f1b_stage_holds_p_minus_j_micro_batches(model_json, model, hw):
+    layout = ParallelLayout.uniform(8, 2, 4, 8, sequence_parallel=True, num_micro_batches=16)
+    pred = evaluate(layout, model, hw, SEQ)
+    per_token = model_json["memory"]["2"]["block"]["act_bytes_per_token"]["none"]
+    for j in range(3):  # the last stage also holds the LM head's activations
+        assert pred.memory_bytes[j]["activations"] == pytest.approx((4 - j) * 2 * per_token * SEQ)
+
+
+def test_full_recompute_keeps_layer_inputs_plus_one_layer(model_json, model, hw):
+    layout = ParallelLayout(world_size=2, pp=1, tp=2, dp=1, sequence_parallel=True,
+                            layers_per_stage=(8,), recompute=(("full", 6),))
+    pred = evaluate(layout, model, hw, SEQ)
+    act = model_json["memory"]["2"]["block"]["act_bytes_per_token"]
+    other = model_json["memory"]["2"]["other"]["act_bytes_per_token"]["none"]
+    expected = SEQ * (6 * act["full"] + 2 * act["none"] + (act["none"] - act["full"]) + other)
+    assert pred.memory_bytes[0]["activations"] == pytest.approx(expected)
+
+
+def test_without_sequence_parallel_activations_grow(model, hw):
+    sp = evaluate(ParallelLayout.uniform(4, 4, 1, 8, sequence_parallel=True), model, hw, SEQ)
+    no_sp = evaluate(ParallelLayout.uniform(4, 4, 1, 8), model, hw, SEQ)
+    assert no_sp.memory_bytes[0]["activations"] > sp.memory_bytes[0]["activations"]
+
+
+def test_over_budget_is_infeasible_with_a_reason(model, hw):
+    layout = ParallelLayout.uniform(8, 2, 4, 8, num_micro_batches=8)
+    pred = evaluate(layout, model, hw, SEQ, memory_budget_bytes=1e6)
+    assert not pred.feasible
+    assert "stage 0 needs" in pred.reason and "GiB > budget" in pred.reason
+    assert evaluate(layout, model, hw, SEQ, memory_budget_bytes=80 * GiB).feasible
+
+
+def test_reserve_is_charged_on_every_stage(model, hw):
+    layout = ParallelLayout.uniform(8, 2, 4, 8, num_micro_batches=8)
+    pred = evaluate(layout, model, hw, SEQ, options=CostOptions(reserve_bytes=GiB))
+    assert all(mem["reserve"] == GiB for mem in pred.memory_bytes)
+    for mem in pred.memory_bytes:
+        parts = sum(v for k, v in mem.items() if k != "total")
+        assert mem["total"] == pytest.approx(parts, rel=1e-12)
+
+
+# ------------------------------------------------------------------ errors
+def test_layout_for_another_model_is_rejected(model, hw):
+    with pytest.raises(LayoutError, match=r"sum\(layers_per_stage\)=6 != layers\(8\)"):
+        evaluate(ParallelLayout.uniform(8, 2, 2, 6), model, hw, SEQ)
+
+
+def test_unprofiled_tp_names_the_stage_to_rerun(hw):
+    model = ModelCost.from_dict(synthetic_model(layers=8, tps=(1, 2)))
+    with pytest.raises(ProfileError, match="stage=profile_model"):
+        evaluate(ParallelLayout.uniform(8, 4, 2, 8), model, hw, SEQ)
+
+
+def test_evaluate_is_exposed_at_package_level():
+    import orchestrator.planner as planner
+    assert planner.evaluate is evaluate
+
+
+# ------------------------------------------------------------------ profile adapters
+def test_hardware_uses_exact_fit_then_nearest_larger_then_ring_extrapolation():
+    hw_json = synthetic_hardware(2, 8, max_group=8)
+    fits = hw_json["benchmarks"]["allreduce"]["fits"]
+    fits[:] = [f for f in fits if f["group_size"] != 4]  # pretend 4 was not measured
+    hw = HardwareModel.from_dict(hw_json)
+    size = 64e6
+    by = {(f["group_size"], f["layout"]): f for f in fits}
+    exact = by[(2, "consec")]
+    assert hw.time_us("allreduce", 2, "consec", size) == pytest.approx(
+        exact["alpha_us"] + size / (exact["algbw_GBps"] * 1e3))
+    larger = by[(8, "consec")]
+    assert hw.time_us("allreduce", 4, "consec", size) == pytest.approx(
+        larger["alpha_us"] + size / (larger["algbw_GBps"] * 1e3))
+    # Beyond the largest measured group: bus bandwidth stays, latency grows with ring steps.
+    t64 = hw.time_us("allreduce", 64, "consec", size)
+    busbw8 = larger["algbw_GBps"] * 2 * 7 / 8
+    algbw64 = busbw8 / (2 * 63 / 64)
+    assert t64 == pytest.approx(larger["alpha_us"] * 63 / 7 + size / (algbw64 * 1e3))
+
+
+def test_group_layout_follows_nodes():
+    hw = HardwareModel.from_dict(synthetic_hardware(4, 8))
+    assert hw.group_layout(8, 1) == "consec"  # one node
+    assert hw.group_layout(4, 2) == "consec"  # dp 4 with tp 2: still one node
+    assert hw.group_layout(4, 8) == "strided"  # one member per node
+    assert hw.group_layout(8, 2) == "consec"  # two nodes, four members each
+    assert hw.p2p_time_us(1e6, True, 4) < hw.p2p_time_us(1e6, False, 4)
+
+
+def test_model_cost_reads_the_quadratic_fit(model_json, model):
+    c = model_json["fits"]["2"]["block_fwd_us"]
+    assert model.block_fwd_us(1000, 2) == pytest.approx(c[0] + c[1] * 1000 + c[2] * 1e6)
+    assert model.attention_core_fwd_us(1000, 2) == pytest.approx(c[2] * 1e6)
+    assert model.tps == (1, 2, 4, 8)
+
+
+def test_profiles_missing_sections_say_what_to_rerun():
+    with pytest.raises(ProfileError, match="stage=profile_hardware"):
+        HardwareModel.from_dict({"cluster": {"tasks_per_node": 8}})
+    with pytest.raises(ProfileError, match="stage=profile_model"):
+        ModelCost.from_dict({"model": {}})
+    hw = HardwareModel.from_dict({"cluster": {"tasks_per_node": 8, "world_size": 8},
+                                  "benchmarks": {}})
+    with pytest.raises(ProfileError, match=r"benchmarks=\[allreduce\]"):
+        hw.time_us("allreduce", 4, "consec", 1e6)
+
+
+def test_activation_fit_moves_memory_to_other_sequence_lengths(model_json, hw):
+    """Without flash attention, bytes per token grow with s (the profile's act_bytes_fit)."""
+    import copy
+    prof = copy.deepcopy(model_json)
+    block = prof["memory"]["2"]["block"]
+    per_token = block["act_bytes_per_token"]["none"]
+    # bytes per micro-batch = per_token * s + 0.5 * s^2 / 512 (an s^2 term), profiled at 512
+    block["act_seq_len"] = 512
+    block["act_bytes_fit"] = {mode: [0.0, block["act_bytes_per_token"][mode] - 0.5, 0.5 / 512]
+                              for mode in ("none", "selective", "full")}
+    model = ModelCost.from_dict(prof)
+    part = model.memory(2)[0]
+    assert part.act_bytes_per_token_at("none", 512) == pytest.approx(per_token)
+    assert part.act_bytes_per_token_at("none", 2048) == pytest.approx(per_token - 0.5 + 2.0)
+    short = evaluate(ParallelLayout.uniform(2, 2, 1, 8, sequence_parallel=True), model, hw, 512)
+    long = evaluate(ParallelLayout.uniform(2, 2, 1, 8, sequence_parallel=True), model, hw, 2048)
+    assert long.memory_bytes[0]["activations"] > 4 * short.memory_bytes[0]["activations"]

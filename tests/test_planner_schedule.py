@@ -1,0 +1,86 @@
+"""The event-driven pipeline simulation agrees with the textbook closed forms."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from orchestrator.planner.schedule import closed_form_time_us, simulate, stage_order
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 4, 7, 16])
+def test_1f1b_equal_stages_match_closed_form(p, m):
+    f, b = 3.0, 5.5
+    result = simulate([f] * p, [b] * p, m)
+    assert result.iteration_time_us == pytest.approx((m + p - 1) * (f + b), rel=1e-12)
+    assert result.iteration_time_us == pytest.approx(closed_form_time_us(f, b, p, m), rel=1e-12)
+    if m >= p:
+        assert result.bubble_fraction == pytest.approx((p - 1) / m, rel=1e-12)
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 2, 2), (2, 4, 3), (4, 4, 2), (4, 8, 4), (8, 16, 2),
+                                   (3, 6, 3)])
+def test_interleaved_equal_stages_match_closed_form(p, m, v):
+    f, b = 2.0, 4.0
+    result = simulate([f] * p, [b] * p, m, "interleaved", v)
+    assert result.iteration_time_us == pytest.approx(m * (f + b) + (p - 1) * (f + b) / v,
+                                                     rel=1e-12)
+    assert result.bubble_fraction == pytest.approx((p - 1) / (v * m), rel=1e-12)
+
+
+def test_busy_plus_idle_is_the_iteration_on_every_stage():
+    result = simulate([1.0, 2.0, 1.5], [2.0, 4.5, 3.0], 6, p2p_us=[0.2, 0.3])
+    for busy, idle in zip(result.stage_busy_us, result.stage_idle_us):
+        assert busy + idle == pytest.approx(result.iteration_time_us)
+    assert max(result.stage_finish_us) == result.iteration_time_us
+    # Stage 0 runs the very last backward.
+    assert result.stage_finish_us[0] == result.iteration_time_us
+
+
+def test_p2p_sends_lengthen_the_iteration():
+    base = simulate([2.0] * 4, [4.0] * 4, 8).iteration_time_us
+    assert simulate([2.0] * 4, [4.0] * 4, 8, p2p_us=0.5).iteration_time_us > base
+
+
+def test_unequal_1f1b_never_exceeds_the_cost_model_closed_form():
+    """The cost model's S + (m - 1) max t is an upper bound of the 1F1B simulation."""
+    rng = random.Random(7)
+    for _ in range(200):
+        p, m = rng.choice([2, 3, 4, 6]), rng.choice([1, 2, 5, 8, 16])
+        f = [rng.uniform(1, 3) for _ in range(p)]
+        b = [x * rng.uniform(1.5, 2.5) for x in f]
+        t = [x + y for x, y in zip(f, b)]
+        sim = simulate(f, b, m).iteration_time_us
+        assert sim <= sum(t) + (m - 1) * max(t) + 1e-9
+
+
+def test_slowest_last_stage_makes_the_closed_form_exact():
+    f, b = [1.0, 1.0, 1.0, 2.0], [2.0, 2.0, 2.0, 3.0]
+    t = [x + y for x, y in zip(f, b)]
+    assert simulate(f, b, 8).iteration_time_us == pytest.approx(sum(t) + 7 * max(t))
+
+
+@pytest.mark.parametrize("schedule,p,m,v", [("1f1b", 4, 8, 1), ("1f1b", 4, 2, 1),
+                                            ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 3)])
+def test_in_flight_micro_batches_match_the_memory_model(schedule, p, m, v):
+    """Peak outstanding forwards per stage: 1F1B min(p - j, m); interleaved (in chunks)
+    min((p - j - 1) * 2 + (v - 1) * p + 1, m v), the counts the cost model charges."""
+    for j in range(p):
+        order = stage_order(p, j, m, schedule, v)
+        assert sum(op == "F" for op, _, _ in order) == m * v
+        assert sum(op == "B" for op, _, _ in order) == m * v
+        live = peak = 0
+        for op, _, _ in order:
+            live += 1 if op == "F" else -1
+            peak = max(peak, live)
+        expected = (min(p - j, m) if schedule == "1f1b"
+                    else min((p - j - 1) * 2 + (v - 1) * p + 1, m * v))
+        assert peak == expected
+
+
+def test_bad_inputs_are_rejected():
+    with pytest.raises(ValueError, match="num_micro_batches"):
+        simulate([1.0] * 4, [2.0] * 4, 6, "interleaved", 2)
+    with pytest.raises(ValueError, match="one forward and one backward"):
+        simulate([1.0] * 2, [2.0] * 3, 4)
