@@ -110,3 +110,22 @@ def test_cancelled_job_then_rerun_resumes(slurm_cluster, profiles):
     assert entries["profile_hardware/allreduce"]["job_id"] != job_id
     profile = json.loads((profiles / "dev" / "hardware.json").read_text())
     assert set(profile["benchmarks"]) == {"allreduce", "p2p", "all2all"}
+
+
+def test_all_submits_an_afterok_chain(slurm_cluster, profiles):
+    quick = ["profile_hardware.max_size_bytes=65536", "profile_hardware.max_time_s=0.05",
+             "profile_hardware.size_step=16", "profile_hardware.benchmarks=[inventory,allreduce,p2p,reduce_scatter,all_gather]",
+             "profile_model.seq_lens=[64,128,192]", "profile_model.max_tp=2", "search.max_tp=2"]
+    proc = run_cli("stage=all", *SLURM, "wait=false", *quick, profiles_dir=profiles, check=0)
+    job_ids = re.findall(r"submitted Slurm job (\d+)", proc.stdout)
+    assert len(job_ids) == 3, proc.stdout
+    for before, after in zip(job_ids, job_ids[1:]):
+        out = subprocess.run(["scontrol", "show", "job", after], capture_output=True, text=True).stdout
+        # Pending jobs show their dependency; one that already started shows none (or "(null)").
+        assert f"afterok:{before}" in out or "JobState=PENDING" not in out
+    _wait_for(lambda: all(_sacct(j, "State")[:1] == ["COMPLETED"] for j in job_ids), timeout_s=600,
+              every_s=2, what="the three jobs to complete in order")
+    run_cli("stage=status", "cluster=dev", profiles_dir=profiles, check=0)
+    entries = ledger(profiles, "dev")
+    assert [entries[k]["state"] for k in ("profile_hardware", "profile_model/tiny", "search/tiny")] == ["done"] * 3
+    assert (profiles / "dev" / "strategy" / "tiny.json").exists()

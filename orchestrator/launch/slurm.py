@@ -47,6 +47,8 @@ def executor_parameters(cluster, *, ranks: str, name: str, after: Optional[str] 
         params["slurm_setup"] = list(cluster.setup)
     if after:
         params["slurm_dependency"] = f"afterok:{after}"
+        # Otherwise a failed predecessor leaves the rest of the chain pending forever.
+        params["slurm_additional_parameters"]["kill-on-invalid-dep"] = "yes"
     return params
 
 

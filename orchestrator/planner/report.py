@@ -30,6 +30,7 @@ def plot_strategy(result, path) -> Path:
     ax_t.bar(stages, [t / 1e3 for t in best.stage_fwd_us], label="forward")
     ax_t.bar(stages, [t / 1e3 for t in best.stage_bwd_us],
              bottom=[t / 1e3 for t in best.stage_fwd_us], label="backward (+recompute)")
+    ax_t.set_xticks(list(stages))
     ax_t.set_xlabel("pipeline stage")
     ax_t.set_ylabel("time per micro-batch (ms)")
     ax_t.set_title(f"layers per stage {list(result.best.layers_per_stage)}")
@@ -41,6 +42,7 @@ def plot_strategy(result, path) -> Path:
         values = [m[kind] / GiB for m in best.memory_bytes]
         ax_m.bar(stages, values, bottom=bottom, label=kind)
         bottom = [b + v for b, v in zip(bottom, values)]
+    ax_m.set_xticks(list(stages))
     ax_m.set_xlabel("pipeline stage")
     ax_m.set_ylabel("memory per device (GiB)")
     ax_m.set_title("memory by kind")

@@ -111,10 +111,11 @@ def run(ctx, run):
 
 
 def _report(result, source: str, cfg) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     import sys
+
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
 
     console = Console(width=None if sys.stdout.isatty() else 140)
     table = Table(title=f"best layouts for {cfg.model.name} on {result.best.world_size} devices "
@@ -123,7 +124,7 @@ def _report(result, source: str, cfg) -> None:
     for col in ("#", "layout", "iteration ms", "tokens/s", "peak GiB"):
         table.add_column(col, justify="right" if col != "layout" else "left")
     for i, (layout, pred) in enumerate(result.top):
-        table.add_row(str(i + 1), layout.describe(), f"{pred.iteration_time_us / 1e3:.1f}",
+        table.add_row(str(i + 1), escape(layout.describe()), f"{pred.iteration_time_us / 1e3:.1f}",
                       f"{pred.tokens_per_s:,.0f}", f"{pred.peak_memory_bytes / GiB:.1f}")
     console.print(table)
     b = result.prediction.breakdown_us
