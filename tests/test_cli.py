@@ -109,3 +109,9 @@ def test_missing_input_names_the_command_that_builds_it(profiles):
     assert proc.returncode == 4, proc.stdout + proc.stderr
     assert "hardware.json: missing" in proc.stderr
     assert "python -m orchestrator stage=profile_hardware" in proc.stderr
+
+
+def test_multirun_sweeps_with_the_local_launcher(profiles):
+    proc = run_cli("-m", "stage=noop", "cluster.tasks_per_node=2,4", profiles_dir=profiles, check=0)
+    assert "on 2 rank(s)" in proc.stdout and "on 4 rank(s)" in proc.stdout
+    assert proc.stdout.count("✓ noop: done") == 2

@@ -1,0 +1,188 @@
+"""Fits of compute time against sequence length, so the search can price lengths never profiled.
+
+A block is quadratic in the sequence length s (projections and MLP grow with s, attention with s^2):
+    time_us(s) = c0 + c1 s + c2 s^2
+The "other" parts (embedding, LM head, loss) are linear: time_us(s) = c0 + c1 s.
+
+The fit minimises the squared *relative* error (a 128-token point measured in microseconds weighs as
+much as a 32k-token point measured in milliseconds) and keeps every coefficient >= 0: a negative
+c2 fitted to noise would predict negative times far outside the profiled range. With 3 unknowns
+the non-negative optimum is found exactly by trying every subset of free coefficients.
+
+Over a short range of lengths the s^2 term of a block is small next to noise, and a free quadratic
+can miss it (or invent it). Points carry their exact FLOPs, themselves c0 + c1 s + c2 s^2 (dense
+layers linear, attention quadratic), so a second candidate is time = a + k * flops(s): one rate
+for all the block's work, still a quadratic in s. Both are fitted on all but the longest length
+and judged on how well they predict it (the use: pricing longer lengths); the FLOP model is kept
+unless the free quadratic's error there is under half of its own. The chosen one is refitted on
+all points; "block_models" in the fits says which ("quadratic" or "flops").
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+BLOCK_KEYS = ("block_fwd_us", "block_bwd_us")
+QUADRATIC_MARGIN = 0.5  # the free quadratic must validate this much better than the FLOP model
+OTHER_KEYS = ("other_fwd_us", "other_bwd_us")
+
+
+def predict_poly(coeffs: Sequence[float], seq_len: float) -> float:
+    """sum(c_i * seq_len^i): time in us (or bytes) at `seq_len` from [c0, c1, ...]."""
+    return float(sum(c * float(seq_len) ** i for i, c in enumerate(coeffs)))
+
+
+def fit_poly_nonneg(seq_lens: Sequence[float], values: Sequence[float],
+                    degree: int) -> Tuple[List[float], List[float]]:
+    """Non-negative polynomial fit minimising the squared relative error.
+
+    Returns ([c0, ..., c_degree], relative residuals (pred - value) / value per point). With fewer
+    distinct lengths than coefficients, the highest powers are dropped (set to 0).
+    """
+    s = np.asarray(seq_lens, dtype=np.float64)
+    v = np.asarray(values, dtype=np.float64)
+    if s.shape != v.shape or s.size == 0:
+        raise ValueError(f"need matching, non-empty seq_lens and values, got {s.size} and {v.size}")
+    if np.any(v <= 0):
+        raise ValueError(f"values must be > 0 for a relative fit, got {v.tolist()}")
+    degree = min(degree, len(np.unique(s)) - 1)
+    scale = float(s.max())  # powers of s/scale keep the system well conditioned
+    x = s / scale
+    basis = np.stack([x ** i for i in range(degree + 1)], axis=1) / v[:, None]
+    ones = np.ones_like(v)
+    best, best_cost = np.zeros(degree + 1), np.inf
+    for k in range(1, degree + 2):
+        for free in itertools.combinations(range(degree + 1), k):
+            sol, *_ = np.linalg.lstsq(basis[:, free], ones, rcond=None)
+            if np.any(sol < 0):
+                continue
+            coef = np.zeros(degree + 1)
+            coef[list(free)] = sol
+            cost = float(np.sum((basis @ coef - ones) ** 2))
+            if cost < best_cost - 1e-15:
+                best, best_cost = coef, cost
+    coeffs = [float(c / scale ** i) for i, c in enumerate(best)]
+    resid = [(predict_poly(coeffs, si) - vi) / vi for si, vi in zip(s, v)]
+    return coeffs, [float(r) for r in resid]
+
+
+def _flops_fit(seq_lens, values, flops) -> Tuple[List[float], List[float]]:
+    """time = a + k * flops(s), a, k >= 0, as [c0, c1, c2] in s, and relative residuals."""
+    s = np.asarray(seq_lens, dtype=np.float64)
+    v = np.asarray(values, dtype=np.float64)
+    f = np.asarray(flops, dtype=np.float64)
+    fscale = float(f.max())
+    if len(np.unique(f)) < 2:  # one length: proportional to the work
+        a, k = 0.0, float(np.mean(v / f))
+    else:
+        (a, k), _ = fit_poly_nonneg(f / fscale, v, 1)  # linear in flops
+        k /= fscale
+    deg = min(2, len(np.unique(s)) - 1)
+    sscale = float(s.max())
+    fc = np.polynomial.polynomial.polyfit(s / sscale, f, deg) if deg >= 1 else np.array([0.0, f[0]])
+    fcoef = [float(c / sscale ** i) for i, c in enumerate(fc)] + [0.0] * (3 - len(fc))
+    coeffs = [a + k * fcoef[0], k * fcoef[1], k * fcoef[2]]
+    coeffs = [max(c, 0.0) for c in coeffs]
+    resid = [(predict_poly(coeffs, si) - vi) / vi for si, vi in zip(s, v)]
+    return coeffs, [float(r) for r in resid]
+
+
+def fit_block(seq_lens: Sequence[float], values: Sequence[float],
+              flops: Optional[Sequence[float]] = None) -> Tuple[List[float], List[float], str]:
+    """A block's time fit: ([c0, c1, c2], relative residuals, "quadratic" | "flops").
+
+    With FLOPs per point and 4+ lengths, the candidate that predicts the longest length from the
+    others (the FLOP model unless the quadratic halves its error) is refitted on all points;
+    without FLOPs, or with 3 lengths, the free quadratic; with fewer, the FLOP model (the
+    quadratic is undetermined).
+    """
+    order = np.argsort(seq_lens)
+    s = [float(seq_lens[i]) for i in order]
+    v = [float(values[i]) for i in order]
+    f = [float(flops[i]) for i in order] if flops is not None else None
+    if f is None or any(x <= 0 for x in f):
+        coeffs, resid = fit_poly_nonneg(s, v, 2)
+        return coeffs + [0.0] * (3 - len(coeffs)), resid, "quadratic"
+    distinct = len(set(s))
+    if distinct < 4:
+        if distinct < 3:
+            c, r = _flops_fit(s, v, f)
+            return c, r, "flops"
+        c, r = fit_poly_nonneg(s, v, 2)
+        return c + [0.0] * (3 - len(c)), r, "quadratic"
+    last = s[-1]
+    head = [i for i, x in enumerate(s) if x != last]
+    tail = [i for i, x in enumerate(s) if x == last]
+    sh, vh, fh = [s[i] for i in head], [v[i] for i in head], [f[i] for i in head]
+    target = float(np.mean([v[i] for i in tail]))
+    cq, _ = fit_poly_nonneg(sh, vh, 2)
+    cf, _ = _flops_fit(sh, vh, fh)
+    err_q = abs(predict_poly(cq, last) - target) / target
+    err_f = abs(predict_poly(cf, last) - target) / target
+    # The FLOP model has one parameter less and no free s^2 term to bend on noise: keep it
+    # unless the free quadratic predicts clearly better (half the error).
+    if err_q >= QUADRATIC_MARGIN * err_f:
+        c, r = _flops_fit(s, v, f)
+        return c, r, "flops"
+    c, r = fit_poly_nonneg(s, v, 2)
+    return c + [0.0] * (3 - len(c)), r, "quadratic"
+
+
+def fit_points(points: Sequence[Mapping]) -> Dict[str, dict]:
+    """The schema's "fits" section from profile points (any TP degrees, any order).
+
+    Per TP degree (a string key): block_fwd_us / block_bwd_us as [c0, c1, c2] (quadratic, see
+    fit_block; "block_models" says which candidate each is), other_fwd_us / other_bwd_us as
+    [c0, c1] (linear), the largest relative error over all four fits ("max_rel_err"), the
+    residuals per series ("rel_residuals", in the order of "seq_lens") and the source of the
+    points fitted ("measured" or "analytic").
+    """
+    by_tp: Dict[int, List[Mapping]] = {}
+    for p in points:
+        by_tp.setdefault(int(p["tp"]), []).append(p)
+    fits = {}
+    for tp in sorted(by_tp):
+        pts = sorted(by_tp[tp], key=lambda p: p["seq_len"])
+        seqs = [p["seq_len"] for p in pts]
+        entry, worst, resid, models = {}, 0.0, {}, {}
+        for key in BLOCK_KEYS + OTHER_KEYS:
+            values = [p[key] for p in pts]
+            if key in BLOCK_KEYS:
+                part = key[:-len("_us")]  # block_fwd / block_bwd, as in the points' "flops"
+                flops = ([p["flops"][part] for p in pts]
+                         if all(part in p.get("flops", {}) for p in pts) else None)
+                coeffs, r, models[key] = fit_block(seqs, values, flops)
+            else:
+                coeffs, r = fit_poly_nonneg(seqs, values, 1)
+                coeffs += [0.0] * (2 - len(coeffs))
+            entry[key] = coeffs
+            resid[key] = r
+            worst = max([worst] + [abs(x) for x in r])
+        entry["max_rel_err"] = worst
+        entry["seq_lens"] = seqs
+        entry["rel_residuals"] = resid
+        entry["block_models"] = models
+        sources = sorted({p.get("source", "measured") for p in pts})
+        entry["source"] = sources[0] if len(sources) == 1 else "mixed"
+        fits[str(tp)] = entry
+    return fits
+
+
+def fit_activation_bytes(seq_lens: Sequence[float], act_bytes: Sequence[float]) -> List[float]:
+    """Exact-interpolation fit of activation bytes per micro-batch: [c0, c1, c2] in s (bytes).
+
+    Saved activations are a polynomial of degree <= 2 in s for a fixed kernel choice (linear with
+    flash attention, quadratic where attention scores are kept), so an ordinary least-squares fit
+    through the measured points reproduces them and extends to other lengths.
+    """
+    s = np.asarray(seq_lens, dtype=np.float64)
+    b = np.asarray(act_bytes, dtype=np.float64)
+    degree = min(2, len(np.unique(s)) - 1)
+    if degree < 1:  # one length: proportional to s
+        return [0.0, float(b[0] / s[0]), 0.0]
+    scale = float(s.max())
+    coeffs = np.polynomial.polynomial.polyfit(s / scale, b, degree)
+    out = [float(c / scale ** i) for i, c in enumerate(coeffs)]
+    return out + [0.0] * (3 - len(out))

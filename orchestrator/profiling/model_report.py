@@ -1,0 +1,162 @@
+"""Human views of a model profile: tables (rich) and a PNG (time and activation memory vs seq)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping, Optional
+
+from rich.console import Console
+from rich.table import Table
+
+from orchestrator.profiling.model_fit import predict_poly
+
+MODES = ("none", "selective", "full")
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} TiB"
+
+
+def _source_tag(source: str) -> str:
+    return "[yellow]analytic[/]" if source == "analytic" else source
+
+
+def points_table(profile: Mapping) -> Table:
+    """A row per (tp, seq): compute times (us), TP collective time, block activation bytes per
+    token per recompute mode and the ratio to Megatron's formula; every row names its source."""
+    model = profile["model"]
+    title = (f"{model['name']}: one block and the other parts per micro-batch of "
+             f"{profile.get('micro_batch_size', 1)} ({profile.get('source')})")
+    table = Table(title=title, title_justify="left")
+    for col in ("tp", "seq", "block fwd us", "block bwd us", "other fwd us", "other bwd us",
+                "TP comm us", "act B/tok none", "selective", "full", "vs Megatron (none/sel)",
+                "source"):
+        table.add_column(col, justify="left" if col == "source" else "right")
+    for p in sorted(profile.get("points", []), key=lambda p: (p["tp"], p["seq_len"])):
+        tokens = p["seq_len"] * profile.get("micro_batch_size", 1)
+        act = p["block_act_bytes"]
+        comm = sum(p.get(k, 0.0) for k in ("block_fwd_comm_us", "block_bwd_comm_us"))
+        ratio = p.get("megatron_ratio", {})
+        table.add_row(str(p["tp"]), str(p["seq_len"]), f"{p['block_fwd_us']:.1f}",
+                      f"{p['block_bwd_us']:.1f}", f"{p['other_fwd_us']:.1f}",
+                      f"{p['other_bwd_us']:.1f}", f"{comm:.0f}" if comm else "-",
+                      *(f"{act[m] / tokens:.0f}" for m in MODES),
+                      f"{ratio.get('none', 0):.2f} / {ratio.get('selective', 0):.2f}",
+                      _source_tag(p.get("source", "measured")))
+    return table
+
+
+def fits_table(profile: Mapping) -> Table:
+    """Per TP degree: the block (quadratic) and other (linear) fits and their worst error."""
+    table = Table(title="fits: block c0 + c1 s + c2 s^2, other c0 + c1 s (us)", title_justify="left")
+    for col in ("tp", "block fwd", "block bwd", "other fwd", "other bwd", "max rel err", "source"):
+        table.add_column(col, justify="left" if col == "source" else "right")
+
+    def fmt(c):
+        return " ".join(f"{x:.3g}" for x in c)
+
+    for tp, f in sorted(profile.get("fits", {}).items(), key=lambda kv: int(kv[0])):
+        table.add_row(tp, fmt(f["block_fwd_us"]), fmt(f["block_bwd_us"]), fmt(f["other_fwd_us"]),
+                      fmt(f["other_bwd_us"]), f"{f['max_rel_err']:.1%}",
+                      _source_tag(f.get("source", "measured")))
+    return table
+
+
+def memory_table(profile: Mapping) -> Table:
+    """Per TP degree and part: states of one rank and activation bytes per token."""
+    seq = profile["model"]["seq_len"]
+    table = Table(title=f"memory per rank (activations at seq {seq})", title_justify="left")
+    for col in ("tp", "part", "params", "param", "grad", "optim", "act B/tok none", "selective",
+                "full", "vs Megatron", "source"):
+        table.add_column(col, justify="left" if col in ("part", "source") else "right")
+    for tp, m in sorted(profile.get("memory", {}).items(), key=lambda kv: int(kv[0])):
+        for part in ("block", "other"):
+            e = m[part]
+            act = e["act_bytes_per_token"]
+            ratio = e.get("megatron_ratio")
+            table.add_row(tp, part, f"{e.get('params', 0) / 1e6:.2f}M", _bytes(e["param_bytes"]),
+                          _bytes(e["grad_bytes"]), _bytes(e["optim_bytes"]),
+                          *(f"{act[mode]:.0f}" for mode in MODES),
+                          " / ".join(f"{ratio[mode]:.2f}" for mode in MODES) if ratio else "-",
+                          _source_tag(m.get("source", "measured")))
+    return table
+
+
+def print_report(profile: Mapping, console: Optional[Console] = None) -> None:
+    """Print the points, the fits and the memory tables."""
+    import sys
+
+    # Wide enough for the tables when output goes to a file or a pipe (rich would use 80).
+    console = console or Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+    console.print(points_table(profile))
+    if profile.get("fits"):
+        console.print(fits_table(profile))
+    if profile.get("memory"):
+        console.print(memory_table(profile))
+    if profile.get("source") == "analytic":
+        sheet = profile.get("method", {}).get("device_sheet", {})
+        console.print(f"[yellow]analytic[/]: times from FLOPs on device sheet "
+                      f"{sheet.get('name', '?')} (efficiency {sheet.get('efficiency', '?')}), "
+                      f"TP collectives not included; memory exact from shapes")
+
+
+def plot_profile(profile: Mapping, png_path: str | os.PathLike) -> Optional[Path]:
+    """Write a PNG: block fwd+bwd time against seq with the fit (left), block activation memory
+    against seq per TP degree and recompute mode (right). Returns the path, None if no points."""
+    points = profile.get("points", [])
+    if not points:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
+    tps = sorted({p["tp"] for p in points})
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = {"none": "-", "selective": "--", "full": ":"}
+    for i, tp in enumerate(tps):
+        c = colours[i % len(colours)]
+        pts = sorted((p for p in points if p["tp"] == tp), key=lambda p: p["seq_len"])
+        s = np.array([p["seq_len"] for p in pts], dtype=float)
+        t = np.array([p["block_fwd_us"] + p["block_bwd_us"] for p in pts]) / 1e3
+        ax_t.plot(s, t, "o", color=c, label=f"tp={tp} measured" if pts[0].get("source") != "analytic"
+                  else f"tp={tp} analytic")
+        fit = profile.get("fits", {}).get(str(tp))
+        if fit:
+            grid = np.geomspace(s.min(), s.max() * 1.05, 100)
+            pred = [(predict_poly(fit["block_fwd_us"], x) + predict_poly(fit["block_bwd_us"], x))
+                    / 1e3 for x in grid]
+            ax_t.plot(grid, pred, "-", color=c, alpha=0.6)
+        for mode in MODES:
+            a = np.array([p["block_act_bytes"][mode] for p in pts]) / 2**20
+            ax_m.plot(s, a, styles[mode], marker="o", markersize=3, color=c,
+                      label=f"tp={tp} {mode}")
+    seqs = [p["seq_len"] for p in points]
+    if max(seqs) > 20 * min(seqs):  # a sweep over orders of magnitude reads better on log axes
+        for ax in (ax_t, ax_m):
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+    ax_t.set_xlabel("sequence length")
+    ax_t.set_ylabel("block fwd + bwd (ms)")
+    ax_t.set_title(f"{profile['model']['name']}: block time ({profile.get('source')}), fit lines")
+    ax_t.legend(fontsize=8)
+    ax_t.grid(alpha=0.3)
+    ax_m.set_xlabel("sequence length")
+    ax_m.set_ylabel("block activations per rank (MiB)")
+    ax_m.set_title("activation memory: none (-), selective (--), full (:)")
+    ax_m.legend(fontsize=7, ncol=2)
+    ax_m.grid(alpha=0.3)
+    fig.tight_layout()
+    png_path = Path(png_path)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = png_path.with_name(f".{png_path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, png_path)
+    return png_path

@@ -1,0 +1,286 @@
+"""One profile point (sequence length, TP degree) of a model: build it, time it, count its memory.
+
+A point is a one-layer GPT of the profiled shape, tensor-parallel over this rank's TP group with
+sequence parallelism and a vocab-parallel loss (Megatron's layout) when tp > 1. It is timed in
+two parts, as a pipeline stage sees them:
+- block: forward and backward of one transformer layer for one micro-batch;
+- other: embedding forward + final norm, LM head and loss forward; their backwards.
+
+Every rank of a group runs the same iterations; a barrier on the group starts each one. Times are
+per rank in microseconds, the fastest iteration (and the median) of each part (CPU: perf_counter
+around blocking calls; GPU: CUDA events).
+The same builder runs under FakeTensorMode for analytic points (no data, shapes only).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from orchestrator.models.config import ModelConfig
+from orchestrator.profiling import model_memory as mem
+
+
+@dataclass
+class PointModel:
+    """A one-layer GPT built for sequence length `seq_len` on `tp` ranks (TP+SP when tp > 1)."""
+
+    model: torch.nn.Module
+    cfg: ModelConfig  # the profiled shape (layers=1, seq_len = the largest length it serves)
+    tp: int
+    device: torch.device
+    batch: int
+
+    @property
+    def block(self):
+        return self.model.blocks[0]
+
+    def rope(self):
+        return self.model.rope()
+
+    def loss_ctx(self):
+        """The context forward and backward of the loss must run in (vocab-parallel loss)."""
+        if self.tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def block_input(self, seq_len: int, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """A (batch, seq_len / tp, hidden) activation (this rank's sequence shard), requires grad."""
+        from orchestrator.models.gpt import torch_dtype
+
+        shape = (self.batch, seq_len // self.tp, self.cfg.hidden)
+        x = torch.randn(shape, dtype=torch_dtype(self.cfg.dtype), device=self.device,
+                        generator=generator)
+        return x.requires_grad_(True)
+
+    def tokens(self, seq_len: int, generator: Optional[torch.Generator] = None):
+        """Token ids and targets (batch, seq_len), the same on every rank of the group."""
+        g = generator or torch.Generator().manual_seed(seq_len)
+        tokens = torch.randint(0, self.cfg.vocab, (self.batch, seq_len), generator=g)
+        targets = torch.randint(0, self.cfg.vocab, (self.batch, seq_len), generator=g)
+        return tokens.to(self.device), targets.to(self.device)
+
+    def block_states(self) -> list:
+        return mem.states_of(self.block) + list(self.model.rope.buffers())
+
+    def other_params(self) -> list:
+        m = self.model
+        return list(m.tok_emb.parameters()) + list(m.norm.parameters()) + list(m.lm_head.parameters())
+
+    def other_states(self) -> list:
+        return self.other_params() + list(self.model.rope.buffers())
+
+
+def build_point_model(model_cfg: ModelConfig, max_seq_len: int, tp: int, tp_mesh, device,
+                      batch: int = 1) -> PointModel:
+    """A one-layer GPT of `model_cfg`'s shape serving lengths up to `max_seq_len` on `device`,
+    sharded over `tp_mesh` (a 1-D DeviceMesh of tp ranks; None when tp == 1)."""
+    from orchestrator.models.gpt import GPT
+    from orchestrator.models.parallelize import apply_tensor_parallel
+
+    cfg = replace(model_cfg, layers=1, seq_len=max_seq_len)
+    # Built (and initialised from CPU generators) on the CPU, then moved: one layer is small.
+    model = GPT(cfg)
+    if torch.device(device).type != "cpu":
+        model = model.to(device)
+    if tp > 1:
+        apply_tensor_parallel(model, tp_mesh, sequence_parallel=True, loss_parallel=True)
+    return PointModel(model=model, cfg=cfg, tp=tp, device=torch.device(device), batch=batch)
+
+
+class Stopwatch:
+    """Elapsed microseconds of a region: CUDA events on a GPU, perf_counter on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def elapsed_us(self, start, end) -> float:
+        if self.cuda:
+            end.synchronize()
+            return float(start.elapsed_time(end)) * 1e3
+        return (end - start) * 1e6
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def _zero_grads(module: torch.nn.Module) -> None:
+    for p in module.parameters():
+        p.grad = None
+
+
+PARTS = ("block_fwd_us", "block_bwd_us", "other_fwd_us", "other_bwd_us")
+
+
+class CommTimer:
+    """Time spent in collectives (issue + wait) of the regions run inside `with timer.region(k)`.
+
+    A TorchDispatchMode sees every c10d functional op DTensor issues (forward and backward);
+    on a GPU the ops are bracketed by synchronisations so the host clock measures the transfer.
+    Used on separate iterations: its synchronisations would distort the compute it interleaves.
+    """
+
+    def __init__(self, device: torch.device):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.cuda = torch.device(device).type == "cuda"
+        self.totals_us: Dict[str, float] = {}
+        self._key: Optional[str] = None
+        timer = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                ns = getattr(func, "namespace", "")
+                if timer._key is None or not ns.startswith(("_c10d_functional", "c10d")):
+                    return func(*args, **(kwargs or {}))
+                if timer.cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                out = func(*args, **(kwargs or {}))
+                if timer.cuda:
+                    torch.cuda.synchronize()
+                timer.totals_us[timer._key] += (time.perf_counter() - t0) * 1e6
+                return out
+
+        self.mode = _Mode()
+
+    @contextlib.contextmanager
+    def region(self, key: str):
+        self.totals_us.setdefault(key, 0.0)
+        self._key = key
+        try:
+            yield
+        finally:
+            self._key = None
+
+
+def _run_once(pm: PointModel, x, dy, cos, sin, tokens, targets, clock: Stopwatch,
+              barrier: Callable[[], None], comm: Optional[CommTimer] = None) -> Dict[str, float]:
+    """One iteration of block fwd/bwd and other fwd/bwd; elapsed us per part."""
+    region = comm.region if comm else (lambda key: contextlib.nullcontext())
+    barrier()
+    clock.sync()
+    t0 = clock.mark()
+    with region("block_fwd_us"):
+        y = pm.block(x, cos, sin)
+    t1 = clock.mark()
+    with region("block_bwd_us"):
+        y.backward(dy)
+    t2 = clock.mark()
+    out = {"block_fwd_us": clock.elapsed_us(t0, t1), "block_bwd_us": clock.elapsed_us(t1, t2)}
+    x.grad = None
+    _zero_grads(pm.block)
+    del y
+    # other: embedding, then norm + head + loss on a detached copy (as on another stage)
+    barrier()
+    clock.sync()
+    with pm.loss_ctx():
+        t0 = clock.mark()
+        with region("other_fwd_us"):
+            h = pm.model.embed(tokens)
+        t1 = clock.mark()
+        h_in = h.detach().requires_grad_(True)
+        t2 = clock.mark()
+        with region("other_fwd_us"):
+            loss = pm.model.head_loss(h_in, targets)
+        t3 = clock.mark()
+        with region("other_bwd_us"):
+            loss.backward()
+        t4 = clock.mark()
+    with region("other_bwd_us"):
+        h.backward(h_in.grad)
+    t5 = clock.mark()
+    out["other_fwd_us"] = clock.elapsed_us(t0, t1) + clock.elapsed_us(t2, t3)
+    out["other_bwd_us"] = clock.elapsed_us(t3, t4) + clock.elapsed_us(t4, t5)
+    _zero_grads(pm.model)
+    return out
+
+
+def time_point(pm: PointModel, seq_len: int, warmup_iters: int, iters: int,
+               barrier: Callable[[], None] = lambda: None) -> Dict[str, List[float]]:
+    """Time block and other forward/backward at `seq_len` on this rank.
+
+    Returns samples in us: "block_fwd_us", "block_bwd_us", "other_fwd_us", "other_bwd_us" (whole
+    parts, TP collectives included) and, when tp > 1, the same keys with "_comm" before "_us"
+    (time in TP collectives, measured on `iters` further iterations). `barrier` aligns the ranks
+    of the TP group before every timed region (every rank of the group calls it).
+    """
+    clock = Stopwatch(pm.device)
+    g = torch.Generator().manual_seed(1234 + seq_len) if pm.device.type == "cpu" else None
+    x = pm.block_input(seq_len, g)
+    dy = torch.randn_like(x)
+    cos, sin = pm.rope()
+    tokens, targets = pm.tokens(seq_len)
+    samples: Dict[str, List[float]] = {k: [] for k in PARTS}
+    for i in range(warmup_iters + iters):
+        times = _run_once(pm, x, dy, cos, sin, tokens, targets, clock, barrier)
+        if i >= warmup_iters:
+            for k, v in times.items():
+                samples[k].append(v)
+    if pm.tp > 1:
+        comm_keys = {k: k.replace("_us", "_comm_us") for k in PARTS}
+        samples.update({v: [] for v in comm_keys.values()})
+        timer = CommTimer(pm.device)
+        for _ in range(iters):
+            timer.totals_us.clear()
+            with timer.mode:
+                _run_once(pm, x, dy, cos, sin, tokens, targets, clock, barrier, timer)
+            for k in PARTS:
+                samples[comm_keys[k]].append(timer.totals_us.get(k, 0.0))
+    return samples
+
+
+def summarise(samples: Dict[str, List[float]]) -> Dict[str, float]:
+    """Per part: the fastest iteration (the key itself) and the median ("<part>_median_us").
+
+    The fastest is what the code costs; slower iterations add what other processes and the OS
+    took from it (Python's timeit makes the same choice). Both are kept.
+    """
+    out = {}
+    for k, v in samples.items():
+        out[k] = float(np.min(v))
+        out[k.replace("_us", "_median_us")] = float(np.median(v))
+    return out
+
+
+def memory_point(pm: PointModel, seq_len: int, gpu_kernels: bool = False,
+                 allocator: bool = False) -> dict:
+    """This rank's activation bytes at `seq_len` per recompute mode, for the block and the other
+    parts: {"block_act_bytes": {mode: bytes}, "other_act_bytes": {mode: bytes}}.
+
+    Counted from the tensors autograd saves (exact on CPU, GPU and under FakeTensorMode). With
+    `allocator` (GPU), block_act_bytes is the allocator's figure instead, and the count is kept
+    as "block_act_bytes_saved", the forward's peak above its start as "block_act_peak_bytes".
+    `gpu_kernels`: count what CUDA kernels would save (see model_memory.GpuKernelsMode).
+    """
+    cos, sin = pm.rope()
+    x = pm.block_input(seq_len)
+    block_states = pm.block_states()
+    saved = {mode: mem.count_block_activations(pm.block, x, cos, sin, mode, block_states,
+                                               gpu_kernels)
+             for mode in mem.RECOMPUTE_MODES}
+    tokens, targets = pm.tokens(seq_len)
+    other = mem.count_other_activations(pm.model, tokens, targets, mem.states_of(pm.model),
+                                        pm.loss_ctx, gpu_kernels)
+    out = {"block_act_bytes": saved, "other_act_bytes": {m: other for m in mem.RECOMPUTE_MODES}}
+    if allocator:
+        alloc = {m: mem.allocator_block_activations(pm.block, x, cos, sin, m)
+                 for m in mem.RECOMPUTE_MODES}
+        out["block_act_bytes"] = {m: a["act"] for m, a in alloc.items()}
+        out["block_act_bytes_saved"] = saved
+        out["block_act_peak_bytes"] = {m: a["peak"] for m, a in alloc.items()}
+    return out

@@ -1,0 +1,92 @@
+"""`python -m orchestrator stage=profile_model` as a user runs it: real ranks, resume, analytic."""
+from __future__ import annotations
+
+import time
+
+import yaml
+
+from conftest import REPO, ledger, run_cli
+from orchestrator.models.config import ModelConfig, count_block_params
+from orchestrator.store import read_profile
+from orchestrator.store.ledger import Ledger
+
+# tiny with 4 KV heads, so tp=4 splits it: one group of 4, two groups of 2, four single ranks.
+SMALL = ["stage=profile_model", "model.kv_heads=4", "profile_model.max_tp=4",
+         "profile_model.seq_lens=[64,128,192]", "profile_model.iters=2",
+         "profile_model.warmup_iters=1"]
+POINTS = [f"seq{s}_tp{t}" for t in (1, 2, 4) for s in (64, 128, 192)]
+
+
+def _profile(profiles, name="tiny"):
+    return read_profile(profiles / "local" / "model" / f"{name}.json", "model",
+                        f"python -m orchestrator stage=profile_model model={name}")
+
+
+def test_four_rank_run_writes_points_fits_memory_then_rerun_redoes_only_the_missing_point(profiles):
+    run_cli(*SMALL, profiles_dir=profiles, check=0)
+    prof = _profile(profiles)
+    assert prof["source"] == "measured"
+    assert sorted((p["seq_len"], p["tp"]) for p in prof["points"]) == \
+        sorted((s, t) for t in (1, 2, 4) for s in (64, 128, 192))
+    for p in prof["points"]:
+        assert p["source"] == "measured"
+        assert all(p[k] > 0 for k in ("block_fwd_us", "block_bwd_us", "other_fwd_us", "other_bwd_us"))
+        assert p["groups"] == 4 // p["tp"]  # every rank ran, in TP groups of real size
+        if p["tp"] > 1:
+            assert p["block_fwd_comm_us"] > 0  # real collectives in the group
+    assert set(prof["fits"]) == {"1", "2", "4"}
+    for f in prof["fits"].values():
+        assert len(f["block_fwd_us"]) == 3 and len(f["other_fwd_us"]) == 2
+        assert f["max_rel_err"] >= 0
+    cfg = ModelConfig(kv_heads=4)
+    n, norms = count_block_params(cfg), 2 * cfg.hidden
+    for tp in (1, 2, 4):
+        block = prof["memory"][str(tp)]["block"]
+        assert block["param_bytes"] == 4 * ((n - norms) // tp + norms)  # fp32, norms replicated
+        act = block["act_bytes_per_token"]
+        assert act["none"] > act["selective"] > act["full"] > 0
+    assert (profiles / "local" / "model" / "tiny.png").stat().st_size > 10_000
+    entries = ledger(profiles)
+    assert all(entries[f"profile_model/tiny/{p}"]["state"] == "done" for p in POINTS)
+
+    # A crash lost one point: the rerun runs it alone and keeps the others.
+    Ledger(profiles / "local").update("profile_model/tiny/seq128_tp2", state="failed")
+    before = {p: entries[f"profile_model/tiny/{p}"]["ended"] for p in POINTS}
+    time.sleep(0.01)
+    out = run_cli(*SMALL, profiles_dir=profiles, check=0).stdout
+    assert "1 part(s)" in out and "(seq128_tp2)" in out
+    after = ledger(profiles)
+    for p in POINTS:
+        changed = after[f"profile_model/tiny/{p}"]["ended"] != before[p]
+        assert changed == (p == "seq128_tp2"), p
+    assert len(_profile(profiles)["points"]) == 9
+
+
+def test_qwen_100b_from_a_laptop_is_fast_analytic_and_exact_in_memory(profiles):
+    start = time.time()
+    proc = run_cli("stage=profile_model", "model=qwen_100b", profiles_dir=profiles, check=0)
+    took = time.time() - start
+    assert took < 60, f"analytic qwen_100b took {took:.0f}s"
+    assert "analytic" in proc.stdout
+    prof = _profile(profiles, "qwen_100b")
+    assert prof["source"] == "analytic"
+    assert all(p["source"] == "analytic" for p in prof["points"])
+    assert all(f["source"] == "analytic" for f in prof["fits"].values())
+    assert max(p["seq_len"] for p in prof["points"]) == 131072
+    cfg = ModelConfig(**yaml.safe_load(open(REPO / "conf" / "model" / "qwen_100b.yaml")))
+    n = count_block_params(cfg)
+    mem1 = prof["memory"]["1"]
+    assert mem1["block"]["param_bytes"] == 2 * n  # bf16, exact
+    assert mem1["block"]["optim_bytes"] == 12 * n
+    assert mem1["other"]["param_bytes"] == 2 * (2 * cfg.vocab * cfg.hidden + cfg.hidden)
+    norms = 2 * cfg.hidden
+    assert prof["memory"]["8"]["block"]["param_bytes"] == 2 * ((n - norms) // 8 + norms)
+    # full recompute keeps the layer input: 2 bytes x hidden per token, sharded over tp
+    assert prof["memory"]["8"]["block"]["act_bytes_per_token"]["full"] == 2 * cfg.hidden / 8
+
+
+def test_invalid_tp_for_the_model_is_exit_2_before_launch(profiles):
+    proc = run_cli("stage=profile_model", "profile_model.max_tp=4", profiles_dir=profiles)
+    assert proc.returncode == 2
+    assert "model.kv_heads(2) is not divisible by tp(4)" in proc.stderr
+    assert not (profiles / "local" / "model").exists()

@@ -1,0 +1,217 @@
+"""profile_model's pieces without a launch: fits, activation counting, state bytes, the plan."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from conftest import REPO
+from orchestrator.config import register_configs
+from orchestrator.errors import ConfigError
+from orchestrator.models.config import ModelConfig, count_block_params
+from orchestrator.profiling import model_analytic as an
+from orchestrator.profiling import model_memory as mem
+from orchestrator.profiling.model_fit import (fit_activation_bytes, fit_block, fit_points,
+                                              fit_poly_nonneg, predict_poly)
+from orchestrator.profiling.model_timing import build_point_model, memory_point
+
+
+def _compose(overrides=()):
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=["stage=profile_model", *overrides])
+
+
+# ---------------------------------------------------------------- fits
+def test_block_fit_extrapolates_a_quadratic_from_four_noisy_points():
+    rng = np.random.default_rng(0)
+    truth = [300.0, 2.0, 0.004]  # us: launch overhead, projections, attention
+    seqs = [256, 512, 768, 1024]
+    measured = [predict_poly(truth, s) * (1 + rng.uniform(-0.02, 0.02)) for s in seqs]
+    coeffs, resid = fit_poly_nonneg(seqs, measured, 2)
+    assert max(abs(r) for r in resid) < 0.03
+    for s in (2048, 4096):
+        assert predict_poly(coeffs, s) == pytest.approx(predict_poly(truth, s), rel=0.10)
+
+
+def test_block_fit_uses_flops_when_noise_hides_the_attention_term():
+    # tiny-like: dense work linear in s, attention s^2, 4% noise on four short lengths
+    def flops(s):
+        return 4e5 * s + 256.0 * s * s
+
+    seqs = [256, 512, 768, 1024]
+    noise = [1.04, 0.96, 1.04, 0.97]
+    times = [(20 + flops(s) / 1e5) * n for s, n in zip(seqs, noise)]
+    coeffs, _, model = fit_block(seqs, times, [flops(s) for s in seqs])
+    assert model == "flops"
+    for s in (2048, 4096):
+        assert predict_poly(coeffs, s) == pytest.approx(20 + flops(s) / 1e5, rel=0.10)
+
+
+def test_fit_never_goes_negative_on_noise():
+    # Flat, noisy times: an unconstrained quadratic would bend down; the fit keeps c >= 0.
+    coeffs, _ = fit_poly_nonneg([128, 256, 384, 512], [100.0, 97.0, 103.0, 96.0], 2)
+    assert all(c >= 0 for c in coeffs)
+    assert predict_poly(coeffs, 1_000_000) > 0
+
+
+def test_fit_points_gives_the_schema_fields_per_tp():
+    points = [{"seq_len": s, "tp": tp, "source": "measured",
+               "block_fwd_us": (10 + 0.5 * s + 1e-3 * s * s) / tp,
+               "block_bwd_us": (20 + 1.0 * s + 2e-3 * s * s) / tp,
+               "other_fwd_us": 5 + 0.1 * s, "other_bwd_us": 8 + 0.2 * s}
+              for tp in (1, 2) for s in (128, 256, 384, 512)]
+    fits = fit_points(points)
+    assert set(fits) == {"1", "2"}
+    f = fits["2"]
+    assert len(f["block_fwd_us"]) == 3 and len(f["other_bwd_us"]) == 2
+    assert f["max_rel_err"] < 1e-6
+    assert predict_poly(f["block_bwd_us"], 4096) == pytest.approx((20 + 4096 + 2e-3 * 4096**2) / 2)
+
+
+def test_activation_fit_reproduces_linear_and_quadratic_growth():
+    seqs = [128, 256, 512]
+    assert predict_poly(fit_activation_bytes(seqs, [1000 * s for s in seqs]), 131072) == \
+        pytest.approx(1000 * 131072)
+    quad = [64 * s + 2 * s * s for s in seqs]
+    assert predict_poly(fit_activation_bytes(seqs, quad), 4096) == pytest.approx(64 * 4096 + 2 * 4096**2)
+
+
+# ---------------------------------------------------------------- activation counting
+def _expected_tiny_block_bytes(cfg: ModelConfig, s: int) -> dict:
+    """What one tiny block (fp32, flash attention on CPU) must keep, tensor by tensor.
+
+    Read off the model's code: each RMSNorm keeps its input, 1/rms (s floats), the normalised
+    tensor and its output (the projections' input); attention keeps rotated q, k and v, the
+    output (the flash kernel's layout makes the reshape before wo a view: one storage) and
+    logsumexp (heads x s floats); the SwiGLU MLP keeps gate, silu(gate), up and their product.
+    """
+    h, f = cfg.hidden, cfg.ffn
+    kv = cfg.kv_heads * (cfg.hidden // cfg.heads)
+    norms = 2 * (3 * s * h + s)
+    attention = s * h + 2 * s * kv + s * h + cfg.heads * s
+    mlp = 4 * s * f
+    elems = norms + attention + mlp
+    lse = cfg.heads * s
+    return {"none": 4 * elems, "selective": 4 * (elems - lse), "full": 4 * s * h}
+
+
+def test_saved_tensor_count_of_a_tiny_block_matches_its_tensors():
+    cfg = ModelConfig()
+    s = 64
+    pm = build_point_model(cfg, s, 1, None, "cpu")
+    got = memory_point(pm, s)["block_act_bytes"]
+    assert got == _expected_tiny_block_bytes(cfg, s)
+
+
+def test_fake_tensors_count_exactly_what_real_tensors_save():
+    cfg = ModelConfig()
+    real = memory_point(build_point_model(cfg, 96, 1, None, "cpu"), 96)
+    fake = an.fake_tensors_mode()
+    with fake:
+        counted = memory_point(build_point_model(cfg, 96, 1, None, "cpu"), 96)
+    assert counted == real
+
+
+def test_selective_recompute_keeps_the_attention_inputs_and_gives_the_same_output():
+    cfg = ModelConfig()
+    pm = build_point_model(cfg, 32, 1, None, "cpu")
+    cos, sin = pm.rope()
+    x = pm.block_input(32)
+    ref = pm.block(x, cos, sin)
+    ref.sum().backward()
+    ref_grad = x.grad.clone()
+    x.grad = None
+    with mem.CheckpointAttention():
+        y = pm.block(x, cos, sin)
+    y.sum().backward()
+    torch.testing.assert_close(y, ref)
+    torch.testing.assert_close(x.grad, ref_grad)
+
+
+def test_gpu_kernel_count_keeps_norm_inputs_not_fp32_copies():
+    cfg = ModelConfig(dtype="bfloat16")
+    pm = build_point_model(cfg, 64, 1, None, "cpu")
+    cpu = memory_point(pm, 64)["block_act_bytes"]["none"]
+    gpu = memory_point(pm, 64, gpu_kernels=True)["block_act_bytes"]["none"]
+    s, h = 64, cfg.hidden
+    # per norm, CPU keeps an fp32 copy of the input and the fp32 normalised tensor (8 B), CUDA's
+    # fused kernel the bf16 input (2 B): 6 B per element, twice per block
+    assert cpu - gpu == 2 * 6 * s * h
+
+
+# ---------------------------------------------------------------- states and formulas
+def test_state_bytes_follow_mixed_precision_adam():
+    cfg = ModelConfig(dtype="bfloat16")
+    pm = build_point_model(cfg, 32, 1, None, "cpu")
+    st = mem.state_bytes(pm.block.parameters())
+    n = count_block_params(cfg)
+    assert st == {"param_bytes": 2 * n, "grad_bytes": 4 * n, "optim_bytes": 12 * n, "numel": n}
+
+
+def test_megatron_formula_terms():
+    s, b, h, a = 2048, 1, 4096, 32
+    assert mem.megatron_act_bytes(s, b, h, a, 1, "none") == s * b * h * (34 + 5 * a * s / h)
+    assert mem.megatron_act_bytes(s, b, h, a, 8, "selective") == 34 * s * b * h / 8
+    assert mem.megatron_act_bytes(s, b, h, a, 8, "full") == 2 * s * b * h / 8
+    assert mem.megatron_act_bytes(s, b, h, a, 1, "full", elem_bytes=4) == 4 * s * b * h
+
+
+# ---------------------------------------------------------------- planning
+def test_default_plan_for_tiny_measures_on_cpu_with_the_tp_degrees_it_allows():
+    from orchestrator.stages.profile_model import plan_profile
+
+    plan = plan_profile(_compose())
+    assert plan.source == "measured"
+    assert plan.tps == (1, 2)  # tiny has 2 KV heads: tp=4 cannot split them
+    assert plan.seq_lens[-1] == 256 and len(plan.seq_lens) >= 4
+
+
+def test_big_model_without_gpu_is_analytic_and_runs_in_this_process():
+    from orchestrator.stages.profile_model import SPEC, plan_profile
+
+    cfg = _compose(["model=qwen_100b"])
+    plan = plan_profile(cfg)
+    assert plan.source == "analytic" and plan.tps == (1, 2, 4, 8)
+    assert SPEC.ranks(cfg) == "one"
+    assert plan.seq_lens[-1] == 131072
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["profile_model.max_tp=4"], "model.kv_heads(2) is not divisible by tp(4)"),
+    (["profile_model.max_tp=8", "model.kv_heads=4"], "cluster's 4 ranks"),
+    (["profile_model.seq_lens=[101]", "profile_model.max_tp=2"], "not divisible by tp(2)"),
+    (["profile_model.device=tpu"], "available: a100, cpu, h100, h200"),
+    (["profile_model.source=guess"], "allowed: auto, measured, analytic"),
+])
+def test_invalid_settings_are_config_errors_before_launch(overrides, words):
+    from orchestrator.stages.profile_model import SPEC
+
+    with pytest.raises(ConfigError) as e:
+        SPEC.validate(_compose(overrides))
+    assert words in str(e.value)
+
+
+def test_analytic_memory_equals_measured_memory_on_the_same_kernels():
+    """Shapes-only counting on a fake 2-rank TP group equals counting a real 1-rank run's
+    quantities where they can be compared (tp=1), and shards states by tp exactly."""
+    from orchestrator.stages.profile_model import AnalyticRunner, plan_profile
+
+    cfg = _compose(["profile_model.source=analytic", "profile_model.seq_lens=[64,128]",
+                    "profile_model.max_tp=2"])
+    plan = plan_profile(cfg)
+    runner = AnalyticRunner(cfg, plan)
+    records = {}
+    for tp in plan.tps:
+        with runner.for_tp(tp, 128):
+            records[tp] = runner.point(128, tp)
+    real = memory_point(build_point_model(ModelConfig(), 128, 1, None, "cpu"), 128)
+    assert records[1]["block_act_bytes"] == real["block_act_bytes"]
+    assert records[1]["source"] == "analytic"
+    cfg_m = ModelConfig()
+    n = count_block_params(cfg_m)
+    norms = 2 * cfg_m.hidden
+    assert records[2]["states"]["block"]["numel"] == (n - norms) // 2 + norms
+    # full recompute keeps the sequence-parallel input shard only
+    assert records[2]["block_act_bytes"]["full"] == 4 * 128 * cfg_m.hidden // 2

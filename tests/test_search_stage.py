@@ -1,0 +1,70 @@
+"""search through the CLI: the whole chain here, a 100B model on 8192 GPUs from analytic profiles,
+and the answer when nothing fits."""
+from __future__ import annotations
+
+import json
+import time
+
+from conftest import ledger, run_cli
+
+QUICK_HW = ["profile_hardware.max_size_bytes=262144", "profile_hardware.max_time_s=0.05",
+            "profile_hardware.size_step=8", "profile_hardware.benchmarks=[inventory,allreduce,p2p,reduce_scatter,all_gather,overlap]"]
+QUICK_MODEL = ["profile_model.seq_lens=[64,128,192]", "profile_model.max_tp=2"]
+
+
+def test_all_runs_the_chain_then_skips_it(profiles):
+    proc = run_cli("stage=all", *QUICK_HW, *QUICK_MODEL, "search.max_tp=2", profiles_dir=profiles,
+                   check=0, timeout=900)
+    strategy = json.loads((profiles / "local" / "strategy" / "tiny.json").read_text())
+    assert strategy["kind"] == "strategy" and strategy["source"] == "measured"
+    layout = strategy["layout"]
+    assert layout["pp"] * layout["tp"] * layout["dp"] == 4
+    assert layout["global_batch_size"] == 8
+    assert sum(layout["layers_per_stage"]) == 4
+    assert len(strategy["top"]) >= 2 and strategy["considered"] > 0
+    assert set(strategy["prediction"]["breakdown_us"]) >= {"compute", "bubble", "dp_sync_exposed"}
+    assert {p.rsplit("/", 1)[-1] for p in strategy["inputs"]} == {"hardware.json", "tiny.json"}
+    args = (profiles / "local" / "strategy" / "tiny.megatron.args").read_text()
+    assert f"--tensor-model-parallel-size {layout['tp']}" in args
+    assert f"--pipeline-model-parallel-size {layout['pp']}" in args
+    train_layout = json.loads((profiles / "local" / "strategy" / "tiny.layout.json").read_text())
+    assert train_layout["layout"] == layout
+    galvatron = json.loads((profiles / "local" / "strategy" / "tiny.galvatron.json").read_text())
+    assert galvatron["pp_deg"] == layout["pp"]
+    assert (profiles / "local" / "strategy" / "tiny.png").exists()
+    assert ledger(profiles)["search/tiny"]["state"] == "done"
+
+    proc = run_cli("stage=all", *QUICK_HW, *QUICK_MODEL, "search.max_tp=2", profiles_dir=profiles,
+                   check=0)
+    assert proc.stdout.count("skipping (force=true redoes it)") == 3, proc.stdout
+
+
+def test_qwen_100b_on_8192_gpus_from_a_laptop(profiles):
+    t0 = time.monotonic()
+    common = ["cluster=dgx_h100", "cluster.nodes=1024", "model=qwen_100b"]
+    run_cli("stage=profile_hardware", "profile_hardware.source=analytic", "profile_hardware.plot=false",
+            *common, profiles_dir=profiles, check=0)
+    run_cli("stage=profile_model", "profile_model.plot=false", *common, profiles_dir=profiles,
+            check=0, timeout=300)
+    proc = run_cli("stage=search", "search.global_batch_size=1024", "search.memory_GiB=80",
+                   *common, profiles_dir=profiles, check=0)
+    assert time.monotonic() - t0 < 120
+    strategy = json.loads((profiles / "dgx_h100" / "strategy" / "qwen_100b.json").read_text())
+    assert strategy["source"] == "analytic" and "analytic" in proc.stdout
+    layout = strategy["layout"]
+    assert layout["world_size"] == 8192 and layout["pp"] * layout["tp"] * layout["dp"] == 8192
+    assert strategy["prediction"]["peak_memory_bytes"] <= 80 * 2**30
+    assert strategy["elapsed_s"] < 10
+
+
+def test_no_feasible_layout_says_what_comes_closest(profiles):
+    run_cli("stage=profile_hardware", "profile_hardware.source=analytic", "profile_hardware.plot=false",
+            "cluster=dgx_h100", profiles_dir=profiles, check=0)
+    run_cli("stage=profile_model", "profile_model.plot=false", "cluster=dgx_h100", "model=llama2_7b",
+            profiles_dir=profiles, check=0, timeout=300)
+    proc = run_cli("stage=search", "cluster=dgx_h100", "model=llama2_7b", "search.memory_GiB=4",
+                   profiles_dir=profiles)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "no layout of llama2_7b fits" in proc.stderr
+    assert "the closest" in proc.stderr and "GiB" in proc.stderr and "Relax" in proc.stderr
+    assert ledger(profiles, "dgx_h100")["search/llama2_7b"]["state"] == "failed"
