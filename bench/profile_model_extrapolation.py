@@ -59,7 +59,7 @@ def main() -> None:
         pred = sum(predict_poly(fit[p], s) for p in PARTS[:2])
         meas = sum(points[s][p] for p in PARTS[:2])
         both.append(f"seq {s}: {(pred - meas) / meas:+.1%}")
-    print(f"  block fwd+bwd  " + "; ".join(both))
+    print("  block fwd+bwd  " + "; ".join(both))
     print(f"worst part error {worst:.1%}")
 
 

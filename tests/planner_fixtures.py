@@ -3,7 +3,7 @@ and bench/search_speed.py. Numbers are analytic-looking (A100/H100-class GPUs, N
 node, InfiniBand between nodes); they are test inputs, not measurements."""
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional, Sequence
+from typing import Dict, Iterable, Optional
 
 GiB = 1 << 30
 

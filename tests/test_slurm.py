@@ -6,7 +6,6 @@ import re
 import subprocess
 import time
 
-import pytest
 
 from conftest import ledger, run_cli, start_cli
 

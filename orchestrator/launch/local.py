@@ -48,6 +48,8 @@ class LocalLauncher:
                               f"`pip install mpich` provides one")
         request_path = request.save(Path(request.run_dir) / "request.json")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if sys.stdout.isatty():  # rank 0's progress bars animate in the user's terminal
+            env["ORCHESTRATOR_TTY"] = "1"
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // request.world_size)))
         cmd = mpiexec_command(self.mpiexec, request.world_size, request_path, self.extra_args)
         # Own process group: a Ctrl-C here stops every rank, not only mpiexec.

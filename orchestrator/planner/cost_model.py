@@ -44,7 +44,7 @@ buffer); reserve (allocator, workspace: CostOptions.reserve_bytes).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -329,7 +329,7 @@ def solve_config(costs: StageCosts, L: int, budget: float, modes: Sequence[str],
     (objective_us, layers_per_stage, recompute); None when no partition fits the budget;
     (inf, [], []) when partitions fit but none beats `bound`."""
     key = costs.key
-    p, v = key.pp, key.virtual_stages
+    v = key.virtual_stages
     table = _stage_options(costs, L, budget, modes, fast)
     if not np.isfinite(table.t[:, v]).all():
         return None  # some stage cannot hold even v layers

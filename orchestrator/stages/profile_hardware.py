@@ -7,7 +7,6 @@ profile comes from the cluster's published link figures (`cluster.links`), in th
 """
 from __future__ import annotations
 
-from dataclasses import asdict
 from pathlib import Path
 
 from orchestrator.errors import ConfigError
@@ -67,8 +66,10 @@ def _progress(ctx, names):
 
     if not ctx.is_root:
         return None, lambda *a: None
+    from orchestrator.console import stage_console
+
     progress = Progress(TextColumn("{task.description:>16}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn())
+                        TimeElapsedColumn(), console=stage_console())
     tasks = {n: progress.add_task(n, total=None) for n in names}
 
     def on_point(name, done, total):
@@ -79,15 +80,11 @@ def _progress(ctx, names):
 
 def _finish_outputs(profile: dict, cfg, path: Path) -> dict:
     """Table, PNG and exports next to hardware.json (rank 0, at the end)."""
-    import sys
-
-    from rich.console import Console
-
+    from orchestrator.console import stage_console
     from orchestrator.profiling.report import plot_busbw, print_report
 
     outputs = {"path": str(path)}
-    # Under mpiexec or srun stdout is a pipe, where rich would squeeze the tables into 80 columns.
-    print_report(profile, console=Console(width=None if sys.stdout.isatty() else 140))
+    print_report(profile, console=stage_console())
     hw = cfg.profile_hardware
     if hw.plot and any(b.get("points") for b in profile["benchmarks"].values() if isinstance(b, dict)):
         outputs["plot"] = str(plot_busbw(profile, path.with_name("hardware.png")))

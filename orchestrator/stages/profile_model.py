@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -484,13 +482,11 @@ def _point_line(record: Optional[dict], batch: int, markup: bool = True) -> str:
 def _progress(ctx, plan: ProfilePlan, total: int):
     if not ctx.is_root or total == 0:
         return None
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    # Under mpiexec rank 0 writes to a pipe; a launcher that knows the user's terminal sets
-    # ORCHESTRATOR_TTY=1 to get the live bar anyway. Otherwise each point prints one line.
-    tty = os.environ.get("ORCHESTRATOR_TTY") == "1" or sys.stdout.isatty()
-    console = Console(highlight=False, force_terminal=tty or None, width=None if tty else 200)
+    from orchestrator.console import stage_console
+
+    console = stage_console()
     console.print(f"profile_model: {plan.source} ({plan.reason}); seq {list(plan.seq_lens)}, "
                   f"tp {list(plan.tps)}" + (f", device sheet {plan.device}"
                                             if plan.source == "analytic" else ""))

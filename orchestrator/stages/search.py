@@ -111,13 +111,12 @@ def run(ctx, run):
 
 
 def _report(result, source: str, cfg) -> None:
-    import sys
-
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    console = Console(width=None if sys.stdout.isatty() else 140)
+    from orchestrator.console import stage_console
+
+    console = stage_console()
     table = Table(title=f"best layouts for {cfg.model.name} on {result.best.world_size} devices "
                         f"({source} profiles; searched {result.considered} configs in "
                         f"{result.elapsed_s:.2f} s)")
