@@ -28,6 +28,32 @@ def _sacct(job_id, fields="State,NNodes,NTasks"):
     return out.split("|") if out else []
 
 
+def test_sbatch_script_carries_the_cluster_config(tmp_path):
+    """The generated sbatch text, checked as text (no cluster needed)."""
+    import submitit
+    from omegaconf import OmegaConf
+
+    from orchestrator.config import ClusterConfig
+    from orchestrator.launch.slurm import executor_parameters
+
+    cluster = OmegaConf.merge(OmegaConf.structured(ClusterConfig), {
+        "nodes": 2, "tasks_per_node": 4, "gpus_per_node": 4, "partition": "gpu", "account": "ml",
+        "qos": "high", "time_min": 30, "srun_args": ["--cpu-bind=none"],
+        "sbatch_args": {"exclusive": True}, "setup": ["module load cuda"]})
+    executor = submitit.AutoExecutor(folder=tmp_path, cluster="slurm")
+    executor.update_parameters(**executor_parameters(cluster, ranks="cluster", name="orch-x", after="41"))
+    text = executor._executor._make_submission_file_text("python -u -m x", "uid")
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
+                 "#SBATCH --partition=gpu", "#SBATCH --account=ml", "#SBATCH --qos=high",
+                 "#SBATCH --time=30", "#SBATCH --dependency=afterok:41",
+                 "#SBATCH --kill-on-invalid-dep=yes", "#SBATCH --exclusive", "module load cuda",
+                 "#SBATCH --job-name=orch-x"):
+        assert line in text, line
+    assert "srun --unbuffered --output" in text and "--mpi=pmi2 --cpu-bind=none" in text
+    one = executor_parameters(cluster, ranks="one", name="orch-search")
+    assert (one["nodes"], one["tasks_per_node"]) == (1, 1) and "gpus_per_node" not in one
+
+
 def test_inventory_on_2_nodes_x_2_tasks(slurm_cluster, profiles):
     proc = run_cli("stage=profile_hardware", "profile_hardware.benchmarks=[inventory]", *SLURM,
                    profiles_dir=profiles, check=0)
@@ -109,6 +135,8 @@ def test_cancelled_job_then_rerun_resumes(slurm_cluster, profiles):
     assert entries["profile_hardware/allreduce"]["job_id"] != job_id
     profile = json.loads((profiles / "dev" / "hardware.json").read_text())
     assert set(profile["benchmarks"]) == {"allreduce", "p2p", "all2all"}
+    # Two fake nodes: pipeline neighbours across n1/n2 are measured apart from those within a node.
+    assert {p["layout"] for p in profile["benchmarks"]["p2p"]["points"]} == {"intra", "inter"}
 
 
 def test_all_submits_an_afterok_chain(slurm_cluster, profiles):
