@@ -6,6 +6,7 @@ Such errors print one line and exit with the error's code (2 for config errors).
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from rich.table import Table
 
 from orchestrator.config import register_configs
 from orchestrator.errors import ConfigError, LaunchError, OrchestratorError
-from orchestrator.launch import make_launcher
+from orchestrator.launch import make_launcher, refresh_ledger
 from orchestrator.pipeline import StagePlan, ledger_for, plan_stage, stages_for, validate_cluster
 from orchestrator.runtime.request import StageRequest
 from orchestrator.stages import STAGES
@@ -66,12 +67,8 @@ def _run_dir(stage: str, n_stages: int) -> Path:
 
 def _check_inputs(plan: StagePlan, cfg, produced_now: set) -> None:
     for needed in plan.spec.inputs(cfg):
-        if needed.producer in produced_now:
-            continue  # an earlier stage of this same command writes it
-        rebuild = f"python -m orchestrator stage={needed.producer} cluster={cfg.cluster.name}"
-        if needed.producer == "profile_model":
-            rebuild += f" model={cfg.model.name}"
-        read_profile(needed.path, needed.kind, rebuild)
+        if needed.producer not in produced_now:  # else an earlier stage of this command writes it
+            read_profile(needed.path, needed.kind, needed.rebuild(cfg))
 
 
 def _request(plan: StagePlan, cfg, run_dir: Path) -> StageRequest:
@@ -83,32 +80,22 @@ def _request(plan: StagePlan, cfg, run_dir: Path) -> StageRequest:
         extra={"ranks": plan.ranks, "torch_distributed": plan.spec.torch_distributed})
 
 
-def _mark_started(ledger: Ledger, plan: StagePlan, launcher, handle, request, state="running"):
-    ledger.update(plan.key, state=state, config_hash=plan.config_hash, launcher=launcher.name,
-                  job_id=launcher.job_id(handle), job_folder=launcher.job_folder(handle),
-                  log_path=request.run_dir, run_dir=request.run_dir, started=time.time(),
-                  ended=None, error=None, todo=plan.todo)
-    ledger.update_many([f"{plan.key}/{s}" for s in plan.todo], state="pending",
-                       job_id=launcher.job_id(handle), config_hash=plan.config_hash,
-                       log_path=request.run_dir)
-
-
-def mark_ended(ledger: Ledger, key: str, state: str, todo: List[str], message: str = "") -> None:
-    """After a launch that did not finish: the stage and its unfinished sub-parts take `state`.
-
-    Sub-parts already done stay done: their results are in the profile file, and a rerun skips them.
-    """
-    if state == "done":
-        return
-    entries = ledger.entries()
-    ledger.update(key, state=state, ended=time.time(), error=message or None)
-    unfinished = [f"{key}/{s}" for s in todo if entries.get(f"{key}/{s}", {}).get("state") != "done"]
-    ledger.update_many(unfinished, state=state, ended=time.time())
+def _mark_launching(ledger: Ledger, plan: StagePlan, launcher_name: str, queued: bool,
+                    request) -> None:
+    """Before the launch: a job may finish (and rank 0 mark it done) before submit returns."""
+    ledger.update(plan.key, state="pending" if queued else "running",
+                  config_hash=plan.config_hash, launcher=launcher_name, job_id=None,
+                  job_folder=None, log_path=request.run_dir, run_dir=request.run_dir,
+                  started=time.time(), ended=None, error=None, todo=plan.todo)
+    ledger.update_many([f"{plan.key}/{s}" for s in plan.todo], state="pending", job_id=None,
+                       config_hash=plan.config_hash, log_path=request.run_dir)
 
 
 def run_stages(cfg: DictConfig) -> List[dict]:
     """Plan every named stage, then launch what is not done; returns one report row per stage."""
     validate_cluster(cfg)
+    if os.environ.get("ORCHESTRATOR_FAST_MODE", "") not in ("", "0"):
+        cfg.search.fast_mode = True  # in the config, so its hash tells fast results apart
     names = stages_for(cfg.stage.name)
     ledger = ledger_for(cfg)
     for name in names:  # validate every stage before anything runs
@@ -123,6 +110,8 @@ def run_stages(cfg: DictConfig) -> List[dict]:
                           f"skipping (force=true redoes it)")
             rows.append({"stage": plan.key, "state": "done (skipped)", "job_id": None, "log": ""})
             continue
+        if plan.stale_reason and not cfg.force:
+            console.print(f"{plan.key}: {plan.stale_reason}; running every part")
         skipped = [s for s in plan.subparts if s not in plan.todo]
         if skipped:
             console.print(f"{plan.key}: sub-parts done, skipping: {', '.join(skipped)}")
@@ -131,13 +120,19 @@ def run_stages(cfg: DictConfig) -> List[dict]:
         where = f"{plan.world_size} rank(s)" if plan.ranks == "cluster" else "1 process"
         console.print(f"[bold]{plan.key}[/]: {len(plan.todo) or 1} part(s) on {where} via "
                       f"launcher={launcher.name}" + (f" ({', '.join(plan.todo)})" if plan.todo else ""))
-        handle = launcher.submit(request, after=previous_job if launcher.name == "slurm" else None)
-        _mark_started(ledger, plan, launcher, handle, request,
-                      state="pending" if launcher.name == "slurm" else "running")
+        _mark_launching(ledger, plan, launcher.name, launcher.queued, request)
+        try:
+            handle = launcher.submit(request, after=previous_job)
+        except BaseException as e:
+            ledger.mark_ended(plan.key, "failed", plan.todo, f"not launched: {e}")
+            raise
+        job = {"job_id": launcher.job_id(handle), "job_folder": launcher.job_folder(handle)}
+        ledger.update(plan.key, **job)  # ids only: never the state, which rank 0 may have set
+        ledger.update_many([f"{plan.key}/{s}" for s in plan.todo], job_id=job["job_id"])
         produced_now.add(plan.spec.name)
-        if launcher.name == "slurm":
-            previous_job = launcher.job_id(handle)
-            console.print(f"  submitted Slurm job {previous_job}; logs: {launcher.job_folder(handle)}")
+        if launcher.queued:  # submit the whole chain first (afterok), then wait in order
+            previous_job = job["job_id"]
+            console.print(f"  submitted Slurm job {previous_job}; logs: {job['job_folder']}")
             pending.append((plan, handle, request))
             continue
         rows.append(_finish(ledger, launcher, plan, handle, request))
@@ -152,25 +147,25 @@ def run_stages(cfg: DictConfig) -> List[dict]:
 
 def _finish(ledger, launcher, plan, handle, request) -> dict:
     """Wait for one launch, record how it ended, and raise if it did not finish."""
+    def on_state(state):
+        console.print(f"  job {launcher.job_id(handle)}: {state}")
+        if state == "RUNNING":
+            ledger.update(plan.key, state="running")
+
     try:
-        if launcher.name == "slurm":
-            def on_state(state):
-                console.print(f"  job {launcher.job_id(handle)}: {state}")
-                if state == "RUNNING":
-                    ledger.update(plan.key, state="running")
-            try:
-                outcome = launcher.wait(handle, request, on_state=on_state,
-                                        on_output=lambda text: console.out(text, end=""))
-            except KeyboardInterrupt:
-                console.print(f"\njob {launcher.job_id(handle)} keeps running; `stage=status` "
-                              f"re-attaches, `scancel {launcher.job_id(handle)}` stops it")
-                raise SystemExit(130)
-        else:
-            outcome = launcher.wait(handle, request)
-    except OrchestratorError as e:  # raised in this process by an in-process stage
-        mark_ended(ledger, plan.key, "failed", plan.todo, str(e))
+        outcome = launcher.wait(handle, request, on_state=on_state,
+                                on_output=lambda text: console.out(text, end=""))
+    except KeyboardInterrupt:
+        if launcher.job_folder(handle):  # a batch job runs on without us
+            console.print(f"\njob {launcher.job_id(handle)} keeps running; `stage=status` "
+                          f"re-attaches, `scancel {launcher.job_id(handle)}` stops it")
+            raise SystemExit(130)
+        ledger.mark_ended(plan.key, "cancelled", plan.todo, "interrupted (Ctrl-C)")
+        raise SystemExit(130)
+    except BaseException as e:  # an in-process stage raised: an error to act on, or a bug
+        ledger.mark_ended(plan.key, "failed", plan.todo, f"{type(e).__name__}: {e}")
         raise
-    mark_ended(ledger, plan.key, outcome.state, plan.todo, outcome.message)
+    ledger.mark_ended(plan.key, outcome.state, plan.todo, outcome.message)
     if outcome.state != "done":
         error = LaunchError(f"{plan.key} {outcome.state}: {outcome.message}. Parts finished before "
                             f"are kept; rerun the same command to resume.")
@@ -188,28 +183,6 @@ def _summary_text(result) -> str:
 
 
 # ---------------------------------------------------------------- status
-def refresh_slurm_entries(ledger: Ledger) -> None:
-    """Re-attach to Slurm jobs the ledger still calls pending/running and record how they ended."""
-    from orchestrator.launch.slurm import FINAL_STATES, _ledger_state, job_state, reattach
-
-    for key, entry in ledger.entries().items():
-        if entry.get("launcher") != "slurm" or entry.get("state") not in ("pending", "running"):
-            continue
-        if not entry.get("job_id") or not entry.get("job_folder"):
-            continue
-        request = StageRequest(stage="", ledger_key=key, config={}, config_hash="", todo=[],
-                               ledger_dir=str(ledger.path.parent), run_dir=entry["run_dir"],
-                               world_size=0)
-        state = job_state(reattach(entry["job_folder"], entry["job_id"]), request)
-        if state in FINAL_STATES:
-            fresh = ledger.get(key)
-            if fresh.get("state") != "done":  # rank 0 may have marked it done meanwhile
-                mark_ended(ledger, key, _ledger_state(state) if state != "COMPLETED" else "failed",
-                           entry.get("todo", []), f"Slurm job {entry['job_id']} ended {state}")
-        elif state == "RUNNING" and entry["state"] == "pending":
-            ledger.update(key, state="running")
-
-
 def _relative(path) -> str:
     if not path:
         return ""
@@ -222,7 +195,7 @@ def _relative(path) -> str:
 def print_status(cfg) -> List[dict]:
     """The ledger as a table, after re-attaching to Slurm jobs still pending or running."""
     ledger = ledger_for(cfg)
-    refresh_slurm_entries(ledger)
+    refresh_ledger(ledger, cfg)
     entries = ledger.entries()
     table = Table(title=f"{ledger.path}")
     for col in ("entry", "state", "job id", "config", "started", "took", "log / error"):

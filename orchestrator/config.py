@@ -71,6 +71,11 @@ class ClusterConfig:
     links: LinkSheetConfig = field(default_factory=LinkSheetConfig)
 
 
+def cluster_world_size(cluster) -> int:
+    """Ranks of the whole cluster: nodes x tasks per node."""
+    return int(cluster.nodes) * int(cluster.tasks_per_node)
+
+
 # Cluster fields that only say how to submit: changing them does not invalidate a profile.
 SUBMISSION_ONLY_FIELDS = (
     "partition", "account", "qos", "time_min", "cpus_per_task", "mem_GiB", "mpi_flag",

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -83,7 +84,8 @@ def test_killed_rank_in_all2all_then_rerun_resumes(profiles):
     assert entries["profile_hardware/all2all"]["state"] == "failed"
     assert entries["profile_hardware/overlap"]["state"] == "failed"
     assert entries["profile_hardware"]["state"] == "failed"
-    assert "rank" in entries["profile_hardware"]["log_path"] or entries["profile_hardware"]["log_path"]
+    log_dir = entries["profile_hardware"]["log_path"]  # the run folder, with every rank's log
+    assert sorted(p.name for p in Path(log_dir).glob("rank*.log")) == [f"rank{r}.log" for r in range(4)]
     hw = _hardware(profiles)  # valid, with what finished before the kill
     assert set(hw["benchmarks"]) == {"allreduce"} and len(hw["inventory"]["ranks"]) == 4
     allreduce_before = hw["benchmarks"]["allreduce"]

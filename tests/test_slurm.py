@@ -146,13 +146,16 @@ def test_all_submits_an_afterok_chain(slurm_cluster, profiles):
     proc = run_cli("stage=all", *SLURM, "wait=false", *quick, profiles_dir=profiles, check=0)
     job_ids = re.findall(r"submitted Slurm job (\d+)", proc.stdout)
     assert len(job_ids) == 3, proc.stdout
-    for before, after in zip(job_ids, job_ids[1:]):
-        out = subprocess.run(["scontrol", "show", "job", after], capture_output=True, text=True).stdout
-        # Pending jobs show their dependency; one that already started shows none (or "(null)").
-        assert f"afterok:{before}" in out or "JobState=PENDING" not in out
     _wait_for(lambda: all(_sacct(j, "State")[:1] == ["COMPLETED"] for j in job_ids), timeout_s=600,
-              every_s=2, what="the three jobs to complete in order")
+              every_s=2, what="the three jobs to complete")
+    for before, after in zip(job_ids, job_ids[1:]):  # afterok: each started after the last ended
+        assert _sacct(after, "Start")[0] >= _sacct(before, "End")[0]
+        script = next((profiles / "dev" / "runs").glob(f"*/*/submitit/{after}_submission.sh"))
+        assert f"#SBATCH --dependency=afterok:{before}" in script.read_text()
     run_cli("stage=status", "cluster=dev", profiles_dir=profiles, check=0)
     entries = ledger(profiles, "dev")
     assert [entries[k]["state"] for k in ("profile_hardware", "profile_model/tiny", "search/tiny")] == ["done"] * 3
     assert (profiles / "dev" / "strategy" / "tiny.json").exists()
+    # The chain recorded the hashes a later plan computes: nothing runs again.
+    proc = run_cli("stage=all", *SLURM, *quick, profiles_dir=profiles, check=0)
+    assert proc.stdout.count("skipping (force=true redoes it)") == 3, proc.stdout

@@ -9,9 +9,9 @@ from orchestrator.errors import ConfigError
 from orchestrator.launch.base import Launcher, LaunchResult
 
 
-def make_launcher(cfg) -> Launcher:
-    """The launcher that `launcher=<name>` selects."""
-    name = cfg.launcher.name
+def make_launcher(cfg, name: str | None = None) -> Launcher:
+    """The launcher that `launcher=<name>` selects (or the one named)."""
+    name = name or cfg.launcher.name
     if name == "local":
         from orchestrator.launch.local import LocalLauncher
 
@@ -23,4 +23,12 @@ def make_launcher(cfg) -> Launcher:
     raise ConfigError(f"launcher={name!r}; allowed: local, slurm")
 
 
-__all__ = ["Launcher", "LaunchResult", "make_launcher"]
+def refresh_ledger(ledger, cfg) -> None:
+    """Re-attach to every launch the ledger still calls pending or running (any process may
+    ask: `stage=status`), through the launcher that made it, and record how each ended."""
+    for key, entry in ledger.entries().items():
+        if entry.get("state") in ("pending", "running") and entry.get("launcher"):
+            make_launcher(cfg, entry["launcher"]).refresh(ledger, key, entry)
+
+
+__all__ = ["Launcher", "LaunchResult", "make_launcher", "refresh_ledger"]

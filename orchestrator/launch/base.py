@@ -1,12 +1,12 @@
 """The launcher interface and what a launch reports."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Protocol
 
 from orchestrator.runtime.request import StageRequest
+from orchestrator.store import read_json
 
 
 @dataclass
@@ -19,13 +19,10 @@ class LaunchResult:
     job_folder: Optional[str] = None  # slurm: submitit's folder, to re-attach
     exit_code: Optional[int] = None  # the error's own exit code, when a rank raised one
 
-    @property
-    def ok(self) -> bool:
-        return self.state in ("done", "submitted")
-
 
 class Launcher(Protocol):
     name: str
+    queued: bool  # True: submit returns before the job starts (a batch queue)
 
     def submit(self, request: StageRequest, after: Optional[str] = None) -> Any:
         """Start the stage's ranks (after job `after` succeeded, if given); returns a handle."""
@@ -36,8 +33,13 @@ class Launcher(Protocol):
     def job_folder(self, handle) -> Optional[str]:
         """Where another process can re-attach to the launch, if it can."""
 
-    def wait(self, handle, request: StageRequest) -> LaunchResult:
-        """Block until the launch ends; report how."""
+    def wait(self, handle, request: StageRequest, on_state=None, on_output=None) -> LaunchResult:
+        """Block until the launch ends; report how. `on_state(state)` hears each change of the
+        job's state, `on_output(text)` what rank 0 printed (where the ranks do not print to
+        this terminal themselves)."""
+
+    def refresh(self, ledger, key: str, entry: dict) -> None:
+        """Re-attach to a launch the ledger still calls pending/running; record how it ended."""
 
 
 def prepare_run_dir(request: StageRequest) -> None:
@@ -64,7 +66,6 @@ def read_rank0_result(request: StageRequest) -> Optional[dict]:
     if not path.exists():
         return None
     try:
-        with open(path) as f:
-            return json.load(f)
+        return read_json(path)
     except ValueError:
         return None

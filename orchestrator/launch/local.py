@@ -34,6 +34,7 @@ def mpiexec_command(mpiexec: str, ranks: int, request_path: str | Path, extra_ar
 
 class LocalLauncher:
     name = "local"
+    queued = False  # ranks start at once and end with this command
 
     def __init__(self, cfg):
         self.mpiexec = cfg.launcher.mpiexec
@@ -61,7 +62,12 @@ class LocalLauncher:
     def job_folder(self, handle) -> Optional[str]:
         return None
 
-    def wait(self, handle: LocalHandle, request: StageRequest) -> LaunchResult:
+    def refresh(self, ledger, key: str, entry: dict) -> None:
+        return None  # a local launch ends with the command that started it
+
+    def wait(self, handle: LocalHandle, request: StageRequest, on_state=None,
+             on_output=None) -> LaunchResult:
+        """Ranks print to this terminal themselves; an in-process stage runs here and now."""
         if handle.proc is None:
             from orchestrator.runtime import run_inprocess
 

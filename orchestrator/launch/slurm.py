@@ -81,8 +81,6 @@ def job_state(job, request: Optional[StageRequest] = None) -> str:
 
 
 def _ledger_state(slurm_state: str) -> str:
-    if slurm_state == "COMPLETED":
-        return "done"
     if slurm_state in ("CANCELLED", "PREEMPTED"):
         return "cancelled"
     return "failed"
@@ -90,6 +88,7 @@ def _ledger_state(slurm_state: str) -> str:
 
 class SlurmLauncher:
     name = "slurm"
+    queued = True  # jobs wait in a queue: submit a chain first, then wait
 
     def __init__(self, cfg):
         self.cluster = cfg.cluster
@@ -98,15 +97,16 @@ class SlurmLauncher:
     def submit(self, request: StageRequest, after: Optional[str] = None):
         import submitit
 
-        from orchestrator.runtime import run_rank
+        from orchestrator.runtime import run_inprocess, run_rank
 
         prepare_run_dir(request)
         folder = Path(request.run_dir) / "submitit"
         executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
+        ranks = request.extra.get("ranks", "cluster")
         executor.update_parameters(**executor_parameters(
-            self.cluster, ranks=request.extra.get("ranks", "cluster"),
-            name=f"orch-{request.stage}", after=after))
-        return executor.submit(run_rank, request)
+            self.cluster, ranks=ranks, name=f"orch-{request.stage}", after=after))
+        # A single-task stage runs as it would here: one process, no MPI world, no process group.
+        return executor.submit(run_inprocess if ranks == "one" else run_rank, request)
 
     def job_id(self, job) -> Optional[str]:
         return str(job.job_id)
@@ -114,8 +114,33 @@ class SlurmLauncher:
     def job_folder(self, job) -> Optional[str]:
         return str(job.paths.folder)
 
-    def log_path(self, job) -> str:
-        return str(job.paths.stderr).replace("%t", "0")
+    def refresh(self, ledger, key: str, entry: dict) -> None:
+        """Re-attach to the job of a pending/running ledger entry and record how it ended."""
+        if not entry.get("job_id") or not entry.get("job_folder"):
+            return
+        request = StageRequest(stage="", ledger_key=key, config={}, config_hash="", todo=[],
+                               ledger_dir=str(ledger.path.parent), run_dir=entry["run_dir"],
+                               world_size=0)
+        state = job_state(reattach(entry["job_folder"], entry["job_id"]), request)
+        if state == "UNKNOWN" and time.time() - (entry.get("started") or 0) > LOST_AFTER_S:
+            state = "LOST"  # neither sacct nor squeue knows it, and it left no result
+        if state == "RUNNING" and entry["state"] == "pending":
+            ledger.update(key, state="running")
+        elif state in FINAL_STATES:
+            outcome = self.outcome_state(state, request)
+            if outcome == "done":
+                ledger.update(key, state="done", ended=time.time(), error=None)
+            elif ledger.get(key).get("state") != "done":  # rank 0 may have marked it meanwhile
+                ledger.mark_ended(key, outcome, entry.get("todo", []),
+                                  f"Slurm job {entry['job_id']} ended {state}{failure_detail(request)}")
+
+    @staticmethod
+    def outcome_state(slurm_state: str, request: StageRequest) -> str:
+        """The ledger state for a job that ended in `slurm_state`."""
+        rank0 = read_rank0_result(request)
+        if slurm_state == "COMPLETED":
+            return "done" if rank0 and rank0.get("ok") else "failed"
+        return _ledger_state(slurm_state)
 
     def wait(self, job, request: StageRequest, on_state=None, on_output=None) -> LaunchResult:
         """Poll until the job ends (sacct, else squeue and result files); report how it ended.
@@ -149,13 +174,12 @@ class SlurmLauncher:
         return self.outcome(job, request, state)
 
     def outcome(self, job, request: StageRequest, state: str) -> LaunchResult:
-        rank0 = read_rank0_result(request)
-        log = str(Path(request.run_dir))
-        if state == "COMPLETED" and rank0 and rank0.get("ok"):
-            return LaunchResult("done", self.job_id(job), log, rank0.get("result"),
+        ledger_state = self.outcome_state(state, request)
+        if ledger_state == "done":
+            return LaunchResult("done", self.job_id(job), request.run_dir,
+                                read_rank0_result(request).get("result"),
                                 job_folder=self.job_folder(job))
-        ledger_state = _ledger_state(state) if state != "COMPLETED" else "failed"
-        return LaunchResult(ledger_state, self.job_id(job), log,
+        return LaunchResult(ledger_state, self.job_id(job), request.run_dir,
                             message=f"Slurm job {job.job_id} ended {state}{failure_detail(request)}; "
                                     f"logs: {job.paths.folder}",
                             job_folder=self.job_folder(job), exit_code=failure_exit_code(request))

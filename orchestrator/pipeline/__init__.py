@@ -5,16 +5,16 @@ Pure functions of the config and the ledger; nothing here launches anything.
 from __future__ import annotations
 
 import copy
-import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import List
 
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator.config import SUBMISSION_ONLY_FIELDS
+from orchestrator.config import SUBMISSION_ONLY_FIELDS, cluster_world_size
 from orchestrator.errors import ConfigError
 from orchestrator.stages import PIPELINE, StageSpec, get_stage
-from orchestrator.store import cluster_dir, config_hash
+from orchestrator.store import cluster_dir, config_hash, file_sha256, read_json
 from orchestrator.store.ledger import Ledger
 
 
@@ -28,11 +28,7 @@ class StagePlan:
     done: bool  # nothing to run: every sub-part (or the stage) done under this hash
     ranks: str  # "cluster" or "one"
     world_size: int
-    notes: List[str] = field(default_factory=list)
-
-
-def world_size(cfg) -> int:
-    return int(cfg.cluster.nodes) * int(cfg.cluster.tasks_per_node)
+    stale_reason: str = ""  # why earlier results are not reused, if they are not
 
 
 def validate_cluster(cfg) -> None:
@@ -46,16 +42,11 @@ def validate_cluster(cfg) -> None:
     if c.backend == "nccl" and c.gpus_per_node != c.tasks_per_node:
         raise ConfigError(f"cluster.backend=nccl runs one rank per GPU: cluster.tasks_per_node"
                           f"({c.tasks_per_node}) != cluster.gpus_per_node({c.gpus_per_node})")
-    if cfg.launcher.name not in ("local", "slurm"):
-        raise ConfigError(f"launcher={cfg.launcher.name!r}; allowed: local, slurm")
-
-
-def _file_digest(path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
 def stage_hash(spec: StageSpec, cfg: DictConfig) -> str:
-    """Hash of the config sections that decide whether the stage's results are still valid."""
+    """Hash of what decides whether the stage's results are still valid: its config sections
+    (less `hash_exclude`) and the hashes of the stages that write its inputs."""
     section = {}
     for name in spec.hash_sections:
         node = OmegaConf.to_container(cfg[name], resolve=True)
@@ -63,9 +54,8 @@ def stage_hash(spec: StageSpec, cfg: DictConfig) -> str:
             node = {k: v for k, v in node.items() if k not in SUBMISSION_ONLY_FIELDS}
         section[name] = node
     section = copy.deepcopy(section)
-    # A stage whose inputs changed (a profile measured again) must run again.
-    section["inputs"] = {str(i.path): _file_digest(i.path) for i in spec.inputs(cfg)
-                         if i.path.exists()}
+    # Known before the producers run, so a Slurm chain records the hash a later plan computes.
+    section["inputs"] = {i.producer: stage_hash(get_stage(i.producer), cfg) for i in spec.inputs(cfg)}
     for dotted in spec.hash_exclude:
         head, _, leaf = dotted.rpartition(".")
         parent = section
@@ -75,34 +65,45 @@ def stage_hash(spec: StageSpec, cfg: DictConfig) -> str:
     return config_hash(section)
 
 
+def stale_outputs(spec: StageSpec, cfg: DictConfig, stage_hash_: str) -> str:
+    """Why the stage's output files cannot be reused ("" if they can): missing, written under
+    another config, or built from input files that have changed since (e.g. measured again)."""
+    for path in spec.outputs(cfg):
+        if not path.exists():
+            return f"{path} missing"
+        try:
+            written = read_json(path)
+        except ValueError:
+            return f"{path} corrupt"
+        if written.get("provenance", {}).get("config_hash") != stage_hash_:
+            return f"{path} was written under another config"
+        for input_path, recorded in (written.get("inputs") or {}).items():
+            if Path(input_path).exists() and file_sha256(input_path) != recorded.get("sha256"):
+                return f"{input_path} changed since {path} was written"
+    return ""
+
+
 def plan_stage(name: str, cfg: DictConfig, ledger: Ledger, force: bool = False) -> StagePlan:
     """What `stage=<name>` must run now; validates the stage's config first."""
     spec = get_stage(name)
     spec.validate(cfg)
-    key = spec.ledger_key(cfg)
-    h = stage_hash(spec, cfg)
-    subparts = list(spec.subparts(cfg))
-    outputs_there = all(p.exists() for p in spec.outputs(cfg))
-    notes = []
-    if subparts:
-        if force or not outputs_there:
-            todo = subparts
-            if not outputs_there and not force:
-                notes.append("outputs missing: running every sub-part")
-        else:
-            todo = [s for s in subparts if not ledger.is_done(f"{key}/{s}", h)]
-        done = not todo
-    else:
-        todo = []
-        done = not force and outputs_there and ledger.is_done(key, h)
     ranks = spec.ranks(cfg)
     if ranks == "cluster" and cfg.launcher.name == "local" and cfg.cluster.nodes != 1:
         raise ConfigError(f"launcher=local runs {name} on this machine only: cluster.nodes"
                           f"({cfg.cluster.nodes}) must be 1 (use launcher=slurm for "
                           f"{cfg.cluster.nodes} nodes)")
+    key = spec.ledger_key(cfg)
+    h = stage_hash(spec, cfg)
+    subparts = list(spec.subparts(cfg))
+    stale = stale_outputs(spec, cfg, h)
+    if force or stale:
+        todo = subparts
+    else:
+        todo = [s for s in subparts if not ledger.is_done(f"{key}/{s}", h)]
+    done = not todo if subparts else (not force and not stale and ledger.is_done(key, h))
     return StagePlan(spec=spec, key=key, config_hash=h, subparts=subparts, todo=todo, done=done,
-                     ranks=ranks, world_size=world_size(cfg) if ranks == "cluster" else 1,
-                     notes=notes)
+                     ranks=ranks, world_size=cluster_world_size(cfg.cluster) if ranks == "cluster" else 1,
+                     stale_reason=stale)
 
 
 def stages_for(stage: str) -> List[str]:

@@ -171,10 +171,6 @@ class HardwareModel:
             return 0.0
         return self.time_us(op, group_size, self.group_layout(group_size, stride), size_bytes)
 
-    def same_node(self, rank_a: int, rank_b: int) -> bool:
-        """Whether two global ranks share a node (ranks fill nodes in order)."""
-        return rank_a // self.tasks_per_node == rank_b // self.tasks_per_node
-
     def p2p_time_us(self, size_bytes: float, intra: bool, pp: int) -> float:
         """Time in us of one send/recv of `size_bytes` between pipeline neighbours."""
         if size_bytes <= 0:

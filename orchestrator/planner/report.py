@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from orchestrator.store import save_figure
+
 GiB = 2**30
 
 
@@ -48,7 +50,6 @@ def plot_strategy(result, path) -> Path:
     ax_m.set_title("memory by kind")
     ax_m.legend(fontsize=7)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
+    path = save_figure(fig, path)
     plt.close(fig)
     return path

@@ -168,9 +168,3 @@ def p2p_pairs_by_layout(world_size: int, pp: int,
     return {layout: by_layout[layout] for layout in P2P_LAYOUTS if layout in by_layout}
 
 
-def nodes_spanned(ranks: Sequence[int], node_of_rank: Sequence[int]) -> Tuple[int, int]:
-    """(number of nodes the ranks span, fewest of the ranks on any one of those nodes)."""
-    per_node: Dict[int, int] = {}
-    for r in ranks:
-        per_node[node_of_rank[r]] = per_node.get(node_of_rank[r], 0) + 1
-    return len(per_node), min(per_node.values())

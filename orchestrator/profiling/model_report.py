@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from orchestrator.profiling.model_fit import predict_poly
+from orchestrator.store import save_figure
 
 MODES = ("none", "selective", "full")
 
@@ -153,10 +154,6 @@ def plot_profile(profile: Mapping, png_path: str | os.PathLike) -> Optional[Path
     ax_m.legend(fontsize=7, ncol=2)
     ax_m.grid(alpha=0.3)
     fig.tight_layout()
-    png_path = Path(png_path)
-    png_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = png_path.with_name(f".{png_path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    png_path = save_figure(fig, png_path)
     plt.close(fig)
-    os.replace(tmp, png_path)
     return png_path

@@ -73,9 +73,6 @@ class PointModel:
         m = self.model
         return list(m.tok_emb.parameters()) + list(m.norm.parameters()) + list(m.lm_head.parameters())
 
-    def other_states(self) -> list:
-        return self.other_params() + list(self.model.rope.buffers())
-
 
 def build_point_model(model_cfg: ModelConfig, max_seq_len: int, tp: int, tp_mesh, device,
                       batch: int = 1) -> PointModel:

@@ -8,6 +8,8 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 from rich.console import Console
 from rich.table import Table
 
+from orchestrator.store import save_figure
+
 OP_ORDER = ("allreduce", "reduce_scatter", "all_gather", "all2all", "p2p")
 
 
@@ -108,8 +110,6 @@ def plot_busbw(hardware: Mapping, path: os.PathLike) -> Path:
     fig.suptitle(f"{cluster.get('name', '')}: {cluster.get('world_size', '?')} ranks, "
                  f"{hardware.get('source', 'measured')}")
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    out = save_figure(fig, path)
     plt.close(fig)
     return out

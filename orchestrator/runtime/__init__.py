@@ -57,15 +57,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _master_addr(node_names: list) -> str:
+def _master_addr(hostnames: list) -> str:
+    """Where rank 0's rendezvous listens, reachable from every rank.
+
+    One host: loopback. Several: rank 0's host name as DNS knows it (not gethostbyname of it,
+    which is 127.0.1.1 on stock Debian). MASTER_ADDR in the environment wins.
+    """
     if os.environ.get("MASTER_ADDR"):
         return os.environ["MASTER_ADDR"]
-    if len(set(node_names)) == 1 and "SLURM_JOB_ID" not in os.environ:
+    if len(set(hostnames)) == 1:
         return "127.0.0.1"
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
+    return socket.getfqdn()
 
 
 def bootstrap(world_size: int, backend: str = "gloo", torch_distributed: bool = True,
@@ -95,7 +97,8 @@ def bootstrap(world_size: int, backend: str = "gloo", torch_distributed: bool = 
     if not torch_distributed:
         return RankContext(backend="none", device=None, **context)
 
-    addr, port = comm.bcast((_master_addr(node_names), _free_port()) if rank == 0 else None, root=0)
+    hostnames = comm.allgather(socket.gethostname())
+    addr, port = comm.bcast((_master_addr(hostnames), _free_port()) if rank == 0 else None, root=0)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(local_rank),
                       LOCAL_WORLD_SIZE=str(local_world_size), GROUP_RANK=str(node_rank),
                       MASTER_ADDR=addr, MASTER_PORT=str(port))

@@ -5,12 +5,11 @@ every rank reads it. Launchers never look inside.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
-from orchestrator.store import write_json
+from orchestrator.store import read_json, write_json
 
 
 @dataclass
@@ -37,5 +36,4 @@ class StageRequest:
 
     @classmethod
     def load(cls, path: str | Path) -> "StageRequest":
-        with open(path) as f:
-            return cls(**json.load(f))
+        return cls(**read_json(path))

@@ -7,7 +7,7 @@ sections decide whether earlier results are still valid, and its sub-parts (each
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Tuple
 
@@ -24,6 +24,11 @@ class StageInput:
     path: Path
     kind: str  # the profile kind the file must hold
     producer: str  # the stage that writes it
+
+    def rebuild(self, cfg) -> str:
+        """The command that writes this input, for error messages."""
+        cmd = f"python -m orchestrator stage={self.producer} cluster={cfg.cluster.name}"
+        return cmd + (f" model={cfg.model.name}" if self.producer == "profile_model" else "")
 
 
 def _no_inputs(cfg) -> List[StageInput]:
@@ -52,7 +57,6 @@ class StageSpec:
     validate: Callable = _valid  # cfg -> None, raises ConfigError before launch
     # False: the ranks get MPI only (no torch import, no process group): a cheaper start.
     torch_distributed: bool = True
-    extras: dict = field(default_factory=dict)
 
 
 def get_stage(name: str) -> StageSpec:

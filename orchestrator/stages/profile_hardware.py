@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from orchestrator.config import cluster_world_size
 from orchestrator.errors import ConfigError
 from orchestrator.stages import StageSpec
 from orchestrator.store import cluster_dir, hardware_path, write_json
@@ -20,7 +21,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 def _cluster_summary(cfg) -> dict:
     c = cfg.cluster
     return {"name": c.name, "nodes": c.nodes, "tasks_per_node": c.tasks_per_node,
-            "world_size": c.nodes * c.tasks_per_node, "backend": c.backend,
+            "world_size": cluster_world_size(c), "backend": c.backend,
             "gpus_per_node": c.gpus_per_node}
 
 
@@ -134,7 +135,7 @@ def _run_analytic(ctx, run, path: Path) -> dict:
     from orchestrator.profiling.analytic import analytic_hardware
 
     cfg = run.cfg
-    world = cfg.cluster.nodes * cfg.cluster.tasks_per_node
+    world = cluster_world_size(cfg.cluster)
     with run.subpart("analytic"):
         body = analytic_hardware(cfg.cluster.name, world, link_sheet(cfg),
                                  max_tp=cfg.profile_hardware.max_tp)
@@ -160,7 +161,7 @@ def validate(cfg) -> None:
     if hw.size_step < 2 or hw.min_size_bytes < 1:
         raise ConfigError(f"profile_hardware.size_step({hw.size_step}) must be >= 2 and "
                           f"min_size_bytes({hw.min_size_bytes}) >= 1")
-    world = cfg.cluster.nodes * cfg.cluster.tasks_per_node
+    world = cluster_world_size(cfg.cluster)
     try:
         if hw.max_group is not None:
             check_group_size(world, hw.max_group)

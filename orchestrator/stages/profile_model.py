@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Tuple
 
 from omegaconf import OmegaConf
 
+from orchestrator.config import cluster_world_size
 from orchestrator.errors import ConfigError
 from orchestrator.models.config import ModelConfig, validate_model
 from orchestrator.stages import StageSpec
@@ -77,10 +78,6 @@ def sweep_seq_lens(pm, model_seq_len: int) -> List[int]:
     if seqs[-1] != hi:
         seqs.append(hi)
     return seqs
-
-
-def _world(cfg) -> int:
-    return int(cfg.cluster.nodes) * int(cfg.cluster.tasks_per_node)
 
 
 def _is_gpu(cfg) -> bool:
@@ -143,7 +140,7 @@ def plan_profile(cfg) -> ProfilePlan:
         raise ConfigError("profile_model.source=measured on a GPU cluster (backend nccl) with "
                           "launcher=local, but this machine has no GPU: use launcher=slurm, "
                           "or profile_model.source=analytic")
-    world = _world(cfg)
+    world = cluster_world_size(cfg.cluster)
     if pm.max_tp is not None:
         max_tp = int(pm.max_tp)
         if max_tp < 1:

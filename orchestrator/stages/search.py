@@ -8,15 +8,13 @@ counts, inputs' hashes) and, next to it, the exports: Megatron-LM arguments
 """
 from __future__ import annotations
 
-import hashlib
-import os
 import warnings
-from pathlib import Path
 
+from orchestrator.config import cluster_world_size
 from orchestrator.errors import ConfigError
 from orchestrator.stages import StageInput, StageSpec
-from orchestrator.store import (hardware_path, model_profile_path, new_profile, read_profile,
-                                strategy_path, write_json)
+from orchestrator.store import (atomic_write, file_sha256, hardware_path, model_profile_path, new_profile,
+                                read_profile, strategy_path, write_json)
 
 GiB = 2**30
 SCHEDULES = ("1f1b", "interleaved")
@@ -29,19 +27,6 @@ def _inputs(cfg):
                        "profile_model")]
 
 
-def _rebuild(cfg, producer: str) -> str:
-    cmd = f"python -m orchestrator stage={producer} cluster={cfg.cluster.name}"
-    return cmd + (f" model={cfg.model.name}" if producer == "profile_model" else "")
-
-
-def file_sha(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
-
-
-def fast_mode(cfg) -> bool:
-    return bool(cfg.search.fast_mode) or os.environ.get("ORCHESTRATOR_FAST_MODE", "") not in ("", "0")
-
-
 def search_space(cfg):
     """The planner's SearchSpace from the `search` config section (and the cluster's defaults)."""
     from orchestrator.planner import CostOptions, SearchSpace
@@ -49,13 +34,13 @@ def search_space(cfg):
     s = cfg.search
     memory_GiB = s.memory_GiB or cfg.cluster.device_mem_GiB
     return SearchSpace(
-        world_size=s.world_size or cfg.cluster.nodes * cfg.cluster.tasks_per_node,
+        world_size=s.world_size or cluster_world_size(cfg.cluster),
         memory_budget_bytes=memory_GiB * GiB, global_batch_size=s.global_batch_size,
         seq_len=s.seq_len or cfg.model.seq_len, max_tp=s.max_tp, max_pp=s.max_pp,
         tp_within_node=s.tp_within_node, zero_stages=tuple(s.zero_stages),
         recompute=tuple(s.recompute), micro_batch_sizes=tuple(s.micro_batch_sizes),
         schedules=tuple(s.schedules), virtual_stages=tuple(s.virtual_stages),
-        fast_mode=fast_mode(cfg), top_k=s.top_k,
+        fast_mode=bool(s.fast_mode), top_k=s.top_k,
         options=CostOptions(reserve_bytes=s.reserve_GiB * GiB))
 
 
@@ -77,8 +62,8 @@ def run(ctx, run):
 
     cfg = run.cfg
     hw_in, model_in = _inputs(cfg)
-    hw = read_profile(hw_in.path, "hardware", _rebuild(cfg, "profile_hardware"))
-    mp = read_profile(model_in.path, "model", _rebuild(cfg, "profile_model"))
+    hw = read_profile(hw_in.path, "hardware", hw_in.rebuild(cfg))
+    mp = read_profile(model_in.path, "model", model_in.rebuild(cfg))
     space = search_space(cfg)
     result = search(ModelCost.from_dict(mp), HardwareModel.from_dict(hw), space)
     best = result.best
@@ -87,7 +72,7 @@ def run(ctx, run):
     source = "analytic" if "analytic" in (hw.get("source"), mp.get("source")) else "measured"
     body = new_profile(
         "strategy", source, run.provenance(), model=cfg.model.name,
-        inputs={str(p.path): {"sha256": file_sha(p.path), "source": d.get("source")}
+        inputs={str(p.path): {"sha256": file_sha256(p.path), "source": d.get("source")}
                 for p, d in ((hw_in, hw), (model_in, mp))},
         space={"world_size": space.world_size, "memory_GiB": space.memory_budget_bytes / GiB,
                "global_batch_size": space.global_batch_size, "seq_len": space.seq_len,
@@ -96,7 +81,7 @@ def run(ctx, run):
     write_json(out, body)
     write_json(out.with_suffix(".layout.json"),
                {"model": cfg.model.name, "seq_len": space.seq_len, "layout": best.to_dict()})
-    out.with_suffix(".megatron.args").write_text(" ".join(exports["megatron"]) + "\n")
+    atomic_write(out.with_suffix(".megatron.args"), lambda f: f.write(" ".join(exports["megatron"]) + "\n"))
     write_json(out.with_suffix(".galvatron.json"), exports["galvatron"])
     _report(result, source, cfg)
     summary = {"path": str(out), "layout": best.describe(),
@@ -138,6 +123,11 @@ def validate(cfg) -> None:
     if not memory or memory <= 0:
         raise ConfigError(f"search needs a memory budget per device: set search.memory_GiB "
                           f"(cluster {cfg.cluster.name!r} has device_mem_GiB={cfg.cluster.device_mem_GiB})")
+    if not s.schedules or not s.recompute or not s.zero_stages or not s.micro_batch_sizes:
+        raise ConfigError("search.schedules, recompute, zero_stages and micro_batch_sizes must "
+                          "each allow at least one value")
+    if s.world_size is not None and s.world_size < 1:
+        raise ConfigError(f"search.world_size({s.world_size}) must be >= 1")
     bad = [x for x in s.schedules if x not in SCHEDULES]
     if bad:
         raise ConfigError(f"search.schedules: unknown {bad}; allowed: {list(SCHEDULES)}")
@@ -150,6 +140,10 @@ def validate(cfg) -> None:
     if s.global_batch_size < 1 or any(m < 1 for m in s.micro_batch_sizes):
         raise ConfigError(f"search.global_batch_size({s.global_batch_size}) and "
                           f"search.micro_batch_sizes({list(s.micro_batch_sizes)}) must be >= 1")
+    try:
+        search_space(cfg)  # what the planner itself refuses, before anything is launched
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"search: {e}") from None
 
 
 SPEC = StageSpec(

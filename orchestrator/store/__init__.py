@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import IO, Any, Callable, Mapping, Optional
 
 from orchestrator.errors import ProfileError
 
@@ -39,18 +39,16 @@ def strategy_path(profiles_dir, cluster_name, model_name) -> Path:
     return cluster_dir(profiles_dir, cluster_name) / "strategy" / f"{model_name}.json"
 
 
-def write_json(path: str | os.PathLike, obj: Any) -> Path:
-    """Write obj as JSON atomically: a temp file in the same folder, fsync, then rename.
-
-    A reader never sees a half-written file, and a crash leaves the previous version intact.
+def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], binary: bool = False) -> Path:
+    """Write a file atomically: `write(f)` fills a temp file in the same folder, then fsync and
+    rename. A reader never sees a half-written file; a crash leaves the previous version intact.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=False, default=_json_default)
-            f.write("\n")
+        with os.fdopen(fd, "wb" if binary else "w") as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -61,6 +59,20 @@ def write_json(path: str | os.PathLike, obj: Any) -> Path:
             pass
         raise
     return path
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> Path:
+    """Write obj as JSON atomically (the project's one JSON writer)."""
+    def dump(f):
+        json.dump(obj, f, indent=1, default=_json_default)
+        f.write("\n")
+
+    return atomic_write(path, dump)
+
+
+def save_figure(fig, path: str | os.PathLike, dpi: int = 110) -> Path:
+    """A matplotlib figure as PNG, atomically."""
+    return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=dpi), binary=True)
 
 
 def _json_default(obj):
@@ -76,6 +88,11 @@ def config_hash(section: Any) -> str:
     """A short stable hash of a config section (plain containers), used to tell stale results."""
     blob = json.dumps(section, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """A short digest of a file's bytes (which version of a profile a result was built from)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
 
 def library_versions() -> dict:

@@ -29,8 +29,11 @@ class Ledger:
         if not self.path.exists():
             return {}
         try:
-            return read_json(self.path).get("entries", {})
-        except ValueError:
+            entries = read_json(self.path).get("entries", {})
+            if not isinstance(entries, dict):
+                raise ValueError("entries is not a mapping")
+            return entries
+        except (ValueError, AttributeError):
             # A corrupt ledger must not stop the user: keep it aside and start a new one.
             self.path.rename(self.path.with_suffix(f".corrupt.{int(time.time())}"))
             return {}
@@ -63,6 +66,21 @@ class Ledger:
             for key in keys:
                 entries.setdefault(key, {}).update(fields, updated=now)
             write_json(self.path, {"schema_version": 1, "entries": entries})
+
+    def mark_ended(self, key: str, state: str, todo=(), message: str = "") -> None:
+        """After a launch that did not finish: the stage and its unfinished sub-parts take `state`.
+
+        Sub-parts already done stay done: their results are in the profile file, and a rerun
+        skips them.
+        """
+        if state == "done":
+            return
+        entries = self.entries()
+        now = time.time()
+        self.update(key, state=state, ended=now, error=message or None)
+        unfinished = [f"{key}/{s}" for s in todo
+                      if entries.get(f"{key}/{s}", {}).get("state") != "done"]
+        self.update_many(unfinished, state=state, ended=now)
 
     def is_done(self, key: str, config_hash: str) -> bool:
         """True when `key` finished under the same config hash: a rerun may skip it."""
