@@ -159,3 +159,13 @@ def test_all_submits_an_afterok_chain(slurm_cluster, profiles):
     # The chain recorded the hashes a later plan computes: nothing runs again.
     proc = run_cli("stage=all", *SLURM, *quick, profiles_dir=profiles, check=0)
     assert proc.stdout.count("skipping (force=true redoes it)") == 3, proc.stdout
+
+
+def test_analytic_model_profile_runs_as_one_task(slurm_cluster, profiles):
+    """A single-process stage (no MPI world, no process group) as a one-task job."""
+    run_cli("stage=profile_model", *SLURM, "model=qwen_100b", "profile_model.plot=false",
+            "profile_model.seq_lens=[4096,8192]", profiles_dir=profiles, check=0, timeout=300)
+    profile = json.loads((profiles / "dev" / "model" / "qwen_100b.json").read_text())
+    assert profile["source"] == "analytic"
+    entry = ledger(profiles, "dev")["profile_model/qwen_100b"]
+    assert entry["state"] == "done" and _sacct(entry["job_id"], "NNodes,AllocCPUS") == ["1", "1"]
