@@ -141,7 +141,8 @@ def test_cancelled_job_then_rerun_resumes(slurm_cluster, profiles):
 
 def test_all_submits_an_afterok_chain(slurm_cluster, profiles):
     quick = ["profile_hardware.max_size_bytes=65536", "profile_hardware.max_time_s=0.05",
-             "profile_hardware.size_step=16", "profile_hardware.benchmarks=[inventory,allreduce,p2p,reduce_scatter,all_gather]",
+             "profile_hardware.size_step=16",
+             "profile_hardware.benchmarks=[inventory,allreduce,p2p,reduce_scatter,all_gather,overlap]",
              "profile_model.seq_lens=[64,128,192]", "profile_model.max_tp=2", "search.max_tp=2"]
     proc = run_cli("stage=all", *SLURM, "wait=false", *quick, profiles_dir=profiles, check=0)
     job_ids = re.findall(r"submitted Slurm job (\d+)", proc.stdout)
