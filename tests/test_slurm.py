@@ -81,12 +81,14 @@ def test_wait_false_returns_at_once_and_status_reattaches(slurm_cluster, profile
     job_id = re.search(r"submitted Slurm job (\d+)", proc.stdout).group(1)
     assert ledger(profiles, "dev")["noop"]["state"] in ("pending", "running", "done")
 
-    def done_in_status():
+    def noop_row_in_status():
         out = run_cli("stage=status", "cluster=dev", profiles_dir=profiles, check=0).stdout
-        return ledger(profiles, "dev")["noop"]["state"] == "done" and out
+        rows = [line for line in out.splitlines() if "│ noop " in line]
+        return rows and "done" in rows[0] and rows[0]
 
-    out = _wait_for(done_in_status, what="status to report the noop job done")
-    assert job_id in out and "done" in out
+    row = _wait_for(noop_row_in_status, what="status to report the noop job done")
+    assert job_id in row
+    assert ledger(profiles, "dev")["noop"]["state"] == "done"
 
 
 def test_sweep_submits_one_job_per_point_with_its_own_resources(slurm_cluster, profiles):

@@ -48,16 +48,14 @@ def prepare_run_dir(request: StageRequest) -> None:
     Path(request.result_path).unlink(missing_ok=True)
 
 
-def failure_detail(request: StageRequest) -> str:
-    """Rank 0's own error line, if it wrote one before dying."""
-    rank0 = read_rank0_result(request)
-    return f": {rank0['error']}" if rank0 and rank0.get("error") else ""
-
-
-def failure_exit_code(request: StageRequest) -> Optional[int]:
-    """The exit code of the error rank 0 raised (e.g. 3: no feasible layout), if any."""
-    rank0 = read_rank0_result(request)
-    return rank0.get("exit_code") if rank0 else None
+def unfinished(state: str, request: StageRequest, job_id: Optional[str], cause: str, logs: str,
+               job_folder: Optional[str] = None) -> LaunchResult:
+    """A launch that did not finish, with rank 0's own error line and the exit code of its error
+    (e.g. 3: no feasible layout) when it wrote them before dying."""
+    rank0 = read_rank0_result(request) or {}
+    detail = f": {rank0['error']}" if rank0.get("error") else ""
+    return LaunchResult(state, job_id, request.run_dir, message=f"{cause}{detail}; logs: {logs}",
+                        job_folder=job_folder, exit_code=rank0.get("exit_code"))
 
 
 def read_rank0_result(request: StageRequest) -> Optional[dict]:

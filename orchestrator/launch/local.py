@@ -15,15 +15,13 @@ from pathlib import Path
 from typing import Optional
 
 from orchestrator.errors import ConfigError
-from orchestrator.launch.base import (LaunchResult, failure_detail, failure_exit_code,
-                                      prepare_run_dir, read_rank0_result)
+from orchestrator.launch.base import LaunchResult, prepare_run_dir, read_rank0_result, unfinished
 from orchestrator.runtime.request import StageRequest
 
 
 @dataclass
 class LocalHandle:
-    proc: Optional[subprocess.Popen]  # None: a single-rank stage, run in this process
-    inprocess: Optional[StageRequest] = None
+    proc: Optional[subprocess.Popen]  # None: a single-rank stage, run in this process in wait()
 
 
 def mpiexec_command(mpiexec: str, ranks: int, request_path: str | Path, extra_args=()) -> list:
@@ -43,7 +41,7 @@ class LocalLauncher:
     def submit(self, request: StageRequest, after: Optional[str] = None) -> LocalHandle:
         prepare_run_dir(request)
         if request.extra.get("ranks") == "one":
-            return LocalHandle(None, request)  # runs in this process, in wait()
+            return LocalHandle(None)
         if shutil.which(self.mpiexec) is None:
             raise ConfigError(f"launcher.mpiexec={self.mpiexec!r} not found on PATH; "
                               f"`pip install mpich` provides one")
@@ -73,7 +71,7 @@ class LocalLauncher:
 
             # Errors a user can act on (a missing profile, no feasible layout) keep their type
             # and exit code; the caller records them in the ledger.
-            result = run_inprocess(handle.inprocess)
+            result = run_inprocess(request)
             return LaunchResult("done", None, request.run_dir, result)
         try:
             rc = handle.proc.wait()
@@ -86,7 +84,5 @@ class LocalLauncher:
         if rc == 0 and rank0 and rank0.get("ok"):
             return LaunchResult("done", self.job_id(handle), request.run_dir, rank0.get("result"))
         cause = f"killed by signal {-rc}" if rc < 0 else f"mpiexec exited with {rc}"
-        return LaunchResult("failed", self.job_id(handle), request.run_dir,
-                            message=f"{cause}{failure_detail(request)}; rank logs: "
-                                    f"{request.run_dir}/rank*.log",
-                            exit_code=failure_exit_code(request))
+        return unfinished("failed", request, self.job_id(handle), cause,
+                          f"{request.run_dir}/rank*.log")

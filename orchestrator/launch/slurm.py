@@ -12,8 +12,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from orchestrator.launch.base import (LaunchResult, failure_detail, failure_exit_code,
-                                      prepare_run_dir, read_rank0_result)
+from orchestrator.launch.base import LaunchResult, prepare_run_dir, read_rank0_result, unfinished
 from orchestrator.runtime.request import StageRequest
 
 # Slurm states after which a job will not run again by itself.
@@ -81,6 +80,7 @@ def job_state(job, request: Optional[StageRequest] = None) -> str:
 
 
 def _ledger_state(slurm_state: str) -> str:
+    """The ledger state of a job that did not finish well (COMPLETED with no result: failed)."""
     if slurm_state in ("CANCELLED", "PREEMPTED"):
         return "cancelled"
     return "failed"
@@ -121,26 +121,18 @@ class SlurmLauncher:
         request = StageRequest(stage="", ledger_key=key, config={}, config_hash="", todo=[],
                                ledger_dir=str(ledger.path.parent), run_dir=entry["run_dir"],
                                world_size=0)
-        state = job_state(reattach(entry["job_folder"], entry["job_id"]), request)
+        job = reattach(entry["job_folder"], entry["job_id"])
+        state = job_state(job, request)
         if state == "UNKNOWN" and time.time() - (entry.get("started") or 0) > LOST_AFTER_S:
             state = "LOST"  # neither sacct nor squeue knows it, and it left no result
         if state == "RUNNING" and entry["state"] == "pending":
             ledger.update(key, state="running")
         elif state in FINAL_STATES:
-            outcome = self.outcome_state(state, request)
-            if outcome == "done":
+            outcome = self.outcome(job, request, state)
+            if outcome.state == "done":
                 ledger.update(key, state="done", ended=time.time(), error=None)
             elif ledger.get(key).get("state") != "done":  # rank 0 may have marked it meanwhile
-                ledger.mark_ended(key, outcome, entry.get("todo", []),
-                                  f"Slurm job {entry['job_id']} ended {state}{failure_detail(request)}")
-
-    @staticmethod
-    def outcome_state(slurm_state: str, request: StageRequest) -> str:
-        """The ledger state for a job that ended in `slurm_state`."""
-        rank0 = read_rank0_result(request)
-        if slurm_state == "COMPLETED":
-            return "done" if rank0 and rank0.get("ok") else "failed"
-        return _ledger_state(slurm_state)
+                ledger.mark_ended(key, outcome.state, entry.get("todo", []), outcome.message)
 
     def wait(self, job, request: StageRequest, on_state=None, on_output=None) -> LaunchResult:
         """Poll until the job ends (sacct, else squeue and result files); report how it ended.
@@ -174,15 +166,14 @@ class SlurmLauncher:
         return self.outcome(job, request, state)
 
     def outcome(self, job, request: StageRequest, state: str) -> LaunchResult:
-        ledger_state = self.outcome_state(state, request)
-        if ledger_state == "done":
-            return LaunchResult("done", self.job_id(job), request.run_dir,
-                                read_rank0_result(request).get("result"),
+        """How a job that ended in Slurm state `state` ended for the ledger."""
+        rank0 = read_rank0_result(request) or {}
+        if state == "COMPLETED" and rank0.get("ok"):
+            return LaunchResult("done", self.job_id(job), request.run_dir, rank0.get("result"),
                                 job_folder=self.job_folder(job))
-        return LaunchResult(ledger_state, self.job_id(job), request.run_dir,
-                            message=f"Slurm job {job.job_id} ended {state}{failure_detail(request)}; "
-                                    f"logs: {job.paths.folder}",
-                            job_folder=self.job_folder(job), exit_code=failure_exit_code(request))
+        return unfinished(_ledger_state(state), request, self.job_id(job),
+                          f"Slurm job {job.job_id} ended {state}", str(job.paths.folder),
+                          job_folder=self.job_folder(job))
 
 
 def reattach(job_folder: str, job_id: str):

@@ -83,7 +83,8 @@ def bootstrap(world_size: int, backend: str = "gloo", torch_distributed: bool = 
     rank, size = comm.Get_rank(), comm.Get_size()
     check_world_size(size, world_size)
 
-    node_names = comm.allgather(_node_name())
+    # One exchange tells every rank where all ranks run: node (fake Slurm nodes share a host) and host.
+    node_names, hostnames = map(list, zip(*comm.allgather((_node_name(), socket.gethostname()))))
     order = list(dict.fromkeys(node_names))  # nodes in order of their first rank
     node_of_rank = [order.index(n) for n in node_names]
     node_rank = node_of_rank[rank]
@@ -92,12 +93,11 @@ def bootstrap(world_size: int, backend: str = "gloo", torch_distributed: bool = 
 
     context = dict(rank=rank, world_size=size, local_rank=local_rank,
                    local_world_size=local_world_size, node_rank=node_rank, num_nodes=len(order),
-                   node_name=node_names[rank], node_of_rank=node_of_rank,
+                   node_name=node_names[rank], node_of_rank=node_of_rank, hostnames=hostnames,
                    job_id=job_id or _job_id(), comm=comm)
     if not torch_distributed:
         return RankContext(backend="none", device=None, **context)
 
-    hostnames = comm.allgather(socket.gethostname())
     addr, port = comm.bcast((_master_addr(hostnames), _free_port()) if rank == 0 else None, root=0)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(local_rank),
                       LOCAL_WORLD_SIZE=str(local_world_size), GROUP_RANK=str(node_rank),
@@ -124,8 +124,7 @@ def bootstrap(world_size: int, backend: str = "gloo", torch_distributed: bool = 
 def _setup_logging(request: StageRequest, rank: int) -> None:
     Path(request.run_dir).mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(Path(request.run_dir) / f"rank{rank}.log")
-    handler.setFormatter(logging.Formatter("%(asctime)s rank%(rank)s %(levelname)s %(message)s"
-                                           .replace("%(rank)s", str(rank))))
+    handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(message)s"))
     root = logging.getLogger("orchestrator")
     root.setLevel(logging.INFO)
     for old in [h for h in root.handlers if getattr(h, "orchestrator_rank_log", False)]:
@@ -140,7 +139,6 @@ def _run_stage(request: StageRequest, ctx: RankContext):
 
     spec = get_stage(request.stage)
     run = StageRun(request, ctx)
-    run.hosts = [h for h in (ctx.gather(socket.gethostname()) or [])]
     result = spec.run(ctx, run)
     if ctx.is_root:
         run.finish(result)
@@ -188,6 +186,7 @@ def run_inprocess(request: StageRequest):
 
     _setup_logging(request, 0)
     ctx = RankContext(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0,
-                      num_nodes=1, node_name=_node_name(), node_of_rank=[0], backend="none",
+                      num_nodes=1, node_name=_node_name(), node_of_rank=[0],
+                      hostnames=[socket.gethostname()], backend="none",
                       device=torch.device("cpu"), job_id=_job_id())
     return _run_stage(request, ctx)

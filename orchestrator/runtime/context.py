@@ -15,6 +15,7 @@ class RankContext:
     num_nodes: int
     node_name: str
     node_of_rank: List[int]  # node_rank of every global rank (intra/inter-node decisions)
+    hostnames: List[str]  # the host of every global rank (provenance, rendezvous)
     backend: str  # gloo | nccl | none (a single in-process rank without torch.distributed)
     device: Any  # torch.device
     job_id: Optional[str] = None

@@ -28,7 +28,6 @@ class StageRun:
         self.todo = list(request.todo)
         self.started = time.time()
         self.ledger = Ledger(request.ledger_dir) if ctx.is_root else None
-        self.hosts: list = []
 
     @property
     def key(self) -> str:
@@ -61,7 +60,7 @@ class StageRun:
 
     def provenance(self) -> dict:
         return provenance(self.request.config, self.request.config_hash, job_id=self.ctx.job_id,
-                          hosts=self.hosts, started=self.started)
+                          hosts=self.ctx.hostnames, started=self.started)
 
     def resume_profile(self, path: Path, kind: str, source: str, **fields) -> dict:
         """The profile at `path` if an earlier run of this same config wrote it, else a new one.
