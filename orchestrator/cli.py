@@ -25,7 +25,7 @@ from orchestrator.pipeline import StagePlan, ledger_for, plan_stage, stages_for,
 from orchestrator.runtime.request import StageRequest
 from orchestrator.stages import STAGES
 from orchestrator.store import read_profile
-from orchestrator.store.ledger import Ledger
+from orchestrator.store.ledger import State
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 # Wide enough for the status table when output goes to a file or a pipe (rich would use 80).
@@ -80,17 +80,6 @@ def _request(plan: StagePlan, cfg, run_dir: Path) -> StageRequest:
         extra={"ranks": plan.ranks, "torch_distributed": plan.spec.torch_distributed})
 
 
-def _mark_launching(ledger: Ledger, plan: StagePlan, launcher_name: str, queued: bool,
-                    request) -> None:
-    """Before the launch: a job may finish (and rank 0 mark it done) before submit returns."""
-    ledger.update(plan.key, state="pending" if queued else "running",
-                  config_hash=plan.config_hash, launcher=launcher_name, job_id=None,
-                  job_folder=None, log_path=request.run_dir, run_dir=request.run_dir,
-                  started=time.time(), ended=None, error=None, todo=plan.todo)
-    ledger.update_many([f"{plan.key}/{s}" for s in plan.todo], state="pending", job_id=None,
-                       config_hash=plan.config_hash, log_path=request.run_dir)
-
-
 def run_stages(cfg: DictConfig) -> List[dict]:
     """Plan every named stage, then launch what is not done; returns one report row per stage."""
     validate_cluster(cfg)
@@ -120,15 +109,15 @@ def run_stages(cfg: DictConfig) -> List[dict]:
         where = f"{plan.world_size} rank(s)" if plan.ranks == "cluster" else "1 process"
         console.print(f"[bold]{plan.key}[/]: {len(plan.todo) or 1} part(s) on {where} via "
                       f"launcher={launcher.name}" + (f" ({', '.join(plan.todo)})" if plan.todo else ""))
-        _mark_launching(ledger, plan, launcher.name, launcher.queued, request)
+        ledger.launch(plan.key, plan.todo, queued=launcher.queued, config_hash=plan.config_hash,
+                      launcher=launcher.name, run_dir=request.run_dir)
         try:
             handle = launcher.submit(request, after=previous_job)
         except BaseException as e:
             ledger.mark_ended(plan.key, "failed", plan.todo, f"not launched: {e}")
             raise
         job = {"job_id": launcher.job_id(handle), "job_folder": launcher.job_folder(handle)}
-        ledger.update(plan.key, **job)  # ids only: never the state, which rank 0 may have set
-        ledger.update_many([f"{plan.key}/{s}" for s in plan.todo], job_id=job["job_id"])
+        ledger.attach_job(plan.key, plan.todo, **job)
         produced_now.add(plan.spec.name)
         if launcher.queued:  # submit the whole chain first (afterok), then wait in order
             previous_job = job["job_id"]
@@ -150,7 +139,7 @@ def _finish(ledger, launcher, plan, handle, request) -> dict:
     def on_state(state):
         console.print(f"  job {launcher.job_id(handle)}: {state}")
         if state == "RUNNING":
-            ledger.update(plan.key, state="running")
+            ledger.transition(plan.key, State.running, from_states=(State.pending,))
 
     try:
         outcome = launcher.wait(handle, request, on_state=on_state,
@@ -202,21 +191,19 @@ def print_status(cfg) -> List[dict]:
         table.add_column(col)
     colours = {"done": "green", "failed": "red", "cancelled": "yellow", "running": "cyan",
                "pending": "white"}
-    for key in sorted(entries, key=lambda k: (entries[k].get("started") or 0, k)):
+    for key in sorted(entries, key=lambda k: (entries[k].started or 0, k)):
         e = entries[key]
-        started, ended = e.get("started"), e.get("ended")
-        took = f"{ended - started:.1f}s" if started and ended else ""
-        state = e.get("state", "?")
-        table.add_row(key, f"[{colours.get(state, 'white')}]{state}[/]", str(e.get("job_id") or ""),
-                      str(e.get("config_hash") or "")[:8],
-                      time.strftime("%m-%d %H:%M:%S", time.localtime(started)) if started else "",
-                      took, str(e.get("error") or _relative(e.get("log_path")) or ""))
+        took = f"{e.took_s:.1f}s" if e.took_s is not None else ""
+        table.add_row(key, f"[{colours.get(e.state.value, 'white')}]{e.state.value}[/]",
+                      str(e.job_id or ""), str(e.config_hash or "")[:8],
+                      time.strftime("%m-%d %H:%M:%S", time.localtime(e.started)) if e.started else "",
+                      took, str(e.error or _relative(e.log_path) or ""))
     if entries:
         console.print(table)
     else:
         console.print(f"nothing has run for cluster {cfg.cluster.name!r} yet ({ledger.path} "
                       f"does not exist); start with: python -m orchestrator stage=all")
-    return [dict(entry=k, **v) for k, v in entries.items()]
+    return [dict(entry=k, **e.to_dict()) for k, e in entries.items()]
 
 
 # ---------------------------------------------------------------- entry points

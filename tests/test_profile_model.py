@@ -50,7 +50,9 @@ def test_four_rank_run_writes_points_fits_memory_then_rerun_redoes_only_the_miss
     assert all(entries[f"profile_model/tiny/{p}"]["state"] == "done" for p in POINTS)
 
     # A crash lost one point: the rerun runs it alone and keeps the others.
-    Ledger(profiles / "local").update("profile_model/tiny/seq128_tp2", state="failed")
+    crashed = Ledger(profiles / "local")
+    crashed.transition("profile_model/tiny/seq128_tp2", "running")
+    crashed.transition("profile_model/tiny/seq128_tp2", "failed", error="killed")
     before = {p: entries[f"profile_model/tiny/{p}"]["ended"] for p in POINTS}
     time.sleep(0.01)
     out = run_cli(*SMALL, profiles_dir=profiles, check=0).stdout

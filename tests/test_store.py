@@ -8,7 +8,7 @@ import pytest
 
 from orchestrator.errors import ProfileError
 from orchestrator.store import new_profile, provenance, read_profile, write_json
-from orchestrator.store.ledger import Ledger
+from orchestrator.store.ledger import Ledger, LedgerEntry, LedgerError, State
 
 REBUILD = "python -m orchestrator stage=profile_hardware"
 
@@ -55,7 +55,8 @@ def test_stale_profile_other_schema_or_config(tmp_path):
 def _hammer(folder, worker, n):
     ledger = Ledger(folder)
     for i in range(n):
-        ledger.update(f"stage/w{worker}_{i}", state="done", job_id=str(worker))
+        ledger.transition(f"stage/w{worker}_{i}", "running")
+        ledger.transition(f"stage/w{worker}_{i}", "done")
 
 
 def test_ledger_survives_concurrent_writers(tmp_path):
@@ -68,14 +69,66 @@ def test_ledger_survives_concurrent_writers(tmp_path):
         assert p.exitcode == 0
     entries = Ledger(tmp_path).entries()
     assert len(entries) == 100
-    assert all(e["state"] == "done" for e in entries.values())
+    assert all(e.state == State.done for e in entries.values())
     json.loads((tmp_path / "ledger.json").read_text())  # still valid JSON
 
 
 def test_ledger_is_done_needs_same_hash(tmp_path):
     ledger = Ledger(tmp_path)
-    ledger.update("profile_hardware/allreduce", state="done", config_hash="h1")
+    ledger.start_subpart("profile_hardware/allreduce", "h1", str(tmp_path), job_id=None)
+    ledger.transition("profile_hardware/allreduce", "done")
     assert ledger.is_done("profile_hardware/allreduce", "h1")
     assert not ledger.is_done("profile_hardware/allreduce", "h2")
     with pytest.raises(ValueError):
-        ledger.update("x", state="weird")
+        ledger.transition("x", "weird")
+
+
+def test_ledger_refuses_edges_that_would_undo_results(tmp_path):
+    ledger = Ledger(tmp_path)
+    with pytest.raises(LedgerError, match="None -> done"):
+        ledger.transition("search/tiny", "done")  # nothing launched it
+    ledger.transition("search/tiny", "running")
+    ledger.transition("search/tiny", "done", summary={"path": "x"})
+    with pytest.raises(LedgerError, match="done -> failed"):
+        ledger.transition("search/tiny", "failed")
+    assert ledger.get("search/tiny").state == State.done
+    assert ledger.get("search/tiny").summary == {"path": "x"}
+    # A conditional move that does not apply changes nothing and says so.
+    assert not ledger.transition("search/tiny", "running", from_states=("pending",))
+    assert ledger.get("search/tiny").state == State.done
+
+
+def test_mark_ended_keeps_what_rank0_marked_done(tmp_path):
+    """The launcher's failure report and rank 0's `done` race: done wins, unfinished parts fail."""
+    ledger = Ledger(tmp_path)
+    ledger.launch("profile_hardware", ["allreduce", "p2p"], queued=True, config_hash="h",
+                  launcher="slurm", run_dir=str(tmp_path))
+    ledger.start_subpart("profile_hardware/allreduce", "h", str(tmp_path), job_id="7")
+    ledger.transition("profile_hardware/allreduce", "done")
+    ledger.mark_ended("profile_hardware", "cancelled", ["allreduce", "p2p"], "scancel")
+    entries = ledger.entries()
+    assert entries["profile_hardware"].state == State.cancelled
+    assert entries["profile_hardware"].error == "scancel"
+    assert entries["profile_hardware/allreduce"].state == State.done
+    assert entries["profile_hardware/p2p"].state == State.cancelled
+    # Rank 0 finished the stage before the report arrived: the report changes nothing.
+    ledger.launch("search/tiny", [], queued=False, config_hash="h", launcher="local",
+                  run_dir=str(tmp_path))
+    ledger.transition("search/tiny", "done")
+    ledger.mark_ended("search/tiny", "failed", [], "lost")
+    assert ledger.get("search/tiny").state == State.done
+    assert ledger.get("search/tiny").error is None
+
+
+def test_ledger_entries_round_trip_through_the_file(tmp_path):
+    ledger = Ledger(tmp_path)
+    ledger.launch("profile_model/tiny", ["seq128_tp1"], queued=True, config_hash="abc",
+                  launcher="slurm", run_dir="/runs/1")
+    ledger.attach_job("profile_model/tiny", ["seq128_tp1"], job_id="42", job_folder="/runs/1/s")
+    raw = json.loads((tmp_path / "ledger.json").read_text())["entries"]
+    assert raw["profile_model/tiny"]["state"] == "pending"
+    assert raw["profile_model/tiny"]["todo"] == ["seq128_tp1"]
+    again = Ledger(tmp_path).get("profile_model/tiny")
+    assert isinstance(again, LedgerEntry)
+    assert (again.job_id, again.job_folder, again.launcher) == ("42", "/runs/1/s", "slurm")
+    assert Ledger(tmp_path).get("profile_model/tiny/seq128_tp1").job_id == "42"

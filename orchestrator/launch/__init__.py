@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from orchestrator.errors import ConfigError
 from orchestrator.launch.base import Launcher, LaunchResult
+from orchestrator.store.ledger import ACTIVE
 
 
 def make_launcher(cfg, name: str | None = None) -> Launcher:
@@ -27,8 +28,8 @@ def refresh_ledger(ledger, cfg) -> None:
     """Re-attach to every launch the ledger still calls pending or running (any process may
     ask: `stage=status`), through the launcher that made it, and record how each ended."""
     for key, entry in ledger.entries().items():
-        if entry.get("state") in ("pending", "running") and entry.get("launcher"):
-            make_launcher(cfg, entry["launcher"]).refresh(ledger, key, entry)
+        if entry.state in ACTIVE and entry.launcher:
+            make_launcher(cfg, entry.launcher).refresh(ledger, key, entry)
 
 
 __all__ = ["Launcher", "LaunchResult", "make_launcher", "refresh_ledger"]

@@ -14,6 +14,7 @@ from typing import Optional
 
 from orchestrator.launch.base import LaunchResult, prepare_run_dir, read_rank0_result, unfinished
 from orchestrator.runtime.request import StageRequest
+from orchestrator.store.ledger import ACTIVE, State
 
 # Slurm states after which a job will not run again by itself.
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
@@ -116,23 +117,23 @@ class SlurmLauncher:
 
     def refresh(self, ledger, key: str, entry: dict) -> None:
         """Re-attach to the job of a pending/running ledger entry and record how it ended."""
-        if not entry.get("job_id") or not entry.get("job_folder"):
+        if not entry.job_id or not entry.job_folder:
             return
         request = StageRequest(stage="", ledger_key=key, config={}, config_hash="", todo=[],
-                               ledger_dir=str(ledger.path.parent), run_dir=entry["run_dir"],
+                               ledger_dir=str(ledger.path.parent), run_dir=entry.run_dir,
                                world_size=0)
-        job = reattach(entry["job_folder"], entry["job_id"])
+        job = reattach(entry.job_folder, entry.job_id)
         state = job_state(job, request)
-        if state == "UNKNOWN" and time.time() - (entry.get("started") or 0) > LOST_AFTER_S:
+        if state == "UNKNOWN" and time.time() - (entry.started or 0) > LOST_AFTER_S:
             state = "LOST"  # neither sacct nor squeue knows it, and it left no result
-        if state == "RUNNING" and entry["state"] == "pending":
-            ledger.update(key, state="running")
+        if state == "RUNNING":
+            ledger.transition(key, State.running, from_states=(State.pending,))
         elif state in FINAL_STATES:
             outcome = self.outcome(job, request, state)
             if outcome.state == "done":
-                ledger.update(key, state="done", ended=time.time(), error=None)
-            elif ledger.get(key).get("state") != "done":  # rank 0 may have marked it meanwhile
-                ledger.mark_ended(key, outcome.state, entry.get("todo", []), outcome.message)
+                ledger.transition(key, State.done, from_states=ACTIVE)
+            else:  # under the lock: what rank 0 marked done meanwhile stays done
+                ledger.mark_ended(key, outcome.state, entry.todo, outcome.message)
 
     def wait(self, job, request: StageRequest, on_state=None, on_output=None) -> LaunchResult:
         """Poll until the job ends (sacct, else squeue and result files); report how it ended.

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from orchestrator.runtime.context import RankContext
 from orchestrator.runtime.request import StageRequest
 from orchestrator.store import new_profile, provenance, read_json
-from orchestrator.store.ledger import Ledger
+from orchestrator.store.ledger import Ledger, State
 
 
 class StageRun:
@@ -43,20 +43,18 @@ class StageRun:
         Write the sub-part's results inside the block: it is marked done only after them.
         """
         if self.ledger is not None:
-            job = {"job_id": self.ctx.job_id} if self.ctx.job_id else {}
-            self.ledger.update(self.subpart_key(name), state="running", started=time.time(),
-                               config_hash=self.request.config_hash, ended=None,
-                               log_path=self.request.run_dir, error=None, **job)
+            self.ledger.start_subpart(self.subpart_key(name), self.request.config_hash,
+                                      self.request.run_dir, self.ctx.job_id)
         try:
             yield
         except BaseException as e:
             if self.ledger is not None:
-                self.ledger.update(self.subpart_key(name), state="failed", ended=time.time(),
-                                   error=f"{type(e).__name__}: {e}",
-                                   traceback=traceback.format_exc(limit=5))
+                self.ledger.transition(self.subpart_key(name), State.failed,
+                                       error=f"{type(e).__name__}: {e}",
+                                       traceback=traceback.format_exc(limit=5))
             raise
         if self.ledger is not None:
-            self.ledger.update(self.subpart_key(name), state="done", ended=time.time())
+            self.ledger.transition(self.subpart_key(name), State.done)
 
     def provenance(self) -> dict:
         return provenance(self.request.config, self.request.config_hash, job_id=self.ctx.job_id,
@@ -81,5 +79,5 @@ class StageRun:
     def finish(self, result: Optional[dict]) -> None:
         """Rank 0: mark the stage done in the ledger."""
         if self.ledger is not None:
-            self.ledger.update(self.key, state="done", ended=time.time(), error=None,
-                               summary=result if isinstance(result, dict) else None)
+            self.ledger.transition(self.key, State.done,
+                                   summary=result if isinstance(result, dict) else None)
