@@ -18,27 +18,29 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator.config import register_configs
+from orchestrator.choices import Ranks
+from orchestrator.config import CONF_DIR, Config, choice_type, register_configs
 from orchestrator.errors import ConfigError, LaunchError, OrchestratorError
 from orchestrator.launch import make_launcher, refresh_ledger
-from orchestrator.pipeline import StagePlan, ledger_for, plan_stage, stages_for, validate_cluster
+from orchestrator.pipeline import (check_launchable, decide, ledger_for, plan_stage, stages_for,
+                                   validate_cluster)
 from orchestrator.runtime.request import StageRequest
-from orchestrator.stages import STAGES
+from orchestrator.stages import STAGES, StagePlan
 from orchestrator.store import read_profile
 from orchestrator.store.ledger import State
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 # Wide enough for the status table when output goes to a file or a pipe (rich would use 80).
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 err_console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 200)
 
 
 # ---------------------------------------------------------------- before Hydra: closed choices
-def check_group_choices(argv: List[str]) -> None:
-    """Refuse an unknown stage or launcher with one line naming what is allowed (exit code 2).
+def check_closed_choices(argv: List[str]) -> None:
+    """Refuse an unknown stage, launcher or enum value (schedule, dtype, source, ...) with one
+    line naming what is allowed (exit code 2).
 
-    Hydra's own message for a missing group option spans many lines and exits 1; these two
-    groups are closed sets, so we check them first.
+    Hydra's own message for these spans several lines and exits 1; they are closed sets, so we
+    check them first (every value of a sweep too).
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -47,16 +49,28 @@ def check_group_choices(argv: List[str]) -> None:
         overrides = OverridesParser.create().parse_overrides(args)
     except Exception:
         return  # let Hydra report syntax errors its own way
-    allowed = {"stage": sorted(STAGES + ("all", "status")),
-               "launcher": sorted(p.stem for p in (CONF_DIR / "launcher").glob("*.yaml"))}
+    groups = {"stage": sorted(STAGES + ("all", "status")),
+              "launcher": sorted(p.stem for p in (CONF_DIR / "launcher").glob("*.yaml"))}
     for o in overrides:
-        group = o.key_or_group
-        if group not in allowed or o.is_delete():
+        key = o.key_or_group
+        if o.is_delete():
             continue
         values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.value()]
+        if key in groups:
+            for value in values:
+                if str(value) not in groups[key]:
+                    raise ConfigError(f"unknown {key} {value!r}; allowed: {', '.join(groups[key])}")
+            continue
+        choice = choice_type(key)
+        if choice is None:
+            continue
         for value in values:
-            if str(value) not in allowed[group]:
-                raise ConfigError(f"unknown {group} {value!r}; allowed: {', '.join(allowed[group])}")
+            for item in value if isinstance(value, list) else [value]:
+                try:
+                    if item is not None:
+                        choice.parse(item)
+                except ValueError:
+                    raise ConfigError(f"{key}={item!r}; allowed: {', '.join(choice.__members__)}") from None
 
 
 # ---------------------------------------------------------------- running stages
@@ -65,81 +79,83 @@ def _run_dir(stage: str, n_stages: int) -> Path:
     return base / stage if n_stages > 1 else base
 
 
-def _check_inputs(plan: StagePlan, cfg, produced_now: set) -> None:
-    for needed in plan.spec.inputs(cfg):
+def _check_inputs(plan: StagePlan, cfg: Config, produced_now: set) -> None:
+    for needed in plan.inputs:
         if needed.producer not in produced_now:  # else an earlier stage of this command writes it
             read_profile(needed.path, needed.kind, needed.rebuild(cfg))
 
 
-def _request(plan: StagePlan, cfg, run_dir: Path) -> StageRequest:
-    return StageRequest(
-        stage=plan.spec.name, ledger_key=plan.key,
-        config=OmegaConf.to_container(cfg, resolve=True), config_hash=plan.config_hash,
-        todo=plan.todo, ledger_dir=str(ledger_for(cfg).path.parent), run_dir=str(run_dir),
-        world_size=plan.world_size, backend=cfg.cluster.backend, launcher=cfg.launcher.name,
-        extra={"ranks": plan.ranks, "torch_distributed": plan.spec.torch_distributed})
+def _launch_line(plan: StagePlan, todo, launcher) -> str:
+    where = f"{plan.world_size} rank(s)" if plan.ranks == Ranks.cluster else "1 process"
+    return (f"[bold]{plan.key}[/]: {len(todo) or 1} part(s) on {where} via launcher={launcher.name}"
+            + (f" ({', '.join(todo)})" if todo else ""))
 
 
-def run_stages(cfg: DictConfig) -> List[dict]:
+def run_stages(cfg: Config) -> List[dict]:
     """Plan every named stage, then launch what is not done; returns one report row per stage."""
     validate_cluster(cfg)
     if os.environ.get("ORCHESTRATOR_FAST_MODE", "") not in ("", "0"):
         cfg.search.fast_mode = True  # in the config, so its hash tells fast results apart
     names = stages_for(cfg.stage.name)
     ledger = ledger_for(cfg)
-    for name in names:  # validate every stage before anything runs
-        plan_stage(name, cfg, ledger, force=cfg.force)
+    cache: dict = {}
+    plans = [plan_stage(name, cfg, cache) for name in names]  # every stage valid before any runs
+    for plan in plans:
+        check_launchable(plan, cfg)
     launcher = make_launcher(cfg)
     rows, pending, produced_now, previous_job = [], [], set(), None
-    for name in names:
-        # Planned again now: an earlier stage of this command may have just written its inputs.
-        plan = plan_stage(name, cfg, ledger, force=cfg.force)
-        if plan.done:
+    for plan in plans:
+        # Decided now: an earlier stage of this command may have just written its inputs.
+        decision = decide(plan, ledger, force=cfg.force)
+        if decision.done:
             console.print(f"[green]✓[/] {plan.key}: done (config {plan.config_hash}); "
                           f"skipping (force=true redoes it)")
             rows.append({"stage": plan.key, "state": "done (skipped)", "job_id": None, "log": ""})
             continue
-        if plan.stale_reason and not cfg.force:
-            console.print(f"{plan.key}: {plan.stale_reason}; running every part")
-        skipped = [s for s in plan.subparts if s not in plan.todo]
+        if decision.stale_reason and not cfg.force:
+            console.print(f"{plan.key}: {decision.stale_reason}; running every part")
+        skipped = [s for s in plan.subparts if s not in decision.todo]
         if skipped:
             console.print(f"{plan.key}: sub-parts done, skipping: {', '.join(skipped)}")
         _check_inputs(plan, cfg, produced_now)
-        request = _request(plan, cfg, _run_dir(plan.spec.name, len(names)))
-        where = f"{plan.world_size} rank(s)" if plan.ranks == "cluster" else "1 process"
-        console.print(f"[bold]{plan.key}[/]: {len(plan.todo) or 1} part(s) on {where} via "
-                      f"launcher={launcher.name}" + (f" ({', '.join(plan.todo)})" if plan.todo else ""))
-        ledger.launch(plan.key, plan.todo, queued=launcher.queued, config_hash=plan.config_hash,
+        request = StageRequest(plan=plan, config=cfg, todo=list(decision.todo),
+                               ledger_dir=str(ledger.path.parent),
+                               run_dir=str(_run_dir(plan.stage, len(names))),
+                               launcher=launcher.name)
+        console.print(_launch_line(plan, request.todo, launcher))
+        ledger.launch(plan.key, request.todo, queued=launcher.queued, config_hash=plan.config_hash,
                       launcher=launcher.name, run_dir=request.run_dir)
         try:
             handle = launcher.submit(request, after=previous_job)
         except BaseException as e:
-            ledger.mark_ended(plan.key, "failed", plan.todo, f"not launched: {e}")
+            ledger.mark_ended(plan.key, State.failed, request.todo, f"not launched: {e}")
             raise
         job = {"job_id": launcher.job_id(handle), "job_folder": launcher.job_folder(handle)}
-        ledger.attach_job(plan.key, plan.todo, **job)
-        produced_now.add(plan.spec.name)
+        ledger.attach_job(plan.key, request.todo, **job)
+        produced_now.add(plan.stage)
         if launcher.queued:  # submit the whole chain first (afterok), then wait in order
             previous_job = job["job_id"]
             console.print(f"  submitted Slurm job {previous_job}; logs: {job['job_folder']}")
-            pending.append((plan, handle, request))
+            pending.append((handle, request))
             continue
-        rows.append(_finish(ledger, launcher, plan, handle, request))
-    for plan, handle, request in pending:
+        rows.append(_finish(ledger, launcher, handle, request))
+    for handle, request in pending:
         if not cfg.wait:
-            rows.append({"stage": plan.key, "state": "submitted",
+            rows.append({"stage": request.ledger_key, "state": "submitted",
                          "job_id": launcher.job_id(handle), "log": launcher.job_folder(handle)})
             continue
-        rows.append(_finish(ledger, launcher, plan, handle, request))
+        rows.append(_finish(ledger, launcher, handle, request))
     return rows
 
 
-def _finish(ledger, launcher, plan, handle, request) -> dict:
+def _finish(ledger, launcher, handle, request: StageRequest) -> dict:
     """Wait for one launch, record how it ended, and raise if it did not finish."""
+    key = request.ledger_key
+
     def on_state(state):
         console.print(f"  job {launcher.job_id(handle)}: {state}")
         if state == "RUNNING":
-            ledger.transition(plan.key, State.running, from_states=(State.pending,))
+            ledger.transition(key, State.running, from_states=(State.pending,))
 
     try:
         outcome = launcher.wait(handle, request, on_state=on_state,
@@ -149,19 +165,19 @@ def _finish(ledger, launcher, plan, handle, request) -> dict:
             console.print(f"\njob {launcher.job_id(handle)} keeps running; `stage=status` "
                           f"re-attaches, `scancel {launcher.job_id(handle)}` stops it")
             raise SystemExit(130)
-        ledger.mark_ended(plan.key, "cancelled", plan.todo, "interrupted (Ctrl-C)")
+        ledger.mark_ended(key, State.cancelled, request.todo, "interrupted (Ctrl-C)")
         raise SystemExit(130)
     except BaseException as e:  # an in-process stage raised: an error to act on, or a bug
-        ledger.mark_ended(plan.key, "failed", plan.todo, f"{type(e).__name__}: {e}")
+        ledger.mark_ended(key, State.failed, request.todo, f"{type(e).__name__}: {e}")
         raise
-    ledger.mark_ended(plan.key, outcome.state, plan.todo, outcome.message)
+    ledger.mark_ended(key, outcome.state, request.todo, outcome.message)
     if outcome.state != "done":
-        error = LaunchError(f"{plan.key} {outcome.state}: {outcome.message}. Parts finished before "
+        error = LaunchError(f"{key} {outcome.state}: {outcome.message}. Parts finished before "
                             f"are kept; rerun the same command to resume.")
         error.exit_code = outcome.exit_code or LaunchError.exit_code
         raise error
-    console.print(f"[green]✓[/] {plan.key}: done" + _summary_text(outcome.result))
-    return {"stage": plan.key, "state": "done", "job_id": outcome.job_id, "log": outcome.log_path,
+    console.print(f"[green]✓[/] {key}: done" + _summary_text(outcome.result))
+    return {"stage": key, "state": "done", "job_id": outcome.job_id, "log": outcome.log_path,
             "result": outcome.result}
 
 
@@ -207,8 +223,9 @@ def print_status(cfg) -> List[dict]:
 
 
 # ---------------------------------------------------------------- entry points
-def orchestrate(cfg: DictConfig):
+def orchestrate(composed: DictConfig):
     """The Hydra task: one stage (or `all`, or `status`) for one composed config."""
+    cfg: Config = OmegaConf.to_object(composed)  # typed from here on, down to the ranks
     try:
         if cfg.stage.name == "status":
             return print_status(cfg)
@@ -229,7 +246,7 @@ def hydra_main(cfg: DictConfig):
 def main(argv: Optional[List[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        check_group_choices(argv)
+        check_closed_choices(argv)
     except ConfigError as e:
         err_console.print(f"[red]error:[/] {e}", soft_wrap=True)
         sys.exit(e.exit_code)

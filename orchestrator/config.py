@@ -6,12 +6,20 @@ or a wrong type fails at compose time with Hydra's message.
 """
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 
+from orchestrator.choices import (Backend, Dtype, HardwareExport, HardwareSource, LauncherName,
+                                  ModelSource, Recompute, Schedule)
 from orchestrator.models.config import ModelConfig
+
+# The Hydra config groups ship inside the package, so a wheel install finds them too.
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 @dataclass
@@ -22,7 +30,7 @@ class StageChoice:
 
 @dataclass
 class LauncherConfig:
-    name: str = "local"  # local | slurm
+    name: LauncherName = LauncherName.local
     mpiexec: str = "mpiexec"  # local: the MPI launcher (the mpich wheel's by default)
     mpiexec_args: List[str] = field(default_factory=list)
     poll_s: float = 1.0  # slurm: how often wait=true polls the job
@@ -44,7 +52,7 @@ class LinkSheetConfig:
     intra_latency_us: float = 3.0
     inter_latency_us: float = 8.0
     overlap_coe: float = 1.2
-    dtype: str = "bf16"
+    dtype: Dtype = Dtype.bf16
 
 
 @dataclass
@@ -53,7 +61,7 @@ class ClusterConfig:
     nodes: int = 1
     tasks_per_node: int = 4
     gpus_per_node: int = 0
-    backend: str = "gloo"  # gloo (CPU) | nccl (GPU, one rank per GPU)
+    backend: Backend = Backend.gloo  # nccl: one rank per GPU
     # What the ranks run on; the planner reads device_mem_GiB when search.memory_GiB is unset.
     device_mem_GiB: float = 0.0
     # Slurm submission only (not part of the hardware's identity, so not in config hashes).
@@ -88,11 +96,11 @@ class ProfileHardwareConfig:
     # Sub-parts in order; each is a ledger entry, so a rerun redoes only what is not done.
     benchmarks: List[str] = field(default_factory=lambda: [
         "inventory", "allreduce", "p2p", "reduce_scatter", "all_gather", "all2all", "overlap"])
-    source: str = "measured"  # measured | analytic (from cluster.links, no launch)
+    source: HardwareSource = HardwareSource.measured  # analytic: from cluster.links, no launch
     min_size_bytes: int = 1024
     max_size_bytes: Optional[int] = None  # None: 64 MiB on CPU, 256 MiB on GPU
     size_step: int = 4  # multiply the size by this between points
-    dtype: Optional[str] = None  # fp32 | bf16 | fp16; None: fp32 on CPU, bf16 on GPU
+    dtype: Optional[Dtype] = None  # None: fp32 on CPU, bf16 on GPU
     max_tp: int = 8  # reduce_scatter/all_gather/all2all group sizes up to min(world, max_tp)
     max_group: Optional[int] = None  # allreduce group sizes up to this (None: the world)
     max_pp: Optional[int] = None  # p2p pipeline degrees up to this (None: the world)
@@ -101,7 +109,7 @@ class ProfileHardwareConfig:
     max_iters: int = 100
     max_time_s: float = 0.25  # per point (the largest sizes run min_iters anyway)
     rel_spread: float = 0.1  # stop when (p90 - p10) / median is below this
-    export: Optional[str] = None  # galvatron: also write Galvatron's hardware files
+    export: Optional[HardwareExport] = None  # galvatron: also write Galvatron's hardware files
     plot: bool = True
 
 
@@ -116,7 +124,7 @@ class ProfileModelConfig:
     # vocab. None: every degree the model allows, up to the world size (measured) or 8 (analytic).
     max_tp: Optional[int] = None
     micro_batch_size: int = 1
-    source: str = "auto"  # auto | measured | analytic (FLOPs + device sheet, exact memory)
+    source: ModelSource = ModelSource.auto  # analytic: FLOPs + device sheet, exact memory
     device: Optional[str] = None  # conf/device/<name>.yaml for analytic times; None: cpu (gloo), h100 (nccl)
     warmup_iters: int = 2
     iters: int = 5
@@ -133,9 +141,9 @@ class SearchConfig:
     max_pp: int = 64
     tp_within_node: bool = True
     zero_stages: List[int] = field(default_factory=lambda: [0, 1, 2, 3])
-    recompute: List[str] = field(default_factory=lambda: ["none", "selective", "full"])
+    recompute: List[Recompute] = field(default_factory=lambda: list(Recompute))
     micro_batch_sizes: List[int] = field(default_factory=lambda: [1, 2, 4])
-    schedules: List[str] = field(default_factory=lambda: ["1f1b", "interleaved"])
+    schedules: List[Schedule] = field(default_factory=lambda: list(Schedule))
     virtual_stages: List[int] = field(default_factory=lambda: [2, 4])
     reserve_GiB: float = 2.0  # allocator fragmentation / workspace kept free
     fast_mode: bool = False  # also ORCHESTRATOR_FAST_MODE=1
@@ -155,6 +163,25 @@ class Config:
     profile_hardware: ProfileHardwareConfig = field(default_factory=ProfileHardwareConfig)
     profile_model: ProfileModelConfig = field(default_factory=ProfileModelConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
+
+
+def choice_type(dotted_key: str, node: type = None) -> Optional[type]:
+    """The Choice enum a config key (e.g. "search.schedules") holds, alone, optional or in a
+    list; None for any other key. Lets the CLI refuse a bad choice in one line before Hydra."""
+    from orchestrator.choices import Choice
+
+    node = node or Config
+    head, _, rest = dotted_key.partition(".")
+    if not dataclasses.is_dataclass(node):
+        return None
+    hint = typing.get_type_hints(node).get(head)
+    if hint is None:
+        return None
+    while typing.get_origin(hint) in (typing.Union, list, List):  # Optional[X], List[X]
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if rest:
+        return choice_type(rest, hint)
+    return hint if isinstance(hint, type) and issubclass(hint, Choice) else None
 
 
 def register_configs() -> None:

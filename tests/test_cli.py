@@ -9,12 +9,12 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from conftest import REPO, ledger, run_cli
-from orchestrator.config import register_configs
+from orchestrator.config import CONF_DIR, register_configs
 
 
 def _compose(overrides=()):
     register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
 
 

@@ -8,11 +8,12 @@ import pytest
 import torch
 import yaml
 
+from orchestrator.config import CONF_DIR
 from orchestrator.models.config import ModelConfig, count_params, validate_model
 from orchestrator.models.gpt import GPT, cross_entropy_loss
 from orchestrator.models.parallelize import split_pipeline, stage_layer_ranges
 
-CONF_MODEL = Path(__file__).resolve().parent.parent / "conf" / "model"
+CONF_MODEL = CONF_DIR / "model"
 
 
 def _batch(cfg: ModelConfig, batch: int = 2, seq: int = 32, seed: int = 0):
@@ -83,7 +84,7 @@ def test_model_yaml_has_every_field_and_meta_count_matches_analytic(path):
     with torch.device("meta"):  # no memory, even for 100B parameters
         model = GPT(cfg)
     assert sum(p.numel() for p in model.parameters()) == count_params(cfg)
-    assert model.lm_head.weight.dtype == getattr(torch, cfg.dtype)
+    assert model.lm_head.weight.dtype == cfg.dtype.torch  # "bf16" in the yaml: torch.bfloat16
 
 
 def test_published_llama2_7b_parameter_count():

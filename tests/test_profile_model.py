@@ -6,6 +6,7 @@ import time
 import yaml
 
 from conftest import REPO, ledger, run_cli
+from orchestrator.config import CONF_DIR
 from orchestrator.models.config import ModelConfig, count_block_params
 from orchestrator.store import read_profile
 from orchestrator.store.ledger import Ledger
@@ -75,7 +76,7 @@ def test_qwen_100b_from_a_laptop_is_fast_analytic_and_exact_in_memory(profiles):
     assert all(p["source"] == "analytic" for p in prof["points"])
     assert all(f["source"] == "analytic" for f in prof["fits"].values())
     assert max(p["seq_len"] for p in prof["points"]) == 131072
-    cfg = ModelConfig(**yaml.safe_load(open(REPO / "conf" / "model" / "qwen_100b.yaml")))
+    cfg = ModelConfig(**yaml.safe_load(open(CONF_DIR / "model" / "qwen_100b.yaml")))
     n = count_block_params(cfg)
     mem1 = prof["memory"]["1"]
     assert mem1["block"]["param_bytes"] == 2 * n  # bf16, exact

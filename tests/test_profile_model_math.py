@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from conftest import REPO
-from orchestrator.config import register_configs
+from orchestrator.config import CONF_DIR, register_configs
 from orchestrator.errors import ConfigError
 from orchestrator.models.config import ModelConfig, count_block_params
 from orchestrator.profiling import model_analytic as an
@@ -19,7 +20,7 @@ from orchestrator.profiling.model_timing import build_point_model, memory_point
 
 def _compose(overrides=()):
     register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="config", overrides=["stage=profile_model", *overrides])
 
 
@@ -169,12 +170,12 @@ def test_default_plan_for_tiny_measures_on_cpu_with_the_tp_degrees_it_allows():
 
 
 def test_big_model_without_gpu_is_analytic_and_runs_in_this_process():
-    from orchestrator.stages.profile_model import SPEC, plan_profile
+    from orchestrator.stages.profile_model import STAGE, plan_profile
 
     cfg = _compose(["model=qwen_100b"])
     plan = plan_profile(cfg)
     assert plan.source == "analytic" and plan.tps == (1, 2, 4, 8)
-    assert SPEC.ranks(cfg) == "one"
+    assert STAGE.plan(OmegaConf.to_object(cfg)).ranks == "one"
     assert plan.seq_lens[-1] == 131072
 
 
@@ -183,14 +184,21 @@ def test_big_model_without_gpu_is_analytic_and_runs_in_this_process():
     (["profile_model.max_tp=8", "model.kv_heads=4"], "cluster's 4 ranks"),
     (["profile_model.seq_lens=[101]", "profile_model.max_tp=2"], "not divisible by tp(2)"),
     (["profile_model.device=tpu"], "available: a100, cpu, h100, h200"),
-    (["profile_model.source=guess"], "allowed: auto, measured, analytic"),
 ])
 def test_invalid_settings_are_config_errors_before_launch(overrides, words):
-    from orchestrator.stages.profile_model import SPEC
+    from orchestrator.stages.profile_model import STAGE
 
     with pytest.raises(ConfigError) as e:
-        SPEC.validate(_compose(overrides))
+        STAGE.plan(OmegaConf.to_object(_compose(overrides)))
     assert words in str(e.value)
+
+
+def test_an_unknown_source_is_refused_before_hydra_composes():
+    from orchestrator.cli import check_closed_choices
+
+    with pytest.raises(ConfigError) as e:
+        check_closed_choices(["stage=profile_model", "profile_model.source=guess"])
+    assert "allowed: auto, measured, analytic" in str(e.value)
 
 
 def test_analytic_memory_equals_measured_memory_on_the_same_kernels():

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from orchestrator.choices import Ranks
 from orchestrator.errors import ConfigError
 from orchestrator.launch.base import LaunchResult, prepare_run_dir, read_rank0_result, unfinished
 from orchestrator.runtime.request import StageRequest
@@ -40,12 +41,12 @@ class LocalLauncher:
 
     def submit(self, request: StageRequest, after: Optional[str] = None) -> LocalHandle:
         prepare_run_dir(request)
-        if request.extra.get("ranks") == "one":
+        if request.ranks == Ranks.one:
             return LocalHandle(None)
         if shutil.which(self.mpiexec) is None:
             raise ConfigError(f"launcher.mpiexec={self.mpiexec!r} not found on PATH; "
                               f"`pip install mpich` provides one")
-        request_path = request.save(Path(request.run_dir) / "request.json")
+        request_path = request.save(Path(request.run_dir) / "request.pkl")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if sys.stdout.isatty():  # rank 0's progress bars animate in the user's terminal
             env["ORCHESTRATOR_TTY"] = "1"

@@ -41,8 +41,8 @@ def executor_parameters(cluster, *, ranks: str, name: str, after: Optional[str] 
     if cluster.mem_GiB:
         params["mem_gb"] = cluster.mem_GiB
     for key in ("partition", "account", "qos"):
-        if cluster[key]:
-            params[f"slurm_{key}"] = cluster[key]
+        if getattr(cluster, key):
+            params[f"slurm_{key}"] = getattr(cluster, key)
     if cluster.setup:
         params["slurm_setup"] = list(cluster.setup)
     if after:
@@ -103,7 +103,7 @@ class SlurmLauncher:
         prepare_run_dir(request)
         folder = Path(request.run_dir) / "submitit"
         executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
-        ranks = request.extra.get("ranks", "cluster")
+        ranks = request.ranks
         executor.update_parameters(**executor_parameters(
             self.cluster, ranks=ranks, name=f"orch-{request.stage}", after=after))
         # A single-task stage runs as it would here: one process, no MPI world, no process group.
@@ -119,9 +119,11 @@ class SlurmLauncher:
         """Re-attach to the job of a pending/running ledger entry and record how it ended."""
         if not entry.job_id or not entry.job_folder:
             return
-        request = StageRequest(stage="", ledger_key=key, config={}, config_hash="", todo=[],
-                               ledger_dir=str(ledger.path.parent), run_dir=entry.run_dir,
-                               world_size=0)
+        # TODO(merge): read_rank0_result/unfinished should take the run folder, not a request.
+        from types import SimpleNamespace
+
+        from orchestrator.runtime.request import result_path
+        request = SimpleNamespace(run_dir=entry.run_dir, result_path=result_path(entry.run_dir))
         job = reattach(entry.job_folder, entry.job_id)
         state = job_state(job, request)
         if state == "UNKNOWN" and time.time() - (entry.started or 0) > LOST_AFTER_S:

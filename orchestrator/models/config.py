@@ -5,7 +5,7 @@ Kept free of torch so the CLI and the planner can import it cheaply.
 
 from dataclasses import dataclass
 
-DTYPES = ("float32", "bfloat16", "float16")
+from orchestrator.choices import Dtype
 
 
 @dataclass
@@ -24,9 +24,15 @@ class ModelConfig:
     kv_heads: int = 2
     vocab: int = 512
     seq_len: int = 256
-    dtype: str = "float32"
+    dtype: Dtype = Dtype.fp32
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        try:  # "bfloat16" and "bf16" name one dtype
+            self.dtype = Dtype.parse(self.dtype)
+        except ValueError:
+            pass  # validate_model names it, with the other shape errors
 
 
 def validate_model(cfg: ModelConfig, tp: int = 1) -> None:
@@ -41,8 +47,8 @@ def validate_model(cfg: ModelConfig, tp: int = 1) -> None:
             raise ValueError(f"model.{field}({value}) must be a positive integer")
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp({tp}) must be a positive integer")
-    if cfg.dtype not in DTYPES:
-        raise ValueError(f"model.dtype({cfg.dtype!r}) must be one of {list(DTYPES)}")
+    if not isinstance(cfg.dtype, Dtype):
+        raise ValueError(f"model.dtype({cfg.dtype!r}) must be one of {list(Dtype.__members__)}")
     if cfg.rope_theta <= 0 or cfg.norm_eps <= 0:
         raise ValueError(
             f"model.rope_theta({cfg.rope_theta}) and model.norm_eps({cfg.norm_eps}) must be > 0"

@@ -15,12 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from orchestrator.choices import Dtype
 from orchestrator.models.config import ModelConfig, validate_model
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype for a config dtype name such as "bfloat16"."""
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+def torch_dtype(name) -> torch.dtype:
+    """The torch dtype for a config dtype (a Dtype, or a name such as "bf16" or "bfloat16")."""
+    return Dtype.parse(name).torch
 
 
 class Rotary(nn.Module):

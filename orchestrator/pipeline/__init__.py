@@ -1,81 +1,99 @@
 """Planning: which stages and sub-parts must run, which are done (same config hash, outputs there).
 
-Pure functions of the config and the ledger; nothing here launches anything.
+Pure functions of the config and the ledger; nothing here launches anything. A stage is planned
+once (`plan_stage`: the stage's own plan plus its config hash); what to run of it now
+(`decide`) is asked again right before its launch, because an earlier stage of the same command
+may just have written its inputs.
 """
 from __future__ import annotations
 
-import copy
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List
+from typing import Dict, List, Optional, Tuple
 
-from omegaconf import DictConfig, OmegaConf
-
-from orchestrator.config import SUBMISSION_ONLY_FIELDS, cluster_world_size
+from orchestrator.choices import Backend, LauncherName, Ranks
+from orchestrator.config import SUBMISSION_ONLY_FIELDS, Config
 from orchestrator.errors import ConfigError
-from orchestrator.stages import PIPELINE, StageSpec, get_stage
+from orchestrator.stages import PIPELINE, Stage, StagePlan, get_stage
 from orchestrator.store import cluster_dir, config_hash, file_sha256, read_json
 from orchestrator.store.ledger import Ledger
 
 
-@dataclass
-class StagePlan:
-    spec: StageSpec
-    key: str
-    config_hash: str
-    subparts: List[str]  # all of the stage's sub-parts for this config
-    todo: List[str]  # those to run now
+@dataclass(frozen=True)
+class Decision:
+    """What of a planned stage runs now."""
+
+    todo: Tuple[str, ...]  # sub-parts to run now, in order
     done: bool  # nothing to run: every sub-part (or the stage) done under this hash
-    ranks: str  # "cluster" or "one"
-    world_size: int
     stale_reason: str = ""  # why earlier results are not reused, if they are not
 
 
-def validate_cluster(cfg) -> None:
+def validate_cluster(cfg: Config) -> None:
     """Raise ConfigError for a cluster layout that cannot run, naming the numbers."""
     c = cfg.cluster
     if c.nodes < 1 or c.tasks_per_node < 1:
         raise ConfigError(f"cluster.nodes({c.nodes}) and cluster.tasks_per_node({c.tasks_per_node}) "
                           f"must both be >= 1")
-    if c.backend not in ("gloo", "nccl"):
-        raise ConfigError(f"cluster.backend={c.backend!r}; allowed: gloo (CPU), nccl (GPU)")
-    if c.backend == "nccl" and c.gpus_per_node != c.tasks_per_node:
+    if c.backend == Backend.nccl and c.gpus_per_node != c.tasks_per_node:
         raise ConfigError(f"cluster.backend=nccl runs one rank per GPU: cluster.tasks_per_node"
                           f"({c.tasks_per_node}) != cluster.gpus_per_node({c.gpus_per_node})")
 
 
-def stage_hash(spec: StageSpec, cfg: DictConfig) -> str:
+def check_launchable(plan: StagePlan, cfg: Config) -> None:
+    """Raise ConfigError when this launcher cannot start the plan's ranks."""
+    if plan.ranks == Ranks.cluster and cfg.launcher.name == LauncherName.local and cfg.cluster.nodes != 1:
+        raise ConfigError(f"launcher=local runs {plan.stage} on this machine only: cluster.nodes"
+                          f"({cfg.cluster.nodes}) must be 1 (use launcher=slurm for "
+                          f"{cfg.cluster.nodes} nodes)")
+
+
+def _drop(section: dict, dotted: str) -> None:
+    head, _, leaf = dotted.rpartition(".")
+    for part in head.split(".") if head else []:
+        section = section.get(part, {})
+    section.pop(leaf, None)
+
+
+def stage_hash(stage: Stage, cfg: Config, input_hashes: Dict[str, str]) -> str:
     """Hash of what decides whether the stage's results are still valid: its config sections
     (less `hash_exclude`) and the hashes of the stages that write its inputs."""
     section = {}
-    for name in spec.hash_sections:
-        node = OmegaConf.to_container(cfg[name], resolve=True)
+    for name in stage.hash_sections:
+        node = dataclasses.asdict(getattr(cfg, name))
         if name == "cluster":
             node = {k: v for k, v in node.items() if k not in SUBMISSION_ONLY_FIELDS}
         section[name] = node
-    section = copy.deepcopy(section)
     # Known before the producers run, so a Slurm chain records the hash a later plan computes.
-    section["inputs"] = {i.producer: stage_hash(get_stage(i.producer), cfg) for i in spec.inputs(cfg)}
-    for dotted in spec.hash_exclude:
-        head, _, leaf = dotted.rpartition(".")
-        parent = section
-        for part in head.split(".") if head else []:
-            parent = parent.get(part, {})
-        parent.pop(leaf, None)
+    section["inputs"] = dict(input_hashes)
+    for dotted in stage.hash_exclude:
+        _drop(section, dotted)
     return config_hash(section)
 
 
-def stale_outputs(spec: StageSpec, cfg: DictConfig, stage_hash_: str) -> str:
+def plan_stage(name: str, cfg: Config, plans: Optional[Dict[str, StagePlan]] = None) -> StagePlan:
+    """The stage's plan with its config hash; validates the stage's config first. `plans`
+    caches the plans of this command (a producer's hash is part of its consumers')."""
+    plans = {} if plans is None else plans
+    if name not in plans:
+        stage = get_stage(name)
+        plan = stage.plan(cfg)
+        inputs = {i.producer: plan_stage(i.producer, cfg, plans).config_hash for i in plan.inputs}
+        plans[name] = dataclasses.replace(plan, config_hash=stage_hash(stage, cfg, inputs))
+    return plans[name]
+
+
+def stale_outputs(plan: StagePlan) -> str:
     """Why the stage's output files cannot be reused ("" if they can): missing, written under
     another config, or built from input files that have changed since (e.g. measured again)."""
-    for path in spec.outputs(cfg):
+    for path in plan.outputs:
         if not path.exists():
             return f"{path} missing"
         try:
             written = read_json(path)
         except ValueError:
             return f"{path} corrupt"
-        if written.get("provenance", {}).get("config_hash") != stage_hash_:
+        if written.get("provenance", {}).get("config_hash") != plan.config_hash:
             return f"{path} was written under another config"
         for input_path, recorded in (written.get("inputs") or {}).items():
             if Path(input_path).exists() and file_sha256(input_path) != recorded.get("sha256"):
@@ -83,27 +101,16 @@ def stale_outputs(spec: StageSpec, cfg: DictConfig, stage_hash_: str) -> str:
     return ""
 
 
-def plan_stage(name: str, cfg: DictConfig, ledger: Ledger, force: bool = False) -> StagePlan:
-    """What `stage=<name>` must run now; validates the stage's config first."""
-    spec = get_stage(name)
-    spec.validate(cfg)
-    ranks = spec.ranks(cfg)
-    if ranks == "cluster" and cfg.launcher.name == "local" and cfg.cluster.nodes != 1:
-        raise ConfigError(f"launcher=local runs {name} on this machine only: cluster.nodes"
-                          f"({cfg.cluster.nodes}) must be 1 (use launcher=slurm for "
-                          f"{cfg.cluster.nodes} nodes)")
-    key = spec.ledger_key(cfg)
-    h = stage_hash(spec, cfg)
-    subparts = list(spec.subparts(cfg))
-    stale = stale_outputs(spec, cfg, h)
+def decide(plan: StagePlan, ledger: Ledger, force: bool = False) -> Decision:
+    """What of `plan` must run now, from the ledger and the output files."""
+    stale = stale_outputs(plan)
     if force or stale:
-        todo = subparts
+        todo = plan.subparts
     else:
-        todo = [s for s in subparts if not ledger.is_done(f"{key}/{s}", h)]
-    done = not todo if subparts else (not force and not stale and ledger.is_done(key, h))
-    return StagePlan(spec=spec, key=key, config_hash=h, subparts=subparts, todo=todo, done=done,
-                     ranks=ranks, world_size=cluster_world_size(cfg.cluster) if ranks == "cluster" else 1,
-                     stale_reason=stale)
+        todo = tuple(s for s in plan.subparts if not ledger.is_done(f"{plan.key}/{s}", plan.config_hash))
+    done = not todo if plan.subparts else (not force and not stale
+                                           and ledger.is_done(plan.key, plan.config_hash))
+    return Decision(todo=tuple(todo), done=done, stale_reason=stale)
 
 
 def stages_for(stage: str) -> List[str]:
@@ -111,5 +118,5 @@ def stages_for(stage: str) -> List[str]:
     return list(PIPELINE) if stage == "all" else [stage]
 
 
-def ledger_for(cfg) -> Ledger:
+def ledger_for(cfg: Config) -> Ledger:
     return Ledger(cluster_dir(cfg.profiles_dir, cfg.cluster.name))

@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 from orchestrator.errors import ConfigError
+from orchestrator.choices import Dtype
+from orchestrator.config import CONF_DIR
 from orchestrator.models.config import ModelConfig, count_block_params
 
-DEVICE_DIR = Path(__file__).resolve().parent.parent.parent / "conf" / "device"
+DEVICE_DIR = CONF_DIR / "device"
 # Causal attention: a flash kernel computes only the blocks on or below the diagonal.
 CAUSAL_ATTENTION_FRACTION = 0.5
 
@@ -46,12 +48,17 @@ def load_device_sheet(name: str) -> dict:
         if key not in sheet:
             raise ConfigError(f"device sheet {path} lacks {key!r}")
     sheet.setdefault("name", name)
+    try:  # one dtype vocabulary: "bfloat16" and "bf16" name the same peak
+        sheet["peak_TFLOPs"] = {str(Dtype.parse(k)): v for k, v in sheet["peak_TFLOPs"].items()}
+    except ValueError as e:
+        raise ConfigError(f"device sheet {path}: peak_TFLOPs: {e}") from None
     return sheet
 
 
 def peak_flops(sheet: dict, dtype: str) -> float:
     """Sustained FLOP/s the sheet promises for `dtype`: peak x efficiency."""
     peaks = sheet["peak_TFLOPs"]
+    dtype = str(Dtype.parse(dtype))
     if dtype not in peaks:
         raise ConfigError(f"device sheet {sheet['name']!r} has no peak_TFLOPs for dtype {dtype}; "
                           f"it lists {sorted(peaks)}")

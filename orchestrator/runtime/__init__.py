@@ -158,7 +158,7 @@ def run_rank(request: StageRequest):
     ctx = None
     try:
         ctx = bootstrap(request.world_size, request.backend,
-                        request.extra.get("torch_distributed", True), request.job_id)
+                        request.torch_distributed, request.job_id)
         log.info("rank %d/%d on %s (node %d, local rank %d), backend %s", ctx.rank,
                  ctx.world_size, ctx.node_name, ctx.node_rank, ctx.local_rank, ctx.backend)
         result = _run_stage(request, ctx)

@@ -1,4 +1,4 @@
-"""`python -m orchestrator.runtime <request.json>`: what mpiexec starts on every local rank."""
+"""`python -m orchestrator.runtime <request.pkl>`: what mpiexec starts on every local rank."""
 import sys
 
 from orchestrator.runtime import run_rank

@@ -1,39 +1,80 @@
-"""A stage request: everything a rank needs to run a stage, as plain data.
+"""A stage request: everything a rank needs to run a stage, typed.
 
-The CLI builds it, a launcher carries it (a JSON file for mpiexec, a pickle for submitit), and
-every rank reads it. Launchers never look inside.
+The CLI builds it, a launcher carries it (a pickle file for mpiexec, submitit's own pickle under
+Slurm), and every rank reads it. Launchers never look inside beyond `ranks` and `world_size`.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import pickle
+from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
-from orchestrator.store import read_json, write_json
+from orchestrator.choices import Backend, Ranks
+from orchestrator.config import Config
+from orchestrator.stages import StagePlan
+from orchestrator.store import atomic_write
+
+RESULT_NAME = "result.json"
+
+
+def result_path(run_dir: str | Path) -> Path:
+    """Where rank 0 of a launch writes its result (or its error) in the launch's run folder."""
+    return Path(run_dir) / RESULT_NAME
 
 
 @dataclass
 class StageRequest:
-    stage: str
-    ledger_key: str  # e.g. profile_hardware, profile_model/tiny
-    config: dict  # the resolved job config (OmegaConf container)
-    config_hash: str
+    plan: StagePlan  # computed once by the CLI: key, sub-parts, ranks, inputs, outputs, hash
+    config: Config  # the typed job config (OmegaConf.to_object of the composed config)
     todo: List[str]  # sub-parts to run, in order (empty for a stage without sub-parts)
     ledger_dir: str  # profiles/<cluster.name>
     run_dir: str  # logs and the result file of this launch
-    world_size: int  # ranks the stage needs; the runtime checks MPI agrees
-    backend: str = "gloo"
     launcher: str = "local"
     job_id: Optional[str] = None
-    extra: dict = field(default_factory=dict)
+
+    @property
+    def stage(self) -> str:
+        return self.plan.stage
+
+    @property
+    def ledger_key(self) -> str:
+        return self.plan.key
+
+    @property
+    def config_hash(self) -> str:
+        return self.plan.config_hash
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the stage needs; the runtime checks MPI agrees."""
+        return self.plan.world_size
+
+    @property
+    def ranks(self) -> Ranks:
+        return self.plan.ranks
+
+    @property
+    def backend(self) -> Backend:
+        return self.config.cluster.backend
+
+    @property
+    def torch_distributed(self) -> bool:
+        from orchestrator.stages import get_stage
+
+        return get_stage(self.stage).torch_distributed
 
     @property
     def result_path(self) -> Path:
-        return Path(self.run_dir) / "result.json"
+        return result_path(self.run_dir)
 
     def save(self, path: str | Path) -> Path:
-        return write_json(path, asdict(self))
+        return atomic_write(path, lambda f: pickle.dump(self, f), binary=True)
 
     @classmethod
     def load(cls, path: str | Path) -> "StageRequest":
-        return cls(**read_json(path))
+        with open(path, "rb") as f:
+            request = pickle.load(f)
+        if not isinstance(request, cls):
+            raise TypeError(f"{path} holds a {type(request).__name__}, not a StageRequest")
+        return request

@@ -7,15 +7,16 @@ resumes instead of starting over.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import traceback
 from pathlib import Path
 from typing import Optional
 
-from omegaconf import DictConfig, OmegaConf
-
+from orchestrator.config import Config
 from orchestrator.runtime.context import RankContext
 from orchestrator.runtime.request import StageRequest
+from orchestrator.stages import StagePlan
 from orchestrator.store import new_profile, provenance, read_json
 from orchestrator.store.ledger import Ledger, State
 
@@ -24,7 +25,8 @@ class StageRun:
     def __init__(self, request: StageRequest, ctx: RankContext):
         self.request = request
         self.ctx = ctx
-        self.cfg: DictConfig = OmegaConf.create(request.config)
+        self.cfg: Config = request.config
+        self.plan: StagePlan = request.plan
         self.todo = list(request.todo)
         self.started = time.time()
         self.ledger = Ledger(request.ledger_dir) if ctx.is_root else None
@@ -57,7 +59,7 @@ class StageRun:
             self.ledger.transition(self.subpart_key(name), State.done)
 
     def provenance(self) -> dict:
-        return provenance(self.request.config, self.request.config_hash, job_id=self.ctx.job_id,
+        return provenance(dataclasses.asdict(self.cfg), self.request.config_hash, job_id=self.ctx.job_id,
                           hosts=self.ctx.hostnames, started=self.started)
 
     def resume_profile(self, path: Path, kind: str, source: str, **fields) -> dict:

@@ -1,16 +1,21 @@
-"""The stages: one module each, each exposing `SPEC: StageSpec`.
+"""The stages: one module each, each exposing `STAGE`, an instance of a `Stage` subclass.
 
-A stage's `run(ctx, run)` executes on every rank it asked for and never knows which launcher
-started it. The rest of the spec tells the pipeline what the stage reads and writes, which config
-sections decide whether earlier results are still valid, and its sub-parts (each a ledger entry).
+A stage's `plan(cfg)` validates its config and says, once, what a launch of it is: its ledger key,
+sub-parts, where it runs (every rank of the cluster or one process), the profiles it reads and
+the files it writes, plus its own typed details (e.g. profile_model's sequence lengths and TP
+degrees). The pipeline adds the config hash; the request carries the plan to the ranks, where
+`run(ctx, run)` executes on every rank without planning again and never knows which launcher
+started it.
 """
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, List, Tuple
+from typing import Any, ClassVar, Optional, Tuple
 
+from orchestrator.choices import Ranks
+from orchestrator.config import Config, cluster_world_size
 from orchestrator.errors import ConfigError
 
 # `stage=all` runs these in order, skipping what is done.
@@ -25,42 +30,57 @@ class StageInput:
     kind: str  # the profile kind the file must hold
     producer: str  # the stage that writes it
 
-    def rebuild(self, cfg) -> str:
+    def rebuild(self, cfg: Config) -> str:
         """The command that writes this input, for error messages."""
         cmd = f"python -m orchestrator stage={self.producer} cluster={cfg.cluster.name}"
         return cmd + (f" model={cfg.model.name}" if self.producer == "profile_model" else "")
 
 
-def _no_inputs(cfg) -> List[StageInput]:
-    return []
-
-
-def _no_subparts(cfg) -> List[str]:
-    return []
-
-
-def _valid(cfg) -> None:
-    return None
-
-
 @dataclass(frozen=True)
-class StageSpec:
-    name: str
-    run: Callable  # run(ctx: RankContext, run: StageRun) -> dict summary (rank 0)
-    ledger_key: Callable  # cfg -> str, e.g. "profile_model/tiny"
-    outputs: Callable  # cfg -> list[Path]
-    hash_sections: Tuple[str, ...]  # top-level config sections that decide validity
-    hash_exclude: Tuple[str, ...] = ()  # dotted keys in them that do not (e.g. which sub-parts)
-    ranks: Callable = lambda cfg: "cluster"  # "cluster": every rank of the cluster; "one"
-    subparts: Callable = _no_subparts  # cfg -> sub-part names in run order
-    inputs: Callable = _no_inputs  # cfg -> list[StageInput]
-    validate: Callable = _valid  # cfg -> None, raises ConfigError before launch
+class StagePlan:
+    """What one launch of a stage is, computed once by the CLI and carried to the ranks."""
+
+    stage: str
+    key: str  # the ledger key, e.g. "profile_model/tiny"
+    ranks: Ranks
+    world_size: int  # ranks the launch needs (1 for Ranks.one)
+    subparts: Tuple[str, ...] = ()  # in run order; each a ledger entry `<key>/<name>`
+    inputs: Tuple[StageInput, ...] = ()
+    outputs: Tuple[Path, ...] = ()
+    detail: Any = None  # the stage's own typed plan
+    config_hash: str = ""  # set by pipeline.plan_stage
+
+
+class Stage:
+    """Base of every stage. Subclasses set the class fields and define `plan` and `run`."""
+
+    name: ClassVar[str]
+    # Top-level config sections that decide whether earlier results are still valid, and the
+    # dotted keys in them that do not (which sub-parts to run, plotting).
+    hash_sections: ClassVar[Tuple[str, ...]]
+    hash_exclude: ClassVar[Tuple[str, ...]] = ()
     # False: the ranks get MPI only (no torch import, no process group): a cheaper start.
-    torch_distributed: bool = True
+    torch_distributed: ClassVar[bool] = True
+
+    def plan(self, cfg: Config) -> StagePlan:
+        """Validate the stage's config (ConfigError before anything launches); the launch."""
+        raise NotImplementedError
+
+    def run(self, ctx, run) -> Optional[dict]:
+        """Run on every rank (`run.plan`, `run.cfg`, `run.todo`); rank 0 returns the summary."""
+        raise NotImplementedError
+
+    def make_plan(self, cfg: Config, key: str, ranks: Ranks = Ranks.cluster,
+                  subparts=(), inputs=(), outputs=(), detail=None) -> StagePlan:
+        """A StagePlan of this stage; the world size follows from `ranks`."""
+        world = cluster_world_size(cfg.cluster) if ranks == Ranks.cluster else 1
+        return StagePlan(stage=self.name, key=key, ranks=Ranks(ranks), world_size=world,
+                         subparts=tuple(subparts), inputs=tuple(inputs),
+                         outputs=tuple(Path(p) for p in outputs), detail=detail)
 
 
-def get_stage(name: str) -> StageSpec:
-    """The spec of stage `name`; ConfigError naming the allowed stages if there is none."""
+def get_stage(name: str) -> Stage:
+    """The stage `name`; ConfigError naming the allowed stages if there is none."""
     if name not in STAGES:
         raise ConfigError(f"unknown stage {name!r}; allowed: {', '.join(STAGES + ('all', 'status'))}")
-    return importlib.import_module(f"orchestrator.stages.{name}").SPEC
+    return importlib.import_module(f"orchestrator.stages.{name}").STAGE

@@ -1,16 +1,17 @@
 """noop: a stage that does nothing on every rank; bench/overhead.py times the launch path with it."""
-from orchestrator.stages import StageSpec
+from orchestrator.stages import Stage
 
 
-def run(ctx, run):
-    return {"world_size": ctx.world_size}
+class Noop(Stage):
+    name = "noop"
+    hash_sections = ("cluster",)
+    torch_distributed = False
+
+    def plan(self, cfg):
+        return self.make_plan(cfg, key="noop")
+
+    def run(self, ctx, run):
+        return {"world_size": ctx.world_size}
 
 
-SPEC = StageSpec(
-    name="noop",
-    run=run,
-    ledger_key=lambda cfg: "noop",
-    outputs=lambda cfg: [],
-    hash_sections=("cluster",),
-    torch_distributed=False,
-)
+STAGE = Noop()

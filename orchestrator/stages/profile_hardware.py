@@ -7,15 +7,16 @@ profile comes from the cluster's published link figures (`cluster.links`), in th
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from orchestrator.config import cluster_world_size
 from orchestrator.errors import ConfigError
-from orchestrator.stages import StageSpec
+from orchestrator.choices import HardwareSource, Ranks
+from orchestrator.stages import Stage
 from orchestrator.store import cluster_dir, hardware_path, write_json
 
 BENCHMARKS = ("inventory", "allreduce", "p2p", "reduce_scatter", "all_gather", "all2all", "overlap")
-DTYPES = ("fp32", "bf16", "fp16")
 
 
 def _cluster_summary(cfg) -> dict:
@@ -41,7 +42,7 @@ def link_sheet(cfg):
     from orchestrator.profiling.analytic import LinkSheet
 
     gpus = cfg.cluster.gpus_per_node or cfg.cluster.tasks_per_node
-    return LinkSheet(gpus_per_node=gpus, **dict(cfg.cluster.links))
+    return LinkSheet(gpus_per_node=gpus, **dataclasses.asdict(cfg.cluster.links))
 
 
 def _measure(name: str, ctx, cfg, on_point):
@@ -97,7 +98,7 @@ def _finish_outputs(profile: dict, cfg, path: Path) -> dict:
     return outputs
 
 
-def run(ctx, run):
+def run_profile(ctx, run):
     cfg = run.cfg
     path = hardware_path(cfg.profiles_dir, cfg.cluster.name)
     if cfg.profile_hardware.source == "analytic":
@@ -152,12 +153,6 @@ def validate(cfg) -> None:
     unknown = [b for b in hw.benchmarks if b not in BENCHMARKS]
     if unknown:
         raise ConfigError(f"profile_hardware.benchmarks: unknown {unknown}; allowed: {list(BENCHMARKS)}")
-    if hw.source not in ("measured", "analytic"):
-        raise ConfigError(f"profile_hardware.source={hw.source!r}; allowed: measured, analytic")
-    if hw.dtype is not None and hw.dtype not in DTYPES:
-        raise ConfigError(f"profile_hardware.dtype={hw.dtype!r}; allowed: {', '.join(DTYPES)}")
-    if hw.export not in (None, "galvatron"):
-        raise ConfigError(f"profile_hardware.export={hw.export!r}; allowed: galvatron")
     if hw.size_step < 2 or hw.min_size_bytes < 1:
         raise ConfigError(f"profile_hardware.size_step({hw.size_step}) must be >= 2 and "
                           f"min_size_bytes({hw.min_size_bytes}) >= 1")
@@ -173,20 +168,22 @@ def validate(cfg) -> None:
         link_sheet(cfg)  # its own checks (positive figures, overlap_coe >= 1)
 
 
-def _subparts(cfg):
-    if cfg.profile_hardware.source == "analytic":
-        return ["analytic"]
-    return [b for b in BENCHMARKS if b in cfg.profile_hardware.benchmarks]
+class ProfileHardware(Stage):
+    name = "profile_hardware"
+    hash_sections = ("cluster", "profile_hardware")
+    hash_exclude = ("profile_hardware.benchmarks", "profile_hardware.export", "profile_hardware.plot")
+
+    def plan(self, cfg):
+        validate(cfg)
+        analytic = cfg.profile_hardware.source == HardwareSource.analytic
+        subparts = (["analytic"] if analytic
+                    else [b for b in BENCHMARKS if b in cfg.profile_hardware.benchmarks])
+        return self.make_plan(cfg, key="profile_hardware",
+                              ranks=Ranks.one if analytic else Ranks.cluster, subparts=subparts,
+                              outputs=[hardware_path(cfg.profiles_dir, cfg.cluster.name)])
+
+    def run(self, ctx, run):
+        return run_profile(ctx, run)
 
 
-SPEC = StageSpec(
-    name="profile_hardware",
-    run=run,
-    ledger_key=lambda cfg: "profile_hardware",
-    outputs=lambda cfg: [hardware_path(cfg.profiles_dir, cfg.cluster.name)],
-    hash_sections=("cluster", "profile_hardware"),
-    hash_exclude=("profile_hardware.benchmarks", "profile_hardware.export", "profile_hardware.plot"),
-    ranks=lambda cfg: "one" if cfg.profile_hardware.source == "analytic" else "cluster",
-    subparts=_subparts,
-    validate=validate,
-)
+STAGE = ProfileHardware()

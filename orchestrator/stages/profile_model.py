@@ -23,7 +23,8 @@ from omegaconf import OmegaConf
 from orchestrator.config import cluster_world_size
 from orchestrator.errors import ConfigError
 from orchestrator.models.config import ModelConfig, validate_model
-from orchestrator.stages import StageSpec
+from orchestrator.choices import ModelSource, Ranks
+from orchestrator.stages import Stage
 from orchestrator.store import model_profile_path, write_json
 
 log = logging.getLogger("orchestrator.profile_model")
@@ -57,6 +58,8 @@ def parse_point(name: str) -> Tuple[int, int]:
 
 def model_config(cfg) -> ModelConfig:
     """The model section as the torch-free dataclass."""
+    if isinstance(cfg.model, ModelConfig):
+        return cfg.model
     return ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
 
 
@@ -119,11 +122,9 @@ def plan_profile(cfg) -> ProfilePlan:
         validate_model(model)
     except ValueError as e:
         raise ConfigError(f"model={model.name}: {e}") from None
-    if pm.source not in ("auto", "measured", "analytic"):
-        raise ConfigError(f"profile_model.source={pm.source!r}; allowed: auto, measured, analytic")
     for key in ("micro_batch_size", "iters", "min_seq_len"):
-        if int(pm[key]) < 1:
-            raise ConfigError(f"profile_model.{key}({pm[key]}) must be >= 1")
+        if getattr(pm, key) < 1:
+            raise ConfigError(f"profile_model.{key}({getattr(pm, key)}) must be >= 1")
     if int(pm.warmup_iters) < 0:
         raise ConfigError(f"profile_model.warmup_iters({pm.warmup_iters}) must be >= 0")
     seqs = sweep_seq_lens(pm, model.seq_len)
@@ -374,9 +375,9 @@ class AnalyticRunner:
 
 
 # ---------------------------------------------------------------- the stage
-def run(ctx, run):
+def run_profile(ctx, run):
     cfg = run.cfg
-    plan = plan_profile(cfg)
+    plan: ProfilePlan = run.plan.detail
     model = model_config(cfg)
     batch = int(cfg.profile_model.micro_batch_size)
     path = model_profile_path(cfg.profiles_dir, cfg.cluster.name, model.name)
@@ -494,22 +495,22 @@ def _progress(ctx, plan: ProfilePlan, total: int):
     return progress
 
 
-def validate(cfg) -> None:
-    plan_profile(cfg)
+class ProfileModel(Stage):
+    name = "profile_model"
+    hash_sections = ("cluster", "model", "profile_model")
+    hash_exclude = ("profile_model.plot",)
+
+    def plan(self, cfg):
+        profile = plan_profile(cfg)
+        return self.make_plan(
+            cfg, key=f"profile_model/{cfg.model.name}",
+            ranks=Ranks.one if profile.source == ModelSource.analytic else Ranks.cluster,
+            subparts=[point_name(s, t) for s, t in profile.points()],
+            outputs=[model_profile_path(cfg.profiles_dir, cfg.cluster.name, cfg.model.name)],
+            detail=profile)
+
+    def run(self, ctx, run):
+        return run_profile(ctx, run)
 
 
-def _ranks(cfg) -> str:
-    return "one" if plan_profile(cfg).source == "analytic" else "cluster"
-
-
-SPEC = StageSpec(
-    name="profile_model",
-    run=run,
-    ledger_key=lambda cfg: f"profile_model/{cfg.model.name}",
-    outputs=lambda cfg: [model_profile_path(cfg.profiles_dir, cfg.cluster.name, cfg.model.name)],
-    hash_sections=("cluster", "model", "profile_model"),
-    hash_exclude=("profile_model.plot",),
-    ranks=_ranks,
-    subparts=lambda cfg: [point_name(s, t) for s, t in plan_profile(cfg).points()],
-    validate=validate,
-)
+STAGE = ProfileModel()

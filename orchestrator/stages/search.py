@@ -12,13 +12,12 @@ import warnings
 
 from orchestrator.config import cluster_world_size
 from orchestrator.errors import ConfigError
-from orchestrator.stages import StageInput, StageSpec
+from orchestrator.choices import Ranks
+from orchestrator.stages import Stage, StageInput
 from orchestrator.store import (atomic_write, file_sha256, hardware_path, model_profile_path, new_profile,
                                 read_profile, strategy_path, write_json)
 
 GiB = 2**30
-SCHEDULES = ("1f1b", "interleaved")
-RECOMPUTE = ("none", "selective", "full")
 
 
 def _inputs(cfg):
@@ -57,7 +56,7 @@ def _exports(layout) -> dict:
     return out
 
 
-def run(ctx, run):
+def run_search(ctx, run):
     from orchestrator.planner import HardwareModel, ModelCost, search
 
     cfg = run.cfg
@@ -128,12 +127,6 @@ def validate(cfg) -> None:
                           "each allow at least one value")
     if s.world_size is not None and s.world_size < 1:
         raise ConfigError(f"search.world_size({s.world_size}) must be >= 1")
-    bad = [x for x in s.schedules if x not in SCHEDULES]
-    if bad:
-        raise ConfigError(f"search.schedules: unknown {bad}; allowed: {list(SCHEDULES)}")
-    bad = [x for x in s.recompute if x not in RECOMPUTE]
-    if bad:
-        raise ConfigError(f"search.recompute: unknown {bad}; allowed: {list(RECOMPUTE)}")
     bad = [z for z in s.zero_stages if z not in (0, 1, 2, 3)]
     if bad:
         raise ConfigError(f"search.zero_stages: unknown {bad}; allowed: [0, 1, 2, 3]")
@@ -146,14 +139,19 @@ def validate(cfg) -> None:
         raise ConfigError(f"search: {e}") from None
 
 
-SPEC = StageSpec(
-    name="search",
-    run=run,
-    ledger_key=lambda cfg: f"search/{cfg.model.name}",
-    outputs=lambda cfg: [strategy_path(cfg.profiles_dir, cfg.cluster.name, cfg.model.name)],
-    hash_sections=("cluster", "model", "search"),
-    hash_exclude=("search.plot", "search.top_k"),
-    ranks=lambda cfg: "one",
-    inputs=_inputs,
-    validate=validate,
-)
+class Search(Stage):
+    name = "search"
+    hash_sections = ("cluster", "model", "search")
+    hash_exclude = ("search.plot", "search.top_k")
+
+    def plan(self, cfg):
+        validate(cfg)
+        return self.make_plan(cfg, key=f"search/{cfg.model.name}", ranks=Ranks.one,
+                              inputs=_inputs(cfg),
+                              outputs=[strategy_path(cfg.profiles_dir, cfg.cluster.name, cfg.model.name)])
+
+    def run(self, ctx, run):
+        return run_search(ctx, run)
+
+
+STAGE = Search()

@@ -1,0 +1,93 @@
+"""Closed choices: one Enum per vocabulary, shared by configs, profiles, planner and models.
+
+Each is a `str` Enum, so a member equals its string (`Schedule["1f1b"] == "1f1b"`), JSON writes
+it as that string, and config hashes of earlier runs stay the same. OmegaConf validates a config
+value by member *name* at compose time, so the names are what a user types.
+"""
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Choice(str, Enum):
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, value) -> "Choice":
+        """The member for a member, a name or a value; ValueError naming the allowed ones."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls[value]
+        except KeyError:
+            pass
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"{value!r} is not a {cls.__name__}; allowed: "
+                             f"{', '.join(cls.__members__)}") from None
+
+
+class Dtype(Choice):
+    """One dtype vocabulary. The long torch names are accepted as aliases of the short ones."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+    float32 = "fp32"
+    bfloat16 = "bf16"
+    float16 = "fp16"
+
+    @property
+    def bytes(self) -> int:
+        return 4 if self is Dtype.fp32 else 2
+
+    @property
+    def torch(self):
+        import torch
+
+        return {Dtype.fp32: torch.float32, Dtype.bf16: torch.bfloat16,
+                Dtype.fp16: torch.float16}[self]
+
+
+class Backend(Choice):
+    gloo = "gloo"  # CPU
+    nccl = "nccl"  # GPU, one rank per GPU
+
+
+class LauncherName(Choice):
+    local = "local"
+    slurm = "slurm"
+
+
+class Ranks(Choice):
+    """Where a stage runs: every rank of the cluster, or one process (in the CLI's, locally)."""
+
+    cluster = "cluster"
+    one = "one"
+
+
+class HardwareSource(Choice):
+    measured = "measured"
+    analytic = "analytic"  # from cluster.links, no launch
+
+
+class ModelSource(Choice):
+    auto = "auto"
+    measured = "measured"
+    analytic = "analytic"  # FLOPs + device sheet, exact memory under FakeTensorMode
+
+
+class Recompute(Choice):
+    none = "none"
+    selective = "selective"
+    full = "full"
+
+
+# "1f1b" is not a Python identifier, so this one is built with the functional API.
+Schedule = Choice("Schedule", [("1f1b", "1f1b"), ("interleaved", "interleaved")], module=__name__)
+
+
+class HardwareExport(Choice):
+    galvatron = "galvatron"
