@@ -25,6 +25,7 @@ from orchestrator.pipeline import StagePlan, ledger_for, plan_stage, stages_for,
 from orchestrator.runtime.request import StageRequest
 from orchestrator.stages import STAGES
 from orchestrator.store import read_profile
+from orchestrator.store.schema import PROFILE_KINDS
 from orchestrator.store.ledger import Ledger
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -68,7 +69,7 @@ def _run_dir(stage: str, n_stages: int) -> Path:
 def _check_inputs(plan: StagePlan, cfg, produced_now: set) -> None:
     for needed in plan.spec.inputs(cfg):
         if needed.producer not in produced_now:  # else an earlier stage of this command writes it
-            read_profile(needed.path, needed.kind, needed.rebuild(cfg))
+            read_profile(needed.path, PROFILE_KINDS[needed.kind], needed.rebuild(cfg))
 
 
 def _request(plan: StagePlan, cfg, run_dir: Path) -> StageRequest:
