@@ -57,7 +57,7 @@ def profiles_for(name: str, world: int, folder: str, synthetic: bool, cache: dic
                 getattr(planner_fixtures, name)())
     if name not in cache:
         cache[name] = analytic_model_profile(name, folder)
-    return analytic_hardware("dgx_h100", world, LinkSheet(gpus_per_node=8)), cache[name]
+    return analytic_hardware("dgx_h100", world, LinkSheet(gpus_per_node=8)).to_dict(), cache[name]
 
 
 def run_case(label, hw_profile, model_profile, world, gbs, seq_len, mem_GiB, repeat=1):

@@ -91,3 +91,30 @@ Schedule = Choice("Schedule", [("1f1b", "1f1b"), ("interleaved", "interleaved")]
 
 class HardwareExport(Choice):
     galvatron = "galvatron"
+
+
+class Source(Choice):
+    """Where a profile's numbers come from."""
+
+    measured = "measured"
+    analytic = "analytic"  # computed from published figures (link sheets, device sheets)
+
+
+class Op(Choice):
+    """A communication pattern."""
+
+    allreduce = "allreduce"
+    p2p = "p2p"
+    reduce_scatter = "reduce_scatter"
+    all_gather = "all_gather"
+    all2all = "all2all"
+
+
+class LinkLayout(Choice):
+    """How a group's ranks are placed: collectives "consec" (groups [i*s, (i+1)*s), TP-like) or
+    "strided" (range(i, W, W/s), DP-like); p2p "intra" / "inter" (same node or not)."""
+
+    consec = "consec"
+    strided = "strided"
+    intra = "intra"
+    inter = "inter"

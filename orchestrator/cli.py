@@ -82,7 +82,7 @@ def _run_dir(stage: str, n_stages: int) -> Path:
 def _check_inputs(plan: StagePlan, cfg: Config, produced_now: set) -> None:
     for needed in plan.inputs:
         if needed.producer not in produced_now:  # else an earlier stage of this command writes it
-            read_profile(needed.path, needed.kind, needed.rebuild(cfg))
+            read_profile(needed.path, needed.profile, needed.rebuild(cfg))
 
 
 def _launch_line(plan: StagePlan, todo, launcher) -> str:

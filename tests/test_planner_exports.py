@@ -58,6 +58,29 @@ def test_megatron_cannot_express_uneven_middle_stages():
         megatron_args(layout)
 
 
+def test_megatron_approximates_uneven_middle_stages_with_the_rest_on_the_last():
+    layout = ParallelLayout(world_size=5, pp=5, tp=1, dp=1, num_micro_batches=5,
+                            layers_per_stage=(2, 3, 4, 4, 1))
+    with pytest.warns(UserWarning, match=r"equal middle pipeline stages, got layers_per_stage="
+                                         r"\[2, 3, 4, 4, 1\]; written as \[2, 3, 3, 3, 3\]"):
+        a = _args_dict(megatron_args(layout, strict=False))
+    assert a["--decoder-first-pipeline-num-layers"] == "2"
+    assert "--decoder-last-pipeline-num-layers" not in a  # 1 + 2 left over = the middle's 3
+    assert a["--num-layers"] == "14"
+
+
+def test_megatron_interleaved_unequal_stages_approximate_or_fail():
+    even = ParallelLayout(world_size=2, pp=2, tp=1, dp=1, num_micro_batches=4,
+                          schedule="interleaved", virtual_stages=2, layers_per_stage=(2, 6))
+    with pytest.warns(UserWarning, match="written as 4 layers per stage"):
+        a = _args_dict(megatron_args(even, strict=False))
+    assert a["--num-layers-per-virtual-pipeline-stage"] == "2"
+    odd = ParallelLayout(world_size=2, pp=2, tp=1, dp=1, num_micro_batches=4,
+                         schedule="interleaved", virtual_stages=2, layers_per_stage=(2, 4))
+    with pytest.raises(ExportError, match="interleaved schedule here needs equal stages"):
+        megatron_args(odd, strict=False)
+
+
 def test_megatron_per_stage_recompute_is_strict_or_conservative():
     layout = ParallelLayout(world_size=2, pp=2, tp=1, dp=1, num_micro_batches=2,
                             layers_per_stage=(4, 4), recompute=(("full", 3), ("none", 0)))
@@ -73,9 +96,10 @@ def test_galvatron_strategy_fields():
                             micro_batch_size=1, num_micro_batches=8, layers_per_stage=(3, 5),
                             recompute=(("full", 2), ("none", 0)))
     g = galvatron_strategy(layout)
-    assert set(g) >= {"pp_deg", "tp_sizes_enc", "tp_consecutive_flags", "dp_types_enc",
+    assert set(g) == {"pp_deg", "tp_sizes_enc", "tp_consecutive_flags", "dp_types_enc", "use_sp",
                       "checkpoint", "global_bsz", "chunks", "pp_division", "pipeline_type",
-                      "default_dp_type", "vtp", "vsp"}
+                      "default_dp_type", "vtp", "vsp", "embed_sdp"}
+    assert g["use_sp"] == "0,0,0,0,0,0,0,0" and g["embed_sdp"] == 1
     assert g["pp_deg"] == 2
     assert g["tp_sizes_enc"] == "4,4,4,4,4,4,4,4"
     assert g["tp_consecutive_flags"] == "1,1,1,1,1,1,1,1"

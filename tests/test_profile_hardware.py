@@ -125,7 +125,7 @@ def test_analytic_profile_for_8192_gpus_and_galvatron_round_trip(profiles):
     # Inside a node NVLink; across nodes InfiniBand: the strided group of 8 is much slower.
     assert fits[(8, "consec")]["algbw_GBps"] > 3 * fits[(8, "strided")]["algbw_GBps"]
 
-    back = read_galvatron_dir(profiles / "dgx_h100" / "galvatron", 8192, 8)
+    back = read_galvatron_dir(profiles / "dgx_h100" / "galvatron", 8192, 8).to_dict()
     size = 32 * 2**20
     for f in back["allreduce"]["fits"]:
         ours = fits[(f["group_size"], f["layout"])]

@@ -9,6 +9,7 @@ from conftest import REPO, ledger, run_cli
 from orchestrator.config import CONF_DIR
 from orchestrator.models.config import ModelConfig, count_block_params
 from orchestrator.store import read_profile
+from orchestrator.store.schema import ModelProfile
 from orchestrator.store.ledger import Ledger
 
 # tiny with 4 KV heads, so tp=4 splits it: one group of 4, two groups of 2, four single ranks.
@@ -19,8 +20,8 @@ POINTS = [f"seq{s}_tp{t}" for t in (1, 2, 4) for s in (64, 128, 192)]
 
 
 def _profile(profiles, name="tiny"):
-    return read_profile(profiles / "local" / "model" / f"{name}.json", "model",
-                        f"python -m orchestrator stage=profile_model model={name}")
+    return read_profile(profiles / "local" / "model" / f"{name}.json", ModelProfile,
+                        f"python -m orchestrator stage=profile_model model={name}").to_dict()
 
 
 def test_four_rank_run_writes_points_fits_memory_then_rerun_redoes_only_the_missing_point(profiles):

@@ -192,7 +192,7 @@ def _assert_schema(bench_root):
 
 def test_analytic_profile_for_8192_gpus_is_fast_and_schema_complete():
     t0 = time.perf_counter()
-    hw = analytic.analytic_hardware("h100_8192", 8192)
+    hw = analytic.analytic_hardware("h100_8192", 8192).to_dict()
     elapsed = time.perf_counter() - t0
     assert elapsed < 2.0, f"analytic profile took {elapsed:.2f} s"
     assert hw["source"] == "analytic" and hw["kind"] == "hardware"
@@ -227,7 +227,7 @@ def test_analytic_bandwidths_follow_the_links():
 # --- galvatron ---------------------------------------------------------------------------------
 
 def test_galvatron_export_uses_their_names_and_units(tmp_path):
-    hw = analytic.analytic_hardware("c", 16)
+    hw = analytic.analytic_hardware("c", 16).to_dict()
     paths = galvatron.write_galvatron_dir(hw, tmp_path)
     names = sorted(p.name for p in paths)
     assert names == ["allreduce_bandwidth_2nodes_8gpus_per_node.json", "overlap_coefficient.json",
@@ -248,9 +248,9 @@ def test_galvatron_export_uses_their_names_and_units(tmp_path):
 
 
 def test_galvatron_round_trip_keeps_what_galvatron_has(tmp_path):
-    hw = analytic.analytic_hardware("c", 64)
+    hw = analytic.analytic_hardware("c", 64).to_dict()
     galvatron.write_galvatron_dir(hw, tmp_path)
-    back = galvatron.read_galvatron_dir(tmp_path, world_size=64, gpus_per_node=8)
+    back = galvatron.read_galvatron_dir(tmp_path, world_size=64, gpus_per_node=8).to_dict()
     ref = galvatron.REF_SIZE_BYTES
     for op in ("allreduce", "all2all", "p2p"):
         ours = {(f["group_size"], f["layout"]): f for f in hw["benchmarks"][op]["fits"]}
@@ -278,7 +278,7 @@ def test_galvatron_round_trip_keeps_what_galvatron_has(tmp_path):
 def test_report_prints_tables_and_writes_a_png(tmp_path):
     from rich.console import Console
 
-    hw = analytic.analytic_hardware("c", 16)
+    hw = analytic.analytic_hardware("c", 16).to_dict()
     console = Console(record=True, width=140)
     report.print_report(hw, console)
     text = console.export_text()

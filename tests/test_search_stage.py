@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from conftest import ledger, run_cli
 
 QUICK_HW = ["profile_hardware.max_size_bytes=262144", "profile_hardware.max_time_s=0.05",
@@ -21,8 +23,15 @@ def test_all_runs_the_chain_then_skips_it(profiles):
     assert layout["pp"] * layout["tp"] * layout["dp"] == 4
     assert layout["global_batch_size"] == 8
     assert sum(layout["layers_per_stage"]) == 4
-    assert len(strategy["top"]) >= 2 and strategy["considered"] > 0
-    assert set(strategy["prediction"]["breakdown_us"]) >= {"compute", "bubble", "dp_sync_exposed"}
+    top_times = [alt["iteration_time_us"] for alt in strategy["top"]]
+    assert strategy["top"][0]["layout"] == layout and top_times == sorted(top_times)
+    assert len(top_times) == 10 and strategy["considered"] >= len(top_times)
+    prediction = strategy["prediction"]
+    assert top_times[0] == prediction["iteration_time_us"]
+    breakdown = prediction["breakdown_us"]
+    assert set(breakdown) == {"compute", "tp_comm", "pp_comm", "bubble", "dp_sync_exposed",
+                              "recompute"}
+    assert sum(breakdown.values()) == pytest.approx(prediction["iteration_time_us"], rel=1e-6)
     assert {p.rsplit("/", 1)[-1] for p in strategy["inputs"]} == {"hardware.json", "tiny.json"}
     args = (profiles / "local" / "strategy" / "tiny.megatron.args").read_text()
     assert f"--tensor-model-parallel-size {layout['tp']}" in args
@@ -34,9 +43,13 @@ def test_all_runs_the_chain_then_skips_it(profiles):
     assert (profiles / "local" / "strategy" / "tiny.png").exists()
     assert ledger(profiles)["search/tiny"]["state"] == "done"
 
-    proc = run_cli("stage=all", *QUICK_HW, *QUICK_MODEL, "search.max_tp=2", profiles_dir=profiles,
-                   check=0)
-    assert proc.stdout.count("skipping (force=true redoes it)") == 3, proc.stdout
+    before = ledger(profiles)
+    strategy_bytes = (profiles / "local" / "strategy" / "tiny.json").read_bytes()
+    run_cli("stage=all", *QUICK_HW, *QUICK_MODEL, "search.max_tp=2", profiles_dir=profiles, check=0)
+    after = ledger(profiles)
+    for key in ("profile_hardware", "profile_model/tiny", "search/tiny"):
+        assert after[key]["ended"] == before[key]["ended"], key  # skipped, not rerun
+    assert (profiles / "local" / "strategy" / "tiny.json").read_bytes() == strategy_bytes
 
 
 def test_qwen_100b_on_8192_gpus_from_a_laptop(profiles):
@@ -50,7 +63,8 @@ def test_qwen_100b_on_8192_gpus_from_a_laptop(profiles):
                    *common, profiles_dir=profiles, check=0)
     assert time.monotonic() - t0 < 120
     strategy = json.loads((profiles / "dgx_h100" / "strategy" / "qwen_100b.json").read_text())
-    assert strategy["source"] == "analytic" and "analytic" in proc.stdout
+    assert strategy["source"] == "analytic" and "(analytic profiles;" in proc.stdout
+    assert [i["source"] for i in strategy["inputs"].values()] == ["analytic", "analytic"]
     layout = strategy["layout"]
     assert layout["world_size"] == 8192 and layout["pp"] * layout["tp"] * layout["dp"] == 8192
     assert strategy["prediction"]["peak_memory_bytes"] <= 80 * 2**30
@@ -68,3 +82,36 @@ def test_no_feasible_layout_says_what_comes_closest(profiles):
     assert "no layout of llama2_7b fits" in proc.stderr
     assert "the closest" in proc.stderr and "GiB" in proc.stderr and "Relax" in proc.stderr
     assert ledger(profiles, "dgx_h100")["search/llama2_7b"]["state"] == "failed"
+
+
+def test_uneven_middle_stages_write_the_strategy_and_record_megatron_approximation(profiles):
+    """A best layout with uneven middle stages ([1, 2, 3, 3]: activations of 1F1B shrink down
+    the pipeline) is a valid answer: the strategy is written, the Megatron export approximates
+    it with equal middle stages and says so, and the stage succeeds."""
+    from planner_fixtures import synthetic_hardware, synthetic_model
+
+    from orchestrator.store import write_json
+
+    write_json(profiles / "local" / "hardware.json", synthetic_hardware(1, 4, name="local"))
+    write_json(profiles / "local" / "model" / "tiny.json",
+               synthetic_model("tiny", layers=9, hidden=256, ffn=1024, vocab=1000, seq_len=8192))
+    proc = run_cli("stage=search", "search.seq_len=8192", "search.memory_GiB=0.625",
+                   "search.max_tp=1", "search.schedules=[1f1b]", "search.recompute=[none]",
+                   "search.zero_stages=[0]", "search.micro_batch_sizes=[1]", "search.reserve_GiB=0",
+                   "search.plot=false",
+                   profiles_dir=profiles, check=0)
+    strategy = json.loads((profiles / "local" / "strategy" / "tiny.json").read_text())
+    assert strategy["layout"]["layers_per_stage"] == [1, 2, 3, 3]
+    exports = strategy["exports"]
+    assert exports["megatron_approximations"] == [
+        "Megatron-LM needs equal middle pipeline stages, got layers_per_stage=[1, 2, 3, 3]; "
+        "written as [1, 2, 2, 4]"]
+    assert "megatron_error" not in exports and "galvatron_error" not in exports
+    args = (profiles / "local" / "strategy" / "tiny.megatron.args").read_text().split()
+    assert args == exports["megatron"]
+    assert args[args.index("--decoder-first-pipeline-num-layers") + 1] == "1"
+    assert args[args.index("--decoder-last-pipeline-num-layers") + 1] == "4"
+    assert exports["galvatron"]["pp_division"] == "1,2,3,3"
+    assert exports["galvatron_approximations"] == []
+    assert "megatron export approximates" in proc.stdout
+    assert ledger(profiles)["search/tiny"]["state"] == "done"

@@ -9,13 +9,15 @@ import pytest
 from orchestrator.errors import ProfileError
 from orchestrator.store import new_profile, provenance, read_profile, write_json
 from orchestrator.store.ledger import Ledger, LedgerEntry, LedgerError, State
+from orchestrator.store.schema import HardwareProfile, Source
 
 REBUILD = "python -m orchestrator stage=profile_hardware"
 
 
 def _profile(hash_="abc"):
     return new_profile("hardware", "measured", provenance({}, hash_, job_id=None, hosts=["h"],
-                                                          started=0.0), benchmarks={})
+                                                          started=0.0),
+                       cluster={"name": "c", "nodes": 1, "tasks_per_node": 2}, benchmarks={})
 
 
 def test_write_is_atomic_a_failed_write_keeps_the_old_file(tmp_path):
@@ -23,20 +25,21 @@ def test_write_is_atomic_a_failed_write_keeps_the_old_file(tmp_path):
     write_json(path, _profile())
     with pytest.raises(TypeError):
         write_json(path, {"bad": object()})
-    assert read_profile(path, "hardware", REBUILD)["kind"] == "hardware"
+    back = read_profile(path, HardwareProfile, REBUILD)
+    assert (back.kind, back.source, back.cluster.world_size) == ("hardware", Source.measured, 2)
     assert [p.name for p in tmp_path.iterdir()] == ["hardware.json"]  # no temp file left
 
 
 def test_missing_profile_names_file_and_command(tmp_path):
     with pytest.raises(ProfileError, match=r"hardware.json: missing. Run: python -m orchestrator"):
-        read_profile(tmp_path / "hardware.json", "hardware", REBUILD)
+        read_profile(tmp_path / "hardware.json", HardwareProfile, REBUILD)
 
 
 def test_corrupt_profile_names_file_and_command(tmp_path):
     path = tmp_path / "hardware.json"
     path.write_text('{"schema_version": 1, "kind": "hard')
     with pytest.raises(ProfileError, match=r"corrupt JSON.*Rerun: python -m orchestrator.*force=true"):
-        read_profile(path, "hardware", REBUILD)
+        read_profile(path, HardwareProfile, REBUILD)
 
 
 def test_stale_profile_other_schema_or_config(tmp_path):
@@ -45,11 +48,12 @@ def test_stale_profile_other_schema_or_config(tmp_path):
     old["schema_version"] = 0
     write_json(path, old)
     with pytest.raises(ProfileError, match="stale"):
-        read_profile(path, "hardware", REBUILD)
+        read_profile(path, HardwareProfile, REBUILD)
     write_json(path, _profile("abc"))
     with pytest.raises(ProfileError, match="another config"):
-        read_profile(path, "hardware", REBUILD, expect_hash="def")
-    assert read_profile(path, "hardware", REBUILD, expect_hash="abc")
+        read_profile(path, HardwareProfile, REBUILD, expect_hash="def")
+    back = read_profile(path, HardwareProfile, REBUILD, expect_hash="abc")
+    assert back.provenance.config_hash == "abc"
 
 
 def _hammer(folder, worker, n):

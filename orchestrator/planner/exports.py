@@ -31,7 +31,9 @@ def megatron_args(layout: ParallelLayout, strict: bool = True) -> List[str]:
     stage, or of each model chunk when interleaved); ZeRO 1 as --use-distributed-optimizer and
     ZeRO 3 as --use-torch-fsdp2. Anything else is an ExportError (strict) or, with strict=False,
     approximated on the memory-safe side (ZeRO 2 -> distributed optimizer, differing recompute ->
-    the most recompute any stage has) with a warning."""
+    the most recompute any stage has, uneven middle stages -> equal ones with the remainder on
+    the last stage) with a warning. An interleaved layout with unequal stages is an ExportError
+    either way unless its layers split evenly over every chunk."""
     p, v = layout.pp, layout.virtual_stages
     layers = list(layout.layers_per_stage)
     args = ["--tensor-model-parallel-size", str(layout.tp),
@@ -50,26 +52,7 @@ def megatron_args(layout: ParallelLayout, strict: bool = True) -> List[str]:
     elif layout.zero == 3:
         args.append("--use-torch-fsdp2")
 
-    # Pipeline partition: first / middle / last.
-    if p > 1:
-        middle = layers[1:-1]
-        if middle and len(set(middle)) > 1:
-            raise ExportError(f"Megatron-LM needs equal middle pipeline stages, got "
-                              f"layers_per_stage={layers}")
-        if v > 1:
-            if len(set(layers)) > 1:
-                raise ExportError(f"Megatron-LM's interleaved schedule here needs equal stages, "
-                                  f"got layers_per_stage={layers}")
-            args += ["--num-layers-per-virtual-pipeline-stage", str(layers[0] // v)]
-        elif middle:
-            q = middle[0]
-            if layers[0] != q:
-                args += ["--decoder-first-pipeline-num-layers", str(layers[0])]
-            if layers[-1] != q:
-                args += ["--decoder-last-pipeline-num-layers", str(layers[-1])]
-        elif layers[0] != layers[1]:
-            args += ["--decoder-first-pipeline-num-layers", str(layers[0]),
-                     "--decoder-last-pipeline-num-layers", str(layers[1])]
+    args += _megatron_partition(layers, v, strict)
 
     # Recompute: one setting for all stages.
     modes = {mode for mode, _ in layout.recompute}
@@ -83,6 +66,42 @@ def megatron_args(layout: ParallelLayout, strict: bool = True) -> List[str]:
                  "--recompute-num-layers", str(full_k // v)]
     elif "selective" in modes:
         args += ["--recompute-granularity", "selective"]
+    return args
+
+
+def _megatron_partition(layers: List[int], v: int, strict: bool) -> List[str]:
+    """Megatron's arguments for layers per pipeline stage: equal middle stages, the first and
+    last free (--decoder-first/last-pipeline-num-layers); interleaved: every stage equal."""
+    p = len(layers)
+    if p == 1:
+        return []
+    if v > 1:
+        if len(set(layers)) > 1:
+            message = (f"Megatron-LM's interleaved schedule here needs equal stages, got "
+                       f"layers_per_stage={layers}")
+            if sum(layers) % (p * v):
+                raise ExportError(message)  # no equal split exists: nothing to approximate with
+            _problem(strict, message + f"; written as {sum(layers) // p} layers per stage")
+        return ["--num-layers-per-virtual-pipeline-stage", str(sum(layers) // (p * v))]
+    first, middle, last = layers[0], layers[1:-1], layers[-1]
+    if not middle:
+        if first == last:
+            return []
+        return ["--decoder-first-pipeline-num-layers", str(first),
+                "--decoder-last-pipeline-num-layers", str(last)]
+    q, extra = divmod(sum(middle), len(middle))
+    if len(set(middle)) > 1:
+        # The last stage holds the fewest micro-batches' activations under 1F1B: the
+        # memory-safe place for the layers an equal split leaves over.
+        written = [first] + [q] * len(middle) + [last + extra]
+        _problem(strict, f"Megatron-LM needs equal middle pipeline stages, got "
+                         f"layers_per_stage={layers}; written as {written}")
+        last += extra
+    args = []
+    if first != q:
+        args += ["--decoder-first-pipeline-num-layers", str(first)]
+    if last != q:
+        args += ["--decoder-last-pipeline-num-layers", str(last)]
     return args
 
 

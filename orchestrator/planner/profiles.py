@@ -1,9 +1,10 @@
-"""Adapters from the JSON profiles (docs/profile-schema.md) to what the cost model asks.
+"""Adapters from the profiles (orchestrator.store.schema) to what the cost model asks.
 
 HardwareModel answers "how long does this collective take on a group of n ranks laid out like
 this"; ModelCost answers "how long does a transformer block take at this sequence length and
-tensor-parallel degree, and how much memory does it hold". Both are built from plain dicts (the
-loaded JSON) and hold no file handles.
+tensor-parallel degree, and how much memory does it hold". Both are built from the validated
+profile dataclasses (`from_profile`; `from_dict` validates a loaded JSON dict first) and hold no
+file handles.
 """
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from orchestrator.errors import ProfileError
+from orchestrator.store import parse_profile
+from orchestrator.store.schema import HardwareProfile, MemoryPart, ModelProfile
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather", "all2all")
 OPS = COLLECTIVES + ("p2p",)
-RECOMPUTE_MODES = ("none", "selective", "full")
 
 DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
                "float32": 4, "fp32": 4, "float": 4}
@@ -75,30 +77,22 @@ class HardwareModel:
         self._cache: Dict[Tuple[str, int, str], Tuple[float, float]] = {}
 
     @classmethod
-    def from_dict(cls, hardware: Mapping[str, Any]) -> "HardwareModel":
-        """Build from a loaded hardware.json (docs/profile-schema.md)."""
-        try:
-            cluster = hardware["cluster"]
-            benchmarks = hardware["benchmarks"]
-        except KeyError as e:
-            raise ProfileError(f"hardware profile lacks {e}; rerun "
-                               f"`python -m orchestrator stage=profile_hardware`") from None
-        name = cluster.get("name", "cluster")
+    def from_profile(cls, hardware: HardwareProfile) -> "HardwareModel":
+        """Build from a validated hardware profile."""
+        cluster = hardware.cluster
         fits: Dict[Tuple[str, str], list] = {}
-        for bench_name, bench in benchmarks.items():
-            if bench_name == "overlap" or not isinstance(bench, Mapping):
-                continue
-            for fit in bench.get("fits", ()):
-                key = (fit["op"], fit["layout"])
-                fits.setdefault(key, []).append(
-                    LinkFit(int(fit["group_size"]), float(fit["alpha_us"]),
-                            float(fit["algbw_GBps"])))
-        overlap = benchmarks.get("overlap") or {}
-        return cls(tasks_per_node=int(cluster["tasks_per_node"]),
-                   world_size=int(cluster.get("world_size",
-                                              cluster["tasks_per_node"] * cluster.get("nodes", 1))),
-                   overlap_coe=float(overlap.get("overlap_coe", 1.0)),
-                   fits={k: tuple(v) for k, v in fits.items()}, name=name)
+        for fit in hardware.benchmarks.fits():
+            fits.setdefault((fit.op.value, fit.layout.value), []).append(
+                LinkFit(fit.group_size, fit.alpha_us, fit.algbw_GBps))
+        overlap = hardware.benchmarks.overlap
+        return cls(tasks_per_node=cluster.tasks_per_node, world_size=cluster.world_size,
+                   overlap_coe=overlap.overlap_coe if overlap else 1.0,
+                   fits={k: tuple(v) for k, v in fits.items()}, name=cluster.name)
+
+    @classmethod
+    def from_dict(cls, hardware: Mapping[str, Any]) -> "HardwareModel":
+        """Build from a loaded hardware.json dict (validated as a HardwareProfile)."""
+        return cls.from_profile(parse_profile(hardware, HardwareProfile, "hardware profile"))
 
     # ---------------------------------------------------------------- lookup
     def _line(self, op: str, group_size: int, layout: str) -> Tuple[float, float]:
@@ -223,6 +217,15 @@ def _poly(coeffs: Tuple[float, ...], s: float) -> float:
     return max(0.0, sum(c * s ** i for i, c in enumerate(coeffs)))
 
 
+def _part_memory(part: MemoryPart, model_seq_len: int) -> PartMemory:
+    """The planner's view of a profile's MemoryPart (keys as plain mode names)."""
+    fit = part.act_bytes_fit
+    return PartMemory(part.param_bytes, part.grad_bytes, part.optim_bytes,
+                      {m.value: b for m, b in part.act_bytes_per_token.items()},
+                      part.act_seq_len if part.act_seq_len is not None else model_seq_len,
+                      None if fit is None else {m.value: c for m, c in fit.items()})
+
+
 class ModelCost:
     """Compute time and memory of a transformer from a model profile, per tensor-parallel degree.
 
@@ -259,40 +262,21 @@ class ModelCost:
         self.tps = tuple(sorted(set(self._fits) & set(self._memory)))
 
     @classmethod
-    def from_dict(cls, model_profile: Mapping[str, Any]) -> "ModelCost":
-        """Build from a loaded profiles/<cluster>/model/<name>.json (docs/profile-schema.md)."""
-        try:
-            m = model_profile["model"]
-            fits_json = model_profile["fits"]
-            memory_json = model_profile["memory"]
-        except KeyError as e:
-            raise ProfileError(f"model profile lacks {e}; rerun "
-                               f"`python -m orchestrator stage=profile_model`") from None
-        fits = {}
-        for tp, f in fits_json.items():
-            fits[int(tp)] = TpFit(tuple(map(float, f["block_fwd_us"])),
-                                  tuple(map(float, f["block_bwd_us"])),
-                                  tuple(map(float, f["other_fwd_us"])),
-                                  tuple(map(float, f["other_bwd_us"])))
-        memory = {}
-        for tp, mem in memory_json.items():
-            parts = []
-            for part in ("block", "other"):
-                p = mem[part]
-                act = {mode: float(p["act_bytes_per_token"][mode]) for mode in RECOMPUTE_MODES}
-                fit = p.get("act_bytes_fit")
-                if fit is not None:
-                    fit = {mode: tuple(map(float, fit[mode])) for mode in RECOMPUTE_MODES
-                           if mode in fit}
-                parts.append(PartMemory(float(p["param_bytes"]), float(p["grad_bytes"]),
-                                        float(p["optim_bytes"]), act,
-                                        int(p.get("act_seq_len", m.get("seq_len", 0)) or 0),
-                                        fit))
-            memory[int(tp)] = (parts[0], parts[1])
-        return cls(name=m.get("name", "model"), hidden=m["hidden"], ffn=m["ffn"],
-                   layers=m["layers"], heads=m["heads"], kv_heads=m.get("kv_heads", m["heads"]),
-                   vocab=m["vocab"], seq_len=m.get("seq_len", 0), dtype=m.get("dtype", "bfloat16"),
+    def from_profile(cls, profile: ModelProfile) -> "ModelCost":
+        """Build from a validated model profile."""
+        m = profile.model
+        fits = {tp: TpFit(f.block_fwd_us, f.block_bwd_us, f.other_fwd_us, f.other_bwd_us)
+                for tp, f in profile.fits.items()}
+        memory = {tp: (_part_memory(mem.block, m.seq_len), _part_memory(mem.other, m.seq_len))
+                  for tp, mem in profile.memory.items()}
+        return cls(name=m.name, hidden=m.hidden, ffn=m.ffn, layers=m.layers, heads=m.heads,
+                   kv_heads=m.kv_heads, vocab=m.vocab, seq_len=m.seq_len, dtype=m.dtype,
                    fits=fits, memory=memory)
+
+    @classmethod
+    def from_dict(cls, model_profile: Mapping[str, Any]) -> "ModelCost":
+        """Build from a loaded model profile dict (validated as a ModelProfile)."""
+        return cls.from_profile(parse_profile(model_profile, ModelProfile, "model profile"))
 
     def _fit(self, tp: int) -> TpFit:
         fit = self._fits.get(tp)

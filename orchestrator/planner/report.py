@@ -4,25 +4,27 @@ from __future__ import annotations
 from pathlib import Path
 
 from orchestrator.store import save_figure
+from orchestrator.store.schema import StrategyProfile
 
 GiB = 2**30
 
 
-def plot_strategy(result, path) -> Path:
-    """PNG at `path`: left, predicted iteration time against peak memory per device for the
-    candidates (the chosen one marked); right, the chosen layout's per-stage time and memory."""
+def plot_strategy(strategy: StrategyProfile, path) -> Path:
+    """PNG at `path` from a strategy (as written, or read back with read_profile): left,
+    predicted iteration time against peak memory per device for the candidates (the chosen one
+    marked); right, the chosen layout's per-stage time and memory."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax_c, ax_t, ax_m) = plt.subplots(1, 3, figsize=(16, 4.8))
-    mem = [pred.peak_memory_bytes / GiB for _, pred in result.top]
-    time_ms = [pred.iteration_time_us / 1e3 for _, pred in result.top]
+    mem = [alt.peak_memory_bytes / GiB for alt in strategy.top]
+    time_ms = [alt.iteration_time_us / 1e3 for alt in strategy.top]
     ax_c.scatter(mem, time_ms, s=25, label="top candidates")
-    best = result.prediction
+    best = strategy.prediction
     ax_c.scatter([best.peak_memory_bytes / GiB], [best.iteration_time_us / 1e3], s=120,
-                 marker="*", color="red", label=f"chosen: {result.best.describe()}")
+                 marker="*", color="red", label=f"chosen: {strategy.describe}")
     ax_c.set_xlabel("peak memory per device (GiB)")
     ax_c.set_ylabel("predicted iteration time (ms)")
     ax_c.legend(fontsize=7, loc="upper right")
@@ -35,7 +37,7 @@ def plot_strategy(result, path) -> Path:
     ax_t.set_xticks(list(stages))
     ax_t.set_xlabel("pipeline stage")
     ax_t.set_ylabel("time per micro-batch (ms)")
-    ax_t.set_title(f"layers per stage {list(result.best.layers_per_stage)}")
+    ax_t.set_title(f"layers per stage {list(strategy.layout.layers_per_stage)}")
     ax_t.legend(fontsize=7)
 
     kinds = [k for k in best.memory_bytes[0] if k != "total"]

@@ -26,6 +26,8 @@ from orchestrator.errors import ConfigError
 from orchestrator.profiling.bandwidth import busbw_GBps, busbw_factor
 from orchestrator.profiling.fit import predict_time_us
 from orchestrator.profiling.groups import group_sizes, layouts_for, pp_sizes
+from orchestrator.store.schema import (ClusterSummary, HardwareBenchmarks, HardwareProfile,
+                                       Inventory, Source)
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -164,15 +166,16 @@ def analytic_benchmarks(world_size: int, sheet: LinkSheet = LinkSheet(), *,
 
 
 def analytic_hardware(name: str, world_size: int, sheet: LinkSheet = LinkSheet(), *,
-                      max_tp: Optional[int] = None, max_pp: Optional[int] = None) -> Dict[str, Any]:
-    """A hardware.json body (schema v1, "source": "analytic", no provenance: the store adds it)
-    for a cluster `name` of `world_size` GPUs described by `sheet`; the sheet is kept under
-    "sheet" so a reader can see where the numbers came from."""
+                      max_tp: Optional[int] = None, max_pp: Optional[int] = None) -> HardwareProfile:
+    """A hardware profile ("source": "analytic", no provenance: the stage adds it) for a cluster
+    `name` of `world_size` GPUs described by `sheet`; the sheet is kept under "sheet" so a
+    reader can see where the numbers came from."""
     nodes = max(1, world_size // sheet.gpus_per_node)
-    return {"schema_version": 1, "kind": "hardware", "source": "analytic",
-            "cluster": {"name": name, "nodes": nodes,
-                        "tasks_per_node": min(world_size, sheet.gpus_per_node),
-                        "world_size": world_size, "backend": "nccl"},
-            "inventory": {"ranks": []},
-            "sheet": asdict(sheet),
-            "benchmarks": analytic_benchmarks(world_size, sheet, max_tp=max_tp, max_pp=max_pp)}
+    benchmarks = analytic_benchmarks(world_size, sheet, max_tp=max_tp, max_pp=max_pp)
+    return HardwareProfile(
+        source=Source.analytic,
+        cluster=ClusterSummary(name=name, nodes=nodes,
+                               tasks_per_node=min(world_size, sheet.gpus_per_node),
+                               world_size=world_size, backend="nccl"),
+        inventory=Inventory(), sheet=asdict(sheet),
+        benchmarks=HardwareBenchmarks.from_dict(benchmarks, "benchmarks"))

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from orchestrator.errors import ProfileError
 from orchestrator.store import write_json
+from orchestrator.store.schema import FieldError, HardwareBenchmarks
 from orchestrator.profiling.bandwidth import algbw_from_busbw_GBps, busbw_GBps
 from orchestrator.profiling.fit import fit_alpha_beta, predict_fit_time_us
 from orchestrator.profiling.groups import p2p_pairs_by_layout
@@ -133,7 +134,7 @@ def _file(files: Mapping[str, Mapping], prefix: str) -> Mapping[str, float]:
 
 def from_galvatron(files: Mapping[str, Mapping[str, float]], world_size: int, gpus_per_node: int,
                    *, dtype: str = "bf16",
-                   ref_size_bytes: int = REF_SIZE_BYTES) -> Dict[str, Any]:
+                   ref_size_bytes: int = REF_SIZE_BYTES) -> HardwareBenchmarks:
     """hardware.json "benchmarks" rebuilt from Galvatron's files ({file name: {key: value}}) for
     the fields Galvatron keeps. Unknown error bounds and overlap slowdowns are None."""
     series = _sp_series(_file(files, "sp_time_"))
@@ -174,7 +175,10 @@ def from_galvatron(files: Mapping[str, Mapping[str, float]], world_size: int, gp
     if "overlap_coe" in overlap:
         benchmarks["overlap"] = {"compute_slowdown": None, "comm_slowdown": None,
                                  "overlap_coe": float(overlap["overlap_coe"])}
-    return benchmarks
+    try:
+        return HardwareBenchmarks.from_dict(benchmarks, "benchmarks")
+    except FieldError as e:
+        raise ProfileError(f"Galvatron files do not make a hardware profile: {e}") from None
 
 
 def write_galvatron_dir(hardware: Mapping, out_dir: os.PathLike, **kwargs) -> List[Path]:
@@ -191,7 +195,7 @@ def write_galvatron_dir(hardware: Mapping, out_dir: os.PathLike, **kwargs) -> Li
 
 
 def read_galvatron_dir(in_dir: os.PathLike, world_size: int, gpus_per_node: int,
-                       **kwargs) -> Dict[str, Any]:
+                       **kwargs) -> HardwareBenchmarks:
     """from_galvatron over the Galvatron JSON files found in `in_dir`."""
     files = {}
     for path in sorted(Path(in_dir).glob("*.json")):

@@ -27,7 +27,7 @@ STAGES = PIPELINE + ("noop",)
 @dataclass(frozen=True)
 class StageInput:
     path: Path
-    kind: str  # the profile kind the file must hold
+    profile: type  # the profile record the file must hold (store.schema), e.g. HardwareProfile
     producer: str  # the stage that writes it
 
     def rebuild(self, cfg: Config) -> str:

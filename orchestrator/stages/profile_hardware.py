@@ -14,7 +14,8 @@ from orchestrator.config import cluster_world_size
 from orchestrator.errors import ConfigError
 from orchestrator.choices import HardwareSource, Ranks
 from orchestrator.stages import Stage
-from orchestrator.store import cluster_dir, hardware_path, write_json
+from orchestrator.store import cluster_dir, hardware_path, write_profile
+from orchestrator.store.schema import HardwareProfile, Provenance
 
 BENCHMARKS = ("inventory", "allreduce", "p2p", "reduce_scatter", "all_gather", "all2all", "overlap")
 
@@ -120,7 +121,7 @@ def run_profile(ctx, run):
                     else:
                         profile["benchmarks"][name] = section
                     profile["provenance"] = run.provenance()
-                    write_json(path, profile)
+                    write_profile(path, HardwareProfile.from_dict(profile))
     finally:
         if progress is not None:
             progress.stop()
@@ -138,11 +139,11 @@ def _run_analytic(ctx, run, path: Path) -> dict:
     cfg = run.cfg
     world = cluster_world_size(cfg.cluster)
     with run.subpart("analytic"):
-        body = analytic_hardware(cfg.cluster.name, world, link_sheet(cfg),
-                                 max_tp=cfg.profile_hardware.max_tp)
-        body["provenance"] = run.provenance()
-        write_json(path, body)
-    return _finish_outputs(body, cfg, path)
+        profile = analytic_hardware(cfg.cluster.name, world, link_sheet(cfg),
+                                    max_tp=cfg.profile_hardware.max_tp)
+        profile.provenance = Provenance.from_dict(run.provenance())
+        write_profile(path, profile)
+    return _finish_outputs(profile.to_dict(), cfg, path)
 
 
 def validate(cfg) -> None:

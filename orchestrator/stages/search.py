@@ -9,21 +9,26 @@ counts, inputs' hashes) and, next to it, the exports: Megatron-LM arguments
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 from orchestrator.config import cluster_world_size
 from orchestrator.errors import ConfigError
 from orchestrator.choices import Ranks
 from orchestrator.stages import Stage, StageInput
-from orchestrator.store import (atomic_write, file_sha256, hardware_path, model_profile_path, new_profile,
-                                read_profile, strategy_path, write_json)
+from orchestrator.store import (atomic_write, file_sha256, hardware_path, model_profile_path,
+                                read_profile, strategy_path, write_json, write_profile)
+from orchestrator.store.schema import (Alternative, HardwareProfile, ModelProfile,
+                                       PredictionRecord, Provenance, SpaceSummary, Source,
+                                       StrategyInput, StrategyProfile)
 
 GiB = 2**30
 
 
 def _inputs(cfg):
-    return [StageInput(hardware_path(cfg.profiles_dir, cfg.cluster.name), "hardware", "profile_hardware"),
-            StageInput(model_profile_path(cfg.profiles_dir, cfg.cluster.name, cfg.model.name), "model",
-                       "profile_model")]
+    return [StageInput(hardware_path(cfg.profiles_dir, cfg.cluster.name), HardwareProfile,
+                       "profile_hardware"),
+            StageInput(model_profile_path(cfg.profiles_dir, cfg.cluster.name, cfg.model.name),
+                       ModelProfile, "profile_model")]
 
 
 def search_space(cfg):
@@ -43,17 +48,58 @@ def search_space(cfg):
         options=CostOptions(reserve_bytes=s.reserve_GiB * GiB))
 
 
-def _exports(layout) -> dict:
-    """Megatron and Galvatron forms of the layout; approximations are listed, not hidden."""
+def _exporters(out: Path):
+    """(name, build(layout, strict), write(path, exported), path) of each trainer's export."""
     from orchestrator.planner import galvatron_strategy, megatron_args
 
-    out = {}
-    for name, fn in (("megatron", megatron_args), ("galvatron", galvatron_strategy)):
+    def write_args(path, args):
+        atomic_write(path, lambda f: f.write(" ".join(args) + "\n"))
+
+    return (("megatron", megatron_args, write_args, out.with_suffix(".megatron.args")),
+            ("galvatron", galvatron_strategy, write_json, out.with_suffix(".galvatron.json")))
+
+
+def _export(strategy: StrategyProfile, out: Path) -> None:
+    """Write each export next to the strategy and record it in `strategy.exports`: its
+    approximations (warnings of strict=False), or its error when it cannot be written at all.
+    A failed export never costs the strategy."""
+    from orchestrator.planner.exports import ExportError
+
+    exports = strategy.exports
+    for name, build, write, path in _exporters(out):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            out[name] = fn(layout, strict=False)
-        out[f"{name}_approximations"] = [str(w.message) for w in caught]
-    return out
+            try:
+                exported = build(strategy.layout, strict=False)
+            except ExportError as e:
+                setattr(exports, f"{name}_error", str(e))
+                continue
+            finally:
+                setattr(exports, f"{name}_approximations", [str(w.message) for w in caught])
+        setattr(exports, name, exported)
+        write(path, exported)
+
+
+def _strategy(cfg, result, space, inputs, prov: Provenance) -> StrategyProfile:
+    """The strategy record of a search result, from the (path, profile) pairs it read; exports
+    still empty."""
+    best = result.best
+    sources = [profile.source for _, profile in inputs]
+    return StrategyProfile(
+        source=Source.analytic if Source.analytic in sources else Source.measured,
+        provenance=prov, model=cfg.model.name,
+        inputs={str(path): StrategyInput(sha256=file_sha256(path), source=profile.source)
+                for path, profile in inputs},
+        space=SpaceSummary(world_size=space.world_size,
+                           memory_GiB=space.memory_budget_bytes / GiB,
+                           global_batch_size=space.global_batch_size, seq_len=space.seq_len,
+                           fast_mode=space.fast_mode),
+        layout=best, describe=best.describe(), best=best,
+        prediction=PredictionRecord.from_dict(result.prediction.to_dict(), "prediction"),
+        top=[Alternative(layout=layout, iteration_time_us=pred.iteration_time_us,
+                         peak_memory_bytes=pred.peak_memory_bytes) for layout, pred in result.top],
+        considered=result.considered, rejected=dict(result.rejected), pruned=result.pruned,
+        solved=result.solved, elapsed_s=result.elapsed_s, fast_mode=result.fast_mode)
 
 
 def run_search(ctx, run):
@@ -61,40 +107,31 @@ def run_search(ctx, run):
 
     cfg = run.cfg
     hw_in, model_in = _inputs(cfg)
-    hw = read_profile(hw_in.path, "hardware", hw_in.rebuild(cfg))
-    mp = read_profile(model_in.path, "model", model_in.rebuild(cfg))
+    hw = read_profile(hw_in.path, hw_in.profile, hw_in.rebuild(cfg))
+    mp = read_profile(model_in.path, model_in.profile, model_in.rebuild(cfg))
     space = search_space(cfg)
-    result = search(ModelCost.from_dict(mp), HardwareModel.from_dict(hw), space)
-    best = result.best
+    result = search(ModelCost.from_profile(mp), HardwareModel.from_profile(hw), space)
     out = strategy_path(cfg.profiles_dir, cfg.cluster.name, cfg.model.name)
-    exports = _exports(best)
-    source = "analytic" if "analytic" in (hw.get("source"), mp.get("source")) else "measured"
-    body = new_profile(
-        "strategy", source, run.provenance(), model=cfg.model.name,
-        inputs={str(p.path): {"sha256": file_sha256(p.path), "source": d.get("source")}
-                for p, d in ((hw_in, hw), (model_in, mp))},
-        space={"world_size": space.world_size, "memory_GiB": space.memory_budget_bytes / GiB,
-               "global_batch_size": space.global_batch_size, "seq_len": space.seq_len,
-               "fast_mode": space.fast_mode},
-        layout=best.to_dict(), describe=best.describe(), **result.to_dict(), exports=exports)
-    write_json(out, body)
+    strategy = _strategy(cfg, result, space, [(hw_in.path, hw), (model_in.path, mp)],
+                         Provenance.from_dict(run.provenance()))
+    write_profile(out, strategy)  # first: an export that fails must not cost the answer
     write_json(out.with_suffix(".layout.json"),
-               {"model": cfg.model.name, "seq_len": space.seq_len, "layout": best.to_dict()})
-    atomic_write(out.with_suffix(".megatron.args"), lambda f: f.write(" ".join(exports["megatron"]) + "\n"))
-    write_json(out.with_suffix(".galvatron.json"), exports["galvatron"])
-    _report(result, source, cfg)
-    summary = {"path": str(out), "layout": best.describe(),
+               {"model": cfg.model.name, "seq_len": space.seq_len, "layout": result.best.to_dict()})
+    _export(strategy, out)
+    write_profile(out, strategy)
+    _report(result, strategy, cfg)
+    summary = {"path": str(out), "layout": result.best.describe(),
                "iteration_time_ms": result.prediction.iteration_time_us / 1e3,
                "peak_memory_GiB": result.prediction.peak_memory_bytes / GiB,
                "search_s": result.elapsed_s}
     if cfg.search.plot:
         from orchestrator.planner.report import plot_strategy
 
-        summary["plot"] = str(plot_strategy(result, out.with_suffix(".png")))
+        summary["plot"] = str(plot_strategy(strategy, out.with_suffix(".png")))
     return summary
 
 
-def _report(result, source: str, cfg) -> None:
+def _report(result, strategy: StrategyProfile, cfg) -> None:
     from rich.markup import escape
     from rich.table import Table
 
@@ -102,8 +139,8 @@ def _report(result, source: str, cfg) -> None:
 
     console = stage_console()
     table = Table(title=f"best layouts for {cfg.model.name} on {result.best.world_size} devices "
-                        f"({source} profiles; searched {result.considered} configs in "
-                        f"{result.elapsed_s:.2f} s)")
+                        f"({strategy.source.value} profiles; searched {result.considered} "
+                        f"configs in {result.elapsed_s:.2f} s)")
     for col in ("#", "layout", "iteration ms", "tokens/s", "peak GiB"):
         table.add_column(col, justify="right" if col != "layout" else "left")
     for i, (layout, pred) in enumerate(result.top):
@@ -114,6 +151,12 @@ def _report(result, source: str, cfg) -> None:
     console.print("breakdown (ms): " + ", ".join(f"{k} {v / 1e3:.1f}" for k, v in b.items()))
     if result.rejected:
         console.print("rejected: " + ", ".join(f"{k} {v}" for k, v in result.rejected.items()))
+    exports = strategy.exports
+    for name in ("megatron", "galvatron"):
+        for note in getattr(exports, f"{name}_approximations"):
+            console.print(f"{name} export approximates: {escape(note)}")
+        if getattr(exports, f"{name}_error"):
+            console.print(f"{name} export not written: {escape(getattr(exports, f'{name}_error'))}")
 
 
 def validate(cfg) -> None:

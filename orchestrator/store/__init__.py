@@ -1,8 +1,9 @@
 """Profile files: where they live, how they are written (atomically, with provenance), how they are read.
 
-One JSON writer for the whole project: `write_json`. Readers go through `read_profile`, which
-validates and, on a missing, corrupt or stale file, raises ProfileError naming the command that
-rebuilds it.
+One JSON writer for the whole project: `write_json`; profiles go through it as dataclasses
+(`write_profile`, schema in `orchestrator.store.schema`). Readers go through `read_profile`, which
+validates the whole record and, on a missing, corrupt, stale or malformed file, raises
+ProfileError naming the file, the first bad field and the command that rebuilds it.
 """
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import IO, Any, Callable, Mapping, Optional
+from typing import IO, Any, Callable, Mapping, Optional, Type, TypeVar
 
 from orchestrator.errors import ProfileError
+from orchestrator.store.schema import SCHEMA_VERSION, FieldError, Profile
 
-SCHEMA_VERSION = 1
+P = TypeVar("P", bound=Profile)
 
 
 def cluster_dir(profiles_dir: str | os.PathLike, cluster_name: str) -> Path:
@@ -144,27 +146,43 @@ def read_json(path: str | os.PathLike) -> Any:
         return json.load(f)
 
 
-def read_profile(path: str | os.PathLike, kind: str, rebuild: str,
-                 expect_hash: Optional[str] = None) -> dict:
-    """Read and validate a profile file.
+def write_profile(path: str | os.PathLike, profile: Profile) -> Path:
+    """Write a profile dataclass as JSON, atomically (the one profile writer)."""
+    return write_json(path, profile.to_dict())
+
+
+def parse_profile(raw: Any, cls: Type[P], where: str, rebuild: Optional[str] = None) -> P:
+    """`raw` (a loaded JSON object) as a `cls` record; ProfileError naming `where`, the first
+    field that does not fit and the command that rebuilds it."""
+    try:
+        return cls.from_dict(raw)
+    except FieldError as e:
+        raise ProfileError(f"{where}: {e}. Rerun: {rebuild or cls.rebuild()} force=true") from None
+
+
+def read_profile(path: str | os.PathLike, cls: Type[P], rebuild: str,
+                 expect_hash: Optional[str] = None) -> P:
+    """Read and validate a profile file as the dataclass `cls` (HardwareProfile, ...).
 
     `rebuild` is the command that writes it; every error names the file and that command.
     With `expect_hash`, a file written under another config (provenance.config_hash) is stale.
     """
     path = Path(path)
+    kind = cls.KIND
     if not path.exists():
         raise ProfileError(f"{path}: missing. Run: {rebuild}")
     try:
-        profile = read_json(path)
+        raw = read_json(path)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ProfileError(f"{path}: corrupt JSON ({e}). Rerun: {rebuild} force=true")
-    if not isinstance(profile, dict) or profile.get("kind") != kind:
+    if not isinstance(raw, dict) or raw.get("kind") != kind:
         raise ProfileError(f"{path}: not a {kind} profile. Rerun: {rebuild} force=true")
-    version = profile.get("schema_version")
+    version = raw.get("schema_version")
     if version != SCHEMA_VERSION:
         raise ProfileError(f"{path}: schema version {version}, this orchestrator reads "
                            f"{SCHEMA_VERSION}: stale. Rerun: {rebuild} force=true")
-    got_hash = profile.get("provenance", {}).get("config_hash")
+    profile = parse_profile(raw, cls, str(path), rebuild)
+    got_hash = profile.provenance.config_hash if profile.provenance else None
     if expect_hash is not None and got_hash != expect_hash:
         raise ProfileError(f"{path}: written under another config (hash {got_hash}, "
                            f"now {expect_hash}): stale. Rerun: {rebuild}")

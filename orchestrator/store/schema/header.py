@@ -1,0 +1,53 @@
+"""What every profile file carries: schema version, kind, source and provenance."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, List, Optional
+
+from orchestrator.choices import Source
+from orchestrator.store.schema.record import FieldError, Record, doc, show
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(kw_only=True)
+class Provenance(Record):
+    """How a file was made. Times are Unix seconds."""
+
+    KEEP_NONE: ClassVar[bool] = True
+
+    config: Dict[str, Any] = doc("the composed config the stage ran with", default_factory=dict)
+    config_hash: Optional[str] = doc("hash of the config sections that change the result; a "
+                                     "reader expecting another hash calls the file stale",
+                                     default=None)
+    job_id: Optional[str] = doc("Slurm job id, null under the local launcher", default=None)
+    hosts: List[str] = doc("hosts the ranks ran on", default_factory=list)
+    versions: Dict[str, str] = doc("python, torch, mpi4py, mpi, cuda and nccl versions",
+                                   default_factory=dict)
+    argv: List[str] = doc("the command line", default_factory=list)
+    started: Optional[float] = doc("start time", default=None)
+    ended: Optional[float] = doc("end time", default=None)
+
+
+@dataclass(kw_only=True)
+class Profile(Record):
+    """The common header; each kind adds its own fields."""
+
+    KIND: ClassVar[str] = ""
+    PRODUCER: ClassVar[str] = ""  # the stage that writes it, for error messages
+
+    schema_version: int = doc("bumped when a reader of the old layout would misread the new",
+                              default=SCHEMA_VERSION)
+    kind: str = doc('"hardware" | "model" | "strategy"; each kind reads as its own when absent')
+    source: Optional[Source] = doc("measured here, or computed from published figures "
+                                   "(analytic); absent only in hand-built profiles", default=None)
+    provenance: Optional[Provenance] = doc("how the file was made", default=None)
+
+    def check(self, path: str) -> None:
+        if self.kind != self.KIND:
+            raise FieldError("kind", f"expected {show(self.KIND)}, got {show(self.kind)}")
+
+    @classmethod
+    def rebuild(cls) -> str:
+        """The command that writes this kind of file."""
+        return f"python -m orchestrator stage={cls.PRODUCER}"

@@ -1,0 +1,112 @@
+"""model/<name>.json: layer time points and fits per TP degree, memory per TP degree."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from orchestrator.choices import Dtype, Recompute, Source
+from orchestrator.store.schema.header import Profile
+from orchestrator.store.schema.record import FieldError, Record, doc
+
+
+@dataclass(kw_only=True)
+class ModelSummary(Record):
+    name: str = doc("model.name", default="model")
+    hidden: int = doc("hidden size")
+    ffn: int = doc("MLP inner size")
+    layers: int = doc("transformer blocks")
+    heads: int = doc("attention heads")
+    kv_heads: Optional[int] = doc("key/value heads (GQA); heads when absent", default=None)
+    vocab: int = doc("vocabulary size")
+    seq_len: int = doc("the model's sequence length", default=0)
+    dtype: Dtype = doc("parameter and activation dtype", default=Dtype.bf16)
+
+    def __post_init__(self) -> None:
+        if self.kv_heads is None:
+            self.kv_heads = self.heads
+
+
+@dataclass(kw_only=True)
+class ModelPoint(Record):
+    """One (seq_len, tp) point, per micro-batch of 1 sequence, us."""
+
+    seq_len: int = doc("tokens per sequence")
+    tp: int = doc("tensor-parallel degree")
+    block_fwd_us: float = doc("one transformer block, forward (TP compute only)")
+    block_bwd_us: float = doc("one block, backward")
+    other_fwd_us: float = doc("embedding + final norm + LM head + loss, forward")
+    other_bwd_us: float = doc('"other", backward')
+    source: Source = doc("measured, or FLOPs over a device sheet (analytic)")
+    extras: Dict[str, Any] = doc("*_median_us, *_total_us, *_comm_us, iters, groups, flops, "
+                                 "per-mode activation bytes per micro-batch, states, "
+                                 "megatron_act_bytes, megatron_ratio", default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class TpFits(Record):
+    """Fits in seq_len s of one TP degree: block c0 + c1 s + c2 s^2, other c0 + c1 s (us)."""
+
+    block_fwd_us: Tuple[float, ...] = doc("[c0, c1, c2]")
+    block_bwd_us: Tuple[float, ...] = doc("[c0, c1, c2]")
+    other_fwd_us: Tuple[float, ...] = doc("[c0, c1]")
+    other_bwd_us: Tuple[float, ...] = doc("[c0, c1]")
+    max_rel_err: Optional[float] = doc("largest relative residual of the fits", default=None)
+    extras: Dict[str, Any] = doc("seq_lens, rel_residuals, block_models, source",
+                                 default_factory=dict)
+
+    def check(self, path: str) -> None:
+        for name, most in (("block_fwd_us", 3), ("block_bwd_us", 3), ("other_fwd_us", 2),
+                           ("other_bwd_us", 2)):
+            n = len(getattr(self, name))
+            if not 1 <= n <= most:
+                raise FieldError(f"{path}.{name}", f"expected 1 to {most} coefficients, got {n}")
+
+
+@dataclass(kw_only=True)
+class MemoryPart(Record):
+    """Memory of a block or of "other" on one rank of a TP group (bytes; sharded parts already
+    divided by tp)."""
+
+    param_bytes: float = doc("parameters")
+    grad_bytes: float = doc("gradients")
+    optim_bytes: float = doc("optimizer state")
+    act_bytes_per_token: Dict[Recompute, float] = doc(
+        "activations kept per token for each recompute mode, with sequence parallelism under TP "
+        "and a vocab-parallel loss, at act_seq_len")
+    act_seq_len: Optional[int] = doc("sequence length act_bytes_per_token was taken at; the "
+                                     "model's seq_len when absent", default=None)
+    act_bytes_fit: Optional[Dict[Recompute, Tuple[float, ...]]] = doc(
+        "bytes per micro-batch c0 + c1 s + c2 s^2 per mode, so activations follow the searched "
+        "sequence length", default=None)
+    extras: Dict[str, Any] = doc("params, act_from, megatron_ratio", default_factory=dict)
+
+    def check(self, path: str) -> None:
+        missing = [m.value for m in Recompute if m not in self.act_bytes_per_token]
+        if missing:
+            raise FieldError(f"{path}.act_bytes_per_token.{missing[0]}", "missing")
+
+
+@dataclass(kw_only=True)
+class TpMemory(Record):
+    block: MemoryPart = doc("one transformer block")
+    other: MemoryPart = doc("embedding + final norm + LM head + loss (not split: the planner "
+                            "puts half on the first stage, half on the last)")
+    source: Optional[Source] = doc("measured or analytic", default=None)
+
+
+@dataclass(kw_only=True)
+class ModelProfile(Profile):
+    """profiles/<cluster.name>/model/<model.name>.json (written by profile_model)."""
+
+    KIND = "model"
+    kind: str = doc("this file's kind", default="model")
+    PRODUCER = "profile_model"
+
+    model: ModelSummary = doc("the model profiled")
+    points: List[ModelPoint] = doc("what was timed", default_factory=list)
+    fits: Dict[int, TpFits] = doc('fits per tp (keys are strings in JSON: "1", "2", ...)')
+    memory: Dict[int, TpMemory] = doc("memory per tp")
+    micro_batch_size: Optional[int] = doc("sequences per timed micro-batch", default=None)
+    method: Optional[Dict[str, Any]] = doc("source and why, device sheet, timing and memory "
+                                           "method (prose)", default=None)
+    extras: Dict[str, Any] = doc("anything else a producer adds", default_factory=dict)
