@@ -83,9 +83,9 @@ def test_recompute_costs_time(model, hw):
 def test_sequence_parallel_backward_moves_more_than_forward(model, hw):
     key = ConfigKey(8, 4, 1, 2, 0, True, 1, 4, "1f1b", 1)
     costs = StageCosts(key, model, hw, SEQ)
-    assert costs.tp_b > costs.tp_f > 0  # 4 AG + 2 RS vs 2 AG + 2 RS
+    assert costs.tp.layer.bwd_us > costs.tp.layer.fwd_us > 0  # 4 AG + 2 RS vs 2 AG + 2 RS
     no_sp = StageCosts(ConfigKey(8, 4, 1, 2, 0, False, 1, 4, "1f1b", 1), model, hw, SEQ)
-    assert no_sp.tp_b == no_sp.tp_f  # 2 all-reduce each way
+    assert no_sp.tp.layer.bwd_us == no_sp.tp.layer.fwd_us  # 2 all-reduce each way
 
 
 def test_overlap_slows_both_sides_by_the_coefficient():
