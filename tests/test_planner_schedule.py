@@ -40,7 +40,11 @@ def test_busy_plus_idle_is_the_iteration_on_every_stage():
 
 def test_p2p_sends_lengthen_the_iteration():
     base = simulate([2.0] * 4, [4.0] * 4, 8).iteration_time_us
-    assert simulate([2.0] * 4, [4.0] * 4, 8, p2p_us=0.5).iteration_time_us > base
+    with_p2p = simulate([2.0] * 4, [4.0] * 4, 8, p2p_us=0.5).iteration_time_us
+    assert with_p2p > base == (8 + 4 - 1) * 6.0
+    # The cost model's bound with each send on its sender: t = 6.5, 7, 7, 6.5.
+    t = [6.5, 7.0, 7.0, 6.5]
+    assert base + 4 * 0.5 < with_p2p <= sum(t) + 7 * max(t)
 
 
 def test_unequal_1f1b_never_exceeds_the_cost_model_closed_form():

@@ -34,7 +34,7 @@ plus the LM head's activations on the last stage; comm_buffers; reserve
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -42,7 +42,7 @@ from orchestrator.layout import LayoutError, ParallelLayout
 from orchestrator.planner.profiles import HardwareModel, ModelCost
 from orchestrator.planner.schedule import (in_flight_micro_batches, schedule_coefficients,
                                            simulate as simulate_schedule)
-from orchestrator.planner.terms import MODE_CODES, MODE_NAMES, FwdBwd, overlap_extra_us
+from orchestrator.planner.terms import MODE_CODES, FwdBwd, overlap_extra_us
 from orchestrator.planner.terms.compute import LayerCompute
 from orchestrator.planner.terms.memory import (ActivationBytes, comm_buffer_bytes,
                                                stage_activation_bytes)
@@ -50,9 +50,6 @@ from orchestrator.planner.terms.pipeline import (boundary_intra_node, boundary_u
                                                  on_end_stages, p2p_message_bytes, stage_sends)
 from orchestrator.planner.terms.tp_comm import TpComm, tp_message_bytes
 from orchestrator.planner.terms.zero import ZeroSharding, ZeroTraffic, dp_sync_us
-
-__all__ = ["BREAKDOWN_KINDS", "MEMORY_KINDS", "MODE_CODES", "MODE_NAMES", "ConfigKey",
-           "CostOptions", "Prediction", "StageCosts", "evaluate", "overlap_extra_us"]
 
 GiB = float(1 << 30)
 MEMORY_KINDS = ("params", "grads", "optim", "activations", "comm_buffers", "reserve")
@@ -120,73 +117,80 @@ class StageCosts:
     def __init__(self, key: ConfigKey, model: ModelCost, hardware: HardwareModel, seq_len: int,
                  options: CostOptions = CostOptions()):
         self.key = key
-        self.model = model
-        self.options = options
         self.hardware = hardware
-        tp, pp, dp = key.tp, key.pp, key.dp
         self.tokens = float(seq_len * key.micro_batch_size)
         self.overlap_coe = hardware.overlap_coe
-        block, other = model.memory(tp)
-        message_bytes = tp_message_bytes(seq_len, key.micro_batch_size, model.hidden,
-                                         model.dtype_bytes)
+        block, other = model.memory(key.tp)
+        tp_bytes = tp_message_bytes(seq_len, key.micro_batch_size, model.hidden,
+                                    model.dtype_bytes)
+        self.block_param_bytes = block.param_bytes
+        self.block_grad_bytes = block.grad_bytes
+        # "Other" bytes per stage, unsharded (what ZeRO traffic and the dp sync move): the
+        # embedding's share on the first stage, the LM head's on the last.
+        share = options.other_memory_first_share
+        share = on_end_stages(share, 1.0 - share, key.pp) if key.pp > 1 else np.ones(1)
+        self.other_param_bytes = other.param_bytes * share
+        self.other_grad_bytes = other.grad_bytes * share
+        other_optim_bytes = other.optim_bytes * share
 
-        # Time per layer: compute, TP communication, ZeRO 2/3 traffic sticking out of both.
-        self.compute = LayerCompute.from_model(model, seq_len, tp, key.micro_batch_size)
-        self.tp = TpComm.from_hardware(hardware, tp, key.sequence_parallel, message_bytes)
+        self._price_layer(model, seq_len, tp_bytes)
+        self._price_other(options.other_time_first_share)
+        self._price_sends(model)
+        sharding = ZeroSharding.of(key.zero, key.dp)
+        self.layer_static = sharding.shard(block.param_bytes, block.grad_bytes, block.optim_bytes)
+        self.other_static = sharding.shard(self.other_param_bytes, self.other_grad_bytes,
+                                           other_optim_bytes)
+        self.act = ActivationBytes.from_block(block, seq_len, key.tp, key.sequence_parallel,
+                                              model.hidden, model.dtype_bytes)
+        self.other_act = on_end_stages(
+            0.0, self.tokens * other.act_bytes_per_token_at("none", seq_len), key.pp)
+        self.in_flight = in_flight_micro_batches(key.schedule, key.pp, key.num_micro_batches,
+                                                 key.virtual_stages)
+        self.comm_buffers = comm_buffer_bytes(key.zero, key.dp, key.tp, block.param_bytes,
+                                              tp_bytes)
+        self.reserve = float(options.reserve_bytes)
+        # T = alpha * sum_j t_j + beta * max_j t_j + e_0
+        self.alpha, self.beta = schedule_coefficients(key.schedule, key.num_micro_batches,
+                                                      key.virtual_stages)
+
+    def _price_layer(self, model: ModelCost, seq_len: int, tp_bytes: float) -> None:
+        """Time per layer: compute, TP communication, ZeRO 2/3 traffic sticking out of both."""
+        key = self.key
+        self.compute = LayerCompute.from_model(model, seq_len, key.tp, key.micro_batch_size)
+        self.tp = TpComm.from_hardware(self.hardware, key.tp, key.sequence_parallel, tp_bytes)
         window = self.compute.block + self.tp.layer
-        traffic = ZeroTraffic.from_hardware(hardware, key.zero, dp, tp, block.param_bytes,
-                                            block.grad_bytes)
+        traffic = ZeroTraffic.from_hardware(self.hardware, key.zero, key.dp, key.tp,
+                                            self.block_param_bytes, self.block_grad_bytes)
         exposed = traffic.exposed(window, self.overlap_coe)
         self.zero_layer = FwdBwd(float(exposed.fwd_us), float(exposed.bwd_us))
         self.layer = window + self.zero_layer
         self.full_recompute_us = window.fwd_us  # reruns the forward and its TP communication
 
-        # Time per stage of "other" (embedding on the first stage, LM head on the last).
-        share_t = self.options.other_time_first_share
-        other_c = self.compute.other
+    def _price_other(self, time_first_share: float) -> None:
+        """Time per stage of "other": compute split between the first and the last stage, the
+        embedding's and LM head's TP collectives, their ZeRO 2/3 traffic."""
+        pp = self.key.pp
+        c = self.compute.other
         self.other_compute = FwdBwd(
-            on_end_stages(share_t * other_c.fwd_us, (1.0 - share_t) * other_c.fwd_us, pp),
-            on_end_stages(share_t * other_c.bwd_us, (1.0 - share_t) * other_c.bwd_us, pp))
+            on_end_stages(time_first_share * c.fwd_us, (1.0 - time_first_share) * c.fwd_us, pp),
+            on_end_stages(time_first_share * c.bwd_us, (1.0 - time_first_share) * c.bwd_us, pp))
         self.other_tp = FwdBwd(on_end_stages(self.tp.embedding.fwd_us, self.tp.head.fwd_us, pp),
                                on_end_stages(self.tp.embedding.bwd_us, self.tp.head.bwd_us, pp))
-        share_m = self.options.other_memory_first_share
-        mem_share = on_end_stages(share_m, 1.0 - share_m, pp) if pp > 1 else np.ones(1)
-        # Unsharded bytes of "other" per stage: what the ZeRO traffic and the dp sync move.
-        self.other_param_bytes = other.param_bytes * mem_share
-        self.other_grad_bytes = other.grad_bytes * mem_share
-        other_traffic = ZeroTraffic.from_hardware(hardware, key.zero, dp, tp,
-                                                  self.other_param_bytes, self.other_grad_bytes)
-        other_window = self.other_compute + self.other_tp
-        self.other_zero = other_traffic.exposed(other_window, self.overlap_coe)
-        self.other = other_window + self.other_zero
+        traffic = ZeroTraffic.from_hardware(self.hardware, self.key.zero, self.key.dp,
+                                            self.key.tp, self.other_param_bytes,
+                                            self.other_grad_bytes)
+        window = self.other_compute + self.other_tp
+        self.other_zero = traffic.exposed(window, self.overlap_coe)
+        self.other = window + self.other_zero
 
-        # Pipeline sends per stage.
-        p2p_bytes = p2p_message_bytes(self.tokens, model.hidden, model.dtype_bytes, tp,
+    def _price_sends(self, model: ModelCost) -> None:
+        """Pipeline send time per boundary and per stage."""
+        key = self.key
+        p2p_bytes = p2p_message_bytes(self.tokens, model.hidden, model.dtype_bytes, key.tp,
                                       key.sequence_parallel)
-        intra = boundary_intra_node(pp, tp * dp, hardware.tasks_per_node)
-        self.boundary_us = boundary_us(hardware, p2p_bytes, intra)
+        intra = boundary_intra_node(key.pp, key.tp * key.dp, self.hardware.tasks_per_node)
+        self.boundary_us = boundary_us(self.hardware, p2p_bytes, intra)
         self.sends = stage_sends(self.boundary_us, key.virtual_stages)
-
-        # Memory: static bytes after ZeRO, activations, buffers, reserve.
-        self.sharding = ZeroSharding.of(key.zero, dp)
-        self.block_param_bytes = block.param_bytes
-        self.block_grad_bytes = block.grad_bytes
-        self.layer_static = self.sharding.shard(block.param_bytes, block.grad_bytes,
-                                                block.optim_bytes)
-        self.other_static = self.sharding.shard(self.other_param_bytes, self.other_grad_bytes,
-                                                other.optim_bytes * mem_share)
-        self.act = ActivationBytes.from_block(block, seq_len, tp, key.sequence_parallel,
-                                              model.hidden, model.dtype_bytes)
-        self.other_act = on_end_stages(
-            0.0, self.tokens * other.act_bytes_per_token_at("none", seq_len), pp)
-        self.in_flight = in_flight_micro_batches(key.schedule, pp, key.num_micro_batches,
-                                                 key.virtual_stages)
-        self.comm_buffers = comm_buffer_bytes(key.zero, dp, tp, block.param_bytes, message_bytes)
-        self.reserve = float(options.reserve_bytes)
-
-        # T = alpha * sum_j t_j + beta * max_j t_j + e_0
-        self.alpha, self.beta = schedule_coefficients(key.schedule, key.num_micro_batches,
-                                                      key.virtual_stages)
 
     # ------------------------------------------------------------------ per stage, vectorised
     def recompute_us(self, n, mode_code, k):
@@ -308,6 +312,43 @@ def check_layout_for_model(layout: ParallelLayout, model: ModelCost) -> None:
                           f"kv_heads({model.kv_heads}) of {model.name}")
 
 
+def _breakdown_us(costs: StageCosts, layout: ParallelLayout, t: np.ndarray,
+                  recompute_us: np.ndarray, e0_us: float, iteration_us: float) -> Dict[str, float]:
+    """Prediction.breakdown_us: the slowest stage k's (first on ties) compute, tp_comm,
+    recompute and pp_comm over all micro-batches, the exposed data-parallel sync, and the rest of
+    the iteration as the bubble."""
+    m = layout.num_micro_batches
+    k = int(np.argmax(t))
+    n_k = float(layout.layers_per_stage[k])
+    compute = m * (n_k * costs.compute.block.total_us + float(costs.other_compute.fwd_us[k])
+                   + float(costs.other_compute.bwd_us[k]))
+    tp_comm = m * (n_k * costs.tp.layer.total_us + float(costs.other_tp.fwd_us[k])
+                   + float(costs.other_tp.bwd_us[k]))
+    recompute = m * float(recompute_us[k])
+    pp_comm = m * (float(costs.sends.fwd_us[k]) + float(costs.sends.bwd_us[k]))
+    dp_exposed = e0_us + m * (n_k * costs.zero_layer.total_us
+                              + float(costs.other_zero.fwd_us[k])
+                              + float(costs.other_zero.bwd_us[k]))
+    breakdown = {"compute": compute, "tp_comm": tp_comm, "pp_comm": pp_comm,
+                 "dp_sync_exposed": dp_exposed, "recompute": recompute}
+    bubble = iteration_us - sum(breakdown.values())
+    # No fill/drain (one stage): what is left is rounding.
+    breakdown["bubble"] = 0.0 if abs(bubble) <= 1e-9 * iteration_us else bubble
+    return {kind: breakdown[kind] for kind in BREAKDOWN_KINDS}
+
+
+def _over_budget_reason(memory: Sequence[Mapping[str, float]], budget_bytes: float) -> str:
+    """Why the first stage over `budget_bytes` does not fit (its total and largest kind, in
+    GiB), or "" when every stage fits."""
+    for j, mem in enumerate(memory):
+        if mem["total"] > budget_bytes:
+            biggest = max(MEMORY_KINDS, key=lambda kind: mem[kind])
+            return (f"stage {j} needs {mem['total'] / GiB:.2f} GiB > budget "
+                    f"{budget_bytes / GiB:.2f} GiB (largest: {biggest} "
+                    f"{mem[biggest] / GiB:.2f} GiB)")
+    return ""
+
+
 def evaluate(layout: ParallelLayout, model_cost: ModelCost, hardware: HardwareModel,
              seq_len: Optional[int] = None, memory_budget_bytes: Optional[float] = None,
              options: CostOptions = CostOptions(), simulate: bool = False,
@@ -344,43 +385,16 @@ def evaluate(layout: ParallelLayout, model_cost: ModelCost, hardware: HardwareMo
     e0 = float(costs.dp_exposed_us(0, layout.layers_per_stage[0]))
     iteration = float(costs.alpha * t.sum() + costs.beta * t.max() + e0)
 
-    # Breakdown over the slowest stage k (first on ties).
-    k = int(np.argmax(t))
-    n_k = float(layout.layers_per_stage[k])
-    compute = m * (n_k * costs.compute.block.total_us + float(costs.other_compute.fwd_us[k])
-                   + float(costs.other_compute.bwd_us[k]))
-    tp_comm = m * (n_k * costs.tp.layer.total_us + float(costs.other_tp.fwd_us[k])
-                   + float(costs.other_tp.bwd_us[k]))
-    recompute = m * float(rc_arr[k])
-    pp_comm = m * (float(costs.sends.fwd_us[k]) + float(costs.sends.bwd_us[k]))
-    dp_exposed = e0 + m * (n_k * costs.zero_layer.total_us + float(costs.other_zero.fwd_us[k])
-                           + float(costs.other_zero.bwd_us[k]))
-    breakdown = {"compute": compute, "tp_comm": tp_comm, "pp_comm": pp_comm,
-                 "dp_sync_exposed": dp_exposed, "recompute": recompute}
-    bubble = iteration - sum(breakdown.values())
-    # No fill/drain (one stage): what is left is rounding.
-    breakdown["bubble"] = 0.0 if abs(bubble) <= 1e-9 * iteration else bubble
-    breakdown = {kind: breakdown[kind] for kind in BREAKDOWN_KINDS}
-
+    breakdown = _breakdown_us(costs, layout, t, rc_arr, e0, iteration)
     peak = max(mem["total"] for mem in memory)
-    feasible, reason = True, ""
-    if memory_budget_bytes is not None:
-        for j, mem in enumerate(memory):
-            if mem["total"] > memory_budget_bytes:
-                biggest = max(MEMORY_KINDS, key=lambda kind: mem[kind])
-                feasible = False
-                reason = (f"stage {j} needs {mem['total'] / GiB:.2f} GiB > budget "
-                          f"{memory_budget_bytes / GiB:.2f} GiB (largest: {biggest} "
-                          f"{mem[biggest] / GiB:.2f} GiB)")
-                break
-
+    reason = (_over_budget_reason(memory, memory_budget_bytes)
+              if memory_budget_bytes is not None else "")
     simulated = None
     if simulate:
-        boundary = list(costs.boundary_us)
         # The schedule adds the sends itself: give it the stage times without them.
         sim = simulate_schedule(list(f_arr - costs.sends.fwd_us),
-                                list(b_arr - costs.sends.bwd_us), m, layout.schedule, layout.virtual_stages,
-                                boundary if p > 1 else 0.0)
+                                list(b_arr - costs.sends.bwd_us), m, layout.schedule,
+                                layout.virtual_stages, list(costs.boundary_us) if p > 1 else 0.0)
         simulated = max(sim.stage_finish_us[j]
                         + float(costs.dp_exposed_us(j, layout.layers_per_stage[j]))
                         for j in range(p))
@@ -389,5 +403,5 @@ def evaluate(layout: ParallelLayout, model_cost: ModelCost, hardware: HardwareMo
                       tokens_per_s=tokens / (iteration * 1e-6) if iteration > 0 else float("inf"),
                       stage_fwd_us=tuple(fwd), stage_bwd_us=tuple(bwd),
                       stage_time_us=tuple(times), breakdown_us=breakdown,
-                      memory_bytes=tuple(memory), peak_memory_bytes=peak, feasible=feasible,
+                      memory_bytes=tuple(memory), peak_memory_bytes=peak, feasible=not reason,
                       reason=reason, simulated_iteration_time_us=simulated)

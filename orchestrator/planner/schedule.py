@@ -44,8 +44,9 @@ class ScheduleResult:
 def closed_form_time_us(fwd_us: float, bwd_us: float, pp: int, num_micro_batches: int,
                         virtual_stages: int = 1) -> float:
     """Makespan (us) of equal stages with no p2p: m (f + b) + (p - 1)(f + b) / v."""
-    t = fwd_us + bwd_us
-    return num_micro_batches * t + (pp - 1) * t / virtual_stages
+    schedule = "interleaved" if virtual_stages > 1 else "1f1b"
+    alpha, beta = schedule_coefficients(schedule, num_micro_batches, virtual_stages)
+    return (alpha * pp + beta) * (fwd_us + bwd_us)
 
 
 def schedule_coefficients(schedule: str, num_micro_batches: int,

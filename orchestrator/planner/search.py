@@ -31,9 +31,10 @@ import numpy as np
 
 from orchestrator import errors
 from orchestrator.layout import ParallelLayout
-from orchestrator.planner.cost_model import (GiB, MODE_NAMES, ConfigKey, CostOptions, Prediction,
-                                             StageCosts, evaluate)
+from orchestrator.planner.cost_model import (GiB, ConfigKey, CostOptions, Prediction, StageCosts,
+                                             evaluate)
 from orchestrator.planner.profiles import HardwareModel, ModelCost
+from orchestrator.planner.terms import MODE_NAMES
 
 INF = float("inf")
 FAST_MODE_THRESHOLDS = 2  # thresholds tried per config in fast mode (min-max and the next one)
