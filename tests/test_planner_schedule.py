@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from orchestrator.planner.schedule import closed_form_time_us, simulate, stage_order
+from orchestrator.planner.schedule import (closed_form_time_us, in_flight_micro_batches, simulate,
+                                          stage_order)
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
@@ -81,6 +82,7 @@ def test_in_flight_micro_batches_match_the_memory_model(schedule, p, m, v):
         expected = (min(p - j, m) if schedule == "1f1b"
                     else min((p - j - 1) * 2 + (v - 1) * p + 1, m * v))
         assert peak == expected
+        assert peak == in_flight_micro_batches(schedule, p, m, v)[j] * v
 
 
 def test_bad_inputs_are_rejected():

@@ -133,16 +133,16 @@ def test_p2p_message_is_sbh_and_sharded_by_sequence_parallel():
 
 def test_boundaries_inside_a_node_are_intra():
     # pp 4, tp * dp = 4 ranks per stage, 8 ranks per node: stages 0, 1 on node 0, 2, 3 on 1.
-    assert boundary_intra_node(4, 4, 8).tolist() == [True, False, True, False]
-    assert boundary_intra_node(2, 4, 8).tolist() == [True, True]  # the wrap stays in node 0
+    assert boundary_intra_node(4, 4, 8) == [True, False, True, False]
+    assert boundary_intra_node(2, 4, 8) == [True, True]  # the wrap stays in node 0
 
 
 def test_boundary_time_uses_intra_and_inter_fits():
     hw = hand_hardware({("p2p", "intra"): (2, 5.0, 200.0), ("p2p", "inter"): (2, 20.0, 25.0)})
-    times = boundary_us(hw, MSG / 4, np.array([True, False, True, False]))
+    times = boundary_us(hw, MSG / 4, [True, False, True, False])
     intra, inter = 5 + MSG / 4 / 200e3, 20 + MSG / 4 / 25e3  # 25.97152, 187.77216 us
     assert times == pytest.approx([intra, inter, intra, inter])
-    assert boundary_us(hw, MSG, np.array([True])).tolist() == [0.0]  # pp = 1
+    assert boundary_us(hw, MSG, [True]).tolist() == [0.0]  # pp = 1
 
 
 @pytest.mark.parametrize("v,fwd,bwd", [(1, [1, 2, 3, 0], [0, 1, 2, 3]),

@@ -228,8 +228,9 @@ class StageCosts:
     def static_bytes(self, j: int, n):
         """(params, grads, optim) bytes of stage j holding n layers, after ZeRO sharding."""
         n = np.asarray(n, dtype=float)
-        return tuple(n * layer + other[j] for layer, other in zip(self.layer_static,
-                                                                  self.other_static))
+        (layer_p, layer_g, layer_o), (other_p, other_g, other_o) = (self.layer_static,
+                                                                    self.other_static)
+        return n * layer_p + other_p[j], n * layer_g + other_g[j], n * layer_o + other_o[j]
 
     def total_bytes(self, params, grads, optim, activations):
         """Sum of the memory kinds (bytes), in the one order every caller uses."""

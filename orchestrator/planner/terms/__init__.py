@@ -13,8 +13,7 @@ the forward/backward pair and the overlap rule.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -23,15 +22,14 @@ MODE_NAMES = ("none", "selective", "full")
 MODE_CODES = {mode: code for code, mode in enumerate(MODE_NAMES)}
 
 
-@dataclass(frozen=True)
-class FwdBwd:
+class FwdBwd(NamedTuple):
     """A forward and a backward time in us per micro-batch (floats, or numpy arrays over the
-    pipeline stages)."""
+    pipeline stages). `a + b` adds them pair by pair."""
 
     fwd_us: Any
     bwd_us: Any
 
-    def __add__(self, other: "FwdBwd") -> "FwdBwd":
+    def __add__(self, other: "FwdBwd") -> "FwdBwd":  # type: ignore[override]
         return FwdBwd(self.fwd_us + other.fwd_us, self.bwd_us + other.bwd_us)
 
     @property

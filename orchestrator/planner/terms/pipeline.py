@@ -11,6 +11,8 @@ order) lie on one node.
 """
 from __future__ import annotations
 
+from typing import List, Sequence
+
 import numpy as np
 
 from orchestrator.planner.profiles import HardwareModel
@@ -23,22 +25,21 @@ def p2p_message_bytes(tokens: float, hidden: int, dtype_bytes: int, tp: int,
     return tokens * hidden * dtype_bytes / (tp if sequence_parallel else 1)
 
 
-def boundary_intra_node(pp: int, ranks_per_stage: int, tasks_per_node: int) -> np.ndarray:
+def boundary_intra_node(pp: int, ranks_per_stage: int, tasks_per_node: int) -> List[bool]:
     """Whether each boundary j -> j + 1 (j < pp - 1) and the wrap pp - 1 -> 0 (entry pp - 1)
-    stays inside one node, as a bool array of length pp."""
-    j = np.arange(pp)
-    intra = (j * ranks_per_stage) // tasks_per_node == ((j + 2) * ranks_per_stage - 1) \
-        // tasks_per_node
-    intra[pp - 1] = pp * ranks_per_stage <= tasks_per_node
-    return intra
+    stays inside one node: stage j's first rank and stage j + 1's last share a node."""
+    r, n = ranks_per_stage, tasks_per_node
+    return ([(j * r) // n == ((j + 2) * r - 1) // n for j in range(pp - 1)]
+            + [pp * r <= n])
 
 
-def boundary_us(hardware: HardwareModel, message_bytes: float, intra: np.ndarray) -> np.ndarray:
+def boundary_us(hardware: HardwareModel, message_bytes: float,
+                intra: Sequence[bool]) -> np.ndarray:
     """Time (us) of one send across each boundary (see boundary_intra_node); zeros for pp = 1."""
     pp = len(intra)
     if pp == 1:
         return np.zeros(1)
-    return np.array([hardware.p2p_time_us(message_bytes, bool(x), pp) for x in intra])
+    return np.array([hardware.p2p_time_us(message_bytes, x, pp) for x in intra])
 
 
 def stage_sends(boundary: np.ndarray, virtual_stages: int) -> FwdBwd:
@@ -46,12 +47,9 @@ def stage_sends(boundary: np.ndarray, virtual_stages: int) -> FwdBwd:
     stage v - 1 wrapping to stage 0), backward v sends to the previous one (stage 0: v - 1
     wrapping to the last)."""
     v = virtual_stages
-    fwd = v * boundary
-    fwd[-1] = (v - 1) * boundary[-1]
-    bwd = np.empty_like(boundary)
-    bwd[1:] = v * boundary[:-1]
-    bwd[0] = (v - 1) * boundary[-1]
-    return FwdBwd(fwd, bwd)
+    inner = [v * us for us in boundary[:-1].tolist()]
+    wrap = (v - 1) * float(boundary[-1])
+    return FwdBwd(np.array(inner + [wrap]), np.array([wrap] + inner))
 
 
 def on_end_stages(first, last, pp: int) -> np.ndarray:

@@ -45,37 +45,39 @@ class ZeroSharding:
 
 
 def collective_us(hardware: HardwareModel, op: str, group_size: int, stride: int, size_bytes):
-    """Time (us) of `op` on a group of `group_size` ranks `stride` apart for each per-rank
-    buffer in `size_bytes` (a numpy array); 0 for an empty buffer or a group of one."""
+    """Time (us) of `op` on a group of `group_size` ranks `stride` apart for a per-rank buffer
+    of `size_bytes` (a float or a numpy array); 0 for an empty buffer or a group of one."""
     alpha_us, us_per_byte = hardware.collective_line(op, group_size, stride)
-    size = np.asarray(size_bytes, dtype=float)
-    return np.where(size > 0, alpha_us + size * us_per_byte, 0.0)
+    return (alpha_us + size_bytes * us_per_byte) * (size_bytes > 0)
 
 
 @dataclass(frozen=True)
 class ZeroTraffic:
     """Per micro-batch ZeRO 2/3 traffic of one part (us, floats or per-stage arrays):
     gather_us, the parameter all-gather (ZeRO 3) run in forward and again in backward;
-    reduce_scatter_us, the gradient reduce-scatter (ZeRO 2 and 3) run in backward."""
+    reduce_scatter_us, the gradient reduce-scatter (ZeRO 2 and 3) run in backward. active is
+    False when nothing moves per micro-batch (ZeRO 0/1 or dp = 1)."""
 
     gather_us: Any
     reduce_scatter_us: Any
+    active: bool = True
 
     @classmethod
     def from_hardware(cls, hardware: HardwareModel, zero: int, dp: int, tp: int, param_bytes,
                       grad_bytes) -> "ZeroTraffic":
         """Price the traffic of a part holding `param_bytes` / `grad_bytes` unsharded."""
         if zero < 2 or dp == 1:
-            return cls(gather_us=np.zeros_like(np.asarray(param_bytes, dtype=float)),
-                       reduce_scatter_us=np.zeros_like(np.asarray(grad_bytes, dtype=float)))
-        gather = (collective_us(hardware, "all_gather", dp, tp, param_bytes) if zero >= 3
-                  else np.zeros_like(np.asarray(param_bytes, dtype=float)))
-        return cls(gather_us=gather,
-                   reduce_scatter_us=collective_us(hardware, "reduce_scatter", dp, tp, grad_bytes))
+            return cls(gather_us=0.0, reduce_scatter_us=0.0, active=False)
+        return cls(gather_us=(collective_us(hardware, "all_gather", dp, tp, param_bytes)
+                              if zero >= 3 else 0.0),
+                   reduce_scatter_us=collective_us(hardware, "reduce_scatter", dp, tp,
+                                                   grad_bytes))
 
     def exposed(self, window: FwdBwd, overlap_coe: float) -> FwdBwd:
         """What sticks out (us) of the forward and backward `window` (the part's compute and
         TP communication) when the traffic runs beside it."""
+        if not self.active:
+            return FwdBwd(window.fwd_us * 0.0, window.bwd_us * 0.0)
         return FwdBwd(overlap_extra_us(window.fwd_us, self.gather_us, overlap_coe),
                       overlap_extra_us(window.bwd_us, self.gather_us + self.reduce_scatter_us,
                                        overlap_coe))
@@ -83,14 +85,13 @@ class ZeroTraffic:
 
 def dp_sync_us(hardware: HardwareModel, zero: int, dp: int, tp: int, grad_bytes, param_bytes):
     """Data-parallel sync (us) at the end of the iteration of a stage holding `grad_bytes` of
-    gradients and `param_bytes` of parameters unsharded (numpy arrays): all-reduce (ZeRO 0),
+    gradients and `param_bytes` of parameters unsharded (numpy arrays of the same shape): all-reduce (ZeRO 0),
     reduce-scatter + all-gather (ZeRO 1), all-gather (ZeRO 2), nothing (ZeRO 3 or dp = 1)."""
-    grad = np.asarray(grad_bytes, dtype=float)
     if dp == 1 or zero >= 3:
-        return np.zeros_like(grad)
+        return np.zeros_like(grad_bytes)
     if zero == 0:
-        return collective_us(hardware, "allreduce", dp, tp, grad)
+        return collective_us(hardware, "allreduce", dp, tp, grad_bytes)
     gather = collective_us(hardware, "all_gather", dp, tp, param_bytes)
     if zero == 2:
         return gather
-    return collective_us(hardware, "reduce_scatter", dp, tp, grad) + gather
+    return collective_us(hardware, "reduce_scatter", dp, tp, grad_bytes) + gather
