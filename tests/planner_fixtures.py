@@ -1,9 +1,12 @@
 """Synthetic hardware and model profiles, shaped like docs/profile-schema.md, for planner tests
 and bench/search_speed.py. Numbers are analytic-looking (A100/H100-class GPUs, NVLink inside a
-node, InfiniBand between nodes); they are test inputs, not measurements."""
+node, InfiniBand between nodes); they are test inputs, not measurements. `hand_hardware` and
+`hand_model` build the planner's adapters directly with round numbers a test can work by hand."""
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, Mapping, Optional, Tuple
+
+from orchestrator.planner.profiles import HardwareModel, LinkFit, ModelCost, PartMemory, TpFit
 
 GiB = 1 << 30
 
@@ -116,3 +119,33 @@ def qwen_30b(**kw) -> Dict:
 def qwen_100b(**kw) -> Dict:
     return synthetic_model("qwen_100b", hidden=8192, ffn=49152, layers=74, heads=64, kv_heads=8,
                            vocab=32000, seq_len=131072, **kw)
+
+
+def hand_hardware(fits: Mapping[Tuple[str, str], Tuple[int, float, float]], *,
+                  tasks_per_node: int = 8, world_size: int = 16,
+                  overlap_coe: float = 1.0) -> HardwareModel:
+    """A HardwareModel with one fit per (op, layout): (group_size, alpha_us, algbw_GBps), so a
+    collective of B bytes takes alpha_us + B / (algbw_GBps * 1e3) us."""
+    return HardwareModel(tasks_per_node=tasks_per_node, world_size=world_size,
+                         overlap_coe=overlap_coe,
+                         fits={key: (LinkFit(n, alpha, bw),) for key, (n, alpha, bw) in
+                               fits.items()}, name="hand")
+
+
+def hand_model(*, tp: int = 1, hidden: int = 1024, heads: int = 8, layers: int = 4,
+               seq_len: int = 512, block_fwd_us=(10.0, 0.5, 0.001),
+               block_bwd_us=(20.0, 1.0, 0.0025), other_fwd_us=(5.0, 0.1),
+               other_bwd_us=(10.0, 0.2), block: Optional[PartMemory] = None,
+               other: Optional[PartMemory] = None) -> ModelCost:
+    """A bf16 ModelCost profiled at one tp, with the given per-sequence time fits and memory
+    (defaults: 1 MB of parameters per block, 4 MB for "other", Megatron's sequence-parallel
+    activations sbh(34/t + 5as/(ht)), 34sbh/t selective, 2sbh/t full, per token)."""
+    acts = {"none": hidden * 34.0 / tp + 5.0 * heads * seq_len / tp,
+            "selective": hidden * 34.0 / tp, "full": hidden * 2.0 / tp}
+    block = block or PartMemory(2e6, 4e6, 12e6, acts, seq_len)
+    other = other or PartMemory(8e6, 16e6, 48e6, {mode: 100.0 for mode in acts}, seq_len)
+    return ModelCost(name="hand", hidden=hidden, ffn=4 * hidden, layers=layers, heads=heads,
+                     kv_heads=heads, vocab=1000, seq_len=seq_len, dtype="bfloat16",
+                     fits={tp: TpFit(tuple(block_fwd_us), tuple(block_bwd_us),
+                                     tuple(other_fwd_us), tuple(other_bwd_us))},
+                     memory={tp: (block, other)})

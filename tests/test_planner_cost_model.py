@@ -54,6 +54,11 @@ def test_interleaving_shrinks_the_bubble(model, hw):
     inter = evaluate(ParallelLayout.uniform(8, 2, 4, 8, schedule="interleaved",
                                             virtual_stages=2, **kw), model, hw, SEQ)
     assert inter.breakdown_us["bubble"] < plain.breakdown_us["bubble"]
+    # dp = 1: T - m max t is the bubble, sum t - max t for 1F1B and (sum t - max t) / v
+    # interleaved: the textbook (p - 1) t and (p - 1) t / v for equal stages.
+    for pred, v in ((plain, 1), (inter, 2)):
+        t = pred.stage_time_us
+        assert pred.breakdown_us["bubble"] == pytest.approx((sum(t) - max(t)) / v, rel=1e-9)
 
 
 @pytest.mark.parametrize("kw", [
@@ -78,14 +83,24 @@ def test_recompute_costs_time(model, hw):
     times = [evaluate(ParallelLayout.uniform(8, 2, 2, 8, recompute=rc, **base), model, hw,
                       SEQ).iteration_time_us for rc in ("none", "selective", "full")]
     assert times[0] < times[1] < times[2]
+    # Same recompute on both stages of 4 layers: every t_j grows by the same amount r, so
+    # T = sum t + (m - 1) max t grows by (p + m - 1) r = 5 r.
+    costs = StageCosts(ConfigKey(8, 2, 2, 2, 0, True, 1, 4, "1f1b", 1), model, hw, SEQ)
+    assert times[1] - times[0] == pytest.approx(5 * 4 * costs.compute.selective_recompute_us)
+    assert times[2] - times[0] == pytest.approx(5 * 4 * costs.full_recompute_us)
 
 
 def test_sequence_parallel_backward_moves_more_than_forward(model, hw):
     key = ConfigKey(8, 4, 1, 2, 0, True, 1, 4, "1f1b", 1)
     costs = StageCosts(key, model, hw, SEQ)
-    assert costs.tp_b > costs.tp_f > 0  # 4 AG + 2 RS vs 2 AG + 2 RS
+    assert costs.tp.layer.bwd_us > costs.tp.layer.fwd_us > 0  # 4 AG + 2 RS vs 2 AG + 2 RS
     no_sp = StageCosts(ConfigKey(8, 4, 1, 2, 0, False, 1, 4, "1f1b", 1), model, hw, SEQ)
-    assert no_sp.tp_b == no_sp.tp_f  # 2 all-reduce each way
+    assert no_sp.tp.layer.bwd_us == no_sp.tp.layer.fwd_us  # 2 all-reduce each way
+    message_bytes = SEQ * 256 * 2  # s * b * h * bf16
+    assert costs.tp.layer.bwd_us - costs.tp.layer.fwd_us == pytest.approx(
+        2 * hw.collective_time_us("all_gather", 4, 1, message_bytes))
+    assert no_sp.tp.layer.fwd_us == pytest.approx(
+        2 * hw.collective_time_us("allreduce", 4, 1, message_bytes))
 
 
 def test_overlap_slows_both_sides_by_the_coefficient():
@@ -99,6 +114,14 @@ def test_gradient_sync_is_exposed_only_with_data_parallelism(model, hw):
     many = evaluate(ParallelLayout.uniform(16, 2, 1, 8, sequence_parallel=True), model, hw, SEQ)
     assert single.breakdown_us["dp_sync_exposed"] == 0
     assert many.breakdown_us["dp_sync_exposed"] > 0
+    # dp 8 with stride tp 2 all-reduces the fp32 gradients of all 8 blocks and "other", beside
+    # the last micro-batch's backward of one stage holding everything.
+    costs = StageCosts(ConfigKey.of(many.layout), model, hw, SEQ)
+    block, other = model.memory(2)
+    sync = hw.collective_time_us("allreduce", 8, 2, 8 * block.grad_bytes + other.grad_bytes)
+    window = 8 * costs.layer.bwd_us + float(costs.other.bwd_us[0])
+    assert many.breakdown_us["dp_sync_exposed"] == pytest.approx(
+        float(overlap_extra_us(window, sync, hw.overlap_coe)))
 
 
 # ------------------------------------------------------------------ memory
@@ -138,6 +161,9 @@ def test_without_sequence_parallel_activations_grow(model, hw):
     sp = evaluate(ParallelLayout.uniform(4, 4, 1, 8, sequence_parallel=True), model, hw, SEQ)
     no_sp = evaluate(ParallelLayout.uniform(4, 4, 1, 8), model, hw, SEQ)
     assert no_sp.memory_bytes[0]["activations"] > sp.memory_bytes[0]["activations"]
+    # One micro-batch in flight, 8 layers, each token keeping 10h (1 - 1/t) more bytes.
+    assert no_sp.memory_bytes[0]["activations"] - sp.memory_bytes[0]["activations"] == \
+        pytest.approx(SEQ * 8 * 10 * 256 * (1 - 1 / 4))
 
 
 def test_over_budget_is_infeasible_with_a_reason(model, hw):

@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from orchestrator.planner.schedule import closed_form_time_us, simulate, stage_order
+from orchestrator.planner.schedule import (closed_form_time_us, in_flight_micro_batches, simulate,
+                                          stage_order)
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
@@ -40,7 +41,11 @@ def test_busy_plus_idle_is_the_iteration_on_every_stage():
 
 def test_p2p_sends_lengthen_the_iteration():
     base = simulate([2.0] * 4, [4.0] * 4, 8).iteration_time_us
-    assert simulate([2.0] * 4, [4.0] * 4, 8, p2p_us=0.5).iteration_time_us > base
+    with_p2p = simulate([2.0] * 4, [4.0] * 4, 8, p2p_us=0.5).iteration_time_us
+    assert with_p2p > base == (8 + 4 - 1) * 6.0
+    # The cost model's bound with each send on its sender: t = 6.5, 7, 7, 6.5.
+    t = [6.5, 7.0, 7.0, 6.5]
+    assert base + 4 * 0.5 < with_p2p <= sum(t) + 7 * max(t)
 
 
 def test_unequal_1f1b_never_exceeds_the_cost_model_closed_form():
@@ -77,6 +82,7 @@ def test_in_flight_micro_batches_match_the_memory_model(schedule, p, m, v):
         expected = (min(p - j, m) if schedule == "1f1b"
                     else min((p - j - 1) * 2 + (v - 1) * p + 1, m * v))
         assert peak == expected
+        assert peak == in_flight_micro_batches(schedule, p, m, v)[j] * v
 
 
 def test_bad_inputs_are_rejected():

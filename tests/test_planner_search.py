@@ -220,7 +220,10 @@ def test_result_serialises():
     result = search(model, hw, _space(memory_budget_bytes=80 * GiB))
     d = result.to_dict()
     assert ParallelLayout.from_dict(d["best"]) == result.best
-    assert d["considered"] == result.considered and d["top"]
+    assert d["considered"] == result.considered
+    assert [entry["iteration_time_us"] for entry in d["top"]] == \
+        [pred.iteration_time_us for _, pred in result.top]
+    assert d["prediction"]["iteration_time_us"] == d["top"][0]["iteration_time_us"]
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -8,13 +8,18 @@ operation), so a stage's forward time includes its send to the next stage.
 
 Closed forms (p stages, m micro-batches, equal stages of forward f and backward b, no p2p):
 1F1B makespan (m + p - 1)(f + b), bubble fraction (p - 1) / m; interleaved with v chunks per
-stage: m (f + b) + (p - 1)(f + b) / v, bubble fraction (p - 1) / (v m).
+stage: m (f + b) + (p - 1)(f + b) / v, bubble fraction (p - 1) / (v m). The cost model uses
+them for any stages as T = alpha * sum_j t_j + beta * max_j t_j (schedule_coefficients), and
+charges each stage the activations of its peak in-flight micro-batches
+(in_flight_micro_batches), both checked against the simulation in the tests.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
+
+import numpy as np
 
 SCHEDULES = ("1f1b", "interleaved")
 
@@ -39,8 +44,31 @@ class ScheduleResult:
 def closed_form_time_us(fwd_us: float, bwd_us: float, pp: int, num_micro_batches: int,
                         virtual_stages: int = 1) -> float:
     """Makespan (us) of equal stages with no p2p: m (f + b) + (p - 1)(f + b) / v."""
-    t = fwd_us + bwd_us
-    return num_micro_batches * t + (pp - 1) * t / virtual_stages
+    schedule = "interleaved" if virtual_stages > 1 else "1f1b"
+    alpha, beta = schedule_coefficients(schedule, num_micro_batches, virtual_stages)
+    return (alpha * pp + beta) * (fwd_us + bwd_us)
+
+
+def schedule_coefficients(schedule: str, num_micro_batches: int,
+                          virtual_stages: int = 1) -> Tuple[float, float]:
+    """(alpha, beta) of T = alpha * sum_j t_j + beta * max_j t_j: 1F1B (1, m - 1), interleaved
+    (1 / v, m - 1 / v). For p equal stages of time t, T = m t + (p - 1) t / v."""
+    m, v = num_micro_batches, virtual_stages
+    if schedule == "interleaved":
+        return 1.0 / v, m - 1.0 / v
+    return 1.0, float(m - 1)
+
+
+def in_flight_micro_batches(schedule: str, pp: int, num_micro_batches: int,
+                            virtual_stages: int = 1) -> np.ndarray:
+    """Micro-batches whose activations stage j holds at its peak, per stage: 1F1B
+    min(p - j, m); interleaved, Megatron's min((p - j - 1) * 2 + (v - 1) * p + 1, m v) chunks
+    of 1/v of the stage each, counted in whole stages."""
+    m, v = num_micro_batches, virtual_stages
+    j = np.arange(pp)
+    if schedule == "interleaved":
+        return np.minimum((pp - j - 1) * 2 + (v - 1) * pp + 1, m * v) / v
+    return np.minimum(pp - j, m).astype(float)
 
 
 def stage_order(pp: int, stage: int, num_micro_batches: int, schedule: str = "1f1b",

@@ -31,9 +31,10 @@ import numpy as np
 
 from orchestrator import errors
 from orchestrator.layout import ParallelLayout
-from orchestrator.planner.cost_model import (GiB, MODE_NAMES, ConfigKey, CostOptions, Prediction,
-                                             StageCosts, evaluate)
+from orchestrator.planner.cost_model import (GiB, ConfigKey, CostOptions, Prediction, StageCosts,
+                                             evaluate)
 from orchestrator.planner.profiles import HardwareModel, ModelCost
+from orchestrator.planner.terms import MODE_NAMES
 
 INF = float("inf")
 FAST_MODE_THRESHOLDS = 2  # thresholds tried per config in fast mode (min-max and the next one)
@@ -237,7 +238,7 @@ def _stage_options(costs: StageCosts, L: int, budget: float, modes: Sequence[str
             # Memory falls linearly in k: the least k (a multiple of v) that fits, checked
             # against the exact arithmetic one step either side of the rounding.
             mem0 = costs.memory_bytes(j, n, 2, zeros)
-            slope = costs.tokens * costs.in_flight[j] * (costs.act_none - costs.act_full)
+            slope = costs.tokens * costs.in_flight[j] * (costs.act.none - costs.act.full)
             with np.errstate(divide="ignore", invalid="ignore"):
                 need = np.where(mem0 <= budget, 0.0, np.ceil((mem0 - budget) / slope))
             need = np.where(np.isfinite(need) & (need >= 0), need, n + v)
@@ -256,11 +257,17 @@ def _stage_options(costs: StageCosts, L: int, budget: float, modes: Sequence[str
     c[0] = c[0] + e0
     # Lower bound of the sum part: every layer without recompute, fixed per-stage terms, the
     # least e_0 any first stage can have.
-    fixed = float(np.sum(costs.other_f + costs.other_b + costs.send_f + costs.send_b))
+    fixed = float(np.sum(_per_stage_us(costs)))
     finite_e0 = e0[valid[0] & np.isfinite(best_t[0])]
-    sum_lb = (costs.alpha * (L * (costs.layer_f + costs.layer_b) + fixed)
+    sum_lb = (costs.alpha * (L * costs.layer.total_us + fixed)
               + (float(finite_e0.min()) if finite_e0.size else 0.0))
     return _Table(best_t, best_code, best_k, c, sum_lb)
+
+
+def _per_stage_us(costs: StageCosts) -> np.ndarray:
+    """Per-stage time (us per micro-batch) that does not depend on the layers: "other" and
+    the pipeline sends, forward + backward."""
+    return costs.other.fwd_us + costs.other.bwd_us + costs.sends.fwd_us + costs.sends.bwd_us
 
 
 def config_lower_bound(costs: StageCosts, L: int) -> float:
@@ -268,8 +275,8 @@ def config_lower_bound(costs: StageCosts, L: int) -> float:
     perfectly balanced stages, no exposed data-parallel sync."""
     key = costs.key
     p, v = key.pp, key.virtual_stages
-    layer = costs.layer_f + costs.layer_b
-    per_stage = costs.other_f + costs.other_b + costs.send_f + costs.send_b
+    layer = costs.layer.total_us
+    per_stage = _per_stage_us(costs)
     total = L * layer + float(per_stage.sum())
     biggest = math.ceil(L / (p * v)) * v  # some stage holds at least this many layers
     max_lb = max(total / p, biggest * layer + float(per_stage.min()))

@@ -1,0 +1,47 @@
+"""The cost model's terms, one concept per module, each a short pure function or a frozen
+dataclass with a `from_...` builder that a test can check against Megatron's formulas alone:
+
+    compute.py      per-layer forward / backward / selective-recompute time from the model profile
+    tp_comm.py      tensor-parallel collectives per layer, embedding and LM head
+    memory.py       activations per token and per stage, communication buffers
+    zero.py         data parallelism: ZeRO sharding, per-layer ZeRO 2/3 traffic, gradient sync
+    pipeline.py     pipeline send/recv per boundary and stage, "other" on the end stages
+    ../schedule.py  schedule coefficients (alpha, beta) and in-flight micro-batches
+
+cost_model.StageCosts composes them. This module holds what they share: the recompute codes,
+the forward/backward pair and the overlap rule.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+# Recompute modes and the integer codes the vectorised stage methods use.
+MODE_NAMES = ("none", "selective", "full")
+MODE_CODES = {mode: code for code, mode in enumerate(MODE_NAMES)}
+
+
+class FwdBwd(NamedTuple):
+    """A forward and a backward time in us per micro-batch (floats, or numpy arrays over the
+    pipeline stages). `a + b` adds them pair by pair."""
+
+    fwd_us: Any
+    bwd_us: Any
+
+    def __add__(self, other: "FwdBwd") -> "FwdBwd":  # type: ignore[override]
+        return FwdBwd(self.fwd_us + other.fwd_us, self.bwd_us + other.bwd_us)
+
+    @property
+    def total_us(self) -> Any:
+        """Forward + backward (us)."""
+        return self.fwd_us + self.bwd_us
+
+
+def overlap_extra_us(window_us, comm_us, overlap_coe: float):
+    """Time (us) beyond `window_us` of compute when `comm_us` of communication runs beside it,
+    both slowed by `overlap_coe` while they overlap: max(W, C) + min(W, C) (c - 1) - W. Works on
+    numpy arrays."""
+    w = np.asarray(window_us, dtype=float)
+    c = np.asarray(comm_us, dtype=float)
+    return np.maximum(w, c) + np.minimum(w, c) * (overlap_coe - 1.0) - w

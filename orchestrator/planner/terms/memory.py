@@ -1,0 +1,73 @@
+"""Activation memory and communication buffers (bytes per device).
+
+Megatron's activations per layer (Korthikanti et al. 2022, 2-byte activations, a heads, t = tp):
+sbh(10 + 24/t + 5as/(ht)) with tensor parallelism alone, sbh(34/t + 5as/(ht)) with sequence
+parallelism too, 34sbh/t with selective recompute as well; full recompute keeps only the layer
+input, 2sbh (2sbh/t with SP). The model profile gives the sequence-parallel figures, so a layout
+without sequence parallelism adds the part that SP would shard: 10sbh (1 - 1/t), and 2sbh (1 -
+1/t) with full recompute.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from orchestrator.planner.profiles import PartMemory
+
+NO_SP_EXTRA_BYTES_PER_HIDDEN = {"none": 10.0, "selective": 10.0, "full": 2.0}
+
+
+def no_sp_extra_bytes_per_token(mode: str, tp: int, hidden: int, dtype_bytes: int) -> float:
+    """Bytes per token and layer that plain TP keeps whole and sequence parallelism would shard
+    over tp: NO_SP_EXTRA_BYTES_PER_HIDDEN[mode] * h * (1 - 1/t), scaled to the dtype."""
+    return NO_SP_EXTRA_BYTES_PER_HIDDEN[mode] * hidden * (dtype_bytes / 2.0) * (1.0 - 1.0 / tp)
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Stored activation bytes per token of one layer on one TP rank, by recompute mode."""
+
+    none: float
+    selective: float
+    full: float
+
+    @classmethod
+    def from_block(cls, block: PartMemory, seq_len: int, tp: int, sequence_parallel: bool,
+                   hidden: int, dtype_bytes: int) -> "ActivationBytes":
+        """The profile's (sequence-parallel) figures at `seq_len`, plus what SP would have
+        sharded when tp > 1 runs without it."""
+        def at(mode: str) -> float:
+            extra = (no_sp_extra_bytes_per_token(mode, tp, hidden, dtype_bytes)
+                     if tp > 1 and not sequence_parallel else 0.0)
+            return block.act_bytes_per_token_at(mode, seq_len) + extra
+
+        return cls(none=at("none"), selective=at("selective"), full=at("full"))
+
+
+def stage_activation_bytes(act: ActivationBytes, tokens: float, in_flight, n, mode_code, k):
+    """Peak activation bytes of a stage of n layers (numpy arrays broadcast): `in_flight`
+    micro-batches of `tokens` tokens each holding the stored activations (selective: every
+    layer at `act.selective`; full: k layers keep their input, the other n - k everything),
+    plus one layer's worth while it is recomputed."""
+    n = np.asarray(n, dtype=float)
+    k = np.asarray(k, dtype=float)
+    mode_code = np.asarray(mode_code)
+    stored = np.where(mode_code == 1, n * act.selective,
+                      np.where(mode_code == 2, k * act.full + (n - k) * act.none,
+                               n * act.none))
+    working = np.where(mode_code == 1, act.none - act.selective,
+                       np.where(mode_code == 2, act.none - act.full, 0.0))
+    return tokens * (in_flight * stored + working)
+
+
+def comm_buffer_bytes(zero: int, dp: int, tp: int, layer_param_bytes: float,
+                      tp_message_bytes: float) -> float:
+    """Communication buffers (bytes): ZeRO 3 holds two layers' gathered parameters (current +
+    prefetch); tensor parallelism one gathered activation."""
+    buffers = 0.0
+    if zero >= 3 and dp > 1:
+        buffers += 2 * layer_param_bytes
+    if tp > 1:
+        buffers += tp_message_bytes
+    return buffers

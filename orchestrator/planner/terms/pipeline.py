@@ -1,0 +1,61 @@
+"""Pipeline point-to-point traffic and what only the end stages hold.
+
+Stage j sends its output activation forward to j + 1 and its input gradient back to j - 1:
+s * b * h * dtype_bytes per micro-batch (/ tp with sequence parallelism: each TP rank sends its
+shard). Megatron's send/recv block the stage, so each send adds to the sender's time. With v
+model chunks per stage (interleaved), each of a stage's chunks sends once, and the last stage's
+chunks but the final one wrap around to stage 0 (boundary p - 1 -> 0).
+
+A boundary is intra-node when both stages' rank blocks (tp * dp consecutive ranks each, Megatron
+order) lie on one node.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import numpy as np
+
+from orchestrator.planner.profiles import HardwareModel
+from orchestrator.planner.terms import FwdBwd
+
+
+def p2p_message_bytes(tokens: float, hidden: int, dtype_bytes: int, tp: int,
+                      sequence_parallel: bool) -> float:
+    """Bytes of one pipeline send: tokens * h * dtype_bytes, / tp with sequence parallelism."""
+    return tokens * hidden * dtype_bytes / (tp if sequence_parallel else 1)
+
+
+def boundary_intra_node(pp: int, ranks_per_stage: int, tasks_per_node: int) -> List[bool]:
+    """Whether each boundary j -> j + 1 (j < pp - 1) and the wrap pp - 1 -> 0 (entry pp - 1)
+    stays inside one node: stage j's first rank and stage j + 1's last share a node."""
+    r, n = ranks_per_stage, tasks_per_node
+    return ([(j * r) // n == ((j + 2) * r - 1) // n for j in range(pp - 1)]
+            + [pp * r <= n])
+
+
+def boundary_us(hardware: HardwareModel, message_bytes: float,
+                intra: Sequence[bool]) -> np.ndarray:
+    """Time (us) of one send across each boundary (see boundary_intra_node); zeros for pp = 1."""
+    pp = len(intra)
+    if pp == 1:
+        return np.zeros(1)
+    return np.array([hardware.p2p_time_us(message_bytes, x, pp) for x in intra])
+
+
+def stage_sends(boundary: np.ndarray, virtual_stages: int) -> FwdBwd:
+    """Send time (us per micro-batch) of each stage: forward v sends to the next stage (the last
+    stage v - 1 wrapping to stage 0), backward v sends to the previous one (stage 0: v - 1
+    wrapping to the last)."""
+    v = virtual_stages
+    inner = [v * us for us in boundary[:-1].tolist()]
+    wrap = (v - 1) * float(boundary[-1])
+    return FwdBwd(np.array(inner + [wrap]), np.array([wrap] + inner))
+
+
+def on_end_stages(first, last, pp: int) -> np.ndarray:
+    """Per-stage array with `first` on stage 0 and `last` on stage pp - 1 (both on a single
+    stage): where the embedding and the LM head live."""
+    out = np.zeros(pp)
+    out[0] += first
+    out[pp - 1] += last
+    return out

@@ -1,0 +1,97 @@
+"""Data parallelism: what ZeRO shards, its per-layer traffic, and the gradient sync.
+
+Data-parallel groups are `dp` ranks `tp` apart (Megatron rank order). Sharding by ZeRO stage:
+1 the optimizer states (Megatron's distributed optimizer: 2 + 4 + 12/dp = 6 + 12/dp bytes per
+parameter with mixed-precision Adam, 18 without), 2 also the gradients, 3 also the parameters.
+
+Traffic:
+- once per iteration, after the last backward: fp32 gradients all-reduced (ZeRO 0), or
+  reduce-scattered + bf16 parameters all-gathered (ZeRO 1); ZeRO 2 only all-gathers the
+  parameters and ZeRO 3 syncs nothing there;
+- per micro-batch and layer: sharded gradients (ZeRO 2/3) are reduce-scattered after every
+  backward (keeping them whole through gradient accumulation would undo the sharding), and ZeRO 3
+  all-gathers each layer's parameters in forward and again in backward, overlapped with the
+  layer's own compute (prefetch).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Tuple
+
+import numpy as np
+
+from orchestrator.planner.profiles import HardwareModel
+from orchestrator.planner.terms import FwdBwd, overlap_extra_us
+
+
+@dataclass(frozen=True)
+class ZeroSharding:
+    """Fraction of the parameters, gradients and optimizer states a data-parallel rank keeps."""
+
+    params: float
+    grads: float
+    optim: float
+
+    @classmethod
+    def of(cls, zero: int, dp: int) -> "ZeroSharding":
+        """1/dp for what ZeRO stage `zero` shards, 1 for the rest."""
+        return cls(params=1.0 / dp if zero >= 3 else 1.0, grads=1.0 / dp if zero >= 2 else 1.0,
+                   optim=1.0 / dp if zero >= 1 else 1.0)
+
+    def shard(self, param_bytes, grad_bytes, optim_bytes) -> Tuple[Any, Any, Any]:
+        """(params, grads, optim) bytes one rank keeps of a part holding these (works on
+        numpy arrays)."""
+        return param_bytes * self.params, grad_bytes * self.grads, optim_bytes * self.optim
+
+
+def collective_us(hardware: HardwareModel, op: str, group_size: int, stride: int, size_bytes):
+    """Time (us) of `op` on a group of `group_size` ranks `stride` apart for a per-rank buffer
+    of `size_bytes` (a float or a numpy array); 0 for an empty buffer or a group of one."""
+    alpha_us, us_per_byte = hardware.collective_line(op, group_size, stride)
+    return (alpha_us + size_bytes * us_per_byte) * (size_bytes > 0)
+
+
+@dataclass(frozen=True)
+class ZeroTraffic:
+    """Per micro-batch ZeRO 2/3 traffic of one part (us, floats or per-stage arrays):
+    gather_us, the parameter all-gather (ZeRO 3) run in forward and again in backward;
+    reduce_scatter_us, the gradient reduce-scatter (ZeRO 2 and 3) run in backward. active is
+    False when nothing moves per micro-batch (ZeRO 0/1 or dp = 1)."""
+
+    gather_us: Any
+    reduce_scatter_us: Any
+    active: bool = True
+
+    @classmethod
+    def from_hardware(cls, hardware: HardwareModel, zero: int, dp: int, tp: int, param_bytes,
+                      grad_bytes) -> "ZeroTraffic":
+        """Price the traffic of a part holding `param_bytes` / `grad_bytes` unsharded."""
+        if zero < 2 or dp == 1:
+            return cls(gather_us=0.0, reduce_scatter_us=0.0, active=False)
+        return cls(gather_us=(collective_us(hardware, "all_gather", dp, tp, param_bytes)
+                              if zero >= 3 else 0.0),
+                   reduce_scatter_us=collective_us(hardware, "reduce_scatter", dp, tp,
+                                                   grad_bytes))
+
+    def exposed(self, window: FwdBwd, overlap_coe: float) -> FwdBwd:
+        """What sticks out (us) of the forward and backward `window` (the part's compute and
+        TP communication) when the traffic runs beside it."""
+        if not self.active:
+            return FwdBwd(window.fwd_us * 0.0, window.bwd_us * 0.0)
+        return FwdBwd(overlap_extra_us(window.fwd_us, self.gather_us, overlap_coe),
+                      overlap_extra_us(window.bwd_us, self.gather_us + self.reduce_scatter_us,
+                                       overlap_coe))
+
+
+def dp_sync_us(hardware: HardwareModel, zero: int, dp: int, tp: int, grad_bytes, param_bytes):
+    """Data-parallel sync (us) at the end of the iteration of a stage holding `grad_bytes` of
+    gradients and `param_bytes` of parameters unsharded (numpy arrays of the same shape): all-reduce (ZeRO 0),
+    reduce-scatter + all-gather (ZeRO 1), all-gather (ZeRO 2), nothing (ZeRO 3 or dp = 1)."""
+    if dp == 1 or zero >= 3:
+        return np.zeros_like(grad_bytes)
+    if zero == 0:
+        return collective_us(hardware, "allreduce", dp, tp, grad_bytes)
+    gather = collective_us(hardware, "all_gather", dp, tp, param_bytes)
+    if zero == 2:
+        return gather
+    return collective_us(hardware, "reduce_scatter", dp, tp, grad_bytes) + gather
