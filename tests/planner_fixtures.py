@@ -100,7 +100,7 @@ def synthetic_model(name: str = "tiny", *, hidden: int = 256, ffn: int = 1024, l
     return {
         "schema_version": 1, "kind": "model", "source": "analytic", "provenance": {},
         "model": {"name": name, "hidden": hidden, "ffn": ffn, "layers": layers, "heads": heads,
-                  "kv_heads": kv_heads, "vocab": vocab, "seq_len": seq_len, "dtype": "bfloat16"},
+                  "kv_heads": kv_heads, "vocab": vocab, "seq_len": seq_len, "dtype": "bf16"},
         "points": points, "fits": fits, "memory": memory,
     }
 

@@ -238,7 +238,7 @@ class ModelCost:
     (profile_model measures with sequence parallelism on: every activation sharded over the tp
     group), moved to other sequence lengths with the profile's `act_bytes_fit` when present; a
     layout without sequence parallelism adds the part that sequence parallelism would shard (see
-    cost_model.NO_SP_EXTRA_BYTES_PER_HIDDEN).
+    planner.terms.memory).
     """
 
     def __init__(self, name: str, hidden: int, ffn: int, layers: int, heads: int, kv_heads: int,
