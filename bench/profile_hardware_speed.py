@@ -19,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from orchestrator.profiling.fit import held_out_rel_err  # noqa: E402
+from orchestrator.profiling.hardware.fit import held_out_rel_err  # noqa: E402
 
 
 def main() -> None:

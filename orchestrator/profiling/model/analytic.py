@@ -21,7 +21,7 @@ from typing import Dict, Optional, Tuple
 from orchestrator.errors import ConfigError
 from orchestrator.models.config import ModelConfig, count_block_params
 
-DEVICE_DIR = Path(__file__).resolve().parent.parent.parent / "conf" / "device"
+DEVICE_DIR = Path(__file__).resolve().parents[3] / "conf" / "device"
 # Causal attention: a flash kernel computes only the blocks on or below the diagonal.
 CAUSAL_ATTENTION_FRACTION = 0.5
 
