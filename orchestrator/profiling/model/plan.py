@@ -90,7 +90,8 @@ def _default_device(cfg) -> str:
     (dgx_a100 -> a100), else cpu for a gloo cluster and h100 for an nccl one."""
     if not _is_gpu(cfg):
         return "cpu"
-    named = [d for d in analytic.device_sheets() if d != "cpu" and d in str(cfg.cluster.name).lower()]
+    cluster = str(cfg.cluster.name).lower()
+    named = [d for d in analytic.device_sheets() if d != "cpu" and d in cluster]
     return named[0] if named else "h100"
 
 
@@ -129,36 +130,42 @@ def plan_profile(cfg) -> ProfilePlan:
                           "or profile_model.source=analytic")
     world = cluster_world_size(cfg.cluster)
     if pm.max_tp is not None:
-        max_tp = int(pm.max_tp)
-        if max_tp < 1:
-            raise ConfigError(f"profile_model.max_tp({max_tp}) must be >= 1")
-        if source == "measured" and max_tp > world:
-            raise ConfigError(f"profile_model.max_tp({max_tp}) > the cluster's {world} ranks: "
-                              f"measured TP groups need that many ranks; lower max_tp or use "
-                              f"profile_model.source=analytic")
-        tps = _powers_of_two(max_tp)
-        for tp in tps:
-            try:  # the shape first (a length tp divides), then each profiled length
-                validate_model(analytic.model_for_point(model, tp), tp)
-            except ValueError as e:
-                raise ConfigError(f"profile_model.max_tp={max_tp} with model={model.name}: {e}; "
-                                  f"lower profile_model.max_tp") from None
-            bad = [s for s in seqs if s % tp]
-            if bad:
-                raise ConfigError(f"profile_model: sequence lengths {bad} are not divisible by "
-                                  f"tp({tp}) (sequence parallelism splits them); change "
-                                  f"profile_model.seq_lens or lower profile_model.max_tp")
-        if source == "measured":
-            bad = [tp for tp in tps if world % tp]
-            if bad:
-                raise ConfigError(f"TP degrees {bad} do not divide the cluster's {world} ranks: "
-                                  f"groups of tp ranks must tile the world")
+        tps = _requested_tps(model, seqs, int(pm.max_tp), source, world)
     else:
         cap = world if source == "measured" else ANALYTIC_MAX_TP
         tps = [tp for tp in _powers_of_two(cap)
                if (source == "analytic" or world % tp == 0) and _fits_tp(model, seqs, tp)]
     return ProfilePlan(source=source, reason=reason, seq_lens=tuple(seqs), tps=tuple(tps),
                        device=device)
+
+
+def _requested_tps(model: ModelConfig, seqs: List[int], max_tp: int, source: str,
+                   world: int) -> List[int]:
+    """TP degrees 1, 2, 4, ... up to profile_model.max_tp; ConfigError naming the setting to
+    change when one cannot split the model, a length or (measured) the cluster's ranks."""
+    if max_tp < 1:
+        raise ConfigError(f"profile_model.max_tp({max_tp}) must be >= 1")
+    if source == "measured" and max_tp > world:
+        raise ConfigError(f"profile_model.max_tp({max_tp}) > the cluster's {world} ranks: "
+                          f"measured TP groups need that many ranks; lower max_tp or use "
+                          f"profile_model.source=analytic")
+    tps = _powers_of_two(max_tp)
+    for tp in tps:
+        try:  # the shape first (a length tp divides), then each profiled length
+            validate_model(analytic.model_for_point(model, tp), tp)
+        except ValueError as e:
+            raise ConfigError(f"profile_model.max_tp={max_tp} with model={model.name}: {e}; "
+                              f"lower profile_model.max_tp") from None
+        bad = [s for s in seqs if s % tp]
+        if bad:
+            raise ConfigError(f"profile_model: sequence lengths {bad} are not divisible by "
+                              f"tp({tp}) (sequence parallelism splits them); change "
+                              f"profile_model.seq_lens or lower profile_model.max_tp")
+    bad = [tp for tp in tps if world % tp] if source == "measured" else []
+    if bad:
+        raise ConfigError(f"TP degrees {bad} do not divide the cluster's {world} ranks: "
+                          f"groups of tp ranks must tile the world")
+    return tps
 
 
 def _powers_of_two(cap: int) -> List[int]:

@@ -45,6 +45,7 @@ class MeasuredTiming:
         yield self.meshes.get(tp)
 
     def tensors(self):
+        """Where the point's tensors are made: real ones, on this rank's device."""
         return contextlib.nullcontext()
 
     def times_us(self, pm, seq: int, tp: int, flops: Dict[str, float]) -> Optional[dict]:
@@ -95,9 +96,11 @@ class AnalyticTiming:
         return an.fake_world(tp)
 
     def tensors(self):
+        """Where the point's tensors are made: FakeTensorMode (shapes, no data)."""
         return self.fake
 
     def times_us(self, pm, seq: int, tp: int, flops: Dict[str, float]) -> dict:
+        """Schema times (us) of one TP rank from the tp=1 FLOPs."""
         return an.analytic_times_us(flops, tp, self.sheet, self.dtype)
 
     def method(self, plan: ProfilePlan) -> dict:
