@@ -61,9 +61,9 @@ def run_agreement(ctx, comm, *, min_bytes: int = 1024, max_bytes: int = 64 * MiB
     ratios and the fit's held-out relative error; identical on all ranks."""
     from mpi4py import MPI
 
-    from orchestrator.profiling.bandwidth import algbw_GBps, busbw_GBps
-    from orchestrator.profiling.collectives import SweepConfig, bench_collective
-    from orchestrator.profiling.fit import held_out_rel_err
+    from orchestrator.profiling.measure import algbw_GBps, busbw_GBps
+    from orchestrator.profiling.hardware.collectives import SweepConfig, bench_collective
+    from orchestrator.profiling.hardware.fit import held_out_rel_err
 
     n = ctx.world_size
     sweep = SweepConfig(min_bytes=min_bytes, max_bytes=max_bytes, step=4, dtype="fp32")

@@ -9,17 +9,18 @@ every other size, predict the rest; target: within 10%). Asserts nothing.
 from __future__ import annotations
 
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from orchestrator.profiling.fit import held_out_rel_err  # noqa: E402
+from orchestrator.profiling.hardware.fit import held_out_rel_err  # noqa: E402
 
 
 def main() -> None:
@@ -43,7 +44,7 @@ def main() -> None:
                                    [p["time_us_median"] for p in points])
             errors.append(err)
             print(f"  {key[0]:>14} n={key[1]:<3} {key[2]:<8} held-out error {err:6.1%}")
-    print(f"alpha-beta fits on held-out sizes: median {statistics.median(errors):.1%}, "
+    print(f"alpha-beta fits on held-out sizes: median {np.median(errors):.1%}, "
           f"max {max(errors):.1%} (target <= 10%) over {len(errors)} series")
     print(f"overlap_coe {hw['benchmarks']['overlap']['overlap_coe']:.2f}")
 

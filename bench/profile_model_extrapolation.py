@@ -23,7 +23,7 @@ PARTS = ("block_fwd_us", "block_bwd_us", "other_fwd_us", "other_bwd_us")
 
 
 def main() -> None:
-    from orchestrator.profiling.model_fit import fit_points, predict_poly
+    from orchestrator.profiling.model.fit import fit_points, predict_poly
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", type=int, default=1)

@@ -18,9 +18,9 @@ import torch
 
 from orchestrator.models.config import ModelConfig
 from orchestrator.models.gpt import torch_dtype
-from orchestrator.profiling import model_analytic as an
-from orchestrator.profiling import model_memory as mem
-from orchestrator.profiling.model_timing import build_point_model, memory_point
+from orchestrator.profiling.model import analytic as an
+from orchestrator.profiling.model import memory as mem
+from orchestrator.profiling.model.timing import build_point_model, memory_point
 
 MODES = mem.RECOMPUTE_MODES
 

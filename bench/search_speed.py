@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from orchestrator.planner import (CostOptions, HardwareModel, ModelCost, SearchSpace,  # noqa: E402
                                   evaluate, search)
-from orchestrator.profiling.analytic import LinkSheet, analytic_hardware  # noqa: E402
+from orchestrator.profiling.hardware.analytic import LinkSheet, analytic_hardware  # noqa: E402
 
 GiB = 2**30
 CASES = [

@@ -17,6 +17,7 @@ from hydra.core.config_store import ConfigStore
 from orchestrator.choices import (Backend, Dtype, HardwareExport, HardwareSource, LauncherName,
                                   ModelSource, Recompute, Schedule)
 from orchestrator.models.config import ModelConfig
+from orchestrator.profiling.hardware.benchmarks import BENCHMARKS
 
 # The Hydra config groups ship inside the package, so a wheel install finds them too.
 CONF_DIR = Path(__file__).resolve().parent / "conf"
@@ -94,8 +95,7 @@ SUBMISSION_ONLY_FIELDS = (
 @dataclass
 class ProfileHardwareConfig:
     # Sub-parts in order; each is a ledger entry, so a rerun redoes only what is not done.
-    benchmarks: List[str] = field(default_factory=lambda: [
-        "inventory", "allreduce", "p2p", "reduce_scatter", "all_gather", "all2all", "overlap"])
+    benchmarks: List[str] = field(default_factory=lambda: list(BENCHMARKS))
     source: HardwareSource = HardwareSource.measured  # analytic: from cluster.links, no launch
     min_size_bytes: int = 1024
     max_size_bytes: Optional[int] = None  # None: 64 MiB on CPU, 256 MiB on GPU

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from conftest import ledger, run_cli, start_cli
-from orchestrator.profiling.bandwidth import busbw_factor
-from orchestrator.profiling.fit import predict_fit_time_us
-from orchestrator.profiling.galvatron import read_galvatron_dir
+from orchestrator.profiling.hardware.fit import fit_points, predict_fit_time_us
+from orchestrator.profiling.hardware.galvatron import read_galvatron_dir
+from orchestrator.profiling.measure import busbw_factor
 
 # Small sweeps: the point is the path and the bookkeeping, not the figures.
 QUICK = ["profile_hardware.max_size_bytes=1048576", "profile_hardware.max_time_s=0.1",
@@ -42,10 +42,12 @@ def test_full_profile_on_4_local_ranks(profiles):
             shapes.add((p["op"], p["group_size"], p["layout"]))
         for f in section["fits"]:
             assert f["alpha_us"] >= 0 and f["algbw_GBps"] > 0
+        assert section["fits"] == fit_points(section["points"])
     # Both rank layouts for allreduce groups of 2, one group of 4, p2p for pp = 2 and 4.
     assert {("allreduce", 2, "consec"), ("allreduce", 2, "strided"), ("allreduce", 4, "consec"),
             ("p2p", 2, "intra"), ("p2p", 4, "intra"), ("all2all", 4, "consec")} <= shapes
-    assert hw["benchmarks"]["overlap"]["overlap_coe"] >= 1.0
+    overlap = hw["benchmarks"]["overlap"]
+    assert overlap["overlap_coe"] == max(1.0, overlap["compute_slowdown"], overlap["comm_slowdown"])
     assert (profiles / "local" / "hardware.png").stat().st_size > 10_000
     entries = ledger(profiles)
     assert all(entries[f"profile_hardware/{b}"]["state"] == "done" for b in

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import yaml
 
 from conftest import REPO, ledger, run_cli
 from orchestrator.config import CONF_DIR
 from orchestrator.models.config import ModelConfig, count_block_params
+from orchestrator.profiling.model.fit import fit_points, predict_poly
 from orchestrator.store import read_profile
 from orchestrator.store.schema import ModelProfile
 from orchestrator.store.ledger import Ledger
@@ -37,9 +39,14 @@ def test_four_rank_run_writes_points_fits_memory_then_rerun_redoes_only_the_miss
         if p["tp"] > 1:
             assert p["block_fwd_comm_us"] > 0  # real collectives in the group
     assert set(prof["fits"]) == {"1", "2", "4"}
-    for f in prof["fits"].values():
+    assert prof["fits"] == fit_points(prof["points"])  # the fits of these very points
+    for tp, f in prof["fits"].items():
         assert len(f["block_fwd_us"]) == 3 and len(f["other_fwd_us"]) == 2
-        assert f["max_rel_err"] >= 0
+        assert f["max_rel_err"] == max(abs(r) for rs in f["rel_residuals"].values() for r in rs)
+        pts = sorted((p for p in prof["points"] if p["tp"] == int(tp)), key=lambda p: p["seq_len"])
+        for key, rs in f["rel_residuals"].items():  # each residual is the fit's error at a point
+            for p, r in zip(pts, rs):
+                assert predict_poly(f[key], p["seq_len"]) == pytest.approx(p[key] * (1 + r))
     cfg = ModelConfig(kv_heads=4)
     n, norms = count_block_params(cfg), 2 * cfg.hidden
     for tp in (1, 2, 4):

@@ -11,17 +11,20 @@ from conftest import REPO
 from orchestrator.config import CONF_DIR, register_configs
 from orchestrator.errors import ConfigError
 from orchestrator.models.config import ModelConfig, count_block_params
-from orchestrator.profiling import model_analytic as an
-from orchestrator.profiling import model_memory as mem
-from orchestrator.profiling.model_fit import (fit_activation_bytes, fit_block, fit_points,
+from orchestrator.profiling.model import analytic as an
+from orchestrator.profiling.model import memory as mem
+from orchestrator.profiling.model.fit import (fit_activation_bytes, fit_block, fit_points,
                                               fit_poly_nonneg, predict_poly)
-from orchestrator.profiling.model_timing import build_point_model, memory_point
+from orchestrator.profiling.model.plan import plan_profile
+from orchestrator.profiling.model.runner import point_runner
+from orchestrator.profiling.model.timing import build_point_model, memory_point
 
 
 def _compose(overrides=()):
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=["stage=profile_model", *overrides])
+        return OmegaConf.to_object(
+            compose(config_name="config", overrides=["stage=profile_model", *overrides]))
 
 
 # ---------------------------------------------------------------- fits
@@ -48,6 +51,19 @@ def test_block_fit_uses_flops_when_noise_hides_the_attention_term():
     assert model == "flops"
     for s in (2048, 4096):
         assert predict_poly(coeffs, s) == pytest.approx(20 + flops(s) / 1e5, rel=0.10)
+
+
+def test_block_fit_on_exact_analytic_times_keeps_the_flop_model_and_is_exact():
+    # Analytic times are FLOPs / rate: both candidates predict the longest length to round-off,
+    # and the simpler FLOP model is kept (not whichever round-off happens to favour).
+    def flops(s):
+        return 4e5 * s + 256.0 * s * s
+
+    seqs = [512, 1024, 2048, 4096]
+    coeffs, resid, model = fit_block(seqs, [flops(s) / 1e5 for s in seqs], [flops(s) for s in seqs])
+    assert model == "flops"
+    assert max(abs(r) for r in resid) < 1e-12
+    assert coeffs == pytest.approx([0.0, 4.0, 256.0 / 1e5], abs=1e-9)
 
 
 def test_fit_never_goes_negative_on_noise():
@@ -161,8 +177,6 @@ def test_megatron_formula_terms():
 
 # ---------------------------------------------------------------- planning
 def test_default_plan_for_tiny_measures_on_cpu_with_the_tp_degrees_it_allows():
-    from orchestrator.stages.profile_model import plan_profile
-
     plan = plan_profile(_compose())
     assert plan.source == "measured"
     assert plan.tps == (1, 2)  # tiny has 2 KV heads: tp=4 cannot split them
@@ -170,12 +184,12 @@ def test_default_plan_for_tiny_measures_on_cpu_with_the_tp_degrees_it_allows():
 
 
 def test_big_model_without_gpu_is_analytic_and_runs_in_this_process():
-    from orchestrator.stages.profile_model import STAGE, plan_profile
+    from orchestrator.stages.profile_model import STAGE
 
     cfg = _compose(["model=qwen_100b"])
     plan = plan_profile(cfg)
     assert plan.source == "analytic" and plan.tps == (1, 2, 4, 8)
-    assert STAGE.plan(OmegaConf.to_object(cfg)).ranks == "one"
+    assert STAGE.plan(cfg).ranks == "one"
     assert plan.seq_lens[-1] == 131072
 
 
@@ -189,7 +203,7 @@ def test_invalid_settings_are_config_errors_before_launch(overrides, words):
     from orchestrator.stages.profile_model import STAGE
 
     with pytest.raises(ConfigError) as e:
-        STAGE.plan(OmegaConf.to_object(_compose(overrides)))
+        STAGE.plan(_compose(overrides))
     assert words in str(e.value)
 
 
@@ -204,12 +218,10 @@ def test_an_unknown_source_is_refused_before_hydra_composes():
 def test_analytic_memory_equals_measured_memory_on_the_same_kernels():
     """Shapes-only counting on a fake 2-rank TP group equals counting a real 1-rank run's
     quantities where they can be compared (tp=1), and shards states by tp exactly."""
-    from orchestrator.stages.profile_model import AnalyticRunner, plan_profile
-
     cfg = _compose(["profile_model.source=analytic", "profile_model.seq_lens=[64,128]",
                     "profile_model.max_tp=2"])
     plan = plan_profile(cfg)
-    runner = AnalyticRunner(cfg, plan)
+    runner = point_runner(None, cfg, plan, plan.tps)
     records = {}
     for tp in plan.tps:
         with runner.for_tp(tp, 128):
@@ -217,9 +229,15 @@ def test_analytic_memory_equals_measured_memory_on_the_same_kernels():
     real = memory_point(build_point_model(ModelConfig(), 128, 1, None, "cpu"), 128)
     assert records[1]["block_act_bytes"] == real["block_act_bytes"]
     assert records[1]["source"] == "analytic"
+    assert records[1]["flops"] == {k: 2 * v for k, v in records[2]["flops"].items()}
+    # each record's Megatron comparison is its own block bytes over the formula
+    for rec in records.values():
+        assert rec["megatron_ratio"] == {m: rec["block_act_bytes"][m] / rec["megatron_act_bytes"][m]
+                                         for m in mem.RECOMPUTE_MODES}
     cfg_m = ModelConfig()
     n = count_block_params(cfg_m)
     norms = 2 * cfg_m.hidden
     assert records[2]["states"]["block"]["numel"] == (n - norms) // 2 + norms
     # full recompute keeps the sequence-parallel input shard only
     assert records[2]["block_act_bytes"]["full"] == 4 * 128 * cfg_m.hidden // 2
+    assert records[1]["megatron_act_bytes"]["full"] == 4 * 128 * cfg_m.hidden  # fp32 input

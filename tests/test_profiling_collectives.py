@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from orchestrator.profiling.bandwidth import busbw_factor
+from orchestrator.profiling.hardware.fit import fit_points
+from orchestrator.profiling.measure import busbw_factor
 
 WORLD_SIZE = 4
 NODE_OF_RANK = [0, 0, 1, 1]  # two "nodes" of two ranks: p2p has intra and inter pairs
@@ -40,10 +41,10 @@ def _free_port() -> int:
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
     from orchestrator.errors import ConfigError
-    from orchestrator.profiling.collectives import (SweepConfig, bench_allreduce, bench_collective,
-                                                    run_benchmarks)
-    from orchestrator.profiling.overlap import OverlapConfig, measure_overlap
-    from orchestrator.profiling.timing import StopRule
+    from orchestrator.profiling.hardware.collectives import (SWEEPS, SweepConfig, bench_allreduce,
+                                                             bench_collective)
+    from orchestrator.profiling.hardware.overlap import OverlapConfig, measure_overlap
+    from orchestrator.profiling.hardware.sampling import StopRule
 
     torch.set_num_threads(1)  # 4 processes share 2 cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -56,8 +57,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         progress = []
         with warnings.catch_warnings():
             warnings.simplefilter("error", FutureWarning)  # no deprecated collective APIs
-            benchmarks = run_benchmarks(ctx, sweep=sweep,
-                                        on_point=lambda *a: progress.append(a))
+            benchmarks = {name: bench(ctx, sweep, on_point=lambda *a: progress.append(a))
+                          for name, bench in SWEEPS.items()}
         # 4 bytes cannot be split over 4 ranks: the message grows to one element per rank.
         tiny = bench_collective("all_gather", ctx, SweepConfig(min_bytes=4, max_bytes=4,
                                                                stop=sweep.stop), [(4, "consec")])
@@ -118,7 +119,13 @@ def test_points_obey_schema_and_nccl_tests_conventions(results):
                 p["algbw_GBps"] * busbw_factor(op, p["group_size"]))
         for f in b[op]["fits"]:
             assert set(f) == FIT_KEYS and f["alpha_us"] >= 0 and f["algbw_GBps"] > 0
-            assert f["max_rel_err"] >= 0
+        assert b[op]["fits"] == fit_points(b[op]["points"])  # the fits of these very points
+        for f in b[op]["fits"]:  # max_rel_err is the worst point of its series
+            series = [p for p in b[op]["points"]
+                      if (p["group_size"], p["layout"]) == (f["group_size"], f["layout"])]
+            worst = max(abs(f["alpha_us"] + p["size_bytes"] / (f["algbw_GBps"] * 1e3)
+                            - p["time_us_median"]) / p["time_us_median"] for p in series)
+            assert f["max_rel_err"] == pytest.approx(worst)
 
 
 def test_overlap_coefficient_is_at_least_one(results):

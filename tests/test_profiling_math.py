@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from orchestrator.errors import ConfigError
-from orchestrator.profiling import analytic, bandwidth, fit, galvatron, groups, report, timing
+from orchestrator.profiling import measure
+from orchestrator.profiling.hardware import analytic, fit, galvatron, groups, report, sampling
 
 OPS = ("allreduce", "p2p", "reduce_scatter", "all_gather", "all2all")
 POINT_KEYS = {"op", "group_size", "layout", "size_bytes", "dtype", "time_us_median",
@@ -21,24 +22,24 @@ FIT_KEYS = {"op", "group_size", "layout", "alpha_us", "algbw_GBps", "max_rel_err
 # --- bandwidth ---------------------------------------------------------------------------------
 
 def test_busbw_factors_follow_nccl_tests():
-    assert bandwidth.busbw_factor("allreduce", 8) == pytest.approx(2 * 7 / 8)
+    assert measure.busbw_factor("allreduce", 8) == pytest.approx(2 * 7 / 8)
     for op in ("reduce_scatter", "all_gather", "all2all"):
-        assert bandwidth.busbw_factor(op, 8) == pytest.approx(7 / 8)
-    assert bandwidth.busbw_factor("p2p", 2) == 1.0
-    assert bandwidth.busbw_factor("allreduce", 1) == 0.0
+        assert measure.busbw_factor(op, 8) == pytest.approx(7 / 8)
+    assert measure.busbw_factor("p2p", 2) == 1.0
+    assert measure.busbw_factor("allreduce", 1) == 0.0
 
 
 def test_algbw_is_bytes_per_time_in_GBps():
-    assert bandwidth.algbw_GBps(1e9, 1e6) == pytest.approx(1.0)  # 1 GB in 1 s
-    assert bandwidth.busbw_GBps("allreduce", 4, 2.0) == pytest.approx(3.0)
-    assert bandwidth.algbw_from_busbw_GBps("allreduce", 4, 3.0) == pytest.approx(2.0)
+    assert measure.algbw_GBps(1e9, 1e6) == pytest.approx(1.0)  # 1 GB in 1 s
+    assert measure.busbw_GBps("allreduce", 4, 2.0) == pytest.approx(3.0)
+    assert measure.algbw_from_busbw_GBps("allreduce", 4, 3.0) == pytest.approx(2.0)
 
 
 def test_unknown_op_and_bad_time_are_rejected():
     with pytest.raises(ConfigError, match="unknown collective"):
-        bandwidth.busbw_factor("broadcast", 4)
+        measure.busbw_factor("broadcast", 4)
     with pytest.raises(ValueError, match="positive"):
-        bandwidth.algbw_GBps(1024, 0)
+        measure.algbw_GBps(1024, 0)
 
 
 # --- groups ------------------------------------------------------------------------------------
@@ -50,10 +51,8 @@ def test_consecutive_and_strided_groups_partition_the_world():
     for layout in groups.LAYOUTS:
         for s in groups.group_sizes(16):
             members = sorted(r for g in groups.groups_for(layout, 16, s) for r in g)
-            assert members == list(range(16))
-            for r in (0, 5, 15):
-                assert r in groups.group_of_rank(layout, 16, s, r)
-                assert groups.group_of_rank(layout, 16, s, r) in groups.groups_for(layout, 16, s)
+            assert members == list(range(16))  # every rank in exactly one group
+            assert {len(g) for g in groups.groups_for(layout, 16, s)} == {s}
 
 
 def test_group_sizes_are_powers_of_two_plus_the_world():
@@ -147,20 +146,68 @@ def test_fit_points_groups_series_by_op_group_and_layout():
 # --- timing: the stop rule every rank applies to the same numbers ------------------------------
 
 def test_stop_rule_waits_for_min_iters_then_stable_median():
-    rule = timing.StopRule(min_iters=5, max_iters=50, max_time_s=10, rel_spread=0.1)
-    assert not timing.should_stop([100.0] * 4, 0.0, rule)
-    assert timing.should_stop([100.0] * 5, 0.0, rule)
+    rule = sampling.StopRule(min_iters=5, max_iters=50, max_time_s=10, rel_spread=0.1)
+    assert not sampling.should_stop([100.0] * 4, 0.0, rule)
+    assert sampling.should_stop([100.0] * 5, 0.0, rule)
     noisy = [100.0, 200.0, 50.0, 300.0, 120.0]
-    assert not timing.should_stop(noisy, 0.0, rule)
-    assert timing.should_stop(noisy, 11.0, rule)  # time cap
-    assert timing.should_stop(noisy * 10, 0.0, rule)  # iteration cap
-    median, p10, p90 = timing.summarize([1.0, 2.0, 3.0, 4.0, 5.0])
-    assert (median, p10, p90) == pytest.approx((3.0, 1.4, 4.6))
-    assert timing.next_chunk(48, rule) == 2
+    assert not sampling.should_stop(noisy, 0.0, rule)
+    assert sampling.should_stop(noisy, 11.0, rule)  # time cap
+    assert sampling.should_stop(noisy * 10, 0.0, rule)  # iteration cap
+    stats = measure.summarize([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert (stats.median, stats.p10, stats.p90, stats.min) == pytest.approx((3.0, 1.4, 4.6, 1.0))
+    assert stats.rel_spread == pytest.approx(3.2 / 3.0)
+    assert sampling.next_chunk(48, rule) == 2
+
+
+def test_median_of_an_even_count_is_the_mean_of_the_middle_two():
+    # overlap.py once kept the upper middle value: [1, 2, 3, 10] gave 3.
+    assert measure.summarize([10.0, 1.0, 3.0, 2.0]).median == 2.5
+
+
+def test_a_tp_group_takes_its_slowest_rank_and_groups_their_median():
+    per_rank = [1.0, 4.0, 2.0, 3.0, 9.0, 5.0]  # groups of 2: max 4, 3, 9 -> median 4
+    assert measure.median_of_group_max(per_rank, 2) == 4.0
+    assert measure.median_of_group_max(per_rank, 3) == 6.5  # max 4, 9 -> mean of the two
+    with pytest.raises(ValueError, match="groups of 4"):
+        measure.median_of_group_max(per_rank, 4)
+
+
+def test_bytes_print_in_binary_units():
+    assert [measure.format_bytes(n) for n in (512, 65536, 1.5 * 2**20, 3 * 2**30, 2**42)] == \
+        ["512 B", "64 KiB", "1.5 MiB", "3 GiB", "4 TiB"]
+
+
+def test_stopwatch_measures_microseconds_on_cpu():
+    clock = measure.Stopwatch("cpu")
+    start = clock.mark()
+    time.sleep(0.01)
+    assert 9_000 < clock.elapsed_us(start, clock.mark()) < 200_000
+
+
+def test_nonneg_rel_lsq_is_exact_on_exact_data_and_clamps_at_zero():
+    x = np.array([1.0, 2.0, 4.0, 8.0])
+    exact = measure.nonneg_rel_lsq(np.stack([np.ones_like(x), x], axis=1), 3.0 + 0.5 * x)
+    assert exact == pytest.approx([3.0, 0.5])
+    # Falling values: the best line has a negative slope; the fit keeps it at 0 instead.
+    clamped = measure.nonneg_rel_lsq(np.stack([np.ones_like(x), x], axis=1), 10.0 - x)
+    assert clamped[1] == 0.0 and clamped[0] > 0
+
+
+def test_benchmark_registry_is_the_config_default_in_run_order():
+    from orchestrator.config import ProfileHardwareConfig
+    from orchestrator.profiling.hardware.benchmarks import BENCHMARKS, sweep_config
+
+    assert list(BENCHMARKS) == ["inventory", "allreduce", "p2p", "reduce_scatter", "all_gather",
+                                "all2all", "overlap"]
+    assert ProfileHardwareConfig().benchmarks == list(BENCHMARKS)
+    hw = ProfileHardwareConfig(min_size_bytes=4096, size_step=8, max_iters=7, rel_spread=0.2)
+    sweep = sweep_config(hw)
+    assert (sweep.min_bytes, sweep.step, sweep.max_tp) == (4096, 8, 8)
+    assert (sweep.stop.max_iters, sweep.stop.rel_spread) == (7, 0.2)
 
 
 def test_message_sizes_sweep_and_split_evenly():
-    from orchestrator.profiling.collectives import aligned_numel, message_sizes
+    from orchestrator.profiling.hardware.collectives import aligned_numel, message_sizes
 
     assert message_sizes(1024, 65536, 4) == [1024, 4096, 16384, 65536]
     assert aligned_numel(1000, 4, 6) == 246  # 250 fp32 elements rounded down to 6 | numel
@@ -168,11 +215,11 @@ def test_message_sizes_sweep_and_split_evenly():
 
 
 def test_short_collectives_are_timed_several_calls_per_sample():
-    rule = timing.StopRule(min_sample_us=1000, max_ops_per_sample=100)
-    assert timing.ops_per_sample(20.0, rule) == 50
-    assert timing.ops_per_sample(0.5, rule) == 100
-    assert timing.ops_per_sample(5000.0, rule) == 1
-    assert timing.ops_per_sample(20.0, timing.StopRule(min_sample_us=0)) == 1
+    rule = sampling.StopRule(min_sample_us=1000, max_ops_per_sample=100)
+    assert sampling.ops_per_sample(20.0, rule) == 50
+    assert sampling.ops_per_sample(0.5, rule) == 100
+    assert sampling.ops_per_sample(5000.0, rule) == 1
+    assert sampling.ops_per_sample(20.0, sampling.StopRule(min_sample_us=0)) == 1
 
 
 # --- analytic ----------------------------------------------------------------------------------
@@ -184,7 +231,7 @@ def _assert_schema(bench_root):
             assert set(p) == POINT_KEYS
             assert p["time_us_median"] > 0 and p["algbw_GBps"] > 0
             assert p["busbw_GBps"] == pytest.approx(
-                p["algbw_GBps"] * bandwidth.busbw_factor(op, p["group_size"]))
+                p["algbw_GBps"] * measure.busbw_factor(op, p["group_size"]))
         for f in bench_root[op]["fits"]:
             assert set(f) == FIT_KEYS and f["alpha_us"] >= 0 and f["algbw_GBps"] > 0
     assert set(bench_root["overlap"]) == {"compute_slowdown", "comm_slowdown", "overlap_coe"}
@@ -212,7 +259,7 @@ def test_analytic_bandwidths_follow_the_links():
             for f in b["fits"]}
 
     def busbw(op, n, layout):
-        return fits[(op, n, layout)]["algbw_GBps"] * bandwidth.busbw_factor(op, n)
+        return fits[(op, n, layout)]["algbw_GBps"] * measure.busbw_factor(op, n)
 
     assert busbw("allreduce", 8, "consec") == pytest.approx(450.0)  # one node: NVLink
     assert busbw("allreduce", 64, "consec") == pytest.approx(8 * 50 * 0.9)  # 8 NICs per group

@@ -13,7 +13,7 @@ from planner_fixtures import synthetic_hardware, synthetic_model
 
 from orchestrator.errors import ProfileError
 from orchestrator.layout import ParallelLayout
-from orchestrator.profiling.analytic import analytic_hardware
+from orchestrator.profiling.hardware.analytic import analytic_hardware
 from orchestrator.store import read_profile, write_json, write_profile
 from orchestrator.store.schema import (Alternative, Exports, FieldError, HardwareProfile,
                                        LinkLayout, ModelProfile, Op, Recompute, Source)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from orchestrator.errors import ProfileError
+from orchestrator.profiling.measure import busbw_factor
 from orchestrator.store import parse_profile
 from orchestrator.store.schema import HardwareProfile, MemoryPart, ModelProfile
 
@@ -21,18 +22,6 @@ OPS = COLLECTIVES + ("p2p",)
 
 DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
                "float32": 4, "fp32": 4, "float": 4}
-
-
-def busbw_factor(op: str, group_size: int) -> float:
-    """nccl-tests bus bandwidth factor: busbw = algbw * factor."""
-    n = group_size
-    if op == "allreduce":
-        return 2.0 * (n - 1) / n
-    if op in ("reduce_scatter", "all_gather", "all2all"):
-        return (n - 1) / n
-    if op == "p2p":
-        return 1.0
-    raise ValueError(f"unknown op {op!r}; one of {OPS}")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,4 @@
-"""Profiling: what the hardware does (collectives) and what the model costs (model_*.py).
+"""Profiling: what the hardware does (hardware/) and what the model costs (model/).
 
-Hardware, pure (no torch.distributed needed): bandwidth, groups, fit, analytic, galvatron, report.
-Hardware, run on every rank of a job together: timing, collectives, overlap.
+measure.py is what both share: units, bandwidth conventions, sample statistics, the timer.
 """

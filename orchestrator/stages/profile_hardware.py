@@ -13,11 +13,10 @@ from pathlib import Path
 from orchestrator.config import cluster_world_size
 from orchestrator.errors import ConfigError
 from orchestrator.choices import HardwareSource, Ranks
+from orchestrator.profiling.hardware.benchmarks import BENCHMARKS
 from orchestrator.stages import Stage
 from orchestrator.store import cluster_dir, hardware_path, write_profile
 from orchestrator.store.schema import HardwareProfile, Provenance
-
-BENCHMARKS = ("inventory", "allreduce", "p2p", "reduce_scatter", "all_gather", "all2all", "overlap")
 
 
 def _cluster_summary(cfg) -> dict:
@@ -27,40 +26,11 @@ def _cluster_summary(cfg) -> dict:
             "gpus_per_node": c.gpus_per_node}
 
 
-def sweep_config(hw):
-    """The benchmarks' sweep settings from the stage's config section."""
-    from orchestrator.profiling.collectives import SweepConfig
-    from orchestrator.profiling.timing import StopRule
-
-    stop = StopRule(warmup_iters=hw.warmup_iters, min_iters=hw.min_iters, max_iters=hw.max_iters,
-                    max_time_s=hw.max_time_s, rel_spread=hw.rel_spread)
-    return SweepConfig(min_bytes=hw.min_size_bytes, max_bytes=hw.max_size_bytes,
-                       step=hw.size_step, dtype=hw.dtype, max_tp=hw.max_tp,
-                       max_group=hw.max_group, max_pp=hw.max_pp, stop=stop)
-
-
 def link_sheet(cfg):
-    from orchestrator.profiling.analytic import LinkSheet
+    from orchestrator.profiling.hardware.analytic import LinkSheet
 
     gpus = cfg.cluster.gpus_per_node or cfg.cluster.tasks_per_node
     return LinkSheet(gpus_per_node=gpus, **dataclasses.asdict(cfg.cluster.links))
-
-
-def _measure(name: str, ctx, cfg, on_point):
-    """Run benchmark `name` on every rank; returns its section of hardware.json on rank 0."""
-    if name == "inventory":
-        from orchestrator.profiling.inventory import rank_inventory
-
-        records = ctx.gather(rank_inventory(ctx))
-        return {"ranks": records} if ctx.is_root else None
-    if name == "overlap":
-        from orchestrator.profiling.overlap import OverlapConfig, measure_overlap
-
-        return measure_overlap(ctx, OverlapConfig(dtype=cfg.profile_hardware.dtype))
-    from orchestrator.profiling import collectives
-
-    bench = getattr(collectives, f"bench_{name}")
-    return bench(ctx, sweep_config(cfg.profile_hardware), on_point=on_point)
 
 
 def _progress(ctx, names):
@@ -84,7 +54,7 @@ def _progress(ctx, names):
 def _finish_outputs(profile: dict, cfg, path: Path) -> dict:
     """Table, PNG and exports next to hardware.json (rank 0, at the end)."""
     from orchestrator.console import stage_console
-    from orchestrator.profiling.report import plot_busbw, print_report
+    from orchestrator.profiling.hardware.report import plot_busbw, print_report
 
     outputs = {"path": str(path)}
     print_report(profile, console=stage_console())
@@ -92,7 +62,7 @@ def _finish_outputs(profile: dict, cfg, path: Path) -> dict:
     if hw.plot and any(b.get("points") for b in profile["benchmarks"].values() if isinstance(b, dict)):
         outputs["plot"] = str(plot_busbw(profile, path.with_name("hardware.png")))
     if hw.export == "galvatron":
-        from orchestrator.profiling.galvatron import write_galvatron_dir
+        from orchestrator.profiling.hardware.galvatron import write_galvatron_dir
 
         files = write_galvatron_dir(profile, cluster_dir(cfg.profiles_dir, cfg.cluster.name) / "galvatron")
         outputs["galvatron"] = [str(f) for f in files]
@@ -114,7 +84,7 @@ def run_profile(ctx, run):
     try:
         for name in run.todo:
             with run.subpart(name):
-                section = _measure(name, ctx, cfg, on_point)
+                section = BENCHMARKS[name](ctx, cfg.profile_hardware, on_point)
                 if ctx.is_root:
                     if name == "inventory":
                         profile["inventory"] = section
@@ -134,7 +104,7 @@ def run_profile(ctx, run):
 
 def _run_analytic(ctx, run, path: Path) -> dict:
     """The whole profile from published figures (no measurement): marked source=analytic."""
-    from orchestrator.profiling.analytic import analytic_hardware
+    from orchestrator.profiling.hardware.analytic import analytic_hardware
 
     cfg = run.cfg
     world = cluster_world_size(cfg.cluster)
@@ -148,7 +118,7 @@ def _run_analytic(ctx, run, path: Path) -> dict:
 
 def validate(cfg) -> None:
     """Refuse what cannot be measured on this cluster, before anything is launched."""
-    from orchestrator.profiling.groups import check_group_size, check_pp
+    from orchestrator.profiling.hardware.groups import check_group_size, check_pp
 
     hw = cfg.profile_hardware
     unknown = [b for b in hw.benchmarks if b not in BENCHMARKS]

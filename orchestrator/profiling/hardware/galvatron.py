@@ -27,13 +27,12 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from orchestrator.errors import ProfileError
+from orchestrator.profiling.hardware.fit import fit_alpha_beta, predict_fit_time_us
+from orchestrator.profiling.hardware.groups import p2p_pairs_by_layout
+from orchestrator.profiling.measure import MiB, algbw_from_busbw_GBps, busbw_GBps
 from orchestrator.store import write_json
 from orchestrator.store.schema import FieldError, HardwareBenchmarks
-from orchestrator.profiling.bandwidth import algbw_from_busbw_GBps, busbw_GBps
-from orchestrator.profiling.fit import fit_alpha_beta, predict_fit_time_us
-from orchestrator.profiling.groups import p2p_pairs_by_layout
 
-MiB = 1024 * 1024
 REF_SIZE_BYTES = 32 * MiB
 SP_SIZES_MB = tuple(2 ** i for i in range(11))  # 1 .. 1024 MiB, Galvatron's sweep
 

@@ -4,14 +4,16 @@
 
 The fit minimises the squared *relative* error, so a 1 KiB point measured in tens of microseconds
 weighs as much as a 256 MiB point measured in tens of milliseconds (an absolute least-squares fit
-would ignore every small size). Both parameters are kept non-negative.
+would ignore every small size). Both parameters are kept non-negative (scipy's NNLS).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence, Tuple
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
+
+from orchestrator.profiling.measure import nonneg_rel_lsq
 
 # Slowest and fastest bandwidth a fit may return (GB/s): a flat curve (time not growing with size,
 # e.g. a sweep of latency-bound sizes only) has no measurable bandwidth; report a huge but finite
@@ -42,32 +44,12 @@ def predict_fit_time_us(fit: Mapping, size_bytes: float) -> float:
     return predict_time_us(fit["alpha_us"], fit["algbw_GBps"], size_bytes)
 
 
-def _rel_cost(alpha: float, beta: float, s: np.ndarray, t: np.ndarray) -> float:
-    return float(np.sum(((alpha + beta * s - t) / t) ** 2))
-
-
-def _nonneg_rel_lsq(s: np.ndarray, t: np.ndarray) -> Tuple[float, float]:
-    """(alpha, beta) >= 0 minimising sum(((alpha + beta s - t) / t)^2), beta in us per byte."""
-    a = np.stack([1.0 / t, s / t], axis=1)
-    ones = np.ones_like(t)
-    if len(t) >= 2:
-        (alpha, beta), *_ = np.linalg.lstsq(a, ones, rcond=None)
-        if alpha >= 0 and beta >= 0:
-            return float(alpha), float(beta)
-    # The optimum lies on a boundary: one parameter zero, the other a 1-D least squares.
-    candidates = []
-    col = a[:, 1]
-    candidates.append((0.0, max(float(col @ ones / (col @ col)), 0.0)))
-    col = a[:, 0]
-    candidates.append((max(float(col @ ones / (col @ col)), 0.0), 0.0))
-    return min(candidates, key=lambda ab: _rel_cost(ab[0], ab[1], s, t))
-
-
 def fit_alpha_beta(size_bytes: Sequence[float], time_us: Sequence[float]) -> AlphaBeta:
     """Fit time_us = alpha_us + size_bytes / (algbw_GBps * 1e3) to measured points.
 
     Returns alpha_us (us, >= 0), algbw_GBps (GB/s, > 0; capped at MAX_ALGBW_GBps when times do not
-    grow with size) and max_rel_err over the points. Needs at least one point with positive time.
+    grow with size) and max_rel_err over the points. Needs at least one point with positive time;
+    with a single size, alpha_us is 0.
     """
     s = np.asarray(size_bytes, dtype=np.float64)
     t = np.asarray(time_us, dtype=np.float64)
@@ -75,7 +57,11 @@ def fit_alpha_beta(size_bytes: Sequence[float], time_us: Sequence[float]) -> Alp
         raise ValueError(f"need matching 1-D sizes and times, got {s.shape} and {t.shape}")
     if np.any(t <= 0) or np.any(s < 0):
         raise ValueError("times must be positive and sizes non-negative to fit alpha-beta")
-    alpha, beta = _nonneg_rel_lsq(s, t)
+    if len(np.unique(s)) == 1 and s[0] > 0:
+        # One size cannot separate latency from bandwidth: take the time as all transfer.
+        alpha, beta = 0.0, float(nonneg_rel_lsq(s[:, None], t)[0])
+    else:
+        alpha, beta = nonneg_rel_lsq(np.stack([np.ones_like(s), s], axis=1), t)  # us, us per byte
     beta = max(beta, 1.0 / (MAX_ALGBW_GBps * 1e3))
     algbw = 1.0 / (beta * 1e3)
     pred = alpha + s * beta

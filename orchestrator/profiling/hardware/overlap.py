@@ -14,12 +14,16 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
 
-from orchestrator.profiling.collectives import DTYPES, MiB, RankInfo, default_dtype
+import numpy as np
+
+from orchestrator.profiling.hardware.collectives import DTYPES, RankInfo, default_dtype
+from orchestrator.profiling.hardware.sampling import RankAgreement
+from orchestrator.profiling.measure import MiB, is_cuda
 
 
 @dataclass(frozen=True)
@@ -37,18 +41,11 @@ class OverlapConfig:
     repeats: int = 3
 
 
-def overlap_summary(compute_alone_s: float, compute_overlapped_s: float,
-                    comm_alone_s: float, comm_overlapped_s: float) -> Dict[str, float]:
-    """{"compute_slowdown", "comm_slowdown", "overlap_coe"} from loop times (any one unit);
-    overlap_coe = max of the two slowdowns, at least 1."""
-    compute_slowdown = compute_overlapped_s / compute_alone_s
-    comm_slowdown = comm_overlapped_s / comm_alone_s
+def overlap_summary(compute_slowdown: float, comm_slowdown: float) -> Dict[str, float]:
+    """{"compute_slowdown", "comm_slowdown", "overlap_coe"}: overlap_coe = the larger slowdown,
+    at least 1 (dimensionless)."""
     return {"compute_slowdown": compute_slowdown, "comm_slowdown": comm_slowdown,
             "overlap_coe": max(1.0, compute_slowdown, comm_slowdown)}
-
-
-def _is_cuda(device) -> bool:
-    return getattr(device, "type", str(device)) == "cuda"
 
 
 class _Runner:
@@ -56,7 +53,7 @@ class _Runner:
 
     def __init__(self, ctx: RankInfo, cfg: OverlapConfig) -> None:
         self.device = ctx.device
-        self.cuda = _is_cuda(ctx.device)
+        self.cuda = is_cuda(ctx.device)
         dtype = DTYPES[cfg.dtype or default_dtype(ctx.device)]
         dim = cfg.matmul_dim or (4096 if self.cuda else 256)
         comm_bytes = cfg.comm_bytes or (64 * MiB if self.cuda else 4 * MiB)
@@ -65,18 +62,8 @@ class _Runner:
         self.b = torch.randn(dim, dim, device=self.device).to(dtype)
         self.c = torch.empty(dim, dim, dtype=dtype, device=self.device)
         self.comm = torch.zeros(max(1, comm_bytes // elem), dtype=dtype, device=self.device)
-        self.flag = torch.zeros(1, device=self.device)
+        self.ranks = RankAgreement(self.device)
         self.comm_stream = torch.cuda.Stream(self.device) if self.cuda else None
-
-    def align(self) -> None:
-        dist.all_reduce(self.flag)
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def agreed_max(self, values: List[float]) -> List[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.cpu().tolist()
 
     def _compute(self, n: int) -> None:
         for _ in range(n):
@@ -89,7 +76,7 @@ class _Runner:
     def run(self, n_compute: int, n_comm: int) -> Dict[str, float]:
         """Seconds taken by the matmul loop and by the all-reduce loop, started together (a loop
         of 0 iterations is not run)."""
-        self.align()
+        self.ranks.align()
         if self.cuda:
             return self._run_cuda(n_compute, n_comm)
         return self._run_cpu(n_compute, n_comm)
@@ -129,11 +116,6 @@ class _Runner:
         return out
 
 
-def _median(values: List[float]) -> float:
-    values = sorted(values)
-    return values[len(values) // 2]
-
-
 def measure_overlap(ctx: RankInfo, cfg: OverlapConfig = OverlapConfig()) -> Dict[str, float]:
     """Run on every rank together. Returns {"compute_slowdown", "comm_slowdown", "overlap_coe"}
     (dimensionless; slowdowns as measured, maxed over ranks; overlap_coe >= 1), identical on all
@@ -141,11 +123,11 @@ def measure_overlap(ctx: RankInfo, cfg: OverlapConfig = OverlapConfig()) -> Dict
     runner = _Runner(ctx, cfg)
     runner.run(2, 0)
     runner.run(0, 2)
-    compute_1, comm_1 = runner.agreed_max([runner.run(3, 0)["compute"] / 3,
-                                           runner.run(0, 3)["comm"] / 3])
+    compute_1, comm_1 = runner.ranks.agreed_max([runner.run(3, 0)["compute"] / 3,
+                                                 runner.run(0, 3)["comm"] / 3])
 
     def times(n_compute: int, n_comm: int, key: str) -> float:
-        return _median([runner.run(n_compute, n_comm)[key] for _ in range(cfg.repeats)])
+        return float(np.median([runner.run(n_compute, n_comm)[key] for _ in range(cfg.repeats)]))
 
     def loops(t_one: float) -> int:
         return max(2, math.ceil(cfg.window_s / max(t_one, 1e-9)))
@@ -161,8 +143,6 @@ def measure_overlap(ctx: RankInfo, cfg: OverlapConfig = OverlapConfig()) -> Dict
     compute_alone = times(n_compute, 0, "compute")
     compute_overlapped = times(n_compute, n_cover, "compute")
 
-    local = overlap_summary(compute_alone, compute_overlapped, comm_alone, comm_overlapped)
-    compute_slowdown, comm_slowdown = runner.agreed_max([local["compute_slowdown"],
-                                                         local["comm_slowdown"]])
-    return {"compute_slowdown": compute_slowdown, "comm_slowdown": comm_slowdown,
-            "overlap_coe": max(1.0, compute_slowdown, comm_slowdown)}
+    slowdowns = runner.ranks.agreed_max([compute_overlapped / compute_alone,
+                                         comm_overlapped / comm_alone])
+    return overlap_summary(*slowdowns)

@@ -6,8 +6,7 @@ The "other" parts (embedding, LM head, loss) are linear: time_us(s) = c0 + c1 s.
 
 The fit minimises the squared *relative* error (a 128-token point measured in microseconds weighs as
 much as a 32k-token point measured in milliseconds) and keeps every coefficient >= 0: a negative
-c2 fitted to noise would predict negative times far outside the profiled range. With 3 unknowns
-the non-negative optimum is found exactly by trying every subset of free coefficients.
+c2 fitted to noise would predict negative times far outside the profiled range (scipy's NNLS).
 
 Over a short range of lengths the s^2 term of a block is small next to noise, and a free quadratic
 can miss it (or invent it). Points carry their exact FLOPs, themselves c0 + c1 s + c2 s^2 (dense
@@ -19,13 +18,15 @@ all points; "block_models" in the fits says which ("quadratic" or "flops").
 """
 from __future__ import annotations
 
-import itertools
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from orchestrator.profiling.measure import nonneg_rel_lsq
+
 BLOCK_KEYS = ("block_fwd_us", "block_bwd_us")
 QUADRATIC_MARGIN = 0.5  # the free quadratic must validate this much better than the FLOP model
+EXACT_REL_ERR = 1e-9  # relative errors below this are round-off: both models are exact
 OTHER_KEYS = ("other_fwd_us", "other_bwd_us")
 
 
@@ -50,19 +51,7 @@ def fit_poly_nonneg(seq_lens: Sequence[float], values: Sequence[float],
     degree = min(degree, len(np.unique(s)) - 1)
     scale = float(s.max())  # powers of s/scale keep the system well conditioned
     x = s / scale
-    basis = np.stack([x ** i for i in range(degree + 1)], axis=1) / v[:, None]
-    ones = np.ones_like(v)
-    best, best_cost = np.zeros(degree + 1), np.inf
-    for k in range(1, degree + 2):
-        for free in itertools.combinations(range(degree + 1), k):
-            sol, *_ = np.linalg.lstsq(basis[:, free], ones, rcond=None)
-            if np.any(sol < 0):
-                continue
-            coef = np.zeros(degree + 1)
-            coef[list(free)] = sol
-            cost = float(np.sum((basis @ coef - ones) ** 2))
-            if cost < best_cost - 1e-15:
-                best, best_cost = coef, cost
+    best = nonneg_rel_lsq(np.stack([x ** i for i in range(degree + 1)], axis=1), v)
     coeffs = [float(c / scale ** i) for i, c in enumerate(best)]
     resid = [(predict_poly(coeffs, si) - vi) / vi for si, vi in zip(s, v)]
     return coeffs, [float(r) for r in resid]
@@ -119,10 +108,10 @@ def fit_block(seq_lens: Sequence[float], values: Sequence[float],
     target = float(np.mean([v[i] for i in tail]))
     cq, _ = fit_poly_nonneg(sh, vh, 2)
     cf, _ = _flops_fit(sh, vh, fh)
-    err_q = abs(predict_poly(cq, last) - target) / target
-    err_f = abs(predict_poly(cf, last) - target) / target
+    err_q = max(abs(predict_poly(cq, last) - target) / target, EXACT_REL_ERR)
+    err_f = max(abs(predict_poly(cf, last) - target) / target, EXACT_REL_ERR)
     # The FLOP model has one parameter less and no free s^2 term to bend on noise: keep it
-    # unless the free quadratic predicts clearly better (half the error).
+    # unless the free quadratic predicts clearly better (half the error; not on exact data).
     if err_q >= QUADRATIC_MARGIN * err_f:
         c, r = _flops_fit(s, v, f)
         return c, r, "flops"

@@ -23,14 +23,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from orchestrator.errors import ConfigError
-from orchestrator.profiling.bandwidth import busbw_GBps, busbw_factor
-from orchestrator.profiling.fit import predict_time_us
-from orchestrator.profiling.groups import group_sizes, layouts_for, pp_sizes
+from orchestrator.profiling.hardware.fit import predict_time_us
+from orchestrator.profiling.hardware.groups import group_sizes, layouts_for, pp_sizes
+from orchestrator.profiling.measure import KiB, MiB, busbw_GBps, busbw_factor
 from orchestrator.store.schema import (ClusterSummary, HardwareBenchmarks, HardwareProfile,
                                        Inventory, Source)
-
-KiB = 1024
-MiB = 1024 * KiB
 
 
 @dataclass(frozen=True)

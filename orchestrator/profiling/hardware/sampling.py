@@ -11,17 +11,20 @@ several times per sample (chosen once per point from a calibration, agreed acros
 the skew of ranks leaving the barrier and the launch cost of one kernel are spread over many calls,
 as nccl-tests does; long ones run once per sample.
 
-CPU: time.perf_counter around blocking calls. GPU: CUDA events on the current stream (the host
-returns before the kernel ends, so host clocks would time the launch, not the transfer).
+Samples are taken with measure.Stopwatch (CUDA events on a GPU, perf_counter on a CPU) and
+summarised with measure.summarize.
 """
 from __future__ import annotations
 
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Sequence
 
-import numpy as np
+import torch
+import torch.distributed as dist
+
+from orchestrator.profiling.measure import Stopwatch, is_cuda, summarize
 
 
 @dataclass(frozen=True)
@@ -66,19 +69,6 @@ class Timing:
     ops_per_sample: int = 1
 
 
-def summarize(samples_us: Sequence[float]) -> Tuple[float, float, float]:
-    """(median, p10, p90) of the samples, in the samples' unit."""
-    a = np.asarray(samples_us, dtype=np.float64)
-    p10, median, p90 = np.percentile(a, [10, 50, 90])
-    return float(median), float(p10), float(p90)
-
-
-def relative_spread(samples_us: Sequence[float]) -> float:
-    """(p90 - p10) / median of the samples (inf when the median is not positive)."""
-    median, p10, p90 = summarize(samples_us)
-    return (p90 - p10) / median if median > 0 else float("inf")
-
-
 def should_stop(samples_us: Sequence[float], elapsed_s: float, rule: StopRule) -> bool:
     """Whether to stop timing: the cap on iterations or time is hit, or at least min_iters samples
     have a relative spread below rule.rel_spread."""
@@ -89,7 +79,7 @@ def should_stop(samples_us: Sequence[float], elapsed_s: float, rule: StopRule) -
         return False
     if elapsed_s >= rule.max_time_s:
         return True
-    return relative_spread(samples_us) < rule.rel_spread
+    return summarize(samples_us).rel_spread < rule.rel_spread
 
 
 def next_chunk(n_done: int, rule: StopRule) -> int:
@@ -105,34 +95,37 @@ def ops_per_sample(time_us_per_op: float, rule: StopRule) -> int:
     return max(1, min(rule.max_ops_per_sample, wanted))
 
 
-def _cpu_samples(op: Callable[[], object], align: Callable[[], None], n: int,
-                 per_sample: int) -> List[float]:
-    times = []
+def _samples_us(op: Callable[[], object], align: Callable[[], None], n: int, per_sample: int,
+                clock: Stopwatch) -> List[float]:
+    marks = []
     for _ in range(n):
-        align()
-        t0 = time.perf_counter()
+        align()  # ends with a device synchronize: the start mark is not queued behind old work
+        start = clock.mark()
         for _ in range(per_sample):
             op()
-        times.append((time.perf_counter() - t0) * 1e6 / per_sample)
-    return times
+        marks.append((start, clock.mark()))
+    return [clock.elapsed_us(start, end) / per_sample for start, end in marks]
 
 
-def _cuda_samples(op: Callable[[], object], align: Callable[[], None], n: int, per_sample: int,
-                  device) -> List[float]:
-    import torch
+class RankAgreement:
+    """The small collectives that keep every rank of the default group in step: `align` (a
+    barrier, then a device synchronize) and `agreed_max` (values all-reduced with MAX)."""
 
-    events = []
-    for _ in range(n):
-        align()  # ends with a device synchronize: the start event is not queued behind old work
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(per_sample):
-            op()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize(device)
-    return [start.elapsed_time(end) * 1e3 / per_sample for start, end in events]
+    def __init__(self, device):
+        self.device = device
+        self.cuda = is_cuda(device)
+        self._flag = torch.zeros(1, dtype=torch.float32, device=device)
+
+    def align(self) -> None:
+        dist.all_reduce(self._flag)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def agreed_max(self, values: List[float]) -> List[float]:
+        """Each value's maximum over all ranks (identical on every rank)."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.cpu().tolist()
 
 
 def measure(op: Callable[[], object], device, rule: StopRule = StopRule()) -> Timing:
@@ -142,26 +135,11 @@ def measure(op: Callable[[], object], device, rule: StopRule = StopRule()) -> Ti
     Returns the median, p10 and p90 in us per call over samples (a sample's time is the max over
     ranks), the number of calls timed and the calls per sample: identical on all ranks.
     """
-    import torch
-    import torch.distributed as dist
-
-    is_cuda = getattr(device, "type", str(device)) == "cuda"
-    flag = torch.zeros(1, dtype=torch.float32, device=device)
-
-    def align() -> None:
-        dist.all_reduce(flag)
-        if is_cuda:
-            torch.cuda.synchronize(device)
+    ranks = RankAgreement(device)
+    clock = Stopwatch(device)
 
     def run_samples(n: int, per_sample: int) -> List[float]:
-        if is_cuda:
-            return _cuda_samples(op, align, n, per_sample, device)
-        return _cpu_samples(op, align, n, per_sample)
-
-    def agreed_max(values: List[float]) -> List[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.cpu().tolist()
+        return _samples_us(op, ranks.align, n, per_sample, clock)
 
     for _ in range(rule.warmup_iters):
         op()
@@ -170,7 +148,7 @@ def measure(op: Callable[[], object], device, rule: StopRule = StopRule()) -> Ti
         # Calibrate on a short back-to-back run; every rank gets the same estimate, hence the same
         # number of calls per sample.
         calib = max(1, min(rule.warmup_iters, 3))
-        estimate_us = agreed_max(run_samples(1, calib))[0]
+        estimate_us = ranks.agreed_max(run_samples(1, calib))[0]
         per_sample = ops_per_sample(estimate_us, rule)
     samples: List[float] = []
     t_start = time.perf_counter()
@@ -178,10 +156,10 @@ def measure(op: Callable[[], object], device, rule: StopRule = StopRule()) -> Ti
         k = next_chunk(len(samples), rule)
         local = run_samples(k, per_sample)
         elapsed_us = (time.perf_counter() - t_start) * 1e6
-        agreed = agreed_max(local + [elapsed_us])
+        agreed = ranks.agreed_max(local + [elapsed_us])
         samples.extend(agreed[:-1])
         if should_stop(samples, agreed[-1] / 1e6, rule):
             break
-    median, p10, p90 = summarize(samples)
-    return Timing(time_us_median=median, time_us_p10=p10, time_us_p90=p90,
+    stats = summarize(samples)
+    return Timing(time_us_median=stats.median, time_us_p10=stats.p10, time_us_p90=stats.p90,
                   iters=len(samples) * per_sample, ops_per_sample=per_sample)

@@ -9,25 +9,21 @@ are created collectively and every point is timed collectively.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from orchestrator.errors import ConfigError
-from orchestrator.profiling.bandwidth import algbw_GBps, busbw_GBps
-from orchestrator.profiling.fit import fit_points
-from orchestrator.profiling.groups import (check_node_of_rank, group_sizes,
-                                           groups_for, layouts_for, p2p_pairs_by_layout,
-                                           pp_neighbours, pp_sizes)
-from orchestrator.profiling.timing import StopRule, Timing, measure
-
-KiB = 1024
-MiB = 1024 * 1024
+from orchestrator.profiling.hardware.benchmarks import OnPoint
+from orchestrator.profiling.hardware.fit import fit_points
+from orchestrator.profiling.hardware.groups import (check_node_of_rank, group_sizes, groups_for,
+                                                    layouts_for, p2p_pairs_by_layout,
+                                                    pp_neighbours, pp_sizes)
+from orchestrator.profiling.hardware.sampling import StopRule, Timing, measure
+from orchestrator.profiling.measure import KiB, MiB, algbw_GBps, busbw_GBps, is_cuda
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-OnPoint = Callable[[str, int, int], None]  # (benchmark name, points done, points in total)
 
 
 class RankInfo(Protocol):
@@ -69,18 +65,14 @@ class SweepConfig:
             raise ConfigError(f"unknown dtype {self.dtype!r}; expected one of {', '.join(DTYPES)}")
 
 
-def _is_cuda(device) -> bool:
-    return getattr(device, "type", str(device)) == "cuda"
-
-
 def default_max_bytes(device) -> int:
     """Largest message by default: 256 MiB on a GPU, 64 MiB on a CPU."""
-    return 256 * MiB if _is_cuda(device) else 64 * MiB
+    return 256 * MiB if is_cuda(device) else 64 * MiB
 
 
 def default_dtype(device) -> str:
     """Message dtype by default: bf16 on a GPU (what training sends), fp32 on a CPU."""
-    return "bf16" if _is_cuda(device) else "fp32"
+    return "bf16" if is_cuda(device) else "fp32"
 
 
 def message_sizes(min_bytes: int, max_bytes: int, step: int) -> List[int]:
@@ -194,13 +186,13 @@ def _collective_call(op: str, group, group_size: int, numel: int,
 
 
 def bench_collective(op: str, ctx: RankInfo, sweep: SweepConfig,
-                     shapes: Sequence[Tuple[int, str]], on_point: Optional[OnPoint] = None,
-                     groups: Optional[GroupCache] = None) -> Dict[str, list]:
+                     shapes: Sequence[Tuple[int, str]],
+                     on_point: Optional[OnPoint] = None) -> Dict[str, list]:
     """Sweep `op` ("allreduce", "reduce_scatter", "all_gather", "all2all") over message sizes for
     each (group size, layout) in `shapes`, all groups of a shape at once. Returns
     {"points", "fits"} (schema of docs/profile-schema.md), identical on all ranks."""
     sizes, dtype_name, dtype = _sweep_setup(ctx, sweep)
-    cache = groups or default_group_cache()
+    cache = default_group_cache()
     elem = torch.empty((), dtype=dtype).element_size()
     bufs = _buffers(2, max((aligned_numel(size, elem, n) for n, _ in shapes for size in sizes),
                            default=0), dtype, ctx.device)
@@ -230,36 +222,32 @@ def tp_shapes(world_size: int, max_tp: Optional[int]) -> List[Tuple[int, str]]:
 
 
 def bench_allreduce(ctx: RankInfo, sweep: SweepConfig = SweepConfig(), *,
-                    on_point: Optional[OnPoint] = None,
-                    groups: Optional[GroupCache] = None) -> Dict[str, list]:
+                    on_point: Optional[OnPoint] = None) -> Dict[str, list]:
     """all_reduce (sum) for every group size and both layouts, all groups of a shape at once."""
     return bench_collective("allreduce", ctx, sweep,
-                             allreduce_shapes(ctx.world_size, sweep.max_group), on_point, groups)
+                             allreduce_shapes(ctx.world_size, sweep.max_group), on_point)
 
 
 def bench_reduce_scatter(ctx: RankInfo, sweep: SweepConfig = SweepConfig(), *,
-                         on_point: Optional[OnPoint] = None,
-                         groups: Optional[GroupCache] = None) -> Dict[str, list]:
+                         on_point: Optional[OnPoint] = None) -> Dict[str, list]:
     """reduce_scatter over consecutive groups of 2..min(W, max_tp); size_bytes = input per rank."""
     return bench_collective("reduce_scatter", ctx, sweep,
-                             tp_shapes(ctx.world_size, sweep.max_tp), on_point, groups)
+                             tp_shapes(ctx.world_size, sweep.max_tp), on_point)
 
 
 def bench_all_gather(ctx: RankInfo, sweep: SweepConfig = SweepConfig(), *,
-                     on_point: Optional[OnPoint] = None,
-                     groups: Optional[GroupCache] = None) -> Dict[str, list]:
+                     on_point: Optional[OnPoint] = None) -> Dict[str, list]:
     """all_gather over consecutive groups of 2..min(W, max_tp); size_bytes = output per rank."""
     return bench_collective("all_gather", ctx, sweep,
-                             tp_shapes(ctx.world_size, sweep.max_tp), on_point, groups)
+                             tp_shapes(ctx.world_size, sweep.max_tp), on_point)
 
 
 def bench_all2all(ctx: RankInfo, sweep: SweepConfig = SweepConfig(), *,
-                  on_point: Optional[OnPoint] = None,
-                  groups: Optional[GroupCache] = None) -> Dict[str, list]:
+                  on_point: Optional[OnPoint] = None) -> Dict[str, list]:
     """all_to_all_single over consecutive groups of 2..min(W, max_tp); size_bytes = input per
     rank."""
     return bench_collective("all2all", ctx, sweep,
-                             tp_shapes(ctx.world_size, sweep.max_tp), on_point, groups)
+                             tp_shapes(ctx.world_size, sweep.max_tp), on_point)
 
 
 def p2p_shapes(world_size: int, node_of_rank: Sequence[int],
@@ -286,15 +274,13 @@ def _p2p_call(peers: List[int], numel: int,
 
 
 def bench_p2p(ctx: RankInfo, sweep: SweepConfig = SweepConfig(), *,
-              on_point: Optional[OnPoint] = None,
-              groups: Optional[GroupCache] = None) -> Dict[str, list]:
+              on_point: Optional[OnPoint] = None) -> Dict[str, list]:
     """Send/recv between neighbouring pipeline stages, for pp = 2, 4, ... dividing W.
 
     As in 1F1B's steady state, every rank of a pair sends one message to its peer and receives one
     from it at the same time, and all pairs of a (pp, layout) run at once; a rank between two
     stages takes part in both of its pairs. size_bytes = one message; busbw = algbw.
     """
-    del groups  # p2p runs on the default group
     sizes, dtype_name, dtype = _sweep_setup(ctx, sweep)
     elem = torch.empty((), dtype=dtype).element_size()
     shapes = p2p_shapes(ctx.world_size, ctx.node_of_rank, sweep.max_pp)
@@ -317,23 +303,11 @@ def bench_p2p(ctx: RankInfo, sweep: SweepConfig = SweepConfig(), *,
     return {"points": points, "fits": fit_points(points)}
 
 
-BENCHMARKS: Dict[str, Callable[..., Dict[str, list]]] = {
+# The sweeps by benchmark name (benchmarks.BENCHMARKS runs them with the stage's settings).
+SWEEPS: Dict[str, Callable[..., Dict[str, list]]] = {
     "allreduce": bench_allreduce,
     "p2p": bench_p2p,
     "reduce_scatter": bench_reduce_scatter,
     "all_gather": bench_all_gather,
     "all2all": bench_all2all,
 }
-
-
-def run_benchmarks(ctx: RankInfo, names: Optional[Iterable[str]] = None,
-                   sweep: SweepConfig = SweepConfig(), *,
-                   on_point: Optional[OnPoint] = None) -> Dict[str, Dict[str, list]]:
-    """Run the named benchmarks (default: all, in BENCHMARKS order) on every rank; returns
-    {name: {"points", "fits"}} for hardware.json's "benchmarks"."""
-    names = list(BENCHMARKS) if names is None else list(names)
-    unknown = [n for n in names if n not in BENCHMARKS]
-    if unknown:
-        raise ConfigError(f"unknown benchmark(s) {unknown}; choose from {', '.join(BENCHMARKS)}")
-    cache = default_group_cache()
-    return {name: BENCHMARKS[name](ctx, sweep, on_point=on_point, groups=cache) for name in names}

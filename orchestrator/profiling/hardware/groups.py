@@ -83,20 +83,6 @@ def groups_for(layout: str, world_size: int, group_size: int) -> List[List[int]]
     raise ConfigError(f"unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
 
 
-def group_of_rank(layout: str, world_size: int, group_size: int, rank: int) -> List[int]:
-    """The one group of `layout` holding `rank` (O(group_size), no full enumeration)."""
-    check_group_size(world_size, group_size)
-    if not 0 <= rank < world_size:
-        raise ConfigError(f"rank {rank} outside a world of {world_size}")
-    if layout == "consec":
-        start = rank - rank % group_size
-        return list(range(start, start + group_size))
-    if layout == "strided":
-        stride = world_size // group_size
-        return list(range(rank % stride, world_size, stride))
-    raise ConfigError(f"unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
-
-
 def check_pp(world_size: int, pp: int) -> None:
     """Raise ConfigError unless `pp` pipeline stages split `world_size` ranks evenly (pp >= 2)."""
     _check_world(world_size)

@@ -8,22 +8,28 @@ from typing import Mapping, Optional
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator.profiling.model_fit import predict_poly
+from orchestrator.profiling.measure import format_bytes
+from orchestrator.profiling.model.fit import predict_poly
 from orchestrator.store import save_figure
 
 MODES = ("none", "selective", "full")
 
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} TiB"
-
-
 def _source_tag(source: str) -> str:
     return "[yellow]analytic[/]" if source == "analytic" else source
+
+
+def point_line(record: Optional[dict], batch: int, markup: bool = True) -> str:
+    """One line per profiled point: its times (us) and block activations (bytes per token);
+    "" for no record (ranks other than 0)."""
+    if not record:
+        return ""
+    tag = _source_tag(record["source"]) if markup else record["source"]
+    act = record["block_act_bytes"]["none"] / (record["seq_len"] * batch)
+    return (f"  seq {record['seq_len']:>6} tp {record['tp']}: block fwd "
+            f"{record['block_fwd_us']:.0f} us bwd {record['block_bwd_us']:.0f} us, other fwd "
+            f"{record['other_fwd_us']:.0f} us bwd {record['other_bwd_us']:.0f} us, block act "
+            f"{act:.0f} B/token ({tag})")
 
 
 def points_table(profile: Mapping) -> Table:
@@ -79,8 +85,8 @@ def memory_table(profile: Mapping) -> Table:
             e = m[part]
             act = e["act_bytes_per_token"]
             ratio = e.get("megatron_ratio")
-            table.add_row(tp, part, f"{e.get('params', 0) / 1e6:.2f}M", _bytes(e["param_bytes"]),
-                          _bytes(e["grad_bytes"]), _bytes(e["optim_bytes"]),
+            table.add_row(tp, part, f"{e.get('params', 0) / 1e6:.2f}M", format_bytes(e["param_bytes"]),
+                          format_bytes(e["grad_bytes"]), format_bytes(e["optim_bytes"]),
                           *(f"{act[mode]:.0f}" for mode in MODES),
                           " / ".join(f"{ratio[mode]:.2f}" for mode in MODES) if ratio else "-",
                           _source_tag(m.get("source", "measured")))

@@ -7,8 +7,8 @@ two parts, as a pipeline stage sees them:
 - other: embedding forward + final norm, LM head and loss forward; their backwards.
 
 Every rank of a group runs the same iterations; a barrier on the group starts each one. Times are
-per rank in microseconds, the fastest iteration (and the median) of each part (CPU: perf_counter
-around blocking calls; GPU: CUDA events).
+per rank in microseconds, the fastest iteration (and the median) of each part (measure.Stopwatch:
+CUDA events on a GPU, perf_counter on a CPU).
 The same builder runs under FakeTensorMode for analytic points (no data, shapes only).
 """
 from __future__ import annotations
@@ -18,11 +18,11 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional
 
-import numpy as np
 import torch
 
 from orchestrator.models.config import ModelConfig
-from orchestrator.profiling import model_memory as mem
+from orchestrator.profiling.measure import Stopwatch, is_cuda, median_of_group_max, summarize
+from orchestrator.profiling.model import memory as mem
 
 
 @dataclass
@@ -91,30 +91,6 @@ def build_point_model(model_cfg: ModelConfig, max_seq_len: int, tp: int, tp_mesh
     return PointModel(model=model, cfg=cfg, tp=tp, device=torch.device(device), batch=batch)
 
 
-class Stopwatch:
-    """Elapsed microseconds of a region: CUDA events on a GPU, perf_counter on CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = torch.device(device).type == "cuda"
-
-    def mark(self):
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
-
-    def elapsed_us(self, start, end) -> float:
-        if self.cuda:
-            end.synchronize()
-            return float(start.elapsed_time(end)) * 1e3
-        return (end - start) * 1e6
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-
 def _zero_grads(module: torch.nn.Module) -> None:
     for p in module.parameters():
         p.grad = None
@@ -134,7 +110,7 @@ class CommTimer:
     def __init__(self, device: torch.device):
         from torch.utils._python_dispatch import TorchDispatchMode
 
-        self.cuda = torch.device(device).type == "cuda"
+        self.cuda = is_cuda(device)
         self.totals_us: Dict[str, float] = {}
         self._key: Optional[str] = None
         timer = self
@@ -241,16 +217,39 @@ def time_point(pm: PointModel, seq_len: int, warmup_iters: int, iters: int,
     return samples
 
 
-def summarise(samples: Dict[str, List[float]]) -> Dict[str, float]:
-    """Per part: the fastest iteration (the key itself) and the median ("<part>_median_us").
+def fastest_and_median(samples: Dict[str, List[float]]) -> Dict[str, float]:
+    """Per part: the fastest iteration (the key itself) and the median ("<part>_median_us"), us.
 
     The fastest is what the code costs; slower iterations add what other processes and the OS
     took from it (Python's timeit makes the same choice). Both are kept.
     """
     out = {}
     for k, v in samples.items():
-        out[k] = float(np.min(v))
-        out[k.replace("_us", "_median_us")] = float(np.median(v))
+        stats = summarize(v)
+        out[k] = stats.min
+        out[k.replace("_us", "_median_us")] = stats.median
+    return out
+
+
+def combine_ranks(per_rank: List[Dict[str, float]], tp: int) -> Dict[str, float]:
+    """A point's times (us) from every rank's fastest_and_median, ranks in consecutive TP groups:
+    a group takes as long as its slowest rank; the groups (timed at once) give their median.
+
+    "<part>_us" is compute only: the part's fastest iteration minus the time its fastest
+    iteration spent in TP collectives; "<part>_total_us" keeps the whole (tp > 1),
+    "<part>_comm_us" the collectives and "<part>_median_us" the median iteration (whole part).
+    """
+    def across(key: str) -> float:
+        return median_of_group_max([r.get(key, 0.0) for r in per_rank], tp)
+
+    out = {}
+    for part in PARTS:
+        total, comm = across(part), across(part.replace("_us", "_comm_us"))
+        out[part] = max(total - comm, 0.01 * total)
+        out[part.replace("_us", "_median_us")] = across(part.replace("_us", "_median_us"))
+        if tp > 1:
+            out[part.replace("_us", "_total_us")] = total
+            out[part.replace("_us", "_comm_us")] = comm
     return out
 
 

@@ -8,17 +8,10 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 from rich.console import Console
 from rich.table import Table
 
+from orchestrator.profiling.measure import format_bytes
 from orchestrator.store import save_figure
 
 OP_ORDER = ("allreduce", "reduce_scatter", "all_gather", "all2all", "p2p")
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if n == int(n) else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} GiB"
 
 
 def _ops(hardware: Mapping) -> List[str]:
@@ -37,7 +30,7 @@ def op_table(hardware: Mapping, op: str) -> Table:
     points = sorted(bench.get("points", []),
                     key=lambda p: (p["group_size"], p["layout"], p["size_bytes"]))
     for p in points:
-        table.add_row(str(p["group_size"]), p["layout"], _human_bytes(p["size_bytes"]),
+        table.add_row(str(p["group_size"]), p["layout"], format_bytes(p["size_bytes"]),
                       str(p["dtype"]), f"{p['time_us_median']:.1f}", f"{p['time_us_p10']:.1f}",
                       f"{p['time_us_p90']:.1f}", f"{p['algbw_GBps']:.3f}",
                       f"{p['busbw_GBps']:.3f}", str(p["iters"]))

@@ -307,7 +307,7 @@ def memory_summary(points, model, batch: int) -> dict:
     carries its ratio to Megatron's formula at that length ("megatron_ratio").
     """
     from orchestrator.models.gpt import torch_dtype
-    from orchestrator.profiling.model_fit import fit_activation_bytes, predict_poly
+    from orchestrator.profiling.model.fit import fit_activation_bytes, predict_poly
 
     elem = torch_dtype(model.dtype).itemsize
     by_tp: Dict[int, list] = {}
@@ -341,3 +341,16 @@ def memory_summary(points, model, batch: int) -> dict:
         entry["source"] = sources[0] if len(sources) == 1 else "mixed"
         out[str(tp)] = entry
     return out
+
+
+def megatron_comparison(seq_len: int, tp: int, block_act_bytes: Dict[str, float],
+                        model, batch: int) -> dict:
+    """A point's "megatron_act_bytes" (Megatron's formula per recompute mode, bytes on one rank)
+    and "megatron_ratio" (the point's block_act_bytes over it)."""
+    from orchestrator.models.gpt import torch_dtype
+
+    elem = torch_dtype(model.dtype).itemsize
+    mega = {m: megatron_act_bytes(seq_len, batch, model.hidden, model.heads, tp, m, elem)
+            for m in RECOMPUTE_MODES}
+    return {"megatron_act_bytes": mega,
+            "megatron_ratio": {m: block_act_bytes[m] / mega[m] for m in RECOMPUTE_MODES}}

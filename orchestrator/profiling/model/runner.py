@@ -1,0 +1,173 @@
+"""One profile point (sequence length, TP degree) -> one record of the model profile.
+
+`PointRunner` builds the one-layer point model for each TP degree, counts its memory (saved
+activations per recompute mode, parameter/gradient/optimizer states) and its FLOPs (tp=1 model
+under FakeTensorMode, divided by tp), and asks its timing strategy for the times:
+- MeasuredTiming: on every rank of the job. TP groups of real size are consecutive ranks (tp=2
+  on 4 ranks: {0,1} and {2,3}, all timed at once); tp=1 runs on every rank alone.
+- AnalyticTiming: in this process, shapes only: the model on a fake process group of tp ranks
+  under FakeTensorMode, time = FLOPs / (device sheet peak x efficiency).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Optional
+
+from orchestrator.profiling.model import analytic as an
+from orchestrator.profiling.model import memory as mem
+from orchestrator.profiling.model.plan import ProfilePlan
+from orchestrator.profiling.model.timing import (build_point_model, combine_ranks,
+                                                 fastest_and_median, memory_point, time_point)
+
+
+class MeasuredTiming:
+    """Real tensors on this rank's device; TP groups built once on every rank (new_group is
+    collective, so every rank creates every group in the same order)."""
+
+    source = "measured"
+
+    def __init__(self, ctx, cfg, tps):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.ctx = ctx
+        self.device = ctx.device
+        self.warmup_iters = int(cfg.profile_model.warmup_iters)
+        self.iters = int(cfg.profile_model.iters)
+        self.allocator = self.device.type == "cuda"  # the allocator's figures on a GPU
+        self.gpu_kernels = False  # the kernels that run are the ones counted
+        self.meshes = {tp: init_device_mesh(self.device.type, (ctx.world_size // tp, tp),
+                                            mesh_dim_names=("dp", "tp"))["tp"]
+                       for tp in tps if tp > 1}
+
+    @contextlib.contextmanager
+    def world(self, tp: int):
+        """This rank's TP mesh of `tp` ranks (None for tp == 1)."""
+        yield self.meshes.get(tp)
+
+    def tensors(self):
+        """Where the point's tensors are made: real ones, on this rank's device."""
+        return contextlib.nullcontext()
+
+    def times_us(self, pm, seq: int, tp: int, flops: Dict[str, float]) -> Optional[dict]:
+        """Every rank times the point; rank 0 gets the combined times, "iters" and "groups"."""
+        import torch.distributed as dist
+
+        group = self.meshes[tp].get_group() if tp > 1 else None
+        barrier = (lambda: dist.barrier(group=group)) if group is not None else (lambda: None)
+        samples = time_point(pm, seq, self.warmup_iters, self.iters, barrier)
+        per_rank = self.ctx.gather(fastest_and_median(samples))
+        if not self.ctx.is_root:
+            return None
+        return {**combine_ranks(per_rank, tp), "iters": self.iters,
+                "groups": len(per_rank) // tp}
+
+    def method(self, plan: ProfilePlan) -> dict:
+        """The profile's "method": how times and memory were obtained."""
+        device = str(self.device)
+        if self.device.type == "cuda":
+            import torch
+
+            device = torch.cuda.get_device_name(self.device)
+        return {"source": "measured", "why": plan.reason, "device": device,
+                "timing": "fastest of `iters` iterations per rank (median kept as *_median_us); "
+                          "a TP group is its slowest rank, groups summarised by their median; "
+                          "*_us exclude TP collectives (kept as *_comm_us), *_total_us include "
+                          "them",
+                "activations": ("CUDA allocator (saved-tensor count in block_act_bytes_saved)"
+                                if self.allocator else "saved tensors (exact)"),
+                "states": mem.BYTES_PER_PARAM_NOTE}
+
+
+class AnalyticTiming:
+    """Shapes only, in this process: times from FLOPs and the plan's device sheet."""
+
+    source = "analytic"
+    device = "cpu"
+    allocator = False
+
+    def __init__(self, plan: ProfilePlan, dtype: str):
+        self.sheet = an.load_device_sheet(plan.device)
+        self.dtype = dtype
+        self.gpu_kernels = self.sheet["type"] == "gpu"  # count what CUDA kernels would save
+        self.fake = an.fake_tensors_mode()
+
+    def world(self, tp: int):
+        """A fake world of `tp` ranks and its mesh (None for tp == 1)."""
+        return an.fake_world(tp)
+
+    def tensors(self):
+        """Where the point's tensors are made: FakeTensorMode (shapes, no data)."""
+        return self.fake
+
+    def times_us(self, pm, seq: int, tp: int, flops: Dict[str, float]) -> dict:
+        """Schema times (us) of one TP rank from the tp=1 FLOPs."""
+        return an.analytic_times_us(flops, tp, self.sheet, self.dtype)
+
+    def method(self, plan: ProfilePlan) -> dict:
+        """The profile's "method": how times and memory were obtained."""
+        return {"source": "analytic", "why": plan.reason, "device_sheet": self.sheet,
+                "timing": "FLOPs (FlopCounterMode, causal attention halved) / (peak x "
+                          "efficiency); TP collectives excluded",
+                "activations": "saved tensors under FakeTensorMode"
+                               + (", CUDA RMSNorm kernel emulated" if self.gpu_kernels else ""),
+                "states": mem.BYTES_PER_PARAM_NOTE}
+
+
+class PointRunner:
+    """Turns points into profile records with one timing strategy; `for_tp` builds the model of a
+    TP degree, `point` runs one length on it (every rank of a measured job calls both)."""
+
+    def __init__(self, cfg, plan: ProfilePlan, timing):
+        self.plan, self.timing = plan, timing
+        self.model = cfg.model
+        self.batch = int(cfg.profile_model.micro_batch_size)
+        self._flops_mode = an.fake_tensors_mode()
+        with self._flops_mode:  # FLOPs of tp=1 at every length; a rank executes flops / tp
+            self._flops_model = build_point_model(self.model, max(plan.seq_lens), 1, None, "cpu",
+                                                  self.batch)
+        self._flops_by_seq: Dict[int, dict] = {}
+        self._pm = None
+
+    @contextlib.contextmanager
+    def for_tp(self, tp: int, max_seq: int):
+        """The one-layer model sharded over this rank's group of `tp` ranks, for lengths up to
+        `max_seq`."""
+        with self.timing.world(tp) as mesh:
+            with self.timing.tensors():
+                self._pm = build_point_model(self.model, max_seq, tp, mesh, self.timing.device,
+                                             self.batch)
+            try:
+                yield
+            finally:
+                self._pm = None
+
+    def _flops(self, seq: int) -> Dict[str, float]:
+        if seq not in self._flops_by_seq:
+            with self._flops_mode:
+                self._flops_by_seq[seq] = an.count_flops(self._flops_model, seq)
+        return self._flops_by_seq[seq]
+
+    def point(self, seq: int, tp: int) -> Optional[dict]:
+        """The record of (seq, tp) (schema: docs/profile-schema.md); None off rank 0 of a
+        measured job."""
+        pm, flops = self._pm, self._flops(seq)
+        times = self.timing.times_us(pm, seq, tp, flops)
+        with self.timing.tensors():  # every rank of a group: the block's TP collectives run
+            memory = memory_point(pm, seq, gpu_kernels=self.timing.gpu_kernels,
+                                  allocator=self.timing.allocator)
+            states = {"block": mem.state_bytes(pm.block.parameters()),
+                      "other": mem.state_bytes(pm.other_params())}
+        if times is None:
+            return None
+        record = {"seq_len": seq, "tp": tp, "source": self.timing.source, **times, **memory,
+                  "states": states, "flops": {k: v / tp for k, v in flops.items()}}
+        record.update(mem.megatron_comparison(seq, tp, record["block_act_bytes"], self.model,
+                                              self.batch))
+        return record
+
+
+def point_runner(ctx, cfg, plan: ProfilePlan, tps) -> PointRunner:
+    """The runner for the plan's source; `tps` are the TP degrees this run will visit."""
+    if plan.source == "analytic":
+        return PointRunner(cfg, plan, AnalyticTiming(plan, cfg.model.dtype))
+    return PointRunner(cfg, plan, MeasuredTiming(ctx, cfg, tps))
