@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from orchestrator.config import LinkSheetConfig
 from orchestrator.errors import ConfigError
 from orchestrator.profiling.hardware.fit import predict_time_us
 from orchestrator.profiling.hardware.groups import group_sizes, layouts_for, pp_sizes
@@ -30,21 +31,12 @@ from orchestrator.store.schema import (ClusterSummary, HardwareBenchmarks, Hardw
                                        Inventory, Source)
 
 
-@dataclass(frozen=True)
-class LinkSheet:
-    """Published figures of one node type and its network. Defaults: DGX/HGX H100 (NVLink 4 +
-    NVSwitch, nccl-tests allreduce busbw ~450 GB/s) with 8 x 400 Gb/s InfiniBand NDR per node."""
+@dataclass
+class LinkSheet(LinkSheetConfig):
+    """The published link figures of `cluster.links` (LinkSheetConfig: DGX/HGX H100 by
+    default), on nodes of `gpus_per_node` GPUs."""
 
     gpus_per_node: int = 8
-    intra_busbw_GBps: float = 450.0
-    intra_p2p_GBps: float = 370.0
-    nics_per_node: int = 8
-    nic_Gbps: float = 400.0
-    inter_efficiency: float = 0.9
-    intra_latency_us: float = 3.0
-    inter_latency_us: float = 8.0
-    overlap_coe: float = 1.2
-    dtype: str = "bf16"
 
     def __post_init__(self) -> None:
         for name in ("gpus_per_node", "intra_busbw_GBps", "intra_p2p_GBps", "nics_per_node",
