@@ -47,7 +47,7 @@ class RankJob(submitit.helpers.Checkpointable):
 
     def checkpoint(self) -> submitit.helpers.DelayedSubmission:
         """This job again, with only the sub-parts the ledger does not yet call done under the
-        request's config hash (an empty to-do list means a stage without sub-parts: all of it)."""
+        request's config hash (a stage without sub-parts runs again whole)."""
         ledger, r = Ledger(self.request.ledger_dir), self.request
         todo = [s for s in r.todo if not ledger.is_done(f"{r.ledger_key}/{s}", r.config_hash)]
         log.info("checkpoint: requeued with %d of %d sub-part(s) left: %s", len(todo),
