@@ -7,6 +7,7 @@ from typing import Any, Optional, Protocol
 
 from orchestrator.runtime.request import StageRequest
 from orchestrator.store import read_json
+from orchestrator.store.ledger import LedgerEntry
 
 
 @dataclass
@@ -38,7 +39,7 @@ class Launcher(Protocol):
         job's state, `on_output(text)` what rank 0 printed (where the ranks do not print to
         this terminal themselves)."""
 
-    def refresh(self, ledger, key: str, entry: dict) -> None:
+    def refresh(self, ledger, key: str, entry: LedgerEntry) -> None:
         """Re-attach to a launch the ledger still calls pending/running; record how it ended."""
 
 

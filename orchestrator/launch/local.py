@@ -17,6 +17,7 @@ from typing import Optional
 from orchestrator.errors import ConfigError
 from orchestrator.launch.base import LaunchResult, prepare_run_dir, read_rank0_result, unfinished
 from orchestrator.runtime.request import StageRequest
+from orchestrator.store.ledger import LedgerEntry
 
 
 @dataclass
@@ -60,7 +61,7 @@ class LocalLauncher:
     def job_folder(self, handle) -> Optional[str]:
         return None
 
-    def refresh(self, ledger, key: str, entry: dict) -> None:
+    def refresh(self, ledger, key: str, entry: LedgerEntry) -> None:
         return None  # a local launch ends with the command that started it
 
     def wait(self, handle: LocalHandle, request: StageRequest, on_state=None,

@@ -22,7 +22,7 @@ import submitit
 from orchestrator.launch.base import LaunchResult, prepare_run_dir, unfinished
 from orchestrator.runtime import run_inprocess, run_rank
 from orchestrator.runtime.request import StageRequest
-from orchestrator.store.ledger import ACTIVE, Ledger, State
+from orchestrator.store.ledger import ACTIVE, Ledger, LedgerEntry, State
 
 log = logging.getLogger("orchestrator.launch")
 
@@ -154,7 +154,7 @@ class SlurmLauncher:
     def job_folder(self, job) -> Optional[str]:
         return str(job.paths.folder)
 
-    def refresh(self, ledger, key: str, entry) -> None:
+    def refresh(self, ledger, key: str, entry: LedgerEntry) -> None:
         """Re-attach to the job of a pending/running ledger entry and record how it ended."""
         if not entry.job_id or not entry.job_folder:
             return
