@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import shlex
 import subprocess
+import sys
 import time
+from pathlib import Path
 
+import pytest
 
 from conftest import ledger, run_cli, start_cli
 
@@ -28,30 +33,53 @@ def _sacct(job_id, fields="State,NNodes,NTasks"):
     return out.split("|") if out else []
 
 
-def test_sbatch_script_carries_the_cluster_config(tmp_path):
-    """The generated sbatch text, checked as text (no cluster needed)."""
-    import submitit
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def _sbatch_text(tmp_path, ranks: str, after=None) -> str:
+    """The submission file submitit writes for a fixed 2 nodes x 2 tasks cluster config, with
+    the variable parts (the job folder, this Python) replaced by {folder} and {python}."""
     from omegaconf import OmegaConf
 
     from orchestrator.config import ClusterConfig
-    from orchestrator.launch.slurm import executor_parameters
+    from orchestrator.launch.slurm import make_executor
 
     cluster = OmegaConf.merge(OmegaConf.structured(ClusterConfig), {
-        "nodes": 2, "tasks_per_node": 4, "gpus_per_node": 4, "partition": "gpu", "account": "ml",
-        "qos": "high", "time_min": 30, "srun_args": ["--cpu-bind=none"],
-        "sbatch_args": {"exclusive": True}, "setup": ["module load cuda"]})
-    executor = submitit.AutoExecutor(folder=tmp_path, cluster="slurm")
-    executor.update_parameters(**executor_parameters(cluster, ranks="cluster", name="orch-x", after="41"))
-    text = executor._executor._make_submission_file_text("python -u -m x", "uid")
-    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
-                 "#SBATCH --partition=gpu", "#SBATCH --account=ml", "#SBATCH --qos=high",
-                 "#SBATCH --time=30", "#SBATCH --dependency=afterok:41",
-                 "#SBATCH --kill-on-invalid-dep=yes", "#SBATCH --exclusive", "module load cuda",
-                 "#SBATCH --job-name=orch-x"):
-        assert line in text, line
-    assert "srun --unbuffered --output" in text and "--mpi=pmi2 --cpu-bind=none" in text
-    one = executor_parameters(cluster, ranks="one", name="orch-search")
-    assert (one["nodes"], one["tasks_per_node"]) == (1, 1) and "gpus_per_node" not in one
+        "nodes": 2, "tasks_per_node": 2, "gpus_per_node": 2, "partition": "gpu", "account": "ml",
+        "qos": "high", "time_min": 30, "signal_delay_s": 45, "srun_args": ["--cpu-bind=none"],
+        "sbatch_args": {"exclusive": True},
+        "setup": ["module load cuda", "source /opt/venv/bin/activate"]})
+    folder = tmp_path / "submitit"
+    slurm = make_executor(cluster, folder, ranks=ranks, name="orch-x", after=after)._executor
+    text = slurm._make_submission_file_text(slurm._submitit_command_str, "uid")
+    return text.replace(str(folder), "{folder}").replace(shlex.quote(sys.executable), "{python}")
+
+
+@pytest.mark.parametrize("name, ranks, after", [("cluster_2x2_after", "cluster", "41"),
+                                                ("one_task", "one", None)])
+def test_sbatch_script_matches_golden(tmp_path, name, ranks, after):
+    """The whole sbatch file, as submitit's own tests check theirs (no cluster needed).
+    ORCHESTRATOR_UPDATE_GOLDEN=1 rewrites tests/golden/*.sbatch after an intended change."""
+    text = _sbatch_text(tmp_path, ranks, after)
+    golden = GOLDEN / f"{name}.sbatch"
+    if os.environ.get("ORCHESTRATOR_UPDATE_GOLDEN") == "1":
+        golden.write_text(text)
+    assert text == golden.read_text()
+
+
+def test_golden_sbatch_keeps_what_the_launcher_relies_on():
+    """What each golden line is there for: MPI across the tasks, the afterok chain, and a failed
+    predecessor ending the chain instead of leaving it pending."""
+    chain = (GOLDEN / "cluster_2x2_after.sbatch").read_text().splitlines()
+    assert {"#SBATCH --dependency=afterok:41", "#SBATCH --kill-on-invalid-dep=yes",
+            "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=2", "#SBATCH --gpus-per-node=2",
+            "#SBATCH --signal=USR2@45"} <= set(chain)
+    srun = [line for line in chain if line.startswith("srun ")]
+    assert srun == ["srun --unbuffered --output {folder}/%j_%t_log.out --error {folder}/%j_%t_log.err "
+                    "--mpi=pmi2 --cpu-bind=none {python} -u -m submitit.core._submit {folder}"]
+    one = (GOLDEN / "one_task.sbatch").read_text().splitlines()
+    assert {"#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1"} <= set(one)
+    assert not [line for line in one if "gpus" in line or "dependency" in line]
 
 
 def test_inventory_on_2_nodes_x_2_tasks(slurm_cluster, profiles):
@@ -79,7 +107,9 @@ def test_missing_pmi_flag_is_explained(slurm_cluster, profiles):
 def test_wait_false_returns_at_once_and_status_reattaches(slurm_cluster, profiles):
     proc = run_cli("stage=noop", *SLURM, "wait=false", profiles_dir=profiles, check=0)
     job_id = re.search(r"submitted Slurm job (\d+)", proc.stdout).group(1)
-    assert ledger(profiles, "dev")["noop"]["state"] in ("pending", "running", "done")
+    entry = ledger(profiles, "dev")["noop"]  # whatever its state, the job to re-attach to
+    assert (entry["job_id"], entry["launcher"]) == (job_id, "slurm")
+    assert entry["job_folder"].endswith("/submitit")
 
     def noop_row_in_status():
         out = run_cli("stage=status", "cluster=dev", profiles_dir=profiles, check=0).stdout
@@ -172,3 +202,123 @@ def test_analytic_model_profile_runs_as_one_task(slurm_cluster, profiles):
     assert profile["source"] == "analytic"
     entry = ledger(profiles, "dev")["profile_model/qwen_100b"]
     assert entry["state"] == "done" and _sacct(entry["job_id"], "NNodes,AllocCPUS") == ["1", "1"]
+
+
+def _scontrol_job(job_id) -> dict:
+    """`scontrol show job` fields (JobState, Restarts, ...) of a job slurmctld still knows."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True,
+                         text=True, check=True).stdout
+    return dict(field.split("=", 1) for field in out.split() if "=" in field)
+
+
+PARTS = ["inventory", "allreduce", "p2p", "reduce_scatter", "all_gather", "all2all"]
+
+
+def test_time_limit_requeues_and_resumes_without_redoing_done_parts(slurm_cluster, profiles):
+    """A profile longer than the job's 1-minute limit: on USR2 before the limit, task 0
+    checkpoints (the sub-parts not done yet) and requeues; the requeued job runs only those.
+
+    Slurm checks time limits every 30 s and sends the signal at the first check past
+    `time limit - signal_delay_s - 30 s`: with a 5 s delay, 25 to 55 s into a run.
+    """
+    import submitit
+
+    # Every point runs 2.5 s of wall time whatever the load (no early stop): 22 points, ~55 s,
+    # more than a first run can do, in parts of at most 15 s (a run does at least 2 of them).
+    proc = start_cli("stage=profile_hardware", *SLURM, "cluster.time_min=1",
+                     "cluster.signal_delay_s=5", f"profile_hardware.benchmarks=[{','.join(PARTS)}]",
+                     "profile_hardware.max_size_bytes=4096", "profile_hardware.rel_spread=0",
+                     "profile_hardware.max_time_s=2.5", "profile_hardware.max_iters=1000000",
+                     "profile_hardware.plot=false", profiles_dir=profiles)
+    done_at_requeue = []  # per requeue: the sub-parts done then, with their ledger entries
+    try:
+        job_id = _wait_for(lambda: ledger(profiles, "dev").get("profile_hardware", {}).get("job_id"),
+                           what="the job id in the ledger")
+        requeued_at = None
+        while proc.poll() is None:
+            job = _scontrol_job(job_id)
+            if int(job["Restarts"]) > len(done_at_requeue) and job["JobState"] == "PENDING":
+                entries = ledger(profiles, "dev")
+                done_at_requeue.append({p: entries[f"profile_hardware/{p}"] for p in PARTS
+                                        if entries[f"profile_hardware/{p}"]["state"] == "done"})
+                requeued_at = time.monotonic()
+            # Slurm holds a requeued job for its credential lifetime (120 s); release it sooner,
+            # 8 s after the requeue (a time-limit check), so that the next run starts 20 s
+            # before the next check and gets the full 25-55 s window (not 25 s).
+            if requeued_at is not None and time.monotonic() - requeued_at > 8:
+                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+                requeued_at = None
+            time.sleep(0.5)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    # The job ran more than once under one id, and the CLI streamed it going back to the queue.
+    assert done_at_requeue, out
+    states = [line.split(": ")[1] for line in out.splitlines() if line.startswith(f"  job {job_id}: ")]
+    back_in_queue = next(i for i, state in enumerate(states)
+                         if i > states.index("RUNNING") and state in ("REQUEUED", "PENDING"))
+    assert "RUNNING" in states[back_in_queue:] and states[-1] == "COMPLETED", states
+    runs = subprocess.run(["sacct", "-n", "-X", "-P", "-D", "-j", job_id, "-o", "State"],
+                          capture_output=True, text=True, check=True).stdout.split()
+    assert runs == ["REQUEUED"] * len(done_at_requeue) + ["COMPLETED"], runs
+    # The first run finished some parts, not all; every part is done now.
+    first = done_at_requeue[0]
+    assert "inventory" in first and len(first) < len(PARTS), first
+    entries = ledger(profiles, "dev")
+    assert [entries[f"profile_hardware/{p}"]["state"] for p in PARTS] == ["done"] * len(PARTS)
+    assert entries["profile_hardware"]["state"] == "done"
+    # A part done before a requeue was not run again: its ledger times are those of that run.
+    for snapshot in done_at_requeue:
+        for part, before in snapshot.items():
+            after = entries[f"profile_hardware/{part}"]
+            assert (after["started"], after["ended"]) == (before["started"], before["ended"]), part
+    # The requeued job was given only the rest (RankJob.checkpoint rebuilt its to-do list).
+    folder = entries["profile_hardware"]["job_folder"]
+    requeued = submitit.SlurmJob(folder=folder, job_id=job_id).submission().function.request
+    assert requeued.todo == [p for p in PARTS if p not in done_at_requeue[-1]]
+    profile = json.loads((profiles / "dev" / "hardware.json").read_text())
+    assert set(profile["benchmarks"]) == set(PARTS) - {"inventory"}
+    assert len(profile["inventory"]["ranks"]) == 4
+
+
+def _path_without_sacct(tmp_path) -> str:
+    """$PATH with each folder that holds sacct replaced by links to all of it but sacct: a
+    cluster without accounting, where submitit's sacct calls fail and it says UNKNOWN."""
+    folders = []
+    for i, folder in enumerate(os.environ["PATH"].split(os.pathsep)):
+        if (Path(folder) / "sacct").exists():
+            links = tmp_path / f"bin{i}"
+            links.mkdir()
+            for exe in Path(folder).iterdir():
+                if exe.name != "sacct":
+                    (links / exe.name).symlink_to(exe)
+            folder = str(links)
+        folders.append(folder)
+    return os.pathsep.join(folders)
+
+
+def test_without_accounting_squeue_and_the_result_end_a_job(slurm_cluster, profiles, tmp_path):
+    env = {"PATH": _path_without_sacct(tmp_path)}
+    proc = run_cli("stage=noop", *SLURM, profiles_dir=profiles, env=env, check=0)
+    job_id = re.search(r"submitted Slurm job (\d+)", proc.stdout).group(1)
+    states = [line.split(": ")[1] for line in proc.stdout.splitlines()
+              if line.startswith(f"  job {job_id}: ")]
+    assert "RUNNING" in states and states[-1] == "UNKNOWN", states  # squeue, then gone
+    entry = ledger(profiles, "dev")["noop"]
+    assert entry["state"] == "done" and entry["job_id"] == job_id
+
+    # A job that never ran leaves no result: once squeue forgets it, status calls it failed.
+    proc = run_cli("stage=noop", *SLURM, "wait=false", "force=true", "+cluster.sbatch_args.hold=true",
+                   profiles_dir=profiles, env=env, check=0)
+    job_id = re.search(r"submitted Slurm job (\d+)", proc.stdout).group(1)
+    run_cli("stage=status", "cluster=dev", profiles_dir=profiles, env=env, check=0)
+    assert ledger(profiles, "dev")["noop"]["state"] == "pending"  # held: squeue lists it
+    subprocess.run(["scancel", job_id], check=True)
+    _wait_for(lambda: subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True,
+                                     text=True).stdout.strip() == "", what="squeue to drop the job")
+    run_cli("stage=status", "cluster=dev", profiles_dir=profiles, env=env, check=0)
+    entry = ledger(profiles, "dev")["noop"]
+    assert entry["state"] == "failed" and entry["job_id"] == job_id
+    assert entry["error"].startswith(f"Slurm job {job_id} ended (how is unknown: no accounting")

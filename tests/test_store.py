@@ -91,6 +91,8 @@ def test_ledger_refuses_edges_that_would_undo_results(tmp_path):
     ledger = Ledger(tmp_path)
     with pytest.raises(LedgerError, match="None -> done"):
         ledger.transition("search/tiny", "done")  # nothing launched it
+    with pytest.raises(LedgerError, match="None -> failed"):
+        ledger.transition("search/tiny", "failed")
     ledger.transition("search/tiny", "running")
     ledger.transition("search/tiny", "done", summary={"path": "x"})
     with pytest.raises(LedgerError, match="done -> failed"):

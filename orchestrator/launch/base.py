@@ -5,8 +5,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Protocol
 
-from orchestrator.runtime.request import StageRequest
+from orchestrator.runtime.request import StageRequest, result_path
 from orchestrator.store import read_json
+from orchestrator.store.ledger import LedgerEntry
 
 
 @dataclass
@@ -38,7 +39,7 @@ class Launcher(Protocol):
         job's state, `on_output(text)` what rank 0 printed (where the ranks do not print to
         this terminal themselves)."""
 
-    def refresh(self, ledger, key: str, entry: dict) -> None:
+    def refresh(self, ledger, key: str, entry: LedgerEntry) -> None:
         """Re-attach to a launch the ledger still calls pending/running; record how it ended."""
 
 
@@ -48,19 +49,20 @@ def prepare_run_dir(request: StageRequest) -> None:
     Path(request.result_path).unlink(missing_ok=True)
 
 
-def unfinished(state: str, request: StageRequest, job_id: Optional[str], cause: str, logs: str,
+def unfinished(state: str, run_dir: str, job_id: Optional[str], cause: str, logs: str,
                job_folder: Optional[str] = None) -> LaunchResult:
-    """A launch that did not finish, with rank 0's own error line and the exit code of its error
-    (e.g. 3: no feasible layout) when it wrote them before dying."""
-    rank0 = read_rank0_result(request) or {}
+    """A launch (whose run folder is `run_dir`) that did not finish, with rank 0's own error line
+    and the exit code of its error (e.g. 3: no feasible layout) when it wrote them before dying."""
+    rank0 = read_rank0_result(run_dir) or {}
     detail = f": {rank0['error']}" if rank0.get("error") else ""
-    return LaunchResult(state, job_id, request.run_dir, message=f"{cause}{detail}; logs: {logs}",
+    return LaunchResult(state, job_id, run_dir, message=f"{cause}{detail}; logs: {logs}",
                         job_folder=job_folder, exit_code=rank0.get("exit_code"))
 
 
-def read_rank0_result(request: StageRequest) -> Optional[dict]:
-    """Rank 0's result file, written only when the stage finished on every rank."""
-    path = Path(request.result_path)
+def read_rank0_result(run_dir: str) -> Optional[dict]:
+    """Rank 0's result file in a launch's run folder, written when the stage finished on every
+    rank (or, with the error, when rank 0 failed)."""
+    path = result_path(run_dir)
     if not path.exists():
         return None
     try:

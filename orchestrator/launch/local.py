@@ -18,6 +18,7 @@ from orchestrator.choices import Ranks
 from orchestrator.errors import ConfigError
 from orchestrator.launch.base import LaunchResult, prepare_run_dir, read_rank0_result, unfinished
 from orchestrator.runtime.request import StageRequest
+from orchestrator.store.ledger import LedgerEntry
 
 
 @dataclass
@@ -61,7 +62,7 @@ class LocalLauncher:
     def job_folder(self, handle) -> Optional[str]:
         return None
 
-    def refresh(self, ledger, key: str, entry: dict) -> None:
+    def refresh(self, ledger, key: str, entry: LedgerEntry) -> None:
         return None  # a local launch ends with the command that started it
 
     def wait(self, handle: LocalHandle, request: StageRequest, on_state=None,
@@ -81,9 +82,9 @@ class LocalLauncher:
             handle.proc.wait()
             return LaunchResult("cancelled", self.job_id(handle), request.run_dir,
                                 message="interrupted (Ctrl-C)")
-        rank0 = read_rank0_result(request)
+        rank0 = read_rank0_result(request.run_dir)
         if rc == 0 and rank0 and rank0.get("ok"):
             return LaunchResult("done", self.job_id(handle), request.run_dir, rank0.get("result"))
         cause = f"killed by signal {-rc}" if rc < 0 else f"mpiexec exited with {rc}"
-        return unfinished("failed", request, self.job_id(handle), cause,
+        return unfinished("failed", request.run_dir, self.job_id(handle), cause,
                           f"{request.run_dir}/rank*.log")

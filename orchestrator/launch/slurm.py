@@ -1,38 +1,72 @@
 """launcher=slurm: the stage's ranks in a Slurm job through submitit.
 
 The one place that knows Slurm's flags. Resources come from the `cluster` config; every task
-runs `run_rank` under `srun <cluster.mpi_flag>` so MPI sees the whole job. Job ids and the
+runs `RankJob` under `srun <cluster.mpi_flag>` so MPI sees the whole job. Job ids and the
 submitit folder go into the ledger so another process can re-attach (`stage=status`).
-Without accounting (`sacct` failing) the state falls back to squeue and the result files.
+Job states come from submitit (sacct through its watcher, the result pickles); only where
+accounting is missing (sacct fails and submitit says UNKNOWN forever) squeue says whether the
+job is still queued.
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
+import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
-from orchestrator.launch.base import LaunchResult, prepare_run_dir, read_rank0_result, unfinished
+import submitit
+
+from orchestrator.choices import Ranks
+from orchestrator.launch.base import LaunchResult, prepare_run_dir, unfinished
+from orchestrator.runtime import run_inprocess, run_rank
 from orchestrator.runtime.request import StageRequest
-from orchestrator.store.ledger import ACTIVE, State
+from orchestrator.store.ledger import ACTIVE, Ledger, LedgerEntry, State
 
-# Slurm states after which a job will not run again by itself.
-FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-                "BOOT_FAIL", "DEADLINE", "LOST"}
-# How long a job may be unknown to both sacct and squeue before we call it lost.
-LOST_AFTER_S = 60.0
+log = logging.getLogger("orchestrator.launch")
+
+
+class RankJob(submitit.helpers.Checkpointable):
+    """What every task of a stage's job runs. On a time limit or a preemption, Slurm sends USR2
+    to every task; submitit calls `checkpoint()` on task 0 only (the others ignore the signal),
+    requeues the job from there and exits; the requeued job runs what `checkpoint` returned."""
+
+    def __init__(self, request: StageRequest):
+        self.request = request
+
+    def __call__(self):
+        """Rank 0's stage result (None on the other ranks)."""
+        if self.request.ranks == Ranks.one:  # one process, no MPI world
+            result = run_inprocess(self.request)
+        else:
+            result = run_rank(self.request)
+        # Done: a time-limit signal while this process exits must not requeue (or fail) the job.
+        signal.signal(getattr(signal, f"SIG{submitit.JobEnvironment.USR_SIG}"), signal.SIG_IGN)
+        return result
+
+    def checkpoint(self) -> submitit.helpers.DelayedSubmission:
+        """This job again, with only the sub-parts the ledger does not yet call done under the
+        request's config hash (a stage without sub-parts runs again whole)."""
+        ledger, r = Ledger(self.request.ledger_dir), self.request
+        todo = [s for s in r.todo if not ledger.is_done(f"{r.ledger_key}/{s}", r.config_hash)]
+        log.info("checkpoint: requeued with %d of %d sub-part(s) left: %s", len(todo),
+                 len(r.todo), ", ".join(todo))
+        return submitit.helpers.DelayedSubmission(RankJob(dataclasses.replace(r, todo=todo)))
 
 
 def executor_parameters(cluster, *, ranks: str, name: str, after: Optional[str] = None) -> dict:
     """submitit AutoExecutor parameters for a stage: every rank of the cluster, or one task."""
     one = ranks == "one"
+    srun_args = [cluster.mpi_flag] if cluster.mpi_flag else []
     params = {
         "name": name,
         "nodes": 1 if one else cluster.nodes,
         "tasks_per_node": 1 if one else cluster.tasks_per_node,
         "cpus_per_task": cluster.cpus_per_task,
         "timeout_min": cluster.time_min,
-        "slurm_srun_args": [cluster.mpi_flag, *cluster.srun_args] if cluster.mpi_flag else list(cluster.srun_args),
+        "slurm_srun_args": srun_args + list(cluster.srun_args),
         "slurm_signal_delay_s": cluster.signal_delay_s,
         "slurm_additional_parameters": dict(cluster.sbatch_args),
     }
@@ -52,32 +86,44 @@ def executor_parameters(cluster, *, ranks: str, name: str, after: Optional[str] 
     return params
 
 
+def make_executor(cluster, folder, *, ranks: str, name: str, after: Optional[str] = None,
+                  subparts: int = 0) -> submitit.AutoExecutor:
+    """The submitit executor of one stage's job, its files under `folder`. The job may time out
+    and be requeued once per sub-part (at least submitit's default 3 times): each run keeps
+    what it finished, so a stage of many parts gets through a short time limit."""
+    executor = submitit.AutoExecutor(folder=folder, cluster="slurm",
+                                     slurm_max_num_timeout=max(3, subparts))
+    executor.update_parameters(**executor_parameters(cluster, ranks=ranks, name=name, after=after))
+    return executor
+
+
 def squeue_state(job_id: str) -> Optional[str]:
-    """The job's state from squeue, or None when squeue no longer knows it."""
+    """The job's state as squeue lists it, "" when squeue no longer lists it (the job ended),
+    None when squeue itself failed (no answer either way)."""
     try:
         out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True,
                              text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
+    if out.returncode != 0:  # a job id slurmctld forgot is an error too
+        return "" if "Invalid job id" in out.stderr else None
     states = out.stdout.split()
-    return states[0] if out.returncode == 0 and states else None
+    return states[0] if states else ""
 
 
-def job_state(job, request: Optional[StageRequest] = None) -> str:
-    """Slurm state of a submitit job: sacct first, then squeue, then the result files."""
-    try:
-        state = job.watcher.get_state(job.job_id, mode="force")
-    except Exception:  # sacct missing or failing: fall back below
-        state = "UNKNOWN"
-    state = state.split()[0] if state else "UNKNOWN"  # "CANCELLED by 0" -> CANCELLED
+def job_state(job: submitit.SlurmJob) -> Tuple[str, bool]:
+    """(Slurm state, whether Slurm has ended the job) of a one-task submitit job (or task 0).
+
+    sacct through submitit's watcher (one forced call), and the watcher's own test of a final
+    state; rank 0's result pickle appears before that, while the job still runs. Without
+    accounting sacct fails and submitit says UNKNOWN forever: then squeue, which lists a job
+    until it ends.
+    """
+    state = (job.get_info(mode="force").get("State") or "UNKNOWN").split()[0]  # "CANCELLED by 0"
     if state != "UNKNOWN":
-        return state
+        return state, job.watcher.is_done(job.job_id, mode="cache")
     queued = squeue_state(job.job_id)
-    if queued:
-        return queued
-    if request is not None and read_rank0_result(request):
-        return "COMPLETED"
-    return "UNKNOWN"
+    return (queued or "UNKNOWN"), queued == ""
 
 
 def _ledger_state(slurm_state: str) -> str:
@@ -95,19 +141,13 @@ class SlurmLauncher:
         self.cluster = cfg.cluster
         self.poll_s = cfg.launcher.poll_s
 
-    def submit(self, request: StageRequest, after: Optional[str] = None):
-        import submitit
-
-        from orchestrator.runtime import run_inprocess, run_rank
-
+    def submit(self, request: StageRequest, after: Optional[str] = None) -> submitit.Job:
         prepare_run_dir(request)
-        folder = Path(request.run_dir) / "submitit"
-        executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
-        ranks = request.ranks
-        executor.update_parameters(**executor_parameters(
-            self.cluster, ranks=ranks, name=f"orch-{request.stage}", after=after))
-        # A single-task stage runs as it would here: one process, no MPI world, no process group.
-        return executor.submit(run_inprocess if ranks == "one" else run_rank, request)
+        executor = make_executor(self.cluster, Path(request.run_dir) / "submitit",
+                                 ranks=request.ranks,
+                                 name=f"orch-{request.stage}", after=after,
+                                 subparts=len(request.todo))
+        return executor.submit(RankJob(request))
 
     def job_id(self, job) -> Optional[str]:
         return str(job.job_id)
@@ -115,72 +155,68 @@ class SlurmLauncher:
     def job_folder(self, job) -> Optional[str]:
         return str(job.paths.folder)
 
-    def refresh(self, ledger, key: str, entry: dict) -> None:
+    def refresh(self, ledger, key: str, entry: LedgerEntry) -> None:
         """Re-attach to the job of a pending/running ledger entry and record how it ended."""
         if not entry.job_id or not entry.job_folder:
             return
-        # TODO(merge): read_rank0_result/unfinished should take the run folder, not a request.
-        from types import SimpleNamespace
-
-        from orchestrator.runtime.request import result_path
-        request = SimpleNamespace(run_dir=entry.run_dir, result_path=result_path(entry.run_dir))
-        job = reattach(entry.job_folder, entry.job_id)
-        state = job_state(job, request)
-        if state == "UNKNOWN" and time.time() - (entry.started or 0) > LOST_AFTER_S:
-            state = "LOST"  # neither sacct nor squeue knows it, and it left no result
-        if state == "RUNNING":
-            ledger.transition(key, State.running, from_states=(State.pending,))
-        elif state in FINAL_STATES:
-            outcome = self.outcome(job, request, state)
-            if outcome.state == "done":
-                ledger.transition(key, State.done, from_states=ACTIVE)
-            else:  # under the lock: what rank 0 marked done meanwhile stays done
-                ledger.mark_ended(key, outcome.state, entry.todo, outcome.message)
+        job = submitit.SlurmJob(folder=entry.job_folder, job_id=entry.job_id)  # task 0
+        state, ended = job_state(job)
+        if not ended:
+            if state == "RUNNING":
+                ledger.transition(key, State.running, from_states=(State.pending,))
+            return
+        outcome = self.outcome(job, entry.run_dir, state)
+        if outcome.state == "done":
+            ledger.transition(key, State.done, from_states=ACTIVE)
+        else:  # under the lock: what rank 0 marked done meanwhile stays done
+            ledger.mark_ended(key, outcome.state, entry.todo, outcome.message)
 
     def wait(self, job, request: StageRequest, on_state=None, on_output=None) -> LaunchResult:
-        """Poll until the job ends (sacct, else squeue and result files); report how it ended.
+        """Poll until the job ends, also across requeues; report how it ended.
 
-        `on_output(text)` receives what rank 0 printed since the last poll (its progress).
+        `on_state(state)` hears each change of the Slurm state, `on_output(text)` what rank 0
+        printed since the last poll (its progress).
         """
-        state, unknown_since, offset = None, None, 0
-        rank0_stdout = (job._sub_jobs[0] if getattr(job, "_sub_jobs", None) else job).paths.stdout
+        rank0 = job.task(0)
+        state, offset = None, 0
         while True:
-            if on_output is not None and rank0_stdout.exists():
-                with open(rank0_stdout, errors="replace") as f:
-                    f.seek(offset)
-                    text = f.read()
-                    offset = f.tell()
-                if text:
-                    on_output(text)
-            new = job_state(job, request)
+            if on_output is not None:
+                offset = _stream(rank0.paths.stdout, offset, on_output)
+            new, ended = job_state(rank0)
             if new != state and on_state is not None:
                 on_state(new)
             state = new
-            if state in FINAL_STATES:
+            if ended:
                 break
-            if state == "UNKNOWN":
-                unknown_since = unknown_since or time.monotonic()
-                if time.monotonic() - unknown_since > LOST_AFTER_S:
-                    state = "LOST"
-                    break
-            else:
-                unknown_since = None
             time.sleep(self.poll_s)
-        return self.outcome(job, request, state)
+        if on_output is not None:
+            _stream(rank0.paths.stdout, offset, on_output)
+        return self.outcome(job, request.run_dir, state)
 
-    def outcome(self, job, request: StageRequest, state: str) -> LaunchResult:
-        """How a job that ended in Slurm state `state` ended for the ledger."""
-        rank0 = read_rank0_result(request) or {}
-        if state == "COMPLETED" and rank0.get("ok"):
-            return LaunchResult("done", self.job_id(job), request.run_dir, rank0.get("result"),
-                                job_folder=self.job_folder(job))
-        return unfinished(_ledger_state(state), request, self.job_id(job),
-                          f"Slurm job {job.job_id} ended {state}", str(job.paths.folder),
-                          job_folder=self.job_folder(job))
+    def outcome(self, job, run_dir: str, state: str) -> LaunchResult:
+        """How a job that ended (in Slurm state `state`) ended for the ledger: done when rank 0
+        returned (submitit pickled its return value), else failed or cancelled, with rank 0's
+        error line."""
+        rank0 = job.task(0)
+        folder = self.job_folder(job)
+        # exception() waits a while for a COMPLETED job's pickle (a slow shared file system).
+        returned = state == "COMPLETED" or rank0.paths.result_pickle.exists()
+        if returned and rank0.exception() is None:
+            return LaunchResult("done", self.job_id(job), run_dir, rank0.result(),
+                                job_folder=folder)
+        how = state if state != "UNKNOWN" else "(how is unknown: no accounting, sacct failed)"
+        return unfinished(_ledger_state(state), run_dir, self.job_id(job),
+                          f"Slurm job {job.job_id} ended {how}", folder, job_folder=folder)
 
 
-def reattach(job_folder: str, job_id: str):
-    """A submitit job object for a job submitted by another process."""
-    import submitit
-
-    return submitit.SlurmJob(folder=job_folder, job_id=job_id)
+def _stream(path: Path, offset: int, on_output) -> int:
+    """Hand what `path` gained since `offset` to `on_output`; returns the new offset."""
+    if not path.exists():
+        return offset
+    with open(path, errors="replace") as f:
+        f.seek(offset)
+        text = f.read()
+        offset = f.tell()
+    if text:
+        on_output(text)
+    return offset

@@ -1,7 +1,7 @@
 """The one rank bootstrap: MPI tells each rank who it is; torch.distributed is set up from that.
 
 `run_rank(request)` is what every rank runs, whoever launched it (mpiexec here, srun under
-submitit). `run_inprocess(request)` runs a single-rank stage in the calling process.
+submitit, through `launch.slurm.RankJob`). `run_inprocess(request)` runs a single-rank stage in the calling process.
 """
 from __future__ import annotations
 
@@ -168,6 +168,11 @@ def run_rank(request: StageRequest):
 
             dist.destroy_process_group()
         return result if ctx.is_root else None
+    except SystemExit:
+        # submitit's signal handler on task 0: the job is checkpointed and requeued (RankJob),
+        # not failed; the requeued job overwrites what this one left.
+        log.warning("rank %d: stopped by the time limit or a preemption; the job is requeued", rank)
+        raise
     except BaseException as e:
         msg = f"rank {rank}: {type(e).__name__}: {e}"
         log.error("%s\n%s", msg, traceback.format_exc())

@@ -49,6 +49,11 @@ class StageRun:
                                       self.request.run_dir, self.ctx.job_id)
         try:
             yield
+        except SystemExit:  # submitit requeues the job (time limit, preemption): runs it again
+            if self.ledger is not None:
+                self.ledger.transition(self.subpart_key(name), State.pending,
+                                       error="interrupted; the job was requeued")
+            raise
         except BaseException as e:
             if self.ledger is not None:
                 self.ledger.transition(self.subpart_key(name), State.failed,

@@ -42,14 +42,15 @@ ACTIVE = (State.pending, State.running)  # a launch that has not ended
 
 # Allowed edges. What matters most: `done` is left only by a new launch (pending/running), so a
 # late failure report (a lost-job timeout, a Ctrl-C after the job finished) never undoes results
-# rank 0 recorded. `failed -> done`: a job given up as lost that finished after all.
+# rank 0 recorded. `failed -> done`: a job given up as lost that finished after all;
+# `done -> done`: two launches of one key (sweep points) that both finished.
 TRANSITIONS = {
     None: {State.pending, State.running},
     State.pending: {State.pending, State.running, State.done, State.failed, State.cancelled},
     State.running: {State.pending, State.running, State.done, State.failed, State.cancelled},
     State.failed: {State.pending, State.running, State.done, State.failed},
     State.cancelled: {State.pending, State.running, State.cancelled},
-    State.done: {State.pending, State.running},
+    State.done: {State.pending, State.running, State.done},
 }
 
 
@@ -155,7 +156,8 @@ class Ledger:
                    summary: Optional[dict] = None) -> bool:
         """Move `key` to state `to` if it is now in one of `from_states` (any state if None);
         returns whether it moved. Entering running clears `ended`/`error`; entering done, failed
-        or cancelled sets `ended`. Raises LedgerError for an edge TRANSITIONS does not allow."""
+        or cancelled sets `ended`; `error` is the reason either way (a note while active).
+        Raises LedgerError for an edge TRANSITIONS does not allow."""
         to = State(to)
         states = None if from_states is None else tuple(State(s) for s in from_states)
         now = time.time()
@@ -166,7 +168,7 @@ class Ledger:
     @staticmethod
     def _state_fields(to: State, now: float, error, traceback, summary) -> dict:
         if to in ACTIVE:
-            return {"ended": None, "error": None, "traceback": None}
+            return {"ended": None, "error": error, "traceback": None}
         fields = {"ended": now, "error": error}
         if traceback is not None:
             fields["traceback"] = traceback
