@@ -13,6 +13,9 @@ class Choice(str, Enum):
     def __str__(self) -> str:
         return self.value
 
+    def __repr__(self) -> str:  # messages listing choices read as before: ('1f1b', 'interleaved')
+        return repr(self.value)
+
     @classmethod
     def parse(cls, value) -> "Choice":
         """The member for a member, a name or a value; ValueError naming the allowed ones."""

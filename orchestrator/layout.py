@@ -14,10 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+from orchestrator.choices import Recompute, Schedule
 from orchestrator.errors import ConfigError
 
-SCHEDULES = ("1f1b", "interleaved")
-RECOMPUTE_MODES = ("none", "selective", "full")
+SCHEDULES = tuple(Schedule)
+RECOMPUTE_MODES = tuple(Recompute)
 ZERO_STAGES = (0, 1, 2, 3)
 
 # (mode, k_layers): how many layers of the stage use `mode`; the others keep all activations.

@@ -3,11 +3,11 @@ plain data: the JSON profiles loaded as dicts, ParallelLayout, SearchSpace)."""
 from orchestrator.planner.cost_model import CostOptions, Prediction, evaluate
 from orchestrator.planner.exports import galvatron_strategy, megatron_args
 from orchestrator.planner.profiles import HardwareModel, ModelCost
-from orchestrator.planner.schedule import ScheduleResult, closed_form_time_us, simulate
+from orchestrator.planner.schedule import ScheduleResult, simulate
 from orchestrator.planner.search import InfeasibleError, SearchResult, SearchSpace, search
 
 __all__ = [
     "CostOptions", "HardwareModel", "InfeasibleError", "ModelCost", "Prediction",
-    "ScheduleResult", "SearchResult", "SearchSpace", "closed_form_time_us", "evaluate",
+    "ScheduleResult", "SearchResult", "SearchSpace", "evaluate",
     "galvatron_strategy", "megatron_args", "search", "simulate",
 ]

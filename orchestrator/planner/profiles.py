@@ -12,6 +12,7 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+from orchestrator.choices import Dtype
 from orchestrator.errors import ProfileError
 from orchestrator.profiling.measure import busbw_factor
 from orchestrator.store import parse_profile
@@ -20,8 +21,6 @@ from orchestrator.store.schema import HardwareProfile, MemoryPart, ModelProfile
 COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather", "all2all")
 OPS = COLLECTIVES + ("p2p",)
 
-DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
-               "float32": 4, "fp32": 4, "float": 4}
 
 
 @dataclass(frozen=True)
@@ -241,11 +240,11 @@ class ModelCost:
         self.kv_heads = int(kv_heads)
         self.vocab = int(vocab)
         self.seq_len = int(seq_len)
-        self.dtype = dtype
-        if dtype not in DTYPE_BYTES:
-            raise ProfileError(f"model profile {name}: unknown dtype {dtype!r}; one of "
-                               f"{sorted(DTYPE_BYTES)}")
-        self.dtype_bytes = DTYPE_BYTES[dtype]
+        try:
+            self.dtype = Dtype.parse(dtype)
+        except ValueError as e:
+            raise ProfileError(f"model profile {name}: {e}") from None
+        self.dtype_bytes = self.dtype.bytes
         self._fits = dict(fits)
         self._memory = dict(memory)
         self.tps = tuple(sorted(set(self._fits) & set(self._memory)))

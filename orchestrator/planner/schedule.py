@@ -21,7 +21,8 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-SCHEDULES = ("1f1b", "interleaved")
+from orchestrator.layout import SCHEDULES
+
 
 
 @dataclass(frozen=True)
@@ -33,20 +34,6 @@ class ScheduleResult:
     stage_busy_us: Tuple[float, ...]
     stage_idle_us: Tuple[float, ...]
     stage_finish_us: Tuple[float, ...]
-
-    @property
-    def bubble_fraction(self) -> float:
-        """Idle over busy on the busiest stage: (p - 1) / m for equal 1F1B stages."""
-        j = max(range(len(self.stage_busy_us)), key=lambda s: self.stage_busy_us[s])
-        return self.stage_idle_us[j] / self.stage_busy_us[j]
-
-
-def closed_form_time_us(fwd_us: float, bwd_us: float, pp: int, num_micro_batches: int,
-                        virtual_stages: int = 1) -> float:
-    """Makespan (us) of equal stages with no p2p: m (f + b) + (p - 1)(f + b) / v."""
-    schedule = "interleaved" if virtual_stages > 1 else "1f1b"
-    alpha, beta = schedule_coefficients(schedule, num_micro_batches, virtual_stages)
-    return (alpha * pp + beta) * (fwd_us + bwd_us)
 
 
 def schedule_coefficients(schedule: str, num_micro_batches: int,

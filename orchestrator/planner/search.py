@@ -30,7 +30,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from orchestrator import errors
-from orchestrator.layout import ParallelLayout
+from orchestrator.choices import Recompute, Schedule
+from orchestrator.layout import SCHEDULES, ParallelLayout
 from orchestrator.planner.cost_model import (GiB, ConfigKey, CostOptions, Prediction, StageCosts,
                                              evaluate)
 from orchestrator.planner.profiles import HardwareModel, ModelCost
@@ -52,9 +53,9 @@ class SearchSpace:
     max_pp: int = 64
     tp_within_node: bool = True
     zero_stages: Tuple[int, ...] = (0, 1, 2, 3)
-    recompute: Tuple[str, ...] = ("none", "selective", "full")
+    recompute: Tuple[str, ...] = tuple(Recompute)
     micro_batch_sizes: Tuple[int, ...] = (1, 2, 4)
-    schedules: Tuple[str, ...] = ("1f1b", "interleaved")
+    schedules: Tuple[str, ...] = tuple(Schedule)
     virtual_stages: Tuple[int, ...] = (2, 4)
     sequence_parallel: Tuple[bool, ...] = (True, False)
     fast_mode: bool = False
@@ -76,7 +77,7 @@ class SearchSpace:
         if bad or not self.recompute:
             raise errors.ConfigError(f"recompute modes must be a non-empty subset of "
                                      f"{MODE_NAMES}, got {self.recompute}")
-        bad = [s for s in self.schedules if s not in ("1f1b", "interleaved")]
+        bad = [s for s in self.schedules if s not in SCHEDULES]
         if bad or not self.schedules:
             raise errors.ConfigError(f"schedules must be a non-empty subset of ('1f1b', "
                                      f"'interleaved'), got {self.schedules}")

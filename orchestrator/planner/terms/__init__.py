@@ -17,8 +17,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from orchestrator.choices import Recompute
+
 # Recompute modes and the integer codes the vectorised stage methods use.
-MODE_NAMES = ("none", "selective", "full")
+MODE_NAMES = tuple(Recompute)  # index = the mode code the search tabulates
 MODE_CODES = {mode: code for code, mode in enumerate(MODE_NAMES)}
 
 

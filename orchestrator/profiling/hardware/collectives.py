@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 import torch
 import torch.distributed as dist
 
+from orchestrator.choices import Dtype
 from orchestrator.errors import ConfigError
 from orchestrator.profiling.hardware.benchmarks import OnPoint
 from orchestrator.profiling.hardware.fit import fit_points
@@ -23,7 +24,6 @@ from orchestrator.profiling.hardware.groups import (check_node_of_rank, group_si
 from orchestrator.profiling.hardware.sampling import StopRule, Timing, measure
 from orchestrator.profiling.measure import KiB, MiB, algbw_GBps, busbw_GBps, is_cuda
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class RankInfo(Protocol):
@@ -61,8 +61,11 @@ class SweepConfig:
             raise ConfigError(f"sweep min_bytes must be >= 1, got {self.min_bytes}")
         if self.max_bytes is not None and self.max_bytes < self.min_bytes:
             raise ConfigError(f"sweep max_bytes ({self.max_bytes}) < min_bytes ({self.min_bytes})")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ConfigError(f"unknown dtype {self.dtype!r}; expected one of {', '.join(DTYPES)}")
+        if self.dtype is not None:
+            try:
+                self.dtype = Dtype.parse(self.dtype)
+            except ValueError as e:
+                raise ConfigError(f"sweep dtype: {e}") from None
 
 
 def default_max_bytes(device) -> int:
@@ -70,9 +73,9 @@ def default_max_bytes(device) -> int:
     return 256 * MiB if is_cuda(device) else 64 * MiB
 
 
-def default_dtype(device) -> str:
+def default_dtype(device) -> Dtype:
     """Message dtype by default: bf16 on a GPU (what training sends), fp32 on a CPU."""
-    return "bf16" if is_cuda(device) else "fp32"
+    return Dtype.bf16 if is_cuda(device) else Dtype.fp32
 
 
 def message_sizes(min_bytes: int, max_bytes: int, step: int) -> List[int]:
@@ -139,7 +142,7 @@ def default_group_cache() -> GroupCache:
     return _default_cache[1]
 
 
-def _sweep_setup(ctx: RankInfo, sweep: SweepConfig) -> Tuple[List[int], str, torch.dtype]:
+def _sweep_setup(ctx: RankInfo, sweep: SweepConfig) -> Tuple[List[int], Dtype, torch.dtype]:
     if not dist.is_initialized():
         raise ConfigError("torch.distributed is not initialised: run the benchmarks inside a stage "
                           "(the runtime initialises gloo/nccl on every rank)")
@@ -149,8 +152,8 @@ def _sweep_setup(ctx: RankInfo, sweep: SweepConfig) -> Tuple[List[int], str, tor
                           f"{dist.get_world_size()})")
     check_node_of_rank(ctx.node_of_rank, ctx.world_size)
     max_bytes = sweep.max_bytes if sweep.max_bytes is not None else default_max_bytes(ctx.device)
-    dtype_name = sweep.dtype or default_dtype(ctx.device)
-    return message_sizes(sweep.min_bytes, max_bytes, sweep.step), dtype_name, DTYPES[dtype_name]
+    dtype = sweep.dtype or default_dtype(ctx.device)
+    return message_sizes(sweep.min_bytes, max_bytes, sweep.step), dtype, dtype.torch
 
 
 def _buffers(count: int, numel: int, dtype: torch.dtype, device) -> List[torch.Tensor]:

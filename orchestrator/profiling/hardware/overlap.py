@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 import numpy as np
 
-from orchestrator.profiling.hardware.collectives import DTYPES, RankInfo, default_dtype
+from orchestrator.choices import Dtype
+from orchestrator.profiling.hardware.collectives import RankInfo, default_dtype
 from orchestrator.profiling.hardware.sampling import RankAgreement
 from orchestrator.profiling.measure import MiB, is_cuda
 
@@ -54,7 +55,7 @@ class _Runner:
     def __init__(self, ctx: RankInfo, cfg: OverlapConfig) -> None:
         self.device = ctx.device
         self.cuda = is_cuda(ctx.device)
-        dtype = DTYPES[cfg.dtype or default_dtype(ctx.device)]
+        dtype = Dtype.parse(cfg.dtype or default_dtype(ctx.device)).torch
         dim = cfg.matmul_dim or (4096 if self.cuda else 256)
         comm_bytes = cfg.comm_bytes or (64 * MiB if self.cuda else 4 * MiB)
         elem = torch.empty((), dtype=dtype).element_size()

@@ -27,7 +27,9 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
-RECOMPUTE_MODES = ("none", "selective", "full")
+from orchestrator.choices import Recompute
+
+RECOMPUTE_MODES = tuple(Recompute)
 BYTES_PER_PARAM_NOTE = ("Adam, mixed precision (Megatron): params in model dtype, fp32 gradient "
                         "buffer, fp32 master weights + exp_avg + exp_avg_sq (12 B); an fp32 model "
                         "keeps no master copy (8 B)")

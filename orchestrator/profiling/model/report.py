@@ -8,11 +8,12 @@ from typing import Mapping, Optional
 from rich.console import Console
 from rich.table import Table
 
+from orchestrator.choices import Recompute
 from orchestrator.profiling.measure import format_bytes
 from orchestrator.profiling.model.fit import predict_poly
 from orchestrator.store import save_figure
 
-MODES = ("none", "selective", "full")
+MODES = tuple(Recompute)
 
 
 def _source_tag(source: str) -> str:
