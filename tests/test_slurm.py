@@ -76,7 +76,8 @@ def test_golden_sbatch_keeps_what_the_launcher_relies_on():
             "#SBATCH --signal=USR2@45"} <= set(chain)
     srun = [line for line in chain if line.startswith("srun ")]
     assert srun == ["srun --unbuffered --output {folder}/%j_%t_log.out --error {folder}/%j_%t_log.err "
-                    "--mpi=pmi2 --cpu-bind=none {python} -u -m submitit.core._submit {folder}"]
+                    "--kill-on-bad-exit=1 --mpi=pmi2 --cpu-bind=none {python} -u -m "
+                    "submitit.core._submit {folder}"]
     one = (GOLDEN / "one_task.sbatch").read_text().splitlines()
     assert {"#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1"} <= set(one)
     assert not [line for line in one if "gpus" in line or "dependency" in line]

@@ -59,7 +59,9 @@ class RankJob(submitit.helpers.Checkpointable):
 def executor_parameters(cluster, *, ranks: str, name: str, after: Optional[str] = None) -> dict:
     """submitit AutoExecutor parameters for a stage: every rank of the cluster, or one task."""
     one = ranks == "one"
-    srun_args = [cluster.mpi_flag] if cluster.mpi_flag else []
+    # A task that dies before MPI can abort the others (e.g. in MPI_Init) ends the whole step
+    # at once, instead of leaving its peers waiting until the time limit.
+    srun_args = ["--kill-on-bad-exit=1"] + ([cluster.mpi_flag] if cluster.mpi_flag else [])
     params = {
         "name": name,
         "nodes": 1 if one else cluster.nodes,
