@@ -70,7 +70,8 @@ def check_closed_choices(argv: List[str]) -> None:
                     if item is not None:
                         choice.parse(item)
                 except ValueError:
-                    raise ConfigError(f"{key}={item!r}; allowed: {', '.join(choice.__members__)}") from None
+                    allowed = ", ".join(choice.__members__)
+                    raise ConfigError(f"{key}={item!r}; allowed: {allowed}") from None
 
 
 # ---------------------------------------------------------------- running stages

@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from conftest import REPO, ledger, run_cli
+from conftest import ledger, run_cli
 from orchestrator.config import CONF_DIR, register_configs
 
 

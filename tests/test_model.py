@@ -2,7 +2,6 @@
 
 import dataclasses
 import re
-from pathlib import Path
 
 import pytest
 import torch

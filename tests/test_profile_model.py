@@ -6,7 +6,7 @@ import time
 import pytest
 import yaml
 
-from conftest import REPO, ledger, run_cli
+from conftest import ledger, run_cli
 from orchestrator.config import CONF_DIR
 from orchestrator.models.config import ModelConfig, count_block_params
 from orchestrator.profiling.model.fit import fit_points, predict_poly

@@ -7,7 +7,6 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from conftest import REPO
 from orchestrator.config import CONF_DIR, register_configs
 from orchestrator.errors import ConfigError
 from orchestrator.models.config import ModelConfig, count_block_params

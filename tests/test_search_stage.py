@@ -15,8 +15,8 @@ QUICK_MODEL = ["profile_model.seq_lens=[64,128,192]", "profile_model.max_tp=2"]
 
 
 def test_all_runs_the_chain_then_skips_it(profiles):
-    proc = run_cli("stage=all", *QUICK_HW, *QUICK_MODEL, "search.max_tp=2", profiles_dir=profiles,
-                   check=0, timeout=900)
+    run_cli("stage=all", *QUICK_HW, *QUICK_MODEL, "search.max_tp=2", profiles_dir=profiles,
+            check=0, timeout=900)
     strategy = json.loads((profiles / "local" / "strategy" / "tiny.json").read_text())
     assert strategy["kind"] == "strategy" and strategy["source"] == "measured"
     layout = strategy["layout"]

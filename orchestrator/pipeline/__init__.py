@@ -33,8 +33,8 @@ def validate_cluster(cfg: Config) -> None:
     """Raise ConfigError for a cluster layout that cannot run, naming the numbers."""
     c = cfg.cluster
     if c.nodes < 1 or c.tasks_per_node < 1:
-        raise ConfigError(f"cluster.nodes({c.nodes}) and cluster.tasks_per_node({c.tasks_per_node}) "
-                          f"must both be >= 1")
+        raise ConfigError(f"cluster.nodes({c.nodes}) and cluster.tasks_per_node"
+                          f"({c.tasks_per_node}) must both be >= 1")
     if c.backend == Backend.nccl and c.gpus_per_node != c.tasks_per_node:
         raise ConfigError(f"cluster.backend=nccl runs one rank per GPU: cluster.tasks_per_node"
                           f"({c.tasks_per_node}) != cluster.gpus_per_node({c.gpus_per_node})")
@@ -42,7 +42,8 @@ def validate_cluster(cfg: Config) -> None:
 
 def check_launchable(plan: StagePlan, cfg: Config) -> None:
     """Raise ConfigError when this launcher cannot start the plan's ranks."""
-    if plan.ranks == Ranks.cluster and cfg.launcher.name == LauncherName.local and cfg.cluster.nodes != 1:
+    local = cfg.launcher.name == LauncherName.local
+    if plan.ranks == Ranks.cluster and local and cfg.cluster.nodes != 1:
         raise ConfigError(f"launcher=local runs {plan.stage} on this machine only: cluster.nodes"
                           f"({cfg.cluster.nodes}) must be 1 (use launcher=slurm for "
                           f"{cfg.cluster.nodes} nodes)")
@@ -107,7 +108,8 @@ def decide(plan: StagePlan, ledger: Ledger, force: bool = False) -> Decision:
     if force or stale:
         todo = plan.subparts
     else:
-        todo = tuple(s for s in plan.subparts if not ledger.is_done(f"{plan.key}/{s}", plan.config_hash))
+        todo = tuple(s for s in plan.subparts
+                     if not ledger.is_done(f"{plan.key}/{s}", plan.config_hash))
     done = not todo if plan.subparts else (not force and not stale
                                            and ledger.is_done(plan.key, plan.config_hash))
     return Decision(todo=tuple(todo), done=done, stale_reason=stale)

@@ -1,7 +1,8 @@
 """The one rank bootstrap: MPI tells each rank who it is; torch.distributed is set up from that.
 
 `run_rank(request)` is what every rank runs, whoever launched it (mpiexec here, srun under
-submitit, through `launch.slurm.RankJob`). `run_inprocess(request)` runs a single-rank stage in the calling process.
+submitit, through `launch.slurm.RankJob`). `run_inprocess(request)` runs a single-rank stage in
+the calling process.
 """
 from __future__ import annotations
 

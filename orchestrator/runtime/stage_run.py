@@ -64,8 +64,8 @@ class StageRun:
             self.ledger.transition(self.subpart_key(name), State.done)
 
     def provenance(self) -> dict:
-        return provenance(dataclasses.asdict(self.cfg), self.request.config_hash, job_id=self.ctx.job_id,
-                          hosts=self.ctx.hostnames, started=self.started)
+        return provenance(dataclasses.asdict(self.cfg), self.request.config_hash,
+                          job_id=self.ctx.job_id, hosts=self.ctx.hostnames, started=self.started)
 
     def resume_profile(self, path: Path, kind: str, source: str, **fields) -> dict:
         """The profile at `path` if an earlier run of this same config wrote it, else a new one.

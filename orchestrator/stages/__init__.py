@@ -82,5 +82,6 @@ class Stage:
 def get_stage(name: str) -> Stage:
     """The stage `name`; ConfigError naming the allowed stages if there is none."""
     if name not in STAGES:
-        raise ConfigError(f"unknown stage {name!r}; allowed: {', '.join(STAGES + ('all', 'status'))}")
+        allowed = ", ".join(STAGES + ("all", "status"))
+        raise ConfigError(f"unknown stage {name!r}; allowed: {allowed}")
     return importlib.import_module(f"orchestrator.stages.{name}").STAGE

@@ -142,7 +142,8 @@ def validate(cfg) -> None:
 class ProfileHardware(Stage):
     name = "profile_hardware"
     hash_sections = ("cluster", "profile_hardware")
-    hash_exclude = ("profile_hardware.benchmarks", "profile_hardware.export", "profile_hardware.plot")
+    hash_exclude = ("profile_hardware.benchmarks", "profile_hardware.export",
+                    "profile_hardware.plot")
 
     def plan(self, cfg):
         validate(cfg)

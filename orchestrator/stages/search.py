@@ -191,7 +191,8 @@ class Search(Stage):
         validate(cfg)
         return self.make_plan(cfg, key=f"search/{cfg.model.name}", ranks=Ranks.one,
                               inputs=_inputs(cfg),
-                              outputs=[strategy_path(cfg.profiles_dir, cfg.cluster.name, cfg.model.name)])
+                              outputs=[strategy_path(cfg.profiles_dir, cfg.cluster.name,
+                                                     cfg.model.name)])
 
     def run(self, ctx, run):
         return run_search(ctx, run)

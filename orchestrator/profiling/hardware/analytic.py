@@ -26,7 +26,7 @@ from orchestrator.config import LinkSheetConfig
 from orchestrator.errors import ConfigError
 from orchestrator.profiling.hardware.fit import predict_time_us
 from orchestrator.profiling.hardware.groups import group_sizes, layouts_for, pp_sizes
-from orchestrator.profiling.measure import KiB, MiB, busbw_GBps, busbw_factor
+from orchestrator.profiling.measure import KiB, busbw_GBps, busbw_factor
 from orchestrator.store.schema import (ClusterSummary, HardwareBenchmarks, HardwareProfile,
                                        Inventory, Source)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
-from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 from orchestrator.errors import ConfigError
