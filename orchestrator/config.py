@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from hydra.core.config_store import ConfigStore
-
 from orchestrator.choices import (Backend, Dtype, HardwareExport, HardwareSource, LauncherName,
                                   ModelSource, Recompute, Schedule)
 from orchestrator.models.config import ModelConfig
@@ -186,5 +184,7 @@ def choice_type(dotted_key: str, node: type = None) -> Optional[type]:
 
 def register_configs() -> None:
     """Register the schema; conf/config.yaml puts `base_config` first in its defaults."""
+    from hydra.core.config_store import ConfigStore  # here: the ranks import this module too
+
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
