@@ -71,7 +71,7 @@ def _finish_outputs(profile: dict, cfg, path: Path) -> dict:
 
 def run_profile(ctx, run):
     cfg = run.cfg
-    path = hardware_path(cfg.profiles_dir, cfg.cluster.name)
+    (path,) = run.plan.outputs
     if cfg.profile_hardware.source == "analytic":
         return _run_analytic(ctx, run, path)
     profile = None

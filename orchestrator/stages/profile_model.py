@@ -51,7 +51,7 @@ def run_profile(ctx, run):
     plan: ProfilePlan = run.plan.detail
     model = cfg.model
     batch = int(cfg.profile_model.micro_batch_size)
-    path = model_profile_path(cfg.profiles_dir, cfg.cluster.name, model.name)
+    (path,) = run.plan.outputs
     todo = [parse_point(n) for n in run.todo]
     tps = list(dict.fromkeys(tp for _, tp in todo))
     runner = point_runner(ctx, cfg, plan, tps)

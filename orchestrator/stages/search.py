@@ -105,13 +105,12 @@ def _strategy(cfg, result, space, inputs, prov: Provenance) -> StrategyProfile:
 def run_search(ctx, run):
     from orchestrator.planner import HardwareModel, ModelCost, search
 
-    cfg = run.cfg
-    hw_in, model_in = _inputs(cfg)
+    cfg, space = run.cfg, run.plan.detail
+    hw_in, model_in = run.plan.inputs
     hw = read_profile(hw_in.path, hw_in.profile, hw_in.rebuild(cfg))
     mp = read_profile(model_in.path, model_in.profile, model_in.rebuild(cfg))
-    space = search_space(cfg)
     result = search(ModelCost.from_profile(mp), HardwareModel.from_profile(hw), space)
-    out = strategy_path(cfg.profiles_dir, cfg.cluster.name, cfg.model.name)
+    (out,) = run.plan.outputs
     strategy = _strategy(cfg, result, space, [(hw_in.path, hw), (model_in.path, mp)],
                          Provenance.from_dict(run.provenance()))
     write_profile(out, strategy)  # first: an export that fails must not cost the answer
@@ -159,7 +158,8 @@ def _report(result, strategy: StrategyProfile, cfg) -> None:
             console.print(f"{name} export not written: {escape(getattr(exports, f'{name}_error'))}")
 
 
-def validate(cfg) -> None:
+def validate(cfg):
+    """The planner's SearchSpace for this config; ConfigError for what cannot be searched."""
     s = cfg.search
     memory = s.memory_GiB or cfg.cluster.device_mem_GiB
     if not memory or memory <= 0:
@@ -176,8 +176,8 @@ def validate(cfg) -> None:
     if s.global_batch_size < 1 or any(m < 1 for m in s.micro_batch_sizes):
         raise ConfigError(f"search.global_batch_size({s.global_batch_size}) and "
                           f"search.micro_batch_sizes({list(s.micro_batch_sizes)}) must be >= 1")
-    try:
-        search_space(cfg)  # what the planner itself refuses, before anything is launched
+    try:  # what the planner itself refuses, before anything is launched
+        return search_space(cfg)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"search: {e}") from None
 
@@ -188,11 +188,12 @@ class Search(Stage):
     hash_exclude = ("search.plot", "search.top_k")
 
     def plan(self, cfg):
-        validate(cfg)
+        space = validate(cfg)
         return self.make_plan(cfg, key=f"search/{cfg.model.name}", ranks=Ranks.one,
                               inputs=_inputs(cfg),
                               outputs=[strategy_path(cfg.profiles_dir, cfg.cluster.name,
-                                                     cfg.model.name)])
+                                                     cfg.model.name)],
+                              detail=space)
 
     def run(self, ctx, run):
         return run_search(ctx, run)
