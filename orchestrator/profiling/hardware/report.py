@@ -1,4 +1,5 @@
-"""Human views of a hardware profile: nccl-tests-like tables (rich) and a busbw plot (PNG)."""
+"""Human views of a hardware profile: nccl-tests-like tables (rich) and a PNG (busbw per op,
+overlap)."""
 from __future__ import annotations
 
 import os
@@ -75,34 +76,81 @@ def _series(points: List[Mapping]) -> Dict[Tuple[int, str], Tuple[List[float], L
     return series
 
 
-def plot_busbw(hardware: Mapping, path: os.PathLike) -> Path:
-    """Write a PNG of busbw (GB/s) against message size: one panel per op, one line per
-    (group size, layout). Returns the path."""
+SPAN_FOR_LOG = 20  # max/min above which an axis is logarithmic (small values stay readable)
+
+
+def _busbw_panel(ax, op: str, points: List[Mapping]) -> None:
+    ys_all: List[float] = []
+    for (group_size, layout), (xs, ys) in sorted(_series(points).items()):
+        ax.plot(xs, ys, marker="o", markersize=3, label=f"n={group_size} {layout}")
+        ys_all += ys
+    ax.set_xscale("log", base=2)
+    positive = [y for y in ys_all if y > 0]
+    if positive and max(positive) > SPAN_FOR_LOG * min(positive):
+        ax.set_yscale("log")
+    ax.set_title(op)
+    ax.set_xlabel("message size per rank (bytes)")
+    ax.set_ylabel("busbw (GB/s)")
+    ax.grid(True, which="both", alpha=0.3)
+    # Below the axes: a legend inside would hide the small-message points.
+    ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.16))
+
+
+def _overlap_panel(ax, overlap: Mapping) -> None:
+    """Time of a matmul and of an allreduce, each alone (1) and run together (its slowdown)."""
+    coe = overlap["overlap_coe"]
+    for i, (name, key) in enumerate((("matmul", "compute_slowdown"),
+                                     ("allreduce", "comm_slowdown"))):
+        together = overlap.get(key)
+        ax.bar([i - 0.2], [1.0], width=0.4, color="tab:blue", label="alone" if i == 0 else None)
+        if together is not None:  # a Galvatron read-back keeps only overlap_coe
+            ax.bar([i + 0.2], [together], width=0.4, color="tab:orange",
+                   label="together" if i == 0 else None)
+    ax.axhline(coe, color="red", linestyle="--", label=f"overlap_coe {coe:.2f}")
+    ax.set_xticks([0, 1], ["matmul", "allreduce"])
+    ax.set_ylabel("time relative to alone")
+    ax.set_title(f"overlap: overlap_coe = {coe:.2f}")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.1))
+
+
+def build_busbw_figure(hardware: Mapping):
+    """The matplotlib Figure of a hardware profile: busbw (GB/s) against message size (bytes,
+    log) per op, one line per (group size, layout), busbw on a log axis where it spans
+    decades; and, when measured, the overlap slowdowns. Axes are labelled with the op's name
+    and "overlap"."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ops = [op for op in _ops(hardware) if hardware["benchmarks"][op].get("points")]
-    ncols = min(3, max(1, len(ops)))
-    nrows = max(1, -(-len(ops) // ncols))
-    fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 4 * nrows), squeeze=False)
-    for ax, op in zip(axes.flat, ops):
-        for (group_size, layout), (xs, ys) in sorted(
-                _series(hardware["benchmarks"][op]["points"]).items()):
-            ax.plot(xs, ys, marker="o", markersize=3, label=f"n={group_size} {layout}")
-        ax.set_xscale("log", base=2)
-        ax.set_title(op)
-        ax.set_xlabel("message size per rank (bytes)")
-        ax.set_ylabel("busbw (GB/s)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(ops):]:
+    benchmarks = hardware.get("benchmarks", {})
+    ops = [op for op in _ops(hardware) if benchmarks[op].get("points")]
+    overlap = benchmarks.get("overlap")
+    panels = ops + (["overlap"] if overlap else [])
+    ncols = min(3, max(1, len(panels)))
+    nrows = max(1, -(-len(panels) // ncols))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 4.6 * nrows), squeeze=False,
+                             layout="constrained")
+    for ax, panel in zip(axes.flat, panels):
+        ax.set_label(panel)
+        if panel == "overlap":
+            _overlap_panel(ax, overlap)
+        else:
+            _busbw_panel(ax, panel, benchmarks[panel]["points"])
+    for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     cluster = hardware.get("cluster", {})
     fig.suptitle(f"{cluster.get('name', '')}: {cluster.get('world_size', '?')} ranks, "
                  f"{hardware.get('source', 'measured')}")
-    fig.tight_layout()
+    return fig
+
+
+def plot_busbw(hardware: Mapping, path: os.PathLike) -> Path:
+    """Write a PNG of build_busbw_figure(hardware) at `path`. Returns the path."""
+    import matplotlib.pyplot as plt
+
+    fig = build_busbw_figure(hardware)
     out = save_figure(fig, path)
     plt.close(fig)
     return out

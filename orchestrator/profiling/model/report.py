@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from rich.console import Console
 from rich.table import Table
@@ -14,10 +14,53 @@ from orchestrator.profiling.model.fit import predict_poly
 from orchestrator.store import save_figure
 
 MODES = tuple(Recompute)
+FIT_WARN_REL_ERR = 0.2  # a block time fit missing a point by more is flagged (plot and report)
 
 
 def _source_tag(source: str) -> str:
     return "[yellow]analytic[/]" if source == "analytic" else source
+
+
+def _points_by_tp(profile: Mapping) -> Dict[int, List[Mapping]]:
+    by_tp: Dict[int, List[Mapping]] = {}
+    for p in sorted(profile.get("points", []), key=lambda p: p["seq_len"]):
+        by_tp.setdefault(p["tp"], []).append(p)
+    return by_tp
+
+
+def _block_fit_rel_errors(points: List[Mapping], fit: Mapping) -> List[Tuple[int, float]]:
+    """(seq_len, |fit - measured| / measured) per point of block fwd + bwd time."""
+    out = []
+    for p in points:
+        measured = p["block_fwd_us"] + p["block_bwd_us"]
+        pred = (predict_poly(fit["block_fwd_us"], p["seq_len"])
+                + predict_poly(fit["block_bwd_us"], p["seq_len"]))
+        out.append((p["seq_len"], abs(pred - measured) / measured))
+    return out
+
+
+def block_fit_errors(profile: Mapping) -> Dict[int, float]:
+    """Per TP degree with a fit: the largest relative error (a fraction) of the block fwd + bwd
+    time fit over its points, max |fit - measured| / measured: the series the PNG draws."""
+    fits = profile.get("fits", {})
+    return {tp: max(e for _, e in _block_fit_rel_errors(pts, fits[str(tp)]))
+            for tp, pts in _points_by_tp(profile).items() if str(tp) in fits}
+
+
+def fit_warnings(profile: Mapping) -> List[str]:
+    """One line per TP degree whose block time fit misses a point by more than
+    FIT_WARN_REL_ERR, naming the error and the worst sequence length; [] when all fit."""
+    fits = profile.get("fits", {})
+    lines = []
+    for tp, pts in _points_by_tp(profile).items():
+        if str(tp) not in fits:
+            continue
+        seq, err = max(_block_fit_rel_errors(pts, fits[str(tp)]), key=lambda se: se[1])
+        if err > FIT_WARN_REL_ERR:
+            lines.append(f"tp={tp}: block time fit misses by {err:.0%} at seq {seq} (over "
+                         f"{FIT_WARN_REL_ERR:.0%}): times the search prices from it are off; "
+                         f"noisy points, or a length range too short for the fit")
+    return lines
 
 
 def point_line(record: Optional[dict], batch: int, markup: bool = True) -> str:
@@ -68,8 +111,10 @@ def fits_table(profile: Mapping) -> Table:
         return " ".join(f"{x:.3g}" for x in c)
 
     for tp, f in sorted(profile.get("fits", {}).items(), key=lambda kv: int(kv[0])):
+        err = f"{f['max_rel_err']:.1%}"
         table.add_row(tp, fmt(f["block_fwd_us"]), fmt(f["block_bwd_us"]), fmt(f["other_fwd_us"]),
-                      fmt(f["other_bwd_us"]), f"{f['max_rel_err']:.1%}",
+                      fmt(f["other_bwd_us"]),
+                      f"[red]{err}[/]" if f["max_rel_err"] > FIT_WARN_REL_ERR else err,
                       _source_tag(f.get("source", "measured")))
     return table
 
@@ -103,6 +148,8 @@ def print_report(profile: Mapping, console: Optional[Console] = None) -> None:
     console.print(points_table(profile))
     if profile.get("fits"):
         console.print(fits_table(profile))
+        for line in fit_warnings(profile):
+            console.print(f"[red]warning[/]: {line}")
     if profile.get("memory"):
         console.print(memory_table(profile))
     if profile.get("source") == "analytic":
@@ -112,9 +159,65 @@ def print_report(profile: Mapping, console: Optional[Console] = None) -> None:
                       f"TP collectives not included; memory exact from shapes")
 
 
-def plot_profile(profile: Mapping, png_path: str | os.PathLike) -> Optional[Path]:
-    """Write a PNG: block fwd+bwd time against seq with the fit (left), block activation memory
-    against seq per TP degree and recompute mode (right). Returns the path, None if no points."""
+def _time_panel(ax, profile: Mapping, by_tp: Dict[int, List[Mapping]], colours) -> None:
+    """Block fwd + bwd (ms) against seq per TP degree, with the fit; a series whose fit misses
+    a point by more than FIT_WARN_REL_ERR is named in red in the legend and the title."""
+    import numpy as np
+
+    errors = block_fit_errors(profile)
+    missed = []
+    for i, (tp, pts) in enumerate(by_tp.items()):
+        c = colours[i % len(colours)]
+        s = np.array([p["seq_len"] for p in pts], dtype=float)
+        t = np.array([p["block_fwd_us"] + p["block_bwd_us"] for p in pts]) / 1e3
+        label = f"tp={tp} {'analytic' if pts[0].get('source') == 'analytic' else 'measured'}"
+        if tp in errors:
+            err = errors[tp]
+            label += (f", fit misses by {err:.0%}" if err > FIT_WARN_REL_ERR
+                      else f", fit err {err:.1%}")
+            if err > FIT_WARN_REL_ERR:
+                missed.append(f"tp={tp}")
+        ax.plot(s, t, "o", color=c, label=label)
+        fit = profile.get("fits", {}).get(str(tp))
+        if fit:
+            grid = np.geomspace(s.min(), s.max() * 1.05, 100)
+            pred = [(predict_poly(fit["block_fwd_us"], x) + predict_poly(fit["block_bwd_us"], x))
+                    / 1e3 for x in grid]
+            ax.plot(grid, pred, "-", color=c, alpha=0.6)
+    ax.set_xlabel("sequence length")
+    ax.set_ylabel("block fwd + bwd (ms)")
+    title = f"{profile['model']['name']}: block time ({profile.get('source')}), fit lines"
+    if missed:
+        title += f"\n{', '.join(missed)}: fit misses its points by > {FIT_WARN_REL_ERR:.0%}"
+    ax.set_title(title, color="red" if missed else "black")
+    # Below the axes, so that no point is hidden behind it.
+    legend = ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    for text in legend.get_texts():
+        if "fit misses" in text.get_text():
+            text.set_color("red")
+    ax.grid(alpha=0.3)
+
+
+def _memory_panel(ax, by_tp: Dict[int, List[Mapping]], colours) -> None:
+    """Block activations (MiB) against seq per TP degree and recompute mode."""
+    styles = {"none": "-", "selective": "--", "full": ":"}
+    for i, (tp, pts) in enumerate(by_tp.items()):
+        s = [p["seq_len"] for p in pts]
+        for mode in MODES:
+            ax.plot(s, [p["block_act_bytes"][mode] / 2**20 for p in pts], styles[mode],
+                    marker="o", markersize=3, color=colours[i % len(colours)],
+                    label=f"tp={tp} {mode}")
+    ax.set_xlabel("sequence length")
+    ax.set_ylabel("block activations per rank (MiB)")
+    ax.set_title("activation memory: none (-), selective (--), full (:)")
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    ax.grid(alpha=0.3)
+
+
+def build_profile_figure(profile: Mapping):
+    """The matplotlib Figure of a model profile, None if it has no points: axes "time" (block
+    fwd + bwd in ms against seq, the fit as a line, fits missing their points flagged) and
+    "memory" (block activations per rank in MiB per TP degree and recompute mode)."""
     points = profile.get("points", [])
     if not points:
         return None
@@ -122,45 +225,30 @@ def plot_profile(profile: Mapping, png_path: str | os.PathLike) -> Optional[Path
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
-    tps = sorted({p["tp"] for p in points})
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 5.5), layout="constrained")
+    ax_t.set_label("time")
+    ax_m.set_label("memory")
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    styles = {"none": "-", "selective": "--", "full": ":"}
-    for i, tp in enumerate(tps):
-        c = colours[i % len(colours)]
-        pts = sorted((p for p in points if p["tp"] == tp), key=lambda p: p["seq_len"])
-        s = np.array([p["seq_len"] for p in pts], dtype=float)
-        t = np.array([p["block_fwd_us"] + p["block_bwd_us"] for p in pts]) / 1e3
-        ax_t.plot(s, t, "o", color=c, label=f"tp={tp} measured" if pts[0].get("source") != "analytic"
-                  else f"tp={tp} analytic")
-        fit = profile.get("fits", {}).get(str(tp))
-        if fit:
-            grid = np.geomspace(s.min(), s.max() * 1.05, 100)
-            pred = [(predict_poly(fit["block_fwd_us"], x) + predict_poly(fit["block_bwd_us"], x))
-                    / 1e3 for x in grid]
-            ax_t.plot(grid, pred, "-", color=c, alpha=0.6)
-        for mode in MODES:
-            a = np.array([p["block_act_bytes"][mode] for p in pts]) / 2**20
-            ax_m.plot(s, a, styles[mode], marker="o", markersize=3, color=c,
-                      label=f"tp={tp} {mode}")
+    by_tp = _points_by_tp(profile)
+    _time_panel(ax_t, profile, by_tp, colours)
+    _memory_panel(ax_m, by_tp, colours)
     seqs = [p["seq_len"] for p in points]
     if max(seqs) > 20 * min(seqs):  # a sweep over orders of magnitude reads better on log axes
         for ax in (ax_t, ax_m):
             ax.set_xscale("log")
             ax.set_yscale("log")
-    ax_t.set_xlabel("sequence length")
-    ax_t.set_ylabel("block fwd + bwd (ms)")
-    ax_t.set_title(f"{profile['model']['name']}: block time ({profile.get('source')}), fit lines")
-    ax_t.legend(fontsize=8)
-    ax_t.grid(alpha=0.3)
-    ax_m.set_xlabel("sequence length")
-    ax_m.set_ylabel("block activations per rank (MiB)")
-    ax_m.set_title("activation memory: none (-), selective (--), full (:)")
-    ax_m.legend(fontsize=7, ncol=2)
-    ax_m.grid(alpha=0.3)
-    fig.tight_layout()
+    return fig
+
+
+def plot_profile(profile: Mapping, png_path: str | os.PathLike) -> Optional[Path]:
+    """Write a PNG of build_profile_figure(profile) at `png_path`. Returns the path, None if the
+    profile has no points."""
+    fig = build_profile_figure(profile)
+    if fig is None:
+        return None
+    import matplotlib.pyplot as plt
+
     png_path = save_figure(fig, png_path)
     plt.close(fig)
     return png_path
