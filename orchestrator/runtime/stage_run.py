@@ -88,11 +88,11 @@ class StageRun:
     def mark_part(self, profile: dict, name: str) -> None:
         """Rank 0, after sub-part `name` was merged into `profile`: record the settings it was
         made under (`parts`) and the run's provenance."""
-        profile.setdefault("parts", {})[name] = {
+        profile["parts"] = {**(profile.get("parts") or {}), name: {
             "config_hash": self.request.config_hash,
             "settings": dataclasses.asdict(getattr(self.cfg, self.plan.stage)),
             "selection": list(self.plan.selection), "job_id": self.ctx.job_id,
-            "ended": time.time()}
+            "ended": time.time()}}
         profile["provenance"] = self.provenance()
 
     def finish(self, result: Optional[dict]) -> None:

@@ -38,7 +38,7 @@ def _merge_point(profile: dict, point: dict) -> None:
 def _drop_unplanned(profile: dict, plan) -> None:
     """Drop points this plan never redoes that were made under other settings (e.g. another
     seq_lens list): they would stay in the fits for good. Planned ones stay until redone."""
-    parts = profile.get("parts", {})
+    parts = profile.get("parts") or {}
 
     def keep(point):
         name = point_name(point["seq_len"], point["tp"])

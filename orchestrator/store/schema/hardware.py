@@ -145,7 +145,8 @@ class HardwareProfile(Profile):
     inventory: Optional[Inventory] = doc("ranks' hosts and devices; empty for analytic "
                                          "profiles", default=None)
     benchmarks: HardwareBenchmarks = doc("points and fits per benchmark, overlap")
-    parts: Dict[str, PartMade] = doc("per sub-part (inventory, each benchmark): the settings it "
-                                     "was made under", default_factory=dict)
+    parts: Optional[Dict[str, PartMade]] = doc(
+        "per sub-part (inventory, each benchmark): the settings it "
+                                     "was made under", default=None)
     sheet: Optional[Dict[str, Any]] = doc("analytic only: the link figures the numbers come "
                                           "from (LinkSheet)", default=None)
