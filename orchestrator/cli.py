@@ -16,17 +16,18 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from orchestrator.choices import Ranks
+from orchestrator.commands import set_user_overrides
 from orchestrator.config import CONF_DIR, Config, choice_type, register_configs
 from orchestrator.errors import ConfigError, LaunchError, OrchestratorError
 from orchestrator.launch import make_launcher, refresh_ledger
 from orchestrator.pipeline import (check_launchable, decide, ledger_for, plan_stage, stages_for,
                                    validate_cluster)
 from orchestrator.runtime.request import StageRequest
-from orchestrator.stages import STAGES, StagePlan
-from orchestrator.store import read_profile
+from orchestrator.stages import STAGES, StagePlan, get_stage
 from orchestrator.store.ledger import State
 
 # Wide enough for the status table when output goes to a file or a pipe (rich would use 80).
@@ -81,9 +82,10 @@ def _run_dir(stage: str, n_stages: int) -> Path:
 
 
 def _check_inputs(plan: StagePlan, cfg: Config, produced_now: set) -> None:
-    for needed in plan.inputs:
-        if needed.producer not in produced_now:  # else an earlier stage of this command writes it
-            read_profile(needed.path, needed.profile, needed.rebuild(cfg))
+    # An input an earlier stage of this command writes is checked by the stage when it runs.
+    if plan.inputs and not any(i.producer in produced_now for i in plan.inputs):
+        for note in get_stage(plan.stage).read_inputs(cfg, plan):
+            console.print(f"note: {escape(note)}")
 
 
 def _launch_line(plan: StagePlan, todo, launcher) -> str:
@@ -227,6 +229,7 @@ def print_status(cfg) -> List[dict]:
 def orchestrate(composed: DictConfig):
     """The Hydra task: one stage (or `all`, or `status`) for one composed config."""
     cfg: Config = OmegaConf.to_object(composed)  # typed from here on, down to the ranks
+    set_user_overrides(HydraConfig.get().overrides.task)  # printed fix commands keep them
     try:
         if cfg.stage.name == "status":
             return print_status(cfg)

@@ -17,7 +17,7 @@ from orchestrator.config import SUBMISSION_ONLY_FIELDS, Config
 from orchestrator.errors import ConfigError
 from orchestrator.stages import PIPELINE, Stage, StagePlan, get_stage
 from orchestrator.store import cluster_dir, config_hash, file_sha256, read_json
-from orchestrator.store.ledger import Ledger
+from orchestrator.store.ledger import Ledger, LedgerEntry, State
 
 
 @dataclass(frozen=True)
@@ -84,9 +84,13 @@ def plan_stage(name: str, cfg: Config, plans: Optional[Dict[str, StagePlan]] = N
     return plans[name]
 
 
-def stale_outputs(plan: StagePlan) -> str:
-    """Why the stage's output files cannot be reused ("" if they can): missing, written under
-    another config, or built from input files that have changed since (e.g. measured again)."""
+def stale_outputs(plan: StagePlan, folder: Path) -> str:
+    """Why the stage's output files cannot be reused ("" if they can): missing, corrupt, written
+    under another config (a stage without sub-parts; with them, staleness is per sub-part:
+    `decide`), or built from input files that have changed since (e.g. measured again). Input
+    keys are paths relative to the cluster's profiles `folder`; other keys (older files) are
+    stale."""
+    expected = {str(i.path.relative_to(folder)) for i in plan.inputs}
     for path in plan.outputs:
         if not path.exists():
             return f"{path} missing"
@@ -94,22 +98,43 @@ def stale_outputs(plan: StagePlan) -> str:
             written = read_json(path)
         except ValueError:
             return f"{path} corrupt"
-        if written.get("provenance", {}).get("config_hash") != plan.config_hash:
+        if not plan.subparts and written.get("provenance", {}).get("config_hash") != plan.config_hash:
             return f"{path} was written under another config"
-        for input_path, recorded in (written.get("inputs") or {}).items():
-            if Path(input_path).exists() and file_sha256(input_path) != recorded.get("sha256"):
-                return f"{input_path} changed since {path} was written"
+        inputs = written.get("inputs") or {}
+        if plan.inputs and set(inputs) != expected:
+            return f"{path} names its inputs by other paths ({', '.join(sorted(inputs))})"
+        for key, recorded in inputs.items():
+            if (folder / key).exists() and file_sha256(folder / key) != recorded.get("sha256"):
+                return f"{folder / key} changed since {path} was written"
     return ""
+
+
+def parts_made(plan: StagePlan) -> Dict[str, dict]:
+    """Sub-part name -> what it was made under (`parts` of the output file; {} if unreadable)."""
+    try:
+        return dict(read_json(plan.outputs[0]).get("parts") or {}) if plan.outputs else {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def _part_current(plan: StagePlan, ledger: Ledger, name: str, made: Optional[dict]) -> bool:
+    """Done under this hash in the ledger and in the file; for a named selection, also made by
+    that same selection (so naming a part redoes it, and rerunning that command resumes)."""
+    if made is None or made.get("config_hash") != plan.config_hash:
+        return False
+    if plan.selection and tuple(made.get("selection") or ()) != plan.selection:
+        return False
+    return ledger.is_done(f"{plan.key}/{name}", plan.config_hash)
 
 
 def decide(plan: StagePlan, ledger: Ledger, force: bool = False) -> Decision:
     """What of `plan` must run now, from the ledger and the output files."""
-    stale = stale_outputs(plan)
+    stale = stale_outputs(plan, ledger.path.parent)
     if force or stale:
         todo = plan.subparts
     else:
-        todo = tuple(s for s in plan.subparts
-                     if not ledger.is_done(f"{plan.key}/{s}", plan.config_hash))
+        made = parts_made(plan)
+        todo = tuple(s for s in plan.subparts if not _part_current(plan, ledger, s, made.get(s)))
     done = not todo if plan.subparts else (not force and not stale
                                            and ledger.is_done(plan.key, plan.config_hash))
     return Decision(todo=tuple(todo), done=done, stale_reason=stale)
@@ -121,4 +146,38 @@ def stages_for(stage: str) -> List[str]:
 
 
 def ledger_for(cfg: Config) -> Ledger:
-    return Ledger(cluster_dir(cfg.profiles_dir, cfg.cluster.name))
+    """The cluster's ledger; a corrupt one is rebuilt from the output files (`rebuild_entries`)."""
+    return Ledger(cluster_dir(cfg.profiles_dir, cfg.cluster.name), rebuild=rebuild_entries)
+
+
+# Output files of a cluster folder: (glob, kind, ledger key of a file's stem).
+_OUTPUTS = (("hardware.json", "hardware", lambda stem: "profile_hardware"),
+            ("model/*.json", "model", lambda stem: f"profile_model/{stem}"),
+            ("strategy/*.json", "strategy", lambda stem: f"search/{stem}"))
+
+
+def rebuild_entries(folder: Path) -> Tuple[Dict[str, LedgerEntry], List[str]]:
+    """Ledger entries rebuilt from the provenance of the output files in a cluster folder:
+    each file's stage key and each of its `parts`, done under the hash they were made under;
+    and the files read (relative to `folder`). Unreadable files are left to be redone."""
+    entries: Dict[str, LedgerEntry] = {}
+    files: List[str] = []
+    for pattern, kind, key_of in _OUTPUTS:
+        for path in sorted(folder.glob(pattern)):
+            try:
+                written = read_json(path)
+                prov = written["provenance"]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if not isinstance(written, dict) or written.get("kind") != kind:
+                continue  # e.g. strategy/<m>.layout.json
+            key = key_of(path.stem)
+            entries[key] = LedgerEntry(state=State.done, config_hash=prov.get("config_hash"),
+                                       job_id=prov.get("job_id"), started=prov.get("started"),
+                                       ended=prov.get("ended"))
+            for name, made in (written.get("parts") or {}).items():
+                entries[f"{key}/{name}"] = LedgerEntry(
+                    state=State.done, config_hash=made.get("config_hash"),
+                    job_id=made.get("job_id"), ended=made.get("ended"))
+            files.append(str(path.relative_to(folder)))
+    return entries, files

@@ -67,21 +67,33 @@ class StageRun:
         return provenance(dataclasses.asdict(self.cfg), self.request.config_hash,
                           job_id=self.ctx.job_id, hosts=self.ctx.hostnames, started=self.started)
 
-    def resume_profile(self, path: Path, kind: str, source: str, **fields) -> dict:
-        """The profile at `path` if an earlier run of this same config wrote it, else a new one.
+    def resume_profile(self, path: Path, kind: str, source: str, identity: str, **fields) -> dict:
+        """The profile at `path` if it holds the same kind, source and `fields[identity]` (the
+        cluster or the model profiled), else a new one.
 
-        A file from another config (or a corrupt one) is not merged into: its parts are redone.
+        Parts made under other settings stay, each marked in `parts` with what it was made
+        under, until they are redone; a corrupt file or one of another shape is started anew.
         """
         if path.exists():
             try:
                 old = read_json(path)
-                if (old.get("kind") == kind
-                        and old.get("provenance", {}).get("config_hash") == self.request.config_hash):
+                if ((old.get("kind"), old.get("source")) == (kind, source)
+                        and old.get(identity) == fields[identity]):
                     old["provenance"] = self.provenance()
                     return old
             except ValueError:
                 pass
         return new_profile(kind, source, self.provenance(), **fields)
+
+    def mark_part(self, profile: dict, name: str) -> None:
+        """Rank 0, after sub-part `name` was merged into `profile`: record the settings it was
+        made under (`parts`) and the run's provenance."""
+        profile["parts"] = {**(profile.get("parts") or {}), name: {
+            "config_hash": self.request.config_hash,
+            "settings": dataclasses.asdict(getattr(self.cfg, self.plan.stage)),
+            "selection": list(self.plan.selection), "job_id": self.ctx.job_id,
+            "ended": time.time()}}
+        profile["provenance"] = self.provenance()
 
     def finish(self, result: Optional[dict]) -> None:
         """Rank 0: mark the stage done in the ledger."""

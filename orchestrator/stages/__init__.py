@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Optional, Tuple
+from typing import Any, ClassVar, List, Optional, Tuple
 
 from orchestrator.choices import Ranks
 from orchestrator.config import Config, cluster_world_size
@@ -45,6 +45,9 @@ class StagePlan:
     ranks: Ranks
     world_size: int  # ranks the launch needs (1 for Ranks.one)
     subparts: Tuple[str, ...] = ()  # in run order; each a ledger entry `<key>/<name>`
+    # The sub-parts the user named, when fewer than all: redone even when done, unless the same
+    # selection made them (rerunning the same command resumes). () when not narrowed.
+    selection: Tuple[str, ...] = ()
     inputs: Tuple[StageInput, ...] = ()
     outputs: Tuple[Path, ...] = ()
     detail: Any = None  # the stage's own typed plan
@@ -66,16 +69,26 @@ class Stage:
         """Validate the stage's config (ConfigError before anything launches); the launch."""
         raise NotImplementedError
 
+    def read_inputs(self, cfg: Config, plan: StagePlan) -> List[str]:
+        """Read and check the plan's input profiles (ProfileError, exit 4, naming the file and
+        the command that rebuilds it); the notes on what is extrapolated from them."""
+        from orchestrator.store import read_profile
+
+        for needed in plan.inputs:
+            read_profile(needed.path, needed.profile, needed.rebuild(cfg))
+        return []
+
     def run(self, ctx, run) -> Optional[dict]:
         """Run on every rank (`run.plan`, `run.cfg`, `run.todo`); rank 0 returns the summary."""
         raise NotImplementedError
 
     def make_plan(self, cfg: Config, key: str, ranks: Ranks = Ranks.cluster,
-                  subparts=(), inputs=(), outputs=(), detail=None) -> StagePlan:
+                  subparts=(), inputs=(), outputs=(), detail=None, selection=()) -> StagePlan:
         """A StagePlan of this stage; the world size follows from `ranks`."""
         world = cluster_world_size(cfg.cluster) if ranks == Ranks.cluster else 1
         return StagePlan(stage=self.name, key=key, ranks=Ranks(ranks), world_size=world,
-                         subparts=tuple(subparts), inputs=tuple(inputs),
+                         subparts=tuple(subparts), selection=tuple(selection),
+                         inputs=tuple(inputs),
                          outputs=tuple(Path(p) for p in outputs), detail=detail)
 
 

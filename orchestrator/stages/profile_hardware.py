@@ -16,7 +16,7 @@ from orchestrator.choices import HardwareSource, Ranks
 from orchestrator.profiling.hardware.benchmarks import BENCHMARKS
 from orchestrator.stages import Stage
 from orchestrator.store import cluster_dir, hardware_path, write_profile
-from orchestrator.store.schema import HardwareProfile, Provenance
+from orchestrator.store.schema import HardwareProfile
 
 
 def _cluster_summary(cfg) -> dict:
@@ -76,7 +76,7 @@ def run_profile(ctx, run):
         return _run_analytic(ctx, run, path)
     profile = None
     if ctx.is_root:
-        profile = run.resume_profile(path, "hardware", "measured",
+        profile = run.resume_profile(path, "hardware", "measured", identity="cluster",
                                      cluster=_cluster_summary(cfg), inventory=None, benchmarks={})
     progress, on_point = _progress(ctx, [n for n in run.todo if n != "inventory"])
     if progress is not None:
@@ -90,7 +90,7 @@ def run_profile(ctx, run):
                         profile["inventory"] = section
                     else:
                         profile["benchmarks"][name] = section
-                    profile["provenance"] = run.provenance()
+                    run.mark_part(profile, name)
                     write_profile(path, HardwareProfile.from_dict(profile))
     finally:
         if progress is not None:
@@ -111,7 +111,9 @@ def _run_analytic(ctx, run, path: Path) -> dict:
     with run.subpart("analytic"):
         profile = analytic_hardware(cfg.cluster.name, world, link_sheet(cfg),
                                     max_tp=cfg.profile_hardware.max_tp)
-        profile.provenance = Provenance.from_dict(run.provenance())
+        record = profile.to_dict()
+        run.mark_part(record, "analytic")
+        profile = HardwareProfile.from_dict(record)
         write_profile(path, profile)
     return _finish_outputs(profile.to_dict(), cfg, path)
 
@@ -150,8 +152,11 @@ class ProfileHardware(Stage):
         analytic = cfg.profile_hardware.source == HardwareSource.analytic
         subparts = (["analytic"] if analytic
                     else [b for b in BENCHMARKS if b in cfg.profile_hardware.benchmarks])
+        # Fewer than all named: `benchmarks=[all2all]` redoes all2all (README: redo one part).
+        selection = subparts if len(subparts) < len(BENCHMARKS) and not analytic else ()
         return self.make_plan(cfg, key="profile_hardware",
                               ranks=Ranks.one if analytic else Ranks.cluster, subparts=subparts,
+                              selection=selection,
                               outputs=[hardware_path(cfg.profiles_dir, cfg.cluster.name)])
 
     def run(self, ctx, run):

@@ -35,6 +35,21 @@ def _merge_point(profile: dict, point: dict) -> None:
     profile["points"].sort(key=lambda p: (p["tp"], p["seq_len"]))
 
 
+def _drop_unplanned(profile: dict, plan) -> None:
+    """Drop points this plan never redoes that were made under other settings (e.g. another
+    seq_lens list): they would stay in the fits for good. Planned ones stay until redone."""
+    parts = profile.get("parts") or {}
+
+    def keep(point):
+        name = point_name(point["seq_len"], point["tp"])
+        return (name in plan.subparts
+                or parts.get(name, {}).get("config_hash") == plan.config_hash)
+
+    profile["points"] = [p for p in profile["points"] if keep(p)]
+    profile["parts"] = {n: parts[n] for n in parts
+                        if n in plan.subparts or parts[n].get("config_hash") == plan.config_hash}
+
+
 def _refresh_derived(profile: dict, model: ModelConfig, batch: int) -> None:
     from orchestrator.profiling.model.fit import fit_points
     from orchestrator.profiling.model.memory import memory_summary
@@ -57,8 +72,10 @@ def run_profile(ctx, run):
     runner = point_runner(ctx, cfg, plan, tps)
     profile = None
     if ctx.is_root:
-        profile = run.resume_profile(path, "model", plan.source, model=_model_summary(model),
-                                     micro_batch_size=batch, points=[], fits={}, memory={})
+        profile = run.resume_profile(path, "model", plan.source, identity="model",
+                                     model=_model_summary(model), micro_batch_size=batch,
+                                     points=[], fits={}, memory={})
+        _drop_unplanned(profile, run.plan)
         profile["method"] = runner.timing.method(plan)
     progress = _progress(ctx, plan, len(todo))
     try:
@@ -74,7 +91,7 @@ def run_profile(ctx, run):
                         if ctx.is_root:
                             _merge_point(profile, record)
                             _refresh_derived(profile, model, batch)
-                            profile["provenance"] = run.provenance()
+                            run.mark_part(profile, name)
                             write_profile(path, ModelProfile.from_dict(profile))
                             log.info("%s:%s", name,
                                      model_report.point_line(record, batch, markup=False))

@@ -9,14 +9,18 @@ counts, inputs' hashes) and, next to it, the exports: Megatron-LM arguments
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import List
 
 from orchestrator.config import cluster_world_size
-from orchestrator.errors import ConfigError
+from orchestrator.commands import rerun_command
+from orchestrator.errors import ConfigError, ProfileError
 from orchestrator.choices import Ranks
 from orchestrator.stages import Stage, StageInput
-from orchestrator.store import (atomic_write, file_sha256, hardware_path, model_profile_path,
-                                read_profile, strategy_path, write_json, write_profile)
+from orchestrator.store import (atomic_write, cluster_dir, file_sha256, hardware_path,
+                                model_profile_path, read_profile, strategy_path, write_json,
+                                write_profile)
 from orchestrator.store.schema import (Alternative, HardwareProfile, ModelProfile,
                                        PredictionRecord, Provenance, SpaceSummary, Source,
                                        StrategyInput, StrategyProfile)
@@ -29,6 +33,66 @@ def _inputs(cfg):
                        "profile_hardware"),
             StageInput(model_profile_path(cfg.profiles_dir, cfg.cluster.name, cfg.model.name),
                        ModelProfile, "profile_model")]
+
+
+# What changes a block's time and memory; not `layers` (the planner multiplies by it).
+MODEL_SHAPE = ("hidden", "ffn", "heads", "kv_heads", "vocab", "dtype")
+
+
+@dataclass(frozen=True)
+class SearchInputs:
+    hardware: HardwareProfile
+    model: ModelProfile
+    notes: List[str]  # what is extrapolated from them (printed once, kept in the strategy)
+
+
+def _plain(value):
+    return getattr(value, "value", value)
+
+
+def _check_model(cfg, path: Path, made) -> None:
+    """ProfileError when the model profile was made for another block shape."""
+    asked = {f: _plain(getattr(cfg.model, f)) for f in MODEL_SHAPE}
+    asked["kv_heads"] = asked["kv_heads"] or asked["heads"]
+    have = {f: _plain(getattr(made, f)) for f in MODEL_SHAPE}
+    differ = [f for f in MODEL_SHAPE if str(have[f]) != str(asked[f])]
+    if differ:
+        raise ProfileError(
+            f"{path} was profiled for " + ", ".join(f"model.{f}={have[f]}" for f in differ)
+            + "; this search asks for " + ", ".join(f"{f}={asked[f]}" for f in differ)
+            + f": rebuild it with {rerun_command('profile_model')}")
+
+
+def _check_hardware(cfg, path: Path, made, world_size: int) -> List[str]:
+    """ProfileError when the ranks per node differ (intra-node groups never measured); a note
+    when the search plans more ranks than were profiled (priced from the inter-node fits)."""
+    per_node = cfg.cluster.tasks_per_node
+    if made.tasks_per_node != per_node:
+        raise ProfileError(
+            f"{path} was measured with cluster.tasks_per_node={made.tasks_per_node}; this search "
+            f"asks for tasks_per_node={per_node}: groups within a node of {per_node} were never "
+            f"measured: rebuild it with {rerun_command('profile_hardware')}")
+    if world_size <= made.world_size:
+        return []
+    nodes = -(-world_size // per_node)
+
+    def n_nodes(n):
+        return f"{n} node{'s' if n != 1 else ''}"
+
+    return [f"{path.name} measured {n_nodes(made.nodes)} x {made.tasks_per_node} ranks; planning "
+            f"{n_nodes(nodes)} ({world_size} ranks): groups spanning more than "
+            f"{n_nodes(made.nodes)} priced from the inter-node fits"]
+
+
+def read_inputs(cfg, plan) -> SearchInputs:
+    """The search's input profiles, checked against the model and cluster it is asked about:
+    ProfileError (exit 4) naming the difference and the command that rebuilds the input."""
+    hw_in, model_in = plan.inputs
+    hw = read_profile(hw_in.path, hw_in.profile, hw_in.rebuild(cfg))
+    mp = read_profile(model_in.path, model_in.profile, model_in.rebuild(cfg))
+    _check_model(cfg, model_in.path, mp.model)
+    notes = _check_hardware(cfg, hw_in.path, hw.cluster, plan.detail.world_size)
+    return SearchInputs(hardware=hw, model=mp, notes=notes)
 
 
 def search_space(cfg):
@@ -80,16 +144,19 @@ def _export(strategy: StrategyProfile, out: Path) -> None:
         write(path, exported)
 
 
-def _strategy(cfg, result, space, inputs, prov: Provenance) -> StrategyProfile:
-    """The strategy record of a search result, from the (path, profile) pairs it read; exports
+def _strategy(cfg, result, space, inputs, notes, prov: Provenance) -> StrategyProfile:
+    """The strategy record of a search result, from the (path, profile) pairs it read (keyed
+    relative to the cluster's profiles folder, so a copied folder stays consistent); exports
     still empty."""
     best = result.best
     sources = [profile.source for _, profile in inputs]
+    folder = cluster_dir(cfg.profiles_dir, cfg.cluster.name)
     return StrategyProfile(
         source=Source.analytic if Source.analytic in sources else Source.measured,
         provenance=prov, model=cfg.model.name,
-        inputs={str(path): StrategyInput(sha256=file_sha256(path), source=profile.source)
-                for path, profile in inputs},
+        inputs={str(path.relative_to(folder)): StrategyInput(sha256=file_sha256(path),
+                                                            source=profile.source)
+                for path, profile in inputs}, notes=list(notes),
         space=SpaceSummary(world_size=space.world_size,
                            memory_GiB=space.memory_budget_bytes / GiB,
                            global_batch_size=space.global_batch_size, seq_len=space.seq_len,
@@ -107,12 +174,12 @@ def run_search(ctx, run):
 
     cfg, space = run.cfg, run.plan.detail
     hw_in, model_in = run.plan.inputs
-    hw = read_profile(hw_in.path, hw_in.profile, hw_in.rebuild(cfg))
-    mp = read_profile(model_in.path, model_in.profile, model_in.rebuild(cfg))
+    read = read_inputs(cfg, run.plan)
+    hw, mp = read.hardware, read.model
     result = search(ModelCost.from_profile(mp), HardwareModel.from_profile(hw), space)
     (out,) = run.plan.outputs
     strategy = _strategy(cfg, result, space, [(hw_in.path, hw), (model_in.path, mp)],
-                         Provenance.from_dict(run.provenance()))
+                         read.notes, Provenance.from_dict(run.provenance()))
     write_profile(out, strategy)  # first: an export that fails must not cost the answer
     write_json(out.with_suffix(".layout.json"),
                {"model": cfg.model.name, "seq_len": space.seq_len, "layout": result.best.to_dict()})
@@ -194,6 +261,9 @@ class Search(Stage):
                               outputs=[strategy_path(cfg.profiles_dir, cfg.cluster.name,
                                                      cfg.model.name)],
                               detail=space)
+
+    def read_inputs(self, cfg, plan) -> List[str]:
+        return read_inputs(cfg, plan).notes
 
     def run(self, ctx, run):
         return run_search(ctx, run)

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import time
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from filelock import FileLock
 
@@ -92,9 +93,15 @@ class LedgerEntry:
         return self.ended - self.started if self.started and self.ended else None
 
 
+# Rebuilds entries from the output files of a cluster folder when the ledger is corrupt:
+# (entries, the files they came from). Given by the pipeline: the ledger knows no stages.
+Rebuild = Callable[[Path], Tuple[Dict[str, "LedgerEntry"], List[str]]]
+
+
 class Ledger:
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, rebuild: Optional[Rebuild] = None):
         self.path = Path(folder) / LEDGER_NAME
+        self._rebuild = rebuild
         self._lock = FileLock(str(self.path) + ".lock", timeout=60)
 
     # ------------------------------------------------------------------ reading
@@ -107,9 +114,19 @@ class Ledger:
                 raise ValueError("entries is not a mapping")
             return {key: LedgerEntry.from_dict(e) for key, e in raw.items()}
         except (ValueError, AttributeError, TypeError):
-            # A corrupt ledger must not stop the user: keep it aside and start a new one.
-            self.path.rename(self.path.with_suffix(f".corrupt.{int(time.time())}"))
-            return {}
+            return self._recover()
+
+    def _recover(self) -> Dict[str, LedgerEntry]:
+        """A corrupt ledger must not stop the user nor cost intact results: keep it aside,
+        rebuild the entries from the outputs' provenance, write them, warn once on stderr."""
+        kept = self.path.with_suffix(f".corrupt.{int(time.time())}")
+        self.path.rename(kept)
+        entries, files = self._rebuild(self.path.parent) if self._rebuild else ({}, [])
+        self._write(entries)
+        sys.stderr.write(f"warning: {LEDGER_NAME} was corrupt (kept as {kept.name}); rebuilt "
+                         f"{len(entries)} entries from {', '.join(files) or 'no output files'}; "
+                         f"intact results are reused\n")
+        return entries
 
     def entries(self) -> Dict[str, LedgerEntry]:
         """All entries, key -> LedgerEntry. A missing ledger is an empty one."""
@@ -131,8 +148,11 @@ class Ledger:
         with self._lock:
             entries = self._read()
             yield entries
-            write_json(self.path, {"schema_version": 1,
-                                   "entries": {k: e.to_dict() for k, e in entries.items()}})
+            self._write(entries)
+
+    def _write(self, entries: Dict[str, LedgerEntry]) -> None:
+        write_json(self.path, {"schema_version": 1,
+                               "entries": {k: e.to_dict() for k, e in entries.items()}})
 
     @staticmethod
     def _move(entries: Dict[str, LedgerEntry], key: str, to: State,

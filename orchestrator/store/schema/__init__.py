@@ -8,7 +8,7 @@ from orchestrator.choices import LinkLayout, Op, Recompute, Source
 from orchestrator.store.schema.hardware import (AlphaBetaFit, BenchPoint, Benchmark,
                                                 ClusterSummary, HardwareBenchmarks,
                                                 HardwareProfile, Inventory, InventoryRank, Overlap)
-from orchestrator.store.schema.header import SCHEMA_VERSION, Profile, Provenance
+from orchestrator.store.schema.header import SCHEMA_VERSION, PartMade, Profile, Provenance
 from orchestrator.store.schema.model import (MemoryPart, ModelPoint, ModelProfile, ModelSummary,
                                              TpFits, TpMemory)
 from orchestrator.store.schema.record import FieldError, Record
@@ -18,6 +18,6 @@ from orchestrator.store.schema.strategy import (Alternative, Exports, Prediction
 __all__ = ["AlphaBetaFit", "Alternative", "BenchPoint", "Benchmark", "ClusterSummary", "Exports",
            "FieldError", "HardwareBenchmarks", "HardwareProfile", "Inventory", "InventoryRank",
            "LinkLayout", "MemoryPart", "ModelPoint", "ModelProfile", "ModelSummary", "Op",
-           "Overlap", "PredictionRecord", "Profile", "Provenance",
+           "Overlap", "PartMade", "PredictionRecord", "Profile", "Provenance",
            "Recompute", "Record", "SCHEMA_VERSION", "Source", "SpaceSummary",
            "StrategyInput", "StrategyProfile", "TpFits", "TpMemory"]

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from orchestrator.choices import Dtype, LinkLayout, Op
-from orchestrator.store.schema.header import Profile
+from orchestrator.store.schema.header import PartMade, Profile
 from orchestrator.store.schema.record import FieldError, Record, doc
 
 
@@ -145,5 +145,8 @@ class HardwareProfile(Profile):
     inventory: Optional[Inventory] = doc("ranks' hosts and devices; empty for analytic "
                                          "profiles", default=None)
     benchmarks: HardwareBenchmarks = doc("points and fits per benchmark, overlap")
+    parts: Optional[Dict[str, PartMade]] = doc(
+        "per sub-part (inventory, each benchmark): the settings it "
+                                     "was made under", default=None)
     sheet: Optional[Dict[str, Any]] = doc("analytic only: the link figures the numbers come "
                                           "from (LinkSheet)", default=None)

@@ -30,6 +30,21 @@ class Provenance(Record):
 
 
 @dataclass(kw_only=True)
+class PartMade(Record):
+    """Under which settings one sub-part (a benchmark, a (seq, tp) point) was made: a rerun of
+    some sub-parts under other settings keeps the others, each saying what it was made under."""
+
+    config_hash: str = doc("the stage's config hash when this part was made; the pipeline "
+                           "redoes a part whose hash is not the current one")
+    settings: Dict[str, Any] = doc("the stage's own config section it was made under",
+                                   default_factory=dict)
+    selection: List[str] = doc("the sub-parts the command that made it named, [] for all",
+                               default_factory=list)
+    job_id: Optional[str] = doc("Slurm job id, null under the local launcher", default=None)
+    ended: Optional[float] = doc("when it was written, Unix seconds", default=None)
+
+
+@dataclass(kw_only=True)
 class Profile(Record):
     """The common header; each kind adds its own fields."""
 

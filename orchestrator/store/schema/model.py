@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from orchestrator.choices import Dtype, Recompute, Source
-from orchestrator.store.schema.header import Profile
+from orchestrator.store.schema.header import PartMade, Profile
 from orchestrator.store.schema.record import FieldError, Record, doc
 
 
@@ -106,6 +106,9 @@ class ModelProfile(Profile):
     points: List[ModelPoint] = doc("what was timed", default_factory=list)
     fits: Dict[int, TpFits] = doc('fits per tp (keys are strings in JSON: "1", "2", ...)')
     memory: Dict[int, TpMemory] = doc("memory per tp")
+    parts: Optional[Dict[str, PartMade]] = doc(
+        "per point (seq<S>_tp<T>): the settings it was made under",
+                                     default=None)
     micro_batch_size: Optional[int] = doc("sequences per timed micro-batch", default=None)
     method: Optional[Dict[str, Any]] = doc("source and why, device sheet, timing and memory "
                                            "method (prose)", default=None)

@@ -79,7 +79,11 @@ class StrategyProfile(Profile):
     PRODUCER = "search"
 
     model: str = doc("model.name")
-    inputs: Dict[str, StrategyInput] = doc("each profile read, by path")
+    inputs: Dict[str, StrategyInput] = doc("each profile read, by path relative to the "
+                                           "cluster's profiles folder (hardware.json, "
+                                           "model/<model>.json)")
+    notes: List[str] = doc("what was extrapolated from the inputs (e.g. more nodes than "
+                           "profiled)", default_factory=list)
     space: SpaceSummary = doc("what was searched")
     layout: ParallelLayout = doc("the best layout (ParallelLayout.to_dict())")
     describe: str = doc("the best layout in one line")
