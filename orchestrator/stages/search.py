@@ -207,11 +207,14 @@ def _report(result, strategy: StrategyProfile, cfg) -> None:
     table = Table(title=f"best layouts for {cfg.model.name} on {result.best.world_size} devices "
                         f"({strategy.source.value} profiles; searched {result.considered} "
                         f"configs in {result.elapsed_s:.2f} s)")
-    for col in ("#", "layout", "iteration ms", "tokens/s", "peak GiB"):
+    reserve_bytes = cfg.search.reserve_GiB * GiB
+    # The model's own peak (the reserve is the same for every layout and would hide it).
+    for col in ("#", "layout", "iteration ms", "tokens/s", "model peak GiB"):
         table.add_column(col, justify="right" if col != "layout" else "left")
     for i, (layout, pred) in enumerate(result.top):
         table.add_row(str(i + 1), escape(layout.describe()), f"{pred.iteration_time_us / 1e3:.1f}",
-                      f"{pred.tokens_per_s:,.0f}", f"{pred.peak_memory_bytes / GiB:.1f}")
+                      f"{pred.tokens_per_s:,.0f}",
+                      f"{(pred.peak_memory_bytes - reserve_bytes) / GiB:.2f}")
     console.print(table)
     b = result.prediction.breakdown_us
     console.print("breakdown (ms): " + ", ".join(f"{k} {v / 1e3:.1f}" for k, v in b.items()))
