@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import List, Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
@@ -26,7 +28,7 @@ from orchestrator.pipeline import (check_launchable, decide, ledger_for, plan_st
                                    validate_cluster)
 from orchestrator.runtime.request import StageRequest
 from orchestrator.stages import STAGES, StagePlan
-from orchestrator.store import read_profile
+from orchestrator.store import atomic_write, cluster_dir, read_profile
 from orchestrator.store.ledger import State
 
 # Wide enough for the status table when output goes to a file or a pipe (rich would use 80).
@@ -75,9 +77,27 @@ def check_closed_choices(argv: List[str]) -> None:
 
 
 # ---------------------------------------------------------------- running stages
-def _run_dir(stage: str, n_stages: int) -> Path:
-    base = Path(HydraConfig.get().runtime.output_dir)
-    return base / stage if n_stages > 1 else base
+_run_base: List[Path] = []  # this command's run folder, once a stage is launched
+
+
+def _run_dir(cfg: Config, stage: str, n_stages: int) -> Path:
+    """The folder of a launch: profiles/<cluster>/runs/<time>_<stage>/ (a multirun point: its
+    sweep folder), with a sub-folder per stage for stage=all. Made on the first launch, with
+    the composed config and the overrides in it, so a command that launches nothing (status,
+    a rerun that skips everything) leaves no folder behind."""
+    if not _run_base:
+        hydra_cfg = HydraConfig.get()
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            base = Path(hydra_cfg.runtime.output_dir)
+        else:
+            stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+            base = cluster_dir(cfg.profiles_dir, cfg.cluster.name) / "runs" / f"{stamp}_{cfg.stage.name}"
+        text = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+        atomic_write(base / "config.yaml", lambda f: f.write(text))
+        overrides = "".join(f"- {o}\n" for o in hydra_cfg.overrides.task)
+        atomic_write(base / "overrides.yaml", lambda f: f.write(overrides))
+        _run_base.append(base)
+    return _run_base[0] / stage if n_stages > 1 else _run_base[0]
 
 
 def _check_inputs(plan: StagePlan, cfg: Config, produced_now: set) -> None:
@@ -104,6 +124,7 @@ def run_stages(cfg: Config) -> List[dict]:
     for plan in plans:
         check_launchable(plan, cfg)
     launcher = make_launcher(cfg)
+    refresh_ledger(ledger, cfg)  # a launch refuses keys of runs still going, so know which are
     rows, pending, produced_now, previous_job = [], [], set(), None
     for plan in plans:
         # Decided now: an earlier stage of this command may have just written its inputs.
@@ -121,7 +142,7 @@ def run_stages(cfg: Config) -> List[dict]:
         _check_inputs(plan, cfg, produced_now)
         request = StageRequest(plan=plan, config=cfg, todo=list(decision.todo),
                                ledger_dir=str(ledger.path.parent),
-                               run_dir=str(_run_dir(plan.stage, len(names))),
+                               run_dir=str(_run_dir(cfg, plan.stage, len(names))),
                                launcher=launcher.name)
         console.print(_launch_line(plan, request.todo, launcher))
         ledger.launch(plan.key, request.todo, queued=launcher.queued, config_hash=plan.config_hash,
@@ -167,6 +188,8 @@ def _finish(ledger, launcher, handle, request: StageRequest) -> dict:
                           f"re-attaches, `scancel {launcher.job_id(handle)}` stops it")
             raise SystemExit(130)
         ledger.mark_ended(key, State.cancelled, request.todo, "interrupted (Ctrl-C)")
+        err_console.print(f"\n{key}: interrupted (Ctrl-C); parts finished before are kept, "
+                          f"rerun the same command to resume")
         raise SystemExit(130)
     except BaseException as e:  # an in-process stage raised: an error to act on, or a bug
         ledger.mark_ended(key, State.failed, request.todo, f"{type(e).__name__}: {e}")
@@ -201,7 +224,10 @@ def _relative(path) -> str:
 def print_status(cfg) -> List[dict]:
     """The ledger as a table, after re-attaching to Slurm jobs still pending or running."""
     ledger = ledger_for(cfg)
-    refresh_ledger(ledger, cfg)
+    try:
+        refresh_ledger(ledger, cfg)
+    except OSError as e:  # status only reads: a read-only profiles folder still gets its table
+        console.print(f"note: states as last recorded; could not update {ledger.path} ({e})")
     entries = ledger.entries()
     table = Table(title=f"{ledger.path}")
     for col in ("entry", "state", "job id", "config", "started", "took", "log / error"):
@@ -251,4 +277,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     except ConfigError as e:
         err_console.print(f"[red]error:[/] {e}", soft_wrap=True)
         sys.exit(e.exit_code)
-    hydra_main()
+    try:
+        hydra_main()
+    except KeyboardInterrupt:
+        err_console.print("\ninterrupted (Ctrl-C)")
+        sys.exit(130)
