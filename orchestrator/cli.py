@@ -18,6 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from orchestrator.choices import Ranks
@@ -77,27 +78,26 @@ def check_closed_choices(argv: List[str]) -> None:
 
 
 # ---------------------------------------------------------------- running stages
-_run_base: List[Path] = []  # this command's run folder, once a stage is launched
+def _run_base(cfg: Config) -> Path:
+    """This command's run folder (not made yet): profiles/<cluster>/runs/<time>_<stage>/, or a
+    multirun point's own sweep folder."""
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        return Path(hydra_cfg.runtime.output_dir)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+    return cluster_dir(cfg.profiles_dir, cfg.cluster.name) / "runs" / f"{stamp}_{cfg.stage.name}"
 
 
-def _run_dir(cfg: Config, stage: str, n_stages: int) -> Path:
-    """The folder of a launch: profiles/<cluster>/runs/<time>_<stage>/ (a multirun point: its
-    sweep folder), with a sub-folder per stage for stage=all. Made on the first launch, with
-    the composed config and the overrides in it, so a command that launches nothing (status,
-    a rerun that skips everything) leaves no folder behind."""
-    if not _run_base:
-        hydra_cfg = HydraConfig.get()
-        if hydra_cfg.mode == RunMode.MULTIRUN:
-            base = Path(hydra_cfg.runtime.output_dir)
-        else:
-            stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-            base = cluster_dir(cfg.profiles_dir, cfg.cluster.name) / "runs" / f"{stamp}_{cfg.stage.name}"
+def _run_dir(cfg: Config, base: Path, stage: str, n_stages: int) -> Path:
+    """The folder of one launch (a sub-folder per stage for stage=all). The command's folder is
+    made at its first launch, with the composed config and the overrides in it, so a command
+    that launches nothing (status, a rerun that skips everything) leaves no folder behind."""
+    if not (base / "config.yaml").exists():
         text = OmegaConf.to_yaml(OmegaConf.structured(cfg))
-        atomic_write(base / "config.yaml", lambda f: f.write(text))
-        overrides = "".join(f"- {o}\n" for o in hydra_cfg.overrides.task)
+        overrides = "".join(f"- {o}\n" for o in HydraConfig.get().overrides.task)
         atomic_write(base / "overrides.yaml", lambda f: f.write(overrides))
-        _run_base.append(base)
-    return _run_base[0] / stage if n_stages > 1 else _run_base[0]
+        atomic_write(base / "config.yaml", lambda f: f.write(text))
+    return base / stage if n_stages > 1 else base
 
 
 def _check_inputs(plan: StagePlan, cfg: Config, produced_now: set) -> None:
@@ -125,6 +125,7 @@ def run_stages(cfg: Config) -> List[dict]:
         check_launchable(plan, cfg)
     launcher = make_launcher(cfg)
     refresh_ledger(ledger, cfg)  # a launch refuses keys of runs still going, so know which are
+    run_base = _run_base(cfg)
     rows, pending, produced_now, previous_job = [], [], set(), None
     for plan in plans:
         # Decided now: an earlier stage of this command may have just written its inputs.
@@ -142,7 +143,7 @@ def run_stages(cfg: Config) -> List[dict]:
         _check_inputs(plan, cfg, produced_now)
         request = StageRequest(plan=plan, config=cfg, todo=list(decision.todo),
                                ledger_dir=str(ledger.path.parent),
-                               run_dir=str(_run_dir(cfg, plan.stage, len(names))),
+                               run_dir=str(_run_dir(cfg, run_base, plan.stage, len(names))),
                                launcher=launcher.name)
         console.print(_launch_line(plan, request.todo, launcher))
         ledger.launch(plan.key, request.todo, queued=launcher.queued, config_hash=plan.config_hash,
@@ -227,7 +228,8 @@ def print_status(cfg) -> List[dict]:
     try:
         refresh_ledger(ledger, cfg)
     except OSError as e:  # status only reads: a read-only profiles folder still gets its table
-        console.print(f"note: states as last recorded; could not update {ledger.path} ({e})")
+        console.print(escape(f"note: states as last recorded; could not update {ledger.path} "
+                             f"({e})"))
     entries = ledger.entries()
     table = Table(title=f"{ledger.path}")
     for col in ("entry", "state", "job id", "config", "started", "took", "log / error"):

@@ -160,3 +160,94 @@ def test_status_of_a_missing_profiles_folder_creates_nothing(tmp_path):
     profiles = tmp_path / "nothing_here"
     run_cli("stage=status", profiles_dir=profiles, check=0)
     assert not profiles.exists()
+
+
+def test_multirun_points_keep_their_own_run_folder_with_the_config(profiles):
+    run_cli("-m", "stage=noop", "cluster.tasks_per_node=2,4", profiles_dir=profiles, check=0)
+    points = sorted((profiles / "local" / "multirun").glob("*/*_noop"))
+    assert [p.name for p in points] == ["0_noop", "1_noop"]
+    for point, ranks in zip(points, (2, 4)):
+        assert f"tasks_per_node: {ranks}" in (point / "config.yaml").read_text()
+        assert f"cluster.tasks_per_node={ranks}" in (point / "overrides.yaml").read_text()
+        assert (point / "rank0.log").exists()
+    assert not (profiles / "local" / "runs").exists()
+
+
+# ---------------------------------------------------------------- the ledger's guard, in-process
+def _other_cli_holding(folder: Path, key: str) -> subprocess.Popen:
+    """Another process that launched `key` in the ledger at `folder` and still runs."""
+    code = (f"import time; from orchestrator.store.ledger import Ledger; "
+            f"Ledger({str(folder)!r}).launch({key!r}, ['a'], queued=False, config_hash='h', "
+            f"launcher='local', run_dir='r'); print('launched', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "launched"
+    return proc
+
+
+def test_launch_refuses_a_live_owner_and_takes_over_a_gone_one(tmp_path):
+    from orchestrator.store.ledger import Ledger, RunInProgress
+
+    other = _other_cli_holding(tmp_path, "profile_model/tiny")
+    ledger = Ledger(tmp_path)
+    try:
+        with pytest.raises(RunInProgress, match=rf"pid {other.pid} on host .*`kill {other.pid}`"):
+            ledger.launch("profile_model/tiny", ["a"], queued=False, config_hash="h",
+                          launcher="local", run_dir="r2")
+        with pytest.raises(RunInProgress):  # a part of it is taken too
+            ledger.launch("profile_model/tiny/a", [], queued=False, config_hash="h",
+                          launcher="local", run_dir="r2")
+        assert not ledger.end_if_gone("profile_model/tiny")  # status leaves a live run alone
+    finally:
+        other.kill()
+        other.wait()
+    assert ledger.end_if_gone("profile_model/tiny")
+    entry = ledger.get("profile_model/tiny")
+    assert entry.state.value == "failed"
+    assert entry.error == f"the run's processes are gone (pid {other.pid})"
+    assert ledger.get("profile_model/tiny/a").state.value == "failed"
+    ledger.launch("profile_model/tiny", ["a"], queued=False, config_hash="h", launcher="local",
+                  run_dir="r2")
+    assert ledger.get("profile_model/tiny").pid == os.getpid()
+
+
+def test_a_reused_pid_or_another_host_is_not_the_owner():
+    import socket
+
+    from orchestrator.store.owner import Owner
+
+    me = Owner.this_process()
+    assert me.alive() and me.pid_start is not None
+    assert not Owner(me.host, me.pid, me.pid_start + 1).alive()  # same pid, another process
+    assert not Owner(socket.gethostname() + "-elsewhere", me.pid, me.pid_start).alive()
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """Mounts a folder read-only onto another (root with mount rights, as in CI); unmounts."""
+    mounted = []
+
+    def mount(src: Path, dst: Path) -> Path:
+        dst.mkdir(parents=True)
+        for cmd in (["mount", "--bind", str(src), str(dst)],
+                    ["mount", "-o", "remount,bind,ro", str(dst)]):
+            if subprocess.run(cmd, capture_output=True).returncode != 0:
+                pytest.skip("needs mount rights (root) to make a read-only folder")
+            mounted.append(dst)
+        return dst
+
+    yield mount
+    if mounted:
+        subprocess.run(["umount", str(mounted[0])], check=True)
+
+
+def test_status_of_a_read_only_profiles_folder_prints_the_table(tmp_path, read_only):
+    profiles = tmp_path / "profiles"
+    folder = profiles / "local"
+    code = (f"from orchestrator.store.ledger import Ledger; Ledger({str(folder)!r}).launch("
+            f"'noop', [], queued=False, config_hash='h', launcher='local', run_dir='r')")
+    subprocess.run([sys.executable, "-c", code], check=True)  # a launch whose CLI is gone
+    shared = read_only(profiles, tmp_path / "shared")
+    proc = run_cli("stage=status", profiles_dir=shared, check=0)
+    assert "note: states as last recorded" in proc.stdout and "Read-only file system" in proc.stdout
+    row = next(line for line in proc.stdout.splitlines() if "│ noop " in line)
+    assert "running" in row
