@@ -3,6 +3,7 @@ Ctrl-C exits 130, outputs readable by the user's group, run folders only for lau
 from __future__ import annotations
 
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -121,14 +122,15 @@ def test_ctrl_c_exits_130_then_rerun_resumes(profiles):
     assert "✓ noop: done" in rerun.stdout
 
 
-def test_ctrl_c_before_launch_exits_130_without_traceback(profiles):
-    # Interrupted while composing/planning (before any launch): still 130, one line.
+@pytest.mark.parametrize("after_s", [0.5, 1.5, 2.5])
+def test_ctrl_c_before_launch_exits_130_without_traceback(profiles, after_s):
+    # Interrupted while loading, composing or planning (before any launch): 130, one line.
     proc = start_cli("stage=profile_hardware", profiles_dir=profiles)
-    time.sleep(1.0)
+    time.sleep(after_s)
     os.kill(proc.pid, signal.SIGINT)
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 130, out
-    assert "Traceback" not in out
+    assert "Traceback" not in out and "interrupted (Ctrl-C)" in out.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664)])
@@ -251,3 +253,17 @@ def test_status_of_a_read_only_profiles_folder_prints_the_table(tmp_path, read_o
     assert "note: states as last recorded" in proc.stdout and "Read-only file system" in proc.stdout
     row = next(line for line in proc.stdout.splitlines() if "│ noop " in line)
     assert "running" in row
+
+
+def test_a_queued_slurm_job_refuses_a_second_run_naming_it(slurm_cluster, profiles):
+    slurm = ["launcher=slurm", "cluster=dev"]
+    held = run_cli("stage=noop", *slurm, "wait=false", "+cluster.sbatch_args.hold=true",
+                   profiles_dir=profiles, check=0)
+    job_id = re.search(r"submitted Slurm job (\d+)", held.stdout).group(1)
+    try:  # the CLI that submitted it is gone; the job, held in the queue, is not
+        second = run_cli("stage=noop", *slurm, profiles_dir=profiles, timeout=60)
+        assert second.returncode == 5, second.stdout + second.stderr
+        assert (f"noop is already running (Slurm job {job_id}); wait for it or stop it "
+                f"(`scancel {job_id}`)") in second.stderr
+    finally:
+        subprocess.run(["scancel", job_id], check=True)
