@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import List, Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape
@@ -28,6 +30,7 @@ from orchestrator.pipeline import (check_launchable, decide, ledger_for, plan_st
                                    validate_cluster)
 from orchestrator.runtime.request import StageRequest
 from orchestrator.stages import STAGES, StagePlan, get_stage
+from orchestrator.store import atomic_write, cluster_dir
 from orchestrator.store.ledger import State
 
 # Wide enough for the status table when output goes to a file or a pipe (rich would use 80).
@@ -76,8 +79,25 @@ def check_closed_choices(argv: List[str]) -> None:
 
 
 # ---------------------------------------------------------------- running stages
-def _run_dir(stage: str, n_stages: int) -> Path:
-    base = Path(HydraConfig.get().runtime.output_dir)
+def _run_base(cfg: Config) -> Path:
+    """This command's run folder (not made yet): profiles/<cluster>/runs/<time>_<stage>/, or a
+    multirun point's own sweep folder."""
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        return Path(hydra_cfg.runtime.output_dir)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+    return cluster_dir(cfg.profiles_dir, cfg.cluster.name) / "runs" / f"{stamp}_{cfg.stage.name}"
+
+
+def _run_dir(cfg: Config, base: Path, stage: str, n_stages: int) -> Path:
+    """The folder of one launch (a sub-folder per stage for stage=all). The command's folder is
+    made at its first launch, with the composed config and the overrides in it, so a command
+    that launches nothing (status, a rerun that skips everything) leaves no folder behind."""
+    if not (base / "config.yaml").exists():
+        text = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+        overrides = "".join(f"- {o}\n" for o in HydraConfig.get().overrides.task)
+        atomic_write(base / "overrides.yaml", lambda f: f.write(overrides))
+        atomic_write(base / "config.yaml", lambda f: f.write(text))
     return base / stage if n_stages > 1 else base
 
 
@@ -106,6 +126,8 @@ def run_stages(cfg: Config) -> List[dict]:
     for plan in plans:
         check_launchable(plan, cfg)
     launcher = make_launcher(cfg)
+    refresh_ledger(ledger, cfg)  # a launch refuses keys of runs still going, so know which are
+    run_base = _run_base(cfg)
     rows, pending, produced_now, previous_job = [], [], set(), None
     for plan in plans:
         # Decided now: an earlier stage of this command may have just written its inputs.
@@ -123,7 +145,7 @@ def run_stages(cfg: Config) -> List[dict]:
         _check_inputs(plan, cfg, produced_now)
         request = StageRequest(plan=plan, config=cfg, todo=list(decision.todo),
                                ledger_dir=str(ledger.path.parent),
-                               run_dir=str(_run_dir(plan.stage, len(names))),
+                               run_dir=str(_run_dir(cfg, run_base, plan.stage, len(names))),
                                launcher=launcher.name)
         console.print(_launch_line(plan, request.todo, launcher))
         ledger.launch(plan.key, request.todo, queued=launcher.queued, config_hash=plan.config_hash,
@@ -169,6 +191,8 @@ def _finish(ledger, launcher, handle, request: StageRequest) -> dict:
                           f"re-attaches, `scancel {launcher.job_id(handle)}` stops it")
             raise SystemExit(130)
         ledger.mark_ended(key, State.cancelled, request.todo, "interrupted (Ctrl-C)")
+        err_console.print(f"\n{key}: interrupted (Ctrl-C); parts finished before are kept, "
+                          f"rerun the same command to resume")
         raise SystemExit(130)
     except BaseException as e:  # an in-process stage raised: an error to act on, or a bug
         ledger.mark_ended(key, State.failed, request.todo, f"{type(e).__name__}: {e}")
@@ -203,7 +227,11 @@ def _relative(path) -> str:
 def print_status(cfg) -> List[dict]:
     """The ledger as a table, after re-attaching to Slurm jobs still pending or running."""
     ledger = ledger_for(cfg)
-    refresh_ledger(ledger, cfg)
+    try:
+        refresh_ledger(ledger, cfg)
+    except OSError as e:  # status only reads: a read-only profiles folder still gets its table
+        console.print(escape(f"note: states as last recorded; could not update {ledger.path} "
+                             f"({e})"))
     entries = ledger.entries()
     table = Table(title=f"{ledger.path}")
     for col in ("entry", "state", "job id", "config", "started", "took", "log / error"):
@@ -254,4 +282,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     except ConfigError as e:
         err_console.print(f"[red]error:[/] {e}", soft_wrap=True)
         sys.exit(e.exit_code)
-    hydra_main()
+    try:
+        hydra_main()
+    except KeyboardInterrupt:
+        err_console.print("\ninterrupted (Ctrl-C)")
+        sys.exit(130)

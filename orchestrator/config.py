@@ -150,6 +150,11 @@ class SearchConfig:
 
 
 @dataclass
+class NoopConfig:
+    sleep_s: float = 0.0  # hold every rank this long (tests of a run in progress)
+
+
+@dataclass
 class Config:
     stage: StageChoice = field(default_factory=StageChoice)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
@@ -161,6 +166,7 @@ class Config:
     profile_hardware: ProfileHardwareConfig = field(default_factory=ProfileHardwareConfig)
     profile_model: ProfileModelConfig = field(default_factory=ProfileModelConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
+    noop: NoopConfig = field(default_factory=NoopConfig)
 
 
 def choice_type(dotted_key: str, node: type = None) -> Optional[type]:

@@ -37,10 +37,12 @@ class Launcher(Protocol):
     def wait(self, handle, request: StageRequest, on_state=None, on_output=None) -> LaunchResult:
         """Block until the launch ends; report how. `on_state(state)` hears each change of the
         job's state, `on_output(text)` what rank 0 printed (where the ranks do not print to
-        this terminal themselves)."""
+        this terminal themselves). A Ctrl-C propagates as KeyboardInterrupt (the caller
+        records the cancel and exits 130), after stopping ranks that end with this command."""
 
     def refresh(self, ledger, key: str, entry: LedgerEntry) -> None:
-        """Re-attach to a launch the ledger still calls pending/running; record how it ended."""
+        """Re-attach to a launch the ledger still calls pending/running; record how it ended
+        (local: a launch whose command is gone, failed)."""
 
 
 def prepare_run_dir(request: StageRequest) -> None:

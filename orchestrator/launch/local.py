@@ -2,9 +2,14 @@
 
 The mpich wheel from PyPI provides mpiexec, so no system MPI is needed. A single-rank stage
 (e.g. search) runs in this process.
+
+The ranks do not outlive this command: mpiexec gets SIGTERM when the CLI dies (the kernel's
+parent-death signal) and every rank watches the CLI's pid (`runtime.watch_parent`), ending the
+launch's process group when it is gone, also after a kill -9.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -17,8 +22,12 @@ from typing import Optional
 from orchestrator.choices import Ranks
 from orchestrator.errors import ConfigError
 from orchestrator.launch.base import LaunchResult, prepare_run_dir, read_rank0_result, unfinished
+from orchestrator.runtime import PARENT_ENV, run_inprocess
 from orchestrator.runtime.request import StageRequest
-from orchestrator.store.ledger import LedgerEntry
+from orchestrator.store.ledger import LOCAL_JOB_PREFIX, LedgerEntry
+from orchestrator.store.owner import Owner
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass
@@ -30,6 +39,11 @@ def mpiexec_command(mpiexec: str, ranks: int, request_path: str | Path, extra_ar
     """The command line that starts `ranks` copies of the rank runtime."""
     return [mpiexec, "-n", str(ranks), *extra_args, sys.executable, "-m", "orchestrator.runtime",
             str(request_path)]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the CLI dies, however it dies."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class LocalLauncher:
@@ -52,36 +66,38 @@ class LocalLauncher:
         if sys.stdout.isatty():  # rank 0's progress bars animate in the user's terminal
             env["ORCHESTRATOR_TTY"] = "1"
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // request.world_size)))
+        owner = Owner.this_process()
+        env[PARENT_ENV] = f"{owner.pid}:{owner.pid_start}"  # the ranks watch this process
         cmd = mpiexec_command(self.mpiexec, request.world_size, request_path, self.extra_args)
         # Own process group: a Ctrl-C here stops every rank, not only mpiexec.
-        return LocalHandle(subprocess.Popen(cmd, env=env, start_new_session=True))
+        return LocalHandle(subprocess.Popen(cmd, env=env, start_new_session=True,
+                                            preexec_fn=_die_with_parent))
 
     def job_id(self, handle: LocalHandle) -> Optional[str]:
-        return f"local-{handle.proc.pid}" if handle.proc else None
+        return f"{LOCAL_JOB_PREFIX}{handle.proc.pid}" if handle.proc else None
 
     def job_folder(self, handle) -> Optional[str]:
         return None
 
     def refresh(self, ledger, key: str, entry: LedgerEntry) -> None:
-        return None  # a local launch ends with the command that started it
+        """A local launch ends with the command that started it: one whose command is gone
+        (killed) without recording how it ended is marked failed."""
+        ledger.end_if_gone(key)
 
     def wait(self, handle: LocalHandle, request: StageRequest, on_state=None,
              on_output=None) -> LaunchResult:
         """Ranks print to this terminal themselves; an in-process stage runs here and now."""
         if handle.proc is None:
-            from orchestrator.runtime import run_inprocess
-
             # Errors a user can act on (a missing profile, no feasible layout) keep their type
             # and exit code; the caller records them in the ledger.
             result = run_inprocess(request)
             return LaunchResult("done", None, request.run_dir, result)
         try:
             rc = handle.proc.wait()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # the caller records the cancel and exits 130
             os.killpg(handle.proc.pid, signal.SIGTERM)
             handle.proc.wait()
-            return LaunchResult("cancelled", self.job_id(handle), request.run_dir,
-                                message="interrupted (Ctrl-C)")
+            raise
         rank0 = read_rank0_result(request.run_dir)
         if rc == 0 and rank0 and rank0.get("ok"):
             return LaunchResult("done", self.job_id(handle), request.run_dir, rank0.get("result"))

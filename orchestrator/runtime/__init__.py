@@ -9,8 +9,10 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -21,8 +23,13 @@ from orchestrator.runtime.context import RankContext
 from orchestrator.runtime.request import StageRequest
 from orchestrator.runtime.stage_run import StageRun
 from orchestrator.store import write_json
+from orchestrator.store.owner import pid_alive
 
 log = logging.getLogger("orchestrator.runtime")
+
+# Set by the local launcher: "<pid>:<start ticks>" of the CLI the ranks must not outlive.
+PARENT_ENV = "ORCHESTRATOR_PARENT_PID"
+PARENT_POLL_S = 0.5
 
 
 def _job_id() -> Optional[str]:
@@ -122,6 +129,24 @@ def bootstrap(world_size: int, backend: str = "gloo", torch_distributed: bool = 
     return RankContext(backend=backend, device=device, **context)
 
 
+def watch_parent() -> None:
+    """Local ranks: when the CLI that launched them is gone (killed, even with -9), end the
+    launch's process group (mpiexec and every rank) so no rank runs on and writes the ledger.
+    Not under Slurm: there the job outlives the CLI on purpose (wait=false)."""
+    pid, _, start = os.environ.get(PARENT_ENV, "").partition(":")
+    if not pid:
+        return
+    start_ticks = int(start) if start.isdigit() else None
+
+    def watch():
+        while pid_alive(int(pid), start_ticks):
+            time.sleep(PARENT_POLL_S)
+        log.error("the orchestrator command (pid %s) is gone; stopping this launch", pid)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="watch-parent", daemon=True).start()
+
+
 def _setup_logging(request: StageRequest, rank: int) -> None:
     Path(request.run_dir).mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(Path(request.run_dir) / f"rank{rank}.log")
@@ -156,6 +181,8 @@ def run_rank(request: StageRequest):
     """
     rank = int(os.environ.get("PMI_RANK", os.environ.get("SLURM_PROCID", "0")))
     _setup_logging(request, rank)
+    if request.launcher == "local":
+        watch_parent()
     ctx = None
     try:
         ctx = bootstrap(request.world_size, request.backend,

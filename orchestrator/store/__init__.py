@@ -24,6 +24,16 @@ from orchestrator.store.schema import SCHEMA_VERSION, FieldError, Profile
 P = TypeVar("P", bound=Profile)
 
 
+def _read_umask() -> int:
+    mask = os.umask(0)  # the only way to read it is to set it: put it straight back
+    os.umask(mask)
+    return mask
+
+
+# Read once at import (setting it is process-wide, so not from threads later).
+FILE_MODE = 0o666 & ~_read_umask()
+
+
 def cluster_dir(profiles_dir: str | os.PathLike, cluster_name: str) -> Path:
     """The folder that holds every file of one cluster: profiles/<cluster.name>/."""
     return Path(profiles_dir) / cluster_name
@@ -44,11 +54,13 @@ def strategy_path(profiles_dir, cluster_name, model_name) -> Path:
 def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], binary: bool = False) -> Path:
     """Write a file atomically: `write(f)` fills a temp file in the same folder, then fsync and
     rename. A reader never sees a half-written file; a crash leaves the previous version intact.
+    The file gets the user's umask (mkstemp makes it 0600: unreadable by teammates).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb" if binary else "w") as f:
             write(f)
             f.flush()

@@ -6,7 +6,8 @@ config hash and times. Every change goes through one method per concern, each of
 checks and writes under a file lock (the CLI on the login node and rank 0 inside a job may write
 at once) and writes atomically, so the file is never half-written and no state is decided on a
 stale read:
-- `launch`: a stage (and its sub-parts) is about to start: pending or running, launch fields set;
+- `launch`: a stage (and its sub-parts) is about to start: pending or running, launch fields set,
+  its owner (host, CLI pid) recorded; refused while another live run has the key;
 - `attach_job`: the job id and folder, once the launcher knows them (never the state);
 - `transition`: the state, and with it `ended`, `error` and `summary`, along the allowed edges.
 """
@@ -23,9 +24,13 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
 
 from filelock import FileLock
 
+from orchestrator.errors import LaunchError
 from orchestrator.store import read_json, write_json
+from orchestrator.store.owner import Owner, pid_alive
 
 LEDGER_NAME = "ledger.json"
+LOCAL_JOB_PREFIX = "local-"  # a local launch's job id: local-<mpiexec pid>
+EXIT_WAIT_S = 10.0  # how long a launch waits for the ranks of a killed CLI to exit
 
 
 class State(str, Enum):
@@ -59,6 +64,10 @@ class LedgerError(ValueError):
     """A transition the state machine does not allow (a bug in the caller, not user input)."""
 
 
+class RunInProgress(LaunchError):
+    """Another live run has the stage (or one of its parts) this launch wants."""
+
+
 @dataclass
 class LedgerEntry:
     state: State
@@ -75,6 +84,9 @@ class LedgerEntry:
     traceback: Optional[str] = None
     todo: List[str] = field(default_factory=list)  # sub-parts the launch was asked to run
     summary: Optional[dict] = None  # rank 0's result of a finished stage
+    host: Optional[str] = None  # the launch's owner: the CLI that started it
+    pid: Optional[int] = None
+    pid_start: Optional[int] = None  # the CLI's start time (clock ticks): tells a reused pid
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -91,6 +103,34 @@ class LedgerEntry:
     @property
     def took_s(self) -> Optional[float]:
         return self.ended - self.started if self.started and self.ended else None
+
+    @property
+    def owner(self) -> Optional[Owner]:
+        return Owner(self.host, self.pid, self.pid_start) if self.pid else None
+
+    @property
+    def local_launch_pid(self) -> Optional[int]:
+        """A local launch's mpiexec pid (its ranks' process group), from the job id."""
+        if self.launcher == "local" and (self.job_id or "").startswith(LOCAL_JOB_PREFIX):
+            return int(self.job_id[len(LOCAL_JOB_PREFIX):])
+        return None
+
+    def owner_alive(self) -> bool:
+        """True while the launch goes on: its CLI runs, or its Slurm job is queued or running
+        (a Slurm entry still active after `refresh_ledger` is one: the job outlives the CLI)."""
+        if self.launcher == "slurm" and self.job_id:
+            return True
+        return self.owner is not None and self.owner.alive()
+
+    def busy_message(self, key: str) -> str:
+        """The one line that refuses a second run of `key` while this launch goes on."""
+        if self.launcher == "slurm" and self.job_id:
+            who, stop = f"Slurm job {self.job_id}", f"scancel {self.job_id}"
+        else:
+            at = time.strftime("%H:%M:%S", time.localtime(self.started)) if self.started else "?"
+            job = f"; job {self.job_id}" if self.job_id else ""
+            who, stop = f"pid {self.pid} on host {self.host}, started {at}{job}", f"kill {self.pid}"
+        return f"{key} is already running ({who}); wait for it or stop it (`{stop}`)"
 
 
 # Rebuilds entries from the output files of a cluster folder when the ledger is corrupt:
@@ -208,16 +248,59 @@ class Ledger:
     def launch(self, key: str, subparts: Sequence[str], *, queued: bool, config_hash: str,
                launcher: str, run_dir: str) -> None:
         """Before a launch (a fast job may finish, and rank 0 mark it done, before submit
-        returns): the stage pending (queued) or running, its sub-parts to run pending."""
+        returns): the stage pending (queued) or running, owned by this process, its sub-parts
+        to run pending. Raises RunInProgress (exit 5) while another live run has `key` or a
+        part of it; a launch whose processes are gone is marked failed and taken over.
+        Refresh Slurm entries first (`refresh_ledger`): an active one counts as queued."""
+        owner = Owner.this_process()
+        self._wait_for_killed_runs(key, owner)
         now = time.time()
-        with self._locked() as entries:
+        with self._locked() as entries:  # the check and the claim in one locked step
+            self._claim(entries, key, owner, now)
             self._move(entries, key, State.pending if queued else State.running, None, now,
                        config_hash=config_hash, launcher=launcher, job_id=None, job_folder=None,
                        log_path=run_dir, run_dir=run_dir, started=now, ended=None, error=None,
-                       traceback=None, todo=list(subparts), summary=None)
+                       traceback=None, todo=list(subparts), summary=None, host=owner.host,
+                       pid=owner.pid, pid_start=owner.pid_start)
             for sub in subparts:
                 self._move(entries, f"{key}/{sub}", State.pending, None, now, job_id=None,
                            config_hash=config_hash, log_path=run_dir, ended=None, error=None)
+
+    def _others(self, entries: Dict[str, LedgerEntry], key: str, owner: Owner):
+        """Active launches of `key`, of a part of it or of what it is part of, owned by
+        another process (one CLI's own launches of one key, a sweep's points, do not clash)."""
+        for k, e in entries.items():
+            related = k == key or k.startswith(key + "/") or key.startswith(k + "/")
+            if related and e.state in ACTIVE and e.pid is not None and e.owner != owner:
+                yield k, e
+
+    def _wait_for_killed_runs(self, key: str, owner: Owner) -> None:
+        """The ranks of a killed CLI stop within a second or two (they watch it): wait for
+        them, up to EXIT_WAIT_S, so a rerun never runs beside them."""
+        deadline = time.monotonic() + EXIT_WAIT_S
+        for _, e in self._others(self._read(), key, owner):
+            pid = e.local_launch_pid
+            while pid and not e.owner_alive() and pid_alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+
+    def _claim(self, entries: Dict[str, LedgerEntry], key: str, owner: Owner, now: float):
+        for k, e in list(self._others(entries, key, owner)):
+            if e.owner_alive():
+                raise RunInProgress(e.busy_message(k))
+            self._end(entries, k, State.failed, e.todo, gone_reason(e), now)
+
+    def end_if_gone(self, key: str) -> bool:
+        """Mark `key` failed if it is still active but its processes are gone (its CLI was
+        killed); returns whether it did. Checked under the lock: a new launch of `key` by a
+        live CLI is never touched."""
+        with self._locked() as entries:
+            entry = entries.get(key)
+            if entry is None or entry.state not in ACTIVE or entry.pid is None:
+                return False
+            if entry.owner_alive():
+                return False
+            self._end(entries, key, State.failed, entry.todo, gone_reason(entry), time.time())
+            return True
 
     def attach_job(self, key: str, subparts: Sequence[str], job_id: Optional[str],
                    job_folder: Optional[str]) -> None:
@@ -240,9 +323,17 @@ class Ledger:
         state = State(state)
         if state == State.done:
             return
-        now = time.time()
-        still = ACTIVE + (state,)
         with self._locked() as entries:
-            self._move(entries, key, state, still, now, ended=now, error=message or None)
-            for sub in todo:
-                self._move(entries, f"{key}/{sub}", state, still, now, ended=now)
+            self._end(entries, key, state, todo, message, time.time())
+
+    def _end(self, entries: Dict[str, LedgerEntry], key: str, state: State, todo: Sequence[str],
+             message: str, now: float) -> None:
+        still = ACTIVE + (state,)
+        self._move(entries, key, state, still, now, ended=now, error=message or None)
+        for sub in todo:
+            self._move(entries, f"{key}/{sub}", state, still, now, ended=now)
+
+
+def gone_reason(entry: LedgerEntry) -> str:
+    """Why a launch whose owner is gone was marked failed."""
+    return f"the run's processes are gone (pid {entry.pid})"

@@ -1,0 +1,272 @@
+"""Runs a user can trust on a shared machine: one run per stage at a time, no orphaned ranks,
+Ctrl-C exits 130, outputs readable by the user's group, run folders only for launches."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, ledger, run_cli, start_cli
+
+SLOW_NOOP = ["stage=noop", "noop.sleep_s=60"]
+
+
+def _wait_until_running(proc, profiles, key="noop", timeout_s=30) -> dict:
+    """The ledger entry of `key` once its ranks started (it has a job id)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        entry = ledger(profiles).get(key, {})
+        if entry.get("state") == "running" and entry.get("job_id"):
+            return entry
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read()
+        time.sleep(0.1)
+
+
+def _rank_pids(profiles) -> list:
+    # Every process of the launch: mpiexec, its proxy and the ranks name the request's path.
+    out = subprocess.run(["pgrep", "-f", f"orchestrator[.]runtime .*{profiles}"],
+                         capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _stop(proc):
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_second_run_of_a_stage_is_refused_naming_the_first(profiles):
+    first = start_cli(*SLOW_NOOP, profiles_dir=profiles)
+    try:
+        entry = _wait_until_running(first, profiles)
+        second = run_cli("stage=noop", profiles_dir=profiles, timeout=60)
+        assert second.returncode == 5, second.stdout + second.stderr
+        err = second.stderr.strip()
+        assert len(err.splitlines()) == 1, err
+        assert "noop is already running" in err
+        assert f"pid {first.pid} on host" in err and f"job {entry['job_id']}" in err
+        assert f"`kill {first.pid}`" in err
+        assert ledger(profiles)["noop"]["job_id"] == entry["job_id"]  # the first's launch stays
+        assert ledger(profiles)["noop"]["pid"] == first.pid
+    finally:
+        _stop(first)
+
+
+def test_kill_9_of_the_cli_takes_its_ranks_then_status_and_rerun(profiles):
+    proc = start_cli(*SLOW_NOOP, profiles_dir=profiles)
+    try:
+        entry = _wait_until_running(proc, profiles)
+        mpiexec_pid = int(entry["job_id"].split("-")[1])
+        deadline = time.monotonic() + 20
+        while len(_rank_pids(profiles)) < 5:  # mpiexec and its 4 ranks
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        pids = [mpiexec_pid] + _rank_pids(profiles)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids):
+            assert time.monotonic() < deadline, [p for p in pids if _alive(p)]
+            time.sleep(0.2)
+    finally:
+        _stop(proc)
+    status = run_cli("stage=status", profiles_dir=profiles, check=0)
+    row = next(line for line in status.stdout.splitlines() if "│ noop " in line)
+    assert "failed" in row and f"processes are gone (pid {proc.pid})" in row
+    entry = ledger(profiles)["noop"]
+    assert entry["state"] == "failed" and "processes are gone" in entry["error"]
+    rerun = run_cli("stage=noop", profiles_dir=profiles, check=0, timeout=60)
+    assert "✓ noop: done" in rerun.stdout
+    assert ledger(profiles)["noop"]["state"] == "done"
+
+
+def test_kill_9_then_an_immediate_rerun_runs(profiles):
+    proc = start_cli(*SLOW_NOOP, profiles_dir=profiles)
+    try:
+        _wait_until_running(proc, profiles)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        _stop(proc)
+    rerun = run_cli("stage=noop", profiles_dir=profiles, check=0, timeout=60)
+    assert "✓ noop: done" in rerun.stdout
+    assert ledger(profiles)["noop"]["state"] == "done"
+
+
+def test_ctrl_c_exits_130_then_rerun_resumes(profiles):
+    proc = start_cli(*SLOW_NOOP, profiles_dir=profiles)
+    try:
+        _wait_until_running(proc, profiles)
+        os.kill(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        _stop(proc)
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out and "interrupted" in out
+    assert ledger(profiles)["noop"]["state"] == "cancelled"
+    rerun = run_cli("stage=noop", profiles_dir=profiles, check=0, timeout=60)
+    assert "✓ noop: done" in rerun.stdout
+
+
+@pytest.mark.parametrize("after_s", [1.5, 2.5])
+def test_ctrl_c_before_launch_exits_130_without_traceback(profiles, after_s):
+    # Interrupted while loading, composing or planning (before any launch): 130, one line.
+    proc = start_cli("stage=profile_hardware", profiles_dir=profiles)
+    try:
+        time.sleep(after_s)
+        os.kill(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        _stop(proc)
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out and "interrupted (Ctrl-C)" in out.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664)])
+def test_outputs_follow_the_users_umask(profiles, umask, mode):
+    cmd = [sys.executable, "-m", "orchestrator", "stage=profile_hardware",
+           "profile_hardware.source=analytic", "cluster=dgx_h100", f"profiles_dir={profiles}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: os.umask(umask))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    folder = profiles / "dgx_h100"
+    for name in ("hardware.json", "hardware.png", "ledger.json"):
+        assert stat.S_IMODE((folder / name).stat().st_mode) == mode, name
+
+
+def test_status_and_a_skipped_rerun_make_no_run_folder(profiles, tmp_path):
+    run_cli("stage=noop", profiles_dir=profiles, check=0)
+    runs = profiles / "local" / "runs"
+    folders = sorted(runs.iterdir())
+    assert len(folders) == 1 and folders[0].name.endswith("_noop")
+    assert "sleep_s: 0.0" in (folders[0] / "config.yaml").read_text()  # says what ran
+    run_cli("stage=status", profiles_dir=profiles, check=0)
+    skipped = run_cli("stage=noop", profiles_dir=profiles, check=0)
+    assert "skipping" in skipped.stdout
+    assert sorted(runs.iterdir()) == folders
+    assert not (REPO / ".hydra").exists() and not list(REPO.glob("*.log"))
+
+
+def test_status_of_a_missing_profiles_folder_creates_nothing(tmp_path):
+    profiles = tmp_path / "nothing_here"
+    run_cli("stage=status", profiles_dir=profiles, check=0)
+    assert not profiles.exists()
+
+
+def test_multirun_points_keep_their_own_run_folder_with_the_config(profiles):
+    run_cli("-m", "stage=noop", "cluster.tasks_per_node=2,4", profiles_dir=profiles, check=0)
+    points = sorted((profiles / "local" / "multirun").glob("*/*_noop"))
+    assert [p.name for p in points] == ["0_noop", "1_noop"]
+    for point, ranks in zip(points, (2, 4)):
+        assert f"tasks_per_node: {ranks}" in (point / "config.yaml").read_text()
+        assert f"cluster.tasks_per_node={ranks}" in (point / "overrides.yaml").read_text()
+        assert (point / "rank0.log").exists()
+    assert not (profiles / "local" / "runs").exists()
+
+
+# ---------------------------------------------------------------- the ledger's guard, in-process
+def _other_cli_holding(folder: Path, key: str) -> subprocess.Popen:
+    """Another process that launched `key` in the ledger at `folder` and still runs."""
+    code = (f"import time; from orchestrator.store.ledger import Ledger; "
+            f"Ledger({str(folder)!r}).launch({key!r}, ['a'], queued=False, config_hash='h', "
+            f"launcher='local', run_dir='r'); print('launched', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "launched"
+    return proc
+
+
+def test_launch_refuses_a_live_owner_and_takes_over_a_gone_one(tmp_path):
+    from orchestrator.store.ledger import Ledger, RunInProgress
+
+    other = _other_cli_holding(tmp_path, "profile_model/tiny")
+    ledger = Ledger(tmp_path)
+    try:
+        with pytest.raises(RunInProgress, match=rf"pid {other.pid} on host .*`kill {other.pid}`"):
+            ledger.launch("profile_model/tiny", ["a"], queued=False, config_hash="h",
+                          launcher="local", run_dir="r2")
+        with pytest.raises(RunInProgress):  # a part of it is taken too
+            ledger.launch("profile_model/tiny/a", [], queued=False, config_hash="h",
+                          launcher="local", run_dir="r2")
+        assert not ledger.end_if_gone("profile_model/tiny")  # status leaves a live run alone
+    finally:
+        other.kill()
+        other.wait()
+    assert ledger.end_if_gone("profile_model/tiny")
+    entry = ledger.get("profile_model/tiny")
+    assert entry.state.value == "failed"
+    assert entry.error == f"the run's processes are gone (pid {other.pid})"
+    assert ledger.get("profile_model/tiny/a").state.value == "failed"
+    ledger.launch("profile_model/tiny", ["a"], queued=False, config_hash="h", launcher="local",
+                  run_dir="r2")
+    assert ledger.get("profile_model/tiny").pid == os.getpid()
+
+
+def test_a_reused_pid_or_another_host_is_not_the_owner():
+    import socket
+
+    from orchestrator.store.owner import Owner
+
+    me = Owner.this_process()
+    assert me.alive() and me.pid_start is not None
+    assert not Owner(me.host, me.pid, me.pid_start + 1).alive()  # same pid, another process
+    assert not Owner(socket.gethostname() + "-elsewhere", me.pid, me.pid_start).alive()
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """Mounts a folder read-only onto another (root with mount rights, as in CI); unmounts."""
+    mounted = []
+
+    def mount(src: Path, dst: Path) -> Path:
+        dst.mkdir(parents=True)
+        for cmd in (["mount", "--bind", str(src), str(dst)],
+                    ["mount", "-o", "remount,bind,ro", str(dst)]):
+            if subprocess.run(cmd, capture_output=True).returncode != 0:
+                pytest.skip("needs mount rights (root) to make a read-only folder")
+            mounted.append(dst)
+        return dst
+
+    yield mount
+    if mounted:
+        subprocess.run(["umount", str(mounted[0])], check=True)
+
+
+def test_status_of_a_read_only_profiles_folder_prints_the_table(tmp_path, read_only):
+    profiles = tmp_path / "profiles"
+    folder = profiles / "local"
+    code = (f"from orchestrator.store.ledger import Ledger; Ledger({str(folder)!r}).launch("
+            f"'noop', [], queued=False, config_hash='h', launcher='local', run_dir='r')")
+    subprocess.run([sys.executable, "-c", code], check=True)  # a launch whose CLI is gone
+    shared = read_only(profiles, tmp_path / "shared")
+    proc = run_cli("stage=status", profiles_dir=shared, check=0)
+    assert "note: states as last recorded" in proc.stdout and "Read-only file system" in proc.stdout
+    row = next(line for line in proc.stdout.splitlines() if "│ noop " in line)
+    assert "running" in row
+
+
+def test_a_queued_slurm_job_refuses_a_second_run_naming_it(slurm_cluster, profiles):
+    slurm = ["launcher=slurm", "cluster=dev"]
+    held = run_cli("stage=noop", *slurm, "wait=false", "+cluster.sbatch_args.hold=true",
+                   profiles_dir=profiles, check=0)
+    job_id = re.search(r"submitted Slurm job (\d+)", held.stdout).group(1)
+    try:  # the CLI that submitted it is gone; the job, held in the queue, is not
+        second = run_cli("stage=noop", *slurm, profiles_dir=profiles, timeout=60)
+        assert second.returncode == 5, second.stdout + second.stderr
+        assert (f"noop is already running (Slurm job {job_id}); wait for it or stop it "
+                f"(`scancel {job_id}`)") in second.stderr
+    finally:
+        subprocess.run(["scancel", job_id], check=True)
