@@ -99,6 +99,9 @@ def test_uneven_middle_stages_write_the_strategy_and_record_megatron_approximati
                    "search.max_tp=1", "search.schedules=[1f1b]", "search.recompute=[none]",
                    "search.zero_stages=[0]", "search.micro_batch_sizes=[1]", "search.reserve_GiB=0",
                    "search.plot=false",
+                   # the synthetic profile's shape (a profile of another shape is refused)
+                   "model.layers=9", "model.hidden=256", "model.ffn=1024", "model.heads=8",
+                   "model.kv_heads=8", "model.vocab=1000", "model.dtype=bf16",
                    profiles_dir=profiles, check=0)
     strategy = json.loads((profiles / "local" / "strategy" / "tiny.json").read_text())
     assert strategy["layout"]["layers_per_stage"] == [1, 2, 3, 3]
