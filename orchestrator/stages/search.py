@@ -107,8 +107,8 @@ def run_search(ctx, run):
 
     cfg, space = run.cfg, run.plan.detail
     hw_in, model_in = run.plan.inputs
-    hw = read_profile(hw_in.path, hw_in.profile, hw_in.rebuild(cfg))
-    mp = read_profile(model_in.path, model_in.profile, model_in.rebuild(cfg))
+    hw = read_profile(hw_in.path, hw_in.profile, hw_in.rebuild())
+    mp = read_profile(model_in.path, model_in.profile, model_in.rebuild())
     result = search(ModelCost.from_profile(mp), HardwareModel.from_profile(hw), space)
     (out,) = run.plan.outputs
     strategy = _strategy(cfg, result, space, [(hw_in.path, hw), (model_in.path, mp)],
