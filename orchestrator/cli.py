@@ -11,7 +11,7 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import List, Optional
+from typing import List, NoReturn, Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -22,9 +22,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from orchestrator.choices import Ranks
+from orchestrator.config import (CONF_DIR, Config, choice_type, register_configs, schema_has_key,
+                                 unknown_key_message)
 from orchestrator.commands import set_user_overrides
-from orchestrator.config import CONF_DIR, Config, choice_type, register_configs
-from orchestrator.errors import ConfigError, LaunchError, OrchestratorError
+from orchestrator.errors import ConfigError, LaunchError, OrchestratorError, file_error
 from orchestrator.launch import make_launcher, refresh_ledger
 from orchestrator.pipeline import (check_launchable, decide, ledger_for, plan_stage, stages_for,
                                    validate_cluster)
@@ -39,16 +40,22 @@ err_console = Console(stderr=True, highlight=False, width=None if sys.stderr.isa
 
 
 # ---------------------------------------------------------------- before Hydra: closed choices
-def check_closed_choices(argv: List[str]) -> None:
-    """Refuse an unknown stage, launcher or enum value (schedule, dtype, source, ...) with one
-    line naming what is allowed (exit code 2).
+def _group_names() -> List[str]:
+    """Config groups a command line selects from (`cluster=dev`, `model=...`)."""
+    return sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir())
 
-    Hydra's own message for these spans several lines and exits 1; they are closed sets, so we
-    check them first (every value of a sweep too).
+
+def check_closed_choices(argv: List[str]) -> None:
+    """Refuse an unknown key, stage, launcher or enum value (schedule, dtype, source, ...) with
+    one line naming what is allowed (exit code 2).
+
+    Hydra's own message for these spans several lines and exits 1, and for a key it suggests
+    `+key`, which it then accepts silently; they are closed sets, so we check them first (every
+    key and value of a sweep too).
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    args = [a for a in argv if not a.startswith("-") and "=" in a]
+    args = [a for a in argv if not a.startswith("-") and "=" in a or a.startswith("~")]
     try:
         overrides = OverridesParser.create().parse_overrides(args)
     except Exception:
@@ -57,6 +64,10 @@ def check_closed_choices(argv: List[str]) -> None:
               "launcher": sorted(p.stem for p in (CONF_DIR / "launcher").glob("*.yaml"))}
     for o in overrides:
         key = o.key_or_group
+        if key == "hydra" or key.startswith(("hydra.", "hydra/")) or key in _group_names():
+            pass  # Hydra's own settings and group selections: Hydra knows them
+        elif not schema_has_key(key):
+            raise ConfigError(unknown_key_message(key))
         if o.is_delete():
             continue
         values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.value()]
@@ -65,17 +76,22 @@ def check_closed_choices(argv: List[str]) -> None:
                 if str(value) not in groups[key]:
                     raise ConfigError(f"unknown {key} {value!r}; allowed: {', '.join(groups[key])}")
             continue
-        choice = choice_type(key)
-        if choice is None:
-            continue
-        for value in values:
-            for item in value if isinstance(value, list) else [value]:
-                try:
-                    if item is not None:
-                        choice.parse(item)
-                except ValueError:
-                    allowed = ", ".join(choice.__members__)
-                    raise ConfigError(f"{key}={item!r}; allowed: {allowed}") from None
+        _check_choice(key, values)
+
+
+def _check_choice(key: str, values: list) -> None:
+    """ConfigError if `key` holds a Choice enum and a value (or list item) is not one of it."""
+    choice = choice_type(key)
+    if choice is None:
+        return
+    for value in values:
+        for item in value if isinstance(value, list) else [value]:
+            try:
+                if item is not None:
+                    choice.parse(item)
+            except ValueError:
+                allowed = ", ".join(choice.__members__)
+                raise ConfigError(f"{key}={item!r}; allowed: {allowed}") from None
 
 
 # ---------------------------------------------------------------- running stages
@@ -110,8 +126,9 @@ def _check_inputs(plan: StagePlan, cfg: Config, produced_now: set) -> None:
 
 def _launch_line(plan: StagePlan, todo, launcher) -> str:
     where = f"{plan.world_size} rank(s)" if plan.ranks == Ranks.cluster else "1 process"
-    return (f"[bold]{plan.key}[/]: {len(todo) or 1} part(s) on {where} via launcher={launcher.name}"
-            + (f" ({', '.join(todo)})" if todo else ""))
+    parts = f" ({', '.join(todo)})" if todo else ""
+    return (f"[bold]{escape(plan.key)}[/]: {len(todo) or 1} part(s) on {where} via "
+            f"launcher={launcher.name}{escape(parts)}")
 
 
 def run_stages(cfg: Config) -> List[dict]:
@@ -254,6 +271,13 @@ def print_status(cfg) -> List[dict]:
 
 
 # ---------------------------------------------------------------- entry points
+def report_error(error: OrchestratorError) -> NoReturn:
+    """Print `error` as one line on stderr (its text verbatim: `[all2all]` is not markup) and
+    exit with its code."""
+    err_console.print(f"[red]error:[/] {escape(str(error))}", soft_wrap=True)
+    sys.exit(error.exit_code)
+
+
 def orchestrate(composed: DictConfig):
     """The Hydra task: one stage (or `all`, or `status`) for one composed config."""
     cfg: Config = OmegaConf.to_object(composed)  # typed from here on, down to the ranks
@@ -263,8 +287,9 @@ def orchestrate(composed: DictConfig):
             return print_status(cfg)
         return run_stages(cfg)
     except OrchestratorError as e:
-        err_console.print(f"[red]error:[/] {e}", soft_wrap=True)
-        sys.exit(e.exit_code)
+        report_error(e)
+    except OSError as e:  # a file we must write: the profiles folder is read-only, full, ...
+        report_error(file_error(e, cfg.profiles_dir))
 
 
 register_configs()
@@ -280,8 +305,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     try:
         check_closed_choices(argv)
     except ConfigError as e:
-        err_console.print(f"[red]error:[/] {e}", soft_wrap=True)
-        sys.exit(e.exit_code)
+        report_error(e)
     try:
         hydra_main()
     except KeyboardInterrupt:

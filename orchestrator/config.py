@@ -169,23 +169,68 @@ class Config:
     noop: NoopConfig = field(default_factory=NoopConfig)
 
 
+def _field_type(node: type, name: str) -> Optional[type]:
+    """The type of dataclass `node`'s field `name`, Optional[X] and List[X] read as X; None when
+    `node` is not a dataclass or has no such field."""
+    if not dataclasses.is_dataclass(node):
+        return None
+    hint = typing.get_type_hints(node).get(name)
+    while typing.get_origin(hint) in (typing.Union, list, List):  # Optional[X], List[X]
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
 def choice_type(dotted_key: str, node: type = None) -> Optional[type]:
     """The Choice enum a config key (e.g. "search.schedules") holds, alone, optional or in a
     list; None for any other key. Lets the CLI refuse a bad choice in one line before Hydra."""
     from orchestrator.choices import Choice
 
-    node = node or Config
     head, _, rest = dotted_key.partition(".")
-    if not dataclasses.is_dataclass(node):
-        return None
-    hint = typing.get_type_hints(node).get(head)
+    hint = _field_type(node or Config, head)
     if hint is None:
         return None
-    while typing.get_origin(hint) in (typing.Union, list, List):  # Optional[X], List[X]
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
     if rest:
         return choice_type(rest, hint)
     return hint if isinstance(hint, type) and issubclass(hint, Choice) else None
+
+
+def _is_free_form(hint) -> bool:
+    """A Dict field: any key below it is the user's (e.g. cluster.sbatch_args.<flag>)."""
+    return hint in (dict, Dict) or typing.get_origin(hint) in (dict, Dict)
+
+
+def schema_has_key(dotted_key: str, node: type = Config) -> bool:
+    """Whether `dotted_key` (e.g. "search.max_tp") names a field of the schema, or a key inside
+    one of its free-form Dict fields."""
+    head, _, rest = dotted_key.partition(".")
+    hint = _field_type(node, head)
+    if hint is None:
+        return False
+    if not rest or _is_free_form(hint):
+        return True
+    return schema_has_key(rest, hint)
+
+
+def schema_keys(node: type = Config, prefix: str = "") -> List[str]:
+    """Every dotted key of the schema (sections and fields), e.g. "search", "search.max_tp"."""
+    keys = []
+    for f in dataclasses.fields(node):
+        key = prefix + f.name
+        keys.append(key)
+        hint = _field_type(node, f.name)
+        if dataclasses.is_dataclass(hint):
+            keys += schema_keys(hint, key + ".")
+    return keys
+
+
+def unknown_key_message(dotted_key: str) -> str:
+    """'unknown key <key>; did you mean <closest known key>?' (or where to list the keys)."""
+    import difflib
+
+    close = difflib.get_close_matches(dotted_key, schema_keys(), n=1, cutoff=0.6)
+    hint = (f"did you mean {close[0]}?" if close
+            else "`python -m orchestrator --cfg job` lists the keys")
+    return f"unknown key {dotted_key}; {hint}"
 
 
 def register_configs() -> None:

@@ -1,4 +1,5 @@
 """Errors a user can act on. Each carries the process exit code the CLI uses."""
+from pathlib import Path
 
 
 class OrchestratorError(Exception):
@@ -29,3 +30,17 @@ class InfeasibleError(OrchestratorError):
     """No layout fits the memory budget (raised by search)."""
 
     exit_code = 3
+
+
+
+def file_error(error: OSError, profiles_dir: str) -> ConfigError:
+    """An OSError on a file (a read-only or full profiles folder, a path through a file) as one
+    line naming the file and the cause; under the profiles folder, also the setting that moves
+    it."""
+    if not error.filename:
+        return ConfigError(str(error))
+    line = f"{error.filename}: {error.strerror or error}"
+    if Path(error.filename).resolve().is_relative_to(Path(profiles_dir).resolve()):
+        line += (f". The profiles folder {profiles_dir} must be writable: make it so, or choose "
+                 f"another with profiles_dir=<folder>")
+    return ConfigError(line)

@@ -116,7 +116,7 @@ def test_search_refuses_a_malformed_hardware_profile_with_exit_4(profiles):
     assert proc.returncode == 4, proc.stdout + proc.stderr
     assert (f"{profiles / 'local' / 'hardware.json'}: benchmarks.allreduce.fits[1].algbw_GBps: "
             f"must be > 0, got -5.0. Rerun: python -m orchestrator stage=profile_hardware "
-            f"cluster=local force=true") in proc.stderr
+            f"profiles_dir={profiles} force=true") in proc.stderr
     assert not (profiles / "local" / "strategy" / "tiny.json").exists()
 
 

@@ -5,7 +5,9 @@ what the stage does.
 """
 from __future__ import annotations
 
-from orchestrator.errors import ConfigError
+import sys
+
+from orchestrator.errors import ConfigError, OrchestratorError
 from orchestrator.launch.base import Launcher, LaunchResult
 from orchestrator.store.ledger import ACTIVE
 
@@ -26,10 +28,18 @@ def make_launcher(cfg, name: str | None = None) -> Launcher:
 
 def refresh_ledger(ledger, cfg) -> None:
     """Re-attach to every launch the ledger still calls pending or running (any process may
-    ask: `stage=status`), through the launcher that made it, and record how each ended."""
+    ask: `stage=status`), through the launcher that made it, and record how each ended.
+
+    One that cannot be refreshed (no Slurm here, a read-only profiles folder) keeps its
+    recorded state, with a note on stderr: reading the ledger must not fail for it.
+    """
     for key, entry in ledger.entries().items():
         if entry.state in ACTIVE and entry.launcher:
-            make_launcher(cfg, entry.launcher).refresh(ledger, key, entry)
+            try:
+                make_launcher(cfg, entry.launcher).refresh(ledger, key, entry)
+            except (OrchestratorError, OSError) as e:
+                print(f"note: {key} is shown as recorded ({entry.state}), not refreshed: {e}",
+                      file=sys.stderr)
 
 
 __all__ = ["Launcher", "LaunchResult", "make_launcher", "refresh_ledger"]

@@ -9,8 +9,13 @@ job is still queued.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import logging
+import os
+import re
+import shutil
 import signal
 import subprocess
 import time
@@ -20,6 +25,7 @@ from typing import Optional, Tuple
 import submitit
 
 from orchestrator.choices import Ranks
+from orchestrator.errors import ConfigError, LaunchError, OrchestratorError
 from orchestrator.launch.base import LaunchResult, prepare_run_dir, unfinished
 from orchestrator.runtime import run_inprocess, run_rank
 from orchestrator.runtime.request import StageRequest
@@ -99,6 +105,26 @@ def make_executor(cluster, folder, *, ranks: str, name: str, after: Optional[str
     return executor
 
 
+# What sbatch says when it cannot talk to Slurm at all (no slurm.conf, slurmctld down).
+_UNREACHABLE = ("Could not establish a configuration source", "Unable to contact slurm controller",
+                "Connection refused", "Unable to establish")
+
+
+def sbatch_error(stderr: str) -> OrchestratorError:
+    """sbatch's refusal (its error lines) as one line: ConfigError when Slurm is not reachable
+    (what to set), else LaunchError naming the cause and the settings that make the request."""
+    lines = [re.sub(r"^sbatch: (error|fatal): ", "", line.strip())
+             for line in stderr.splitlines() if line.strip()]
+    if any(marker in stderr for marker in _UNREACHABLE):
+        conf = os.environ.get("SLURM_CONF")
+        return ConfigError(f"Slurm is not reachable (sbatch: {lines[-1]}); set SLURM_CONF to the "
+                           f"cluster's slurm.conf (now {conf or 'unset'}) and check that "
+                           f"slurmctld is up")
+    return LaunchError(f"sbatch refused the job: {'; '.join(lines)}. Check cluster.partition, "
+                       f"cluster.nodes, cluster.tasks_per_node, cluster.mem_GiB, "
+                       f"cluster.time_min and cluster.sbatch_args")
+
+
 def squeue_state(job_id: str) -> Optional[str]:
     """The job's state as squeue lists it, "" when squeue no longer lists it (the job ended),
     None when squeue itself failed (no answer either way)."""
@@ -140,16 +166,27 @@ class SlurmLauncher:
     queued = True  # jobs wait in a queue: submit a chain first, then wait
 
     def __init__(self, cfg):
+        missing = [c for c in ("sbatch", "srun", "squeue") if shutil.which(c) is None]
+        if missing:
+            raise ConfigError(f"launcher=slurm: {', '.join(missing)} not found on PATH; run on "
+                              f"a Slurm login node or put Slurm's commands on PATH "
+                              f"(launcher=local runs without Slurm)")
         self.cluster = cfg.cluster
         self.poll_s = cfg.launcher.poll_s
 
     def submit(self, request: StageRequest, after: Optional[str] = None) -> submitit.Job:
+        """The submitted job; LaunchError (exit 5) when sbatch refuses it, ConfigError (exit 2)
+        when Slurm cannot be reached."""
         prepare_run_dir(request)
         executor = make_executor(self.cluster, Path(request.run_dir) / "submitit",
                                  ranks=request.ranks,
                                  name=f"orch-{request.stage}", after=after,
                                  subparts=len(request.todo))
-        return executor.submit(RankJob(request))
+        try:  # submitit copies sbatch's stderr to ours: it is in the one-line error instead
+            with contextlib.redirect_stderr(io.StringIO()):
+                return executor.submit(RankJob(request))
+        except submitit.core.utils.FailedJobError as e:  # sbatch exited non-zero
+            raise sbatch_error(str(e)) from None
 
     def job_id(self, job) -> Optional[str]:
         return str(job.job_id)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from orchestrator.choices import Dtype
+from orchestrator.commands import rerun_command
 from orchestrator.errors import ProfileError
 from orchestrator.profiling.measure import busbw_factor
 from orchestrator.store import parse_profile
@@ -97,8 +98,7 @@ class HardwareModel:
         if not fits:
             raise ProfileError(
                 f"hardware profile of {self.name} has no {op!r} fits; rerun "
-                f"`python -m orchestrator stage=profile_hardware "
-                f"profile_hardware.benchmarks=[{'p2p' if op == 'p2p' else op}]`")
+                f"`{rerun_command('profile_hardware', f'profile_hardware.benchmarks=[{op}]')}`")
         sizes = [f.group_size for f in fits]
         i = bisect_left(sizes, group_size)
         if i < len(fits):
@@ -270,8 +270,8 @@ class ModelCost:
         fit = self._fits.get(tp)
         if fit is None:
             raise ProfileError(f"model profile {self.name} has no fit for tp={tp} (profiled: "
-                               f"{sorted(self._fits)}); rerun `python -m orchestrator "
-                               f"stage=profile_model model={self.name} profile_model.max_tp={tp}`")
+                               f"{sorted(self._fits)}); rerun "
+                               f"`{rerun_command('profile_model', f'profile_model.max_tp={tp}')}`")
         return fit
 
     def block_fwd_us(self, seq_len: float, tp: int) -> float:
@@ -300,6 +300,6 @@ class ModelCost:
         mem = self._memory.get(tp)
         if mem is None:
             raise ProfileError(f"model profile {self.name} has no memory for tp={tp} (profiled: "
-                               f"{sorted(self._memory)}); rerun `python -m orchestrator "
-                               f"stage=profile_model model={self.name}`")
+                               f"{sorted(self._memory)}); rerun "
+                               f"`{rerun_command('profile_model')}`")
         return mem

@@ -161,8 +161,10 @@ def _setup_logging(request: StageRequest, rank: int) -> None:
 
 
 def _run_stage(request: StageRequest, ctx: RankContext):
+    from orchestrator.commands import set_user_overrides
     from orchestrator.stages import get_stage
 
+    set_user_overrides(request.plan.user_overrides)  # the fix commands the stage's errors print
     spec = get_stage(request.stage)
     run = StageRun(request, ctx)
     result = spec.run(ctx, run)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, ClassVar, List, Optional, Tuple
 
 from orchestrator.choices import Ranks
+from orchestrator.commands import rerun_command, user_overrides
 from orchestrator.config import Config, cluster_world_size
 from orchestrator.errors import ConfigError
 
@@ -30,10 +31,10 @@ class StageInput:
     profile: type  # the profile record the file must hold (store.schema), e.g. HardwareProfile
     producer: str  # the stage that writes it
 
-    def rebuild(self, cfg: Config) -> str:
-        """The command that writes this input, for error messages."""
-        cmd = f"python -m orchestrator stage={self.producer} cluster={cfg.cluster.name}"
-        return cmd + (f" model={cfg.model.name}" if self.producer == "profile_model" else "")
+    def rebuild(self) -> str:
+        """The command that writes this input, for error messages: the user's overrides that
+        matter to the producer (profiles_dir, cluster, model, ...), shell-quoted."""
+        return rerun_command(self.producer)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,8 @@ class StagePlan:
     outputs: Tuple[Path, ...] = ()
     detail: Any = None  # the stage's own typed plan
     config_hash: str = ""  # set by pipeline.plan_stage
+    # The command line's overrides, for the fix commands the ranks print (they never see argv).
+    user_overrides: Tuple[str, ...] = ()
 
 
 class Stage:
@@ -75,7 +78,7 @@ class Stage:
         from orchestrator.store import read_profile
 
         for needed in plan.inputs:
-            read_profile(needed.path, needed.profile, needed.rebuild(cfg))
+            read_profile(needed.path, needed.profile, needed.rebuild())
         return []
 
     def run(self, ctx, run) -> Optional[dict]:
@@ -89,7 +92,8 @@ class Stage:
         return StagePlan(stage=self.name, key=key, ranks=Ranks(ranks), world_size=world,
                          subparts=tuple(subparts), selection=tuple(selection),
                          inputs=tuple(inputs),
-                         outputs=tuple(Path(p) for p in outputs), detail=detail)
+                         outputs=tuple(Path(p) for p in outputs), detail=detail,
+                         user_overrides=tuple(user_overrides()))
 
 
 def get_stage(name: str) -> Stage:

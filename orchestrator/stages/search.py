@@ -88,8 +88,8 @@ def read_inputs(cfg, plan) -> SearchInputs:
     """The search's input profiles, checked against the model and cluster it is asked about:
     ProfileError (exit 4) naming the difference and the command that rebuilds the input."""
     hw_in, model_in = plan.inputs
-    hw = read_profile(hw_in.path, hw_in.profile, hw_in.rebuild(cfg))
-    mp = read_profile(model_in.path, model_in.profile, model_in.rebuild(cfg))
+    hw = read_profile(hw_in.path, hw_in.profile, hw_in.rebuild())
+    mp = read_profile(model_in.path, model_in.profile, model_in.rebuild())
     _check_model(cfg, model_in.path, mp.model)
     notes = _check_hardware(cfg, hw_in.path, hw.cluster, plan.detail.world_size)
     return SearchInputs(hardware=hw, model=mp, notes=notes)

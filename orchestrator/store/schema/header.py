@@ -64,5 +64,7 @@ class Profile(Record):
 
     @classmethod
     def rebuild(cls) -> str:
-        """The command that writes this kind of file."""
-        return f"python -m orchestrator stage={cls.PRODUCER}"
+        """The command that writes this kind of file (with the user's overrides that matter)."""
+        from orchestrator.commands import rerun_command
+
+        return rerun_command(cls.PRODUCER)

@@ -1,0 +1,246 @@
+"""Errors a user can act on: one line, the right exit code, and fix commands that work when pasted.
+
+Issue 9, "Errors whose fix commands work" and unknown `+key` overrides.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, run_cli
+from planner_fixtures import synthetic_hardware, synthetic_model
+
+from orchestrator.cli import check_closed_choices, report_error
+from orchestrator.commands import rerun_command, set_user_overrides
+from orchestrator.config import Config
+from orchestrator.errors import ConfigError, ProfileError, file_error
+from orchestrator.runtime import run_inprocess
+from orchestrator.runtime.request import StageRequest
+from orchestrator.stages import get_stage
+from orchestrator.store import write_json
+from orchestrator.store.ledger import Ledger
+
+SLURM = ["launcher=slurm", "cluster=dev", "launcher.poll_s=0.5"]
+
+
+def _one_error_line(proc, code: int) -> str:
+    """The CLI's stderr, asserted to be one `error:` line (no traceback) and exit `code`."""
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    return lines[0]
+
+
+def _printed_command(line: str, after: str) -> list:
+    """The argv of the command a message prints after `after` (up to the end of the line)."""
+    return shlex.split(line.split(after, 1)[1])
+
+
+# ---------------------------------------------------------------- commands.rerun_command
+def test_rerun_command_keeps_the_overrides_that_matter_to_the_stage():
+    given = ["stage=search", "profiles_dir=/tmp/my profiles", "model.hidden=192", "cluster=dev",
+             "search.max_tp=2", "profile_hardware.benchmarks=[all2all]", "force=true"]
+    assert rerun_command("profile_hardware", overrides=given) == (
+        "python -m orchestrator stage=profile_hardware 'profiles_dir=/tmp/my profiles' "
+        "model.hidden=192 cluster=dev 'profile_hardware.benchmarks=[all2all]'")
+    assert rerun_command("search", "search.max_tp=4", overrides=given) == (
+        "python -m orchestrator stage=search 'profiles_dir=/tmp/my profiles' model.hidden=192 "
+        "cluster=dev search.max_tp=4")
+
+
+def test_rerun_command_round_trips_through_a_shell():
+    given = ["profiles_dir=/tmp/rc[full2,full2] $HOME 'q'", "+cluster.sbatch_args.comment=a b"]
+    argv = shlex.split(rerun_command("noop", "force=true", overrides=given))
+    assert argv == ["python", "-m", "orchestrator", "stage=noop",
+                    "profiles_dir=/tmp/rc[full2,full2] $HOME 'q'",
+                    "+cluster.sbatch_args.comment=a b", "force=true"]
+
+
+# ---------------------------------------------------------------- unknown keys, before Hydra
+@pytest.mark.parametrize("arg", ["+search.max_tpp=2", "search.max_tpp=2", "++search.max_tpp=2",
+                                 "~search.max_tpp"])
+def test_unknown_key_is_refused_with_a_close_match(arg):
+    with pytest.raises(ConfigError, match=r"^unknown key search\.max_tpp; did you mean "
+                                          r"search\.max_tp\?"):
+        check_closed_choices(["stage=search", arg])
+
+
+def test_unknown_key_in_a_sweep_is_refused():
+    with pytest.raises(ConfigError, match=r"unknown key cluster\.nodez; did you mean "
+                                          r"cluster\.nodes"):
+        check_closed_choices(["-m", "stage=noop", "search.max_tp=1,2", "cluster.nodez=1,2"])
+
+
+def test_known_keys_groups_hydra_and_free_form_dicts_pass():
+    check_closed_choices(["stage=noop", "cluster=dev", "model=tiny", "launcher=local",
+                          "search.max_tp=2", "+cluster.sbatch_args.comment=x",
+                          "cluster.sbatch_args.exclusive=true", "~search.seq_len",
+                          "hydra.job.chdir=false", "hydra/job_logging=disabled",
+                          "model.hidden=192",
+                          "cluster.links.nic_Gbps=100", "profiles_dir=/tmp/x", "force=true"])
+
+
+def test_unknown_plus_key_exits_2_in_one_line(profiles):
+    proc = run_cli("stage=noop", "+search.max_tpp=2", profiles_dir=profiles)
+    line = _one_error_line(proc, 2)
+    assert line == "error: unknown key search.max_tpp; did you mean search.max_tp?"
+    assert not profiles.exists()
+
+
+# ---------------------------------------------------------------- fix commands that work
+def test_error_line_prints_brackets_intact(capsys):
+    """rich reads `[all2all]` as markup: the CLI's error line must not lose it."""
+    message = ("layout rc[full2,full2] needs all2all; rerun `python -m orchestrator "
+               "stage=profile_hardware 'profile_hardware.benchmarks=[all2all]'`")
+    with pytest.raises(SystemExit) as exit_:
+        report_error(ProfileError(message))
+    assert exit_.value.code == 4
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_missing_input_command_keeps_profiles_dir_and_model_overrides(profiles):
+    model = ["model.hidden=192", "model.heads=3", "model.kv_heads=3"]
+    proc = run_cli("stage=search", *model, "search.max_tp=2",
+                   "profile_hardware.benchmarks=[all2all]", profiles_dir=profiles)
+    line = _one_error_line(proc, 4)
+    assert f"{profiles}/local/hardware.json: missing" in line
+    assert _printed_command(line, "Run: ") == [
+        "python", "-m", "orchestrator", "stage=profile_hardware", *model,
+        "profile_hardware.benchmarks=[all2all]", f"profiles_dir={profiles}"]
+
+
+def test_printed_fix_commands_do_the_fix(profiles):
+    """Each missing input names a command; running it as printed makes the next step pass."""
+    given = ["profile_hardware.source=analytic", "profile_model.source=analytic"]
+    proc = run_cli("stage=search", *given, profiles_dir=profiles)
+    fix = _printed_command(_one_error_line(proc, 4), "Run: ")
+    assert fix[3:] == ["stage=profile_hardware", "profile_hardware.source=analytic",
+                       f"profiles_dir={profiles}"]
+    subprocess.run([sys.executable, *fix[1:]], cwd=REPO, check=True, capture_output=True)
+    proc = run_cli("stage=search", *given, profiles_dir=profiles)
+    fix = _printed_command(_one_error_line(proc, 4), "Run: ")
+    assert fix[3] == "stage=profile_model" and f"profiles_dir={profiles}" in fix
+    subprocess.run([sys.executable, *fix[1:]], cwd=REPO, check=True, capture_output=True)
+    run_cli("stage=search", *given, profiles_dir=profiles, check=0)
+
+
+def test_planner_message_keeps_brackets_and_profiles_dir(profiles):
+    hw = synthetic_hardware(1, 4, name="local")
+    del hw["benchmarks"]["reduce_scatter"]
+    write_json(profiles / "local" / "hardware.json", hw)
+    write_json(profiles / "local" / "model" / "tiny.json", synthetic_model("tiny", layers=4))
+    proc = run_cli("stage=search", "search.zero_stages=[2]", profiles_dir=profiles)
+    line = _one_error_line(proc, 4)
+    assert "no 'reduce_scatter' fits" in line
+    fix = line.split("rerun `", 1)[1].rstrip("`")
+    assert shlex.split(fix) == ["python", "-m", "orchestrator", "stage=profile_hardware",
+                                f"profiles_dir={profiles}",
+                                "profile_hardware.benchmarks=[reduce_scatter]"]
+
+
+def test_the_plan_carries_the_overrides_to_the_ranks(tmp_path):
+    """Ranks never see the command line (a Slurm job); their messages' commands still keep it."""
+    given = ["stage=noop", f"profiles_dir={tmp_path}", "cluster.tasks_per_node=2"]
+    set_user_overrides(given)
+    cfg = Config(profiles_dir=str(tmp_path))
+    plan = get_stage("noop").plan(cfg)
+    assert plan.user_overrides == tuple(given)
+    set_user_overrides([])  # as on a rank
+    Ledger(tmp_path).launch(plan.key, [], queued=False, config_hash=plan.config_hash,
+                            launcher="local", run_dir=str(tmp_path / "run"))
+    run_inprocess(StageRequest(plan=plan, config=cfg, todo=[], ledger_dir=str(tmp_path),
+                               run_dir=str(tmp_path / "run")))
+    try:
+        assert rerun_command("profile_hardware") == (
+            f"python -m orchestrator stage=profile_hardware profiles_dir={tmp_path} "
+            f"cluster.tasks_per_node=2")
+    finally:
+        set_user_overrides([])
+
+
+# ---------------------------------------------------------------- file-system failures
+def test_file_error_names_profiles_dir_only_for_files_in_it(tmp_path):
+    inside = OSError(13, "Permission denied", str(tmp_path / "p" / "local" / "ledger.json"))
+    assert str(file_error(inside, str(tmp_path / "p"))) == (
+        f"{tmp_path}/p/local/ledger.json: Permission denied. The profiles folder {tmp_path}/p "
+        f"must be writable: make it so, or choose another with profiles_dir=<folder>")
+    outside = FileNotFoundError(2, "No such file or directory", "mpiexec")
+    assert str(file_error(outside, str(tmp_path / "p"))) == "mpiexec: No such file or directory"
+    assert file_error(outside, "p").exit_code == 2
+
+
+def _as_user(cmd: list) -> list:
+    """`cmd` without root's power to write where the permissions say no (tests run as root)."""
+    if os.geteuid() != 0:
+        return cmd
+    caps = "-dac_override,-dac_read_search"
+    return ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}", *cmd]
+
+
+def _cli_as_user(*args, profiles_dir, env=None):
+    cmd = [sys.executable, "-m", "orchestrator", *args, f"profiles_dir={profiles_dir}"]
+    return subprocess.run(_as_user(cmd), cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+
+
+def test_read_only_profiles_folder_is_one_line_exit_2(profiles):
+    run_cli("stage=noop", profiles_dir=profiles, check=0)
+    cluster_dir = profiles / "local"
+    cluster_dir.chmod(0o555)  # runs/ stays writable: the ledger is what cannot be written
+    try:
+        proc = _cli_as_user("stage=noop", "force=true", profiles_dir=profiles)
+    finally:
+        cluster_dir.chmod(0o755)
+    line = _one_error_line(proc, 2)
+    assert str(cluster_dir) in line and "profiles_dir=" in line
+
+
+def test_status_works_on_a_read_only_folder(profiles):
+    """status only reads: a launch it would re-attach to does not make it write."""
+    run_cli("stage=noop", profiles_dir=profiles, check=0)
+    path = profiles / "local" / "ledger.json"
+    raw = json.loads(path.read_text())
+    raw["entries"]["noop"].update(state="pending", launcher="slurm", job_id="999999",
+                                  job_folder=str(profiles / "gone"))
+    path.write_text(json.dumps(raw))
+    (profiles / "local").chmod(0o555)
+    try:
+        proc = _cli_as_user("stage=status", profiles_dir=profiles)
+    finally:
+        (profiles / "local").chmod(0o755)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "noop" in proc.stdout and "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------- Slurm submission failures
+@pytest.mark.parametrize("bad, cause", [("cluster.partition=nope", "invalid partition"),
+                                        ("cluster.mem_GiB=100000", "Memory specification")])
+def test_sbatch_refusal_is_one_line_exit_5(slurm_cluster, profiles, bad, cause):
+    proc = run_cli("stage=noop", *SLURM, bad, profiles_dir=profiles)
+    line = _one_error_line(proc, 5)
+    assert "sbatch refused" in line and cause in line
+
+
+def test_slurm_not_configured_is_one_line_exit_2(slurm_cluster, profiles):
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_CONF"}
+    cmd = [sys.executable, "-m", "orchestrator", "stage=noop", *SLURM, f"profiles_dir={profiles}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    line = _one_error_line(proc, 2)
+    assert "SLURM_CONF" in line
+
+
+def test_no_slurm_commands_is_one_line_exit_2(profiles, tmp_path):
+    bin_dir = tmp_path / "bin"  # a PATH without sbatch/srun
+    bin_dir.mkdir()
+    cmd = [sys.executable, "-m", "orchestrator", "stage=noop", *SLURM, f"profiles_dir={profiles}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PATH": str(bin_dir)})
+    line = _one_error_line(proc, 2)
+    assert "sbatch" in line and "PATH" in line
+    assert shutil.which("sbatch")  # the suite's own PATH has it
