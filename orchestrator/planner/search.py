@@ -61,6 +61,8 @@ class SearchSpace:
     fast_mode: bool = False
     top_k: int = 10
     options: CostOptions = CostOptions()
+    pp: Optional[int] = None  # fixed degrees (None: searched); a fixed one ignores max_pp/max_tp
+    tp: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("zero_stages", "recompute", "micro_batch_sizes", "schedules",
@@ -133,6 +135,11 @@ def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _degree_allowed(degree: int, fixed: Optional[int], bound: int) -> bool:
+    """A fixed degree wins over its bound: only it is allowed, even above the bound."""
+    return degree == fixed if fixed is not None else degree <= bound
+
+
 def enumerate_configs(model: ModelCost, hardware: HardwareModel, space: SearchSpace,
                       rejected: Dict[str, int]) -> List[ConfigKey]:
     """All configs of the space that pass the divisibility rules; counts the others in
@@ -144,7 +151,7 @@ def enumerate_configs(model: ModelCost, hardware: HardwareModel, space: SearchSp
     schedules = space.schedules[:1] if space.fast_mode else space.schedules
     configs = []
     for tp in _divisors(W):
-        if tp > space.max_tp:
+        if not _degree_allowed(tp, space.tp, space.max_tp):
             continue
         if tp not in model.tps:
             reject("tp_not_profiled")
@@ -157,7 +164,7 @@ def enumerate_configs(model: ModelCost, hardware: HardwareModel, space: SearchSp
             reject("tp_splits_heads")
             continue
         for pp in _divisors(W // tp):
-            if pp > space.max_pp:
+            if not _degree_allowed(pp, space.pp, space.max_pp):
                 continue
             if pp > L:
                 reject("pp_exceeds_layers")

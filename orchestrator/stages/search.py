@@ -36,7 +36,7 @@ def search_space(cfg):
     from orchestrator.planner import CostOptions, SearchSpace
 
     s = cfg.search
-    memory_GiB = s.memory_GiB or cfg.cluster.device_mem_GiB
+    memory_GiB = _memory_GiB(cfg)
     return SearchSpace(
         world_size=s.world_size or cluster_world_size(cfg.cluster),
         memory_budget_bytes=memory_GiB * GiB, global_batch_size=s.global_batch_size,
@@ -44,7 +44,7 @@ def search_space(cfg):
         tp_within_node=s.tp_within_node, zero_stages=tuple(s.zero_stages),
         recompute=tuple(s.recompute), micro_batch_sizes=tuple(s.micro_batch_sizes),
         schedules=tuple(s.schedules), virtual_stages=tuple(s.virtual_stages),
-        fast_mode=bool(s.fast_mode), top_k=s.top_k,
+        fast_mode=bool(s.fast_mode), top_k=s.top_k, pp=s.pp, tp=s.tp,
         options=CostOptions(reserve_bytes=s.reserve_GiB * GiB))
 
 
@@ -158,13 +158,53 @@ def _report(result, strategy: StrategyProfile, cfg) -> None:
             console.print(f"{name} export not written: {escape(getattr(exports, f'{name}_error'))}")
 
 
-def validate(cfg):
-    """The planner's SearchSpace for this config; ConfigError for what cannot be searched."""
+def _memory_GiB(cfg) -> float:
+    """The per-device budget (GiB): search.memory_GiB when given, else the cluster's."""
     s = cfg.search
-    memory = s.memory_GiB or cfg.cluster.device_mem_GiB
+    return cfg.cluster.device_mem_GiB if s.memory_GiB is None else s.memory_GiB
+
+
+def _check_memory(cfg) -> None:
+    s = cfg.search
+    if s.memory_GiB is not None and s.memory_GiB <= 0:
+        raise ConfigError(f"search.memory_GiB({s.memory_GiB}) must be > 0 (leave it unset to "
+                          f"use cluster.device_mem_GiB={cfg.cluster.device_mem_GiB})")
+    memory = _memory_GiB(cfg)
     if not memory or memory <= 0:
         raise ConfigError(f"search needs a memory budget per device: set search.memory_GiB "
                           f"(cluster {cfg.cluster.name!r} has device_mem_GiB={cfg.cluster.device_mem_GiB})")
+    if not 0 <= s.reserve_GiB < memory:
+        raise ConfigError(f"search.reserve_GiB({s.reserve_GiB}) must be >= 0 and below the "
+                          f"{memory} GiB per device (search.memory_GiB)")
+
+
+def _check_degrees(cfg) -> None:
+    """Bounds >= 1; fixed pp/tp that tile the world, split the heads and fit the layers."""
+    s, model = cfg.search, cfg.model
+    for key in ("max_tp", "max_pp", "pp", "tp"):
+        value = getattr(s, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"search.{key}({value}) must be >= 1")
+    world = s.world_size or cluster_world_size(cfg.cluster)
+    pp, tp = s.pp or 1, s.tp or 1
+    if world % (pp * tp):
+        key = "search.pp" if s.pp and world % pp else "search.tp"
+        raise ConfigError(f"{key}: pp({pp}) * tp({tp}) = {pp * tp} does not divide the "
+                          f"{world} devices of the search")
+    if s.pp is not None and s.pp > model.layers:
+        raise ConfigError(f"search.pp({s.pp}) > the {model.layers} layers of model={model.name}")
+    if s.tp is not None and (model.heads % s.tp or model.kv_heads % s.tp):
+        raise ConfigError(f"search.tp({s.tp}) must divide model={model.name}'s heads"
+                          f"({model.heads}) and kv_heads({model.kv_heads})")
+    if s.tp is not None and s.tp_within_node and cfg.cluster.tasks_per_node % s.tp:
+        raise ConfigError(f"search.tp({s.tp}) must divide cluster.tasks_per_node"
+                          f"({cfg.cluster.tasks_per_node}) (or set search.tp_within_node=false)")
+
+
+def validate(cfg):
+    """The planner's SearchSpace for this config; ConfigError for what cannot be searched."""
+    s = cfg.search
+    _check_memory(cfg)
     if not s.schedules or not s.recompute or not s.zero_stages or not s.micro_batch_sizes:
         raise ConfigError("search.schedules, recompute, zero_stages and micro_batch_sizes must "
                           "each allow at least one value")
@@ -176,6 +216,7 @@ def validate(cfg):
     if s.global_batch_size < 1 or any(m < 1 for m in s.micro_batch_sizes):
         raise ConfigError(f"search.global_batch_size({s.global_batch_size}) and "
                           f"search.micro_batch_sizes({list(s.micro_batch_sizes)}) must be >= 1")
+    _check_degrees(cfg)
     try:  # what the planner itself refuses, before anything is launched
         return search_space(cfg)
     except (ValueError, TypeError) as e:
