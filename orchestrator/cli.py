@@ -14,6 +14,7 @@ from typing import List, Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
@@ -28,6 +29,7 @@ from orchestrator.runtime.request import StageRequest
 from orchestrator.stages import STAGES, StagePlan
 from orchestrator.store import read_profile
 from orchestrator.store.ledger import State
+from orchestrator.sweep import set_swept_keys
 
 # Wide enough for the status table when output goes to a file or a pipe (rich would use 80).
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
@@ -111,7 +113,8 @@ def run_stages(cfg: Config) -> List[dict]:
         if decision.done:
             console.print(f"[green]✓[/] {plan.key}: done (config {plan.config_hash}); "
                           f"skipping (force=true redoes it)")
-            rows.append({"stage": plan.key, "state": "done (skipped)", "job_id": None, "log": ""})
+            rows.append({"stage": plan.key, "state": "done (skipped)", "job_id": None, "log": "",
+                         "outputs": [str(p) for p in plan.outputs]})
             continue
         if decision.stale_reason and not cfg.force:
             console.print(f"{plan.key}: {decision.stale_reason}; running every part")
@@ -143,7 +146,8 @@ def run_stages(cfg: Config) -> List[dict]:
     for handle, request in pending:
         if not cfg.wait:
             rows.append({"stage": request.ledger_key, "state": "submitted",
-                         "job_id": launcher.job_id(handle), "log": launcher.job_folder(handle)})
+                         "job_id": launcher.job_id(handle), "log": launcher.job_folder(handle),
+                         "outputs": []})
             continue
         rows.append(_finish(ledger, launcher, handle, request))
     return rows
@@ -179,7 +183,7 @@ def _finish(ledger, launcher, handle, request: StageRequest) -> dict:
         raise error
     console.print(f"[green]✓[/] {key}: done" + _summary_text(outcome.result))
     return {"stage": key, "state": "done", "job_id": outcome.job_id, "log": outcome.log_path,
-            "result": outcome.result}
+            "result": outcome.result, "outputs": [str(p) for p in request.plan.outputs]}
 
 
 def _summary_text(result) -> str:
@@ -233,6 +237,9 @@ def orchestrate(composed: DictConfig):
         return run_stages(cfg)
     except OrchestratorError as e:
         err_console.print(f"[red]error:[/] {e}", soft_wrap=True)
+        if HydraConfig.get().mode == RunMode.MULTIRUN:  # a row of the sweep's table, not its end
+            return [{"stage": cfg.stage.name, "state": "failed", "error": str(e),
+                     "exit_code": e.exit_code}]
         sys.exit(e.exit_code)
 
 
@@ -246,6 +253,7 @@ def hydra_main(cfg: DictConfig):
 
 def main(argv: Optional[List[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    set_swept_keys(argv)
     try:
         check_closed_choices(argv)
     except ConfigError as e:

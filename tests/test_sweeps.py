@@ -176,12 +176,13 @@ def test_an_invalid_point_is_a_row_and_the_sweep_exits_with_its_code(inputs):
     rows = _sweep_table(inputs)
     assert [r["state"] for r in rows] == ["failed", "done"]
     assert "search.pp" in rows[0]["error"]
-    assert ledger(inputs)["search/tiny@pp=1,tp=1"]["state"] == "done"
+    assert ledger(inputs)["search/tiny@pp=1"]  # tp is not swept["state"] == "done"
     assert "search.pp" in proc.stdout + proc.stderr
 
 
 def test_infeasible_names_config_keys_and_a_command(inputs):
-    proc = run_cli("stage=search", "search.memory_GiB=2.001", "search.plot=false",
+    proc = run_cli("stage=search", "search.memory_GiB=0.001", "search.reserve_GiB=0",
+                   "search.plot=false",
                    profiles_dir=inputs, check=3)
     assert "memory_budget_bytes" not in proc.stderr
     assert "search.memory_GiB" in proc.stderr

@@ -8,10 +8,12 @@ counts, inputs' hashes) and, next to it, the exports: Megatron-LM arguments
 """
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 
 from orchestrator.config import cluster_world_size
+from orchestrator import errors
 from orchestrator.errors import ConfigError
 from orchestrator.choices import Ranks
 from orchestrator.stages import Stage, StageInput
@@ -223,10 +225,32 @@ def validate(cfg):
         raise ConfigError(f"search: {e}") from None
 
 
+def infeasible_advice(err, cfg) -> str:
+    """The planner's InfeasibleError said in `search.*` config keys, with a command that gives
+    the memory (or batch) the closest layout needs."""
+    from orchestrator.commands import rerun_command
+
+    s = cfg.search
+    keys = {field: f"search.{'memory_GiB' if field == 'memory_budget_bytes' else field}"
+            for field in err.relax}
+    advice = "; ".join(f"{keys[field]} {how}" for field, how in err.relax.items())
+    if err.needed_bytes is None:
+        return (f"no (pp, tp, dp, micro-batch) combination divides search.global_batch_size"
+                f"({s.global_batch_size}) on {search_space(cfg).world_size} devices. Relax: "
+                f"{advice}")
+    needed_GiB = math.ceil(err.needed_bytes / GiB * 100) / 100
+    fix = rerun_command("search", f"search.memory_GiB={needed_GiB}")
+    return (f"no layout of {cfg.model.name} fits search.memory_GiB={_memory_GiB(cfg)} per device "
+            f"(search.reserve_GiB={s.reserve_GiB} of it kept free); the closest, "
+            f"{err.closest.describe()}, needs {err.needed_bytes / GiB:.2f} GiB. Relax: {advice}. "
+            f"E.g.: {fix}")
+
+
 class Search(Stage):
     name = "search"
     hash_sections = ("cluster", "model", "search")
     hash_exclude = ("search.plot", "search.top_k")
+    sweep_section = "search"
 
     def plan(self, cfg):
         space = validate(cfg)
@@ -237,7 +261,12 @@ class Search(Stage):
                               detail=space)
 
     def run(self, ctx, run):
-        return run_search(ctx, run)
+        from orchestrator.planner import InfeasibleError
+
+        try:
+            return run_search(ctx, run)
+        except InfeasibleError as e:  # the planner's fields -> the user's config keys
+            raise errors.InfeasibleError(infeasible_advice(e, run.cfg)) from None
 
 
 STAGE = Search()
