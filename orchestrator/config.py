@@ -106,7 +106,7 @@ class ProfileHardwareConfig:
     min_iters: int = 5
     max_iters: int = 100
     max_time_s: float = 0.25  # per point (the largest sizes run min_iters anyway)
-    rel_spread: float = 0.1  # stop when (p90 - p10) / median is below this
+    rel_spread: float = 0.1  # stop when (p90 - p10) / median is below this (0: never early)
     export: Optional[HardwareExport] = None  # galvatron: also write Galvatron's hardware files
     plot: bool = True
 

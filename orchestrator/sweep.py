@@ -5,9 +5,9 @@ Naming. A point of a sweep whose swept overrides touch a stage's own config sect
 opts in with `Stage.sweep_section`, e.g. `search`) gets its own ledger key and output files,
 labelled by the swept keys of that section, leaf name and value, in command-line order:
 
-    -m stage=search search.pp=1,2 search.tp=2   ->  ledger key  search/tiny@pp=2,tp=2
-                                                    outputs     strategy/tiny@pp=2,tp=2.json
-                                                                (and its .layout.json, exports, .png)
+    -m stage=search search.pp=1,2 search.tp=1,2  ->  ledger key  search/tiny@pp=2,tp=2
+                                                     outputs     strategy/tiny@pp=2,tp=2.json
+                                                     (and its .layout.json, exports, .png)
 
 A list value joins its items with `+` (`zero_stages=1+3`); any character outside
 `[A-Za-z0-9._+=-]` becomes `_`, so a label is a safe file name. Swept keys of other sections

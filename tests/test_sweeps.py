@@ -15,7 +15,8 @@ from conftest import ledger, run_cli
 from orchestrator.config import CONF_DIR, register_configs
 from orchestrator.errors import ConfigError
 from orchestrator.pipeline import plan_stage
-from orchestrator.planner import CostOptions, HardwareModel, ModelCost, SearchSpace, evaluate, search
+from orchestrator.planner import (CostOptions, HardwareModel, ModelCost, SearchSpace, evaluate,
+                                  search)
 from planner_fixtures import GiB, synthetic_hardware, synthetic_model
 from test_planner_search import all_layouts
 
@@ -72,12 +73,13 @@ BAD = [
     ("search", ["search.reserve_GiB=4"], "search.reserve_GiB"),  # the whole 4 GiB
     ("profile_hardware", ["profile_hardware.min_size_bytes=0"], "profile_hardware.min_size_bytes"),
     ("profile_hardware", ["profile_hardware.min_size_bytes=4096",
-                          "profile_hardware.max_size_bytes=1024"], "profile_hardware.max_size_bytes"),
+                          "profile_hardware.max_size_bytes=1024"],
+     "profile_hardware.max_size_bytes"),
     ("profile_hardware", ["profile_hardware.warmup_iters=-1"], "profile_hardware.warmup_iters"),
     ("profile_hardware", ["profile_hardware.min_iters=0"], "profile_hardware.min_iters"),
     ("profile_hardware", ["profile_hardware.max_iters=3"], "profile_hardware.max_iters"),
     ("profile_hardware", ["profile_hardware.max_time_s=0"], "profile_hardware.max_time_s"),
-    ("profile_hardware", ["profile_hardware.rel_spread=0"], "profile_hardware.rel_spread"),
+    ("profile_hardware", ["profile_hardware.rel_spread=-0.1"], "profile_hardware.rel_spread"),
     ("profile_hardware", ["profile_hardware.max_tp=0"], "profile_hardware.max_tp"),
     ("profile_model", ["profile_model.iters=0"], "profile_model.iters"),
     ("profile_model", ["profile_model.warmup_iters=-1"], "profile_model.warmup_iters"),

@@ -128,9 +128,10 @@ def _check_bounds(hw) -> None:
     if hw.max_iters < hw.min_iters:
         raise ConfigError(f"profile_hardware.max_iters({hw.max_iters}) must be >= "
                           f"profile_hardware.min_iters({hw.min_iters})")
-    for key in ("max_time_s", "rel_spread"):
-        if getattr(hw, key) <= 0:
-            raise ConfigError(f"profile_hardware.{key}({getattr(hw, key)}) must be > 0")
+    if hw.max_time_s <= 0:
+        raise ConfigError(f"profile_hardware.max_time_s({hw.max_time_s}) must be > 0")
+    if hw.rel_spread < 0:  # 0 is allowed: never stop early (every point runs max_time_s)
+        raise ConfigError(f"profile_hardware.rel_spread({hw.rel_spread}) must be >= 0")
 
 
 def validate(cfg) -> None:
