@@ -189,3 +189,46 @@ def test_infeasible_names_config_keys_and_a_command(inputs):
     assert "memory_budget_bytes" not in proc.stderr
     assert "search.memory_GiB" in proc.stderr
     assert "python -m orchestrator stage=search" in proc.stderr
+
+
+def test_point_names_are_readable_and_filesystem_safe():
+    from orchestrator.sweep import labelled, point_label, set_swept_keys
+
+    cfg = _cfg("stage=search", "search.zero_stages=[1,3]", "search.pp=2", "model.layers=8")
+    set_swept_keys(["-m", "search.zero_stages=[0],[1,3]", "search.pp=1,2", "model.layers=4,8",
+                    "search.tp=2"])
+    try:
+        assert point_label(cfg, "search") == "zero_stages=1+3,pp=2"
+        assert point_label(cfg, "profile_model") == ""
+        plan = plan_stage("search", cfg)
+    finally:
+        set_swept_keys([])
+    assert plan.key == "search/tiny@zero_stages=1+3,pp=2"
+    assert plan.outputs[0].name == "tiny@zero_stages=1+3,pp=2.json"
+    assert labelled(plan.outputs[0], "").name == plan.outputs[0].name
+    assert plan_stage("search", cfg).key == "search/tiny"  # not a sweep: the plain key
+
+
+def test_slurm_sweep_without_waiting_rows_say_submitted(slurm_cluster, tmp_path):
+    """Points submitted from the CLI (wait=false): rows with job ids; each job writes its own file."""
+    import time
+
+    profiles = tmp_path / "profiles"
+    dev = ["cluster=dev"]
+    run_cli("stage=profile_hardware", "profile_hardware.source=analytic", *dev,
+            "profile_hardware.plot=false", profiles_dir=profiles, check=0)
+    run_cli("stage=profile_model", "profile_model.source=analytic", "profile_model.plot=false",
+            *dev, profiles_dir=profiles, check=0)
+    run_cli("-m", "stage=search", "launcher=slurm", *dev, "wait=false", "search.pp=1,2",
+            "search.plot=false", profiles_dir=profiles, check=0)
+    (sweep_dir,) = (profiles / "dev" / "multirun").iterdir()
+    rows = list(csv.DictReader((sweep_dir / "sweep.csv").open()))
+    assert [r["state"] for r in rows] == ["submitted", "submitted"]
+    assert all(r["job id"].isdigit() for r in rows)
+    strategy = profiles / "dev" / "strategy"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not all(
+            (strategy / f"tiny@pp={pp}.json").exists() for pp in (1, 2)):
+        time.sleep(1)
+    for pp in (1, 2):
+        assert json.loads((strategy / f"tiny@pp={pp}.json").read_text())["layout"]["pp"] == pp
