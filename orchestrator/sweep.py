@@ -60,7 +60,8 @@ def swept_keys(argv: Sequence[str]) -> List[str]:
 
 
 def _label_value(value: Any) -> str:
-    text = "+".join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value)
+    items = value if isinstance(value, (list, tuple)) else [value]
+    text = "+".join(str(getattr(v, "value", v)) for v in items)  # an enum by its value
     return re.sub(r"[^A-Za-z0-9._+=-]", "_", text)
 
 
@@ -72,8 +73,10 @@ def point_label(cfg, section: Optional[str]) -> str:
     for key in _swept_keys:
         head, _, leaf = key.partition(".")
         if head == section and leaf:
-            value = getattr(getattr(cfg, section), leaf.split(".")[0])
-            parts.append(f"{leaf}={_label_value(getattr(value, 'value', value))}")
+            value = getattr(cfg, section)
+            for name in leaf.split("."):
+                value = getattr(value, name)
+            parts.append(f"{leaf}={_label_value(value)}")
     return ",".join(parts)
 
 

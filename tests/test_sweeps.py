@@ -194,17 +194,18 @@ def test_infeasible_names_config_keys_and_a_command(inputs):
 def test_point_names_are_readable_and_filesystem_safe():
     from orchestrator.sweep import labelled, point_label, set_swept_keys
 
-    cfg = _cfg("stage=search", "search.zero_stages=[1,3]", "search.pp=2", "model.layers=8")
+    cfg = _cfg("stage=search", "search.zero_stages=[1,3]", "search.pp=2", "model.layers=8",
+               "search.recompute=[none,full]")
     set_swept_keys(["-m", "search.zero_stages=[0],[1,3]", "search.pp=1,2", "model.layers=4,8",
-                    "search.tp=2"])
+                    "search.tp=2", "search.recompute=[full],[none,full]"])
     try:
-        assert point_label(cfg, "search") == "zero_stages=1+3,pp=2"
+        assert point_label(cfg, "search") == "zero_stages=1+3,pp=2,recompute=none+full"
         assert point_label(cfg, "profile_model") == ""
         plan = plan_stage("search", cfg)
     finally:
         set_swept_keys([])
-    assert plan.key == "search/tiny@zero_stages=1+3,pp=2"
-    assert plan.outputs[0].name == "tiny@zero_stages=1+3,pp=2.json"
+    assert plan.key == "search/tiny@zero_stages=1+3,pp=2,recompute=none+full"
+    assert plan.outputs[0].name == "tiny@zero_stages=1+3,pp=2,recompute=none+full.json"
     assert labelled(plan.outputs[0], "").name == plan.outputs[0].name
     assert plan_stage("search", cfg).key == "search/tiny"  # not a sweep: the plain key
 
