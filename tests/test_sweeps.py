@@ -211,7 +211,7 @@ def test_point_names_are_readable_and_filesystem_safe():
 
 
 def test_slurm_sweep_without_waiting_rows_say_submitted(slurm_cluster, tmp_path):
-    """Points submitted from the CLI (wait=false): rows with job ids; each job writes its own file."""
+    """Points submitted from the CLI (wait=false): rows with job ids; each job its own file."""
     import time
 
     profiles = tmp_path / "profiles"

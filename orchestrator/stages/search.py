@@ -174,7 +174,8 @@ def _check_memory(cfg) -> None:
     memory = _memory_GiB(cfg)
     if not memory or memory <= 0:
         raise ConfigError(f"search needs a memory budget per device: set search.memory_GiB "
-                          f"(cluster {cfg.cluster.name!r} has device_mem_GiB={cfg.cluster.device_mem_GiB})")
+                          f"(cluster {cfg.cluster.name!r} has "
+                          f"device_mem_GiB={cfg.cluster.device_mem_GiB})")
     if not 0 <= s.reserve_GiB < memory:
         raise ConfigError(f"search.reserve_GiB({s.reserve_GiB}) must be >= 0 and below the "
                           f"{memory} GiB per device (search.memory_GiB)")
