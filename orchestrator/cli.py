@@ -33,6 +33,7 @@ from orchestrator.runtime.request import StageRequest
 from orchestrator.stages import STAGES, StagePlan, get_stage
 from orchestrator.store import atomic_write, cluster_dir
 from orchestrator.store.ledger import State
+from orchestrator.sweep import set_swept_keys
 
 # Wide enough for the status table when output goes to a file or a pipe (rich would use 80).
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
@@ -152,7 +153,8 @@ def run_stages(cfg: Config) -> List[dict]:
         if decision.done:
             console.print(f"[green]✓[/] {plan.key}: done (config {plan.config_hash}); "
                           f"skipping (force=true redoes it)")
-            rows.append({"stage": plan.key, "state": "done (skipped)", "job_id": None, "log": ""})
+            rows.append({"stage": plan.key, "state": "done (skipped)", "job_id": None, "log": "",
+                         "outputs": [str(p) for p in plan.outputs]})
             continue
         if decision.stale_reason and not cfg.force:
             console.print(f"{plan.key}: {decision.stale_reason}; running every part")
@@ -184,7 +186,8 @@ def run_stages(cfg: Config) -> List[dict]:
     for handle, request in pending:
         if not cfg.wait:
             rows.append({"stage": request.ledger_key, "state": "submitted",
-                         "job_id": launcher.job_id(handle), "log": launcher.job_folder(handle)})
+                         "job_id": launcher.job_id(handle), "log": launcher.job_folder(handle),
+                         "outputs": []})
             continue
         rows.append(_finish(ledger, launcher, handle, request))
     return rows
@@ -222,7 +225,7 @@ def _finish(ledger, launcher, handle, request: StageRequest) -> dict:
         raise error
     console.print(f"[green]✓[/] {key}: done" + _summary_text(outcome.result))
     return {"stage": key, "state": "done", "job_id": outcome.job_id, "log": outcome.log_path,
-            "result": outcome.result}
+            "result": outcome.result, "outputs": [str(p) for p in request.plan.outputs]}
 
 
 def _summary_text(result) -> str:
@@ -287,9 +290,18 @@ def orchestrate(composed: DictConfig):
             return print_status(cfg)
         return run_stages(cfg)
     except OrchestratorError as e:
-        report_error(e)
+        return _failed(e, cfg)
     except OSError as e:  # a file we must write: the profiles folder is read-only, full, ...
-        report_error(file_error(e, cfg.profiles_dir))
+        return _failed(file_error(e, cfg.profiles_dir), cfg)
+
+
+def _failed(error: OrchestratorError, cfg: Config):
+    """One line on stderr; in a sweep a row of its table (the sweep goes on), else the exit."""
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        err_console.print(f"[red]error:[/] {escape(str(error))}", soft_wrap=True)
+        return [{"stage": cfg.stage.name, "state": "failed", "error": str(error),
+                 "exit_code": error.exit_code}]
+    report_error(error)
 
 
 register_configs()
@@ -302,6 +314,7 @@ def hydra_main(cfg: DictConfig):
 
 def main(argv: Optional[List[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    set_swept_keys(argv)
     try:
         check_closed_choices(argv)
     except ConfigError as e:

@@ -106,7 +106,7 @@ class ProfileHardwareConfig:
     min_iters: int = 5
     max_iters: int = 100
     max_time_s: float = 0.25  # per point (the largest sizes run min_iters anyway)
-    rel_spread: float = 0.1  # stop when (p90 - p10) / median is below this
+    rel_spread: float = 0.1  # stop when (p90 - p10) / median is below this (0: never early)
     export: Optional[HardwareExport] = None  # galvatron: also write Galvatron's hardware files
     plot: bool = True
 
@@ -135,15 +135,20 @@ class SearchConfig:
     world_size: Optional[int] = None  # None: cluster.nodes * cluster.tasks_per_node
     global_batch_size: int = 8
     seq_len: Optional[int] = None  # None: model.seq_len
-    max_tp: int = 8
-    max_pp: int = 64
+    # Fixed degrees (None: searched). A fixed degree wins over its bound: search.tp=4 with
+    # max_tp=2 searches tp=4. pp * tp must divide the world; the rest (dp, ZeRO, SP,
+    # micro-batching, schedule, recompute, partition) is searched for that pair.
+    pp: Optional[int] = None
+    tp: Optional[int] = None
+    max_tp: int = 8  # >= 1
+    max_pp: int = 64  # >= 1
     tp_within_node: bool = True
     zero_stages: List[int] = field(default_factory=lambda: [0, 1, 2, 3])
     recompute: List[Recompute] = field(default_factory=lambda: list(Recompute))
     micro_batch_sizes: List[int] = field(default_factory=lambda: [1, 2, 4])
     schedules: List[Schedule] = field(default_factory=lambda: list(Schedule))
     virtual_stages: List[int] = field(default_factory=lambda: [2, 4])
-    reserve_GiB: float = 2.0  # allocator fragmentation / workspace kept free
+    reserve_GiB: float = 2.0  # allocator fragmentation / workspace kept free; < memory_GiB
     fast_mode: bool = False  # also ORCHESTRATOR_FAST_MODE=1
     top_k: int = 10
     plot: bool = True

@@ -18,6 +18,7 @@ from orchestrator.errors import ConfigError
 from orchestrator.stages import PIPELINE, Stage, StagePlan, get_stage
 from orchestrator.store import cluster_dir, config_hash, file_sha256, read_json
 from orchestrator.store.ledger import Ledger, LedgerEntry, State
+from orchestrator.sweep import labelled, point_label
 
 
 @dataclass(frozen=True)
@@ -72,13 +73,21 @@ def stage_hash(stage: Stage, cfg: Config, input_hashes: Dict[str, str]) -> str:
     return config_hash(section)
 
 
+def _sweep_point(plan: StagePlan, label: str) -> StagePlan:
+    """The plan of one sweep point: its own ledger key and output files (see orchestrator.sweep)."""
+    if not label:
+        return plan
+    return dataclasses.replace(plan, key=f"{plan.key}@{label}",
+                               outputs=tuple(labelled(p, label) for p in plan.outputs))
+
+
 def plan_stage(name: str, cfg: Config, plans: Optional[Dict[str, StagePlan]] = None) -> StagePlan:
     """The stage's plan with its config hash; validates the stage's config first. `plans`
     caches the plans of this command (a producer's hash is part of its consumers')."""
     plans = {} if plans is None else plans
     if name not in plans:
         stage = get_stage(name)
-        plan = stage.plan(cfg)
+        plan = _sweep_point(stage.plan(cfg), point_label(cfg, stage.sweep_section))
         inputs = {i.producer: plan_stage(i.producer, cfg, plans).config_hash for i in plan.inputs}
         plans[name] = dataclasses.replace(plan, config_hash=stage_hash(stage, cfg, inputs))
     return plans[name]

@@ -61,6 +61,8 @@ class SearchSpace:
     fast_mode: bool = False
     top_k: int = 10
     options: CostOptions = CostOptions()
+    pp: Optional[int] = None  # fixed degrees (None: searched); a fixed one ignores max_pp/max_tp
+    tp: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("zero_stages", "recompute", "micro_batch_sizes", "schedules",
@@ -117,11 +119,13 @@ class SearchResult:
 class InfeasibleError(errors.InfeasibleError):
     """No layout of the space fits. Carries the closest layout (least memory per device), the
     bytes it needs per device, and which bound to relax ("memory_budget_bytes",
-    "global_batch_size", ...) with suggestions."""
+    "global_batch_size", ...) with suggestions, and `relax`: SearchSpace field -> how."""
 
     def __init__(self, message: str, bound: str, closest: Optional[ParallelLayout] = None,
-                 needed_bytes: Optional[float] = None, suggestions: Sequence[str] = ()):
+                 needed_bytes: Optional[float] = None, suggestions: Sequence[str] = (),
+                 relax: Optional[Dict[str, str]] = None):
         super().__init__(message)
+        self.relax = dict(relax or {})  # SearchSpace field -> how to relax it
         self.bound = bound
         self.closest = closest
         self.needed_bytes = needed_bytes
@@ -131,6 +135,11 @@ class InfeasibleError(errors.InfeasibleError):
 # ====================================================================== configs
 def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _degree_allowed(degree: int, fixed: Optional[int], bound: int) -> bool:
+    """A fixed degree wins over its bound: only it is allowed, even above the bound."""
+    return degree == fixed if fixed is not None else degree <= bound
 
 
 def enumerate_configs(model: ModelCost, hardware: HardwareModel, space: SearchSpace,
@@ -144,7 +153,7 @@ def enumerate_configs(model: ModelCost, hardware: HardwareModel, space: SearchSp
     schedules = space.schedules[:1] if space.fast_mode else space.schedules
     configs = []
     for tp in _divisors(W):
-        if tp > space.max_tp:
+        if not _degree_allowed(tp, space.tp, space.max_tp):
             continue
         if tp not in model.tps:
             reject("tp_not_profiled")
@@ -157,7 +166,7 @@ def enumerate_configs(model: ModelCost, hardware: HardwareModel, space: SearchSp
             reject("tp_splits_heads")
             continue
         for pp in _divisors(W // tp):
-            if pp > space.max_pp:
+            if not _degree_allowed(pp, space.pp, space.max_pp):
                 continue
             if pp > L:
                 reject("pp_exceeds_layers")
@@ -397,7 +406,9 @@ def search(model_cost: ModelCost, hardware: HardwareModel, space: SearchSpace) -
             f"{list(space.micro_batch_sizes)} (rejected: {reasons}); relax global_batch_size "
             f"(a multiple of world_size / (tp * pp)) or micro_batch_sizes, or raise max_pp/max_tp",
             bound="global_batch_size",
-            suggestions=("global_batch_size", "micro_batch_sizes", "max_pp", "max_tp"))
+            suggestions=("global_batch_size", "micro_batch_sizes", "max_pp", "max_tp"),
+            relax={"global_batch_size": "a multiple of world_size / (tp * pp)",
+                   "micro_batch_sizes": "allow smaller", "max_pp": "raise", "max_tp": "raise"})
     modes = space.recompute
     budget = float(space.memory_budget_bytes)
     fast = space.fast_mode
@@ -501,22 +512,31 @@ def _raise_infeasible(model: ModelCost, hardware: HardwareModel, space: SearchSp
         if found is not None and (best is None or found[0] < best[0]):
             best = found
     needed, layout = best
-    suggestions = [f"memory_budget_bytes >= {needed / GiB:.2f} GiB"]
-    if "full" not in space.recompute:
-        suggestions.append("add 'full' to recompute")
-    if 3 not in space.zero_stages:
-        suggestions.append("add ZeRO stage 3 to zero_stages")
-    if space.max_pp < min(model.layers, space.world_size):
-        suggestions.append(f"raise max_pp above {space.max_pp}")
-    if space.max_tp < max(model.tps):
-        suggestions.append(f"raise max_tp above {space.max_tp}")
-    if min(space.micro_batch_sizes) > 1:
-        suggestions.append("allow micro_batch_size 1")
-    suggestions.append("a shorter seq_len or more devices")
+    relax = _relaxations(model, space, needed)
+    suggestions = [f"{field} {advice}" for field, advice in relax.items()]
     raise InfeasibleError(
         f"no layout of {model.name} fits memory_budget_bytes={space.memory_budget_bytes / GiB:.2f}"
         f" GiB per device on {space.world_size} devices (seq_len {space.seq_len}, global batch "
         f"{space.global_batch_size}); the closest, {layout.describe()}, needs "
         f"{needed / GiB:.2f} GiB. Relax: " + "; ".join(suggestions),
         bound="memory_budget_bytes", closest=layout, needed_bytes=needed,
-        suggestions=suggestions)
+        suggestions=suggestions, relax=relax)
+
+
+def _relaxations(model: ModelCost, space: SearchSpace, needed_bytes: float) -> Dict[str, str]:
+    """SearchSpace field -> how to relax it so that more layouts fit, most direct first."""
+    relax = {"memory_budget_bytes": f">= {needed_bytes / GiB:.2f} GiB"}
+    if "full" not in space.recompute:
+        relax["recompute"] = "add 'full'"
+    if 3 not in space.zero_stages:
+        relax["zero_stages"] = "add 3"
+    for fixed, bound, top in (("pp", "max_pp", min(model.layers, space.world_size)),
+                              ("tp", "max_tp", max(model.tps))):
+        if getattr(space, fixed) is not None:
+            relax[fixed] = "unset (search every degree)"
+        elif getattr(space, bound) < top:
+            relax[bound] = f"raise above {getattr(space, bound)}"
+    if min(space.micro_batch_sizes) > 1:
+        relax["micro_batch_sizes"] = "allow 1"
+    relax["seq_len"] = "shorter (or more devices)"
+    return relax

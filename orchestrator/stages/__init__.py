@@ -65,6 +65,9 @@ class Stage:
     # dotted keys in them that do not (which sub-parts to run, plotting).
     hash_sections: ClassVar[Tuple[str, ...]]
     hash_exclude: ClassVar[Tuple[str, ...]] = ()
+    # A config section whose swept keys give each point of a `-m` sweep its own ledger key and
+    # outputs (orchestrator.sweep); None: points share them.
+    sweep_section: ClassVar[Optional[str]] = None
     # False: the ranks get MPI only (no torch import, no process group): a cheaper start.
     torch_distributed: ClassVar[bool] = True
 

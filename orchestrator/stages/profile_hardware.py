@@ -118,6 +118,24 @@ def _run_analytic(ctx, run, path: Path) -> dict:
     return _finish_outputs(profile.to_dict(), cfg, path)
 
 
+def _check_bounds(hw) -> None:
+    """Sizes and iteration counts the sampler would refuse only after the ranks start."""
+    lower = {"min_size_bytes": 1, "warmup_iters": 0, "min_iters": 1, "max_tp": 1}
+    for key, least in lower.items():
+        if getattr(hw, key) < least:
+            raise ConfigError(f"profile_hardware.{key}({getattr(hw, key)}) must be >= {least}")
+    if hw.max_size_bytes is not None and hw.max_size_bytes < hw.min_size_bytes:
+        raise ConfigError(f"profile_hardware.max_size_bytes({hw.max_size_bytes}) must be >= "
+                          f"profile_hardware.min_size_bytes({hw.min_size_bytes})")
+    if hw.max_iters < hw.min_iters:
+        raise ConfigError(f"profile_hardware.max_iters({hw.max_iters}) must be >= "
+                          f"profile_hardware.min_iters({hw.min_iters})")
+    if hw.max_time_s <= 0:
+        raise ConfigError(f"profile_hardware.max_time_s({hw.max_time_s}) must be > 0")
+    if hw.rel_spread < 0:  # 0 is allowed: never stop early (every point runs max_time_s)
+        raise ConfigError(f"profile_hardware.rel_spread({hw.rel_spread}) must be >= 0")
+
+
 def validate(cfg) -> None:
     """Refuse what cannot be measured on this cluster, before anything is launched."""
     from orchestrator.profiling.hardware.groups import check_group_size, check_pp
@@ -126,9 +144,9 @@ def validate(cfg) -> None:
     unknown = [b for b in hw.benchmarks if b not in BENCHMARKS]
     if unknown:
         raise ConfigError(f"profile_hardware.benchmarks: unknown {unknown}; allowed: {list(BENCHMARKS)}")
-    if hw.size_step < 2 or hw.min_size_bytes < 1:
-        raise ConfigError(f"profile_hardware.size_step({hw.size_step}) must be >= 2 and "
-                          f"min_size_bytes({hw.min_size_bytes}) >= 1")
+    if hw.size_step < 2:
+        raise ConfigError(f"profile_hardware.size_step({hw.size_step}) must be >= 2")
+    _check_bounds(hw)
     world = cluster_world_size(cfg.cluster)
     try:
         if hw.max_group is not None:

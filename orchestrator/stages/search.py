@@ -8,12 +8,14 @@ counts, inputs' hashes) and, next to it, the exports: Megatron-LM arguments
 """
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List
 
 from orchestrator.config import cluster_world_size
+from orchestrator import errors
 from orchestrator.commands import rerun_command
 from orchestrator.errors import ConfigError, ProfileError
 from orchestrator.choices import Ranks
@@ -100,7 +102,7 @@ def search_space(cfg):
     from orchestrator.planner import CostOptions, SearchSpace
 
     s = cfg.search
-    memory_GiB = s.memory_GiB or cfg.cluster.device_mem_GiB
+    memory_GiB = _memory_GiB(cfg)
     return SearchSpace(
         world_size=s.world_size or cluster_world_size(cfg.cluster),
         memory_budget_bytes=memory_GiB * GiB, global_batch_size=s.global_batch_size,
@@ -108,7 +110,7 @@ def search_space(cfg):
         tp_within_node=s.tp_within_node, zero_stages=tuple(s.zero_stages),
         recompute=tuple(s.recompute), micro_batch_sizes=tuple(s.micro_batch_sizes),
         schedules=tuple(s.schedules), virtual_stages=tuple(s.virtual_stages),
-        fast_mode=bool(s.fast_mode), top_k=s.top_k,
+        fast_mode=bool(s.fast_mode), top_k=s.top_k, pp=s.pp, tp=s.tp,
         options=CostOptions(reserve_bytes=s.reserve_GiB * GiB))
 
 
@@ -228,13 +230,54 @@ def _report(result, strategy: StrategyProfile, cfg) -> None:
             console.print(f"{name} export not written: {escape(getattr(exports, f'{name}_error'))}")
 
 
+def _memory_GiB(cfg) -> float:
+    """The per-device budget (GiB): search.memory_GiB when given, else the cluster's."""
+    s = cfg.search
+    return cfg.cluster.device_mem_GiB if s.memory_GiB is None else s.memory_GiB
+
+
+def _check_memory(cfg) -> None:
+    s = cfg.search
+    if s.memory_GiB is not None and s.memory_GiB <= 0:
+        raise ConfigError(f"search.memory_GiB({s.memory_GiB}) must be > 0 (leave it unset to "
+                          f"use cluster.device_mem_GiB={cfg.cluster.device_mem_GiB})")
+    memory = _memory_GiB(cfg)
+    if not memory or memory <= 0:
+        raise ConfigError(f"search needs a memory budget per device: set search.memory_GiB "
+                          f"(cluster {cfg.cluster.name!r} has "
+                          f"device_mem_GiB={cfg.cluster.device_mem_GiB})")
+    if not 0 <= s.reserve_GiB < memory:
+        raise ConfigError(f"search.reserve_GiB({s.reserve_GiB}) must be >= 0 and below the "
+                          f"{memory} GiB per device (search.memory_GiB)")
+
+
+def _check_degrees(cfg) -> None:
+    """Bounds >= 1; fixed pp/tp that tile the world, split the heads and fit the layers."""
+    s, model = cfg.search, cfg.model
+    for key in ("max_tp", "max_pp", "pp", "tp"):
+        value = getattr(s, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"search.{key}({value}) must be >= 1")
+    world = s.world_size or cluster_world_size(cfg.cluster)
+    pp, tp = s.pp or 1, s.tp or 1
+    if world % (pp * tp):
+        key = "search.pp" if s.pp and world % pp else "search.tp"
+        raise ConfigError(f"{key}: pp({pp}) * tp({tp}) = {pp * tp} does not divide the "
+                          f"{world} devices of the search")
+    if s.pp is not None and s.pp > model.layers:
+        raise ConfigError(f"search.pp({s.pp}) > the {model.layers} layers of model={model.name}")
+    if s.tp is not None and (model.heads % s.tp or model.kv_heads % s.tp):
+        raise ConfigError(f"search.tp({s.tp}) must divide model={model.name}'s heads"
+                          f"({model.heads}) and kv_heads({model.kv_heads})")
+    if s.tp is not None and s.tp_within_node and cfg.cluster.tasks_per_node % s.tp:
+        raise ConfigError(f"search.tp({s.tp}) must divide cluster.tasks_per_node"
+                          f"({cfg.cluster.tasks_per_node}) (or set search.tp_within_node=false)")
+
+
 def validate(cfg):
     """The planner's SearchSpace for this config; ConfigError for what cannot be searched."""
     s = cfg.search
-    memory = s.memory_GiB or cfg.cluster.device_mem_GiB
-    if not memory or memory <= 0:
-        raise ConfigError(f"search needs a memory budget per device: set search.memory_GiB "
-                          f"(cluster {cfg.cluster.name!r} has device_mem_GiB={cfg.cluster.device_mem_GiB})")
+    _check_memory(cfg)
     if not s.schedules or not s.recompute or not s.zero_stages or not s.micro_batch_sizes:
         raise ConfigError("search.schedules, recompute, zero_stages and micro_batch_sizes must "
                           "each allow at least one value")
@@ -246,16 +289,39 @@ def validate(cfg):
     if s.global_batch_size < 1 or any(m < 1 for m in s.micro_batch_sizes):
         raise ConfigError(f"search.global_batch_size({s.global_batch_size}) and "
                           f"search.micro_batch_sizes({list(s.micro_batch_sizes)}) must be >= 1")
+    _check_degrees(cfg)
     try:  # what the planner itself refuses, before anything is launched
         return search_space(cfg)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"search: {e}") from None
 
 
+def infeasible_advice(err, cfg) -> str:
+    """The planner's InfeasibleError said in `search.*` config keys, with a command that gives
+    the memory (or batch) the closest layout needs."""
+    from orchestrator.commands import rerun_command
+
+    s = cfg.search
+    keys = {field: f"search.{'memory_GiB' if field == 'memory_budget_bytes' else field}"
+            for field in err.relax}
+    advice = "; ".join(f"{keys[field]} {how}" for field, how in err.relax.items())
+    if err.needed_bytes is None:
+        return (f"no (pp, tp, dp, micro-batch) combination divides search.global_batch_size"
+                f"({s.global_batch_size}) on {search_space(cfg).world_size} devices. Relax: "
+                f"{advice}")
+    needed_GiB = math.ceil(err.needed_bytes / GiB * 100) / 100
+    fix = rerun_command("search", f"search.memory_GiB={needed_GiB}")
+    return (f"no layout of {cfg.model.name} fits search.memory_GiB={_memory_GiB(cfg)} per device "
+            f"(search.reserve_GiB={s.reserve_GiB} of it kept free); the closest, "
+            f"{err.closest.describe()}, needs {err.needed_bytes / GiB:.2f} GiB. Relax: {advice}. "
+            f"E.g.: {fix}")
+
+
 class Search(Stage):
     name = "search"
     hash_sections = ("cluster", "model", "search")
     hash_exclude = ("search.plot", "search.top_k")
+    sweep_section = "search"
 
     def plan(self, cfg):
         space = validate(cfg)
@@ -269,7 +335,12 @@ class Search(Stage):
         return read_inputs(cfg, plan).notes
 
     def run(self, ctx, run):
-        return run_search(ctx, run)
+        from orchestrator.planner import InfeasibleError
+
+        try:
+            return run_search(ctx, run)
+        except InfeasibleError as e:  # the planner's fields -> the user's config keys
+            raise errors.InfeasibleError(infeasible_advice(e, run.cfg)) from None
 
 
 STAGE = Search()

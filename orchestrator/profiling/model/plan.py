@@ -106,9 +106,13 @@ def plan_profile(cfg) -> ProfilePlan:
             raise ConfigError(f"profile_model.{key}({getattr(pm, key)}) must be >= 1")
     if int(pm.warmup_iters) < 0:
         raise ConfigError(f"profile_model.warmup_iters({pm.warmup_iters}) must be >= 0")
+    if pm.max_seq_len is not None and not 1 <= pm.max_seq_len <= model.seq_len:
+        raise ConfigError(f"profile_model.max_seq_len({pm.max_seq_len}) must be >= 1 and <= "
+                          f"model.seq_len({model.seq_len}) of model={model.name}")
     seqs = sweep_seq_lens(pm, model.seq_len)
-    if any(s < 1 for s in seqs):
-        raise ConfigError(f"profile_model.seq_lens {seqs}: lengths must be >= 1")
+    if any(s < 1 or s > model.seq_len for s in seqs):
+        raise ConfigError(f"profile_model.seq_lens {seqs}: lengths must be >= 1 and <= "
+                          f"model.seq_len({model.seq_len}) of model={model.name}")
     device = pm.device or _default_device(cfg)
     sheet = analytic.load_device_sheet(device)
     analytic.peak_flops(sheet, model.dtype)  # the sheet must know the model's dtype
