@@ -24,7 +24,7 @@ from rich.table import Table
 from orchestrator.choices import Ranks
 from orchestrator.config import (CONF_DIR, Config, choice_type, register_configs, schema_has_key,
                                  unknown_key_message)
-from orchestrator.commands import set_user_overrides
+from orchestrator.commands import rerun_command, set_user_overrides
 from orchestrator.errors import ConfigError, LaunchError, OrchestratorError, file_error
 from orchestrator.launch import make_launcher, refresh_ledger
 from orchestrator.pipeline import (check_launchable, decide, ledger_for, plan_stage, stages_for,
@@ -151,16 +151,16 @@ def run_stages(cfg: Config) -> List[dict]:
         # Decided now: an earlier stage of this command may have just written its inputs.
         decision = decide(plan, ledger, force=cfg.force)
         if decision.done:
-            console.print(f"[green]✓[/] {plan.key}: done (config {plan.config_hash}); "
+            console.print(f"[green]✓[/] {escape(plan.key)}: done (config {plan.config_hash}); "
                           f"skipping (force=true redoes it)")
             rows.append({"stage": plan.key, "state": "done (skipped)", "job_id": None, "log": "",
                          "outputs": [str(p) for p in plan.outputs]})
             continue
         if decision.stale_reason and not cfg.force:
-            console.print(f"{plan.key}: {decision.stale_reason}; running every part")
+            console.print(escape(f"{plan.key}: {decision.stale_reason}; running every part"))
         skipped = [s for s in plan.subparts if s not in decision.todo]
         if skipped:
-            console.print(f"{plan.key}: sub-parts done, skipping: {', '.join(skipped)}")
+            console.print(escape(f"{plan.key}: sub-parts done, skipping: {', '.join(skipped)}"))
         _check_inputs(plan, cfg, produced_now)
         request = StageRequest(plan=plan, config=cfg, todo=list(decision.todo),
                                ledger_dir=str(ledger.path.parent),
@@ -179,7 +179,7 @@ def run_stages(cfg: Config) -> List[dict]:
         produced_now.add(plan.stage)
         if launcher.queued:  # submit the whole chain first (afterok), then wait in order
             previous_job = job["job_id"]
-            console.print(f"  submitted Slurm job {previous_job}; logs: {job['job_folder']}")
+            console.print(escape(f"  submitted Slurm job {previous_job}; logs: {job['job_folder']}"))
             pending.append((handle, request))
             continue
         rows.append(_finish(ledger, launcher, handle, request))
@@ -211,8 +211,8 @@ def _finish(ledger, launcher, handle, request: StageRequest) -> dict:
                           f"re-attaches, `scancel {launcher.job_id(handle)}` stops it")
             raise SystemExit(130)
         ledger.mark_ended(key, State.cancelled, request.todo, "interrupted (Ctrl-C)")
-        err_console.print(f"\n{key}: interrupted (Ctrl-C); parts finished before are kept, "
-                          f"rerun the same command to resume")
+        err_console.print(escape(f"\n{key}: interrupted (Ctrl-C); parts finished before are "
+                                 f"kept, rerun the same command to resume"))
         raise SystemExit(130)
     except BaseException as e:  # an in-process stage raised: an error to act on, or a bug
         ledger.mark_ended(key, State.failed, request.todo, f"{type(e).__name__}: {e}")
@@ -223,7 +223,7 @@ def _finish(ledger, launcher, handle, request: StageRequest) -> dict:
                             f"are kept; rerun the same command to resume.")
         error.exit_code = outcome.exit_code or LaunchError.exit_code
         raise error
-    console.print(f"[green]✓[/] {key}: done" + _summary_text(outcome.result))
+    console.print("[green]✓[/] " + escape(f"{key}: done" + _summary_text(outcome.result)))
     return {"stage": key, "state": "done", "job_id": outcome.job_id, "log": outcome.log_path,
             "result": outcome.result, "outputs": [str(p) for p in request.plan.outputs]}
 
@@ -261,15 +261,16 @@ def print_status(cfg) -> List[dict]:
     for key in sorted(entries, key=lambda k: (entries[k].started or 0, k)):
         e = entries[key]
         took = f"{e.took_s:.1f}s" if e.took_s is not None else ""
-        table.add_row(key, f"[{colours.get(e.state.value, 'white')}]{e.state.value}[/]",
+        table.add_row(escape(key), f"[{colours.get(e.state.value, 'white')}]{e.state.value}[/]",
                       str(e.job_id or ""), str(e.config_hash or "")[:8],
                       time.strftime("%m-%d %H:%M:%S", time.localtime(e.started)) if e.started else "",
-                      took, str(e.error or _relative(e.log_path) or ""))
+                      took, escape(str(e.error or _relative(e.log_path) or "")))
     if entries:
         console.print(table)
     else:
-        console.print(f"nothing has run for cluster {cfg.cluster.name!r} yet ({ledger.path} "
-                      f"does not exist); start with: python -m orchestrator stage=all")
+        console.print(escape(f"nothing has run for cluster {cfg.cluster.name!r} yet "
+                             f"({ledger.path} does not exist); start with: "
+                             f"{rerun_command('all')}"))
     return [dict(entry=k, **e.to_dict()) for k, e in entries.items()]
 
 
