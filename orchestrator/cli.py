@@ -179,7 +179,8 @@ def run_stages(cfg: Config) -> List[dict]:
         produced_now.add(plan.stage)
         if launcher.queued:  # submit the whole chain first (afterok), then wait in order
             previous_job = job["job_id"]
-            console.print(escape(f"  submitted Slurm job {previous_job}; logs: {job['job_folder']}"))
+            console.print(escape(f"  submitted Slurm job {previous_job}; "
+                                 f"logs: {job['job_folder']}"))
             pending.append((handle, request))
             continue
         rows.append(_finish(ledger, launcher, handle, request))
@@ -261,10 +262,10 @@ def print_status(cfg) -> List[dict]:
     for key in sorted(entries, key=lambda k: (entries[k].started or 0, k)):
         e = entries[key]
         took = f"{e.took_s:.1f}s" if e.took_s is not None else ""
+        started = time.strftime("%m-%d %H:%M:%S", time.localtime(e.started)) if e.started else ""
         table.add_row(escape(key), f"[{colours.get(e.state.value, 'white')}]{e.state.value}[/]",
                       str(e.job_id or ""), str(e.config_hash or "")[:8],
-                      time.strftime("%m-%d %H:%M:%S", time.localtime(e.started)) if e.started else "",
-                      took, escape(str(e.error or _relative(e.log_path) or "")))
+                      started, took, escape(str(e.error or _relative(e.log_path) or "")))
     if entries:
         console.print(table)
     else:
