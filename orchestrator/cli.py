@@ -248,11 +248,7 @@ def _relative(path) -> str:
 def print_status(cfg) -> List[dict]:
     """The ledger as a table, after re-attaching to Slurm jobs still pending or running."""
     ledger = ledger_for(cfg)
-    try:
-        refresh_ledger(ledger, cfg)
-    except OSError as e:  # status only reads: a read-only profiles folder still gets its table
-        console.print(escape(f"note: states as last recorded; could not update {ledger.path} "
-                             f"({e})"))
+    refresh_ledger(ledger, cfg)  # what it cannot refresh (read-only folder) is shown as recorded
     entries = ledger.entries()
     table = Table(title=f"{ledger.path}")
     for col in ("entry", "state", "job id", "config", "started", "took", "log / error"):

@@ -135,12 +135,14 @@ def test_planner_message_keeps_brackets_and_profiles_dir(profiles):
     del hw["benchmarks"]["reduce_scatter"]
     write_json(profiles / "local" / "hardware.json", hw)
     write_json(profiles / "local" / "model" / "tiny.json", synthetic_model("tiny", layers=4))
-    proc = run_cli("stage=search", "search.zero_stages=[2]", profiles_dir=profiles)
+    shape = ("model.hidden=256", "model.ffn=1024", "model.heads=8", "model.kv_heads=8",
+             "model.vocab=1000", "model.dtype=bf16")  # the synthetic profile's
+    proc = run_cli("stage=search", "search.zero_stages=[2]", *shape, profiles_dir=profiles)
     line = _one_error_line(proc, 4)
     assert "no 'reduce_scatter' fits" in line
     fix = line.split("rerun `", 1)[1].rstrip("`")
     assert shlex.split(fix) == ["python", "-m", "orchestrator", "stage=profile_hardware",
-                                f"profiles_dir={profiles}",
+                                *shape, f"profiles_dir={profiles}",
                                 "profile_hardware.benchmarks=[reduce_scatter]"]
 
 

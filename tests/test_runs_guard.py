@@ -253,7 +253,7 @@ def test_status_of_a_read_only_profiles_folder_prints_the_table(tmp_path, read_o
     subprocess.run([sys.executable, "-c", code], check=True)  # a launch whose CLI is gone
     shared = read_only(profiles, tmp_path / "shared")
     proc = run_cli("stage=status", profiles_dir=shared, check=0)
-    assert "note: states as last recorded" in proc.stdout and "Read-only file system" in proc.stdout
+    assert "not refreshed" in proc.stderr and "Read-only file system" in proc.stderr
     row = next(line for line in proc.stdout.splitlines() if "│ noop " in line)
     assert "running" in row
 

@@ -205,6 +205,21 @@ def test_analytic_model_profile_runs_as_one_task(slurm_cluster, profiles):
     assert entry["state"] == "done" and _sacct(entry["job_id"], "NNodes,AllocCPUS") == ["1", "1"]
 
 
+def test_one_task_job_that_fails_reports_its_error_and_exit_code(slurm_cluster, profiles):
+    """A single-process stage that raises an error a user can act on (no feasible layout) inside
+    a Slurm job: the CLI prints the stage's own line and exits with its code (3), not only
+    "job failed" with 5."""
+    analytic = ("cluster=dev", "model=qwen_100b", "profile_hardware.source=analytic",
+                "profile_model.seq_lens=[4096]", "profile_hardware.plot=false",
+                "profile_model.plot=false")
+    run_cli("stage=profile_hardware", *analytic, profiles_dir=profiles, check=0, timeout=300)
+    run_cli("stage=profile_model", *analytic, profiles_dir=profiles, check=0, timeout=300)
+    proc = run_cli("stage=search", *SLURM, *analytic, "search.memory_GiB=3", "search.seq_len=4096",
+                   "search.plot=false", profiles_dir=profiles, check=3, timeout=300)
+    assert "no layout of qwen_100b fits" in proc.stderr, proc.stderr
+    assert ledger(profiles, "dev")["search/qwen_100b"]["state"] == "failed"
+
+
 def _scontrol_job(job_id) -> dict:
     """`scontrol show job` fields (JobState, Restarts, ...) of a job slurmctld still knows."""
     out = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True,

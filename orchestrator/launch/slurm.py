@@ -27,7 +27,7 @@ import submitit
 from orchestrator.choices import Ranks
 from orchestrator.errors import ConfigError, LaunchError, OrchestratorError
 from orchestrator.launch.base import LaunchResult, prepare_run_dir, unfinished
-from orchestrator.runtime import run_inprocess, run_rank
+from orchestrator.runtime import record_failure, run_inprocess, run_rank
 from orchestrator.runtime.request import StageRequest
 from orchestrator.store.ledger import ACTIVE, Ledger, LedgerEntry, State
 
@@ -45,7 +45,11 @@ class RankJob(submitit.helpers.Checkpointable):
     def __call__(self):
         """Rank 0's stage result (None on the other ranks)."""
         if self.request.ranks == Ranks.one:  # one process, no MPI world
-            result = run_inprocess(self.request)
+            try:
+                result = run_inprocess(self.request)
+            except Exception as e:  # e.g. no feasible layout: its line and code reach the user
+                record_failure(self.request, f"{type(e).__name__}: {e}", e)
+                raise
         else:
             result = run_rank(self.request)
         # Done: a time-limit signal while this process exits must not requeue (or fail) the job.

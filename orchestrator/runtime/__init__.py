@@ -175,6 +175,13 @@ def _run_stage(request: StageRequest, ctx: RankContext):
     return result
 
 
+def record_failure(request: StageRequest, message: str, error: BaseException) -> None:
+    """Rank 0's error line and exit code in the result file: the launcher shows the user this
+    line (and exits with the error's own code), not only "job failed"."""
+    write_json(request.result_path, {"ok": False, "error": message, "ended": time.time(),
+                                     "exit_code": getattr(error, "exit_code", None)})
+
+
 def run_rank(request: StageRequest):
     """Run the stage on this rank (every rank calls this); rank 0 returns the stage's result.
 
@@ -207,9 +214,8 @@ def run_rank(request: StageRequest):
         msg = f"rank {rank}: {type(e).__name__}: {e}"
         log.error("%s\n%s", msg, traceback.format_exc())
         print(msg, file=sys.stderr, flush=True)
-        if rank == 0:  # the launcher shows the user this line, not only "job failed"
-            write_json(request.result_path, {"ok": False, "error": msg, "ended": time.time(),
-                                             "exit_code": getattr(e, "exit_code", None)})
+        if rank == 0:
+            record_failure(request, msg, e)
         if ctx is not None and ctx.world_size > 1:
             ctx.comm.Abort(1)
         raise
