@@ -24,7 +24,7 @@ from rich.table import Table
 from orchestrator.choices import Ranks
 from orchestrator.config import (CONF_DIR, Config, choice_type, register_configs, schema_has_key,
                                  unknown_key_message)
-from orchestrator.commands import rerun_command, set_user_overrides
+from orchestrator.commands import parse_overrides, rerun_command, set_user_overrides
 from orchestrator.errors import ConfigError, LaunchError, OrchestratorError, file_error
 from orchestrator.launch import make_launcher, refresh_ledger
 from orchestrator.pipeline import (check_launchable, decide, ledger_for, plan_stage, stages_for,
@@ -54,18 +54,13 @@ def check_closed_choices(argv: List[str]) -> None:
     `+key`, which it then accepts silently; they are closed sets, so we check them first (every
     key and value of a sweep too).
     """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    args = [a for a in argv if not a.startswith("-") and "=" in a or a.startswith("~")]
-    try:
-        overrides = OverridesParser.create().parse_overrides(args)
-    except Exception:
-        return  # let Hydra report syntax errors its own way
+    overrides = parse_overrides(tuple(argv)) or ()  # a syntax error: Hydra reports it
     groups = {"stage": sorted(STAGES + ("all", "status")),
               "launcher": sorted(p.stem for p in (CONF_DIR / "launcher").glob("*.yaml"))}
+    group_names = _group_names()
     for o in overrides:
         key = o.key_or_group
-        if key == "hydra" or key.startswith(("hydra.", "hydra/")) or key in _group_names():
+        if key == "hydra" or key.startswith(("hydra.", "hydra/")) or key in group_names:
             pass  # Hydra's own settings and group selections: Hydra knows them
         elif not schema_has_key(key):
             raise ConfigError(unknown_key_message(key))
@@ -272,10 +267,14 @@ def print_status(cfg) -> List[dict]:
 
 
 # ---------------------------------------------------------------- entry points
-def report_error(error: OrchestratorError) -> NoReturn:
-    """Print `error` as one line on stderr (its text verbatim: `[all2all]` is not markup) and
-    exit with its code."""
+def print_error(error: OrchestratorError) -> None:
+    """`error` as one line on stderr (its text verbatim: `[all2all]` is not markup)."""
     err_console.print(f"[red]error:[/] {escape(str(error))}", soft_wrap=True)
+
+
+def report_error(error: OrchestratorError) -> NoReturn:
+    """Print `error` as one line on stderr and exit with its code."""
+    print_error(error)
     sys.exit(error.exit_code)
 
 
@@ -296,7 +295,7 @@ def orchestrate(composed: DictConfig):
 def _failed(error: OrchestratorError, cfg: Config):
     """One line on stderr; in a sweep a row of its table (the sweep goes on), else the exit."""
     if HydraConfig.get().mode == RunMode.MULTIRUN:
-        err_console.print(f"[red]error:[/] {escape(str(error))}", soft_wrap=True)
+        print_error(error)
         return [{"stage": cfg.stage.name, "state": "failed", "error": str(error),
                  "exit_code": error.exit_code}]
     report_error(error)

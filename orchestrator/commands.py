@@ -9,7 +9,8 @@ stage named and quotes each argument for a POSIX shell (`[...]` is a glob in bas
 from __future__ import annotations
 
 import shlex
-from typing import Iterable, List, Optional, Sequence
+from functools import lru_cache
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 # Config sections every stage's command keeps (they say which files and which hardware).
 _SHARED = ("profiles_dir", "cluster", "model", "launcher", "hydra")
@@ -39,6 +40,19 @@ def _kept(override: str, stage: str) -> bool:
     if top in _DROPPED:
         return False
     return top in _SHARED or top == stage
+
+
+@lru_cache(maxsize=4)
+def parse_overrides(argv: Tuple[str, ...]) -> Optional[list]:
+    """The overrides of a command line as Hydra parses them (key, value, sweep), before Hydra
+    composes anything; None on a syntax error (Hydra reports those its own way)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    args = [a for a in argv if not a.startswith("-") and "=" in a or a.startswith("~")]
+    try:
+        return OverridesParser.create().parse_overrides(args)
+    except Exception:
+        return None
 
 
 def rerun_command(stage: str, *extra: str, overrides: Optional[Sequence[str]] = None) -> str:

@@ -47,16 +47,11 @@ def set_swept_keys(argv: Sequence[str]) -> None:
 
 def swept_keys(argv: Sequence[str]) -> List[str]:
     """The keys `argv` sweeps (`search.pp=1,2` -> `search.pp`), in order; [] if not a multirun."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from orchestrator.commands import parse_overrides
 
     if not any(a in ("-m", "--multirun") for a in argv):
         return []
-    args = [a for a in argv if not a.startswith("-") and "=" in a]
-    try:
-        overrides = OverridesParser.create().parse_overrides(args)
-    except Exception:
-        return []  # Hydra reports syntax errors its own way
-    return [o.key_or_group for o in overrides if o.is_sweep_override()]
+    return [o.key_or_group for o in parse_overrides(tuple(argv)) or () if o.is_sweep_override()]
 
 
 def _label_value(value: Any) -> str:
