@@ -1,0 +1,1 @@
+"""train: run a ParallelLayout for real (data, optimizer, parallel engine, checkpoints, summary)."""
