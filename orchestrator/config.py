@@ -155,6 +155,46 @@ class SearchConfig:
 
 
 @dataclass
+class TrainConfig:
+    """`stage=train`: the layout search wrote (strategy/<model>.layout.json), or an explicit one.
+
+    Giving train.pp or train.tp makes the layout explicit (dp derived, the other fields from here
+    or their defaults); otherwise the strategy's layout is used with any field set here changed.
+    """
+
+    steps: int = 30
+    pp: Optional[int] = None
+    tp: Optional[int] = None
+    zero: Optional[int] = None  # 0: DDP-style, 1/2: sharded optimizer (and grads), 3: FSDP2
+    sequence_parallel: Optional[bool] = None  # None: on when tp > 1
+    micro_batch_size: Optional[int] = None  # None: 1
+    num_micro_batches: Optional[int] = None  # None: global_batch_size / (dp * micro_batch_size)
+    global_batch_size: Optional[int] = None  # None: the strategy's, else search.global_batch_size
+    schedule: Optional[Schedule] = None  # 1f1b | interleaved
+    virtual_stages: Optional[int] = None  # None: 2 for interleaved
+    recompute: Optional[Recompute] = None  # the same on every stage; full: the whole stage
+    layers_per_stage: Optional[List[int]] = None  # uneven pipeline split
+    seq_len: Optional[int] = None  # None: the strategy's, else model.seq_len
+    dtype: Optional[Dtype] = None  # None: fp32 on gloo, bf16 on nccl (fp16 adds a loss scale)
+    data: Optional[str] = None  # a text file or folder (byte-level tokens); None: synthetic
+    seed: int = 0
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1  # cosine decay to lr * this at the last step
+    warmup_steps: int = 5
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # <= 0: no clipping
+    log_every: int = 1
+    timing_warmup_steps: int = 3  # iterations left out of the measured times
+    checkpoint_every: int = 50  # steps; also at the last step and at a signal (0: only those)
+    keep_checkpoints: int = 2
+    load: Optional[str] = None  # start from this checkpoint folder (any layout), not from scratch
+    memory_interval_s: float = 0.5  # memory sampler period (<= 0: off)
+    memory_GiB: Optional[float] = None  # budget for the pre-launch check; None: the cluster's
+    allow_oom_risk: bool = False  # launch even when the planner says the layout does not fit
+    plot: bool = True
+
+
+@dataclass
 class NoopConfig:
     sleep_s: float = 0.0  # hold every rank this long (tests of a run in progress)
 
@@ -171,6 +211,7 @@ class Config:
     profile_hardware: ProfileHardwareConfig = field(default_factory=ProfileHardwareConfig)
     profile_model: ProfileModelConfig = field(default_factory=ProfileModelConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     noop: NoopConfig = field(default_factory=NoopConfig)
 
 

@@ -27,6 +27,7 @@ import submitit
 from orchestrator.choices import Ranks
 from orchestrator.errors import ConfigError, LaunchError, OrchestratorError
 from orchestrator.launch.base import LaunchResult, prepare_run_dir, unfinished
+from orchestrator.stages import get_stage
 from orchestrator.runtime import record_failure, run_inprocess, run_rank
 from orchestrator.runtime.request import StageRequest
 from orchestrator.store.ledger import ACTIVE, Ledger, LedgerEntry, State
@@ -185,7 +186,8 @@ class SlurmLauncher:
         executor = make_executor(self.cluster, Path(request.run_dir) / "submitit",
                                  ranks=request.ranks,
                                  name=f"orch-{request.stage}", after=after,
-                                 subparts=len(request.todo))
+                                 subparts=max(len(request.todo),
+                                              get_stage(request.stage).requeues))
         try:  # submitit copies sbatch's stderr to ours: it is in the one-line error instead
             with contextlib.redirect_stderr(io.StringIO()):
                 return executor.submit(RankJob(request))

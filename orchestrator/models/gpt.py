@@ -14,6 +14,7 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from orchestrator.choices import Dtype
 from orchestrator.models.config import ModelConfig, validate_model
@@ -60,6 +61,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return rotated.type_as(x)
 
 
+def _attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads (kv_heads <= heads) and rotary embeddings."""
 
@@ -71,6 +76,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.hidden, kv_dim, bias=False)
         self.wv = nn.Linear(cfg.hidden, kv_dim, bias=False)
         self.wo = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+        # Selective recompute (set from outside, train): the attention core's activations are
+        # not kept; backward reruns it (Megatron's --recompute-granularity selective).
+        self.recompute_core = False
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -80,7 +88,10 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if self.recompute_core and torch.is_grad_enabled():
+            out = checkpoint(_attention_core, q, k, v, use_reentrant=False)
+        else:
+            out = _attention_core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 

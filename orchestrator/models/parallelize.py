@@ -8,6 +8,7 @@
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -120,16 +121,30 @@ class PipelineStageModule(nn.Module):
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layer_range})
         self.norm = model.norm if is_last else None
         self.lm_head = model.lm_head if is_last else None
+        # Set from outside (train): blocks whose forward is rerun in backward (full recompute),
+        # and the autocast dtype of the forward (None: the parameters' own dtype).
+        self.recompute_blocks: frozenset = frozenset()
+        self.autocast_dtype: torch.dtype | None = None
 
     def init_weights(self, seed: int = 0) -> None:
         """Initialise this stage's parameters to the values the whole model would get."""
         init_parameters(self, self.cfg, seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.autocast_dtype is None:
+            return self._forward(x)
+        with torch.autocast(x.device.type, dtype=self.autocast_dtype):
+            return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         cos, sin = self.rope()
         h = self.tok_emb(x) if self.is_first else x
-        for block in self.blocks.values():
-            h = block(h, cos, sin)
+        recompute = torch.is_grad_enabled() and self.recompute_blocks
+        for name, block in self.blocks.items():
+            if recompute and name in self.recompute_blocks:
+                h = checkpoint(block, h, cos, sin, use_reentrant=False)
+            else:
+                h = block(h, cos, sin)
         return self.lm_head(self.norm(h)) if self.is_last else h
 
 

@@ -20,7 +20,7 @@ from orchestrator.config import Config, cluster_world_size
 from orchestrator.errors import ConfigError
 
 # `stage=all` runs these in order, skipping what is done.
-PIPELINE = ("profile_hardware", "profile_model", "search")
+PIPELINE = ("profile_hardware", "profile_model", "search", "train")
 # Stages a user can name (plus `all` and `status`, which the CLI handles itself).
 STAGES = PIPELINE + ("noop",)
 
@@ -70,6 +70,8 @@ class Stage:
     sweep_section: ClassVar[Optional[str]] = None
     # False: the ranks get MPI only (no torch import, no process group): a cheaper start.
     torch_distributed: ClassVar[bool] = True
+    # Slurm requeues after a time limit or preemption, at least (also one per sub-part).
+    requeues: ClassVar[int] = 3
 
     def plan(self, cfg: Config) -> StagePlan:
         """Validate the stage's config (ConfigError before anything launches); the launch."""

@@ -87,6 +87,7 @@ class LedgerEntry:
     host: Optional[str] = None  # the launch's owner: the CLI that started it
     pid: Optional[int] = None
     pid_start: Optional[int] = None  # the CLI's start time (clock ticks): tells a reused pid
+    progress: Optional[str] = None  # how far a running stage is (train: "step 12/30, loss 3.2")
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -236,6 +237,14 @@ class Ledger:
             fields["summary"] = summary
         return fields
 
+    def set_progress(self, key: str, text: str) -> None:
+        """Rank 0 of a running stage: how far it is, for `stage=status` from another shell."""
+        with self._locked() as entries:
+            entry = entries.get(key)
+            if entry is not None:
+                entry.progress = text
+                entry.updated = time.time()
+
     def start_subpart(self, key: str, config_hash: str, log_path: str,
                       job_id: Optional[str]) -> None:
         """Rank 0 starts a sub-part: running, with the hash and job it runs under."""
@@ -260,7 +269,8 @@ class Ledger:
             self._move(entries, key, State.pending if queued else State.running, None, now,
                        config_hash=config_hash, launcher=launcher, job_id=None, job_folder=None,
                        log_path=run_dir, run_dir=run_dir, started=now, ended=None, error=None,
-                       traceback=None, todo=list(subparts), summary=None, host=owner.host,
+                       traceback=None, todo=list(subparts), summary=None, progress=None,
+                       host=owner.host,
                        pid=owner.pid, pid_start=owner.pid_start)
             for sub in subparts:
                 self._move(entries, f"{key}/{sub}", State.pending, None, now, job_id=None,

@@ -1,0 +1,218 @@
+"""train: run a layout for real on the cluster's ranks and measure it against the planner.
+
+The layout is search's (profiles/<cluster>/strategy/<model>.layout.json), changed by any
+`train.*` field given, or explicit (train.pp / train.tp; dp derived). Every rank builds its part
+(orchestrator/train/engine.py), trains `train.steps` iterations on seeded synthetic tokens or a
+text corpus, checkpoints every `train.checkpoint_every` steps, at the end and at a signal (USR2
+before a Slurm time limit: the job is requeued and resumes), and rank 0 writes
+profiles/<cluster>/train/<model>/<layout-tag>.json (+ .png, memory PNG): measured iteration
+times without warm-up, tokens/s, peak memory per rank, and the planner's prediction for the
+same layout beside each measured part. A rerun of the same command resumes from the last
+checkpoint (profiles/<cluster>/train/<model>/<layout-tag>.ckpt/).
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from typing import List, Optional
+
+from orchestrator.choices import Ranks
+from orchestrator.commands import rerun_command
+from orchestrator.errors import ProfileError
+from orchestrator.stages import Stage, StageInput
+from orchestrator.store import cluster_dir, file_sha256
+from orchestrator.train.plan import (check_memory, layout_file, layout_tag, predict, resolve,
+                                     train_dir)
+
+log = logging.getLogger("orchestrator.train")
+
+
+class StrategyLayout:
+    """The strategy's layout.json as a stage input (it is plain JSON, not a profile record)."""
+
+    KIND = "layout"
+
+
+def summary_path(cfg, layout, label: str = ""):
+    from orchestrator.sweep import labelled
+
+    return labelled(train_dir(cfg) / f"{layout_tag(layout)}.json", label)
+
+
+class Train(Stage):
+    name = "train"
+    hash_sections = ("cluster", "model", "train")
+    hash_exclude = ("train.log_every", "train.plot", "train.memory_interval_s",
+                    "train.checkpoint_every", "train.keep_checkpoints", "train.allow_oom_risk",
+                    "train.memory_GiB")
+    sweep_section = "train"
+    requeues = 50  # each run keeps its checkpoints: a short time limit only costs restarts
+
+    def plan(self, cfg):
+        from orchestrator.sweep import point_label
+
+        inputs, outputs, target = [], [], None
+        explicit = cfg.train.pp is not None or cfg.train.tp is not None
+        if not explicit:
+            inputs.append(StageInput(layout_file(cfg), StrategyLayout, "search"))
+        if explicit or layout_file(cfg).exists():
+            target = resolve(cfg)  # else search writes it first (stage=all): resolved on the ranks
+            outputs.append(summary_path(cfg, target.layout, point_label(cfg, "train")))
+            check_memory(cfg, predict(cfg, target.layout, target.seq_len)[0])
+        label = point_label(cfg, "train")
+        key = f"train/{cfg.model.name}" + (f"@{label}" if label else "")
+        return self.make_plan(cfg, key=key, ranks=Ranks.cluster, inputs=inputs,
+                              outputs=outputs, detail=label)
+
+    def read_inputs(self, cfg, plan) -> List[str]:
+        if plan.inputs and not plan.inputs[0].path.exists():
+            resolve(cfg)  # the ProfileError naming the search command
+        return []
+
+    def run(self, ctx, run):
+        return train(ctx, run)
+
+
+STAGE = Train()
+
+
+# ---------------------------------------------------------------------- on every rank
+class StopFlag:
+    """Set by USR2 (Slurm's warning before a time limit or preemption) or SIGTERM; the loop
+    checkpoints at the end of the step every rank agrees on, then hands over to submitit's
+    handler (task 0: requeue) or exits."""
+
+    def __init__(self):
+        self.signum: Optional[int] = None
+        self.previous = {}
+        for sig in (signal.SIGUSR2, signal.SIGTERM):
+            self.previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._set)
+
+    def _set(self, signum, frame):
+        self.signum = signum
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def agreed(self, device) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1.0 if self.signum is not None else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def hand_over(self) -> None:
+        """After the checkpoint: let submitit requeue (its handler on task 0), else exit."""
+        handler = self.previous.get(self.signum or signal.SIGUSR2)
+        self.restore()
+        if callable(handler):
+            handler(self.signum or signal.SIGUSR2, None)
+        raise SystemExit(f"stopped by signal {self.signum}; checkpoint written")
+
+
+def train(ctx, run):
+    import torch
+
+    from orchestrator.train.checkpoint import load_checkpoint, load_latest, latest_checkpoint
+    from orchestrator.train.data import make_data
+    from orchestrator.train.engine import Engine, OptimSettings
+    from orchestrator.train.lr import lr_at
+    from orchestrator.train.monitor import MemoryMonitor
+    from orchestrator.train.plan import model_config, train_dtype
+    from orchestrator.train.report import StepLog, write_summary
+
+    cfg, t = run.cfg, run.cfg.train
+    target = resolve(cfg)
+    layout = target.layout
+    prediction, note = predict(cfg, layout, target.seq_len)
+    if ctx.is_root:
+        check_memory(cfg, prediction)
+    torch.manual_seed(t.seed)
+    monitor = MemoryMonitor(t.memory_interval_s, ctx.device)
+    monitor.start()
+    engine = Engine(layout, model_config(cfg, target.seq_len), ctx.device, train_dtype(cfg),
+                    seed=t.seed, optim=OptimSettings(weight_decay=t.weight_decay))
+    data = make_data(t.data, cfg.model.vocab, target.seq_len, t.seed)
+    out = summary_path(cfg, layout, run.plan.detail)
+    ckpt_dir = out.with_suffix(".ckpt")
+    steps_log = StepLog(ctx, run, layout, target.seq_len, t)
+    state = engine.state()
+    start, warnings = _resume(engine, state, ckpt_dir, t, load_latest, latest_checkpoint,
+                              load_checkpoint, steps_log)
+    for w in warnings:
+        steps_log.warn(w)
+    stop = StopFlag()
+    samples_per_rank = layout.micro_batch_size * layout.num_micro_batches
+    try:
+        for step in range(start, t.steps):
+            tokens, targets = data.rank_batch(step, engine.dp_rank, layout.dp, samples_per_rank)
+            lr = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
+            stats = engine.train_step(tokens, targets, lr, t.grad_clip)
+            monitor.mark(f"step {step + 1}")
+            steps_log.record(step + 1, lr, stats)
+            last = step + 1 == t.steps
+            stopping = stop.agreed(ctx.device)
+            if last or stopping or (t.checkpoint_every and (step + 1) % t.checkpoint_every == 0):
+                _save(engine, ckpt_dir, step + 1, t, steps_log)
+            if stopping:
+                steps_log.warn(f"signal {stop.signum}: checkpoint at step {step + 1} written; "
+                               f"stopping (a requeued job or a rerun resumes from it)")
+                monitor.stop()
+                stop.hand_over()
+    finally:
+        stop.restore()
+        monitor.stop()
+    per_rank = ctx.gather(steps_log.rank_summary(monitor))
+    if not ctx.is_root:
+        return None
+    return write_summary(run, cfg, target, prediction, note, per_rank, steps_log, out,
+                         data.describe(), engine_params=None)
+
+
+def _resume(engine, state, ckpt_dir, t, load_latest, latest_checkpoint, load_checkpoint,
+            steps_log):
+    """The step to start from: the last good checkpoint of this layout's folder, else
+    train.load (any layout), else 0; the warnings about checkpoints skipped."""
+    from pathlib import Path
+
+    info, warnings = load_latest(ckpt_dir, state)
+    if info is not None:
+        engine.load_state(state, info.step)
+        steps_log.restore(info.extra)
+        steps_log.note(f"resumed from {info.path} (step {info.step})")
+        return info.step, warnings
+    if t.load:
+        found = latest_checkpoint(Path(t.load))
+        if found is None:
+            raise ProfileError(f"train.load={t.load}: no complete checkpoint there")
+        extra = load_checkpoint(found, state)
+        engine.load_state(state, found.step)
+        steps_log.restore(extra)
+        steps_log.note(f"loaded {found.path} (step {found.step}, layout "
+                       f"{extra.get('layout', '?')})")
+        return found.step, warnings
+    return 0, warnings
+
+
+def _save(engine, ckpt_dir, step: int, t, steps_log) -> None:
+    from orchestrator.train.checkpoint import save_checkpoint
+
+    start = time.perf_counter()
+    save_checkpoint(ckpt_dir, step, engine.state(), steps_log.extra(), keep=t.keep_checkpoints)
+    steps_log.checkpointed(step, time.perf_counter() - start)
+
+
+def _relative_inputs(cfg, target) -> dict:
+    """The strategy layout file read, by path relative to the cluster folder, with its digest."""
+    if target.strategy_file is None:
+        return {}
+    folder = cluster_dir(cfg.profiles_dir, cfg.cluster.name)
+    return {str(target.strategy_file.relative_to(folder)):
+            {"sha256": file_sha256(target.strategy_file), "source": None}}
+
+
+__all__ = ["STAGE", "train", "rerun_command"]

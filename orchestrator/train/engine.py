@@ -1,0 +1,318 @@
+"""The training engine: a GPT split by a ParallelLayout over this rank's slice of a
+(pp, dp, tp) DeviceMesh, torch-native and applied from outside the model.
+
+- Mesh: (pp, dp, tp) in ParallelLayout's rank order (tp fastest, then dp, then pp).
+- TP + sequence parallel: models/parallelize.apply_tensor_parallel on mesh["tp"].
+- Pipeline: torch.distributed.pipelining, 1F1B or interleaved 1F1B with v model chunks per rank
+  (chunk c of rank r is virtual stage c * pp + r, Megatron's order); uneven layers per stage.
+- Data parallel: ZeRO 0/1/2 by hand (train/grads.py: bucketed collectives overlapping the
+  backward, sharded AdamW), ZeRO-3 with FSDP2 `fully_shard` per block and per stage.
+- Recompute per pipeline stage: selective (the attention core of every layer) or full (the first
+  k layers of the stage, k / v per chunk).
+- Precision: fp32 master weights; bf16/fp16 by autocast (fp16 with a dynamic loss scale).
+The model is built on the meta device and only this rank's stages are materialised.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from orchestrator.choices import Dtype
+from orchestrator.layout import ParallelLayout
+from orchestrator.models.config import ModelConfig
+from orchestrator.models.gpt import GPT, cross_entropy_loss
+from orchestrator.models.parallelize import apply_tensor_parallel, split_pipeline
+from orchestrator.train.grads import FsdpAdamW, ShardedAdamW, local_tensor
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    weight_decay: float = 0.1
+    betas: tuple = (0.9, 0.95)
+    eps: float = 1e-8
+    bucket_MiB: float = 25.0
+
+
+@dataclass
+class StepStats:
+    """One iteration on this rank (seconds) and its global results."""
+
+    loss: float
+    grad_norm: float
+    step_s: float  # the whole iteration
+    fwd_bwd_s: float  # forward + backward of all micro-batches (pipeline waits included)
+    compute_s: float  # this rank's forward/backward work alone (TP communication included)
+    sync_wait_s: float  # waiting for the data-parallel gradient collectives after the backward
+    optimizer_s: float  # clipping, AdamW, parameter all-gather
+    skipped: bool = False  # fp16 overflow: no update
+
+
+def virtual_stage_layers(layout: ParallelLayout) -> List[int]:
+    """Layers of each virtual stage s = chunk * pp + rank (pp * v of them)."""
+    v, pp = layout.virtual_stages, layout.pp
+    return [layout.layers_per_stage[s % pp] // v for s in range(pp * v)]
+
+
+def _device_type(device: torch.device) -> str:
+    return "cuda" if device.type == "cuda" else "cpu"
+
+
+class Engine:
+    """This rank's part of the model, its optimizer, and `train_step`."""
+
+    def __init__(self, layout: ParallelLayout, model: ModelConfig, device: torch.device,
+                 dtype: Dtype = Dtype.fp32, seed: int = 0,
+                 optim: OptimSettings = OptimSettings()):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        layout.check_model_layers(model.layers, model.name)
+        if dist.get_world_size() != layout.world_size:
+            raise ValueError(f"layout world_size({layout.world_size}) != the "
+                             f"{dist.get_world_size()} ranks running")
+        self.layout, self.device, self.dtype = layout, device, Dtype.parse(dtype)
+        self.mesh = init_device_mesh(_device_type(device), (layout.pp, layout.dp, layout.tp),
+                                     mesh_dim_names=("pp", "dp", "tp"))
+        self.pp_rank = self.mesh.get_local_rank("pp")
+        self.dp_rank = self.mesh.get_local_rank("dp")
+        self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == layout.pp - 1
+        self.modules = self._build(dataclasses.replace(model, dtype=Dtype.fp32), seed)
+        self._apply_recompute()
+        if layout.zero == 3:
+            self._apply_fsdp()
+        params = [p for mod in self.modules for p in mod.parameters()]
+        if layout.zero == 3:
+            self.optim = FsdpAdamW(params, layout.num_micro_batches,
+                                   weight_decay=optim.weight_decay, betas=optim.betas,
+                                   eps=optim.eps)
+        else:
+            self.optim = ShardedAdamW(params, layout.zero, self.mesh["dp"].get_group(),
+                                      layout.dp, layout.num_micro_batches,
+                                      bucket_MiB=optim.bucket_MiB,
+                                      weight_decay=optim.weight_decay, betas=optim.betas,
+                                      eps=optim.eps)
+        # fp16: dynamic loss scale (GradScaler's rule: halve on overflow, double every 2000 steps)
+        self.loss_scale = 2.0**16 if self.dtype == Dtype.fp16 else 1.0
+        self._good_steps = 0
+        self.compute_s = 0.0
+        self.schedule = self._make_schedule() if layout.pp > 1 else None
+
+    # ------------------------------------------------------------------ build
+    def _build(self, model: ModelConfig, seed: int) -> list:
+        layout = self.layout
+        with torch.device("meta"):
+            whole = GPT(model, seed)
+        if layout.tp > 1:
+            apply_tensor_parallel(whole, self.mesh["tp"], layout.sequence_parallel)
+        parts = split_pipeline(whole, virtual_stage_layers(layout))
+        mine = [parts[c * layout.pp + self.pp_rank] for c in range(layout.virtual_stages)]
+        autocast = None if self.dtype == Dtype.fp32 else self.dtype.torch
+        for mod in mine:
+            mod.to_empty(device=self.device)
+            mod.init_weights(seed)
+            mod.autocast_dtype = autocast
+        return mine
+
+    def _apply_recompute(self) -> None:
+        mode, k = self.layout.recompute[self.pp_rank]
+        per_chunk = k // self.layout.virtual_stages
+        for mod in self.modules:
+            names = list(mod.blocks.keys())
+            if mode == "selective":
+                for block in mod.blocks.values():
+                    block.attn.recompute_core = True
+            elif mode == "full":
+                mod.recompute_blocks = frozenset(names[:per_chunk])
+
+    def _apply_fsdp(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        # With a pipeline, keep parameters gathered between a micro-batch's forward and backward
+        # (torchtitan's choice): resharding would all-gather them again for every micro-batch.
+        reshard = self.layout.pp == 1
+        for mod in self.modules:
+            for block in mod.blocks.values():
+                fully_shard(block, mesh=self.mesh["dp"], reshard_after_forward=reshard)
+            fully_shard(mod, mesh=self.mesh["dp"], reshard_after_forward=reshard)
+
+    def _make_schedule(self):
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import (Schedule1F1B,
+                                                            ScheduleInterleaved1F1B)
+
+        layout, group = self.layout, self.mesh["pp"].get_group()
+        n_virtual = layout.pp * layout.virtual_stages
+        stages = [PipelineStage(mod, stage_index=c * layout.pp + self.pp_rank,
+                                num_stages=n_virtual, device=self.device, group=group)
+                  for c, mod in enumerate(self.modules)]
+        for stage in stages:
+            self._time_chunks(stage)
+        cls = Schedule1F1B if layout.virtual_stages == 1 else ScheduleInterleaved1F1B
+        arg = stages[0] if layout.virtual_stages == 1 else stages
+        # Gradients are averaged over micro-batches by the optimizer, not by the schedule.
+        kwargs = {"scale_grads": False} if "scale_grads" in inspect.signature(cls).parameters \
+            else {}
+        self._step_kwargs = ({"return_outputs": False}
+                             if "return_outputs" in inspect.signature(cls.step).parameters
+                             else {})
+        return cls(arg, n_microbatches=layout.num_micro_batches, loss_fn=self._loss, **kwargs)
+
+    def _time_chunks(self, stage) -> None:
+        """Count the wall time of the stage's forward/backward chunks into `compute_s`."""
+        for name in ("forward_one_chunk", "backward_one_chunk"):
+            original = getattr(stage, name)
+
+            def timed(*args, _original=original, **kwargs):
+                start = self._now()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    self.compute_s += self._now() - start
+            setattr(stage, name, timed)
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return cross_entropy_loss(logits, targets) * self.loss_scale
+
+    # ------------------------------------------------------------------ step
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, lr: float,
+                   grad_clip: float) -> StepStats:
+        """One iteration on this data-parallel rank's samples (micro_batch_size *
+        num_micro_batches sequences): forward, backward, gradient sync, clipping, AdamW."""
+        start = self._now()
+        self.compute_s = 0.0
+        tokens, targets = tokens.to(self.device), targets.to(self.device)
+        losses = self._forward_backward(tokens, targets)
+        fwd_bwd_end = self._now()
+        self.optim.finish_backward()
+        sync_end = self._now()
+        inv_scale = 1.0 / self.loss_scale
+        norm = self.optim.grad_norm() * inv_scale
+        skipped = not torch.isfinite(torch.tensor(norm)).item()
+        if skipped:
+            self.optim.zero_grads()
+        else:
+            self.optim.step(lr, grad_clip, inv_scale, norm)
+        self._update_loss_scale(skipped)
+        end = self._now()
+        loss = self._global_loss(losses) * inv_scale
+        return StepStats(loss=loss, grad_norm=norm, step_s=end - start,
+                         fwd_bwd_s=fwd_bwd_end - start, compute_s=self.compute_s,
+                         sync_wait_s=sync_end - fwd_bwd_end, optimizer_s=end - sync_end,
+                         skipped=skipped)
+
+    def _forward_backward(self, tokens, targets) -> List[torch.Tensor]:
+        layout = self.layout
+        if self.schedule is not None:
+            losses: List[torch.Tensor] = []
+            if self.is_first:
+                self.schedule.step(tokens, **self._step_kwargs)
+            elif self.is_last:
+                self.schedule.step(target=targets, losses=losses, **self._step_kwargs)
+            else:
+                self.schedule.step(**self._step_kwargs)
+            return [loss.detach() for loss in losses]
+        (mod,) = self.modules
+        mbs, m = layout.micro_batch_size, layout.num_micro_batches
+        losses = []
+        for i in range(m):
+            if layout.zero == 3:
+                mod.set_requires_gradient_sync(i == m - 1)
+            begin = self._now()
+            loss = self._loss(mod(tokens[i * mbs:(i + 1) * mbs]), targets[i * mbs:(i + 1) * mbs])
+            loss.backward()
+            self.compute_s += self._now() - begin
+            losses.append(loss.detach())
+        return losses
+
+    def _global_loss(self, losses: List[torch.Tensor]) -> float:
+        """The mean loss over every micro-batch of every data-parallel rank, on every rank."""
+        local = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.is_last and losses:
+            local += torch.stack([loss.double() for loss in losses]).mean()
+        dist.all_reduce(local)
+        return float(local) / (self.layout.dp * self.layout.tp)
+
+    def _update_loss_scale(self, skipped: bool) -> None:
+        if self.dtype != Dtype.fp16:
+            return
+        if skipped:
+            self.loss_scale, self._good_steps = max(self.loss_scale / 2, 1.0), 0
+            return
+        self._good_steps += 1
+        if self._good_steps % 2000 == 0:
+            self.loss_scale *= 2
+
+    # ------------------------------------------------------------------ checkpoint state
+    def named_parameters(self) -> Dict[str, torch.nn.Parameter]:
+        """This rank's parameters by the whole model's names ("blocks.5.attn.wq.weight")."""
+        out = {}
+        for mod in self.modules:
+            for name, p in mod.named_parameters():
+                out[name.replace("_fsdp_wrapped_module.", "")] = p
+        return out
+
+    def state(self) -> dict:
+        """What a checkpoint holds: {"model": {name: param}, "optim": {name.exp_avg[_sq]: ...}},
+        tensors placed as their parameters (DTensors when sharded), so any layout reloads it."""
+        states = self.optim.state_tensors()
+        model, optim = {}, {}
+        for name, p in self.named_parameters().items():
+            model[name] = p
+            for key, t in states[p].items():
+                optim[f"{name}.{key}"] = _placed_like(t, p)
+        return {"model": model, "optim": optim}
+
+    def load_state(self, state: dict, step: int) -> None:
+        """After a checkpoint was loaded into `state()`'s tensors: hand them to the optimizer."""
+        states = {}
+        for name, p in self.named_parameters().items():
+            states[p] = {key: _local_like(state["optim"][f"{name}.{key}"], p)
+                         for key in ("exp_avg", "exp_avg_sq")}
+        self.optim.load_state_tensors(states, step)
+
+    def parameter_count(self) -> int:
+        """Parameters of the whole model (each counted once)."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        from orchestrator.train.grads import replication_weight
+
+        for p in self.named_parameters().values():
+            total += local_tensor(p).numel() * replication_weight(p)
+        if self.layout.zero != 3:
+            total /= self.layout.dp  # replicas hold the same parameters
+        dist.all_reduce(total)
+        return int(round(float(total)))
+
+
+def _placed_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A local tensor as a DTensor placed as parameter p (or t itself, already placed)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(p, DTensor) and not isinstance(t, DTensor):
+        return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False)
+    return t
+
+
+def _local_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The inverse of _placed_like for the optimizer: local tensors for ZeRO 0-2, as placed for
+    FSDP (whose optimizer works on DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor) and not _is_fsdp(p):
+        return t.to_local()
+    return t
+
+
+def _is_fsdp(p: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p, DTensor) and "dp" in (p.device_mesh.mesh_dim_names or ())

@@ -1,0 +1,251 @@
+"""Which layout `stage=train` runs, checked before launch: the strategy search wrote, changed by
+any `train.*` field given, or an explicit one (train.pp / train.tp); and what the planner
+predicts for it. Pure functions of the config and the profiles on disk."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from orchestrator.choices import Backend, Dtype, Recompute
+from orchestrator.commands import rerun_command
+from orchestrator.config import cluster_world_size
+from orchestrator.errors import ConfigError, InfeasibleError, ProfileError
+from orchestrator.layout import LayoutError, ParallelLayout
+from orchestrator.store import cluster_dir, hardware_path, model_profile_path, strategy_path
+
+GiB = 2**30
+# Fields of a layout a `train.*` key changes (same name in TrainConfig and ParallelLayout).
+LAYOUT_FIELDS = ("zero", "sequence_parallel", "micro_batch_size", "num_micro_batches",
+                 "schedule", "virtual_stages", "layers_per_stage")
+
+
+@dataclass(frozen=True)
+class TrainTarget:
+    layout: ParallelLayout
+    seq_len: int
+    source: str  # "strategy" or "explicit"
+    strategy_file: Optional[Path]  # the layout.json read, when from the strategy
+
+
+def layout_file(cfg) -> Path:
+    return strategy_path(cfg.profiles_dir, cfg.cluster.name, cfg.model.name).with_suffix(
+        ".layout.json")
+
+
+def train_dir(cfg) -> Path:
+    """profiles/<cluster>/train/<model>/: summaries, plots and checkpoints of each layout."""
+    return cluster_dir(cfg.profiles_dir, cfg.cluster.name) / "train" / cfg.model.name
+
+
+def layout_tag(layout: ParallelLayout) -> str:
+    """A file-name-safe tag of a layout: `pp2-tp2-dp1-zero0-sp-mbs1x8-1f1b`, with the schedule's
+    chunks, an uneven split and recompute appended when they are not the defaults."""
+    tag = (f"pp{layout.pp}-tp{layout.tp}-dp{layout.dp}-zero{layout.zero}"
+           f"{'-sp' if layout.sequence_parallel else ''}"
+           f"-mbs{layout.micro_batch_size}x{layout.num_micro_batches}-{layout.schedule}")
+    if layout.virtual_stages > 1:
+        tag += f"v{layout.virtual_stages}"
+    if len(set(layout.layers_per_stage)) > 1:
+        tag += "-L" + ".".join(map(str, layout.layers_per_stage))
+    modes = {mode for mode, _ in layout.recompute}
+    if modes != {"none"}:
+        tag += "-rc" + ".".join(m if m != "full" else f"full{k}" for m, k in layout.recompute)
+    return tag
+
+
+def train_dtype(cfg) -> Dtype:
+    """train.dtype, else bf16 on GPUs (nccl) and fp32 on CPUs."""
+    if cfg.train.dtype is not None:
+        return Dtype.parse(cfg.train.dtype)
+    return Dtype.bf16 if cfg.cluster.backend == Backend.nccl else Dtype.fp32
+
+
+def _global_batch(cfg, default: int) -> int:
+    return cfg.train.global_batch_size or default
+
+
+def explicit_layout(cfg, world: int) -> ParallelLayout:
+    """train.pp / train.tp given: dp derived, the rest from train.* or the defaults."""
+    t, layers = cfg.train, cfg.model.layers
+    pp, tp = t.pp or 1, t.tp or 1
+    if world % (pp * tp):
+        raise LayoutError(f"train.pp({pp}) * train.tp({tp}) = {pp * tp} does not divide the "
+                          f"{world} ranks of cluster {cfg.cluster.name}")
+    dp = world // (pp * tp)
+    mbs = t.micro_batch_size or 1
+    gbs = _global_batch(cfg, cfg.search.global_batch_size)
+    if t.num_micro_batches is None and gbs % (dp * mbs):
+        raise LayoutError(f"global batch {gbs} is not divisible by dp({dp}) * "
+                          f"micro_batch_size({mbs}); set train.global_batch_size or "
+                          f"train.num_micro_batches")
+    m = t.num_micro_batches or gbs // (dp * mbs)
+    schedule = str(getattr(t.schedule, "value", t.schedule) or "1f1b")
+    v = t.virtual_stages or (2 if schedule == "interleaved" else 1)
+    kwargs = dict(zero=t.zero or 0, micro_batch_size=mbs, num_micro_batches=m,
+                  schedule=schedule, virtual_stages=v,
+                  sequence_parallel=tp > 1 if t.sequence_parallel is None
+                  else bool(t.sequence_parallel))
+    recompute = str(getattr(t.recompute, "value", t.recompute) or "none")
+    if t.layers_per_stage:
+        stages = tuple(int(n) for n in t.layers_per_stage)
+        per_stage = tuple((recompute, 0 if recompute == "none" else n) for n in stages)
+        return ParallelLayout(world_size=world, pp=pp, tp=tp, dp=dp, layers_per_stage=stages,
+                              recompute=per_stage, **kwargs)
+    return ParallelLayout.uniform(world, tp, pp, layers, recompute=recompute, **kwargs)
+
+
+def strategy_layout(cfg) -> tuple:
+    """(layout, seq_len) of the strategy search wrote; ProfileError naming the command that
+    writes it when there is none (or it is unreadable)."""
+    path = layout_file(cfg)
+    fix = rerun_command("search")
+    if not path.exists():
+        raise ProfileError(f"no strategy for model {cfg.model.name} on cluster "
+                           f"{cfg.cluster.name} yet ({path} missing): write one with {fix}, "
+                           f"or give a layout (train.pp=... train.tp=...)")
+    try:
+        raw = json.loads(path.read_text())
+        return ParallelLayout.from_dict(raw["layout"]), int(raw["seq_len"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ProfileError(f"{path}: unreadable ({e}); rewrite it with {fix} force=true")
+
+
+def _override(layout: ParallelLayout, cfg) -> ParallelLayout:
+    """The strategy's layout with the train.* fields the user set."""
+    t = cfg.train
+    changes = {f: getattr(t, f) for f in LAYOUT_FIELDS if getattr(t, f) is not None}
+    if "schedule" in changes:
+        changes["schedule"] = str(getattr(changes["schedule"], "value", changes["schedule"]))
+        if changes["schedule"] == "1f1b":
+            changes.setdefault("virtual_stages", 1)
+        elif layout.virtual_stages == 1:
+            changes.setdefault("virtual_stages", 2)
+    if "layers_per_stage" in changes:
+        changes["layers_per_stage"] = tuple(int(n) for n in changes["layers_per_stage"])
+    if "zero" in changes:
+        changes["distributed_optimizer"] = None
+    stages = changes.get("layers_per_stage", layout.layers_per_stage)
+    if t.recompute is not None:
+        mode = str(getattr(t.recompute, "value", t.recompute))
+        changes["recompute"] = tuple((mode, 0 if mode == "none" else n) for n in stages)
+    elif "layers_per_stage" in changes:
+        changes["recompute"] = ()
+    if t.global_batch_size and t.num_micro_batches is None:
+        per = layout.dp * changes.get("micro_batch_size", layout.micro_batch_size)
+        changes["num_micro_batches"] = max(1, t.global_batch_size // per)
+    return dataclasses.replace(layout, **changes) if changes else layout
+
+
+def resolve(cfg) -> TrainTarget:
+    """The layout and sequence length to train; ConfigError (exit 2) for a layout that cannot
+    run here, ProfileError (exit 4) when the strategy it needs is missing."""
+    world = cluster_world_size(cfg.cluster)
+    t = cfg.train
+    try:
+        if t.pp is not None or t.tp is not None:
+            layout = explicit_layout(cfg, world)
+            target = TrainTarget(layout, t.seq_len or cfg.model.seq_len, "explicit", None)
+        else:
+            layout, seq_len = strategy_layout(cfg)
+            target = TrainTarget(_override(layout, cfg), t.seq_len or seq_len, "strategy",
+                                 layout_file(cfg))
+        check_target(cfg, target, world)
+    except LayoutError as e:
+        raise ConfigError(f"train: {e}") from None
+    return target
+
+
+def check_target(cfg, target: TrainTarget, world: int) -> None:
+    """LayoutError when the layout cannot run this model on these ranks."""
+    from orchestrator.models.config import validate_model
+
+    layout, model = target.layout, cfg.model
+    if layout.world_size != world:
+        raise LayoutError(f"the layout is for {layout.world_size} ranks but cluster "
+                          f"{cfg.cluster.name} has {world} (nodes x tasks_per_node); search "
+                          f"again for it ({rerun_command('search')}) or give train.pp/train.tp")
+    layout.check_model_layers(model.layers, model.name)
+    for field, value in (("heads", model.heads), ("kv_heads", model.kv_heads)):
+        if value % layout.tp:
+            raise LayoutError(f"tp({layout.tp}) does not divide model.{field}({value})")
+    model_cfg = dataclasses.replace(_model_config(cfg.model), seq_len=target.seq_len)
+    try:
+        validate_model(model_cfg, tp=layout.tp)
+    except ValueError as e:
+        raise LayoutError(str(e)) from None
+    if target.seq_len > cfg.model.seq_len:
+        raise LayoutError(f"train.seq_len({target.seq_len}) > model.seq_len({cfg.model.seq_len})")
+    if cfg.train.steps < 1:
+        raise LayoutError(f"train.steps({cfg.train.steps}) must be >= 1")
+    backend = cfg.cluster.backend
+    if backend != Backend.nccl and train_dtype(cfg) != Dtype.fp32:
+        raise LayoutError(f"train.dtype={train_dtype(cfg).value} needs GPUs (cluster.backend="
+                          f"nccl); CPU ranks train in fp32")
+
+
+def _model_config(model):
+    from omegaconf import OmegaConf
+
+    from orchestrator.models.config import ModelConfig
+
+    if isinstance(model, ModelConfig):
+        return model
+    return OmegaConf.to_object(model)
+
+
+def model_config(cfg, seq_len: int):
+    """The ModelConfig the engine builds: the model at the training sequence length."""
+    return dataclasses.replace(_model_config(cfg.model), seq_len=seq_len)
+
+
+def predict(cfg, layout: ParallelLayout, seq_len: int):
+    """(prediction or None, note): the planner's evaluate() of this layout from the cluster's
+    profiles, without the memory reserve (what the ranks themselves use); None with the reason
+    when the profiles are missing or do not fit this model."""
+    from orchestrator.planner import CostOptions, HardwareModel, ModelCost, evaluate
+    from orchestrator.store import read_profile
+    from orchestrator.store.schema import HardwareProfile, ModelProfile
+
+    hw_path = hardware_path(cfg.profiles_dir, cfg.cluster.name)
+    mp_path = model_profile_path(cfg.profiles_dir, cfg.cluster.name, cfg.model.name)
+    try:
+        hw = read_profile(hw_path, HardwareProfile, rerun_command("profile_hardware"))
+        mp = read_profile(mp_path, ModelProfile, rerun_command("profile_model"))
+        pred = evaluate(layout, ModelCost.from_profile(mp), HardwareModel.from_profile(hw),
+                        seq_len=seq_len, options=CostOptions(reserve_bytes=0.0))
+    except (ProfileError, ValueError, KeyError) as e:
+        return None, f"no prediction: {e}"
+    return pred, ""
+
+
+def memory_budget_GiB(cfg) -> float:
+    t = cfg.train
+    return t.memory_GiB if t.memory_GiB is not None else cfg.cluster.device_mem_GiB
+
+
+def check_memory(cfg, prediction) -> None:
+    """InfeasibleError (exit 3) when the planner says a stage does not fit the budget (with the
+    search's reserve kept free), unless train.allow_oom_risk."""
+    budget = memory_budget_GiB(cfg)
+    if prediction is None or not budget or cfg.train.allow_oom_risk:
+        return
+    reserve = cfg.search.reserve_GiB
+    need = prediction.peak_memory_bytes / GiB
+    if need + reserve > budget:
+        raise InfeasibleError(
+            f"train: {prediction.layout.describe()} needs {need:.2f} GiB per device by the "
+            f"planner's estimate (+ search.reserve_GiB={reserve}) > budget {budget} GiB "
+            f"(train.memory_GiB, else cluster.device_mem_GiB); choose another layout, add "
+            f"recompute (train.recompute=full), or launch anyway with train.allow_oom_risk=true")
+
+
+def recompute_of(layout: ParallelLayout) -> str:
+    modes = [mode for mode, _ in layout.recompute]
+    return modes[0] if len(set(modes)) == 1 else "mixed"
+
+
+__all__ = ["TrainTarget", "resolve", "layout_tag", "predict", "check_memory", "train_dir",
+           "train_dtype", "model_config", "Recompute"]

@@ -1,0 +1,270 @@
+"""What a training run tells: a live line per logged step, the step reached in the ledger, and
+at the end the performance summary (measured beside the planner's prediction) as JSON + PNG."""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from orchestrator.store import atomic_write, new_profile, write_json
+
+log = logging.getLogger("orchestrator.train")
+GiB = 2**30
+MiB = 2**20
+TIME_PARTS = ("step_s", "fwd_bwd_s", "compute_s", "sync_wait_s", "optimizer_s")
+
+
+class StepLog:
+    """Per-step figures of this rank; rank 0 prints and keeps the ledger's progress note."""
+
+    def __init__(self, ctx, run, layout, seq_len: int, train_cfg):
+        self.ctx, self.run, self.layout, self.t = ctx, run, layout, train_cfg
+        self.tokens_per_step = layout.global_batch_size * seq_len
+        self.steps: List[Dict[str, Any]] = []  # this run's steps (this rank's times)
+        self.losses: Dict[int, float] = {}  # step -> loss, across resumes
+        self.notes: List[str] = []
+        self.checkpoints: List[Dict[str, float]] = []
+        self.started = time.time()
+        self.console = None
+        if ctx.is_root:
+            from orchestrator.console import stage_console
+
+            self.console = stage_console()
+
+    def restore(self, extra: dict) -> None:
+        self.losses.update({int(k): float(v) for k, v in (extra.get("losses") or {}).items()})
+
+    def extra(self) -> dict:
+        """What a checkpoint carries besides tensors."""
+        return {"losses": {str(k): v for k, v in sorted(self.losses.items())},
+                "layout": self.layout.describe(), "time": time.time()}
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+        if self.console is not None:
+            self.console.print(f"train: {text}", markup=False, highlight=False)
+        log.info("%s", text)
+
+    def warn(self, text: str) -> None:
+        self.notes.append(f"warning: {text}")
+        if self.console is not None:
+            self.console.print(f"[yellow]warning:[/] {text}", highlight=False)
+        log.warning("%s", text)
+
+    def checkpointed(self, step: int, took_s: float) -> None:
+        self.checkpoints.append({"step": step, "took_s": took_s})
+        log.info("checkpoint at step %d (%.2f s)", step, took_s)
+
+    def record(self, step: int, lr: float, stats) -> None:
+        row = {"step": step, "loss": stats.loss, "lr": lr, "grad_norm": stats.grad_norm,
+               "skipped": stats.skipped, **{k: getattr(stats, k) for k in TIME_PARTS}}
+        self.steps.append(row)
+        self.losses[step] = stats.loss
+        if not self.ctx.is_root:
+            return
+        tokens_per_s = self.tokens_per_step / stats.step_s if stats.step_s > 0 else 0.0
+        line = (f"step {step}/{self.t.steps}  loss {stats.loss:.4f}  lr {lr:.2e}  "
+                f"grad {stats.grad_norm:.3f}  {stats.step_s * 1e3:.1f} ms  "
+                f"{tokens_per_s:,.0f} tok/s  mem {_memory_MiB(self.ctx.device):.0f} MiB")
+        log.info("%s", line)
+        if step % max(1, self.t.log_every) == 0 or step == self.t.steps:
+            self.console.print(line, markup=False, highlight=False)
+            if self.run.ledger is not None:
+                self.run.ledger.set_progress(self.run.key, f"step {step}/{self.t.steps}, "
+                                                           f"loss {stats.loss:.4f}")
+
+    def timed_steps(self) -> List[Dict[str, Any]]:
+        """This run's steps after the timing warm-up (all of them if too few)."""
+        skip = self.t.timing_warmup_steps
+        timed = self.steps[skip:] if len(self.steps) > skip else self.steps
+        return timed
+
+    def rank_summary(self, monitor) -> dict:
+        """This rank's medians over the timed steps and its memory, for rank 0."""
+        timed = self.timed_steps()
+        medians = {k: statistics.median(r[k] for r in timed) if timed else None
+                   for k in TIME_PARTS}
+        return {"rank": self.ctx.rank, "medians_s": medians,
+                "step_s": [r["step_s"] for r in self.steps],
+                "peak_MiB": monitor.peak_MiB(), "samples": monitor.samples}
+
+
+def _memory_MiB(device) -> float:
+    import torch
+
+    if device is not None and device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / MiB
+    from orchestrator.train.monitor import rss_MiB
+
+    return rss_MiB()
+
+
+def stage_of_rank(rank: int, layout) -> int:
+    """The pipeline stage of a global rank (rank order tp, dp, pp)."""
+    return rank // (layout.tp * layout.dp)
+
+
+def measured_parts(per_rank: List[dict], layout) -> Dict[str, Any]:
+    """Iteration time (the slowest rank's median), and per pipeline stage the compute,
+    pipeline waits (bubble + p2p), exposed gradient sync and optimizer time (ms, medians of
+    the stage's ranks), peak memory per rank."""
+    med = [r["medians_s"] for r in per_rank]
+    step_ms = max(m["step_s"] for m in med) * 1e3
+    stages = []
+    for j in range(layout.pp):
+        ranks = [m for r, m in zip(per_rank, med) if stage_of_rank(r["rank"], layout) == j]
+
+        def ms(key):
+            return statistics.median(m[key] for m in ranks) * 1e3
+        stages.append({"compute_ms": ms("compute_s"),
+                       "pipeline_wait_ms": ms("fwd_bwd_s") - ms("compute_s"),
+                       "dp_sync_exposed_ms": ms("sync_wait_s"),
+                       "optimizer_ms": ms("optimizer_s")})
+    return {"iteration_ms": step_ms, "stages": stages,
+            "peak_memory_MiB": [r["peak_MiB"] for r in per_rank]}
+
+
+def predicted_parts(prediction, layout) -> Optional[Dict[str, Any]]:
+    """The same parts from the planner: per stage compute (+TP comm, recompute) over all
+    micro-batches, the bubble and pp sends, dp sync exposed; memory per stage (MiB)."""
+    if prediction is None:
+        return None
+    m = layout.num_micro_batches
+    b = prediction.breakdown_us
+    stages = []
+    for j in range(layout.pp):
+        stages.append({"compute_ms": m * prediction.stage_time_us[j] / 1e3,
+                       "memory_MiB": prediction.memory_bytes[j]["total"] / MiB})
+    return {"iteration_ms": prediction.iteration_time_us / 1e3, "stages": stages,
+            "bubble_ms": b["bubble"] / 1e3, "pp_comm_ms": b["pp_comm"] / 1e3,
+            "dp_sync_exposed_ms": b["dp_sync_exposed"] / 1e3,
+            "peak_memory_MiB": prediction.peak_memory_bytes / MiB,
+            "breakdown_ms": {k: v / 1e3 for k, v in b.items()}}
+
+
+def write_summary(run, cfg, target, prediction, note, per_rank, steps_log: StepLog, out: Path,
+                  data_text: str, engine_params=None) -> dict:
+    """Rank 0: the summary file (+ PNGs), a table on the console; the stage's result row."""
+    from orchestrator.stages.train import _relative_inputs
+
+    layout = target.layout
+    measured = measured_parts(per_rank, layout)
+    predicted = predicted_parts(prediction, layout)
+    tokens = layout.global_batch_size * target.seq_len
+    measured["tokens_per_s"] = tokens / (measured["iteration_ms"] / 1e3)
+    mfu = _mfu(cfg, target, measured["iteration_ms"], layout)
+    error = None
+    if predicted is not None:
+        error = (predicted["iteration_ms"] - measured["iteration_ms"]) / measured["iteration_ms"]
+    losses = dict(sorted(steps_log.losses.items()))
+    summary = new_profile(
+        "train", "measured", run.provenance(), model=cfg.model.name,
+        inputs=_relative_inputs(cfg, target), layout=layout.to_dict(),
+        describe=layout.describe(), layout_source=target.source, seq_len=target.seq_len,
+        dtype=str(getattr(cfg.train.dtype, "value", cfg.train.dtype) or "auto"),
+        data=data_text, steps=cfg.train.steps, timed_steps=len(steps_log.timed_steps()),
+        losses={str(k): v for k, v in losses.items()},
+        first_loss=losses[min(losses)] if losses else None,
+        last_loss=losses[max(losses)] if losses else None,
+        measured=measured, predicted=predicted, prediction_note=note,
+        iteration_time_error=error, mfu=mfu, notes=steps_log.notes,
+        checkpoints=steps_log.checkpoints,
+        step_times_ms={str(r["rank"]): [s * 1e3 for s in r["step_s"]] for r in per_rank})
+    write_json(out, summary)
+    if cfg.train.plot:
+        from orchestrator.train.monitor import plot_memory
+
+        plot_memory({r["rank"]: r["samples"] for r in per_rank}, out.with_suffix(".memory.png"))
+        plot_summary(summary, out.with_suffix(".png"))
+    print_summary(summary, steps_log.console)
+    return {"path": str(out), "layout": layout.describe(),
+            "measured_ms": measured["iteration_ms"],
+            "predicted_ms": predicted["iteration_ms"] if predicted else None,
+            "error": error, "tokens_per_s": measured["tokens_per_s"],
+            "first_loss": summary["first_loss"], "last_loss": summary["last_loss"]}
+
+
+def _mfu(cfg, target, iteration_ms: float, layout) -> Optional[float]:
+    """Model FLOPs utilisation on GPUs: 6 N tokens + attention FLOPs per iteration over the
+    devices' bf16 dense peak (conf/device/<name>.yaml); None on CPUs."""
+    if str(getattr(cfg.cluster.backend, "value", cfg.cluster.backend)) != "nccl":
+        return None
+    from orchestrator.models.config import count_params
+    from orchestrator.profiling.model.analytic import load_device_sheet
+
+    model = cfg.model
+    n = count_params(model)
+    tokens = layout.global_batch_size * target.seq_len
+    attn = 12 * model.layers * model.hidden * target.seq_len * tokens / 2  # causal
+    flops = 6 * n * tokens + attn
+    dtype = str(getattr(cfg.train.dtype, "value", cfg.train.dtype) or "bf16")
+    try:
+        peak = float(load_device_sheet(cfg.profile_model.device or "h100")["peak_TFLOPs"][dtype])
+    except (KeyError, ValueError, OSError):  # no sheet for it: no MFU, the rest stands
+        return None
+    peak *= 1e12
+    return flops / (iteration_ms / 1e3) / (peak * layout.world_size)
+
+
+def print_summary(summary: dict, console) -> None:
+    from rich.table import Table
+
+    m, p = summary["measured"], summary["predicted"]
+    table = Table(title=f"train {summary['model']}: {summary['describe']}")
+    for col in ("part", "predicted", "measured"):
+        table.add_column(col, justify="left" if col == "part" else "right")
+
+    def fmt(v, unit=" ms"):
+        return f"{v:.1f}{unit}" if v is not None else "-"
+    table.add_row("iteration", fmt(p["iteration_ms"]) if p else "-", fmt(m["iteration_ms"]))
+    for j, stage in enumerate(m["stages"]):
+        table.add_row(f"stage {j} compute", fmt(p["stages"][j]["compute_ms"]) if p else "-",
+                      fmt(stage["compute_ms"]))
+        table.add_row(f"stage {j} pipeline wait", "", fmt(stage["pipeline_wait_ms"]))
+        table.add_row(f"stage {j} dp sync exposed", "", fmt(stage["dp_sync_exposed_ms"]))
+        table.add_row(f"stage {j} optimizer", "", fmt(stage["optimizer_ms"]))
+    if p:
+        table.add_row("bubble + pp sends", fmt(p["bubble_ms"] + p["pp_comm_ms"]), "")
+        table.add_row("dp sync exposed", fmt(p["dp_sync_exposed_ms"]), "")
+    table.add_row("peak memory", fmt(p["peak_memory_MiB"], " MiB") if p else "-",
+                  fmt(max(m["peak_memory_MiB"]), " MiB"))
+    console.print(table)
+    err = summary["iteration_time_error"]
+    console.print(f"tokens/s {m['tokens_per_s']:,.0f}; loss {summary['first_loss']:.4f} -> "
+                  f"{summary['last_loss']:.4f}"
+                  + (f"; predicted/measured error {err * 100:+.1f}%" if err is not None else
+                     f"; {summary['prediction_note']}")
+                  + (f"; MFU {summary['mfu'] * 100:.1f}%" if summary["mfu"] else ""),
+                  highlight=False, markup=False)
+
+
+def plot_summary(summary: dict, path: Path) -> Path:
+    """Loss over steps, and iteration time per step (each rank), predicted as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from orchestrator.store import save_figure
+
+    fig, (ax_loss, ax_time) = plt.subplots(1, 2, figsize=(10, 3.6))
+    steps = sorted(int(k) for k in summary["losses"])
+    ax_loss.plot(steps, [summary["losses"][str(s)] for s in steps])
+    ax_loss.set(xlabel="step", ylabel="loss", title="loss")
+    for rank, times in summary["step_times_ms"].items():
+        ax_time.plot(range(1, len(times) + 1), times, lw=0.8, label=f"rank {rank}")
+    if summary["predicted"]:
+        ax_time.axhline(summary["predicted"]["iteration_ms"], color="k", ls="--",
+                        label="predicted")
+    ax_time.set(xlabel="step (this run)", ylabel="ms", title="iteration time")
+    ax_time.legend(fontsize=7)
+    fig.suptitle(summary["describe"], fontsize=9)
+    fig.tight_layout()
+    out = save_figure(fig, path)
+    plt.close(fig)
+    return out
+
+
+__all__ = ["StepLog", "write_summary", "atomic_write"]
