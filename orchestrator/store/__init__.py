@@ -126,7 +126,8 @@ def library_versions() -> dict:
         import mpi4py
 
         versions["mpi4py"] = mpi4py.__version__
-        versions["mpi"] = MPI.Get_library_version().strip().splitlines()[0]
+        # Open MPI ends its version string with a NUL
+        versions["mpi"] = MPI.Get_library_version().replace("\0", "").strip().splitlines()[0]
     except ImportError:
         pass
     return versions
