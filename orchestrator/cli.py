@@ -25,13 +25,14 @@ from orchestrator.choices import Ranks
 from orchestrator.config import (CONF_DIR, Config, choice_type, register_configs, schema_has_key,
                                  unknown_key_message)
 from orchestrator.commands import parse_overrides, rerun_command, set_user_overrides
-from orchestrator.errors import ConfigError, LaunchError, OrchestratorError, file_error
+from orchestrator.errors import (ConfigError, InvalidLayout, LaunchError, OrchestratorError,
+                                 file_error)
 from orchestrator.launch import make_launcher, refresh_ledger
 from orchestrator.pipeline import (check_launchable, decide, ledger_for, plan_stage, stages_for,
                                    validate_cluster)
 from orchestrator.runtime.request import StageRequest
 from orchestrator.stages import STAGES, StagePlan, get_stage
-from orchestrator.store import atomic_write, cluster_dir
+from orchestrator.store import atomic_write, cluster_dir, read_json
 from orchestrator.store.ledger import State
 from orchestrator.sweep import set_swept_keys
 
@@ -246,7 +247,7 @@ def print_status(cfg) -> List[dict]:
     refresh_ledger(ledger, cfg)  # what it cannot refresh (read-only folder) is shown as recorded
     entries = ledger.entries()
     table = Table(title=f"{ledger.path}")
-    for col in ("entry", "state", "job id", "config", "started", "took", "log / error"):
+    for col in ("entry", "state", "job id", "config", "started", "took", "progress / log / error"):
         table.add_column(col)
     colours = {"done": "green", "failed": "red", "cancelled": "yellow", "running": "cyan",
                "pending": "white"}
@@ -256,14 +257,43 @@ def print_status(cfg) -> List[dict]:
         started = time.strftime("%m-%d %H:%M:%S", time.localtime(e.started)) if e.started else ""
         table.add_row(escape(key), f"[{colours.get(e.state.value, 'white')}]{e.state.value}[/]",
                       str(e.job_id or ""), str(e.config_hash or "")[:8],
-                      started, took, escape(str(e.error or _relative(e.log_path) or "")))
+                      started, took,
+                      escape(str(e.error or (e.progress if e.state.value == "running" else "")
+                                 or _relative(e.log_path) or "")))
     if entries:
         console.print(table)
+        print_train_table(cfg)
     else:
         console.print(escape(f"nothing has run for cluster {cfg.cluster.name!r} yet "
                              f"({ledger.path} does not exist); start with: "
                              f"{rerun_command('all')}"))
     return [dict(entry=k, **e.to_dict()) for k, e in entries.items()]
+
+
+def print_train_table(cfg) -> None:
+    """Every train summary of the cluster: predicted against measured, one row per layout."""
+    from orchestrator.sweep import train_row
+    from orchestrator.train.plan import train_dir
+
+    rows = []
+    for path in sorted(train_dir(cfg).parent.glob("*/*.json")):
+        try:
+            summary = read_json(path)
+            if summary.get("kind") == "train":
+                rows.append({"model": str(summary["model"]), **train_row(summary)})
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    if not rows:
+        return
+    table = Table(title="train: predicted vs measured iteration time")
+    columns = ("model", "layout", "iteration ms", "measured ms", "error %", "tokens/s",
+               "peak GiB")
+    for col in columns:
+        table.add_column("predicted ms" if col == "iteration ms" else col,
+                         justify="left" if col in ("model", "layout") else "right")
+    for row in rows:
+        table.add_row(*(escape(row[c]) for c in columns))
+    console.print(table)
 
 
 # ---------------------------------------------------------------- entry points
@@ -296,6 +326,9 @@ def _failed(error: OrchestratorError, cfg: Config):
     """One line on stderr; in a sweep a row of its table (the sweep goes on), else the exit."""
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         print_error(error)
+        if isinstance(error, InvalidLayout):  # a point that cannot run here: skipped, not failed
+            return [{"stage": cfg.stage.name, "state": "skipped", "error": str(error),
+                     "exit_code": 0}]
         return [{"stage": cfg.stage.name, "state": "failed", "error": str(error),
                  "exit_code": error.exit_code}]
     report_error(error)

@@ -44,3 +44,8 @@ def file_error(error: OSError, profiles_dir: str) -> ConfigError:
         line += (f". The profiles folder {profiles_dir} must be writable: make it so, or choose "
                  f"another with profiles_dir=<folder>")
     return ConfigError(line)
+
+
+class InvalidLayout(ConfigError):
+    """A parallel layout that cannot run on these ranks or this model (exit 2); a `-m` sweep
+    skips such a point, with its reason, instead of failing."""

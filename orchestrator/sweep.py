@@ -35,7 +35,8 @@ from typing import Any, Dict, List, Optional, Sequence
 from hydra.experimental.callback import Callback
 
 GiB = 2**30
-COLUMNS = ("point", "state", "layout", "iteration ms", "tokens/s", "peak GiB", "job id", "error")
+COLUMNS = ("point", "state", "layout", "iteration ms", "measured ms", "error %", "tokens/s",
+           "peak GiB", "job id", "error")
 
 _swept_keys: List[str] = []
 
@@ -97,7 +98,22 @@ def _row_values(row: Dict[str, Any]) -> Dict[str, str]:
                            "iteration ms": f"{prediction['iteration_time_us'] / 1e3:.3f}",
                            "tokens/s": f"{prediction['tokens_per_s']:.1f}",
                            "peak GiB": f"{prediction['peak_memory_bytes'] / GiB:.3f}"})
+        elif written.get("kind") == "train":
+            values.update(train_row(written))
     return values
+
+
+def train_row(summary: Dict[str, Any]) -> Dict[str, str]:
+    """A train summary's columns: layout, predicted ("iteration ms") and measured iteration
+    time, their error, measured tokens/s and the largest rank's peak memory."""
+    measured, predicted = summary["measured"], summary.get("predicted")
+    err = summary.get("iteration_time_error")
+    return {"layout": summary.get("describe", ""),
+            "iteration ms": f"{predicted['iteration_ms']:.1f}" if predicted else "",
+            "measured ms": f"{measured['iteration_ms']:.1f}",
+            "error %": f"{err * 100:+.1f}" if err is not None else "",
+            "tokens/s": f"{measured['tokens_per_s']:.1f}",
+            "peak GiB": f"{max(measured['peak_memory_MiB']) / 1024:.3f}"}
 
 
 class SweepTable(Callback):

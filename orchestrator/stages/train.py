@@ -60,6 +60,11 @@ class Train(Stage):
             target = resolve(cfg)  # else search writes it first (stage=all): resolved on the ranks
             outputs.append(summary_path(cfg, target.layout, point_label(cfg, "train")))
             check_memory(cfg, predict(cfg, target.layout, target.seq_len)[0])
+        if cfg.train.data:  # a bad corpus path is a config error, before launch
+            from orchestrator.train.data import make_data
+
+            make_data(cfg.train.data, cfg.model.vocab, cfg.train.seq_len or cfg.model.seq_len,
+                      cfg.train.seed)
         label = point_label(cfg, "train")
         key = f"train/{cfg.model.name}" + (f"@{label}" if label else "")
         return self.make_plan(cfg, key=key, ranks=Ranks.cluster, inputs=inputs,

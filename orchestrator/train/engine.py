@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import time
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist

@@ -24,6 +24,10 @@ import torch.distributed as dist
 from torch import nn
 
 
+# torch renamed all_gather_into_tensor (2.13 warns on the old name; 2.11 has only the old one).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The rank's own storage of a plain tensor or a DTensor."""
     from torch.distributed.tensor import DTensor
@@ -235,7 +239,7 @@ class ShardedAdamW:
             full = b.master.detach()
         else:
             full = torch.empty(b.numel, dtype=torch.float32, device=b.master.device)
-            dist.all_gather_into_tensor(full, b.master.detach(), group=self.dp_group)
+            _all_gather(full, b.master.detach(), group=self.dp_group)
         with torch.no_grad():
             for p, off in zip(b.params, b.offsets):
                 loc = local_tensor(p)
@@ -262,7 +266,7 @@ class ShardedAdamW:
         if self.zero == 0 or self.dp == 1:
             return shard
         full = torch.empty(b.numel, dtype=shard.dtype, device=shard.device)
-        dist.all_gather_into_tensor(full, shard, group=self.dp_group)
+        _all_gather(full, shard, group=self.dp_group)
         return full
 
     def load_state_tensors(self, states: Dict[nn.Parameter, Dict[str, torch.Tensor]],

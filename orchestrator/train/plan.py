@@ -12,7 +12,7 @@ from typing import Optional
 from orchestrator.choices import Backend, Dtype, Recompute
 from orchestrator.commands import rerun_command
 from orchestrator.config import cluster_world_size
-from orchestrator.errors import ConfigError, InfeasibleError, ProfileError
+from orchestrator.errors import InfeasibleError, InvalidLayout, ProfileError
 from orchestrator.layout import LayoutError, ParallelLayout
 from orchestrator.store import cluster_dir, hardware_path, model_profile_path, strategy_path
 
@@ -140,7 +140,7 @@ def _override(layout: ParallelLayout, cfg) -> ParallelLayout:
 
 
 def resolve(cfg) -> TrainTarget:
-    """The layout and sequence length to train; ConfigError (exit 2) for a layout that cannot
+    """The layout and sequence length to train; InvalidLayout (exit 2) for a layout that cannot
     run here, ProfileError (exit 4) when the strategy it needs is missing."""
     world = cluster_world_size(cfg.cluster)
     t = cfg.train
@@ -154,7 +154,7 @@ def resolve(cfg) -> TrainTarget:
                                  layout_file(cfg))
         check_target(cfg, target, world)
     except LayoutError as e:
-        raise ConfigError(f"train: {e}") from None
+        raise InvalidLayout(f"train: {e}") from None
     return target
 
 

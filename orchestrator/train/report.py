@@ -176,7 +176,9 @@ def write_summary(run, cfg, target, prediction, note, per_rank, steps_log: StepL
     if cfg.train.plot:
         from orchestrator.train.monitor import plot_memory
 
-        plot_memory({r["rank"]: r["samples"] for r in per_rank}, out.with_suffix(".memory.png"))
+        if any(r["samples"] for r in per_rank):
+            plot_memory({r["rank"]: r["samples"] for r in per_rank},
+                        out.with_suffix(".memory.png"))
         plot_summary(summary, out.with_suffix(".png"))
     print_summary(summary, steps_log.console)
     return {"path": str(out), "layout": layout.describe(),
@@ -209,10 +211,11 @@ def _mfu(cfg, target, iteration_ms: float, layout) -> Optional[float]:
 
 
 def print_summary(summary: dict, console) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     m, p = summary["measured"], summary["predicted"]
-    table = Table(title=f"train {summary['model']}: {summary['describe']}")
+    table = Table(title=escape(f"train {summary['model']}: {summary['describe']}"))
     for col in ("part", "predicted", "measured"):
         table.add_column(col, justify="left" if col == "part" else "right")
 
