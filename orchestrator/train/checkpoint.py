@@ -72,7 +72,8 @@ def save_checkpoint(folder: str | os.PathLike, step: int, state: dict, extra: di
     """Save `state` ({"model": ..., "optim": ..., "meta": ...}, tensors or DTensors; each rank its
     own keys) as `folder/step_<step>/` with `extra` (JSON-able) in its complete.json. Then keep the
     `keep` newest complete checkpoints up to `step` and delete every other step folder, including
-    later ones: they belong to a run this one resumed before, and a resume must not pick them.
+    later ones: this run resumed from before them (they were damaged, or it started afresh), and
+    a later resume must not jump back onto them.
     Returns the checkpoint's folder. Collective."""
     if keep < 1:
         raise ValueError(f"keep={keep}: a save must keep at least the checkpoint it writes")
