@@ -1,0 +1,309 @@
+"""Distributed checkpoints: save a training state on every rank, reload it in any layout.
+
+A checkpoint is a folder `step_<step:08d>/` written by `torch.distributed.checkpoint` (DCP), which
+stores tensors and DTensors by global shape, so a state saved by dp4 reloads into pp2*tp2. The
+folder appears atomically: DCP writes into `.tmp_step_<step>/`, rank 0 then adds `complete.json`
+(step, the caller's `extra`, world size, every file with its size) and renames it into place. A
+crash mid-save leaves only a `.tmp_` folder: never read, removed by the next save.
+
+Every function that takes a `state` is collective: all ranks of the default process group call
+it, and all of them return the same outcome or raise the same error.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, List, Mapping, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from orchestrator.errors import OrchestratorError
+from orchestrator.store import read_json, write_json
+
+COMPLETE = "complete.json"
+_STEP_DIR = re.compile(r"step_(\d{8})")
+_TMP_PREFIX = ".tmp_step_"
+
+
+class CheckpointError(OrchestratorError):
+    """A checkpoint cannot be written or read; the message names its folder and what is wrong."""
+
+    exit_code = 4
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A sound checkpoint that does not fit the state (keys missing, other shapes): another model,
+    not a damaged file, so no earlier checkpoint of the same folder would fit either."""
+
+
+class CheckpointWarning(UserWarning):
+    """A damaged checkpoint was skipped in favour of an earlier one."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One complete checkpoint: its step, folder and the `extra` saved with it."""
+
+    step: int
+    path: Path
+    extra: dict
+
+
+def step_folder(folder: str | os.PathLike, step: int) -> Path:
+    """The folder a checkpoint of `step` lives in once complete."""
+    return Path(folder) / f"step_{step:08d}"
+
+
+# ---- save -------------------------------------------------------------------------------------
+
+def save_checkpoint(folder: str | os.PathLike, step: int, state: dict, extra: dict,
+                    keep: int = 2) -> Path:
+    """Save `state` ({"model": ..., "optim": ..., "meta": ...}, tensors or DTensors; each rank its
+    own keys) as `folder/step_<step>/` with `extra` (JSON-able) in its complete.json. Then keep the
+    `keep` newest complete checkpoints up to `step` and delete every other step folder, including
+    later ones: this run resumed from before them (they were damaged, or it started afresh), and
+    a later resume must not jump back onto them.
+    Returns the checkpoint's folder. Collective."""
+    if keep < 1:
+        raise ValueError(f"keep={keep}: a save must keep at least the checkpoint it writes")
+    folder = Path(folder)
+    final = step_folder(folder, step)
+    tmp = folder / f"{_TMP_PREFIX}{step:08d}"
+    error = None
+    if dist.get_rank() == 0:
+        error = _on_rank0(lambda: _prepare(folder, tmp), f"cannot write under {folder}")
+    _raise_if(_from_rank0(error))
+    _dcp_call(dcp.save, state, tmp, "save")
+    dist.barrier()  # every rank's files are on disk before rank 0 declares the folder complete
+    if dist.get_rank() == 0:
+        error = _on_rank0(lambda: _publish(tmp, final, step, extra), f"cannot complete {final}")
+        error = error or _on_rank0(lambda: _prune(folder, step, keep), f"cannot prune {folder}")
+    _raise_if(_from_rank0(error))
+    return final
+
+
+def _prepare(folder: Path, tmp: Path) -> None:
+    """Remove what crashed saves left, then make the temp folder DCP writes into."""
+    for partial in folder.glob(f"{_TMP_PREFIX}*"):
+        shutil.rmtree(partial)
+    tmp.mkdir(parents=True)
+
+
+def _publish(tmp: Path, final: Path, step: int, extra: dict) -> None:
+    """Write complete.json into `tmp`, then rename `tmp` to `final` (replacing an older save of
+    the same step: moved aside first, since a folder cannot be renamed over a full one)."""
+    file_bytes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+    write_json(tmp / COMPLETE, {"step": step, "extra": extra, "saved_unix_s": time.time(),
+                                "world_size": dist.get_world_size(), "file_bytes": file_bytes})
+    if final.exists():
+        aside = tmp.with_name(f"{tmp.name}.replaced")
+        os.replace(final, aside)
+        os.replace(tmp, final)
+        shutil.rmtree(aside)
+    else:
+        os.replace(tmp, final)
+
+
+def _prune(folder: Path, step: int, keep: int) -> None:
+    """Delete step folders after `step` and all but the `keep` newest complete ones up to it."""
+    kept = 0
+    for found_step, path in _step_folders(folder):
+        if found_step <= step and (path / COMPLETE).exists() and kept < keep:
+            kept += 1
+        else:
+            shutil.rmtree(path)
+
+
+# ---- find -------------------------------------------------------------------------------------
+
+def _step_folders(folder: Path) -> List[Tuple[int, Path]]:
+    """(step, path) of every `step_<8 digits>` folder, newest first."""
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir()
+             if p.is_dir() and (m := _STEP_DIR.fullmatch(p.name))]
+    return sorted(found, reverse=True)
+
+
+def _check_folder(step: int, path: Path) -> Tuple[Optional[CheckpointInfo], Optional[str]]:
+    """The checkpoint in `path`, or None and what is wrong with it (files only, no DCP read)."""
+    try:
+        complete = read_json(path / COMPLETE)
+    except FileNotFoundError:
+        return None, f"{COMPLETE} missing (the save did not finish)"
+    except (OSError, ValueError) as e:
+        return None, f"{COMPLETE} unreadable ({e})"
+    if not isinstance(complete, dict) or complete.get("step") != step or \
+            not isinstance(complete.get("file_bytes"), dict):
+        return None, f"{COMPLETE} is not a checkpoint record of step {step}"
+    if ".metadata" not in complete["file_bytes"] or not (path / ".metadata").is_file():
+        return None, "DCP .metadata missing"
+    for name, expect_bytes in complete["file_bytes"].items():
+        if not (path / name).is_file():
+            return None, f"{name} missing"
+        got_bytes = (path / name).stat().st_size
+        if got_bytes != expect_bytes:
+            return None, f"{name} is {got_bytes} bytes, {COMPLETE} says {expect_bytes}"
+    return CheckpointInfo(step, path, complete.get("extra") or {}), None
+
+
+def find_checkpoints(folder: str | os.PathLike) -> Tuple[List[CheckpointInfo], List[str]]:
+    """The checkpoints of `folder` whose files are all there, newest first, and one line per step
+    folder that is damaged (naming it and what is wrong). Temp folders are ignored. Local: no
+    collective."""
+    good, problems = [], []
+    for step, path in _step_folders(Path(folder)):
+        info, problem = _check_folder(step, path)
+        if info is not None:
+            good.append(info)
+        else:
+            problems.append(f"checkpoint {path} skipped: {problem}")
+    return good, problems
+
+
+def latest_checkpoint(folder: str | os.PathLike) -> Optional[CheckpointInfo]:
+    """The newest checkpoint of `folder` whose files are all there, or None. Each damaged one is
+    reported as a CheckpointWarning (`find_checkpoints` returns them as lines instead)."""
+    good, problems = find_checkpoints(folder)
+    for problem in problems:
+        warnings.warn(problem, CheckpointWarning, stacklevel=2)
+    return good[0] if good else None
+
+
+# ---- load -------------------------------------------------------------------------------------
+
+def load_checkpoint(info: CheckpointInfo, state: dict) -> dict:
+    """Load checkpoint `info` in place into `state` (tensors and DTensors already allocated in the
+    target layout; keys of the checkpoint that `state` lacks are left out). Returns its `extra`.
+    Raises CheckpointMismatchError when `state` has keys or shapes the checkpoint lacks, and
+    CheckpointError when its files do not read. Collective."""
+    metadata, error = None, None
+    try:
+        metadata = FileSystemReader(str(info.path)).read_metadata()
+    except Exception as e:  # a damaged pickle raises anything; every case means "cannot read"
+        error = f"checkpoint {info.path}: .metadata unreadable ({type(e).__name__}: {e})"
+    _raise_if(_agreed(error))
+    mismatch = _mismatch(metadata, state)
+    mismatch = _agreed(f"checkpoint {info.path} does not fit this model: {mismatch}"
+                       if mismatch else None)
+    if mismatch:
+        raise CheckpointMismatchError(mismatch)
+    _dcp_call(dcp.load, state, info.path, "load")
+    return info.extra
+
+
+def load_latest(folder: str | os.PathLike,
+                state: dict) -> Tuple[Optional[CheckpointInfo], List[str]]:
+    """Load the newest checkpoint of `folder` that reads, into `state` in place. Returns it (None
+    when the folder holds no checkpoint) and one line per damaged checkpoint skipped, for the
+    caller to print. Rank 0 decides which folders to try, so every rank loads the same one.
+    Raises CheckpointError when there are checkpoints but none reads, CheckpointMismatchError when
+    the newest does not fit `state`. Collective."""
+    scanned = [find_checkpoints(folder) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(scanned, src=0)
+    candidates, problems = scanned[0]
+    for info in candidates:
+        try:
+            load_checkpoint(info, state)
+            return info, problems
+        except CheckpointMismatchError:
+            raise
+        except CheckpointError as e:
+            problems.append(f"{e}; skipped")
+    if problems:
+        raise CheckpointError(f"no checkpoint in {folder} reads:\n  " + "\n  ".join(problems)
+                              + f"\nMove {folder} away to start from step 0.")
+    return None, problems
+
+
+def _flatten(state: Mapping, prefix: str = "") -> dict:
+    """{DCP key: value}: nested mappings joined with dots, as DCP names what it stores."""
+    flat = {}
+    for key, value in state.items():
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _mismatch(metadata: Metadata, state: dict) -> Optional[str]:
+    """What of `state` this rank cannot fill from the checkpoint: a few missing keys and global
+    shapes that differ; None when everything fits."""
+    stored = metadata.state_dict_metadata
+    missing, shapes = [], []
+    for key, value in _flatten(state).items():
+        # A list of tensors is stored as one key per element ("key.0").
+        if key not in stored and not any(k.startswith(f"{key}.") for k in stored):
+            missing.append(key)
+            continue
+        saved = stored.get(key)
+        if isinstance(value, torch.Tensor) and isinstance(saved, TensorStorageMetadata) \
+                and tuple(saved.size) != tuple(value.shape):  # DTensor: the global shape
+            shapes.append(f"{key} {tuple(saved.size)} saved, {tuple(value.shape)} here")
+    lines = []
+    if missing:
+        lines.append(f"{len(missing)} keys missing ({', '.join(missing[:3])}"
+                     f"{', ...' if len(missing) > 3 else ''})")
+    if shapes:
+        lines.append(f"other shapes: {'; '.join(shapes[:3])}{'; ...' if len(shapes) > 3 else ''}")
+    return "; ".join(lines) or None
+
+
+# ---- collective helpers -----------------------------------------------------------------------
+
+def _dcp_call(call: Callable, state: dict, path: Path, what: str) -> None:
+    """dcp.save / dcp.load; their CheckpointException (a BaseException, raised on every rank
+    alike) as a CheckpointError naming the folder and each failing rank's error."""
+    try:
+        call(state, checkpoint_id=str(path))
+    except CheckpointException as e:
+        causes = "; ".join(f"rank {rank}: {type(exc).__name__}: {_first_sentence(exc)}"
+                           for rank, (exc, _trace) in sorted(e.failures.items()))
+        raise CheckpointError(f"checkpoint {path}: DCP {what} failed ({causes})") from None
+
+
+def _first_sentence(error: BaseException, max_chars: int = 100) -> str:
+    """The gist of a torch error (torch.load's go on for paragraphs, with advice that does not
+    apply to a damaged file)."""
+    text = str(error).strip().split("\n", 1)[0].split(". ", 1)[0]
+    return text if len(text) <= max_chars else text[:max_chars] + "..."
+
+
+def _on_rank0(action: Callable[[], Any], what: str) -> Optional[str]:
+    """Run rank 0's file work; its error as a line to share with the other ranks."""
+    try:
+        action()
+    except Exception as e:
+        return f"{what}: {type(e).__name__}: {e}"
+    return None
+
+
+def _from_rank0(error: Optional[str]) -> Optional[str]:
+    """Rank 0's `error` on every rank."""
+    shared = [error]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
+def _agreed(error: Optional[str]) -> Optional[str]:
+    """The first rank's error, if any rank has one, on every rank."""
+    errors: List[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e), None)
+
+
+def _raise_if(error: Optional[str]) -> None:
+    if error:
+        raise CheckpointError(error)
