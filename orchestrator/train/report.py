@@ -86,9 +86,14 @@ class StepLog:
         timed = self.timed_steps()
         medians = {k: statistics.median(r[k] for r in timed) if timed else None
                    for k in TIME_PARTS}
+        peak = monitor.peak_MiB()
+        # On CPU the RSS holds the interpreter and libraries too: the training's own memory is
+        # the peak over the RSS before the model was built (the first sample).
+        on_cpu = self.ctx.device is None or self.ctx.device.type != "cuda"
+        base = monitor.samples[0]["rss_MiB"] if on_cpu and monitor.samples else 0.0
         return {"rank": self.ctx.rank, "medians_s": medians,
                 "step_s": [r["step_s"] for r in self.steps],
-                "peak_MiB": monitor.peak_MiB(), "samples": monitor.samples}
+                "peak_MiB": peak - base, "process_peak_MiB": peak, "samples": monitor.samples}
 
 
 def _memory_MiB(device) -> float:
@@ -123,7 +128,8 @@ def measured_parts(per_rank: List[dict], layout) -> Dict[str, Any]:
                        "dp_sync_exposed_ms": ms("sync_wait_s"),
                        "optimizer_ms": ms("optimizer_s")})
     return {"iteration_ms": step_ms, "stages": stages,
-            "peak_memory_MiB": [r["peak_MiB"] for r in per_rank]}
+            "peak_memory_MiB": [r["peak_MiB"] for r in per_rank],
+            "process_peak_MiB": [r["process_peak_MiB"] for r in per_rank]}
 
 
 def predicted_parts(prediction, layout) -> Optional[Dict[str, Any]]:
