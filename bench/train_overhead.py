@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -93,6 +94,9 @@ def run_bare(steps: int, work: Path) -> dict:
 
 
 def run_train(steps: int, work: Path) -> dict:
+    # force=true still resumes from the last checkpoint (no step left to time): start afresh
+    for ckpt in (work / "profiles").glob("local/train/*/*.ckpt"):
+        shutil.rmtree(ckpt)
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     args = ["stage=train", "train.pp=1", "train.tp=1", "train.micro_batch_size=1",
             f"train.num_micro_batches={MICRO_BATCHES}", f"train.steps={steps}",
