@@ -2,19 +2,21 @@
 
 Time of one iteration (p stages, m micro-batches, v chunks per stage):
 
-    T = alpha * sum_j t_j + beta * max_j t_j + e_0
+    T = alpha * sum_j t_j + beta * max_j t_j + e_0 + o_0
     1F1B: alpha = 1, beta = m - 1;  interleaved: alpha = 1/v, beta = m - 1/v
 
 where t_j is stage j's forward + backward time for one micro-batch (compute, tensor-parallel
 communication, recompute, ZeRO 2/3 traffic not hidden, and its pipeline sends, which block the
 stage as Megatron's send/recv do) and e_0 is the data-parallel gradient sync of stage 0 left
 exposed after its last backward (stage 0 finishes last; the other stages' syncs are taken as
-hidden in its drain). For equal stages this is the textbook (m + p - 1) t and m t + (p - 1) t / v
-and equals the event-driven simulation (planner/schedule.py); for unequal stages the
-simulation's 1F1B makespan is never above it (pessimistic by up to ~25% for very unbalanced
-stages, exact when the last stage is the slowest), and interleaved can come out up to ~2% under
-it. `evaluate(..., simulate=True)` reports both. It is the objective the search minimises
-exactly: a sum plus a max of per-stage terms, which a dynamic programme over pipeline
+hidden in its drain), and o_0 its optimizer step after that sync: the profile's AdamW step of a
+block's (and "other"'s) parameters times the stage's share, divided by dp under ZeRO >= 1 (each
+rank steps its shard of the fp32 masters). For equal stages this is the textbook (m + p - 1) t and
+m t + (p - 1) t / v (plus e_0 + o_0) and equals the event-driven simulation (planner/schedule.py);
+for unequal stages the simulation's 1F1B makespan is never above it (pessimistic by up to ~25% for
+very unbalanced stages, exact when the last stage is the slowest), and interleaved can come out up
+to ~2% under it. `evaluate(..., simulate=True)` reports both. It is the objective the search
+minimises exactly: a sum plus a max of per-stage terms, which a dynamic programme over pipeline
 partitions can optimise.
 
 Each term lives in planner/terms/ with its Megatron formula: compute.py (per-layer compute),
@@ -132,6 +134,11 @@ class StageCosts:
         self.other_param_bytes = other.param_bytes * share
         self.other_grad_bytes = other.grad_bytes * share
         other_optim_bytes = other.optim_bytes * share
+        block_optim_us, other_optim_us = model.optimizer_us(key.tp)
+        # ZeRO >= 1: each data-parallel rank steps 1/dp of the masters.
+        optim_shard = key.dp if key.zero >= 1 else 1
+        self.block_optim_us = block_optim_us / optim_shard
+        self.other_optim_us = other_optim_us * share / optim_shard
 
         self._price_layer(model, seq_len, tp_bytes)
         self._price_other(options.other_time_first_share)
@@ -251,6 +258,15 @@ class StageCosts:
                           n * self.block_grad_bytes + self.other_grad_bytes[j],
                           n * self.block_param_bytes + self.other_param_bytes[j])
 
+    def optimizer_us(self, j: int, n):
+        """Optimizer step time (us) of stage j holding n layers, on one rank after ZeRO."""
+        return np.asarray(n, dtype=float) * self.block_optim_us + self.other_optim_us[j]
+
+    def tail_us(self, j: int, n):
+        """What stage j adds after its last backward: its exposed gradient sync, then its
+        optimizer step (us); e_0 + o_0 of the iteration time for j = 0."""
+        return self.dp_exposed_us(j, n) + self.optimizer_us(j, n)
+
     def dp_exposed_us(self, j: int, n):
         """Part of stage j's gradient sync (us) not hidden under the backward of its last
         micro-batch (recompute excluded from the window)."""
@@ -267,11 +283,12 @@ class Prediction:
     stage_time_us[j] = stage_fwd_us[j] + stage_bwd_us[j] (one micro-batch); breakdown_us sums to
     iteration_time_us and describes the slowest stage: its compute, tp_comm, recompute and
     pp_comm over all micro-batches, the pipeline fill/drain (bubble) and the data-parallel sync
-    not hidden (dp_sync_exposed, per-micro-batch ZeRO 2/3 traffic included). memory_bytes[j]
+    not hidden (dp_sync_exposed, per-micro-batch ZeRO 2/3 traffic included); compute also
+    holds the first stage's optimizer step (o_0). memory_bytes[j]
     maps each kind (params, grads, optim, activations, comm_buffers, reserve) and "total" to
     bytes.
     simulated_iteration_time_us: the event-driven schedule's makespan with each stage's exposed
-    gradient sync after its own finish (None unless evaluate(simulate=True)).
+    gradient sync and optimizer step after its own finish (None unless evaluate(simulate=True)).
     """
 
     layout: ParallelLayout
@@ -314,15 +331,16 @@ def check_layout_for_model(layout: ParallelLayout, model: ModelCost) -> None:
 
 
 def _breakdown_us(costs: StageCosts, layout: ParallelLayout, t: np.ndarray,
-                  recompute_us: np.ndarray, e0_us: float, iteration_us: float) -> Dict[str, float]:
+                  recompute_us: np.ndarray, e0_us: float, o0_us: float,
+                  iteration_us: float) -> Dict[str, float]:
     """Prediction.breakdown_us: the slowest stage k's (first on ties) compute, tp_comm,
-    recompute and pp_comm over all micro-batches, the exposed data-parallel sync, and the rest of
-    the iteration as the bubble."""
+    recompute and pp_comm over all micro-batches (compute with the first stage's optimizer step
+    o0_us), the exposed data-parallel sync, and the rest of the iteration as the bubble."""
     m = layout.num_micro_batches
     k = int(np.argmax(t))
     n_k = float(layout.layers_per_stage[k])
     compute = m * (n_k * costs.compute.block.total_us + float(costs.other_compute.fwd_us[k])
-                   + float(costs.other_compute.bwd_us[k]))
+                   + float(costs.other_compute.bwd_us[k])) + o0_us
     tp_comm = m * (n_k * costs.tp.layer.total_us + float(costs.other_tp.fwd_us[k])
                    + float(costs.other_tp.bwd_us[k]))
     recompute = m * float(recompute_us[k])
@@ -384,9 +402,10 @@ def evaluate(layout: ParallelLayout, model_cost: ModelCost, hardware: HardwareMo
                "activations": float(acts[i]), "comm_buffers": float(costs.comm_buffers),
                "reserve": costs.reserve, "total": float(totals[i])} for i in range(p)]
     e0 = float(costs.dp_exposed_us(0, layout.layers_per_stage[0]))
-    iteration = float(costs.alpha * t.sum() + costs.beta * t.max() + e0)
+    o0 = float(costs.optimizer_us(0, layout.layers_per_stage[0]))
+    iteration = float(costs.alpha * t.sum() + costs.beta * t.max() + e0 + o0)
 
-    breakdown = _breakdown_us(costs, layout, t, rc_arr, e0, iteration)
+    breakdown = _breakdown_us(costs, layout, t, rc_arr, e0, o0, iteration)
     peak = max(mem["total"] for mem in memory)
     reason = (_over_budget_reason(memory, memory_budget_bytes)
               if memory_budget_bytes is not None else "")
@@ -397,7 +416,7 @@ def evaluate(layout: ParallelLayout, model_cost: ModelCost, hardware: HardwareMo
                                 list(b_arr - costs.sends.bwd_us), m, layout.schedule,
                                 layout.virtual_stages, list(costs.boundary_us) if p > 1 else 0.0)
         simulated = max(sim.stage_finish_us[j]
-                        + float(costs.dp_exposed_us(j, layout.layers_per_stage[j]))
+                        + float(costs.tail_us(j, layout.layers_per_stage[j]))
                         for j in range(p))
     tokens = layout.global_batch_size * seq_len
     return Prediction(layout=layout, iteration_time_us=iteration,

@@ -199,6 +199,8 @@ class TpFit:
     block_bwd: Tuple[float, float, float]
     other_fwd: Tuple[float, float]  # c0 + c1 s
     other_bwd: Tuple[float, float]
+    block_optim_us: float = 0.0  # optimizer step (clip, AdamW, copy) of a block, one rank
+    other_optim_us: float = 0.0  # of the other parts' (0: not profiled, e.g. analytic)
 
 
 def _poly(coeffs: Tuple[float, ...], s: float) -> float:
@@ -253,7 +255,9 @@ class ModelCost:
     def from_profile(cls, profile: ModelProfile) -> "ModelCost":
         """Build from a validated model profile."""
         m = profile.model
-        fits = {tp: TpFit(f.block_fwd_us, f.block_bwd_us, f.other_fwd_us, f.other_bwd_us)
+        fits = {tp: TpFit(f.block_fwd_us, f.block_bwd_us, f.other_fwd_us, f.other_bwd_us,
+                          float(f.extras.get("block_optim_us", 0.0)),
+                          float(f.extras.get("other_optim_us", 0.0)))
                 for tp, f in profile.fits.items()}
         memory = {tp: (_part_memory(mem.block, m.seq_len), _part_memory(mem.other, m.seq_len))
                   for tp, mem in profile.memory.items()}
@@ -294,6 +298,13 @@ class ModelCost:
     def other_bwd_us(self, seq_len: float, tp: int) -> float:
         """Backward time (us) of "other" for one sequence."""
         return _poly(self._fit(tp).other_bwd, seq_len)
+
+    def optimizer_us(self, tp: int) -> Tuple[float, float]:
+        """(block, other): one optimizer step (us: norm, clipping, AdamW, parameter copy) of the
+        part's parameters on one rank of a TP group of size `tp`, unsharded by ZeRO; (0, 0) when
+        the profile has no such figure."""
+        fit = self._fit(tp)
+        return fit.block_optim_us, fit.other_optim_us
 
     def memory(self, tp: int) -> Tuple[PartMemory, PartMemory]:
         """(block, other) memory per rank of a TP group of size `tp`."""

@@ -8,11 +8,12 @@ cost_model.evaluate() over all feasible layouts of the space, found without enum
 1. Per config, stage j's best recompute for n layers is the fastest option that fits the budget
    (time grows and memory falls with recompute, and e_0 does not depend on it), tabulated for
    all n at once with numpy: t*_j(n).
-2. The objective alpha * sum_j t_j + beta * max_j t_j + e_0(n_0) is a sum plus a max, so for a
-   threshold tau on max_j t_j a dynamic programme over (stage, layers used) gives the least sum
-   with every stage <= tau; minimising beta * tau + that sum over the distinct values of t*
-   is exact. Thresholds are batched through one vectorised DP and stop as soon as
-   beta * tau + (a lower bound of the sum) cannot beat the incumbent.
+2. The objective alpha * sum_j t_j + beta * max_j t_j + e_0(n_0) + o_0(n_0) (stage 0's sync and
+   optimizer step) is a sum plus a max, so for a threshold tau on max_j t_j a dynamic programme
+   over (stage, layers used) gives the least sum with every stage <= tau; minimising
+   beta * tau + that sum over the distinct values of t* is exact. Thresholds are batched through
+   one vectorised DP and stop as soon as beta * tau + (a lower bound of the sum) cannot beat the
+   incumbent.
 3. Configs are visited in order of a lower bound (no recompute, perfectly balanced stages);
    once the bound reaches the k-th best found, the rest cannot enter the top-k and are skipped.
 
@@ -263,7 +264,7 @@ def _stage_options(costs: StageCosts, L: int, budget: float, modes: Sequence[str
         ok = (costs.memory_bytes(j, n, 2, k) <= budget) & (k <= n)
         offer(costs.stage_time_us(j, n, 2, k), ok, 2, k.astype(np.int64))
     c = costs.alpha * best_t
-    e0 = costs.dp_exposed_us(0, n[0])
+    e0 = costs.tail_us(0, n[0])  # e_0 + o_0
     c[0] = c[0] + e0
     # Lower bound of the sum part: every layer without recompute, fixed per-stage terms, the
     # least e_0 any first stage can have.

@@ -28,6 +28,7 @@ BLOCK_KEYS = ("block_fwd_us", "block_bwd_us")
 QUADRATIC_MARGIN = 0.5  # the free quadratic must validate this much better than the FLOP model
 EXACT_REL_ERR = 1e-9  # relative errors below this are round-off: both models are exact
 OTHER_KEYS = ("other_fwd_us", "other_bwd_us")
+OPTIM_KEYS = ("block_optim_us", "other_optim_us")
 
 
 def predict_poly(coeffs: Sequence[float], seq_len: float) -> float:
@@ -126,7 +127,8 @@ def fit_points(points: Sequence[Mapping]) -> Dict[str, dict]:
     fit_block; "block_models" says which candidate each is), other_fwd_us / other_bwd_us as
     [c0, c1] (linear), the largest relative error over all four fits ("max_rel_err"), the
     residuals per series ("rel_residuals", in the order of "seq_lens") and the source of the
-    points fitted ("measured" or "analytic").
+    points fitted ("measured" or "analytic"), and "block_optim_us" / "other_optim_us" (the
+    optimizer step of the part's parameters on one rank, us; the points' median) when the points have them.
     """
     by_tp: Dict[int, List[Mapping]] = {}
     for p in points:
@@ -153,6 +155,9 @@ def fit_points(points: Sequence[Mapping]) -> Dict[str, dict]:
         entry["seq_lens"] = seqs
         entry["rel_residuals"] = resid
         entry["block_models"] = models
+        for key in OPTIM_KEYS:  # the optimizer step does not depend on the sequence length
+            if all(key in p for p in pts):
+                entry[key] = float(np.median([p[key] for p in pts]))
         sources = sorted({p.get("source", "measured") for p in pts})
         entry["source"] = sources[0] if len(sources) == 1 else "mixed"
         fits[str(tp)] = entry

@@ -17,7 +17,8 @@ from orchestrator.profiling.model import analytic as an
 from orchestrator.profiling.model import memory as mem
 from orchestrator.profiling.model.plan import ProfilePlan
 from orchestrator.profiling.model.timing import (build_point_model, combine_ranks,
-                                                 fastest_and_median, memory_point, time_point)
+                                                 fastest_and_median, local_numel, memory_point,
+                                                 time_optimizer_step_us, time_point)
 
 
 class MeasuredTiming:
@@ -55,6 +56,10 @@ class MeasuredTiming:
         group = self.meshes[tp].get_group() if tp > 1 else None
         barrier = (lambda: dist.barrier(group=group)) if group is not None else (lambda: None)
         samples = time_point(pm, seq, self.warmup_iters, self.iters, barrier)
+        for key, params in (("block_optim_us", pm.block.parameters()),
+                            ("other_optim_us", pm.other_params())):
+            samples[key] = time_optimizer_step_us(local_numel(params), self.device,
+                                                  self.warmup_iters, self.iters)
         per_rank = self.ctx.gather(fastest_and_median(samples))
         if not self.ctx.is_root:
             return None
@@ -69,10 +74,11 @@ class MeasuredTiming:
 
             device = torch.cuda.get_device_name(self.device)
         return {"source": "measured", "why": plan.reason, "device": device,
-                "timing": "fastest of `iters` iterations per rank (median kept as *_median_us); "
+                "timing": "median of `iters` iterations per rank (fastest kept as *_fastest_us); "
                           "a TP group is its slowest rank, groups summarised by their median; "
                           "*_us exclude TP collectives (kept as *_comm_us), *_total_us include "
-                          "them",
+                          "them; *_optim_us: the optimizer step (norm, clip, AdamW, copy) of "
+                          "the part's parameters",
                 "activations": ("CUDA allocator (saved-tensor count in block_act_bytes_saved)"
                                 if self.allocator else "saved tensors (exact)"),
                 "states": mem.BYTES_PER_PARAM_NOTE}

@@ -7,8 +7,9 @@ two parts, as a pipeline stage sees them:
 - other: embedding forward + final norm, LM head and loss forward; their backwards.
 
 Every rank of a group runs the same iterations; a barrier on the group starts each one. Times are
-per rank in microseconds, the fastest iteration (and the median) of each part (measure.Stopwatch:
-CUDA events on a GPU, perf_counter on a CPU).
+per rank in microseconds, the median iteration (and the fastest) of each part (measure.Stopwatch:
+CUDA events on a GPU, perf_counter on a CPU), and the optimizer step (norm, clipping, AdamW,
+parameter copy) of the block's and of the other parts' parameters (the optimizer term).
 The same builder runs under FakeTensorMode for analytic points (no data, shapes only).
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from orchestrator.models.config import ModelConfig
 from orchestrator.profiling.measure import Stopwatch, is_cuda, median_of_group_max, summarize
 from orchestrator.profiling.model import memory as mem
+from orchestrator.profiling.model.fit import OPTIM_KEYS
 
 
 @dataclass
@@ -97,6 +99,7 @@ def _zero_grads(module: torch.nn.Module) -> None:
 
 
 PARTS = ("block_fwd_us", "block_bwd_us", "other_fwd_us", "other_bwd_us")
+OPTIM_MIN_NUMEL = 1 << 22  # 4M fp32 elements: master, grad and states well beyond a CPU's cache
 
 
 class CommTimer:
@@ -218,16 +221,17 @@ def time_point(pm: PointModel, seq_len: int, warmup_iters: int, iters: int,
 
 
 def fastest_and_median(samples: Dict[str, List[float]]) -> Dict[str, float]:
-    """Per part: the fastest iteration (the key itself) and the median ("<part>_median_us"), us.
+    """Per part: the median iteration (the key itself) and the fastest ("<part>_fastest_us"), us.
 
-    The fastest is what the code costs; slower iterations add what other processes and the OS
-    took from it (Python's timeit makes the same choice). Both are kept.
+    The median is what the code costs beside the other ranks of a busy machine: when ranks share
+    cores (4 gloo ranks on 2), the fastest iteration is one the OS happened to leave alone and
+    under-reads a whole model's time. Both are kept.
     """
     out = {}
     for k, v in samples.items():
         stats = summarize(v)
-        out[k] = stats.min
-        out[k.replace("_us", "_median_us")] = stats.median
+        out[k] = stats.median
+        out[k.replace("_us", "_fastest_us")] = stats.min
     return out
 
 
@@ -235,9 +239,10 @@ def combine_ranks(per_rank: List[Dict[str, float]], tp: int) -> Dict[str, float]
     """A point's times (us) from every rank's fastest_and_median, ranks in consecutive TP groups:
     a group takes as long as its slowest rank; the groups (timed at once) give their median.
 
-    "<part>_us" is compute only: the part's fastest iteration minus the time its fastest
-    iteration spent in TP collectives; "<part>_total_us" keeps the whole (tp > 1),
-    "<part>_comm_us" the collectives and "<part>_median_us" the median iteration (whole part).
+    "<part>_us" is compute only: the part's median iteration minus the median time an iteration
+    spent in TP collectives; "<part>_total_us" keeps the whole (tp > 1), "<part>_comm_us" the
+    collectives, "<part>_fastest_us" the fastest iteration (whole part). "block_optim_us" and
+    "other_optim_us" (optimizer steps, time_optimizer_step_us) pass through as the groups' median.
     """
     def across(key: str) -> float:
         return median_of_group_max([r.get(key, 0.0) for r in per_rank], tp)
@@ -246,10 +251,47 @@ def combine_ranks(per_rank: List[Dict[str, float]], tp: int) -> Dict[str, float]
     for part in PARTS:
         total, comm = across(part), across(part.replace("_us", "_comm_us"))
         out[part] = max(total - comm, 0.01 * total)
-        out[part.replace("_us", "_median_us")] = across(part.replace("_us", "_median_us"))
+        out[part.replace("_us", "_fastest_us")] = across(part.replace("_us", "_fastest_us"))
         if tp > 1:
             out[part.replace("_us", "_total_us")] = total
             out[part.replace("_us", "_comm_us")] = comm
+    for key in OPTIM_KEYS:
+        if all(key in r for r in per_rank):
+            out[key] = across(key)
+    return out
+
+
+def local_numel(params) -> int:
+    """Elements of `params` held on this rank (the local shard of a DTensor)."""
+    return sum(getattr(p, "_local_tensor", p).numel() for p in params)
+
+
+def time_optimizer_step_us(numel: int, device: torch.device, warmup_iters: int,
+                           iters: int) -> List[float]:
+    """Samples (us) of what train's optimizer phase does (train/grads.py) for `numel` fp32
+    elements: the weighted gradient norm (float64), clipping, an AdamW step (foreach) on a flat
+    master and the copy back into the parameters. Timed on at least OPTIM_MIN_NUMEL elements and
+    scaled to `numel`: train steps a whole stage's flat master at once, which a block's slice
+    alone (in cache) would under-read."""
+    size = max(int(numel), OPTIM_MIN_NUMEL)
+    clock = Stopwatch(device)
+    master = torch.zeros(size, dtype=torch.float32, device=device, requires_grad=True)
+    weight = torch.ones_like(master, requires_grad=False)  # replication weight of each element
+    param = torch.zeros_like(weight)
+    optim = torch.optim.AdamW([master], lr=1e-4, weight_decay=0.1, foreach=True)
+    out = []
+    for i in range(warmup_iters + iters):
+        master.grad = torch.full_like(weight, 1e-3)
+        clock.sync()
+        t0 = clock.mark()
+        norm = float((master.grad.double().square() * weight).sum().sqrt())
+        master.grad.mul_(min(1.0, 1.0 / (norm + 1e-6)))
+        optim.step()
+        with torch.no_grad():
+            param.copy_(master)
+        t1 = clock.mark()
+        if i >= warmup_iters:
+            out.append(clock.elapsed_us(t0, t1) * numel / size)
     return out
 
 

@@ -49,7 +49,9 @@ PROSE = {
 - `tp` keys are strings in JSON ("1", "2", "4", ...). Times in microseconds, bytes in bytes.
 - param/grad/optim bytes are per rank of a TP group (i.e. already divided by tp where sharded).
 - "other" = embedding + final norm + LM head + loss (first and last pipeline stage).
-- points: `*_median_us` (the fits use the fastest iteration, as timeit does), `*_total_us` and
+- points: `*_fastest_us` (the fits use the median iteration: ranks share the machine),
+  `block_optim_us`/`other_optim_us` (the optimizer step: norm, clipping, AdamW, parameter copy;
+  also in the fits' extras), `*_total_us` and
   `*_comm_us` (measured TP points: the fitted `*_us` are compute only; the cost model adds TP
   communication from the hardware profile), `iters`, `flops` (per rank), per-mode activation bytes
   per micro-batch, `megatron_act_bytes`, `megatron_ratio`.

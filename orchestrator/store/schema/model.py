@@ -37,9 +37,9 @@ class ModelPoint(Record):
     other_fwd_us: float = doc("embedding + final norm + LM head + loss, forward")
     other_bwd_us: float = doc('"other", backward')
     source: Source = doc("measured, or FLOPs over a device sheet (analytic)")
-    extras: Dict[str, Any] = doc("*_median_us, *_total_us, *_comm_us, iters, groups, flops, "
-                                 "per-mode activation bytes per micro-batch, states, "
-                                 "megatron_act_bytes, megatron_ratio", default_factory=dict)
+    extras: Dict[str, Any] = doc("*_fastest_us, *_optim_us, *_total_us, *_comm_us, iters, "
+                                 "groups, flops, per-mode activation bytes per micro-batch, "
+                                 "states, megatron_act_bytes, megatron_ratio", default_factory=dict)
 
 
 @dataclass(kw_only=True)
