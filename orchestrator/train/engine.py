@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import time
 from dataclasses import dataclass
 from typing import Dict, List
@@ -49,8 +50,10 @@ class StepStats:
     fwd_bwd_s: float  # forward + backward of all micro-batches (pipeline waits included)
     compute_s: float  # this rank's forward/backward work alone (TP communication included)
     sync_wait_s: float  # waiting for the data-parallel gradient collectives after the backward
+    norm_s: float  # the global gradient norm (its all-reduce waits for the slowest stage)
     optimizer_s: float  # clipping, AdamW, parameter all-gather
     skipped: bool = False  # fp16 overflow: no update
+    stop: bool = False  # some rank was asked to stop (a signal): every rank knows it
 
 
 def virtual_stage_layers(layout: ParallelLayout) -> List[int]:
@@ -95,7 +98,7 @@ class Engine:
                                       layout.dp, layout.num_micro_batches,
                                       bucket_MiB=optim.bucket_MiB,
                                       weight_decay=optim.weight_decay, betas=optim.betas,
-                                      eps=optim.eps)
+                                      eps=optim.eps, replicas_only=layout.pp * layout.tp == 1)
         # fp16: dynamic loss scale (GradScaler's rule: halve on overflow, double every 2000 steps)
         self.loss_scale = 2.0**16 if self.dtype == Dtype.fp16 else 1.0
         self._good_steps = 0
@@ -185,9 +188,10 @@ class Engine:
 
     # ------------------------------------------------------------------ step
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, lr: float,
-                   grad_clip: float) -> StepStats:
+                   grad_clip: float, stop: bool = False) -> StepStats:
         """One iteration on this data-parallel rank's samples (micro_batch_size *
-        num_micro_batches sequences): forward, backward, gradient sync, clipping, AdamW."""
+        num_micro_batches sequences): forward, backward, gradient sync, clipping, AdamW.
+        `stop` (this rank was signalled) comes back agreed over all ranks."""
         start = self._now()
         self.compute_s = 0.0
         tokens, targets = tokens.to(self.device), targets.to(self.device)
@@ -197,18 +201,19 @@ class Engine:
         sync_end = self._now()
         inv_scale = 1.0 / self.loss_scale
         norm = self.optim.grad_norm() * inv_scale
-        skipped = not torch.isfinite(torch.tensor(norm)).item()
+        norm_end = self._now()
+        skipped = not math.isfinite(norm)
         if skipped:
             self.optim.zero_grads()
         else:
             self.optim.step(lr, grad_clip, inv_scale, norm)
         self._update_loss_scale(skipped)
         end = self._now()
-        loss = self._global_loss(losses) * inv_scale
-        return StepStats(loss=loss, grad_norm=norm, step_s=end - start,
+        loss, stop = self._global_loss(losses, stop)
+        return StepStats(loss=loss * inv_scale, grad_norm=norm, step_s=end - start,
                          fwd_bwd_s=fwd_bwd_end - start, compute_s=self.compute_s,
-                         sync_wait_s=sync_end - fwd_bwd_end, optimizer_s=end - sync_end,
-                         skipped=skipped)
+                         sync_wait_s=sync_end - fwd_bwd_end, norm_s=norm_end - sync_end,
+                         optimizer_s=end - norm_end, skipped=skipped, stop=stop)
 
     def _forward_backward(self, tokens, targets) -> List[torch.Tensor]:
         layout = self.layout
@@ -234,13 +239,15 @@ class Engine:
             losses.append(loss.detach())
         return losses
 
-    def _global_loss(self, losses: List[torch.Tensor]) -> float:
-        """The mean loss over every micro-batch of every data-parallel rank, on every rank."""
-        local = torch.zeros((), dtype=torch.float64, device=self.device)
+    def _global_loss(self, losses: List[torch.Tensor], stop: bool):
+        """(the mean loss over every micro-batch of every data-parallel rank, whether any rank
+        asked to stop), on every rank: one all-reduce for both."""
+        local = torch.zeros(2, dtype=torch.float64, device=self.device)
         if self.is_last and losses:
-            local += torch.stack([loss.double() for loss in losses]).mean()
+            local[0] += torch.stack([loss.double() for loss in losses]).mean()
+        local[1] = float(stop)
         dist.all_reduce(local)
-        return float(local) / (self.layout.dp * self.layout.tp)
+        return float(local[0]) / (self.layout.dp * self.layout.tp), bool(local[1] > 0)
 
     def _update_loss_scale(self, skipped: bool) -> None:
         if self.dtype != Dtype.fp16:

@@ -92,12 +92,16 @@ class ShardedAdamW:
 
     def __init__(self, params: List[nn.Parameter], zero: int, dp_group, dp: int,
                  num_micro_batches: int, world_group=None, bucket_MiB: float = 25.0,
-                 weight_decay: float = 0.1, betas=(0.9, 0.95), eps: float = 1e-8):
+                 weight_decay: float = 0.1, betas=(0.9, 0.95), eps: float = 1e-8,
+                 replicas_only: bool = False):
         if zero not in (0, 1, 2):
             raise ValueError(f"ShardedAdamW handles zero 0/1/2, got {zero}")
         self.zero, self.dp, self.dp_group = zero, dp, dp_group
         self.dp_rank = dist.get_rank(dp_group) if dp > 1 else 0
         self.world_group = world_group
+        # No pipeline or tensor parallelism: with ZeRO-0 every rank holds the whole reduced
+        # gradient, so the norm needs no communication.
+        self.local_norm = replicas_only and zero == 0
         self.m = num_micro_batches
         self.params = [p for p in params if p.requires_grad]
         self.counts: Dict[nn.Parameter, int] = {}
@@ -112,7 +116,9 @@ class ShardedAdamW:
 
     # ------------------------------------------------------------------ buckets
     def _make_buckets(self, bucket_MiB: float) -> List[Bucket]:
-        limit = max(1, int(bucket_MiB * 2**20 / 4))
+        # At least 4 buckets, so a small model's first collectives start during the backward.
+        total = sum(local_tensor(p).numel() for p in self.params)
+        limit = max(1, min(int(bucket_MiB * 2**20 / 4), -(-total // 4)))
         groups, current, size = [], [], 0
         for p in reversed(self.params):  # backward order: the last layers' grads come first
             current.append(p)
@@ -232,6 +238,8 @@ class ShardedAdamW:
         sumsq = torch.zeros((), dtype=torch.float64, device=self.buckets[0].master.device)
         for b in self.buckets:
             sumsq += (b.shard_grad.double().square() * b.weight).sum()
+        if self.local_norm:
+            return math.sqrt(float(sumsq))
         if self.zero == 0 and self.dp > 1:
             sumsq /= self.dp  # every replica holds (and counts) the whole reduced gradient
         if dist.is_initialized() and dist.get_world_size(self.world_group) > 1:
