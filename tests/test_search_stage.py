@@ -11,7 +11,8 @@ from conftest import ledger, run_cli
 
 QUICK_HW = ["profile_hardware.max_size_bytes=262144", "profile_hardware.max_time_s=0.05",
             "profile_hardware.size_step=8", "profile_hardware.benchmarks=[inventory,allreduce,p2p,reduce_scatter,all_gather,overlap]"]
-QUICK_MODEL = ["profile_model.seq_lens=[64,128,192]", "profile_model.max_tp=2"]
+QUICK_MODEL = ["profile_model.seq_lens=[64,128,192]", "profile_model.max_tp=2",
+               "train.steps=2"]  # stage=all ends with train
 
 
 def test_all_runs_the_chain_then_skips_it(profiles):

@@ -176,23 +176,25 @@ def test_all_submits_an_afterok_chain(slurm_cluster, profiles):
     quick = ["profile_hardware.max_size_bytes=65536", "profile_hardware.max_time_s=0.05",
              "profile_hardware.size_step=16",
              "profile_hardware.benchmarks=[inventory,allreduce,p2p,reduce_scatter,all_gather,overlap]",
-             "profile_model.seq_lens=[64,128,192]", "profile_model.max_tp=2", "search.max_tp=2"]
+             "profile_model.seq_lens=[64,128,192]", "profile_model.max_tp=2", "search.max_tp=2",
+             "train.steps=2"]
     proc = run_cli("stage=all", *SLURM, "wait=false", *quick, profiles_dir=profiles, check=0)
     job_ids = re.findall(r"submitted Slurm job (\d+)", proc.stdout)
-    assert len(job_ids) == 3, proc.stdout
+    assert len(job_ids) == 4, proc.stdout  # profile_hardware, profile_model, search, train
     _wait_for(lambda: all(_sacct(j, "State")[:1] == ["COMPLETED"] for j in job_ids), timeout_s=600,
-              every_s=2, what="the three jobs to complete")
+              every_s=2, what="the four jobs to complete")
     for before, after in zip(job_ids, job_ids[1:]):  # afterok: each started after the last ended
         assert _sacct(after, "Start")[0] >= _sacct(before, "End")[0]
         script = next((profiles / "dev" / "runs").glob(f"*/*/submitit/{after}_submission.sh"))
         assert f"#SBATCH --dependency=afterok:{before}" in script.read_text()
     run_cli("stage=status", "cluster=dev", profiles_dir=profiles, check=0)
     entries = ledger(profiles, "dev")
-    assert [entries[k]["state"] for k in ("profile_hardware", "profile_model/tiny", "search/tiny")] == ["done"] * 3
+    assert [entries[k]["state"] for k in ("profile_hardware", "profile_model/tiny", "search/tiny",
+                                          "train/tiny")] == ["done"] * 4
     assert (profiles / "dev" / "strategy" / "tiny.json").exists()
     # The chain recorded the hashes a later plan computes: nothing runs again.
     proc = run_cli("stage=all", *SLURM, *quick, profiles_dir=profiles, check=0)
-    assert proc.stdout.count("skipping (force=true redoes it)") == 3, proc.stdout
+    assert proc.stdout.count("skipping (force=true redoes it)") == 4, proc.stdout
 
 
 def test_analytic_model_profile_runs_as_one_task(slurm_cluster, profiles):

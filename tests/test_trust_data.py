@@ -16,7 +16,8 @@ QUICK_HW = ["profile_hardware.max_size_bytes=262144", "profile_hardware.max_time
             "profile_hardware.size_step=8"]
 QUICK_MODEL = ["profile_model.seq_lens=[64,128]", "profile_model.max_tp=2",
                "profile_model.plot=false"]
-CHAIN = [*QUICK_HW, *QUICK_MODEL, "search.max_tp=2", "search.plot=false"]
+CHAIN = [*QUICK_HW, *QUICK_MODEL, "search.max_tp=2", "search.plot=false",
+         "train.steps=2", "train.plot=false"]
 OTHERS = ("inventory", "p2p", "reduce_scatter", "all_gather", "all2all", "overlap")
 
 

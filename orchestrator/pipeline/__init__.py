@@ -159,10 +159,12 @@ def ledger_for(cfg: Config) -> Ledger:
     return Ledger(cluster_dir(cfg.profiles_dir, cfg.cluster.name), rebuild=rebuild_entries)
 
 
-# Output files of a cluster folder: (glob, kind, ledger key of a file's stem).
-_OUTPUTS = (("hardware.json", "hardware", lambda stem: "profile_hardware"),
-            ("model/*.json", "model", lambda stem: f"profile_model/{stem}"),
-            ("strategy/*.json", "strategy", lambda stem: f"search/{stem}"))
+# Output files of a cluster folder: (glob, kind, the ledger key of a file's path).
+_OUTPUTS = (("hardware.json", "hardware", lambda path: "profile_hardware"),
+            ("model/*.json", "model", lambda path: f"profile_model/{path.stem}"),
+            ("strategy/*.json", "strategy", lambda path: f"search/{path.stem}"),
+            ("train/*/*.json", "train", lambda path: f"train/{path.parent.name}"
+             + (f"@{path.stem.split('@', 1)[1]}" if "@" in path.stem else "")))
 
 
 def rebuild_entries(folder: Path) -> Tuple[Dict[str, LedgerEntry], List[str]]:
@@ -180,7 +182,7 @@ def rebuild_entries(folder: Path) -> Tuple[Dict[str, LedgerEntry], List[str]]:
                 continue
             if not isinstance(written, dict) or written.get("kind") != kind:
                 continue  # e.g. strategy/<m>.layout.json
-            key = key_of(path.stem)
+            key = key_of(path)
             entries[key] = LedgerEntry(state=State.done, config_hash=prov.get("config_hash"),
                                        job_id=prov.get("job_id"), started=prov.get("started"),
                                        ended=prov.get("ended"))

@@ -58,17 +58,17 @@ class Train(Stage):
             inputs.append(StageInput(layout_file(cfg), StrategyLayout, "search"))
         if explicit or layout_file(cfg).exists():
             target = resolve(cfg)  # else search writes it first (stage=all): resolved on the ranks
-            outputs.append(summary_path(cfg, target.layout, point_label(cfg, "train")))
+            outputs.append(summary_path(cfg, target.layout))  # the pipeline labels sweep points
             check_memory(cfg, predict(cfg, target.layout, target.seq_len)[0])
         if cfg.train.data:  # a bad corpus path is a config error, before launch
             from orchestrator.train.data import make_data
 
             make_data(cfg.train.data, cfg.model.vocab, cfg.train.seq_len or cfg.model.seq_len,
                       cfg.train.seed)
-        label = point_label(cfg, "train")
-        key = f"train/{cfg.model.name}" + (f"@{label}" if label else "")
-        return self.make_plan(cfg, key=key, ranks=Ranks.cluster, inputs=inputs,
-                              outputs=outputs, detail=label)
+        # The ranks name the summary themselves when search writes the layout in this command.
+        return self.make_plan(cfg, key=f"train/{cfg.model.name}", ranks=Ranks.cluster,
+                              inputs=inputs, outputs=outputs,
+                              detail=point_label(cfg, self.sweep_section))
 
     def read_inputs(self, cfg, plan) -> List[str]:
         if plan.inputs and not plan.inputs[0].path.exists():
@@ -203,7 +203,7 @@ def _resume(engine, state, ckpt_dir, t, load_latest, latest_checkpoint, load_che
         steps_log.note(f"resumed from {info.path} (step {info.step})")
         return info.step, warnings
     if t.load:
-        found = latest_checkpoint(Path(t.load))
+        found = _checkpoint_at(Path(t.load), latest_checkpoint)
         if found is None:
             raise ProfileError(f"train.load={t.load}: no complete checkpoint there")
         extra = load_checkpoint(found, state)
@@ -213,6 +213,16 @@ def _resume(engine, state, ckpt_dir, t, load_latest, latest_checkpoint, load_che
                        f"{extra.get('layout', '?')})")
         return found.step, warnings
     return 0, warnings
+
+
+def _checkpoint_at(path, latest_checkpoint):
+    """train.load: one step folder (…/step_00000004), or the newest good one of a folder."""
+    from orchestrator.train.checkpoint import find_checkpoints
+
+    if (path / "complete.json").exists():
+        good, _ = find_checkpoints(path.parent)
+        return next((c for c in good if c.path.resolve() == path.resolve()), None)
+    return latest_checkpoint(path)
 
 
 def _save(engine, ckpt_dir, step: int, t, steps_log) -> None:

@@ -11,7 +11,6 @@ it, and all of them return the same outcome or raise the same error.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil

@@ -60,6 +60,13 @@ def full_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
     return g
 
 
+def _viewable(p: torch.Tensor) -> bool:
+    """A plain fp32 parameter whose storage can be a view of a flat buffer."""
+    from torch.distributed.tensor import DTensor
+
+    return not isinstance(p, DTensor) and p.dtype == torch.float32
+
+
 @dataclass
 class Bucket:
     params: List[nn.Parameter]
@@ -71,7 +78,9 @@ class Bucket:
     weight: Optional[torch.Tensor] = None  # per element of the slice: replication weight
     ready: int = 0
     work: object = None
-    params_out: Optional[torch.Tensor] = None  # ZeRO-1/2: all-gathered params
+    # Plain fp32 parameters (no DTensor): their storage is a view of `flat_params` and their
+    # .grad a view of `grad` (as DDP's gradient_as_bucket_view), so nothing is held twice.
+    flat_params: Optional[torch.Tensor] = None
 
 
 class ShardedAdamW:
@@ -128,7 +137,14 @@ class ShardedAdamW:
                 loc = local_tensor(p)
                 flat[off:off + loc.numel()] = loc.detach().reshape(-1).float()
                 weight[off:off + loc.numel()] = replication_weight(p)
-            b.master = nn.Parameter(flat[lo:hi].clone())
+            if all(_viewable(p) for p in ps):
+                b.flat_params = flat
+                with torch.no_grad():
+                    for p, off in zip(ps, offsets):
+                        p.data = flat[off:off + p.numel()].view_as(p)
+            # ZeRO-0 updates the parameters' own storage; ZeRO-1/2 a copy of this rank's slice.
+            shares = b.flat_params is not None and self.zero == 0
+            b.master = nn.Parameter(flat if shares else flat[lo:hi].clone())
             b.weight = weight[lo:hi].clone()
             if self.zero < 2:
                 b.grad = torch.zeros_like(flat)
@@ -146,16 +162,25 @@ class ShardedAdamW:
         return self.dp_rank * shard, (self.dp_rank + 1) * shard
 
     def _on_grad(self, p: nn.Parameter) -> None:
-        self.counts[p] = self.counts.get(p, 0) + 1
-        if self.counts[p] < self.m:
-            return
+        count = self.counts[p] = self.counts.get(p, 0) + 1
         b = self.bucket_of[p]
+        views = b.flat_params is not None
+        if count < self.m and not (views and count == 1):
+            return
         if b.grad is None:
             b.grad = torch.zeros(b.numel, dtype=torch.float32, device=local_tensor(p).device)
         off = self.offset_of[id(p)]
-        g = local_tensor(full_grad(p))
-        b.grad[off:off + g.numel()].copy_(g.reshape(-1))
-        p.grad = None  # the bucket holds it now
+        if views:
+            view = b.grad[off:off + p.numel()].view_as(p)
+            if p.grad.data_ptr() != view.data_ptr():  # first micro-batch (or not in place)
+                view.copy_(p.grad)
+                p.grad = view  # later micro-batches accumulate into the bucket itself
+            if count < self.m:
+                return
+        else:
+            g = local_tensor(full_grad(p))
+            b.grad[off:off + g.numel()].copy_(g.reshape(-1))
+            p.grad = None  # the bucket holds it now
         b.ready += 1
         if b.ready == len(b.params):
             self._launch(b)
@@ -193,6 +218,8 @@ class ShardedAdamW:
             lo, hi = self._owned(b)
             if self.zero == 2 and self.dp > 1:
                 b.grad = None  # the full gradient is not kept (ZeRO-2)
+                for p in b.params:
+                    p.grad = None
             else:
                 b.shard_grad = b.grad[lo:hi]
             b.master.grad = b.shard_grad
@@ -232,9 +259,19 @@ class ShardedAdamW:
         for b in self.buckets:
             b.master.grad = None
             b.shard_grad = None
+            for p in b.params:
+                p.grad = None
 
     def _write_params(self, b: Bucket) -> None:
         """Copy the updated masters into the parameters (after an all-gather for ZeRO-1/2)."""
+        if b.flat_params is not None:  # the parameters are views of flat_params
+            if self.zero == 0:
+                return  # AdamW updated them in place
+            if self.dp == 1:
+                b.flat_params.copy_(b.master.detach())
+            else:
+                _all_gather(b.flat_params, b.master.detach(), group=self.dp_group)
+            return
         if self.zero == 0 or self.dp == 1:
             full = b.master.detach()
         else:

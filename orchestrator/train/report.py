@@ -155,6 +155,7 @@ def write_summary(run, cfg, target, prediction, note, per_rank, steps_log: StepL
                   data_text: str, engine_params=None) -> dict:
     """Rank 0: the summary file (+ PNGs), a table on the console; the stage's result row."""
     from orchestrator.stages.train import _relative_inputs
+    from orchestrator.train.plan import train_dtype
 
     layout = target.layout
     measured = measured_parts(per_rank, layout)
@@ -170,7 +171,7 @@ def write_summary(run, cfg, target, prediction, note, per_rank, steps_log: StepL
         "train", "measured", run.provenance(), model=cfg.model.name,
         inputs=_relative_inputs(cfg, target), layout=layout.to_dict(),
         describe=layout.describe(), layout_source=target.source, seq_len=target.seq_len,
-        dtype=str(getattr(cfg.train.dtype, "value", cfg.train.dtype) or "auto"),
+        dtype=train_dtype(cfg).value,
         data=data_text, steps=cfg.train.steps, timed_steps=len(steps_log.timed_steps()),
         losses={str(k): v for k, v in losses.items()},
         first_loss=losses[min(losses)] if losses else None,

@@ -1,0 +1,147 @@
+"""`stage=train` as a user runs it, on 4 local CPU ranks (mpiexec, gloo): refusals before
+launch, resume after a killed rank, a checkpoint reloaded by another layout, a text corpus, and
+a PP/TP sweep with its predicted-vs-measured table."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from conftest import ledger, run_cli, start_cli
+
+SHORT = ["train.seq_len=64", "train.plot=false", "train.memory_interval_s=0.2"]
+
+
+def _summaries(profiles, model="tiny"):
+    folder = Path(profiles) / "local" / "train" / model
+    return {p.name: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
+
+
+def _losses(summary):
+    return [summary["losses"][k] for k in sorted(summary["losses"], key=int)]
+
+
+def _analytic_profiles(profiles):
+    """Hardware and model profiles of this machine in seconds (no measuring)."""
+    run_cli("stage=profile_hardware", "profile_hardware.source=analytic", profiles_dir=profiles,
+            check=0)
+    run_cli("stage=profile_model", "profile_model.source=analytic", "profile_model.plot=false",
+            profiles_dir=profiles, check=0)
+
+
+def test_without_a_strategy_names_the_command_that_writes_one(profiles):
+    proc = run_cli("stage=train", profiles_dir=profiles)
+    assert proc.returncode == 4, proc.stderr
+    assert "python -m orchestrator stage=search" in proc.stderr
+    assert "train.pp" in proc.stderr  # or give a layout
+
+
+def test_a_layout_that_does_not_divide_is_one_line_before_launch(profiles):
+    proc = run_cli("stage=train", "train.pp=3", profiles_dir=profiles)
+    assert proc.returncode == 2, proc.stderr
+    assert "train.pp(3) * train.tp(1) = 3 does not divide the 4 ranks" in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0
+    assert not (profiles / "local" / "runs").exists()  # nothing launched
+    proc = run_cli("stage=train", "train.tp=4", "model.kv_heads=2", profiles_dir=profiles)
+    assert proc.returncode == 2 and "tp(4) does not divide model.kv_heads(2)" in proc.stderr
+
+
+def test_a_layout_that_does_not_fit_is_refused_with_the_estimate(profiles):
+    _analytic_profiles(profiles)
+    proc = run_cli("stage=train", "train.pp=1", "train.tp=1", "train.memory_GiB=0.01",
+                   profiles_dir=profiles)
+    assert proc.returncode == 3, proc.stderr
+    assert "GiB per device by the planner's estimate" in proc.stderr
+    assert "budget 0.01 GiB" in proc.stderr and "train.allow_oom_risk=true" in proc.stderr
+    assert not list((profiles / "local" / "runs").glob("*_train"))  # nothing launched
+
+
+def _rank_pids(profiles) -> list:
+    """Local rank processes of a launch into `profiles` (their request lives under it)."""
+    out = subprocess.run(["pgrep", "-f", f"orchestrator.runtime.*{profiles}"],
+                         capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_kill_one_rank_then_rerun_resumes_the_same_loss_trajectory(tmp_path):
+    args = ["stage=train", "train.pp=2", "train.tp=1", "train.steps=40",
+            "train.checkpoint_every=2", *SHORT]
+    reference = tmp_path / "reference"
+    run_cli(*args, profiles_dir=reference, check=0)
+    (want,) = _summaries(reference).values()
+
+    killed = tmp_path / "killed"
+    cli = start_cli(*args, profiles_dir=killed)
+    ckpt = killed / "local" / "train" / "tiny" / "pp2-tp1-dp2-zero0-mbs1x4-1f1b.ckpt"
+    deadline = time.time() + 120
+    while not (ckpt / "step_00000004").exists() and time.time() < deadline:
+        time.sleep(0.2)
+    assert (ckpt / "step_00000004").exists(), cli.stdout.read() if cli.poll() is not None else ""
+    status = run_cli("stage=status", profiles_dir=killed, check=0)
+    assert "step " in status.stdout  # the ledger tells how far the run is
+    pids = _rank_pids(killed)
+    assert pids, "no rank processes found"
+    os.kill(pids[-1], signal.SIGKILL)
+    out, _ = cli.communicate(timeout=120)
+    assert cli.returncode == 5, out
+    assert "rank" in out and "log" in out.lower()
+    assert ledger(killed)["train/tiny"]["state"] == "failed"
+
+    proc = run_cli(*args, profiles_dir=killed, check=0)
+    assert "resumed from" in proc.stdout
+    (got,) = _summaries(killed).values()
+    assert any("resumed from" in note for note in got["notes"])
+    assert len(_losses(got)) == 40
+    for step, (a, b) in enumerate(zip(_losses(want), _losses(got)), start=1):
+        assert abs(a - b) <= 1e-6 * abs(a), f"step {step}: {b} != {a}"
+
+
+def test_a_checkpoint_reloads_in_another_layout(profiles):
+    common = ["train.steps=6", "train.checkpoint_every=3", *SHORT]
+    run_cli("stage=train", "train.pp=1", "train.tp=1", *common, profiles_dir=profiles, check=0)
+    dp4 = profiles / "local" / "train" / "tiny" / "pp1-tp1-dp4-zero0-mbs1x2-1f1b"
+    proc = run_cli("stage=train", "train.pp=2", "train.tp=2", *common,
+                   f"train.load={dp4}.ckpt/step_00000003", profiles_dir=profiles, check=0)
+    assert "loaded" in proc.stdout
+    want = json.loads(dp4.with_suffix(".json").read_text())["losses"]
+    got = json.loads((dp4.parent / "pp2-tp2-dp1-zero0-sp-mbs1x8-1f1b.json").read_text())["losses"]
+    assert sorted(got, key=int) == [str(s) for s in range(1, 7)]  # 1-3 from the checkpoint
+    for step in ("4", "5", "6"):  # trained by pp2*tp2 from dp4's state
+        assert abs(got[step] - want[step]) <= 1e-4 * abs(want[step]), step
+
+
+def test_a_text_corpus_trains_and_its_loss_falls(profiles):
+    corpus = os.path.dirname(os.__file__)  # the standard library's own sources
+    proc = run_cli("stage=train", "train.pp=1", "train.tp=1", f"train.data={corpus}",
+                   "train.steps=20", "train.lr=3e-3", *SHORT, profiles_dir=profiles, check=0)
+    (summary,) = _summaries(profiles).values()
+    assert summary["data"].startswith("text:"), summary["data"]
+    assert summary["last_loss"] < summary["first_loss"] - 1.0, proc.stdout
+    bad = run_cli("stage=train", "train.pp=1", "train.data=/no/such/corpus", profiles_dir=profiles)
+    assert bad.returncode == 2 and "/no/such/corpus" in bad.stderr
+
+
+def test_a_pp_tp_sweep_skips_what_cannot_run_and_compares(profiles):
+    _analytic_profiles(profiles)
+    proc = run_cli("-m", "stage=train", "train.pp=1,4", "train.tp=1,2", "train.steps=3",
+                   "train.allow_oom_risk=true", "train.memory_GiB=0.01", *SHORT,
+                   profiles_dir=profiles, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "pp(4) * train.tp(2) = 8 does not divide" in proc.stdout + proc.stderr
+    names = set(_summaries(profiles))
+    assert names == {"pp1-tp1-dp4-zero0-mbs1x2-1f1b@pp=1,tp=1.json",
+                     "pp1-tp2-dp2-zero0-sp-mbs1x4-1f1b@pp=1,tp=2.json",
+                     "pp4-tp1-dp1-zero0-mbs1x8-1f1b@pp=4,tp=1.json"}, names
+    (table,) = (profiles / "local" / "multirun").glob("*/sweep.csv")
+    rows = list(csv.DictReader(table.open()))
+    assert [r["state"] for r in rows].count("skipped") == 1
+    for row in rows:
+        if row["state"] != "skipped":
+            assert float(row["measured ms"]) > 0 and float(row["iteration ms"]) > 0
+            assert row["error %"] and float(row["tokens/s"]) > 0
+    status = run_cli("stage=status", profiles_dir=profiles, check=0)
+    assert "predicted vs measured" in status.stdout
