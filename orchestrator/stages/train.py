@@ -84,9 +84,9 @@ STAGE = Train()
 
 # ---------------------------------------------------------------------- on every rank
 class StopFlag:
-    """Set by USR2 (Slurm's warning before a time limit or preemption) or SIGTERM; the loop
-    checkpoints at the end of the step every rank agrees on, then hands over to submitit's
-    handler (task 0: requeue) or exits."""
+    """Set by USR2 (Slurm's warning before a time limit or preemption) or SIGTERM (scancel);
+    the loop checkpoints at the end of the step every rank agrees on, then hands over to
+    submitit's handler (task 0: requeue) or exits."""
 
     def __init__(self):
         self.signum: Optional[int] = None
@@ -97,6 +97,10 @@ class StopFlag:
 
     def _set(self, signum, frame):
         self.signum = signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else "no signal"
 
     def restore(self) -> None:
         for sig, handler in self.previous.items():
@@ -110,13 +114,19 @@ class StopFlag:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def hand_over(self) -> None:
-        """After the checkpoint: let submitit requeue (its handler on task 0), else exit."""
-        handler = self.previous.get(self.signum or signal.SIGUSR2)
+    def hand_over(self, is_root: bool) -> None:
+        """After the checkpoint: submitit's handler where there is one (on task 0 it requeues
+        the job and exits), then exit: with 0 on submitit's other tasks, since a non-zero exit
+        makes srun (--kill-on-bad-exit) end the step, racing task 0's requeue; else naming the
+        signal."""
+        signum = self.signum or signal.SIGUSR2
+        handler = self.previous.get(signum)
         self.restore()
         if callable(handler):
-            handler(self.signum or signal.SIGUSR2, None)
-        raise SystemExit(f"stopped by signal {self.signum}; checkpoint written")
+            handler(signum, None)
+            if not is_root:
+                raise SystemExit(0)
+        raise SystemExit(f"stopped by {self.name}; checkpoint written")
 
 
 def train(ctx, run):
@@ -150,7 +160,7 @@ def train(ctx, run):
                               load_checkpoint, steps_log)
     for w in warnings:
         steps_log.warn(w)
-    stop = StopFlag()
+    stop = StopFlag()  # until the summary is written: a signal after the last step is ignored
     samples_per_rank = layout.micro_batch_size * layout.num_micro_batches
     try:
         for step in range(start, t.steps):
@@ -159,23 +169,25 @@ def train(ctx, run):
             stats = engine.train_step(tokens, targets, lr, t.grad_clip)
             monitor.mark(f"step {step + 1}")
             steps_log.record(step + 1, lr, stats)
-            last = step + 1 == t.steps
-            stopping = stop.agreed(ctx.device)
+            last = step + 1 == t.steps  # done: nothing left for a requeued job to resume
+            stopping = not last and stop.agreed(ctx.device)
+            if stopping:  # before the save, so that the checkpoint carries the note
+                steps_log.warn(f"{stop.name}: checkpoint at step {step + 1} written; stopping "
+                               f"(a requeued job or a rerun resumes from it)")
             if last or stopping or (t.checkpoint_every and (step + 1) % t.checkpoint_every == 0):
                 _save(engine, ckpt_dir, step + 1, t, steps_log)
             if stopping:
-                steps_log.warn(f"signal {stop.signum}: checkpoint at step {step + 1} written; "
-                               f"stopping (a requeued job or a rerun resumes from it)")
                 monitor.stop()
-                stop.hand_over()
+                stop.hand_over(ctx.is_root)
+        monitor.stop()
+        per_rank = ctx.gather(steps_log.rank_summary(monitor))
+        if not ctx.is_root:
+            return None
+        return write_summary(run, cfg, target, prediction, note, per_rank, steps_log, out,
+                             data.describe(), engine_params=None)
     finally:
         stop.restore()
         monitor.stop()
-    per_rank = ctx.gather(steps_log.rank_summary(monitor))
-    if not ctx.is_root:
-        return None
-    return write_summary(run, cfg, target, prediction, note, per_rank, steps_log, out,
-                         data.describe(), engine_params=None)
 
 
 def _resume(engine, state, ckpt_dir, t, load_latest, latest_checkpoint, load_checkpoint,

@@ -35,11 +35,12 @@ class StepLog:
 
     def restore(self, extra: dict) -> None:
         self.losses.update({int(k): float(v) for k, v in (extra.get("losses") or {}).items()})
+        self.notes[:0] = extra.get("notes") or []  # why earlier runs stopped (a signal)
 
     def extra(self) -> dict:
         """What a checkpoint carries besides tensors."""
         return {"losses": {str(k): v for k, v in sorted(self.losses.items())},
-                "layout": self.layout.describe(), "time": time.time()}
+                "layout": self.layout.describe(), "notes": list(self.notes), "time": time.time()}
 
     def note(self, text: str) -> None:
         self.notes.append(text)

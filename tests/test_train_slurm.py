@@ -1,0 +1,188 @@
+"""stage=train on the dev Slurm cluster (2 fake nodes x 2 tasks, gloo) through submitit: a run
+cancelled with scancel resumes the same loss trajectory, a run longer than its 1-minute time
+limit is signalled, requeued and finishes by itself, and a PP sweep compares its points.
+
+Explicit layouts (train.pp, train.tp) need no profiles; seq_len 64 keeps the steps short.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import re
+import subprocess
+import time
+
+import pytest
+
+from conftest import ledger, run_cli, start_cli
+from test_slurm import SLURM, _scontrol_job, _wait_for
+
+TRAIN = ["stage=train", "model=tiny", "train.seq_len=64", "train.plot=false"]
+KEY = "train/tiny"
+
+
+def _summaries(profiles) -> dict:
+    """Every train summary of the dev cluster's tiny model, by file name."""
+    folder = profiles / "dev" / "train" / "tiny"
+    return {p.name: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
+
+
+def _only_summary(profiles) -> dict:
+    (summary,) = _summaries(profiles).values()
+    return summary
+
+
+def _losses(summary) -> list:
+    """The summary's losses in step order; the steps must be 1..train.steps, none missing."""
+    steps = sorted(int(k) for k in summary["losses"])
+    assert steps == list(range(1, summary["steps"] + 1)), steps
+    return [summary["losses"][str(s)] for s in steps]
+
+
+def _checkpoint_steps(profiles) -> list:
+    """Steps of the complete checkpoints (step_*/complete.json) of the tiny model's runs."""
+    folder = profiles / "dev" / "train" / "tiny"
+    return sorted(int(p.parent.name.removeprefix("step_"))
+                  for p in folder.glob("*.ckpt/step_*/complete.json"))
+
+
+def _noted_steps(notes, pattern: str) -> list:
+    """The step number in each note that matches `pattern` (one group: the step)."""
+    return [int(m.group(1)) for n in notes if (m := re.search(pattern, n))]
+
+
+RESUMED = r"^resumed from .*step_\d+ \(step (\d+)\)$"
+SIGNALLED = r"^warning: SIGUSR2: checkpoint at step (\d+) written; stopping"
+
+
+def _job_runs(job_id) -> list:
+    """sacct's state of each run of a job (-D: requeued runs too), oldest first."""
+    return subprocess.run(["sacct", "-n", "-X", "-P", "-D", "-j", job_id, "-o", "State"],
+                          capture_output=True, text=True, check=True).stdout.split()
+
+
+def test_scancel_then_rerun_continues_the_same_loss_trajectory(slurm_cluster, tmp_path):
+    """pp2 x tp2: cancelled once a checkpoint past step 8 exists; the rerun of the same command
+    resumes from the last checkpoint and every step's loss is that of an uninterrupted run."""
+    args = [*TRAIN, *SLURM, "train.pp=2", "train.tp=2", "train.steps=24",
+            "train.checkpoint_every=4"]
+    reference, profiles = tmp_path / "reference", tmp_path / "profiles"
+    run_cli(*args, profiles_dir=reference, check=0)
+    proc = start_cli(*args, profiles_dir=profiles)
+    try:
+        _wait_for(lambda: [s for s in _checkpoint_steps(profiles) if s >= 8], timeout_s=240,
+                  every_s=0.2, what="a checkpoint at step 8 or later")
+        seen = max(_checkpoint_steps(profiles))
+        job_id = ledger(profiles, "dev")[KEY]["job_id"]
+        subprocess.run(["scancel", job_id], check=True)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 5, out
+    assert "cancelled" in out and "rerun the same command" in out, out
+    assert ledger(profiles, "dev")[KEY]["state"] == "cancelled"
+    assert not _summaries(profiles)
+
+    run_cli(*args, profiles_dir=profiles, check=0)
+    entry = ledger(profiles, "dev")[KEY]
+    assert entry["state"] == "done" and entry["job_id"] != job_id
+    resumed = _only_summary(profiles)
+    # From the last checkpoint: at least the one seen; SIGTERM's own one when the ranks wrote
+    # it before the kill (they have KillWait, 5 s, after the job is already CANCELLED).
+    (resumed_from,) = _noted_steps(resumed["notes"], RESUMED)
+    assert seen <= resumed_from < 24
+    sigterm = r"^warning: SIGTERM: checkpoint at step (\d+) written; stopping"
+    assert _noted_steps(resumed["notes"], sigterm) in ([], [resumed_from]), resumed["notes"]
+    uninterrupted = _only_summary(reference)
+    assert not [n for n in uninterrupted["notes"] if n.startswith("resumed")]
+    assert _losses(resumed) == pytest.approx(_losses(uninterrupted), rel=1e-5)
+    assert resumed["layout"] == uninterrupted["layout"]
+
+
+def test_time_limit_signal_checkpoints_requeues_and_finishes(slurm_cluster, profiles):
+    """A run longer than its 1-minute limit: USR2 before the limit, every rank checkpoints at
+    the same step, task 0 hands over to submitit (requeue), the other tasks exit quietly; the
+    requeued job resumes from that checkpoint and finishes: complete losses, the ledger done.
+
+    Slurm checks time limits every 30 s and signals at the first check with at most
+    signal_delay_s + 30 s left: with 5 s, 25 to 55 s into a run (20 s would leave 10 to 40 s,
+    about the start-up of 4 ranks here). 250 steps take about 50 s alone here: the first
+    run cannot finish them.
+    """
+    steps = 250
+    proc = start_cli(*TRAIN, *SLURM, "train.pp=1", "train.tp=1", f"train.steps={steps}",
+                     "train.checkpoint_every=100",
+                     "cluster.time_min=1", "cluster.signal_delay_s=5", profiles_dir=profiles)
+    at_requeue = []  # the ledger entry at each requeue
+    try:
+        job_id = _wait_for(lambda: ledger(profiles, "dev").get(KEY, {}).get("job_id"),
+                           what="the job id in the ledger")
+        requeued_at = None
+        while proc.poll() is None:
+            job = _scontrol_job(job_id)
+            if int(job["Restarts"]) > len(at_requeue) and job["JobState"] == "PENDING":
+                at_requeue.append(ledger(profiles, "dev")[KEY])
+                requeued_at = time.monotonic()
+            # Slurm holds a requeued job for 120 s. Released 5 s after the requeue (a
+            # time-limit check), it starts 6-10 s after that check: the next check is too
+            # early to signal it, the one after comes ~50 s into the run.
+            if requeued_at is not None and time.monotonic() - requeued_at > 5:
+                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
+                               check=True)
+                requeued_at = None
+            time.sleep(0.5)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert at_requeue and _job_runs(job_id) == ["REQUEUED"] * len(at_requeue) + ["COMPLETED"]
+    # Nothing was marked failed when the ranks stopped: the stage stays running for the rerun.
+    assert all(e["state"] in ("running", "pending") and e["error"] is None for e in at_requeue)
+    entry = ledger(profiles, "dev")[KEY]
+    assert (entry["state"], entry["job_id"], entry["error"]) == ("done", job_id, None)
+    states = [line.split(": ")[1] for line in out.splitlines()
+              if line.startswith(f"  job {job_id}: ")]
+    back = [s for s in states[states.index("RUNNING"):] if s in ("REQUEUED", "PENDING")]
+    assert back and states[-1] == "COMPLETED", states  # the CLI streamed the requeue
+
+    summary = _only_summary(profiles)
+    losses = _losses(summary)
+    assert losses[-1] < losses[0]
+    # A signal during the training loop leaves a note in the checkpoint it wrote; one during a
+    # run's start-up only requeues (submitit's own handler), the next run resumes as well.
+    signalled = _noted_steps(summary["notes"], SIGNALLED)
+    assert 1 <= len(signalled) <= len(at_requeue), summary["notes"]
+    assert 0 < signalled[0] < steps
+    resumed = _noted_steps(summary["notes"], RESUMED)
+    assert signalled[0] in resumed and set(resumed) <= set(signalled) | {100, 200}, resumed
+
+
+def test_pp_sweep_writes_a_summary_per_point_and_one_table(slurm_cluster, profiles):
+    """`-m ... train.pp=1,2` on Slurm: one job per point, each point's own summary
+    (<tag>@pp=<pp>.json), one table comparing measured iteration times."""
+    proc = run_cli("-m", *TRAIN, *SLURM, "train.pp=1,2", "train.tp=1", "train.steps=5",
+                   profiles_dir=profiles, check=0, timeout=600)
+    summaries = _summaries(profiles)
+    assert len(summaries) == 2, list(summaries)
+    job_ids = set()
+    for pp in (1, 2):
+        (name,) = [n for n in summaries if n.endswith(f"@pp={pp}.json")]
+        summary = summaries[name]
+        layout = summary["layout"]
+        assert (layout["pp"], layout["tp"], layout["dp"]) == (pp, 1, 4 // pp)
+        assert len(_losses(summary)) == 5 and summary["measured"]["iteration_ms"] > 0
+        entry = ledger(profiles, "dev")[f"{KEY}@pp={pp}"]
+        assert entry["state"] == "done" and entry["job_id"] == summary["provenance"]["job_id"]
+        job_ids.add(entry["job_id"])
+    assert len(job_ids) == 2  # a job per point
+
+    (sweep_dir,) = (profiles / "dev" / "multirun").iterdir()
+    rows = list(csv.DictReader((sweep_dir / "sweep.csv").open()))
+    assert [r["point"] for r in rows] == ["train.pp=1", "train.pp=2"]
+    assert [r["state"] for r in rows] == ["done", "done"]
+    assert all(float(r["measured ms"]) > 0 and float(r["tokens/s"]) > 0
+               and float(r["peak GiB"]) > 0 and r["job id"] in job_ids for r in rows)
+    assert ["pp1" in rows[0]["layout"], "pp2" in rows[1]["layout"]] == [True, True]
+    assert "measured ms" in proc.stdout  # the table on the console
