@@ -106,14 +106,6 @@ class StopFlag:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
-    def agreed(self, device) -> bool:
-        import torch
-        import torch.distributed as dist
-
-        flag = torch.tensor([1.0 if self.signum is not None else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
     def hand_over(self, is_root: bool) -> None:
         """After the checkpoint: submitit's handler where there is one (on task 0 it requeues
         the job and exits), then exit: with 0 on submitit's other tasks, since a non-zero exit
@@ -155,6 +147,7 @@ def train(ctx, run):
     out = summary_path(cfg, layout, run.plan.detail)
     ckpt_dir = out.with_suffix(".ckpt")
     steps_log = StepLog(ctx, run, layout, target.seq_len, t)
+    steps_log.identity = run_identity(cfg, layout.describe())
     state = engine.state()
     start, warnings = _resume(engine, state, ckpt_dir, t, load_latest, latest_checkpoint,
                               load_checkpoint, steps_log)
@@ -166,11 +159,12 @@ def train(ctx, run):
         for step in range(start, t.steps):
             tokens, targets = data.rank_batch(step, engine.dp_rank, layout.dp, samples_per_rank)
             lr = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
-            stats = engine.train_step(tokens, targets, lr, t.grad_clip)
+            stats = engine.train_step(tokens, targets, lr, t.grad_clip,
+                                      stop=stop.signum is not None)
             monitor.mark(f"step {step + 1}")
             steps_log.record(step + 1, lr, stats)
             last = step + 1 == t.steps  # done: nothing left for a requeued job to resume
-            stopping = not last and stop.agreed(ctx.device)
+            stopping = not last and stats.stop  # agreed by every rank in the step
             if stopping:  # before the save, so that the checkpoint carries the note
                 steps_log.warn(f"{stop.name}: checkpoint at step {step + 1} written; stopping "
                                f"(a requeued job or a rerun resumes from it)")
@@ -196,6 +190,7 @@ def _resume(engine, state, ckpt_dir, t, load_latest, latest_checkpoint, load_che
     train.load (any layout), else 0; the warnings about checkpoints skipped."""
     from pathlib import Path
 
+    _set_aside_unusable(ckpt_dir, t, steps_log, latest_checkpoint)
     info, warnings = load_latest(ckpt_dir, state)
     if info is not None:
         engine.load_state(state, info.step)
@@ -213,6 +208,46 @@ def _resume(engine, state, ckpt_dir, t, load_latest, latest_checkpoint, load_che
                        f"{extra.get('layout', '?')})")
         return found.step, warnings
     return 0, warnings
+
+
+# train.* keys that do not change the trajectory a checkpoint continues (steps: a rerun with more
+# steps goes on from the last checkpoint).
+_NOT_IDENTITY = ("steps", "log_every", "plot", "memory_interval_s", "checkpoint_every",
+                 "keep_checkpoints", "load", "memory_GiB", "allow_oom_risk", "timing_warmup_steps")
+
+
+def run_identity(cfg, layout_text: str) -> str:
+    """What a checkpoint must have been made under to be resumed: model, train settings, layout."""
+    import dataclasses
+
+    from orchestrator.store import config_hash
+
+    train = {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in _NOT_IDENTITY}
+    return config_hash({"model": dataclasses.asdict(cfg.model), "train": train,
+                        "layout": layout_text})
+
+
+def _set_aside_unusable(ckpt_dir, t, steps_log, latest_checkpoint) -> None:
+    """Move this layout's checkpoints aside when they cannot be continued: made under other
+    settings, already at the last step (a forced or stale rerun trains anew), or `force=true`.
+    Rank 0 decides and moves; every rank learns it (collective)."""
+    import torch.distributed as dist
+
+    note = [None]
+    if steps_log.ctx.is_root:
+        info = latest_checkpoint(ckpt_dir) if ckpt_dir.exists() else None
+        why = "" if info is None else (
+            "force=true" if steps_log.run.cfg.force
+            else "made under other settings" if info.extra.get("identity") != steps_log.identity
+            else f"already at step {info.step} of {t.steps}" if info.step >= t.steps else "")
+        if why:
+            aside = ckpt_dir.with_name(f"{ckpt_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+            ckpt_dir.rename(aside)
+            note[0] = (f"checkpoints in {ckpt_dir} {why}: moved to {aside.name}; "
+                       f"training from step 0")
+    dist.broadcast_object_list(note, src=0)
+    if note[0]:
+        steps_log.note(note[0])
 
 
 def _checkpoint_at(path, latest_checkpoint):

@@ -13,7 +13,8 @@ from orchestrator.store import atomic_write, new_profile, write_json
 log = logging.getLogger("orchestrator.train")
 GiB = 2**30
 MiB = 2**20
-TIME_PARTS = ("step_s", "fwd_bwd_s", "compute_s", "sync_wait_s", "optimizer_s")
+TIME_PARTS = ("step_s", "fwd_bwd_s", "compute_s", "sync_wait_s", "norm_s", "optimizer_s")
+PROGRESS_EVERY_S = 2.0  # the ledger's progress note: a file lock and a write, not every step
 
 
 class StepLog:
@@ -26,7 +27,9 @@ class StepLog:
         self.losses: Dict[int, float] = {}  # step -> loss, across resumes
         self.notes: List[str] = []
         self.checkpoints: List[Dict[str, float]] = []
+        self.identity = ""  # the run's checkpoint identity (stages/train.run_identity)
         self.started = time.time()
+        self._progress_at = -PROGRESS_EVERY_S
         self.console = None
         if ctx.is_root:
             from orchestrator.console import stage_console
@@ -39,7 +42,8 @@ class StepLog:
 
     def extra(self) -> dict:
         """What a checkpoint carries besides tensors."""
-        return {"losses": {str(k): v for k, v in sorted(self.losses.items())},
+        return {"identity": self.identity,
+                "losses": {str(k): v for k, v in sorted(self.losses.items())},
                 "layout": self.layout.describe(), "notes": list(self.notes), "time": time.time()}
 
     def note(self, text: str) -> None:
@@ -72,7 +76,10 @@ class StepLog:
         log.info("%s", line)
         if step % max(1, self.t.log_every) == 0 or step == self.t.steps:
             self.console.print(line, markup=False, highlight=False)
-            if self.run.ledger is not None:
+            now = time.monotonic()
+            if self.run.ledger is not None and (now - self._progress_at >= PROGRESS_EVERY_S
+                                                or step == self.t.steps):
+                self._progress_at = now
                 self.run.ledger.set_progress(self.run.key, f"step {step}/{self.t.steps}, "
                                                            f"loss {stats.loss:.4f}")
 
@@ -125,7 +132,8 @@ def measured_parts(per_rank: List[dict], layout) -> Dict[str, Any]:
         def ms(key):
             return statistics.median(m[key] for m in ranks) * 1e3
         stages.append({"compute_ms": ms("compute_s"),
-                       "pipeline_wait_ms": ms("fwd_bwd_s") - ms("compute_s"),
+                       # the norm's all-reduce waits for the slowest stage: the pipeline's drain
+                       "pipeline_wait_ms": ms("fwd_bwd_s") - ms("compute_s") + ms("norm_s"),
                        "dp_sync_exposed_ms": ms("sync_wait_s"),
                        "optimizer_ms": ms("optimizer_s")})
     return {"iteration_ms": step_ms, "stages": stages,
