@@ -60,6 +60,22 @@ def full_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
     return g
 
 
+NORM_CHUNK = 1 << 24  # elements per float64 slice: bounded temporaries on big buckets
+
+
+def _weighted_sumsq(grad: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
+    """sum(weight * grad^2) in float64, a slice at a time (a whole bucket in float64 would
+    add 16 bytes per parameter to the peak memory)."""
+    total = torch.zeros((), dtype=torch.float64, device=grad.device)
+    for start in range(0, grad.numel(), NORM_CHUNK):
+        part = grad[start:start + NORM_CHUNK].double()
+        part = part * part
+        if weight is not None:
+            part *= weight[start:start + NORM_CHUNK]
+        total += part.sum()
+    return total
+
+
 def _adamw_kernel(device: torch.device) -> dict:
     """Fused AdamW on GPUs: foreach's temporaries are as big as the masters (4 bytes/param
     each) and set the peak memory of the step; foreach on CPUs."""
@@ -81,7 +97,7 @@ class Bucket:
     grad: Optional[torch.Tensor] = None  # full flat gradient (None between steps for ZeRO-2)
     shard_grad: Optional[torch.Tensor] = None  # this rank's reduced slice
     master: Optional[nn.Parameter] = None  # fp32 master of the slice this rank updates
-    weight: Optional[torch.Tensor] = None  # per element of the slice: replication weight
+    weight: Optional[torch.Tensor] = None  # per element of the slice: replication weight (None: 1)
     ready: int = 0
     work: object = None
     # Plain fp32 parameters (no DTensor): their storage is a view of `flat_params` and their
@@ -158,7 +174,9 @@ class ShardedAdamW:
             # ZeRO-0 updates the parameters' own storage; ZeRO-1/2 a copy of this rank's slice.
             shares = b.flat_params is not None and self.zero == 0
             b.master = nn.Parameter(flat if shares else flat[lo:hi].clone())
-            b.weight = weight[lo:hi].clone()
+            # Plain parameters count once: no per-element weights to keep.
+            plain = all(replication_weight(p) == 1.0 for p in ps)
+            b.weight = None if plain else weight[lo:hi].clone()
             if self.zero < 2:
                 b.grad = torch.zeros_like(flat)
             for p, off in zip(ps, offsets):
@@ -244,7 +262,7 @@ class ShardedAdamW:
         """The global gradient norm: every element once, over data, tensor and pipeline ranks."""
         sumsq = torch.zeros((), dtype=torch.float64, device=self.buckets[0].master.device)
         for b in self.buckets:
-            sumsq += (b.shard_grad.double().square() * b.weight).sum()
+            sumsq += _weighted_sumsq(b.shard_grad, b.weight)
         if self.local_norm:
             return math.sqrt(float(sumsq))
         if self.zero == 0 and self.dp > 1:
