@@ -328,7 +328,9 @@ class ShardedAdamW:
                 per_key[key] = self._gather(b, shard.detach())
             for p, off in zip(b.params, b.offsets):
                 loc = local_tensor(p)
-                out[p] = {key: full[off:off + loc.numel()].view_as(loc).clone()
+                # Views, not copies: a checkpoint reads them (copies would double the
+                # optimizer's memory at every save).
+                out[p] = {key: full[off:off + loc.numel()].view_as(loc)
                           for key, full in per_key.items()}
         return out
 
