@@ -107,11 +107,12 @@ def test_time_limit_signal_checkpoints_requeues_and_finishes(slurm_cluster, prof
 
     Slurm checks time limits every 30 s and signals at the first check with at most
     signal_delay_s + 30 s left: with 5 s, 25 to 55 s into a run (20 s would leave 10 to 40 s,
-    about the start-up of 4 ranks here). 250 steps take about 50 s alone here: the first
-    run cannot finish them.
+    about the start-up of 4 ranks here). 300 steps at seq 256 take about 75 s alone on an idle
+    machine (more under load): the first run cannot finish them.
     """
-    steps = 250
-    proc = start_cli(*TRAIN, *SLURM, "train.pp=1", "train.tp=1", f"train.steps={steps}",
+    steps = 300
+    at_256 = [a if not a.startswith("train.seq_len=") else "train.seq_len=256" for a in TRAIN]
+    proc = start_cli(*at_256, *SLURM, "train.pp=1", "train.tp=1", f"train.steps={steps}",
                      "train.checkpoint_every=100",
                      "cluster.time_min=1", "cluster.signal_delay_s=5", profiles_dir=profiles)
     at_requeue = []  # the ledger entry at each requeue
