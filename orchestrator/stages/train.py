@@ -18,7 +18,6 @@ import time
 from typing import List, Optional
 
 from orchestrator.choices import Ranks
-from orchestrator.commands import rerun_command
 from orchestrator.errors import ProfileError
 from orchestrator.stages import Stage, StageInput
 from orchestrator.store import cluster_dir, file_sha256
@@ -178,7 +177,7 @@ def train(ctx, run):
         if not ctx.is_root:
             return None
         return write_summary(run, cfg, target, prediction, note, per_rank, steps_log, out,
-                             data.describe(), engine_params=None)
+                             data.describe())
     finally:
         stop.restore()
         monitor.stop()
@@ -276,5 +275,3 @@ def _relative_inputs(cfg, target) -> dict:
     return {str(target.strategy_file.relative_to(folder)):
             {"sha256": file_sha256(target.strategy_file), "source": None}}
 
-
-__all__ = ["STAGE", "train", "rerun_command"]

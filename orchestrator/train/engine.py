@@ -29,7 +29,7 @@ from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig
 from orchestrator.models.gpt import GPT, cross_entropy_loss
 from orchestrator.models.parallelize import apply_tensor_parallel, split_pipeline
-from orchestrator.train.grads import FsdpAdamW, ShardedAdamW, local_tensor
+from orchestrator.train.grads import FsdpAdamW, ShardedAdamW
 
 
 @dataclass(frozen=True)
@@ -286,18 +286,6 @@ class Engine:
             states[p] = {key: _local_like(state["optim"][f"{name}.{key}"], p)
                          for key in ("exp_avg", "exp_avg_sq")}
         self.optim.load_state_tensors(states, step)
-
-    def parameter_count(self) -> int:
-        """Parameters of the whole model (each counted once)."""
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        from orchestrator.train.grads import replication_weight
-
-        for p in self.named_parameters().values():
-            total += local_tensor(p).numel() * replication_weight(p)
-        if self.layout.zero != 3:
-            total /= self.layout.dp  # replicas hold the same parameters
-        dist.all_reduce(total)
-        return int(round(float(total)))
 
 
 def _placed_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

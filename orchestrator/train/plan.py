@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from orchestrator.choices import Backend, Dtype, Recompute
+from orchestrator.choices import Backend, Dtype
 from orchestrator.commands import rerun_command
 from orchestrator.config import cluster_world_size
 from orchestrator.errors import InfeasibleError, InvalidLayout, ProfileError
@@ -240,12 +240,3 @@ def check_memory(cfg, prediction) -> None:
             f"planner's estimate (+ search.reserve_GiB={reserve}) > budget {budget} GiB "
             f"(train.memory_GiB, else cluster.device_mem_GiB); choose another layout, add "
             f"recompute (train.recompute=full), or launch anyway with train.allow_oom_risk=true")
-
-
-def recompute_of(layout: ParallelLayout) -> str:
-    modes = [mode for mode, _ in layout.recompute]
-    return modes[0] if len(set(modes)) == 1 else "mixed"
-
-
-__all__ = ["TrainTarget", "resolve", "layout_tag", "predict", "check_memory", "train_dir",
-           "train_dtype", "model_config", "Recompute"]

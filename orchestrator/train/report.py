@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from orchestrator.store import atomic_write, new_profile, write_json
+from orchestrator.store import new_profile, write_json
 
 log = logging.getLogger("orchestrator.train")
 GiB = 2**30
@@ -160,7 +160,7 @@ def predicted_parts(prediction, layout) -> Optional[Dict[str, Any]]:
 
 
 def write_summary(run, cfg, target, prediction, note, per_rank, steps_log: StepLog, out: Path,
-                  data_text: str, engine_params=None) -> dict:
+                  data_text: str) -> dict:
     """Rank 0: the summary file (+ PNGs), a table on the console; the stage's result row."""
     from orchestrator.stages.train import _relative_inputs
     from orchestrator.train.plan import train_dtype
@@ -285,5 +285,3 @@ def plot_summary(summary: dict, path: Path) -> Path:
     plt.close(fig)
     return out
 
-
-__all__ = ["StepLog", "write_summary", "atomic_write"]
