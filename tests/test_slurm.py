@@ -229,6 +229,30 @@ def _scontrol_job(job_id) -> dict:
     return dict(field.split("=", 1) for field in out.split() if "=" in field)
 
 
+def _job_runs(job_id) -> list:
+    """sacct's state of each run of a job (-D: requeued runs too), oldest first."""
+    return subprocess.run(["sacct", "-n", "-X", "-P", "-D", "-j", job_id, "-o", "State"],
+                          capture_output=True, text=True, check=True).stdout.split()
+
+
+def _follow_requeues(proc, job_id, at_requeue, release_after_s: float) -> list:
+    """Until the CLI `proc` exits: at each requeue of `job_id`, what `at_requeue()` returns
+    (e.g. the ledger then), in order. Slurm holds a requeued job for its credential lifetime
+    (120 s); it is released `release_after_s` after the requeue (a time-limit check), which
+    decides where the next run's time-limit window falls."""
+    seen, requeued_at = [], None
+    while proc.poll() is None:
+        job = _scontrol_job(job_id)
+        if int(job["Restarts"]) > len(seen) and job["JobState"] == "PENDING":
+            seen.append(at_requeue())
+            requeued_at = time.monotonic()
+        if requeued_at is not None and time.monotonic() - requeued_at > release_after_s:
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+            requeued_at = None
+        time.sleep(0.5)
+    return seen
+
+
 PARTS = ["inventory", "allreduce", "p2p", "reduce_scatter", "all_gather", "all2all"]
 
 
@@ -248,25 +272,18 @@ def test_time_limit_requeues_and_resumes_without_redoing_done_parts(slurm_cluste
                      "profile_hardware.max_size_bytes=4096", "profile_hardware.rel_spread=0",
                      "profile_hardware.max_time_s=2.5", "profile_hardware.max_iters=1000000",
                      "profile_hardware.plot=false", profiles_dir=profiles)
-    done_at_requeue = []  # per requeue: the sub-parts done then, with their ledger entries
+
+    def done_parts():  # at a requeue: the sub-parts done then, with their ledger entries
+        entries = ledger(profiles, "dev")
+        return {p: entries[f"profile_hardware/{p}"] for p in PARTS
+                if entries[f"profile_hardware/{p}"]["state"] == "done"}
+
     try:
         job_id = _wait_for(lambda: ledger(profiles, "dev").get("profile_hardware", {}).get("job_id"),
                            what="the job id in the ledger")
-        requeued_at = None
-        while proc.poll() is None:
-            job = _scontrol_job(job_id)
-            if int(job["Restarts"]) > len(done_at_requeue) and job["JobState"] == "PENDING":
-                entries = ledger(profiles, "dev")
-                done_at_requeue.append({p: entries[f"profile_hardware/{p}"] for p in PARTS
-                                        if entries[f"profile_hardware/{p}"]["state"] == "done"})
-                requeued_at = time.monotonic()
-            # Slurm holds a requeued job for its credential lifetime (120 s); release it sooner,
-            # 8 s after the requeue (a time-limit check), so that the next run starts 20 s
-            # before the next check and gets the full 25-55 s window (not 25 s).
-            if requeued_at is not None and time.monotonic() - requeued_at > 8:
-                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
-                requeued_at = None
-            time.sleep(0.5)
+        # Released 8 s after a requeue, the next run starts 20 s before the next time-limit
+        # check and gets the full 25-55 s window (not 25 s).
+        done_at_requeue = _follow_requeues(proc, job_id, done_parts, release_after_s=8)
         out, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
@@ -278,8 +295,7 @@ def test_time_limit_requeues_and_resumes_without_redoing_done_parts(slurm_cluste
     back_in_queue = next(i for i, state in enumerate(states)
                          if i > states.index("RUNNING") and state in ("REQUEUED", "PENDING"))
     assert "RUNNING" in states[back_in_queue:] and states[-1] == "COMPLETED", states
-    runs = subprocess.run(["sacct", "-n", "-X", "-P", "-D", "-j", job_id, "-o", "State"],
-                          capture_output=True, text=True, check=True).stdout.split()
+    runs = _job_runs(job_id)
     assert runs == ["REQUEUED"] * len(done_at_requeue) + ["COMPLETED"], runs
     # The first run finished some parts, not all; every part is done now.
     first = done_at_requeue[0]

@@ -10,12 +10,11 @@ import csv
 import json
 import re
 import subprocess
-import time
 
 import pytest
 
 from conftest import ledger, run_cli, start_cli
-from test_slurm import SLURM, _scontrol_job, _wait_for
+from test_slurm import SLURM, _follow_requeues, _job_runs, _wait_for
 
 TRAIN = ["stage=train", "model=tiny", "train.seq_len=64", "train.plot=false"]
 KEY = "train/tiny"
@@ -53,12 +52,6 @@ def _noted_steps(notes, pattern: str) -> list:
 
 RESUMED = r"^resumed from .*step_\d+ \(step (\d+)\)$"
 SIGNALLED = r"^warning: SIGUSR2: checkpoint at step (\d+) written; stopping"
-
-
-def _job_runs(job_id) -> list:
-    """sacct's state of each run of a job (-D: requeued runs too), oldest first."""
-    return subprocess.run(["sacct", "-n", "-X", "-P", "-D", "-j", job_id, "-o", "State"],
-                          capture_output=True, text=True, check=True).stdout.split()
 
 
 def test_scancel_then_rerun_continues_the_same_loss_trajectory(slurm_cluster, tmp_path):
@@ -115,24 +108,13 @@ def test_time_limit_signal_checkpoints_requeues_and_finishes(slurm_cluster, prof
     proc = start_cli(*at_256, *SLURM, "train.pp=1", "train.tp=1", f"train.steps={steps}",
                      "train.checkpoint_every=100",
                      "cluster.time_min=1", "cluster.signal_delay_s=5", profiles_dir=profiles)
-    at_requeue = []  # the ledger entry at each requeue
     try:
         job_id = _wait_for(lambda: ledger(profiles, "dev").get(KEY, {}).get("job_id"),
                            what="the job id in the ledger")
-        requeued_at = None
-        while proc.poll() is None:
-            job = _scontrol_job(job_id)
-            if int(job["Restarts"]) > len(at_requeue) and job["JobState"] == "PENDING":
-                at_requeue.append(ledger(profiles, "dev")[KEY])
-                requeued_at = time.monotonic()
-            # Slurm holds a requeued job for 120 s. Released 5 s after the requeue (a
-            # time-limit check), it starts 6-10 s after that check: the next check is too
-            # early to signal it, the one after comes ~50 s into the run.
-            if requeued_at is not None and time.monotonic() - requeued_at > 5:
-                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
-                               check=True)
-                requeued_at = None
-            time.sleep(0.5)
+        # Released 5 s after a requeue, a run starts 6-10 s after that time-limit check: the
+        # next check is too early to signal it, the one after comes ~50 s into the run.
+        at_requeue = _follow_requeues(proc, job_id, lambda: ledger(profiles, "dev")[KEY],
+                                      release_after_s=5)  # the ledger entry at each requeue
         out, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
