@@ -101,6 +101,7 @@ class Source(Choice):
 
     measured = "measured"
     analytic = "analytic"  # computed from published figures (link sheets, device sheets)
+    galvatron = "galvatron"  # imported from Galvatron's profile files (stage=import)
 
 
 class Op(Choice):

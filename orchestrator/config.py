@@ -148,7 +148,13 @@ class SearchConfig:
     micro_batch_sizes: List[int] = field(default_factory=lambda: [1, 2, 4])
     schedules: List[Schedule] = field(default_factory=lambda: list(Schedule))
     virtual_stages: List[int] = field(default_factory=lambda: [2, 4])
-    reserve_GiB: float = 2.0  # allocator fragmentation / workspace kept free; < memory_GiB
+    # Memory kept free per device: reserve_fraction * budget + reserve_GiB (allocator
+    # fragmentation, workspaces, what the planner does not count); what is left must hold the pick.
+    reserve_fraction: float = 0.0
+    reserve_GiB: float = 2.0
+    # A Galvatron strategy (galvatron_config_*.json) to price with our cost model and print next
+    # to our best, term by term.
+    compare: Optional[str] = None
     fast_mode: bool = False  # also ORCHESTRATOR_FAST_MODE=1
     top_k: int = 10
     plot: bool = True
@@ -195,6 +201,15 @@ class TrainConfig:
 
 
 @dataclass
+class ImportConfig:
+    """`stage=import import.path=<dir>`: another tool's profiles into ours (the command line's
+    `import.` is this section; `import` is a Python keyword, so the schema spells it import_)."""
+
+    path: Optional[str] = None  # the directory of files (Galvatron: hardware and/or model)
+    format: str = "auto"  # auto: recognised from the files; galvatron
+
+
+@dataclass
 class NoopConfig:
     sleep_s: float = 0.0  # hold every rank this long (tests of a run in progress)
 
@@ -213,6 +228,7 @@ class Config:
     search: SearchConfig = field(default_factory=SearchConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     noop: NoopConfig = field(default_factory=NoopConfig)
+    import_: ImportConfig = field(default_factory=ImportConfig)  # `import.` on the command line
 
 
 def _field_type(node: type, name: str) -> Optional[type]:

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ledger, run_cli, start_cli
 from orchestrator.profiling.hardware.fit import fit_points, predict_fit_time_us
-from orchestrator.profiling.hardware.galvatron import read_galvatron_dir
+from orchestrator.interop.galvatron.hardware import read_galvatron_dir
 from orchestrator.profiling.measure import busbw_factor
 
 # Small sweeps: the point is the path and the bookkeeping, not the figures.

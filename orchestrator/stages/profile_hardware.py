@@ -62,7 +62,7 @@ def _finish_outputs(profile: dict, cfg, path: Path) -> dict:
     if hw.plot and any(b.get("points") for b in profile["benchmarks"].values() if isinstance(b, dict)):
         outputs["plot"] = str(plot_busbw(profile, path.with_name("hardware.png")))
     if hw.export == "galvatron":
-        from orchestrator.profiling.hardware.galvatron import write_galvatron_dir
+        from orchestrator.interop.galvatron.hardware import write_galvatron_dir
 
         files = write_galvatron_dir(profile, cluster_dir(cfg.profiles_dir, cfg.cluster.name) / "galvatron")
         outputs["galvatron"] = [str(f) for f in files]

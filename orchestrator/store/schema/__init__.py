@@ -8,7 +8,8 @@ from orchestrator.choices import LinkLayout, Op, Recompute, Source
 from orchestrator.store.schema.hardware import (AlphaBetaFit, BenchPoint, Benchmark,
                                                 ClusterSummary, HardwareBenchmarks,
                                                 HardwareProfile, Inventory, InventoryRank, Overlap)
-from orchestrator.store.schema.header import SCHEMA_VERSION, PartMade, Profile, Provenance
+from orchestrator.store.schema.header import (SCHEMA_VERSION, ImportRecord, PartMade, Profile,
+                                              Provenance)
 from orchestrator.store.schema.model import (MemoryPart, ModelPoint, ModelProfile, ModelSummary,
                                              TpFits, TpMemory)
 from orchestrator.store.schema.record import FieldError, Record
@@ -16,7 +17,8 @@ from orchestrator.store.schema.strategy import (Alternative, Exports, Prediction
                                                 SpaceSummary, StrategyInput, StrategyProfile)
 
 __all__ = ["AlphaBetaFit", "Alternative", "BenchPoint", "Benchmark", "ClusterSummary", "Exports",
-           "FieldError", "HardwareBenchmarks", "HardwareProfile", "Inventory", "InventoryRank",
+           "FieldError", "HardwareBenchmarks", "HardwareProfile", "ImportRecord", "Inventory",
+           "InventoryRank",
            "LinkLayout", "MemoryPart", "ModelPoint", "ModelProfile", "ModelSummary", "Op",
            "Overlap", "PartMade", "PredictionRecord", "Profile", "Provenance",
            "Recompute", "Record", "SCHEMA_VERSION", "Source", "SpaceSummary",

@@ -45,6 +45,19 @@ class PartMade(Record):
 
 
 @dataclass(kw_only=True)
+class ImportRecord(Record):
+    """What `stage=import` read to make this profile, and what did not carry over."""
+
+    format: str = doc('the files\' format, e.g. "galvatron"')
+    path: str = doc("the directory imported")
+    files: List[str] = doc("the files read, relative to path", default_factory=list)
+    unmapped: List[str] = doc("fields of those files with no place here, one line each",
+                              default_factory=list)
+    assumptions: List[str] = doc("what was assumed where the files are silent, one line each",
+                                 default_factory=list)
+
+
+@dataclass(kw_only=True)
 class Profile(Record):
     """The common header; each kind adds its own fields."""
 
@@ -57,6 +70,8 @@ class Profile(Record):
     source: Optional[Source] = doc("measured here, or computed from published figures "
                                    "(analytic); absent only in hand-built profiles", default=None)
     provenance: Optional[Provenance] = doc("how the file was made", default=None)
+    imported: Optional[ImportRecord] = doc("source galvatron (stage=import): the files read, "
+                                           "what does not map, what was assumed", default=None)
 
     def check(self, path: str) -> None:
         if self.kind != self.KIND:

@@ -1,0 +1,2 @@
+"""Galvatron (PKU-DAIR/Hetu-Galvatron) files: hardware (hardware.py), model profiles (model.py)
+and strategies (strategy.py), each to and from ours."""
