@@ -11,7 +11,8 @@ import pytest
 
 from orchestrator.errors import ConfigError
 from orchestrator.profiling import measure
-from orchestrator.profiling.hardware import analytic, fit, galvatron, groups, report, sampling
+from orchestrator.interop.galvatron import hardware as galvatron
+from orchestrator.profiling.hardware import analytic, fit, groups, report, sampling
 
 OPS = ("allreduce", "p2p", "reduce_scatter", "all_gather", "all2all")
 POINT_KEYS = {"op", "group_size", "layout", "size_bytes", "dtype", "time_us_median",
