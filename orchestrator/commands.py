@@ -8,6 +8,7 @@ stage named and quotes each argument for a POSIX shell (`[...]` is a glob in bas
 """
 from __future__ import annotations
 
+import re
 import shlex
 from functools import lru_cache
 from typing import Iterable, List, Optional, Sequence, Tuple
@@ -21,8 +22,10 @@ _user_overrides: List[str] = []
 
 
 def set_user_overrides(overrides: Iterable[str]) -> None:
-    """Record the overrides of this command (Hydra's `hydra.overrides.task`), once, in the CLI."""
-    _user_overrides[:] = [str(o) for o in overrides]
+    """Record the overrides of this command (Hydra's `hydra.overrides.task`), once, in the CLI,
+    as the user spells them (`import.path`, which the schema calls `import_.path`)."""
+    _user_overrides[:] = [re.sub(r"^([+~]{0,2})import_\.", r"\1import.", str(o))
+                          for o in overrides]
 
 
 def user_overrides() -> List[str]:

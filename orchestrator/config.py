@@ -292,7 +292,8 @@ def unknown_key_message(dotted_key: str) -> str:
     close = difflib.get_close_matches(dotted_key, schema_keys(), n=1, cutoff=0.6)
     hint = (f"did you mean {close[0]}?" if close
             else "`python -m orchestrator --cfg job` lists the keys")
-    return f"unknown key {dotted_key}; {hint}"
+    # As the user spells it: the command line's `import.` is the schema's `import_.`.
+    return f"unknown key {dotted_key}; {hint}".replace("import_.", "import.")
 
 
 def register_configs() -> None:

@@ -138,6 +138,8 @@ def _part_current(plan: StagePlan, ledger: Ledger, name: str, made: Optional[dic
 
 def decide(plan: StagePlan, ledger: Ledger, force: bool = False) -> Decision:
     """What of `plan` must run now, from the ledger and the output files."""
+    if get_stage(plan.stage).always_runs:
+        return Decision(todo=plan.subparts, done=False)
     stale = stale_outputs(plan, ledger.path.parent)
     if force or stale:
         todo = plan.subparts

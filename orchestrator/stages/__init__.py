@@ -10,6 +10,7 @@ started it.
 from __future__ import annotations
 
 import importlib
+import keyword
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, List, Optional, Tuple
@@ -22,7 +23,7 @@ from orchestrator.errors import ConfigError
 # `stage=all` runs these in order, skipping what is done.
 PIPELINE = ("profile_hardware", "profile_model", "search", "train")
 # Stages a user can name (plus `all` and `status`, which the CLI handles itself).
-STAGES = PIPELINE + ("noop",)
+STAGES = PIPELINE + ("import", "noop")
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ class Stage:
     torch_distributed: ClassVar[bool] = True
     # Slurm requeues after a time limit or preemption, at least (also one per sub-part).
     requeues: ClassVar[int] = 3
+    # True: run whenever asked, never skipped as done (what it reads may change outside us).
+    always_runs: ClassVar[bool] = False
 
     def plan(self, cfg: Config) -> StagePlan:
         """Validate the stage's config (ConfigError before anything launches); the launch."""
@@ -106,4 +109,5 @@ def get_stage(name: str) -> Stage:
     if name not in STAGES:
         allowed = ", ".join(STAGES + ("all", "status"))
         raise ConfigError(f"unknown stage {name!r}; allowed: {allowed}")
-    return importlib.import_module(f"orchestrator.stages.{name}").STAGE
+    module = f"{name}_" if keyword.iskeyword(name) else name  # stage=import: stages/import_.py
+    return importlib.import_module(f"orchestrator.stages.{module}").STAGE
