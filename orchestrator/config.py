@@ -210,6 +210,14 @@ class ImportConfig:
 
 
 @dataclass
+class ExportConfig:
+    """`stage=export export.path=<dir>`: our profiles and strategy in another tool's files."""
+
+    path: Optional[str] = None  # the folder to write into (made if missing)
+    format: str = "galvatron"
+
+
+@dataclass
 class NoopConfig:
     sleep_s: float = 0.0  # hold every rank this long (tests of a run in progress)
 
@@ -229,6 +237,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     noop: NoopConfig = field(default_factory=NoopConfig)
     import_: ImportConfig = field(default_factory=ImportConfig)  # `import.` on the command line
+    export: ExportConfig = field(default_factory=ExportConfig)
 
 
 def _field_type(node: type, name: str) -> Optional[type]:
