@@ -134,12 +134,12 @@ def _print_lists(label: str, imported) -> None:
 
 
 def run_import(ctx, run) -> dict:
-    from orchestrator.interop.galvatron.hardware import import_hardware
-
     cfg, plan = run.cfg, run.plan.detail
     prov = Provenance.from_dict(run.provenance())
     written: Dict[str, str] = {}
     if plan.hardware_dir is not None:
+        from orchestrator.interop.galvatron.hardware import import_hardware
+
         c = cfg.cluster
         imported = import_hardware(plan.hardware_dir, cluster_name=c.name, nodes=c.nodes,
                                    gpus_per_node=c.gpus_per_node or c.tasks_per_node,
