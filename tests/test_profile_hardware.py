@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ledger, run_cli, start_cli
 from orchestrator.profiling.hardware.fit import fit_points, predict_fit_time_us
-from orchestrator.interop.galvatron.hardware import read_galvatron_dir
+from orchestrator.interop.galvatron.hardware import import_hardware
 from orchestrator.profiling.measure import busbw_factor
 
 # Small sweeps: the point is the path and the bookkeeping, not the figures.
@@ -127,7 +127,8 @@ def test_analytic_profile_for_8192_gpus_and_galvatron_round_trip(profiles):
     # Inside a node NVLink; across nodes InfiniBand: the strided group of 8 is much slower.
     assert fits[(8, "consec")]["algbw_GBps"] > 3 * fits[(8, "strided")]["algbw_GBps"]
 
-    back = read_galvatron_dir(profiles / "dgx_h100" / "galvatron", 8192, 8).to_dict()
+    back = import_hardware(profiles / "dgx_h100" / "galvatron", cluster_name="dgx_h100",
+                           nodes=1024, gpus_per_node=8).body["benchmarks"]
     size = 32 * 2**20
     for f in back["allreduce"]["fits"]:
         ours = fits[(f["group_size"], f["layout"])]
