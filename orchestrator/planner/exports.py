@@ -112,9 +112,11 @@ def galvatron_strategy(layout: ParallelLayout, strict: bool = True) -> Dict[str,
     the vocabulary's vtp / vsp / embed_sdp.
 
     Megatron-style sequence parallelism is Galvatron's global `--sequence-parallel` training
-    argument, not a JSON field (its per-layer `use_sp` is Ulysses, written as 0). Galvatron has
-    no interleaved schedule and no selective recompute: ExportError (strict) or, with
-    strict=False, 1F1B (pipedream_flush) and full checkpointing of those layers, with a warning."""
+    argument (`--sequence_parallel` of its search), not a JSON field (its per-layer `use_sp` is
+    Ulysses, written as 0). Galvatron has no interleaved schedule, no selective recompute and
+    no ZeRO-1: ExportError (strict) or, with strict=False, 1F1B (pipedream_flush), full
+    checkpointing of those layers and zero2, with a warning. Everything else comes back
+    unchanged through orchestrator.interop.galvatron.strategy.read_strategy."""
     L = layout.num_layers
     if layout.schedule != "1f1b":
         _problem(strict, "Galvatron has no interleaved pipeline schedule; it would run "
@@ -133,6 +135,9 @@ def galvatron_strategy(layout: ParallelLayout, strict: bool = True) -> Dict[str,
             checkpoint += ([1] * per_chunk + [0] * (chunk - per_chunk)) * v
         else:
             checkpoint += [0] * n
+    if layout.zero == 1:
+        _problem(strict, "Galvatron has no ZeRO-1 (its default_dp_type is ddp, zero2 or zero3); "
+                         "written as zero2, which also shards gradients")
     zero3 = layout.zero == 3
 
     def enc(values) -> str:
