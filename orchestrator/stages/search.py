@@ -188,6 +188,8 @@ def run_search(ctx, run):
     _export(strategy, out)
     write_profile(out, strategy)
     _report(result, strategy, cfg)
+    if cfg.search.compare:
+        _compare(cfg, space, result, ModelCost.from_profile(mp), HardwareModel.from_profile(hw))
     summary = {"path": str(out), "layout": result.best.describe(),
                "iteration_time_ms": result.prediction.iteration_time_us / 1e3,
                "peak_memory_GiB": result.prediction.peak_memory_bytes / GiB,
@@ -197,6 +199,33 @@ def run_search(ctx, run):
 
         summary["plot"] = str(plot_strategy(strategy, out.with_suffix(".png")))
     return summary
+
+
+def _compare(cfg, space, result, model_cost, hardware) -> None:
+    """`search.compare`: a Galvatron strategy priced by our cost model, printed next to our
+    best term by term (both at their own global batch: tokens/s is the fair figure when the
+    batches differ)."""
+    from rich.markup import escape
+
+    from orchestrator.console import stage_console
+    from orchestrator.planner.compare import (compare_predictions, compare_table,
+                                              price_galvatron_strategy)
+
+    theirs, notes = price_galvatron_strategy(
+        cfg.search.compare, model_cost, hardware, world_size=space.world_size,
+        seq_len=space.seq_len, budget_bytes=space.memory_budget_bytes, options=space.options)
+    ours = result.prediction
+    batch = (ours.layout.global_batch_size, theirs.layout.global_batch_size)
+    if batch[0] != batch[1]:
+        notes.append(f"global batch: ours {batch[0]}, theirs {batch[1]} (iteration times are "
+                     f"not comparable; tokens/s is)")
+    console = stage_console()
+    console.print(compare_table(compare_predictions(ours, theirs), ours_label="ours",
+                                theirs_label=Path(cfg.search.compare).name, notes=notes))
+    console.print(escape(f"compare: ours {ours.layout.describe()} {ours.tokens_per_s:,.0f} "
+                         f"tokens/s; theirs {theirs.layout.describe()} "
+                         f"{theirs.tokens_per_s:,.0f} tokens/s "
+                         f"({theirs.tokens_per_s / ours.tokens_per_s - 1:+.1%})"))
 
 
 def _report(result, strategy: StrategyProfile, cfg) -> None:
@@ -290,6 +319,9 @@ def validate(cfg):
         raise ConfigError(f"search.global_batch_size({s.global_batch_size}) and "
                           f"search.micro_batch_sizes({list(s.micro_batch_sizes)}) must be >= 1")
     _check_degrees(cfg)
+    if s.compare is not None and not Path(s.compare).expanduser().is_file():
+        raise ConfigError(f"search.compare={s.compare}: no such file (a Galvatron strategy, "
+                          f"galvatron_config_*.json)")
     try:  # what the planner itself refuses, before anything is launched
         return search_space(cfg)
     except (ValueError, TypeError) as e:
