@@ -31,6 +31,8 @@ THEIR_PICK = {"pp_deg": 2, "tp_sizes_enc": "2,2,2,2", "tp_consecutive_flags": "1
               "chunks": 4, "pp_division": "2,2", "pipeline_type": "pipedream_flush",
               "default_dp_type": "zero2"}
 
+THEIR_FILE = "galvatron_config_small_2nodes_8gpus_per_node_4GB_bf16.json"
+
 
 @pytest.fixture
 def user_dir(tmp_path):
@@ -39,8 +41,7 @@ def user_dir(tmp_path):
     _write(root / "hardware_configs", FILES)
     (root / "models" / "small").mkdir(parents=True)
     configs = old_layout(root / "models" / "small" / "configs")
-    (configs / "galvatron_config_small_2nodes_8gpus_per_node_4GB_bf16.json").write_text(
-        json.dumps(THEIR_PICK))
+    (configs / THEIR_FILE).write_text(json.dumps(THEIR_PICK))
     return root
 
 
@@ -86,7 +87,7 @@ def test_import_search_export_import_keeps_what_maps(user_dir, tmp_path):
     assert model.imported.assumptions and model.imported.unmapped
     assert hardware.benchmarks.reduce_scatter and hardware.benchmarks.all_gather
 
-    pick = user_dir / "models/small/configs/galvatron_config_small_2nodes_8gpus_per_node_4GB_bf16.json"
+    pick = user_dir / "models/small/configs" / THEIR_FILE
     searched = run_cli("stage=search", *CLUSTER, *MODEL, *SEARCH, f"search.compare={pick}",
                        profiles_dir=first, check=0)
     assert "dp_sync_exposed" in searched.stdout and "theirs" in searched.stdout
