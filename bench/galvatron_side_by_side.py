@@ -19,7 +19,7 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 SDIST = "hetu-galvatron==2.4.0"
 ROOT = "hetu_galvatron-2.4.0"
@@ -61,32 +61,76 @@ def orchestrator(args: List[str], cwd: Path) -> str:
     return done.stdout
 
 
+def price(work: Path, pick: Path, strategy: dict) -> Tuple[object, object, List[str]]:
+    """(ours, theirs, notes): our best and Galvatron's pick `pick`, both priced by our cost model
+    on the imported profiles, under the search's own budget and reserve."""
+    from orchestrator.planner import CostOptions, HardwareModel, ModelCost, evaluate
+    from orchestrator.planner.compare import price_galvatron_strategy
+    from orchestrator.layout import ParallelLayout
+    from orchestrator.store.schema import HardwareProfile, ModelProfile
+
+    folder = work / "profiles" / "dgx_a100"
+    hw = HardwareModel.from_profile(HardwareProfile.from_dict(
+        json.loads((folder / "hardware.json").read_text()), ""))
+    model = ModelCost.from_profile(ModelProfile.from_dict(
+        json.loads((folder / "model/llama2_7b.json").read_text()), ""))
+    space = strategy["space"]
+    budget = space["memory_GiB"] * 2**30
+    options = CostOptions(reserve_bytes=space.get("reserve_GiB_total", 0.0) * 2**30)
+    ours = evaluate(ParallelLayout.from_dict(strategy["layout"]), model, hw, space["seq_len"],
+                    budget, options)
+    theirs, notes = price_galvatron_strategy(pick, model, hw, world_size=space["world_size"],
+                                             seq_len=space["seq_len"], budget_bytes=budget,
+                                             options=options)
+    return ours, theirs, notes
+
+
+def _row(name: str, pred) -> str:
+    b = pred.breakdown_us
+    terms = " ".join(f"{k} {b[k] / 1e3:.0f}" for k in ("compute", "tp_comm", "pp_comm", "bubble",
+                                                       "dp_sync_exposed", "recompute"))
+    return (f"| {name} | {pred.layout.describe()} | {pred.iteration_time_us / 1e3:.0f} | "
+            f"{pred.tokens_per_s:,.0f} | {pred.peak_memory_bytes / 2**30:.1f} | "
+            f"{'yes' if pred.feasible else 'no'} | {terms} |")
+
+
 def scenario(root: Path, work: Path, label: str, nodes: int, memory_GB: float, batch: int,
-             shipped: List[str], engine_pick: Optional[Path]) -> None:
+             shipped: List[str], engine: Optional[dict]) -> None:
     """Import, search, and price each Galvatron pick of one scenario; prints the figures."""
     galv = root / "galvatron"
-    cluster = ["cluster=dgx_a100", f"cluster.nodes={nodes}", f"profiles_dir={work / 'profiles'}"]
-    common = cluster + MODEL
+    common = ["cluster=dgx_a100", f"cluster.nodes={nodes}", f"profiles_dir={work / 'profiles'}",
+              *MODEL]
     t0 = time.perf_counter()
     orchestrator(["stage=import", f"import.path={galv / 'profile_hardware/hardware_configs'}",
                   *common], work)
     orchestrator(["stage=import", f"import.path={galv / 'models/llama_hf/configs'}", *common],
                  work)
     import_s = time.perf_counter() - t0
-    print(f"\n## {label}\nimport: {import_s:.2f} s (two commands, process start included)")
-    picks = [galv / "models/llama_hf/configs" / name for name in shipped]
-    if engine_pick is not None:
-        picks.append(engine_pick)
-    for pick in picks:
-        t0 = time.perf_counter()
-        out = orchestrator(["stage=search", *common, f"search.memory_GiB={memory_GB}",
-                            f"search.global_batch_size={batch}", f"search.compare={pick}",
-                            "search.plot=false", "force=true"], work)
-        wall_s = time.perf_counter() - t0
-        strategy = json.loads((work / "profiles/dgx_a100/strategy/llama2_7b.json").read_text())
-        print(f"\n### vs {pick.name}\nour search: {strategy['elapsed_s'] * 1e3:.0f} ms in the "
-              f"planner ({wall_s:.1f} s for the command); pick: {strategy['describe']}")
-        print(out[out.find("compare"):] if "compare" in out else out[-3000:])
+    t0 = time.perf_counter()
+    orchestrator(["stage=search", *common, f"search.memory_GiB={memory_GB}",
+                  f"search.global_batch_size={batch}", "search.plot=false"], work)
+    search_wall_s = time.perf_counter() - t0
+    strategy = json.loads((work / "profiles/dgx_a100/strategy/llama2_7b.json").read_text())
+    print(f"\n## {label}\nimport: {import_s:.1f} s for the two commands; our search: "
+          f"{strategy['elapsed_s']:.2f} s in the planner, {search_wall_s:.1f} s for the command")
+    if engine is not None:
+        print("Galvatron's search engine: " + (
+            f"{engine['search_s']:.1f} s in the engine, {engine['elapsed_s']:.1f} s for the "
+            f"process ({engine['search_s'] / strategy['elapsed_s']:.0f}x ours)" if engine["ok"]
+            else f"not run: {engine['reason']}"))
+    picks = [(name, galv / "models/llama_hf/configs" / name) for name in shipped]
+    if engine is not None and engine["ok"]:
+        picks.append(("engine: " + Path(engine["config_path"]).name, Path(engine["config_path"])))
+    print("\n| who | layout | iteration ms | tokens/s | peak GiB | fits | breakdown ms |")
+    print("|---|---|---|---|---|---|---|")
+    ours = None
+    for name, pick in picks:
+        ours, theirs, notes = price(work, pick, strategy)
+        if name == picks[0][0]:
+            print(_row("ours", ours))
+        print(_row(f"Galvatron {name}", theirs))
+        gain = ours.tokens_per_s / theirs.tokens_per_s - 1
+        print(f"|  | ours vs it: {gain:+.1%} tokens/s; " + "; ".join(notes)[:400] + " |")
 
 
 def main() -> None:
@@ -100,8 +144,15 @@ def main() -> None:
     if root is None:
         return
     for label, nodes, memory_GB, batch, shipped in SCENARIOS:
+        engine = None
+        if not args.no_engine:
+            from galvatron_engine import run_galvatron_search  # bench/, beside this file
+
+            engine = run_galvatron_search(root, args.cache / "engine", nodes=nodes,
+                                          gpus_per_node=8, memory_GB=memory_GB,
+                                          global_batch_size=batch)
         with tempfile.TemporaryDirectory() as tmp:
-            scenario(root, Path(tmp), label, nodes, memory_GB, batch, shipped, None)
+            scenario(root, Path(tmp), label, nodes, memory_GB, batch, shipped, engine)
 
 
 if __name__ == "__main__":
