@@ -27,6 +27,12 @@ and the in-flight micro-batches. Overlap: communication C beside compute W slows
 overlaps with the backward of its last micro-batch (recompute excluded), per-layer ZeRO 2/3
 traffic with the layer's own compute (prefetch).
 
+Collective times come from the hardware profile by the nodes a group spans (TP groups: ranks 1
+apart, DP groups and their ZeRO traffic: tp apart, Megatron order): inside one node the intra-node
+fits; across nodes the fit measured for the same nodes x members per node, else an intra-node ring
+plus an inter-node ring on 1/m of the buffer (HardwareModel's docstring states the rules).
+Pipeline sends use the intra- or inter-node p2p fit by whether the neighbours share a node.
+
 Memory per device of stage j (bytes), by kind: params / grads / optim from the profile's per-TP-
 rank bytes sharded over dp by ZeRO stage; activations = in-flight micro-batches times the stage's
 per-micro-batch activations for its recompute, plus one layer's worth while it is recomputed,
