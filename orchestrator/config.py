@@ -150,8 +150,11 @@ class SearchConfig:
     virtual_stages: List[int] = field(default_factory=lambda: [2, 4])
     # Memory kept free per device: reserve_fraction * budget + reserve_GiB (allocator
     # fragmentation, workspaces, what the planner does not count); what is left must hold the pick.
-    reserve_fraction: float = 0.0
-    reserve_GiB: float = 2.0
+    # From train's measured peak (docs/gpu.md, "Memory reserve"): measured 31,026 MiB where the
+    # planner said 21,363 (x1.452), plus ~1 GiB torch's peak does not see (CUDA context): a pick
+    # predicted at P fits B when 1.452 P + 1 <= B, i.e. a reserve B - P >= 0.311 B + 0.69 GiB.
+    reserve_fraction: float = 0.32  # in [0, 1)
+    reserve_GiB: float = 1.0
     # A Galvatron strategy (galvatron_config_*.json) to price with our cost model and print next
     # to our best, term by term.
     compare: Optional[str] = None

@@ -99,6 +99,7 @@ def test_uneven_middle_stages_write_the_strategy_and_record_megatron_approximati
     proc = run_cli("stage=search", "search.seq_len=8192", "search.memory_GiB=0.625",
                    "search.max_tp=1", "search.schedules=[1f1b]", "search.recompute=[none]",
                    "search.zero_stages=[0]", "search.micro_batch_sizes=[1]", "search.reserve_GiB=0",
+                   "search.reserve_fraction=0",
                    "search.plot=false",
                    # the synthetic profile's shape (a profile of another shape is refused)
                    "model.layers=9", "model.hidden=256", "model.ffn=1024", "model.heads=8",

@@ -27,6 +27,12 @@ and the in-flight micro-batches. Overlap: communication C beside compute W slows
 overlaps with the backward of its last micro-batch (recompute excluded), per-layer ZeRO 2/3
 traffic with the layer's own compute (prefetch).
 
+Collective times come from the hardware profile by the nodes a group spans (TP groups: ranks 1
+apart, DP groups and their ZeRO traffic: tp apart, Megatron order): inside one node the intra-node
+fits; across nodes the fit measured for the same nodes x members per node, else an intra-node ring
+plus an inter-node ring on 1/m of the buffer (HardwareModel's docstring states the rules).
+Pipeline sends use the intra- or inter-node p2p fit by whether the neighbours share a node.
+
 Memory per device of stage j (bytes), by kind: params / grads / optim from the profile's per-TP-
 rank bytes sharded over dp by ZeRO stage; activations = in-flight micro-batches times the stage's
 per-micro-batch activations for its recompute, plus one layer's worth while it is recomputed,
@@ -66,12 +72,26 @@ class CostOptions:
       rest (final norm, LM head, loss) is on the last stage.
     other_memory_first_share: share of "other" params/grads/optim on the first stage (untied
       embedding and LM head are the same size: 0.5).
-    reserve_bytes: memory kept free on every device (CUDA context, allocator fragmentation).
+    reserve_bytes: memory kept free on every device (CUDA context, allocator fragmentation,
+      what the model profile does not count): the stage computes it by memory_reserve_GiB.
     """
 
     other_time_first_share: float = 0.05
     other_memory_first_share: float = 0.5
     reserve_bytes: float = 0.0
+
+
+def memory_reserve_GiB(budget_GiB: float, reserve_fraction: float, reserve_GiB: float) -> float:
+    """Memory kept free per device (GiB) out of a `budget_GiB` budget: reserve_fraction * budget +
+    reserve_GiB (search.* keys; what the planner does not count grows with the model, see
+    docs/gpu.md "Memory reserve"). Search and train's pre-launch check both use it."""
+    return reserve_fraction * budget_GiB + reserve_GiB
+
+
+def budget_for_GiB(own_GiB: float, reserve_fraction: float, reserve_GiB: float) -> float:
+    """The smallest budget (GiB) whose reserve (memory_reserve_GiB) leaves `own_GiB` for the
+    model: (own + reserve_GiB) / (1 - reserve_fraction)."""
+    return (own_GiB + reserve_GiB) / (1.0 - reserve_fraction)
 
 
 @dataclass(frozen=True)
@@ -357,14 +377,15 @@ def _breakdown_us(costs: StageCosts, layout: ParallelLayout, t: np.ndarray,
 
 
 def _over_budget_reason(memory: Sequence[Mapping[str, float]], budget_bytes: float) -> str:
-    """Why the first stage over `budget_bytes` does not fit (its total and largest kind, in
-    GiB), or "" when every stage fits."""
+    """Why the first stage over `budget_bytes` does not fit (its total, largest kind and the
+    reserve it includes, in GiB), or "" when every stage fits."""
     for j, mem in enumerate(memory):
         if mem["total"] > budget_bytes:
             biggest = max(MEMORY_KINDS, key=lambda kind: mem[kind])
             return (f"stage {j} needs {mem['total'] / GiB:.2f} GiB > budget "
                     f"{budget_bytes / GiB:.2f} GiB (largest: {biggest} "
-                    f"{mem[biggest] / GiB:.2f} GiB)")
+                    f"{mem[biggest] / GiB:.2f} GiB; reserve kept free: "
+                    f"{mem['reserve'] / GiB:.2f} GiB)")
     return ""
 
 

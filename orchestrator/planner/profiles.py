@@ -15,6 +15,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 from orchestrator.choices import Dtype
 from orchestrator.commands import rerun_command
 from orchestrator.errors import ProfileError
+from orchestrator.profiling.hardware.fit import half_allreduce_line
 from orchestrator.profiling.measure import busbw_factor
 from orchestrator.store import parse_profile
 from orchestrator.store.schema import HardwareProfile, MemoryPart, ModelProfile
@@ -33,23 +34,70 @@ class LinkFit:
     algbw_GBps: float
 
 
+def group_span(group_size: int, stride: int, tasks_per_node: int) -> Tuple[int, int]:
+    """(nodes, members_per_node) of a group of `group_size` ranks `stride` apart in Megatron rank
+    order (ranks r, r + stride, ...) on nodes of `tasks_per_node` consecutive ranks."""
+    per_node = min(group_size, max(1, tasks_per_node // stride))
+    return -(-group_size // per_node), per_node
+
+
+def _fit_line(fit: LinkFit) -> Tuple[float, float]:
+    return fit.alpha_us, 1.0 / (fit.algbw_GBps * 1e3)
+
+
+def _half_fit(fit: LinkFit) -> LinkFit:
+    """A reduce-scatter / all-gather fit from an all-reduce's (the stated half rule)."""
+    return LinkFit(fit.group_size, *half_allreduce_line(fit.alpha_us, fit.algbw_GBps))
+
+
+def _pick_line(op: str, fits: Tuple[LinkFit, ...], group_size: int) -> Tuple[float, float]:
+    """(alpha_us, us_per_byte) from fits sorted by group size: the exact size, else the nearest
+    larger, else ring extrapolation from the largest (p2p: the largest as is)."""
+    i = bisect_left([f.group_size for f in fits], group_size)
+    if i < len(fits):
+        return _fit_line(fits[i])
+    fit = fits[-1]
+    if op == "p2p":
+        return _fit_line(fit)
+    n0, n = fit.group_size, group_size
+    busbw = fit.algbw_GBps * busbw_factor(op, n0) if n0 > 1 else fit.algbw_GBps
+    algbw = busbw / busbw_factor(op, n)
+    alpha = fit.alpha_us * (n - 1) / (n0 - 1) if n0 > 1 else fit.alpha_us * (n - 1)
+    return alpha, 1.0 / (algbw * 1e3)
+
+
 class HardwareModel:
     """Collective and point-to-point times from a hardware profile's alpha-beta fits.
 
-    Lookup rule for `time_us(op, group_size, layout, size_bytes)`:
-    1. the fit measured for exactly that (op, layout, group_size);
-    2. otherwise the nearest larger group measured with that layout (a pessimistic stand-in);
-    3. beyond the largest measured group, ring extrapolation from the largest one: bus bandwidth
-       stays constant (algbw = busbw / factor(n)) and latency grows with the ring's steps
-       (alpha * (n - 1) / (n0 - 1)).
-    A layout that was never measured (a one-node profile has no "strided" groups of the whole
-    world) falls back to the other layout. p2p fits are looked up by "intra"/"inter" with the
-    group size exact, else nearest larger, else largest (p2p does not grow with the pipeline).
+    A group of n ranks `stride` apart (Megatron rank order: tp groups stride 1, dp groups stride
+    tp) spans k nodes with m = n / k members on each (group_span). Its collective is priced
+    (collective_line / collective_time_us) by the first rule that applies:
+    1. k == 1 (inside a node): the intra-node "consec" fits by the size rule below.
+    2. a measured fit with the same (k, m): a "consec" fit of size n' spans ceil(n' / tpn) nodes
+       with min(n', tpn) on each; a "strided" fit of size n' was measured on the profiled world W
+       as range(i, W, W / n'), i.e. stride W / n'.
+    3. the profile has fits spanning nodes: the hierarchical composition of a ring inside each
+       node and one across nodes, for a per-rank buffer of S bytes:
+         all-reduce(k, m, S) = all-reduce(1, m, S) + all-reduce(k, 1, S / m)
+       (reduce-scatter inside the node, all-reduce of each 1/m shard across nodes, all-gather
+       inside the node, priced as the intra all-reduce), and likewise reduce-scatter (intra
+       reduce-scatter, then across nodes on S / m) and all-gather (across nodes on S / m, then
+       inside). The across-nodes part comes from the fits with one member per node, by the size
+       rule over k; a profile without such fits prices the group by the size rule over its
+       fits spanning nodes instead (a pessimistic stand-in).
+    4. no fit spans nodes (a one-node profile planned on more nodes): the layout group_layout
+       names, by the size rule (what the search's note about extrapolation warns of).
+    Across nodes, a reduce-scatter / all-gather signature measured only as an all-reduce is
+    derived from it by half_allreduce_line (profile_hardware measures them inside a node only;
+    Galvatron not at all).
 
-    Which layout a group uses is decided from `tasks_per_node` (group_layout): a group inside one
-    node is "consec" (intra-node), a group with one member per node is "strided", and a group
-    spread over several nodes with several members on each is "consec" (a consecutive group of
-    the same size spans nodes the same way).
+    Size rule, `time_us(op, group_size, layout, size_bytes)`: the fit measured for exactly that
+    (op, layout, group_size); else the nearest larger group measured with that layout (a
+    pessimistic stand-in); beyond the largest measured group, ring extrapolation from the
+    largest: bus bandwidth stays constant (algbw = busbw / factor(n)) and latency grows with the
+    ring's steps (alpha * (n - 1) / (n0 - 1)). A layout that was never measured falls back to
+    the other layout. p2p fits are looked up by "intra"/"inter" with the group size exact, else
+    nearest larger, else largest (p2p does not grow with the pipeline).
     """
 
     def __init__(self, tasks_per_node: int, world_size: int, overlap_coe: float,
@@ -64,6 +112,31 @@ class HardwareModel:
         self.overlap_coe = max(1.0, float(overlap_coe))
         self._fits = {key: tuple(sorted(v, key=lambda f: f.group_size)) for key, v in fits.items()}
         self._cache: Dict[Tuple[str, int, str], Tuple[float, float]] = {}
+        self._group_cache: Dict[Tuple[str, int, int], Tuple[float, float]] = {}
+        self._spanning = {op: self._spanning_fits(op) for op in COLLECTIVES}
+
+    def _fit_span(self, layout: str, group_size: int) -> Tuple[int, int]:
+        """(nodes, members_per_node) of a measured group (rule 2 of the class docstring)."""
+        stride = 1 if layout == "consec" else max(1, self.world_size // group_size)
+        return group_span(group_size, stride, self.tasks_per_node)
+
+    def _spanning_fits(self, op: str) -> Dict[Tuple[int, int], LinkFit]:
+        """{(nodes, members_per_node): fit} of `op`'s measured groups spanning nodes ("consec"
+        first), completed from the all-reduce's by the half rule for reduce-scatter/all-gather."""
+        def spanning(of: str) -> Dict[Tuple[int, int], LinkFit]:
+            found: Dict[Tuple[int, int], LinkFit] = {}
+            for layout in ("consec", "strided"):
+                for fit in self._fits.get((of, layout), ()):
+                    span = self._fit_span(layout, fit.group_size)
+                    if span[0] > 1:
+                        found.setdefault(span, fit)
+            return found
+
+        own = spanning(op)
+        if op not in ("reduce_scatter", "all_gather"):
+            return own
+        derived = {span: _half_fit(fit) for span, fit in spanning("allreduce").items()}
+        return {**derived, **own}
 
     @classmethod
     def from_profile(cls, hardware: HardwareProfile) -> "HardwareModel":
@@ -85,7 +158,7 @@ class HardwareModel:
 
     # ---------------------------------------------------------------- lookup
     def _line(self, op: str, group_size: int, layout: str) -> Tuple[float, float]:
-        """(alpha_us, us_per_byte) for the group, by the lookup rule in the class docstring."""
+        """(alpha_us, us_per_byte) for the group, by the size rule in the class docstring."""
         key = (op, group_size, layout)
         hit = self._cache.get(key)
         if hit is not None:
@@ -99,21 +172,7 @@ class HardwareModel:
             raise ProfileError(
                 f"hardware profile of {self.name} has no {op!r} fits; rerun "
                 f"`{rerun_command('profile_hardware', f'profile_hardware.benchmarks=[{op}]')}`")
-        sizes = [f.group_size for f in fits]
-        i = bisect_left(sizes, group_size)
-        if i < len(fits):
-            fit = fits[i]  # exact or nearest larger
-            line = (fit.alpha_us, 1.0 / (fit.algbw_GBps * 1e3))
-        elif op == "p2p":
-            fit = fits[-1]
-            line = (fit.alpha_us, 1.0 / (fit.algbw_GBps * 1e3))
-        else:
-            fit = fits[-1]
-            n0, n = fit.group_size, group_size
-            busbw = fit.algbw_GBps * busbw_factor(op, n0) if n0 > 1 else fit.algbw_GBps
-            algbw = busbw / busbw_factor(op, n)
-            alpha = fit.alpha_us * (n - 1) / (n0 - 1) if n0 > 1 else fit.alpha_us * (n - 1)
-            line = (alpha, 1.0 / (algbw * 1e3))
+        line = _pick_line(op, fits, group_size)
         self._cache[key] = line
         return line
 
@@ -129,9 +188,9 @@ class HardwareModel:
         return alpha + size_bytes * us_per_byte
 
     def group_layout(self, group_size: int, stride: int) -> str:
-        """Measured layout standing for a group of `group_size` ranks `stride` apart (see the class
-        docstring): "consec" inside a node or several members per node, "strided" when every
-        member is on its own node."""
+        """Measured layout standing for a group of `group_size` ranks `stride` apart when the
+        profile has no fit spanning nodes (rule 4 of the class docstring): "consec" inside a
+        node or several members per node, "strided" when every member is on its own node."""
         if group_size * stride <= self.tasks_per_node:
             return "consec"
         if stride >= self.tasks_per_node:
@@ -139,19 +198,45 @@ class HardwareModel:
         return "consec"
 
     def collective_line(self, op: str, group_size: int, stride: int) -> Tuple[float, float]:
-        """(alpha_us, us_per_byte) of `op` on a group of `group_size` ranks `stride` apart, so a
-        caller can price many sizes at once; (0, 0) for a group of one rank."""
+        """(alpha_us, us_per_byte) of `op` on a group of `group_size` ranks `stride` apart, by
+        the topology rules of the class docstring, so a caller can price many sizes at once;
+        (0, 0) for a group of one rank."""
         if group_size <= 1:
             return 0.0, 0.0
-        return self._line(op, int(group_size), self.group_layout(group_size, stride))
+        key = (op, int(group_size), int(stride))
+        hit = self._group_cache.get(key)
+        if hit is None:
+            hit = self._group_cache[key] = self._topology_line(op, *key[1:])
+        return hit
+
+    def _topology_line(self, op: str, group_size: int, stride: int) -> Tuple[float, float]:
+        nodes, per_node = group_span(group_size, stride, self.tasks_per_node)
+        spanning = self._spanning.get(op, {})
+        if nodes == 1:
+            return self._line(op, group_size, "consec")
+        if not spanning:
+            return self._line(op, group_size, self.group_layout(group_size, stride))
+        fit = spanning.get((nodes, per_node))
+        if fit is not None:
+            return _fit_line(fit)
+        across = tuple(sorted((f for (_, m), f in spanning.items() if m == 1),
+                              key=lambda f: f.group_size))
+        if not across:  # no one-per-node group measured: the spanning fits by the size rule
+            return _pick_line(op, tuple(sorted(spanning.values(), key=lambda f: f.group_size)),
+                              group_size)
+        inter_alpha, inter_per_byte = _pick_line(op, across, nodes)
+        intra_alpha, intra_per_byte = (self._line(op, per_node, "consec") if per_node > 1
+                                       else (0.0, 0.0))
+        return intra_alpha + inter_alpha, intra_per_byte + inter_per_byte / per_node
 
     def collective_time_us(self, op: str, group_size: int, stride: int,
                            size_bytes: float) -> float:
         """Time in us of `op` on a group of `group_size` ranks `stride` apart (tp groups: stride 1;
-        Megatron dp groups: stride tp)."""
-        if group_size <= 1:
+        Megatron dp groups: stride tp) for a per-rank buffer of `size_bytes`."""
+        if group_size <= 1 or size_bytes <= 0:
             return 0.0
-        return self.time_us(op, group_size, self.group_layout(group_size, stride), size_bytes)
+        alpha_us, us_per_byte = self.collective_line(op, group_size, stride)
+        return alpha_us + size_bytes * us_per_byte
 
     def p2p_time_us(self, size_bytes: float, intra: bool, pp: int) -> float:
         """Time in us of one send/recv of `size_bytes` between pipeline neighbours."""

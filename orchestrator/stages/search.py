@@ -26,6 +26,7 @@ from orchestrator.store import (atomic_write, cluster_dir, file_sha256, hardware
 from orchestrator.store.schema import (Alternative, HardwareProfile, ModelProfile,
                                        PredictionRecord, Provenance, SpaceSummary, Source,
                                        StrategyInput, StrategyProfile)
+from orchestrator.store.schema.strategy import Headroom
 
 GiB = 2**30
 
@@ -111,7 +112,7 @@ def search_space(cfg):
         recompute=tuple(s.recompute), micro_batch_sizes=tuple(s.micro_batch_sizes),
         schedules=tuple(s.schedules), virtual_stages=tuple(s.virtual_stages),
         fast_mode=bool(s.fast_mode), top_k=s.top_k, pp=s.pp, tp=s.tp,
-        options=CostOptions(reserve_bytes=s.reserve_GiB * GiB))
+        options=CostOptions(reserve_bytes=_reserve_GiB(cfg) * GiB))
 
 
 def _exporters(out: Path):
@@ -152,6 +153,7 @@ def _strategy(cfg, result, space, inputs, notes, prov: Provenance) -> StrategyPr
     still empty."""
     best = result.best
     sources = [profile.source for _, profile in inputs]
+    reserve_GiB = space.options.reserve_bytes / GiB
     folder = cluster_dir(cfg.profiles_dir, cfg.cluster.name)
     return StrategyProfile(
         source=Source.analytic if Source.analytic in sources else Source.measured,
@@ -162,7 +164,11 @@ def _strategy(cfg, result, space, inputs, notes, prov: Provenance) -> StrategyPr
         space=SpaceSummary(world_size=space.world_size,
                            memory_GiB=space.memory_budget_bytes / GiB,
                            global_batch_size=space.global_batch_size, seq_len=space.seq_len,
-                           fast_mode=space.fast_mode),
+                           fast_mode=space.fast_mode, reserve_fraction=cfg.search.reserve_fraction,
+                           reserve_GiB=cfg.search.reserve_GiB, reserve_total_GiB=reserve_GiB),
+        headroom=Headroom(free_GiB=(space.memory_budget_bytes
+                                    - result.prediction.peak_memory_bytes) / GiB,
+                          reserve_GiB=reserve_GiB),
         layout=best, describe=best.describe(), best=best,
         prediction=PredictionRecord.from_dict(result.prediction.to_dict(), "prediction"),
         top=[Alternative(layout=layout, iteration_time_us=pred.iteration_time_us,
@@ -238,7 +244,8 @@ def _report(result, strategy: StrategyProfile, cfg) -> None:
     table = Table(title=f"best layouts for {cfg.model.name} on {result.best.world_size} devices "
                         f"({strategy.source.value} profiles; searched {result.considered} "
                         f"configs in {result.elapsed_s:.2f} s)")
-    reserve_bytes = cfg.search.reserve_GiB * GiB
+    headroom = strategy.headroom
+    reserve_bytes = headroom.reserve_GiB * GiB
     # The model's own peak (the reserve is the same for every layout and would hide it).
     for col in ("#", "layout", "iteration ms", "tokens/s", "model peak GiB"):
         table.add_column(col, justify="right" if col != "layout" else "left")
@@ -249,6 +256,12 @@ def _report(result, strategy: StrategyProfile, cfg) -> None:
     console.print(table)
     b = result.prediction.breakdown_us
     console.print("breakdown (ms): " + ", ".join(f"{k} {v / 1e3:.1f}" for k, v in b.items()))
+    s = cfg.search
+    console.print(f"memory per device: budget {strategy.space.memory_GiB:g} GiB = model peak "
+                  f"{(result.prediction.peak_memory_bytes - reserve_bytes) / GiB:.2f} + reserve "
+                  f"{headroom.reserve_GiB:.2f} (search.reserve_fraction={s.reserve_fraction} x "
+                  f"budget + search.reserve_GiB={s.reserve_GiB}) + headroom "
+                  f"{headroom.free_GiB:.2f} GiB")
     if result.rejected:
         console.print("rejected: " + ", ".join(f"{k} {v}" for k, v in result.rejected.items()))
     exports = strategy.exports
@@ -265,6 +278,14 @@ def _memory_GiB(cfg) -> float:
     return cfg.cluster.device_mem_GiB if s.memory_GiB is None else s.memory_GiB
 
 
+def _reserve_GiB(cfg) -> float:
+    """Memory kept free per device (GiB): search.reserve_fraction x budget + search.reserve_GiB."""
+    from orchestrator.planner.cost_model import memory_reserve_GiB
+
+    s = cfg.search
+    return memory_reserve_GiB(_memory_GiB(cfg), s.reserve_fraction, s.reserve_GiB)
+
+
 def _check_memory(cfg) -> None:
     s = cfg.search
     if s.memory_GiB is not None and s.memory_GiB <= 0:
@@ -275,9 +296,16 @@ def _check_memory(cfg) -> None:
         raise ConfigError(f"search needs a memory budget per device: set search.memory_GiB "
                           f"(cluster {cfg.cluster.name!r} has "
                           f"device_mem_GiB={cfg.cluster.device_mem_GiB})")
-    if not 0 <= s.reserve_GiB < memory:
-        raise ConfigError(f"search.reserve_GiB({s.reserve_GiB}) must be >= 0 and below the "
-                          f"{memory} GiB per device (search.memory_GiB)")
+    if not 0 <= s.reserve_fraction < 1:
+        raise ConfigError(f"search.reserve_fraction({s.reserve_fraction}) must be in [0, 1): the "
+                          f"share of the budget kept free")
+    if s.reserve_GiB < 0:
+        raise ConfigError(f"search.reserve_GiB({s.reserve_GiB}) must be >= 0")
+    reserve = _reserve_GiB(cfg)
+    if reserve >= memory:
+        raise ConfigError(f"search.reserve_fraction({s.reserve_fraction}) x {memory} GiB + "
+                          f"search.reserve_GiB({s.reserve_GiB}) = {reserve:g} GiB kept free must "
+                          f"be below the {memory} GiB per device (search.memory_GiB)")
 
 
 def _check_degrees(cfg) -> None:
@@ -330,22 +358,31 @@ def validate(cfg):
 
 def infeasible_advice(err, cfg) -> str:
     """The planner's InfeasibleError said in `search.*` config keys, with a command that gives
-    the memory (or batch) the closest layout needs."""
+    the memory (or batch) the closest layout needs: its own peak plus the reserve of the larger
+    budget (budget_for_GiB)."""
     from orchestrator.commands import rerun_command
+    from orchestrator.planner.cost_model import budget_for_GiB
 
     s = cfg.search
     keys = {field: f"search.{'memory_GiB' if field == 'memory_budget_bytes' else field}"
             for field in err.relax}
-    advice = "; ".join(f"{keys[field]} {how}" for field, how in err.relax.items())
+    relax = dict(err.relax)
     if err.needed_bytes is None:
+        advice = "; ".join(f"{keys[field]} {how}" for field, how in relax.items())
         return (f"no (pp, tp, dp, micro-batch) combination divides search.global_batch_size"
                 f"({s.global_batch_size}) on {search_space(cfg).world_size} devices. Relax: "
                 f"{advice}")
-    needed_GiB = math.ceil(err.needed_bytes / GiB * 100) / 100
+    reserve = _reserve_GiB(cfg)
+    own_GiB = err.needed_bytes / GiB - reserve
+    needed_GiB = math.ceil(budget_for_GiB(own_GiB, s.reserve_fraction, s.reserve_GiB) * 100) / 100
+    if "memory_budget_bytes" in relax:
+        relax["memory_budget_bytes"] = f">= {needed_GiB:.2f} GiB"
+    advice = "; ".join(f"{keys[field]} {how}" for field, how in relax.items())
     fix = rerun_command("search", f"search.memory_GiB={needed_GiB}")
     return (f"no layout of {cfg.model.name} fits search.memory_GiB={_memory_GiB(cfg)} per device "
-            f"(search.reserve_GiB={s.reserve_GiB} of it kept free); the closest, "
-            f"{err.closest.describe()}, needs {err.needed_bytes / GiB:.2f} GiB. Relax: {advice}. "
+            f"with {reserve:.2f} GiB of it kept free (search.reserve_fraction={s.reserve_fraction}"
+            f" x budget + search.reserve_GiB={s.reserve_GiB}); the closest, "
+            f"{err.closest.describe()}, needs {own_GiB:.2f} GiB + that reserve. Relax: {advice}. "
             f"E.g.: {fix}")
 
 

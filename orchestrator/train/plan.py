@@ -228,15 +228,20 @@ def memory_budget_GiB(cfg) -> float:
 
 def check_memory(cfg, prediction) -> None:
     """InfeasibleError (exit 3) when the planner says a stage does not fit the budget (with the
-    search's reserve kept free), unless train.allow_oom_risk."""
+    search's reserve, memory_reserve_GiB, kept free), unless train.allow_oom_risk."""
     budget = memory_budget_GiB(cfg)
     if prediction is None or not budget or cfg.train.allow_oom_risk:
         return
-    reserve = cfg.search.reserve_GiB
+    from orchestrator.planner.cost_model import memory_reserve_GiB
+
+    s = cfg.search
+    reserve = memory_reserve_GiB(budget, s.reserve_fraction, s.reserve_GiB)
     need = prediction.peak_memory_bytes / GiB
     if need + reserve > budget:
         raise InfeasibleError(
             f"train: {prediction.layout.describe()} needs {need:.2f} GiB per device by the "
-            f"planner's estimate (+ search.reserve_GiB={reserve}) > budget {budget} GiB "
+            f"planner's estimate (+ a reserve of {reserve:.2f} GiB: search.reserve_fraction="
+            f"{s.reserve_fraction} x budget + search.reserve_GiB={s.reserve_GiB}) > budget "
+            f"{budget} GiB "
             f"(train.memory_GiB, else cluster.device_mem_GiB); choose another layout, add "
             f"recompute (train.recompute=full), or launch anyway with train.allow_oom_risk=true")

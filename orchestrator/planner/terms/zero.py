@@ -85,8 +85,9 @@ class ZeroTraffic:
 
 def dp_sync_us(hardware: HardwareModel, zero: int, dp: int, tp: int, grad_bytes, param_bytes):
     """Data-parallel sync (us) at the end of the iteration of a stage holding `grad_bytes` of
-    gradients and `param_bytes` of parameters unsharded (numpy arrays of the same shape): all-reduce (ZeRO 0),
-    reduce-scatter + all-gather (ZeRO 1), all-gather (ZeRO 2), nothing (ZeRO 3 or dp = 1)."""
+    gradients and `param_bytes` of parameters unsharded (numpy arrays of the same shape):
+    all-reduce (ZeRO 0), reduce-scatter + all-gather (ZeRO 1), all-gather (ZeRO 2), nothing
+    (ZeRO 3 or dp = 1). The dp group is `dp` ranks `tp` apart, priced by the nodes it spans."""
     if dp == 1 or zero >= 3:
         return np.zeros_like(grad_bytes)
     if zero == 0:

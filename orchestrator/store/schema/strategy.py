@@ -23,6 +23,20 @@ class SpaceSummary(Record):
     global_batch_size: int = doc("sequences per iteration")
     seq_len: int = doc("tokens per sequence")
     fast_mode: bool = doc("one schedule, capped recompute refinement")
+    reserve_fraction: Optional[float] = doc("search.reserve_fraction: share of the budget kept "
+                                            "free", default=None)
+    reserve_GiB: Optional[float] = doc("search.reserve_GiB: kept free on top of the fraction",
+                                       default=None)
+    reserve_total_GiB: Optional[float] = doc("kept free per device: reserve_fraction x "
+                                             "memory_GiB + reserve_GiB", default=None)
+
+
+@dataclass(kw_only=True)
+class Headroom(Record):
+    """How much of the budget the best layout leaves (GiB per device, its largest stage)."""
+
+    free_GiB: float = doc("memory_GiB - predicted peak, the reserve included in the peak")
+    reserve_GiB: float = doc("the reserve kept free within the budget (space.reserve_total_GiB)")
 
 
 @dataclass(kw_only=True)
@@ -89,6 +103,8 @@ class StrategyProfile(Profile):
     describe: str = doc("the best layout in one line")
     best: ParallelLayout = doc("the same layout, as the search returned it")
     prediction: PredictionRecord = doc("the best layout's prediction")
+    headroom: Optional[Headroom] = doc("what the best layout leaves of the budget",
+                                       default=None)
     top: List[Alternative] = doc("the fastest layouts, best first")
     considered: int = doc("configurations evaluated")
     rejected: Dict[str, int] = doc("configurations refused, by reason")
