@@ -76,7 +76,7 @@ def price(work: Path, pick: Path, strategy: dict) -> Tuple[object, object, List[
         json.loads((folder / "model/llama2_7b.json").read_text()), ""))
     space = strategy["space"]
     budget = space["memory_GiB"] * 2**30
-    options = CostOptions(reserve_bytes=space.get("reserve_GiB_total", 0.0) * 2**30)
+    options = CostOptions(reserve_bytes=(space.get("reserve_total_GiB") or 0.0) * 2**30)
     ours = evaluate(ParallelLayout.from_dict(strategy["layout"]), model, hw, space["seq_len"],
                     budget, options)
     theirs, notes = price_galvatron_strategy(pick, model, hw, world_size=space["world_size"],

@@ -156,7 +156,9 @@ def _strategy(cfg, result, space, inputs, notes, prov: Provenance) -> StrategyPr
     reserve_GiB = space.options.reserve_bytes / GiB
     folder = cluster_dir(cfg.profiles_dir, cfg.cluster.name)
     return StrategyProfile(
-        source=Source.analytic if Source.analytic in sources else Source.measured,
+        # The least measured input names the strategy's source.
+        source=next((src for src in (Source.galvatron, Source.analytic) if src in sources),
+                    Source.measured),
         provenance=prov, model=cfg.model.name,
         inputs={str(path.relative_to(folder)): StrategyInput(sha256=file_sha256(path),
                                                             source=profile.source)
