@@ -137,6 +137,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache", type=Path,
                         default=Path(tempfile.gettempdir()) / "galvatron-sdist")
+    parser.add_argument("--engine-dir", type=Path, default=None,
+                        help="where Galvatron's engine venv is built (default: <cache>/engine)")
     parser.add_argument("--no-engine", action="store_true",
                         help="do not try to build and run Galvatron's own search engine")
     args = parser.parse_args()
@@ -148,7 +150,8 @@ def main() -> None:
         if not args.no_engine:
             from galvatron_engine import run_galvatron_search  # bench/, beside this file
 
-            engine = run_galvatron_search(root, args.cache / "engine", nodes=nodes,
+            engine = run_galvatron_search(root, args.engine_dir or args.cache / "engine",
+                                          nodes=nodes,
                                           gpus_per_node=8, memory_GB=memory_GB,
                                           global_batch_size=batch)
         with tempfile.TemporaryDirectory() as tmp:
