@@ -7,7 +7,6 @@ Such errors print one line and exit with the error's code (2 for config errors).
 from __future__ import annotations
 
 import os
-import re
 import sys
 import time
 from datetime import datetime
@@ -24,7 +23,7 @@ from rich.table import Table
 
 from orchestrator.choices import Ranks
 from orchestrator.config import (CONF_DIR, Config, choice_type, register_configs, schema_has_key,
-                                 unknown_key_message)
+                                 schema_spelling, unknown_key_message)
 from orchestrator.commands import parse_overrides, rerun_command, set_user_overrides
 from orchestrator.errors import (ConfigError, InvalidLayout, LaunchError, OrchestratorError,
                                  file_error)
@@ -343,20 +342,10 @@ def hydra_main(cfg: DictConfig):
     return orchestrate(cfg)
 
 
-# Config sections whose command-line name is a Python keyword: `import.path=...` is the schema's
-# `import_.path` (a dataclass field cannot be called `import`).
-_KEYWORD_SECTION = re.compile(r"^([+~]{0,2})import\.")
-
-
-def keyword_sections(argv: List[str]) -> List[str]:
-    """`argv` with `import.<key>` (also `+`/`~`/`++` forms) spelled `import_.<key>`."""
-    return [_KEYWORD_SECTION.sub(r"\1import_.", arg) for arg in argv]
-
-
 def main(argv: Optional[List[str]] = None) -> None:
     if argv is None:
-        sys.argv[1:] = keyword_sections(sys.argv[1:])  # Hydra reads sys.argv itself
-    argv = sys.argv[1:] if argv is None else keyword_sections(argv)
+        sys.argv[1:] = [schema_spelling(a) for a in sys.argv[1:]]  # Hydra reads sys.argv itself
+    argv = sys.argv[1:] if argv is None else [schema_spelling(a) for a in argv]
     set_swept_keys(argv)
     try:
         check_closed_choices(argv)

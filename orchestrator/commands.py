@@ -8,7 +8,6 @@ stage named and quotes each argument for a POSIX shell (`[...]` is a glob in bas
 """
 from __future__ import annotations
 
-import re
 import shlex
 from functools import lru_cache
 from typing import Iterable, List, Optional, Sequence, Tuple
@@ -24,8 +23,9 @@ _user_overrides: List[str] = []
 def set_user_overrides(overrides: Iterable[str]) -> None:
     """Record the overrides of this command (Hydra's `hydra.overrides.task`), once, in the CLI,
     as the user spells them (`import.path`, which the schema calls `import_.path`)."""
-    _user_overrides[:] = [re.sub(r"^([+~]{0,2})import_\.", r"\1import.", str(o))
-                          for o in overrides]
+    from orchestrator.config import user_spelling
+
+    _user_overrides[:] = [user_spelling(str(o)) for o in overrides]
 
 
 def user_overrides() -> List[str]:

@@ -7,6 +7,7 @@ or a wrong type fails at compose time with Hydra's message.
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -304,8 +305,20 @@ def unknown_key_message(dotted_key: str) -> str:
     close = difflib.get_close_matches(dotted_key, schema_keys(), n=1, cutoff=0.6)
     hint = (f"did you mean {close[0]}?" if close
             else "`python -m orchestrator --cfg job` lists the keys")
-    # As the user spells it: the command line's `import.` is the schema's `import_.`.
-    return f"unknown key {dotted_key}; {hint}".replace("import_.", "import.")
+    return user_spelling(f"unknown key {dotted_key}; {hint}")
+
+
+# `import` is a Python keyword, so no dataclass field can be called that: the command line's
+# `import.<key>` is the schema's `import_.<key>`. These two convert between the spellings.
+def schema_spelling(override: str) -> str:
+    """An override as the schema spells it (`import.path=x` -> `import_.path=x`; also with
+    `+`, `++` or `~` in front)."""
+    return re.sub(r"^([+~]{0,2})import\.", r"\1import_.", override)
+
+
+def user_spelling(text: str) -> str:
+    """An override or a message as the user spells it (`import_.` -> `import.`)."""
+    return re.sub(r"(?<![\w.])import_\.", "import.", text)
 
 
 def register_configs() -> None:
