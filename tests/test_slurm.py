@@ -27,6 +27,18 @@ def _wait_for(predicate, timeout_s=120, every_s=0.5, what="condition"):
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
+def _all_completed(job_ids, profiles) -> bool:
+    """Whether every job COMPLETED; fails at once (with the job's stderr) when one ended any
+    other way, instead of waiting out the timeout for a chain that can no longer finish."""
+    states = [(_sacct(j, "State") or ["PENDING"])[0] for j in job_ids]
+    for job_id, state in zip(job_ids, states):
+        if state.split()[0] in ("FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL"):
+            logs = sorted((profiles / "dev" / "runs").glob(f"*/*/submitit/{job_id}_*_log.err"))
+            tails = "\n".join(f"{log.name}: {log.read_text()[-2000:]}" for log in logs)
+            pytest.fail(f"job {job_id} ended {state} (states {states}):\n{tails}")
+    return all(state == "COMPLETED" for state in states)
+
+
 def _sacct(job_id, fields="State,NNodes,NTasks"):
     out = subprocess.run(["sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", fields],
                          capture_output=True, text=True, check=True).stdout.strip()
@@ -181,8 +193,8 @@ def test_all_submits_an_afterok_chain(slurm_cluster, profiles):
     proc = run_cli("stage=all", *SLURM, "wait=false", *quick, profiles_dir=profiles, check=0)
     job_ids = re.findall(r"submitted Slurm job (\d+)", proc.stdout)
     assert len(job_ids) == 4, proc.stdout  # profile_hardware, profile_model, search, train
-    _wait_for(lambda: all(_sacct(j, "State")[:1] == ["COMPLETED"] for j in job_ids), timeout_s=600,
-              every_s=2, what="the four jobs to complete")
+    _wait_for(lambda: _all_completed(job_ids, profiles), timeout_s=600, every_s=2,
+              what="the four jobs to complete")
     for before, after in zip(job_ids, job_ids[1:]):  # afterok: each started after the last ended
         assert _sacct(after, "Start")[0] >= _sacct(before, "End")[0]
         script = next((profiles / "dev" / "runs").glob(f"*/*/submitit/{after}_submission.sh"))
