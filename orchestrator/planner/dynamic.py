@@ -373,7 +373,7 @@ def _plan_rank(costs: MicroBatchCosts, lengths: np.ndarray, indices: np.ndarray,
     """Partition, order and recompute of one rank's samples (indices into its batch). A
     partition found under the in-flight rule can still be over in the simulation when its
     largest extras and stored bytes come from different runs: the partition is then redone
-    under a budget lowered by the excess."""
+    under a budget lowered by the excess (up to 8 times)."""
     layout = costs.layout
     sort = np.argsort(lengths[indices], kind="stable")
     ordered = indices[sort]
@@ -382,7 +382,9 @@ def _plan_rank(costs: MicroBatchCosts, lengths: np.ndarray, indices: np.ndarray,
     fill_drain = (layout.pp - 1) / layout.virtual_stages
     steps = options.fast_adjustments if fast else options.normal_adjustments
     dp_budget = budget
-    for _ in range(4):
+    for attempt in range(8):
+        if attempt:  # over the budget: fast mode's adjustment bound gives way to the budget
+            steps = options.normal_adjustments
         cands = price_candidates(costs, padded, dp_budget)
         objective, runs = partition(cands, fill_drain, groups)
         if not np.isfinite(objective):
