@@ -131,7 +131,8 @@ class MicroBatchCosts:
 
     def price(self, b, s, mode_code) -> PricedMicroBatches:
         """Price K micro-batches: b[k] sequences padded to s[k] tokens, recompute
-        mode_code[k] (terms.MODE_CODES: 0 none, 1 selective, 2 full) on every layer of every stage."""
+        mode_code[k] (terms.MODE_CODES: 0 none, 1 selective, 2 full) on every layer of every
+        stage."""
         b = np.asarray(b, dtype=float)
         s = np.asarray(s, dtype=np.int64)
         code = np.asarray(mode_code)[None, :]
