@@ -17,23 +17,25 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from orchestrator.layout import SCHEDULES
 
 
-
 @dataclass(frozen=True)
 class ScheduleResult:
     """Times in microseconds. `stage_finish_us[j]` is when stage j ends its last operation;
-    busy + idle = iteration time for every stage."""
+    busy + idle = iteration time for every stage. `stage_peak_act_bytes[j]`: the most bytes of
+    in-flight micro-batches (forward done, backward not yet) stage j holds at once, when the
+    simulation was given act_bytes (else None)."""
 
     iteration_time_us: float
     stage_busy_us: Tuple[float, ...]
     stage_idle_us: Tuple[float, ...]
     stage_finish_us: Tuple[float, ...]
+    stage_peak_act_bytes: Optional[Tuple[float, ...]] = None
 
 
 def schedule_coefficients(schedule: str, num_micro_batches: int,
@@ -99,38 +101,64 @@ def stage_order(pp: int, stage: int, num_micro_batches: int, schedule: str = "1f
     return order
 
 
-def simulate(fwd_us: Sequence[float], bwd_us: Sequence[float], num_micro_batches: int,
-             schedule: str = "1f1b", virtual_stages: int = 1,
-             p2p_us: float | Sequence[float] = 0.0) -> ScheduleResult:
-    """Simulate one iteration; returns times in us.
+def _per_micro_batch(values, rows: int, m: int, name: str) -> np.ndarray:
+    """`values` as a [rows][m] float array: one value per row broadcast over the micro-batches,
+    or already [rows][m]."""
+    arr = np.asarray(values, dtype=float)
+    if arr.ndim == 1:
+        arr = np.repeat(arr[:, None], m, axis=1)
+    if arr.ndim != 2 or arr.shape != (rows, m):
+        raise ValueError(f"{name} needs {rows} values or {rows} x {m} (one per micro-batch), "
+                         f"got shape {np.shape(values)}")
+    return arr
 
-    fwd_us[j], bwd_us[j]: stage j's forward and backward time for one micro-batch over all its
-    layers (each of the v chunks takes 1/v of it). p2p_us: time of one activation (or gradient)
-    send across boundary j -> j+1, a scalar or one value per boundary (length p - 1, or p where
-    entry p-1 is the interleaved wrap-around from the last stage to the first; by default the
-    largest boundary). A send occupies the sending stage right after the operation."""
+
+def _boundaries(p2p_us, p: int, m: int) -> np.ndarray:
+    """p2p_us as a [p][m] array: a scalar, one value per boundary, or [boundary][micro_batch];
+    p - 1 boundaries get the wrap-around (entry p - 1) as the largest boundary."""
+    arr = np.asarray(p2p_us, dtype=float)
+    if arr.ndim == 0:
+        return np.full((p, m), float(arr))
+    rows = arr.shape[0]
+    if rows == p - 1:
+        wrap = arr.max(axis=0, keepdims=True) if rows else np.zeros((1,) + arr.shape[1:])
+        arr = np.concatenate([arr, wrap])
+    if arr.shape[0] != p:
+        raise ValueError(f"p2p_us needs p - 1 = {p - 1} or p = {p} values, got {rows}")
+    return _per_micro_batch(arr, p, m, "p2p_us")
+
+
+def simulate(fwd_us, bwd_us, num_micro_batches: int, schedule: str = "1f1b",
+             virtual_stages: int = 1, p2p_us=0.0, act_bytes=None) -> ScheduleResult:
+    """Simulate one iteration; returns times in us (and peak in-flight bytes per stage).
+
+    fwd_us, bwd_us: stage j's forward and backward time for one micro-batch over all its layers
+    (each of the v chunks takes 1/v of it), one value per stage or [stage][micro_batch] for
+    micro-batches of different sizes. p2p_us: time of one activation (or gradient) send across
+    boundary j -> j+1, a scalar, one value per boundary (length p - 1, or p where entry p-1 is
+    the interleaved wrap-around from the last stage to the first; by default the largest
+    boundary), or [boundary][micro_batch]. A send occupies the sending stage right after the
+    operation. act_bytes [stage][micro_batch]: bytes a micro-batch's forward leaves stored on
+    the stage until its backward (each chunk holds 1/v); the result then has
+    stage_peak_act_bytes. With no micro-batches every time is 0."""
     p = len(fwd_us)
     if len(bwd_us) != p or p < 1:
         raise ValueError(f"need one forward and one backward time per stage, got "
                          f"{len(fwd_us)} and {len(bwd_us)}")
     m, v = num_micro_batches, virtual_stages
-    if isinstance(p2p_us, (int, float)):
-        boundary = [float(p2p_us)] * p
-    else:
-        boundary = [float(x) for x in p2p_us]
-        if len(boundary) == p - 1:
-            boundary.append(max(boundary, default=0.0))
-        if len(boundary) != p:
-            raise ValueError(f"p2p_us needs p - 1 = {p - 1} or p = {p} values, got {len(boundary)}")
+    fwd = _per_micro_batch(fwd_us, p, m, "fwd_us").tolist()
+    bwd = _per_micro_batch(bwd_us, p, m, "bwd_us").tolist()
+    boundary = _boundaries(p2p_us, p, m).tolist()
+    act = None if act_bytes is None else (_per_micro_batch(act_bytes, p, m, "act_bytes") / v)
     last_virtual = p * v - 1
 
-    def duration(kind: str, stage: int, chunk: int) -> float:
-        base = (fwd_us[stage] if kind == "F" else bwd_us[stage]) / v
+    def duration(kind: str, stage: int, chunk: int, mb: int) -> float:
+        base = (fwd[stage][mb] if kind == "F" else bwd[stage][mb]) / v
         vs = chunk * p + stage  # virtual stage index along the model
         if kind == "F" and vs < last_virtual:
-            return base + boundary[stage]  # send to stage + 1 (or wrap to stage 0)
+            return base + boundary[stage][mb]  # send to stage + 1 (or wrap to stage 0)
         if kind == "B" and vs > 0:
-            return base + boundary[(stage - 1) % p]  # send back to stage - 1 (or wrap)
+            return base + boundary[(stage - 1) % p][mb]  # send back to stage - 1 (or wrap)
         return base
 
     orders = [stage_order(p, s, m, schedule, v) for s in range(p)]
@@ -155,7 +183,7 @@ def simulate(fwd_us: Sequence[float], bwd_us: Sequence[float], num_micro_batches
             if dep is not None and dep not in end:
                 break
             start = max(free[s], end[dep] if dep is not None else 0.0)
-            d = duration(kind, s, chunk)
+            d = duration(kind, s, chunk, mb)
             end[(kind, vs, mb)] = start + d
             free[s] = start + d
             busy[s] += d
@@ -168,6 +196,17 @@ def simulate(fwd_us: Sequence[float], bwd_us: Sequence[float], num_micro_batches
     if any(nxt[s] < len(orders[s]) for s in range(p)):
         raise RuntimeError("pipeline schedule deadlocked; this is a bug in stage_order")
     total = max(free)
+    peaks = None if act is None else tuple(_peak_in_flight(orders[s], act[s]) for s in range(p))
     return ScheduleResult(iteration_time_us=total, stage_busy_us=tuple(busy),
                           stage_idle_us=tuple(total - b for b in busy),
-                          stage_finish_us=tuple(free))
+                          stage_finish_us=tuple(free), stage_peak_act_bytes=peaks)
+
+
+def _peak_in_flight(order: Sequence[Tuple[str, int, int]], chunk_bytes: np.ndarray) -> float:
+    """Most bytes held at once by a stage running `order`: a forward stores its micro-batch's
+    chunk_bytes until the matching backward frees them (ops on one stage never overlap)."""
+    live = peak = 0.0
+    for kind, _, mb in order:
+        live += chunk_bytes[mb] if kind == "F" else -chunk_bytes[mb]
+        peak = max(peak, live)
+    return float(peak)

@@ -1,0 +1,186 @@
+"""Per-micro-batch pricing for dynamic micro-batching: the cost model's terms (planner/terms/),
+vectorised over many micro-batches of b sequences padded to s tokens under a recompute mode.
+
+The arithmetic is StageCosts' (cost_model.py) with (micro_batch_size, seq_len) turned into
+arrays: for m equal micro-batches the plan's time and memory equal evaluate(simulate=True)'s.
+What does not depend on the micro-batch (static memory, gradient sync, optimizer step) is read
+from one StageCosts of the layout itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+import numpy as np
+
+from orchestrator.layout import ParallelLayout
+from orchestrator.planner.cost_model import (ConfigKey, CostOptions, StageCosts,
+                                             check_layout_for_model)
+from orchestrator.planner.profiles import HardwareModel, ModelCost
+from orchestrator.planner.schedule import in_flight_micro_batches
+from orchestrator.planner.terms import FwdBwd, overlap_extra_us
+from orchestrator.planner.terms.memory import ActivationBytes, comm_buffer_bytes
+from orchestrator.planner.terms.pipeline import boundary_intra_node
+from orchestrator.planner.terms.tp_comm import TpComm
+from orchestrator.planner.terms.zero import ZeroTraffic
+
+@dataclass(frozen=True)
+class PricedMicroBatches:
+    """K micro-batches priced on p stages; arrays [p, K] (us or bytes).
+
+    fwd_us / bwd_us: per-stage forward / backward (recompute included) without pipeline sends
+    (what simulate() takes); boundary_us: one send across boundary j -> j+1 (row p - 1: the
+    interleaved wrap-around); stage_time_us: forward + backward with the stage's sends (the
+    cost model's t_j); stored_bytes: activations one in-flight micro-batch keeps on the stage;
+    extra_bytes: what it needs on top while it runs (the layer being recomputed, the LM head's
+    activations on the last stage, the TP gathered activation); sync_window_us: the backward
+    (recompute excluded) that hides the gradient sync when it is the stage's last."""
+
+    fwd_us: np.ndarray
+    bwd_us: np.ndarray
+    boundary_us: np.ndarray
+    stage_time_us: np.ndarray
+    stored_bytes: np.ndarray
+    extra_bytes: np.ndarray
+    sync_window_us: np.ndarray
+
+    def take(self, index) -> "PricedMicroBatches":
+        """The micro-batches at `index` (columns), in that order."""
+        return PricedMicroBatches(*(getattr(self, f)[:, index] for f in self.__dataclass_fields__))
+
+
+def _ends(first, last, pp: int, k: int) -> np.ndarray:
+    """[pp, k]: `first` on stage 0, `last` on stage pp - 1 (both on a single stage)."""
+    out = np.zeros((pp, k))
+    out[0] += first
+    out[pp - 1] += last
+    return out
+
+
+def _p2p_line(hardware: HardwareModel, intra: bool, pp: int) -> Tuple[float, float]:
+    """(alpha_us, us_per_byte) of p2p_time_us, which is linear in the bytes: read from two sizes."""
+    one = hardware.p2p_time_us(1.0, intra, pp)
+    per_byte = hardware.p2p_time_us(2.0, intra, pp) - one
+    return one - per_byte, per_byte
+
+
+class MicroBatchCosts:
+    """Prices micro-batches of one (layout, model, hardware): built once, then price(b, s, mode)
+    on arrays of any length. The layout's micro_batch_size, num_micro_batches and recompute are
+    not used (each micro-batch brings its own)."""
+
+    def __init__(self, layout: ParallelLayout, model: ModelCost, hardware: HardwareModel,
+                 options: CostOptions = CostOptions()):
+        check_layout_for_model(layout, model)
+        self.layout, self.model, self.hardware, self.options = layout, model, hardware, options
+        self.pp, self.tp, self.v = layout.pp, layout.tp, layout.virtual_stages
+        self.n = np.array(layout.layers_per_stage, dtype=float)[:, None]
+        whole = StageCosts(ConfigKey.of(layout), model, hardware, model.seq_len, options)
+        j = np.arange(self.pp)
+        params, grads, optim = whole.static_bytes(j, self.n[:, 0])
+        block, _ = model.memory(layout.tp)
+        zero_buffers = comm_buffer_bytes(layout.zero, layout.dp, layout.tp, block.param_bytes, 0.0)
+        # Everything but activations and the TP buffer: params, grads, optim, ZeRO 3's gathered
+        # layers, the reserve (bytes per stage).
+        self.static_bytes = params + grads + optim + zero_buffers + whole.reserve
+        self.dp_sync_us = whole.dp_sync_us(j, self.n[:, 0])
+        self.optimizer_us = whole.optimizer_us(j, self.n[:, 0])
+        self.overlap_coe = hardware.overlap_coe
+        self.in_flight = in_flight_micro_batches(layout.schedule, layout.pp, 1 << 30, self.v)
+        self.block_traffic = ZeroTraffic.from_hardware(hardware, layout.zero, layout.dp,
+                                                       layout.tp, whole.block_param_bytes,
+                                                       whole.block_grad_bytes)
+        other = ZeroTraffic.from_hardware(hardware, layout.zero, layout.dp, layout.tp,
+                                          whole.other_param_bytes, whole.other_grad_bytes)
+        per_stage = np.zeros((self.pp, 1))  # the traffic per stage, as a column
+        self.other_traffic = (ZeroTraffic(per_stage + np.reshape(other.gather_us, (-1, 1)),
+                                          per_stage + np.reshape(other.reduce_scatter_us, (-1, 1)))
+                              if other.active else other)
+        intra = boundary_intra_node(layout.pp, layout.tp * layout.dp, hardware.tasks_per_node)
+        self.p2p_lines = np.array([_p2p_line(hardware, x, layout.pp) for x in intra])
+        self._per_seq: Dict[int, Tuple[float, ...]] = {}
+
+    def _per_sequence(self, s: int) -> Tuple[float, ...]:
+        """One sequence of s tokens: block fwd, bwd, attention core, other fwd, bwd (us); stored
+        bytes per token of a layer for none, selective, full; the LM head's per token."""
+        hit = self._per_seq.get(s)
+        if hit is None:
+            m, tp = self.model, self.tp
+            block, other = m.memory(tp)
+            act = ActivationBytes.from_block(block, s, tp, self.layout.sequence_parallel,
+                                             m.hidden, m.dtype_bytes)
+            hit = self._per_seq[s] = (
+                m.block_fwd_us(s, tp), m.block_bwd_us(s, tp), m.attention_core_fwd_us(s, tp),
+                m.other_fwd_us(s, tp), m.other_bwd_us(s, tp), act.none, act.selective, act.full,
+                other.act_bytes_per_token_at("none", s))
+        return hit
+
+    def _tp_comm(self, tp_bytes: np.ndarray) -> TpComm:
+        """TpComm.from_hardware with the message size an array."""
+        if self.tp == 1:
+            zero = FwdBwd(tp_bytes * 0.0, tp_bytes * 0.0)
+            return TpComm(layer=zero, embedding=zero, head=zero)
+
+        def op_us(op: str) -> np.ndarray:
+            alpha_us, us_per_byte = self.hardware.collective_line(op, self.tp, 1)
+            return alpha_us + tp_bytes * us_per_byte
+
+        if self.layout.sequence_parallel:
+            return TpComm.from_times(True, op_us("all_gather"), op_us("reduce_scatter"), 0.0)
+        return TpComm.from_times(False, 0.0, 0.0, op_us("allreduce"))
+
+    def price(self, b, s, mode_code) -> PricedMicroBatches:
+        """Price K micro-batches: b[k] sequences padded to s[k] tokens, recompute
+        mode_code[k] (terms.MODE_CODES: 0 none, 1 selective, 2 full) on every layer of every
+        stage."""
+        b = np.asarray(b, dtype=float)
+        s = np.asarray(s, dtype=np.int64)
+        code = np.asarray(mode_code)[None, :]
+        uniq, inverse = np.unique(s, return_inverse=True)
+        table = np.array([self._per_sequence(int(x)) for x in uniq]).reshape(len(uniq), 9)
+        (bf, bb, attn, of, ob, a_none, a_sel, a_full, a_head) = table[inverse].T
+        m, pp, v, n = self.model, self.pp, self.v, self.n
+        tokens = b * s
+        tp_bytes = tokens * m.hidden * m.dtype_bytes
+        tpc = self._tp_comm(tp_bytes)
+        window = FwdBwd(b * bf, b * bb) + tpc.layer
+        layer = window + self.block_traffic.exposed(window, self.overlap_coe)
+        share = self.options.other_time_first_share
+        k = len(b)
+        other_window = (FwdBwd(_ends(share * b * of, (1 - share) * b * of, pp, k),
+                               _ends(share * b * ob, (1 - share) * b * ob, pp, k))
+                        + FwdBwd(_ends(tpc.embedding.fwd_us, tpc.head.fwd_us, pp, k),
+                                 _ends(tpc.embedding.bwd_us, tpc.head.bwd_us, pp, k)))
+        other_t = other_window + self.other_traffic.exposed(other_window, self.overlap_coe)
+        recompute = np.where(code == 1, n * (b * attn), np.where(code == 2, n * window.fwd_us, 0.0))
+        fwd = n * layer.fwd_us + other_t.fwd_us
+        bwd = n * layer.bwd_us + recompute + other_t.bwd_us
+        p2p_bytes = tokens * m.hidden * m.dtype_bytes / (self.tp if self.layout.sequence_parallel
+                                                          else 1)
+        if pp == 1:
+            boundary = np.zeros((1, k))
+        else:
+            boundary = self.p2p_lines[:, :1] + p2p_bytes[None, :] * self.p2p_lines[:, 1:]
+        inner, wrap = v * boundary[:-1], (v - 1) * boundary[-1:]
+        sends = np.concatenate([inner, wrap]) + np.concatenate([wrap, inner])
+        stored_per_token = np.where(code == 1, n * a_sel, np.where(code == 2, n * a_full,
+                                                                    n * a_none))
+        working = np.where(code == 1, a_none - a_sel, np.where(code == 2, a_none - a_full, 0.0))
+        extra = tokens * working + _ends(0.0, tokens * a_head, pp, k)
+        if self.tp > 1:
+            extra = extra + tp_bytes
+        return PricedMicroBatches(fwd_us=fwd, bwd_us=bwd, boundary_us=boundary,
+                                  stage_time_us=fwd + bwd + sends,
+                                  stored_bytes=tokens * stored_per_token, extra_bytes=extra,
+                                  sync_window_us=n * layer.bwd_us + other_t.bwd_us)
+
+    def alone_bytes(self, priced: PricedMicroBatches) -> np.ndarray:
+        """[p, K]: a stage's memory (bytes) if every in-flight micro-batch were this one."""
+        return (self.static_bytes[:, None] + self.in_flight[:, None] * priced.stored_bytes
+                + priced.extra_bytes)
+
+    def tail_us(self, sync_window_us: np.ndarray) -> np.ndarray:
+        """Per stage: exposed gradient sync after the last backward (whose window is given, 0
+        with no micro-batch) + optimizer step (us)."""
+        return (overlap_extra_us(sync_window_us, self.dp_sync_us, self.overlap_coe)
+                + self.optimizer_us)

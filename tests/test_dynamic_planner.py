@@ -1,0 +1,139 @@
+"""The dynamic micro-batching planner: pricing pinned to the cost model, the exact partition,
+memory under the budget, fast mode, bad input and the baselines."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from orchestrator.errors import ConfigError
+from orchestrator.layout import ParallelLayout
+from orchestrator.planner import HardwareModel, ModelCost, evaluate
+from orchestrator.planner.dynamic import (MicroBatch, MicroBatchCosts, pack_rows, packed_plan,
+                                          padded_plan, partition, plan_iteration, price_candidates,
+                                          price_plan)
+from planner_fixtures import synthetic_hardware, synthetic_model
+
+HW = HardwareModel.from_dict(synthetic_hardware(2, 8))
+MODEL = ModelCost.from_dict(synthetic_model(layers=8))
+GiB = float(1 << 30)
+
+
+def layout(pp=2, tp=2, dp=2, **kw):
+    return ParallelLayout.uniform(pp * tp * dp, tp, pp, MODEL.layers, **kw)
+
+
+@pytest.mark.parametrize("pp,tp,dp,sp,zero,schedule,v", [
+    (2, 2, 2, True, 1, "1f1b", 1), (4, 1, 4, False, 3, "1f1b", 1),
+    (2, 2, 4, False, 2, "interleaved", 2), (1, 4, 2, True, 0, "1f1b", 1)])
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_equal_micro_batches_price_as_the_cost_model(pp, tp, dp, sp, zero, schedule, v, mode):
+    b, m, s = 2, 4, 300
+    lay = layout(pp, tp, dp, zero=zero, sequence_parallel=sp, micro_batch_size=b,
+                 num_micro_batches=m, schedule=schedule, virtual_stages=v, recompute=mode)
+    pred = evaluate(lay, MODEL, HW, seq_len=s, simulate=True)
+    plan = price_plan([[MicroBatch(tuple(range(b)), s, mode)] * m] * dp,
+                      MicroBatchCosts(lay, MODEL, HW), 1e15)
+    assert plan.iteration_time_us == pytest.approx(pred.simulated_iteration_time_us, rel=1e-6)
+    assert max(plan.stage_peak_memory_bytes) == pytest.approx(pred.peak_memory_bytes, rel=1e-6)
+
+
+def brute_force(t_us, fill_drain, groups):
+    """Least sum + fill_drain * max over every split of [0, n) (count % groups == 0)."""
+    n = t_us.shape[0] - 1
+    best = np.inf
+    for cuts in itertools.product((0, 1), repeat=n - 1):
+        bounds = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [n]
+        if (len(bounds) - 1) % groups:
+            continue
+        t = [t_us[i, j] for i, j in zip(bounds, bounds[1:])]
+        best = min(best, sum(t) + fill_drain * max(t))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("pp,schedule", [(1, "1f1b"), (2, "1f1b"), (4, "1f1b"),
+                                         (2, "interleaved")])
+def test_partition_equals_brute_force(seed, pp, schedule):
+    v = 2 if schedule == "interleaved" else 1
+    lay = layout(pp, 1, 1, schedule=schedule, virtual_stages=v, num_micro_batches=pp)
+    costs = MicroBatchCosts(lay, MODEL, HW)
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(4, 11))
+    lengths = np.sort(rng.integers(8, 512, n))
+    # A budget that forbids the largest runs, so the memory rule matters too.
+    budget = float(np.median(costs.alone_bytes(costs.price([n], [512], [0]))))
+    cands = price_candidates(costs, lengths, budget * 0.5 + costs.static_bytes.max() * 0.5)
+    groups = pp if schedule == "interleaved" else 1
+    objective, runs = partition(cands, (pp - 1) / v, groups)
+    assert objective == pytest.approx(brute_force(cands.t_us, (pp - 1) / v, groups), rel=1e-12)
+    t = [cands.t_us[i, j] for i, j in runs]
+    assert sum(t) + (pp - 1) / v * max(t) == pytest.approx(objective, rel=1e-12)
+    assert runs[0][0] == 0 and runs[-1][1] == n and len(runs) % groups == 0
+
+
+def check_valid(plan, lengths_per_rank):
+    """Every kept sample exactly once, no sample longer than its padded length."""
+    skipped = {(r, i) for r, i, _, _ in plan.skipped}
+    for rank, (mbs, lengths) in enumerate(zip(plan.micro_batches, lengths_per_rank)):
+        seen = sorted(i for mb in mbs for i in mb.samples)
+        assert seen == [i for i in range(len(lengths)) if (rank, i) not in skipped]
+        for mb in mbs:
+            assert all(lengths[i] <= mb.padded_len for i in mb.samples)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_plans_stay_under_tight_budgets(fast):
+    lay = layout(2, 2, 2, sequence_parallel=True)
+    costs = MicroBatchCosts(lay, MODEL, HW)
+    rng = np.random.default_rng(1)
+    for trial in range(12):
+        lengths = [np.minimum(rng.lognormal(5.5, 1.0, 12).astype(int) + 1, 2048).tolist()
+                   for _ in range(2)]
+        one = costs.alone_bytes(costs.price([1], [2048], [2])).max()
+        budget = float(one * rng.uniform(1.0, 1.6))
+        plan = plan_iteration(lengths, lay, MODEL, HW, budget, max_seq_len=2048,
+                              fast_mode=fast, costs=costs, on_bad="skip")
+        assert max(plan.stage_peak_memory_bytes) <= budget
+        assert plan.mode == ("fast" if fast else "normal")
+        check_valid(plan, lengths)
+
+
+def test_fast_mode_from_the_environment(monkeypatch):
+    monkeypatch.setenv("ORCHESTRATOR_FAST_MODE", "1")
+    plan = plan_iteration([[100, 30, 400], [5]], layout(), MODEL, HW, 1e12, max_seq_len=512)
+    assert plan.mode == "fast"
+    check_valid(plan, [[100, 30, 400], [5]])
+
+
+def test_bad_samples_are_named_or_skipped():
+    lay = layout()
+    with pytest.raises(ConfigError, match=r"sample 1 of dp rank 0 \(length 600\).*max_seq_len=512"):
+        plan_iteration([[10, 600], [20]], lay, MODEL, HW, 1e12, max_seq_len=512)
+    with pytest.raises(ConfigError, match="empty batch"):
+        plan_iteration([[], []], lay, MODEL, HW, 1e12, max_seq_len=512)
+    costs = MicroBatchCosts(lay, MODEL, HW)
+    static = float(costs.static_bytes.max())
+    with pytest.raises(ConfigError, match="alone with full recompute"):
+        plan_iteration([[10], [20]], lay, MODEL, HW, static, max_seq_len=512)
+    plan = plan_iteration([[10, 600], [700]], lay, MODEL, HW, 1e12, max_seq_len=512,
+                          on_bad="skip")
+    assert [s[:3] for s in plan.skipped] == [(0, 1, 600), (1, 0, 700)]
+    # Rank 1 has nothing left: no micro-batch, its time is its sync and optimizer tail.
+    assert plan.micro_batches[1] == () and plan.micro_batches[0][0].samples == (0,)
+
+
+def test_pack_rows_and_the_baselines():
+    assert pack_rows([300, 300, 100, 512, 10], 512) == [(0,), (1, 2), (3,), (4,)]
+    lay = layout(micro_batch_size=2)
+    lengths = [[300, 300, 100, 512, 10], [50, 60]]
+    packed = packed_plan(lengths, lay, MODEL, HW, 1e12, max_seq_len=512)
+    assert packed.packed_rows[0] == (((0,), (1, 2)), ((3,), (4,)))
+    padded = padded_plan(lengths, lay, MODEL, HW, 1e12, max_seq_len=512)
+    assert [mb.samples for mb in padded.micro_batches[0]] == [(0, 1), (2, 3), (4,)]
+    assert {mb.padded_len for mbs in padded.micro_batches for mb in mbs} == {512}
+    dynamic = plan_iteration(lengths, lay, MODEL, HW, 1e12, max_seq_len=512)
+    # Padding to the batch's longest is never better than padding each run to its own longest.
+    assert dynamic.iteration_time_us <= padded.iteration_time_us
+    assert dynamic.to_dict()["kind"] == "dynamic"
