@@ -122,3 +122,12 @@ class LinkLayout(Choice):
     strided = "strided"
     intra = "intra"
     inter = "inter"
+
+
+class Microbatching(Choice):
+    """How `stage=train` splits an iteration's samples into micro-batches."""
+
+    fixed = "fixed"  # every sample train.seq_len tokens, the layout's equal micro-batches
+    dynamic = "dynamic"  # variable-length samples, a planned split/order/recompute per iteration
+    padded = "padded"  # variable-length samples, the layout's micro-batches padded to the longest
+    packed = "packed"  # variable-length samples packed into rows of train.seq_len tokens

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from orchestrator.choices import (Backend, Dtype, HardwareExport, HardwareSource, LauncherName,
-                                  ModelSource, Recompute, Schedule)
+                                  Microbatching, ModelSource, Recompute, Schedule)
 from orchestrator.models.config import ModelConfig
 from orchestrator.profiling.hardware.benchmarks import BENCHMARKS
 
@@ -187,6 +187,11 @@ class TrainConfig:
     seq_len: Optional[int] = None  # None: the strategy's, else model.seq_len
     dtype: Optional[Dtype] = None  # None: fp32 on gloo, bf16 on nccl (fp16 adds a loss scale)
     data: Optional[str] = None  # a text file or folder (byte-level tokens); None: synthetic
+    # fixed: samples of seq_len tokens; dynamic | padded | packed: variable-length samples
+    # (lognormal lengths, mean length_mean, at most seq_len), split per iteration by the dynamic
+    # planner (planner/dynamic.py; search.fast_mode applies) or by one of its two baselines.
+    microbatching: Microbatching = Microbatching.fixed
+    length_mean: Optional[int] = None  # tokens; None: seq_len / 4
     seed: int = 0
     lr: float = 1e-3
     min_lr_ratio: float = 0.1  # cosine decay to lr * this at the last step
