@@ -64,7 +64,8 @@ def test_partition_equals_brute_force(seed, pp, schedule):
     lengths = np.sort(rng.integers(8, 512, n))
     # A budget that forbids the largest runs, so the memory rule matters too.
     budget = float(np.median(costs.alone_bytes(costs.price([n], [512], [0]))))
-    cands = price_candidates(costs, lengths, budget * 0.5 + costs.static_bytes.max() * 0.5)
+    cands = price_candidates(costs, lengths, lengths,
+                             budget * 0.5 + costs.static_bytes.max() * 0.5, 512)
     groups = pp if schedule == "interleaved" else 1
     objective, runs = partition(cands, (pp - 1) / v, groups)
     assert objective == pytest.approx(brute_force(cands.t_us, (pp - 1) / v, groups), rel=1e-12)
