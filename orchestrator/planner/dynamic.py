@@ -63,11 +63,13 @@ class MicroBatch:
 @dataclass(frozen=True)
 class PlanOptions:
     """pad_multiple: padded lengths are rounded up to it (and to tp under sequence parallelism);
-    normal_adjustments / fast_adjustments: most recompute changes tried per rank."""
+    normal_adjustments / fast_adjustments: most recompute changes tried per rank; fast_splits:
+    fast mode splits the sorted batch only at this many + 1 evenly spread positions."""
 
     pad_multiple: int = 1
     normal_adjustments: int = 64
     fast_adjustments: int = 4
+    fast_splits: int = 64
 
 
 @dataclass(frozen=True)
@@ -210,6 +212,15 @@ def _spread(first: int, last: int, count: int) -> List[int]:
     """Up to `count` indices evenly spread over [first, last], both ends included."""
     return sorted(set(np.linspace(first, last, max(1, min(count, last - first + 1)))
                       .round().astype(int).tolist()))
+
+
+def _token_splits(sorted_padded: np.ndarray, count: int) -> np.ndarray:
+    """At most 2 * (count + 1) split positions in [0, n]: cuts into runs of about equal tokens
+    (long samples get positions of their own, short ones are grouped) and evenly spread ones."""
+    prefix = np.concatenate([[0], np.cumsum(sorted_padded)])
+    cuts = np.searchsorted(prefix, np.linspace(0, prefix[-1], count + 1), side="left")
+    # And evenly by count, so runs of many short samples can still be split.
+    return np.unique(np.concatenate([cuts, _spread(0, len(sorted_padded), count + 1)]))
 
 
 def _open_intervals(sums: np.ndarray, taus: np.ndarray, fill_drain: float,
@@ -403,17 +414,19 @@ def _plan_rank(costs: MicroBatchCosts, lengths: np.ndarray, indices: np.ndarray,
     for attempt in range(8):
         if attempt:  # over the budget: fast mode's adjustment bound gives way to the budget
             steps = options.normal_adjustments
-        cands = price_candidates(costs, lengths[ordered], padded, dp_budget, max_seq_len)
-        objective, runs = partition(cands, fill_drain, groups, fast=fast)
+        cands = price_candidates(costs, lengths[ordered], padded, dp_budget, max_seq_len,
+                                 _token_splits(padded, options.fast_splits) if fast else None)
+        objective, grid_runs = partition(cands, fill_drain, groups, fast=fast)
         if not np.isfinite(objective):
             raise ConfigError(f"no micro-batch split of {len(ordered)} samples fits "
                               f"{layout.schedule} with pp={layout.pp} (interleaved needs a "
                               f"multiple of pp micro-batches): use schedule=1f1b or more samples")
-        search = _RankSearch(costs, np.array([cands.rows[i, j] for i, j in runs]),
-                             np.array([cands.row_len[i, j] for i, j in runs]), budget)
+        runs = [(int(cands.bounds[a]), int(cands.bounds[c])) for a, c in grid_runs]
+        search = _RankSearch(costs, np.array([cands.rows[a, c] for a, c in grid_runs]),
+                             np.array([cands.row_len[a, c] for a, c in grid_runs]), budget)
         best = None
         for order in order_candidates(runs):
-            modes = [int(cands.mode[i, j]) for i, j in runs]
+            modes = [int(cands.mode[a, c]) for a, c in grid_runs]
             time_us, mem, modes = search.adjust(order, modes, steps)
             if best is None or (time_us, mem.max() > budget) < (best[0], best[1].max() > budget):
                 best = (time_us, mem, modes, order)
@@ -423,11 +436,11 @@ def _plan_rank(costs: MicroBatchCosts, lengths: np.ndarray, indices: np.ndarray,
         dp_budget -= float((mem - budget).max())
     mbs, packed = [], []
     for r in order:
-        i, j = runs[r]
+        (i, j), (a, c) = runs[r], grid_runs[r]
         samples = tuple(int(x) for x in ordered[i:j])
-        row_len = int(cands.row_len[i, j])
+        row_len = int(cands.row_len[a, c])
         mbs.append(MicroBatch(samples, row_len, RECOMPUTE_MODES[modes[r]]))
-        packed.append(_rows_of(samples, lengths, row_len) if cands.rows[i, j] < j - i else ())
+        packed.append(_rows_of(samples, lengths, row_len) if cands.rows[a, c] < j - i else ())
     return _RankResult(tuple(mbs), time_us, mem, tuple(packed))
 
 

@@ -9,7 +9,7 @@ from one StageCosts of the layout itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -208,43 +208,46 @@ def pack_rows(lengths: Sequence[int], row_len: int) -> List[Tuple[int, ...]]:
     return rows
 
 
-def row_counts(lengths: np.ndarray, row_len_by_end: np.ndarray) -> np.ndarray:
-    """[n + 1, n + 1]: counts[i, j] = len(pack_rows(lengths[i:j], row_len_by_end[j])) for
-    i < j (0 elsewhere); row_len_by_end[0] is unused. Exact, for every run at once: a row
-    starting at sample k ends where the prefix sums pass its length, and the rows of [i, j)
-    are the jumps from i that stay below j, counted by pointer doubling (O(n^2 log n))."""
+def row_counts(lengths: np.ndarray, row_len_by_end: np.ndarray,
+               bounds: np.ndarray) -> np.ndarray:
+    """[g, g] for the g ascending split positions `bounds` (in [0, n]): counts[a, c] =
+    len(pack_rows(lengths[bounds[a]:bounds[c]], row_len_by_end[c])) for a < c (0 elsewhere;
+    row_len_by_end[0] is unused). Exact, for every run at once: a row starting at sample k
+    ends where the prefix sums pass its length, and the rows of [i, j) are the jumps from i
+    that stay below j, counted by pointer doubling (O(g^2 log n))."""
     n = len(lengths)
     prefix = np.concatenate([[0], np.cumsum(lengths)])
-    starts = np.arange(n + 1)
-    # jump[j, k]: end of the row starting at k under row_len_by_end[j] (one sample at least).
+    # jump[c, k]: end of the row starting at k under row_len_by_end[c] (one sample at least).
     jump = np.searchsorted(prefix, prefix[None, :] + np.asarray(row_len_by_end)[:, None],
                            side="right") - 1
-    jump = np.minimum(np.maximum(jump, starts + 1), n)
+    jump = np.minimum(np.maximum(jump, np.arange(n + 1) + 1), n)
     levels = [jump]
     for _ in range(max(1, n.bit_length()) - 1):
         levels.append(np.take_along_axis(levels[-1], levels[-1], axis=1))
-    end = starts[:, None]
-    cur = np.broadcast_to(starts[None, :], (n + 1, n + 1)).copy()
-    count = np.ones((n + 1, n + 1), dtype=np.int64)
+    g = len(bounds)
+    cur = np.broadcast_to(bounds[None, :], (g, g)).copy()
+    count = np.ones((g, g), dtype=np.int64)
     for level in range(len(levels) - 1, -1, -1):
         nxt = np.take_along_axis(levels[level], cur, axis=1)
-        move = nxt < end
+        move = nxt < bounds[:, None]
         cur = np.where(move, nxt, cur)
         count += move.astype(np.int64) << level
-    return np.where(starts[:, None] < starts[None, :], count.T, 0)
+    return np.where(bounds[:, None] < bounds[None, :], count.T, 0)
 
 
 @dataclass(frozen=True)
 class Candidates:
-    """Every contiguous run [i, j) of a sorted batch of n, as the fastest micro-batch that fits:
-    t_us[i, j] the bottleneck stage's forward + backward (inf: none fits or j <= i), mode[i, j]
-    its recompute code, row_len[i, j] its rows' length (tokens) and rows[i, j] their count
-    (rows == j - i: one sample per row, padded; fewer: samples packed into rows)."""
+    """Every run [bounds[a], bounds[c]) of a sorted batch of n between split positions `bounds`
+    (default all of 0..n), as the fastest micro-batch that fits: t_us[a, c] the bottleneck
+    stage's forward + backward (inf: none fits or c <= a), mode[a, c] its recompute code,
+    row_len[a, c] its rows' length (tokens) and rows[a, c] their count (as many as samples:
+    one sample per row, padded; fewer: samples packed into rows)."""
 
     t_us: np.ndarray
     mode: np.ndarray
     row_len: np.ndarray
     rows: np.ndarray
+    bounds: np.ndarray
 
 
 def fastest_fitting(costs: MicroBatchCosts, b: np.ndarray, s: np.ndarray,
@@ -267,16 +270,21 @@ def fastest_fitting(costs: MicroBatchCosts, b: np.ndarray, s: np.ndarray,
 
 
 def price_candidates(costs: MicroBatchCosts, sorted_lengths: np.ndarray,
-                     sorted_padded: np.ndarray, budget: float, max_seq_len: int) -> Candidates:
-    """Every run [i, j) of the ascending lengths (sorted_padded: each rounded up), priced as
-    its samples packed by pack_rows into rows of the run's padded length (at worst one sample
-    per row: padded) or into rows of max_seq_len, whichever is faster; each row is priced as
-    one sequence of its length (attention over the whole row)."""
+                     sorted_padded: np.ndarray, budget: float, max_seq_len: int,
+                     bounds: Optional[np.ndarray] = None) -> Candidates:
+    """Every run between split positions `bounds` (default 0..n) of the ascending lengths
+    (sorted_padded: each rounded up), priced as its samples packed by pack_rows into rows of
+    the run's padded length (at worst one sample per row: padded) or into rows of
+    max_seq_len, whichever is faster; each row is priced as one sequence of its length
+    (attention over the whole row)."""
     n = len(sorted_padded)
-    i, j = np.triu_indices(n + 1, k=1)
-    own_len = sorted_padded[j - 1]
-    own_rows = row_counts(sorted_lengths, np.concatenate([[0], sorted_padded]))[i, j]
-    long_rows = row_counts(sorted_lengths, np.full(n + 1, max_seq_len))[i, j]
+    bounds = np.arange(n + 1) if bounds is None else np.asarray(bounds)
+    g = len(bounds)
+    a, c = np.triu_indices(g, k=1)
+    own_len = sorted_padded[bounds[c] - 1]
+    own_caps = np.concatenate([[0], sorted_padded[bounds[1:] - 1]])
+    own_rows = row_counts(sorted_lengths, own_caps, bounds)[a, c]
+    long_rows = row_counts(sorted_lengths, np.full(g, max_seq_len), bounds)[a, c]
     # Many runs share (rows, length): price each pair once.
     pairs, inverse = np.unique(own_rows * (max_seq_len + 1) + own_len, return_inverse=True)
     t_own, mode_own = fastest_fitting(costs, pairs // (max_seq_len + 1),
@@ -286,12 +294,11 @@ def price_candidates(costs: MicroBatchCosts, sorted_lengths: np.ndarray,
     t_own, mode_own = t_own[inverse], mode_own[inverse]
     t_long, mode_long = t_long[long_rows - 1], mode_long[long_rows - 1]
     use_long = t_long < t_own
-    out = [np.zeros((n + 1, n + 1), dtype=dtype) for dtype in (float, np.int64, np.int64,
-                                                                np.int64)]
+    out = [np.zeros((g, g), dtype=dtype) for dtype in (float, np.int64, np.int64, np.int64)]
     out[0][:] = np.inf
     for array, values in zip(out, (np.where(use_long, t_long, t_own),
                                    np.where(use_long, mode_long, mode_own),
                                    np.where(use_long, max_seq_len, own_len),
                                    np.where(use_long, long_rows, own_rows))):
-        array[i, j] = values
-    return Candidates(*out)
+        array[a, c] = values
+    return Candidates(*out, bounds=bounds)
