@@ -13,6 +13,7 @@ from orchestrator.planner import HardwareModel, ModelCost, evaluate
 from orchestrator.planner.dynamic import (MicroBatch, MicroBatchCosts, pack_rows, packed_plan,
                                           padded_plan, partition, plan_iteration, price_candidates,
                                           price_plan)
+from orchestrator.planner.microbatch_costs import row_counts
 from planner_fixtures import synthetic_hardware, synthetic_model
 
 HW = HardwareModel.from_dict(synthetic_hardware(2, 8))
@@ -64,7 +65,8 @@ def test_partition_equals_brute_force(seed, pp, schedule):
     lengths = np.sort(rng.integers(8, 512, n))
     # A budget that forbids the largest runs, so the memory rule matters too.
     budget = float(np.median(costs.alone_bytes(costs.price([n], [512], [0]))))
-    cands = price_candidates(costs, lengths, budget * 0.5 + costs.static_bytes.max() * 0.5)
+    cands = price_candidates(costs, lengths, lengths,
+                             budget * 0.5 + costs.static_bytes.max() * 0.5, 512)
     groups = pp if schedule == "interleaved" else 1
     objective, runs = partition(cands, (pp - 1) / v, groups)
     assert objective == pytest.approx(brute_force(cands.t_us, (pp - 1) / v, groups), rel=1e-12)
@@ -137,3 +139,37 @@ def test_pack_rows_and_the_baselines():
     # Padding to the batch's longest is never better than padding each run to its own longest.
     assert dynamic.iteration_time_us <= padded.iteration_time_us
     assert dynamic.to_dict()["kind"] == "dynamic"
+
+
+def test_row_counts_equal_pack_rows_for_every_run():
+    # By hand: rows of 10 over [3, 4, 5, 6]: [0, 4) -> (3, 4), (5,), (6,); [1, 4) -> (4, 5), (6,).
+    counts = row_counts(np.array([3, 4, 5, 6]), np.full(5, 10), np.arange(5))
+    assert counts[0, 4] == 3 and counts[1, 4] == 2 and counts[0, 2] == 1 and counts[3, 2] == 0
+    rng = np.random.default_rng(0)
+    lengths = np.sort(rng.integers(1, 300, 40))
+    caps = np.concatenate([[0], lengths + rng.integers(0, 200, 40)])
+    counts = row_counts(lengths, caps, np.arange(41))
+    for i in range(40):
+        for j in range(i + 1, 41):
+            assert counts[i, j] == len(pack_rows(lengths[i:j].tolist(), caps[j]))
+
+
+def test_dynamic_packs_many_short_samples_and_beats_both_baselines():
+    lay = layout(2, 1, 1, micro_batch_size=1)
+    rng = np.random.default_rng(3)
+    lengths = [np.clip(rng.lognormal(np.log(40), 1.0, 48).astype(int), 1, 512).tolist()]
+    plan = plan_iteration(lengths, lay, MODEL, HW, 1e12, max_seq_len=512)
+    check_valid(plan, lengths)
+    rows = plan.packed_rows[0]
+    assert len(rows) == len(plan.micro_batches[0]) and any(rows)
+    for mb, mb_rows in zip(plan.micro_batches[0], rows):
+        if mb_rows:  # every sample once, each row within the micro-batch's row length
+            assert sorted(x for row in mb_rows for x in row) == sorted(mb.samples)
+            assert all(sum(lengths[0][x] for x in row) <= mb.padded_len for row in mb_rows)
+    # Re-pricing the plan's own micro-batches and rows gives its time.
+    again = price_plan(plan.micro_batches, MicroBatchCosts(lay, MODEL, HW), 1e12,
+                       packed_rows=plan.packed_rows)
+    assert again.iteration_time_us == pytest.approx(plan.iteration_time_us, rel=1e-9)
+    for baseline in (padded_plan, packed_plan):
+        other = baseline(lengths, lay, MODEL, HW, 1e12, max_seq_len=512)
+        assert plan.iteration_time_us <= other.iteration_time_us

@@ -5,15 +5,16 @@ picks each one's recompute, priced by the cost model's terms (planner/microbatch
 the event simulation (planner/schedule.py); padded_plan() and packed_plan() are the two fixed
 baselines, priced the same way.
 
-Partition (exact): a micro-batch is a contiguous run of the length-sorted batch padded to its
-longest; the objective sum_i t_i + c max_i t_i (t_i: the bottleneck stage's forward + backward
-of micro-batch i, c = (p - 1) / v: the fill and drain) is minimised by a dynamic programme over
-split points for each candidate bound tau on the max (sum under t_i <= tau, plus c tau),
-thresholds tried in increasing order until the unconstrained sum plus c tau cannot win. A
-micro-batch is allowed when, with the stage's worst-case in-flight count of copies of it, every
-stage fits the budget; it takes the fastest recompute that does. Then order candidates and
-recompute adjustments go through the simulation, whose in-flight peak is the memory the plan
-reports (and keeps under the budget).
+Partition (exact): a micro-batch is a contiguous run of the length-sorted batch, either padded
+to its longest or packed into rows (ExecutionPlan.packed_rows), whichever is faster
+(microbatch_costs.price_candidates); the objective sum_i t_i + c max_i t_i (t_i: the bottleneck
+stage's forward + backward of micro-batch i, c = (p - 1) / v: the fill and drain) is minimised
+by a dynamic programme over split points for each candidate bound tau on the max (sum under
+t_i <= tau, plus c tau), thresholds refined until no gap between them can win (fast mode: 16
+spread thresholds). A micro-batch is allowed when, with the stage's worst-case in-flight count
+of copies of it, every stage fits the budget; it takes the fastest recompute that does. Then
+order candidates and recompute adjustments go through the simulation, whose in-flight peak is
+the memory the plan reports (and keeps under the budget).
 """
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ import numpy as np
 from orchestrator.errors import ConfigError
 from orchestrator.layout import ParallelLayout
 from orchestrator.planner.cost_model import GiB
-from orchestrator.planner.microbatch_costs import MicroBatchCosts, PricedMicroBatches
+from orchestrator.planner.microbatch_costs import (Candidates, MicroBatchCosts,
+                                                   PricedMicroBatches, pack_rows, padded_length,
+                                                   price_candidates)
 from orchestrator.planner.profiles import HardwareModel, ModelCost
 from orchestrator.planner.schedule import simulate
 
@@ -40,7 +43,8 @@ class MicroBatch:
     """One micro-batch of a plan: `samples` index this data-parallel rank's sequences of the
     iteration (in the order given to the planner), each padded to `padded_len` tokens;
     `recompute` ("none" | "selective" | "full": every layer of every stage) applies to this
-    micro-batch on every pipeline stage."""
+    micro-batch on every pipeline stage. How the samples lie in rows (one per row, or packed)
+    is the plan's packed_rows."""
 
     samples: Tuple[int, ...]
     padded_len: int
@@ -59,11 +63,13 @@ class MicroBatch:
 @dataclass(frozen=True)
 class PlanOptions:
     """pad_multiple: padded lengths are rounded up to it (and to tp under sequence parallelism);
-    normal_adjustments / fast_adjustments: most recompute changes tried per rank."""
+    normal_adjustments / fast_adjustments: most recompute changes tried per rank; fast_splits:
+    fast mode splits the sorted batch only at this many + 1 evenly spread positions."""
 
     pad_multiple: int = 1
     normal_adjustments: int = 64
     fast_adjustments: int = 4
+    fast_splits: int = 64
 
 
 @dataclass(frozen=True)
@@ -73,8 +79,10 @@ class ExecutionPlan:
     gradient sync and optimizer tail, us); stage_peak_memory_bytes[j]: stage j's peak over the
     ranks (static + in-flight activations + buffers + reserve, bytes); kind: "dynamic",
     "padded" or "packed"; mode: "normal" | "fast"; planning_ms: wall time to plan; skipped:
-    (rank, index, length, reason) of each sample left out; packed_rows[r][i]: for "packed",
-    micro-batch i's rows as tuples of sample indices (each row is one max_seq_len sequence)."""
+    (rank, index, length, reason) of each sample left out; packed_rows[r][i]: micro-batch i's
+    rows as tuples of sample indices, each row one sequence of padded_len tokens (the samples
+    concatenated, then padding; attention over the whole row), or () when each sample is its
+    own row (padded)."""
 
     micro_batches: Tuple[Tuple[MicroBatch, ...], ...]
     schedule: str
@@ -116,6 +124,7 @@ class _RankResult:
     micro_batches: Tuple[MicroBatch, ...]
     time_us: float
     stage_bytes: np.ndarray
+    packed_rows: Tuple[Tuple[Tuple[int, ...], ...], ...]
 
 
 def simulate_rank(costs: MicroBatchCosts, priced: PricedMicroBatches) -> Tuple[float, np.ndarray]:
@@ -135,15 +144,16 @@ def simulate_rank(costs: MicroBatchCosts, priced: PricedMicroBatches) -> Tuple[f
 
 
 def _price_micro_batches(costs: MicroBatchCosts, mbs: Sequence[MicroBatch],
-                         rows: Optional[Sequence[int]] = None) -> PricedMicroBatches:
-    """Price micro-batches as they are (rows[i]: sequences of micro-batch i, default its size)."""
-    b = [mb.size for mb in mbs] if rows is None else list(rows)
+                         packed_rows: Sequence[Tuple]) -> PricedMicroBatches:
+    """Price micro-batches as they are: packed_rows[i] micro-batch i's rows (() one per
+    sample)."""
+    b = [len(rows) or mb.size for mb, rows in zip(mbs, packed_rows)]
     return costs.price(b, [mb.padded_len for mb in mbs],
                        [RECOMPUTE_MODES.index(mb.recompute) for mb in mbs])
 
 
 def _make_plan(costs: MicroBatchCosts, results: Sequence[_RankResult], budget: float, kind: str,
-               mode: str, t0: float, skipped=(), packed_rows=()) -> ExecutionPlan:
+               mode: str, t0: float, skipped=()) -> ExecutionPlan:
     times = tuple(r.time_us for r in results)
     peak = np.max(np.array([r.stage_bytes for r in results]), axis=0)
     return ExecutionPlan(micro_batches=tuple(r.micro_batches for r in results),
@@ -151,59 +161,32 @@ def _make_plan(costs: MicroBatchCosts, results: Sequence[_RankResult], budget: f
                          rank_time_us=times, stage_peak_memory_bytes=tuple(peak.tolist()),
                          memory_budget_bytes=float(budget), kind=kind, mode=mode,
                          planning_ms=(time.perf_counter() - t0) * 1e3, skipped=tuple(skipped),
-                         packed_rows=tuple(packed_rows))
+                         packed_rows=tuple(r.packed_rows for r in results))
 
 
 def price_plan(micro_batches_per_rank: Sequence[Sequence[MicroBatch]], costs: MicroBatchCosts,
-               memory_budget_bytes: float, kind: str = "dynamic") -> ExecutionPlan:
-    """The ExecutionPlan of given micro-batches (in execution order, per dp rank), priced and
-    simulated as plan_iteration prices its own."""
+               memory_budget_bytes: float, kind: str = "dynamic",
+               packed_rows: Optional[Sequence[Sequence[Tuple]]] = None) -> ExecutionPlan:
+    """The ExecutionPlan of given micro-batches (in execution order, per dp rank; packed_rows
+    as ExecutionPlan's, default every sample its own row), priced and simulated as
+    plan_iteration prices its own."""
     t0 = time.perf_counter()
-    results = []
-    for mbs in micro_batches_per_rank:
-        t, mem = simulate_rank(costs, _price_micro_batches(costs, mbs))
-        results.append(_RankResult(tuple(mbs), t, mem))
+    if packed_rows is None:
+        packed_rows = [[()] * len(mbs) for mbs in micro_batches_per_rank]
+    results = _price_ranks(costs, micro_batches_per_rank, packed_rows)
     return _make_plan(costs, results, memory_budget_bytes, kind, "normal", t0)
 
 
+def _price_ranks(costs: MicroBatchCosts, micro_batches_per_rank, packed_rows) -> List[_RankResult]:
+    """Each rank's micro-batches (and rows) priced and simulated."""
+    results = []
+    for mbs, rows in zip(micro_batches_per_rank, packed_rows):
+        t, mem = simulate_rank(costs, _price_micro_batches(costs, mbs, rows))
+        results.append(_RankResult(tuple(mbs), t, mem, tuple(tuple(r) for r in rows)))
+    return results
+
+
 # ====================================================================== partition
-def padded_length(length, multiple: int, max_seq_len: int):
-    """Length rounded up to `multiple`, never above max_seq_len (ints or numpy arrays)."""
-    return np.minimum(-(-np.asarray(length) // multiple) * multiple, max_seq_len)
-
-
-@dataclass(frozen=True)
-class Candidates:
-    """Every contiguous run [i, j) of a sorted batch of n: t_us[i, j] the bottleneck stage's
-    time with the fastest recompute that fits (inf: none fits or j <= i), mode[i, j] its code."""
-
-    t_us: np.ndarray
-    mode: np.ndarray
-    padded_len: np.ndarray
-
-
-def price_candidates(costs: MicroBatchCosts, sorted_padded: np.ndarray,
-                     budget: float) -> Candidates:
-    """Price every run [i, j) of the ascending padded lengths under every recompute mode; keep
-    the fastest that fits (MicroBatchCosts.alone_bytes on every stage)."""
-    n = len(sorted_padded)
-    i, j = np.triu_indices(n + 1, k=1)
-    b, s = j - i, sorted_padded[j - 1]
-    k = len(i)
-    priced = costs.price(np.tile(b, 3), np.tile(s, 3), np.repeat(np.arange(3), k))
-    t = priced.stage_time_us.max(axis=0).reshape(3, k)
-    fits = (costs.alone_bytes(priced) <= budget).all(axis=0).reshape(3, k)
-    t = np.where(fits, t, np.inf)
-    best = np.argmin(t, axis=0)
-    t_us = np.full((n + 1, n + 1), np.inf)
-    mode = np.zeros((n + 1, n + 1), dtype=int)
-    t_us[i, j] = t[best, np.arange(k)]
-    mode[i, j] = best
-    padded = np.zeros((n + 1, n + 1), dtype=int)
-    padded[i, j] = s
-    return Candidates(t_us, mode, padded)
-
-
 def _min_sum(t_us: np.ndarray, taus: np.ndarray, groups: int):
     """For each bound tau: the least sum of t over partitions of [0, n) into runs with t <= tau
     whose count is a multiple of `groups` (dp[T, n + 1, groups], state = count mod groups).
@@ -211,46 +194,91 @@ def _min_sum(t_us: np.ndarray, taus: np.ndarray, groups: int):
     n = t_us.shape[0] - 1
     dp = np.full((len(taus), n + 1, groups), np.inf)
     dp[:, 0, 0] = 0.0
-    masked = np.where(t_us[None] <= taus[:, None, None], t_us[None], np.inf)
+    by_end = t_us.T  # by_end[j, i] = t[i, j]: the runs ending at j, contiguous
+    one_more = (np.arange(groups) - 1) % groups  # a run more: count mod groups + 1
     for j in range(1, n + 1):
-        best = (dp[:, :j, :] + masked[:, :j, j][:, :, None]).min(axis=1)
-        dp[:, j, :] = np.roll(best, 1, axis=-1)  # one more run: count mod groups + 1
+        finite = np.flatnonzero(np.isfinite(by_end[j, :j]))
+        if not len(finite):
+            continue
+        lo = finite[0]  # long runs do not fit memory: skip them
+        t = by_end[j, lo:j]
+        masked = np.where(t[None, :] <= taus[:, None], t[None, :], np.inf)
+        best = (dp[:, lo:j, :] + masked[:, :, None]).min(axis=1)
+        dp[:, j, :] = best[:, one_more]
     return dp[:, n, 0], dp
 
 
-def partition(cands: Candidates, fill_drain: float, groups: int = 1,
-              batch: int = 16) -> Tuple[float, List[Tuple[int, int]]]:
-    """Exact minimum of sum_i t_i + fill_drain * max_i t_i over partitions of the sorted batch
-    into runs [i, j) (count a multiple of `groups`); returns (objective_us, runs). (inf, [])
-    when no partition fits."""
+def _spread(first: int, last: int, count: int) -> List[int]:
+    """Up to `count` indices evenly spread over [first, last], both ends included."""
+    return sorted(set(np.linspace(first, last, max(1, min(count, last - first + 1)))
+                      .round().astype(int).tolist()))
+
+
+def _token_splits(sorted_padded: np.ndarray, count: int) -> np.ndarray:
+    """At most 2 * (count + 1) split positions in [0, n]: cuts into runs of about equal tokens
+    (long samples get positions of their own, short ones are grouped) and evenly spread ones."""
+    prefix = np.concatenate([[0], np.cumsum(sorted_padded)])
+    cuts = np.searchsorted(prefix, np.linspace(0, prefix[-1], count + 1), side="left")
+    # And evenly by count, so runs of many short samples can still be split.
+    return np.unique(np.concatenate([cuts, _spread(0, len(sorted_padded), count + 1)]))
+
+
+def _open_intervals(sums: np.ndarray, taus: np.ndarray, fill_drain: float,
+                    best: float) -> List[Tuple[float, int, int]]:
+    """(lower bound, a, b) of each gap between evaluated thresholds a < b that could still beat
+    `best`: sums only fall as tau grows, so inside (a, b) the objective is at least
+    sums[b] + fill_drain * taus[a + 1]."""
+    done = np.flatnonzero(~np.isnan(sums))
+    gaps = []
+    for a, b in zip(done, done[1:]):
+        if b - a > 1:
+            lower = sums[b] + fill_drain * taus[a + 1]
+            if lower < best:
+                gaps.append((float(lower), int(a), int(b)))
+    return sorted(gaps)
+
+
+def partition(cands: Candidates, fill_drain: float, groups: int = 1, batch: int = 16,
+              fast: bool = False) -> Tuple[float, List[Tuple[int, int]]]:
+    """Minimum of sum_i t_i + fill_drain * max_i t_i over partitions of the sorted batch into
+    runs [i, j) (count a multiple of `groups`); returns (objective_us, runs), (inf, []) when no
+    partition fits. The bound tau on the max is searched over the candidate times: `batch`
+    spread thresholds first, then the gaps whose lower bound can still win, until none is left
+    (exact). fast: the first `batch` thresholds only."""
     t = cands.t_us
     n = t.shape[0] - 1
     if n == 0:
         return 0.0, []
     finite = np.unique(t[np.isfinite(t)])
-    singles = t[np.arange(n), np.arange(1, n + 1)]
-    # Every sample sits in some run, and a run is never faster than its longest sample alone.
-    taus = finite[finite >= singles.max()] if fill_drain > 0 else finite[-1:]
-    lower, _ = _min_sum(t, finite[-1:], groups)
-    best, best_tau = np.inf, None
-    for start in range(0, len(taus), batch):
-        chunk = taus[start:start + batch]
-        if lower[0] + fill_drain * chunk[0] >= best:
-            break  # sums only fall as tau grows, by no more than down to `lower`
-        sums, _ = _min_sum(t, chunk, groups)
-        objective = sums + fill_drain * chunk
+    # Every sample k sits in some run [i, j) with i <= k < j: the max is at least the fastest.
+    later = np.minimum.accumulate(t[:, ::-1], axis=1)[:, ::-1]  # later[i, j]: min over j' >= j
+    floor = np.minimum.accumulate(later[:n, 1:], axis=0)[np.arange(n), np.arange(n)].max()
+    taus = finite[finite >= floor] if fill_drain > 0 else finite[-1:]
+    if not len(taus):
+        return np.inf, []
+    sums = np.full(len(taus), np.nan)
+    best, best_k, best_dp = np.inf, -1, None
+    pick = _spread(0, len(taus) - 1, batch)
+    while pick:
+        found, dp = _min_sum(t, taus[pick], groups)
+        sums[pick] = found
+        objective = found + fill_drain * taus[pick]
         k = int(np.argmin(objective))
         if objective[k] < best:
-            best, best_tau = float(objective[k]), chunk[k]
-    if best_tau is None:
+            best, best_k, best_dp = float(objective[k]), pick[k], dp[k]
+        if fast:
+            break
+        gaps = _open_intervals(sums, taus, fill_drain, best)
+        share = max(1, batch // max(1, len(gaps)))
+        pick = sorted({x for _, a, b in gaps[:batch] for x in _spread(a + 1, b - 1, share)})
+    if best_k < 0:
         return np.inf, []
-    return best, _backtrack(t, best_tau, groups)
+    return best, _backtrack(t, taus[best_k], groups, best_dp)
 
 
-def _backtrack(t_us: np.ndarray, tau: float, groups: int) -> List[Tuple[int, int]]:
-    """The runs of the least-sum partition under bound tau."""
-    _, dp = _min_sum(t_us, np.array([tau]), groups)
-    dp = dp[0]
+def _backtrack(t_us: np.ndarray, tau: float, groups: int,
+               dp: np.ndarray) -> List[Tuple[int, int]]:
+    """The runs of the least-sum partition under bound tau (dp: _min_sum's for tau)."""
     masked = np.where(t_us <= tau, t_us, np.inf)
     runs, j, c = [], t_us.shape[0] - 1, 0
     while j > 0:
@@ -262,14 +290,14 @@ def _backtrack(t_us: np.ndarray, tau: float, groups: int) -> List[Tuple[int, int
 
 
 # ====================================================================== order and recompute
-def order_candidates(runs: Sequence[Tuple[int, int]], fast: bool) -> List[List[int]]:
+def order_candidates(runs: Sequence[Tuple[int, int]]) -> List[List[int]]:
     """Orders of the runs (indices into `runs`, which ascend in length) to simulate: as
     partitioned, longest first, shortest first then the longest, and long/short alternating
-    (DynaPipe-style: a long micro-batch's backward hides under short forwards). Fast: the
-    first only."""
+    (DynaPipe-style: a long micro-batch's backward hides under short forwards). No one order
+    wins often enough (up to ~10% apart under pp4), so fast mode tries them too."""
     m = len(runs)
     ascending = list(range(m))
-    if fast or m <= 1:
+    if m <= 1:
         return [ascending]
     alternating = [x for pair in zip(ascending[::-1], ascending) for x in pair][:m]
     seen, orders = set(), []
@@ -282,14 +310,15 @@ def order_candidates(runs: Sequence[Tuple[int, int]], fast: bool) -> List[List[i
 
 
 class _RankSearch:
-    """Order and recompute of one rank's runs through the simulation. The three recompute modes
-    of every run are priced once; a candidate is (order, modes)."""
+    """Order and recompute of one rank's runs (rows[r] rows of row_len[r] tokens) through the
+    simulation. The three recompute modes of every run are priced once; a candidate is
+    (order, modes)."""
 
-    def __init__(self, costs: MicroBatchCosts, runs, padded_len: np.ndarray, budget: float):
+    def __init__(self, costs: MicroBatchCosts, rows: np.ndarray, row_len: np.ndarray,
+                 budget: float):
         self.costs, self.budget = costs, budget
-        m = len(runs)
-        b = [j - i for i, j in runs]
-        self.all_modes = costs.price(np.tile(b, 3), np.tile(padded_len, 3),
+        m = len(rows)
+        self.all_modes = costs.price(np.tile(rows, 3), np.tile(row_len, 3),
                                      np.repeat(np.arange(3), m))
         self.m = m
 
@@ -385,17 +414,19 @@ def _plan_rank(costs: MicroBatchCosts, lengths: np.ndarray, indices: np.ndarray,
     for attempt in range(8):
         if attempt:  # over the budget: fast mode's adjustment bound gives way to the budget
             steps = options.normal_adjustments
-        cands = price_candidates(costs, padded, dp_budget)
-        objective, runs = partition(cands, fill_drain, groups)
+        cands = price_candidates(costs, lengths[ordered], padded, dp_budget, max_seq_len,
+                                 _token_splits(padded, options.fast_splits) if fast else None)
+        objective, grid_runs = partition(cands, fill_drain, groups, fast=fast)
         if not np.isfinite(objective):
             raise ConfigError(f"no micro-batch split of {len(ordered)} samples fits "
                               f"{layout.schedule} with pp={layout.pp} (interleaved needs a "
                               f"multiple of pp micro-batches): use schedule=1f1b or more samples")
-        search = _RankSearch(costs, runs, np.array([cands.padded_len[i, j] for i, j in runs]),
-                             budget)
+        runs = [(int(cands.bounds[a]), int(cands.bounds[c])) for a, c in grid_runs]
+        search = _RankSearch(costs, np.array([cands.rows[a, c] for a, c in grid_runs]),
+                             np.array([cands.row_len[a, c] for a, c in grid_runs]), budget)
         best = None
-        for order in order_candidates(runs, fast):
-            modes = [int(cands.mode[i, j]) for i, j in runs]
+        for order in order_candidates(runs):
+            modes = [int(cands.mode[a, c]) for a, c in grid_runs]
             time_us, mem, modes = search.adjust(order, modes, steps)
             if best is None or (time_us, mem.max() > budget) < (best[0], best[1].max() > budget):
                 best = (time_us, mem, modes, order)
@@ -403,9 +434,21 @@ def _plan_rank(costs: MicroBatchCosts, lengths: np.ndarray, indices: np.ndarray,
         if (mem <= budget).all():
             break
         dp_budget -= float((mem - budget).max())
-    mbs = tuple(MicroBatch(tuple(int(x) for x in ordered[runs[r][0]:runs[r][1]]),
-                           int(padded[runs[r][1] - 1]), RECOMPUTE_MODES[modes[r]]) for r in order)
-    return _RankResult(mbs, time_us, mem)
+    mbs, packed = [], []
+    for r in order:
+        (i, j), (a, c) = runs[r], grid_runs[r]
+        samples = tuple(int(x) for x in ordered[i:j])
+        row_len = int(cands.row_len[a, c])
+        mbs.append(MicroBatch(samples, row_len, RECOMPUTE_MODES[modes[r]]))
+        packed.append(_rows_of(samples, lengths, row_len) if cands.rows[a, c] < j - i else ())
+    return _RankResult(tuple(mbs), time_us, mem, tuple(packed))
+
+
+def _rows_of(samples: Tuple[int, ...], lengths: np.ndarray,
+             row_len: int) -> Tuple[Tuple[int, ...], ...]:
+    """The samples (indices into lengths) packed into rows of row_len tokens by pack_rows."""
+    return tuple(tuple(samples[k] for k in row)
+                 for row in pack_rows(lengths[list(samples)].tolist(), row_len))
 
 
 def plan_iteration(lengths_per_rank: Sequence[Sequence[int]], layout: ParallelLayout,
@@ -445,6 +488,9 @@ def plan_iteration(lengths_per_rank: Sequence[Sequence[int]], layout: ParallelLa
                         dtype=np.int64)
         results.append(_plan_rank(costs, lengths, keep, memory_budget_bytes, max_seq_len,
                                   multiple, fast, options))
+    if not bad:
+        results = _keep_faster_baselines(costs, results, lengths_per_rank, memory_budget_bytes,
+                                         max_seq_len)
     return _make_plan(costs, results, memory_budget_bytes, "dynamic",
                       "fast" if fast else "normal", t0, skipped=bad)
 
@@ -455,6 +501,45 @@ def _baseline_mode(layout: ParallelLayout) -> str:
     return max((mode for mode, _ in layout.recompute), key=RECOMPUTE_MODES.index)
 
 
+def _keep_faster_baselines(costs: MicroBatchCosts, results: List[_RankResult],
+                           lengths_per_rank, budget: float, max_seq_len: int) -> List[_RankResult]:
+    """Per rank, the padded or packed baseline's micro-batches where they are faster and fit
+    the budget: the partition's objective only approximates the simulation, and it packs in
+    sorted order, which can need more rows than data order."""
+    layout = costs.layout
+    for build in (_padded_micro_batches, _packed_micro_batches):
+        mbs, packed = build(lengths_per_rank, layout, max_seq_len)
+        if layout.schedule == "interleaved" and any(len(x) % layout.pp for x in mbs):
+            continue  # interleaving needs a multiple of pp micro-batches
+        for rank, other in enumerate(_price_ranks(costs, mbs, packed)):
+            if other.time_us < results[rank].time_us and (other.stage_bytes <= budget).all():
+                results[rank] = other
+    return results
+
+
+def _padded_micro_batches(lengths_per_rank, layout: ParallelLayout, max_seq_len: int):
+    """(micro-batches, rows) per rank of the padded baseline (padded_plan)."""
+    longest = max((max(x) for x in lengths_per_rank if len(x)), default=1)
+    padded = int(padded_length(longest, _pad_multiple(layout, PlanOptions()), max_seq_len))
+    mode, size = _baseline_mode(layout), layout.micro_batch_size
+    mbs = [[MicroBatch(tuple(range(i, min(i + size, len(x)))), padded, mode)
+            for i in range(0, len(x), size)] for x in lengths_per_rank]
+    return mbs, [[()] * len(x) for x in mbs]
+
+
+def _packed_micro_batches(lengths_per_rank, layout: ParallelLayout, max_seq_len: int):
+    """(micro-batches, rows) per rank of the packed baseline (packed_plan)."""
+    mode, size = _baseline_mode(layout), layout.micro_batch_size
+    mbs, packed = [], []
+    for lengths in lengths_per_rank:
+        rows = pack_rows(lengths, max_seq_len)
+        groups = [tuple(rows[i:i + size]) for i in range(0, len(rows), size)]
+        mbs.append([MicroBatch(tuple(x for row in g for x in row), max_seq_len, mode)
+                    for g in groups])
+        packed.append(groups)
+    return mbs, packed
+
+
 def padded_plan(lengths_per_rank: Sequence[Sequence[int]], layout: ParallelLayout,
                 model: ModelCost, hardware: HardwareModel, memory_budget_bytes: float, *,
                 max_seq_len: int, costs: Optional[MicroBatchCosts] = None) -> ExecutionPlan:
@@ -462,27 +547,8 @@ def padded_plan(lengths_per_rank: Sequence[Sequence[int]], layout: ParallelLayou
     padded to the longest sequence of the whole batch (a multiple of tp under sequence
     parallelism), the layout's recompute; priced like plan_iteration."""
     costs = costs or MicroBatchCosts(layout, model, hardware)
-    longest = max((max(x) for x in lengths_per_rank if len(x)), default=1)
-    padded = int(padded_length(longest, _pad_multiple(layout, PlanOptions()), max_seq_len))
-    mode, size = _baseline_mode(layout), layout.micro_batch_size
-    mbs = [[MicroBatch(tuple(range(i, min(i + size, len(x)))), padded, mode)
-            for i in range(0, len(x), size)] for x in lengths_per_rank]
-    return price_plan(mbs, costs, memory_budget_bytes, kind="padded")
-
-
-def pack_rows(lengths: Sequence[int], max_seq_len: int) -> List[Tuple[int, ...]]:
-    """Samples in data order concatenated into rows of at most max_seq_len tokens; a sample
-    longer than what is left of a row starts a new row (no splitting)."""
-    rows, row, used = [], [], 0
-    for index, length in enumerate(lengths):
-        if row and used + length > max_seq_len:
-            rows.append(tuple(row))
-            row, used = [], 0
-        row.append(index)
-        used += length
-    if row:
-        rows.append(tuple(row))
-    return rows
+    mbs, packed = _padded_micro_batches(lengths_per_rank, layout, max_seq_len)
+    return price_plan(mbs, costs, memory_budget_bytes, kind="padded", packed_rows=packed)
 
 
 def packed_plan(lengths_per_rank: Sequence[Sequence[int]], layout: ParallelLayout,
@@ -491,17 +557,6 @@ def packed_plan(lengths_per_rank: Sequence[Sequence[int]], layout: ParallelLayou
     """Baseline: samples packed into rows of max_seq_len tokens (pack_rows), micro-batches of
     layout.micro_batch_size rows, each row priced as one max_seq_len sequence (attention over
     the whole row), the layout's recompute."""
-    t0 = time.perf_counter()
     costs = costs or MicroBatchCosts(layout, model, hardware)
-    mode, size = _baseline_mode(layout), layout.micro_batch_size
-    results, packed = [], []
-    for lengths in lengths_per_rank:
-        rows = pack_rows(lengths, max_seq_len)
-        groups = [tuple(rows[i:i + size]) for i in range(0, len(rows), size)]
-        mbs = tuple(MicroBatch(tuple(x for row in g for x in row), max_seq_len, mode)
-                    for g in groups)
-        t, mem = simulate_rank(costs, _price_micro_batches(costs, mbs, [len(g) for g in groups]))
-        results.append(_RankResult(mbs, t, mem))
-        packed.append(tuple(groups))
-    return _make_plan(costs, results, memory_budget_bytes, "packed", "normal", t0,
-                      packed_rows=packed)
+    mbs, packed = _packed_micro_batches(lengths_per_rank, layout, max_seq_len)
+    return price_plan(mbs, costs, memory_budget_bytes, kind="packed", packed_rows=packed)

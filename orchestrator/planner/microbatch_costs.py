@@ -9,7 +9,7 @@ from one StageCosts of the layout itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -184,3 +184,121 @@ class MicroBatchCosts:
         with no micro-batch) + optimizer step (us)."""
         return (overlap_extra_us(sync_window_us, self.dp_sync_us, self.overlap_coe)
                 + self.optimizer_us)
+
+
+# ====================================================================== candidate runs
+def padded_length(length, multiple: int, max_seq_len: int):
+    """Length rounded up to `multiple`, never above max_seq_len (ints or numpy arrays)."""
+    return np.minimum(-(-np.asarray(length) // multiple) * multiple, max_seq_len)
+
+
+def pack_rows(lengths: Sequence[int], row_len: int) -> List[Tuple[int, ...]]:
+    """Samples in the order given concatenated into rows of at most row_len tokens; a sample
+    longer than what is left of a row starts a new row (no splitting). Returns each row's
+    sample positions."""
+    rows, row, used = [], [], 0
+    for index, length in enumerate(lengths):
+        if row and used + length > row_len:
+            rows.append(tuple(row))
+            row, used = [], 0
+        row.append(index)
+        used += length
+    if row:
+        rows.append(tuple(row))
+    return rows
+
+
+def row_counts(lengths: np.ndarray, row_len_by_end: np.ndarray,
+               bounds: np.ndarray) -> np.ndarray:
+    """[g, g] for the g ascending split positions `bounds` (in [0, n]): counts[a, c] =
+    len(pack_rows(lengths[bounds[a]:bounds[c]], row_len_by_end[c])) for a < c (0 elsewhere;
+    row_len_by_end[0] is unused). Exact, for every run at once: a row starting at sample k
+    ends where the prefix sums pass its length, and the rows of [i, j) are the jumps from i
+    that stay below j, counted by pointer doubling (O(g^2 log n))."""
+    n = len(lengths)
+    prefix = np.concatenate([[0], np.cumsum(lengths)])
+    # jump[c, k]: end of the row starting at k under row_len_by_end[c] (one sample at least).
+    jump = np.searchsorted(prefix, prefix[None, :] + np.asarray(row_len_by_end)[:, None],
+                           side="right") - 1
+    jump = np.minimum(np.maximum(jump, np.arange(n + 1) + 1), n)
+    levels = [jump]
+    for _ in range(max(1, n.bit_length()) - 1):
+        levels.append(np.take_along_axis(levels[-1], levels[-1], axis=1))
+    g = len(bounds)
+    cur = np.broadcast_to(bounds[None, :], (g, g)).copy()
+    count = np.ones((g, g), dtype=np.int64)
+    for level in range(len(levels) - 1, -1, -1):
+        nxt = np.take_along_axis(levels[level], cur, axis=1)
+        move = nxt < bounds[:, None]
+        cur = np.where(move, nxt, cur)
+        count += move.astype(np.int64) << level
+    return np.where(bounds[:, None] < bounds[None, :], count.T, 0)
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """Every run [bounds[a], bounds[c]) of a sorted batch of n between split positions `bounds`
+    (default all of 0..n), as the fastest micro-batch that fits: t_us[a, c] the bottleneck
+    stage's forward + backward (inf: none fits or c <= a), mode[a, c] its recompute code,
+    row_len[a, c] its rows' length (tokens) and rows[a, c] their count (as many as samples:
+    one sample per row, padded; fewer: samples packed into rows)."""
+
+    t_us: np.ndarray
+    mode: np.ndarray
+    row_len: np.ndarray
+    rows: np.ndarray
+    bounds: np.ndarray
+
+
+def fastest_fitting(costs: MicroBatchCosts, b: np.ndarray, s: np.ndarray,
+                    budget: float) -> Tuple[np.ndarray, np.ndarray]:
+    """(t_us[K], mode[K]): each micro-batch's (b[k] rows of s[k] tokens) bottleneck time under
+    the fastest recompute whose alone_bytes fit `budget` on every stage (inf, 0: none fits).
+    Recompute only adds time, so modes are tried in order, each priced only where the
+    previous did not fit."""
+    t_us, mode = np.full(len(b), np.inf), np.zeros(len(b), dtype=np.int64)
+    todo = np.arange(len(b))
+    for code in range(3):
+        if not len(todo):
+            break
+        priced = costs.price(b[todo], s[todo], np.full(len(todo), code))
+        fits = (costs.alone_bytes(priced) <= budget).all(axis=0)
+        t_us[todo[fits]] = priced.stage_time_us.max(axis=0)[fits]
+        mode[todo[fits]] = code
+        todo = todo[~fits]
+    return t_us, mode
+
+
+def price_candidates(costs: MicroBatchCosts, sorted_lengths: np.ndarray,
+                     sorted_padded: np.ndarray, budget: float, max_seq_len: int,
+                     bounds: Optional[np.ndarray] = None) -> Candidates:
+    """Every run between split positions `bounds` (default 0..n) of the ascending lengths
+    (sorted_padded: each rounded up), priced as its samples packed by pack_rows into rows of
+    the run's padded length (at worst one sample per row: padded) or into rows of
+    max_seq_len, whichever is faster; each row is priced as one sequence of its length
+    (attention over the whole row)."""
+    n = len(sorted_padded)
+    bounds = np.arange(n + 1) if bounds is None else np.asarray(bounds)
+    g = len(bounds)
+    a, c = np.triu_indices(g, k=1)
+    own_len = sorted_padded[bounds[c] - 1]
+    own_caps = np.concatenate([[0], sorted_padded[bounds[1:] - 1]])
+    own_rows = row_counts(sorted_lengths, own_caps, bounds)[a, c]
+    long_rows = row_counts(sorted_lengths, np.full(g, max_seq_len), bounds)[a, c]
+    # Many runs share (rows, length): price each pair once.
+    pairs, inverse = np.unique(own_rows * (max_seq_len + 1) + own_len, return_inverse=True)
+    t_own, mode_own = fastest_fitting(costs, pairs // (max_seq_len + 1),
+                                      pairs % (max_seq_len + 1), budget)
+    t_long, mode_long = fastest_fitting(costs, np.arange(1, n + 1), np.full(n, max_seq_len),
+                                        budget)
+    t_own, mode_own = t_own[inverse], mode_own[inverse]
+    t_long, mode_long = t_long[long_rows - 1], mode_long[long_rows - 1]
+    use_long = t_long < t_own
+    out = [np.zeros((g, g), dtype=dtype) for dtype in (float, np.int64, np.int64, np.int64)]
+    out[0][:] = np.inf
+    for array, values in zip(out, (np.where(use_long, t_long, t_own),
+                                   np.where(use_long, mode_long, mode_own),
+                                   np.where(use_long, max_seq_len, own_len),
+                                   np.where(use_long, long_rows, own_rows))):
+        array[a, c] = values
+    return Candidates(*out, bounds=bounds)
