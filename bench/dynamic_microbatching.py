@@ -1,82 +1,225 @@
 """Dynamic micro-batching: planning time (normal and fast) and predicted iteration time of the
-dynamic plan vs. the padded and packed baselines, on long-tailed lengths (lognormal, mean 512,
-max 8192, seeded). Prints; asserts nothing. Profiles are the test fixtures' analytic ones
-(tests/planner_fixtures.py): llama2_7b on 4 nodes of 8 H100-class GPUs (pp4 tp8 sp, dp1), and
-tiny on one node (pp2 tp1 dp1).
+dynamic plan vs. the padded and packed baselines, on long-tailed lengths (lognormal, seeded).
+Prints; asserts nothing.
 
-    python bench/dynamic_microbatching.py [--iterations 20]
+- llama2_7b (model.seq_len raised to 8192) on 4 analytic dgx_h100 nodes (32 GPUs), layout fixed
+  at pp4 tp8 sp dp1, micro-batch size 1: profiles built in this process the way
+  `stage=profile_hardware profile_hardware.source=analytic` and the analytic `stage=profile_model`
+  build them. Lengths: mean 512, max 8192.
+- tiny on cluster=local, pp2 dp2 (4 ranks): profiles/local/{hardware.json,model/tiny.json} when
+  both exist, else analytic ones built here. Lengths: mean seq_len / 4, max seq_len.
+
+Memory budget: cluster.device_mem_GiB minus the search's reserve (memory_reserve_GiB with the
+search.reserve_fraction / reserve_GiB defaults). Targets (issue 12): <= 100 ms normal and <= 20 ms
+fast for 64 sequences; dynamic never slower than the better baseline; fast loss <= 2%.
+
+    python bench/dynamic_microbatching.py [--iterations 20] [--quick]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from rich.console import Console
+from rich.table import Table
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from orchestrator.config import CONF_DIR, cluster_world_size, register_configs  # noqa: E402
 from orchestrator.layout import ParallelLayout  # noqa: E402
 from orchestrator.planner import HardwareModel, ModelCost  # noqa: E402
+from orchestrator.planner.cost_model import memory_reserve_GiB  # noqa: E402
 from orchestrator.planner.dynamic import (MicroBatchCosts, packed_plan, padded_plan,  # noqa: E402
                                           plan_iteration)
-import planner_fixtures  # noqa: E402
 
 GiB = float(1 << 30)
+console = Console(width=160)  # the whole table, also when piped
 
 
-def lengths(rng, n: int, max_len: int) -> list:
-    """Lognormal lengths with mean ~512 (sigma 1), clipped to [1, max_len]."""
-    return np.clip(rng.lognormal(np.log(512) - 0.5, 1.0, n).astype(int), 1, max_len).tolist()
+def compose_cfg(overrides):
+    """The composed config object (as the CLI builds it) for these overrides."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return OmegaConf.to_object(compose(config_name="config", overrides=list(overrides)))
 
 
-def case(label, layout, model, hw, budget, max_len, iterations):
+def analytic_hardware_profile(cfg) -> dict:
+    """hardware.json as `profile_hardware.source=analytic` writes it for cfg.cluster."""
+    from orchestrator.profiling.hardware.analytic import analytic_hardware
+    from orchestrator.stages.profile_hardware import link_sheet
+
+    return analytic_hardware(cfg.cluster.name, cluster_world_size(cfg.cluster), link_sheet(cfg),
+                             max_tp=cfg.profile_hardware.max_tp).to_dict()
+
+
+def analytic_model_profile(cfg) -> dict:
+    """model/<name>.json as the analytic `stage=profile_model` writes it (every planned point)."""
+    from orchestrator.profiling.model.fit import fit_points
+    from orchestrator.profiling.model.memory import memory_summary
+    from orchestrator.profiling.model.plan import plan_profile
+    from orchestrator.profiling.model.runner import point_runner
+    from orchestrator.stages.profile_model import _model_summary
+    from orchestrator.store import new_profile
+
+    plan = plan_profile(cfg)
+    if plan.source != "analytic":
+        raise SystemExit(f"profile_model would measure here ({plan.reason}); this bench wants "
+                         "the analytic source")
+    runner = point_runner(None, cfg, plan, plan.tps)
+    batch = int(cfg.profile_model.micro_batch_size)
+    points = []
+    for tp in plan.tps:
+        with runner.for_tp(tp, max(plan.seq_lens)):
+            points += [runner.point(seq, tp) for seq in plan.seq_lens]
+    return new_profile("model", "analytic", {}, model=_model_summary(cfg.model),
+                       micro_batch_size=batch, method=runner.timing.method(plan), points=points,
+                       fits=fit_points(points), memory=memory_summary(points, cfg.model, batch))
+
+
+def budget_bytes(cfg) -> float:
+    """cluster.device_mem_GiB minus the search's reserve rule, in bytes."""
+    mem = float(cfg.cluster.device_mem_GiB)
+    s = cfg.search
+    return (mem - memory_reserve_GiB(mem, s.reserve_fraction, s.reserve_GiB)) * GiB
+
+
+def lognormal_lengths(rng, n: int, mean_len: float, max_len: int) -> list:
+    """n lengths (tokens), lognormal with sigma 1 and mean mean_len, clipped to [1, max_len]."""
+    # E[lognormal(mu, 1)] = exp(mu + 1/2)
+    return np.clip(rng.lognormal(np.log(mean_len) - 0.5, 1.0, n).astype(int), 1, max_len).tolist()
+
+
+def fallback_ranks(dyn, pad, pack) -> int:
+    """Ranks whose dynamic micro-batches are exactly one baseline's (the planner kept it)."""
+    return sum(mbs in (pad.micro_batches[r], pack.micro_batches[r])
+               for r, mbs in enumerate(dyn.micro_batches))
+
+
+def run_batch(layout, model, hw, costs, budget, lengths_per_rank, max_len) -> dict:
+    """Plans of one iteration: timings (ms) and predicted iteration times (us)."""
+    kw = dict(max_seq_len=max_len, costs=costs)
+    t0 = time.perf_counter()
+    dyn = plan_iteration(lengths_per_rank, layout, model, hw, budget, fast_mode=False,
+                         on_bad="skip", **kw)
+    t1 = time.perf_counter()
+    fast = plan_iteration(lengths_per_rank, layout, model, hw, budget, fast_mode=True,
+                          on_bad="skip", **kw)
+    t2 = time.perf_counter()
+    pad = padded_plan(lengths_per_rank, layout, model, hw, budget, **kw)
+    pack = packed_plan(lengths_per_rank, layout, model, hw, budget, **kw)
+    return {"normal_ms": (t1 - t0) * 1e3, "fast_ms": (t2 - t1) * 1e3,
+            "dyn_us": dyn.iteration_time_us, "fast_us": fast.iteration_time_us,
+            "pad_us": pad.iteration_time_us, "pack_us": pack.iteration_time_us,
+            "pad_ok": pad.feasible, "pack_ok": pack.feasible, "dyn_ok": dyn.feasible,
+            "packed_mbs": sum(bool(rows) for r in dyn.packed_rows for rows in r),
+            "mbs": sum(len(r) for r in dyn.micro_batches),
+            "fallback": fallback_ranks(dyn, pad, pack), "ranks": len(dyn.micro_batches),
+            "skipped": len(dyn.skipped)}
+
+
+def baseline_best_us(row: dict) -> float:
+    """The better baseline's time (us) among those that fit the budget (inf when neither)."""
+    fits = [row[k + "_us"] for k in ("pad", "pack") if row[k + "_ok"]]
+    return min(fits, default=float("inf"))
+
+
+def case(label, layout, model, hw, budget, mean_len, max_len, sizes, iterations) -> None:
     costs = MicroBatchCosts(layout, model, hw)
-    print(f"\n## {label}: {layout.describe() if hasattr(layout, 'describe') else layout}")
-    print("| seqs | plan ms normal | plan ms fast | dynamic ms | fast ms | padded ms | packed ms "
-          "| gain vs better | fast loss |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for n in (8, 16, 64, 256):
+    table = Table(title=f"{label}: pp{layout.pp} tp{layout.tp} dp{layout.dp}"
+                        f"{' sp' if layout.sequence_parallel else ''}, budget "
+                        f"{budget / GiB:.2f} GiB, lengths mean {mean_len:g} max {max_len}, "
+                        f"median of {iterations}")
+    for col in ("seqs/rank", "plan ms normal", "plan ms fast", "dynamic ms", "fast ms",
+                "padded ms", "packed ms", "gain vs better (min)", "fast loss", "packed mbs",
+                "fallback ranks", "skipped"):
+        table.add_column(col, justify="right")
+    for n in sizes:
         rng = np.random.default_rng(n)
-        rows = []
-        for _ in range(iterations):
-            batch = [lengths(rng, n, max_len)]
-            kw = dict(max_seq_len=max_len, costs=costs)
-            t0 = time.perf_counter()
-            dyn = plan_iteration(batch, layout, model, hw, budget, fast_mode=False,
-                                 on_bad="skip", **kw)
-            t1 = time.perf_counter()
-            fast = plan_iteration(batch, layout, model, hw, budget, fast_mode=True,
-                                  on_bad="skip", **kw)
-            t2 = time.perf_counter()
-            pad = padded_plan(batch, layout, model, hw, budget, **kw).iteration_time_us
-            pack = packed_plan(batch, layout, model, hw, budget, **kw).iteration_time_us
-            rows.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3, dyn.iteration_time_us,
-                         fast.iteration_time_us, pad, pack))
-        med = [statistics.median(col) for col in zip(*rows)]
-        gain = statistics.median(min(r[4], r[5]) / r[2] for r in rows)
-        loss = statistics.median(r[3] / r[2] - 1 for r in rows)
-        print(f"| {n} | {med[0]:.1f} | {med[1]:.1f} | {med[2] / 1e3:.1f} | {med[3] / 1e3:.1f} "
-              f"| {med[4] / 1e3:.1f} | {med[5] / 1e3:.1f} | {gain:.2f}x | {loss * 100:.2f}% |")
+        rows = [run_batch(layout, model, hw, costs, budget,
+                          [lognormal_lengths(rng, n, mean_len, max_len) for _ in range(layout.dp)],
+                          max_len) for _ in range(iterations)]
+
+        def med(key):
+            return statistics.median(r[key] for r in rows)
+
+        gain = statistics.median(baseline_best_us(r) / r["dyn_us"] for r in rows)
+        loss = statistics.median(r["fast_us"] / r["dyn_us"] - 1 for r in rows)
+        worst_gain = min(baseline_best_us(r) / r["dyn_us"] for r in rows)
+        table.add_row(
+            str(n), f"{med('normal_ms'):.1f}", f"{med('fast_ms'):.1f}",
+            f"{med('dyn_us') / 1e3:.1f}" + ("" if all(r["dyn_ok"] for r in rows) else " (over)"),
+            f"{med('fast_us') / 1e3:.1f}",
+            f"{med('pad_us') / 1e3:.1f}" + _over(rows, "pad_ok"),
+            f"{med('pack_us') / 1e3:.1f}" + _over(rows, "pack_ok"),
+            f"{gain:.2f}x ({worst_gain:.2f}x)", f"{loss * 100:.2f}%",
+            f"{sum(r['packed_mbs'] for r in rows)}/{sum(r['mbs'] for r in rows)}",
+            f"{sum(r['fallback'] for r in rows)}/{sum(r['ranks'] for r in rows)}",
+            str(sum(r["skipped"] for r in rows)))
+    console.print(table)
+
+
+def _over(rows, key: str) -> str:
+    """' (k over)' when k of the iterations' baseline plans exceed the budget."""
+    over = sum(not r[key] for r in rows)
+    return f" ({over} over)" if over else ""
+
+
+def llama_case(sizes, iterations) -> None:
+    t0 = time.perf_counter()
+    cfg = compose_cfg(["stage=profile_model", "cluster=dgx_h100", "cluster.nodes=4",
+                       "model=llama2_7b", "model.seq_len=8192", "profile_model.source=analytic"])
+    hw = HardwareModel.from_dict(analytic_hardware_profile(cfg))
+    model = ModelCost.from_dict(analytic_model_profile(cfg))
+    console.print(f"llama2_7b: analytic dgx_h100 profiles (4 nodes) built in "
+                  f"{time.perf_counter() - t0:.1f} s")
+    layout = ParallelLayout.uniform(32, 8, 4, model.layers, sequence_parallel=True,
+                                    micro_batch_size=1)
+    case("llama2_7b", layout, model, hw, budget_bytes(cfg), 512, 8192, sizes, iterations)
+
+
+def tiny_profiles(cfg):
+    """(hardware, model) dicts: profiles/local's when both exist, else analytic ones."""
+    folder = REPO / "profiles" / "local"
+    hw_path, model_path = folder / "hardware.json", folder / "model" / "tiny.json"
+    if hw_path.exists() and model_path.exists():
+        console.print(f"tiny: using {hw_path} and {model_path}")
+        return json.loads(hw_path.read_text()), json.loads(model_path.read_text())
+    console.print(f"tiny: no {hw_path} and {model_path}: analytic profiles for cluster=local "
+                  "built in this process")
+    return analytic_hardware_profile(cfg), analytic_model_profile(cfg)
+
+
+def tiny_case(sizes, iterations) -> None:
+    cfg = compose_cfg(["stage=profile_model", "cluster=local", "model=tiny",
+                       "profile_model.source=analytic"])
+    hw_profile, model_profile = tiny_profiles(cfg)
+    hw, model = HardwareModel.from_dict(hw_profile), ModelCost.from_dict(model_profile)
+    layout = ParallelLayout.uniform(4, 1, 2, model.layers, micro_batch_size=1)
+    case("tiny", layout, model, hw, budget_bytes(cfg), model.seq_len / 4, model.seq_len, sizes,
+         iterations)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--iterations", type=int, default=None,
+                        help="iterations per batch size (default 20, 5 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 8 and 64 sequences")
     args = parser.parse_args()
-    hw = HardwareModel.from_dict(planner_fixtures.synthetic_hardware(4, 8))
-    llama = ModelCost.from_dict(planner_fixtures.llama2_7b())
-    case("llama2_7b", ParallelLayout.uniform(32, 8, 4, llama.layers, sequence_parallel=True,
-                                             micro_batch_size=1), llama, hw, 80 * GiB, 8192,
-         args.iterations)
-    tiny = ModelCost.from_dict(planner_fixtures.synthetic_model(seq_len=8192))
-    case("tiny", ParallelLayout.uniform(2, 1, 2, tiny.layers, micro_batch_size=1), tiny,
-         HardwareModel.from_dict(planner_fixtures.synthetic_hardware(1, 2)), 8 * GiB, 8192,
-         args.iterations)
+    sizes = (8, 64) if args.quick else (8, 16, 64, 256)
+    iterations = args.iterations or (5 if args.quick else 20)
+    t0 = time.perf_counter()
+    llama_case(sizes, iterations)
+    tiny_case(sizes, iterations)
+    console.print(f"total {time.perf_counter() - t0:.1f} s")
 
 
 if __name__ == "__main__":
