@@ -19,6 +19,9 @@ from torch.utils.checkpoint import checkpoint
 from orchestrator.choices import Dtype
 from orchestrator.models.config import ModelConfig, validate_model
 
+# A target that counts in no loss: padding of variable-length samples (F.cross_entropy's default).
+IGNORE_INDEX = -100
+
 
 def torch_dtype(name) -> torch.dtype:
     """The torch dtype for a config dtype (a Dtype, or a name such as "bf16" or "bfloat16")."""
@@ -130,6 +133,13 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     `torch.distributed.tensor.parallel.loss_parallel()`.
     """
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed next-token loss (nats) over the targets that are not IGNORE_INDEX (padding):
+    micro-batches of different sizes add up to the sum a whole batch's token mean divides."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 class GPT(nn.Module):
