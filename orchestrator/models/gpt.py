@@ -206,8 +206,10 @@ def init_parameters(module: nn.Module, cfg: ModelConfig, seed: int = 0) -> None:
         if "norm" in name:
             full = torch.ones(param.shape)
         else:
-            std = 0.02 / math.sqrt(2 * cfg.layers) if name.endswith(("wo.weight", "w_down.weight")) else 0.02
-            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            output_proj = name.endswith(("wo.weight", "w_down.weight"))
+            std = 0.02 / math.sqrt(2 * cfg.layers) if output_proj else 0.02
+            key = seed * 1_000_003 + zlib.crc32(name.encode())
+            generator = torch.Generator().manual_seed(key)
             full = torch.randn(param.shape, generator=generator) * std
         _copy_full_into(param, full)
     for sub in module.modules():
