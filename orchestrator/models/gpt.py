@@ -19,6 +19,9 @@ from torch.utils.checkpoint import checkpoint
 from orchestrator.choices import Dtype
 from orchestrator.models.config import ModelConfig, validate_model
 
+# A target that counts in no loss: padding of variable-length samples (F.cross_entropy's default).
+IGNORE_INDEX = -100
+
 
 def torch_dtype(name) -> torch.dtype:
     """The torch dtype for a config dtype (a Dtype, or a name such as "bf16" or "bfloat16")."""
@@ -132,6 +135,13 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 
 
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed next-token loss (nats) over the targets that are not IGNORE_INDEX (padding):
+    micro-batches of different sizes add up to the sum a whole batch's token mean divides."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
 class GPT(nn.Module):
     """The whole model. `GPT(cfg)` under `torch.device("meta")` allocates nothing (for counting).
 
@@ -196,8 +206,10 @@ def init_parameters(module: nn.Module, cfg: ModelConfig, seed: int = 0) -> None:
         if "norm" in name:
             full = torch.ones(param.shape)
         else:
-            std = 0.02 / math.sqrt(2 * cfg.layers) if name.endswith(("wo.weight", "w_down.weight")) else 0.02
-            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            output_proj = name.endswith(("wo.weight", "w_down.weight"))
+            std = 0.02 / math.sqrt(2 * cfg.layers) if output_proj else 0.02
+            key = seed * 1_000_003 + zlib.crc32(name.encode())
+            generator = torch.Generator().manual_seed(key)
             full = torch.randn(param.shape, generator=generator) * std
         _copy_full_into(param, full)
     for sub in module.modules():

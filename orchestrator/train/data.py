@@ -6,19 +6,25 @@ that earlier batches advanced. Two sources:
 - synthetic (no source): learnable chains x[t+1] = (a*x[t] + b) % vocab with a random start per
   sample and a few random tokens, so a model's loss falls within a few dozen steps;
 - text (a file or folder): byte-level tokens (token = byte), windows at hashed offsets.
+Variable-length samples (dynamic micro-batching) take the same windows cut to a length drawn
+from (seed, step, index) alone (`sample_lengths`, `varlen_windows`); `micro_batch_tensors` pads
+a planned micro-batch of them, its padding ignored by the loss.
 """
 from __future__ import annotations
 
 import math
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from orchestrator.errors import ConfigError
+from orchestrator.models.gpt import IGNORE_INDEX
+from orchestrator.planner.dynamic import MicroBatch
 
 # Suffixes read from a folder: text a byte-level model can learn from.
 TEXT_SUFFIXES = frozenset({".py", ".txt", ".md", ".rst", ".json", ".yaml", ".yml", ".toml",
@@ -47,6 +53,37 @@ def _hash64(*keys) -> np.ndarray:
         h = (h ^ (h >> _U64(27))) * _U64(0x94D049BB133111EB)
         h = h ^ (h >> _U64(31))
     return h
+
+
+def _unit_uniform(h: np.ndarray) -> np.ndarray:
+    """Hashes -> floats in [0, 1) (their top 53 bits)."""
+    return (h >> _U64(11)).astype(np.float64) * 2.0**-53
+
+
+@dataclass(frozen=True)
+class LengthDistribution:
+    """Sample lengths (tokens): lognormal with mean `mean_len` before clipping and shape
+    `sigma` (long-tailed, as real corpora), clipped to [min_len, max_len]."""
+
+    mean_len: float
+    max_len: int
+    min_len: int = 1
+    sigma: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_len <= self.max_len:
+            raise DataError(f"sample lengths: need 1 <= min_len({self.min_len}) <= "
+                            f"max_len({self.max_len})")
+        if self.mean_len <= 0 or self.sigma < 0:
+            raise DataError(f"sample lengths: mean_len({self.mean_len}) must be > 0 and "
+                            f"sigma({self.sigma}) >= 0")
+
+    def lengths(self, uniform_a: np.ndarray, uniform_b: np.ndarray) -> np.ndarray:
+        """Lengths (int64) from two arrays of uniforms in [0, 1) (Box-Muller)."""
+        normal = np.sqrt(-2.0 * np.log1p(-uniform_a)) * np.cos(2.0 * np.pi * uniform_b)
+        mu = math.log(self.mean_len) - self.sigma**2 / 2  # E[exp(mu + sigma z)] = mean_len
+        raw = np.exp(mu + self.sigma * normal)
+        return np.clip(np.rint(raw), self.min_len, self.max_len).astype(np.int64)
 
 
 class TokenData(ABC):
@@ -85,6 +122,32 @@ class TokenData(ABC):
         if not 0 <= dp_rank < dp:
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp={dp})")
         return self.batch(step, dp_rank * samples_per_rank, samples_per_rank)
+
+    def sample_lengths(self, step: int, first_sample: int, num_samples: int,
+                       distribution: LengthDistribution) -> np.ndarray:
+        """Token lengths (int64) of samples [first_sample, first_sample + num_samples) of step
+        `step`: each from (seed, step, index) alone, so any slice of a batch agrees."""
+        if distribution.max_len > self.seq_len:
+            raise DataError(f"sample lengths: max_len({distribution.max_len}) > the data's "
+                            f"seq_len({self.seq_len}); lower the cap or raise seq_len")
+        index = np.arange(first_sample, first_sample + num_samples, dtype=np.int64)
+        # Five keys (tokens use three or four): lengths are independent of the token hashes.
+        keys = (self._seed_key, _U64(step), index.astype(_U64), _U64(1 << 63))
+        uniform_a = _unit_uniform(_hash64(*keys, _U64(0)))
+        uniform_b = _unit_uniform(_hash64(*keys, _U64(1)))
+        return distribution.lengths(uniform_a, uniform_b)
+
+    def varlen_windows(self, step: int, sample_index: Sequence[int],
+                       lengths: Sequence[int]) -> list[torch.Tensor]:
+        """Per sample, its int64 window of length + 1 tokens (tokens = window[:-1], targets =
+        window[1:]): the fixed-length sample's window cut to the length."""
+        if len(sample_index) != len(lengths):
+            raise ValueError(f"{len(sample_index)} samples but {len(lengths)} lengths")
+        if any(not 1 <= n <= self.seq_len for n in lengths):
+            raise DataError(f"sample lengths {list(lengths)} must be in [1, seq_len="
+                            f"{self.seq_len}]")
+        windows = torch.from_numpy(self._windows(step, np.asarray(sample_index, np.int64)))
+        return [windows[i, :n + 1] for i, n in enumerate(lengths)]
 
 
 class SyntheticData(TokenData):
@@ -154,6 +217,25 @@ class TextData(TokenData):
     def describe(self) -> str:
         files = "1 file" if self.num_files == 1 else f"{self.num_files} files"
         return f"text: {self.source} ({len(self.corpus) / 2**20:.1f} MiB, {files})"
+
+
+def micro_batch_tensors(windows: Sequence[torch.Tensor], micro_batch: MicroBatch,
+                        pad_token: int = 0) -> Batch:
+    """(tokens, targets) int64 of shape (micro_batch.size, padded_len) for a planned micro-batch
+    of this rank's variable-length `windows` (indexed by micro_batch.samples): each sample is
+    left-aligned, padding tokens are `pad_token` and padding targets IGNORE_INDEX (no loss)."""
+    shape = (micro_batch.size, micro_batch.padded_len)
+    tokens = torch.full(shape, pad_token, dtype=torch.int64)
+    targets = torch.full(shape, IGNORE_INDEX, dtype=torch.int64)
+    for row, sample in enumerate(micro_batch.samples):
+        window = windows[sample]
+        length = len(window) - 1
+        if length > micro_batch.padded_len:
+            raise ValueError(f"sample {sample} has {length} tokens, more than the micro-batch's "
+                             f"padded_len({micro_batch.padded_len})")
+        tokens[row, :length] = window[:-1]
+        targets[row, :length] = window[1:]
+    return tokens, targets
 
 
 def _text_files(folder: str) -> Iterator[str]:

@@ -10,6 +10,8 @@
 - Recompute per pipeline stage: selective (the attention core of every layer) or full (the first
   k layers of the stage, k / v per chunk).
 - Precision: fp32 master weights; bf16/fp16 by autocast (fp16 with a dynamic loss scale).
+- Variable-length micro-batches (`train_step_micro_batches`): train/executor.py runs a plan of
+  micro-batches of different shapes and recompute modes; the loss is the mean over real tokens.
 The model is built on the meta device and only this rank's stages are materialised.
 """
 from __future__ import annotations
@@ -19,7 +21,7 @@ import inspect
 import math
 import time
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,8 +29,10 @@ import torch.distributed as dist
 from orchestrator.choices import Dtype
 from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig
-from orchestrator.models.gpt import GPT, cross_entropy_loss
+from orchestrator.models.gpt import GPT, cross_entropy_loss, token_loss_sum
 from orchestrator.models.parallelize import apply_tensor_parallel, split_pipeline
+from orchestrator.train.executor import (MicroBatchInput, PipelineExecutor, run_plain,
+                                         set_recompute)
 from orchestrator.train.grads import FsdpAdamW, ShardedAdamW
 
 
@@ -92,7 +96,7 @@ class Engine:
         if layout.zero == 3:
             self.optim = FsdpAdamW(params, layout.num_micro_batches,
                                    weight_decay=optim.weight_decay, betas=optim.betas,
-                                   eps=optim.eps)
+                                   eps=optim.eps, dp=layout.dp)
         else:
             self.optim = ShardedAdamW(params, layout.zero, self.mesh["dp"].get_group(),
                                       layout.dp, layout.num_micro_batches,
@@ -104,6 +108,8 @@ class Engine:
         self._good_steps = 0
         self.compute_s = 0.0
         self.schedule = self._make_schedule() if layout.pp > 1 else None
+        self.hidden = model.hidden
+        self._executor = None  # built on the first train_step_micro_batches
 
     # ------------------------------------------------------------------ build
     def _build(self, model: ModelConfig, seed: int) -> list:
@@ -122,9 +128,11 @@ class Engine:
         return mine
 
     def _apply_recompute(self) -> None:
+        """The layout's recompute (also restored after a step of per-micro-batch modes)."""
         mode, k = self.layout.recompute[self.pp_rank]
         per_chunk = k // self.layout.virtual_stages
         for mod in self.modules:
+            set_recompute(mod, "none")
             names = list(mod.blocks.keys())
             if mode == "selective":
                 for block in mod.blocks.values():
@@ -194,8 +202,57 @@ class Engine:
         `stop` (this rank was signalled) comes back agreed over all ranks."""
         start = self._now()
         self.compute_s = 0.0
+        self.optim.begin_step(self.layout.num_micro_batches)
         tokens, targets = tokens.to(self.device), targets.to(self.device)
         losses = self._forward_backward(tokens, targets)
+        local = torch.stack([loss.double() for loss in losses]).mean() if losses else 0.0
+        return self._finish_step(start, local, self.layout.dp * self.layout.tp, lr, grad_clip,
+                                 stop)
+
+    def train_step_micro_batches(self, batches: Sequence[MicroBatchInput], lr: float,
+                                 grad_clip: float, total_tokens: int,
+                                 stop: bool = False) -> StepStats:
+        """One iteration over this data-parallel rank's planned micro-batches, each of its own
+        shape and recompute mode, run in order (pp > 1: the planner's 1F1B or interleaved op
+        order). `total_tokens`: the real (non-padded) targets of the whole global batch, over
+        every dp rank; the loss and the gradients are the mean over exactly those tokens.
+        StepStats as train_step (loss in nats per real token)."""
+        if not batches or total_tokens < 1:
+            raise ValueError(f"train_step_micro_batches needs micro-batches and total_tokens "
+                             f">= 1, got {len(batches)} and {total_tokens}")
+        if self.layout.zero == 3 and self.layout.pp > 1:
+            raise NotImplementedError("variable-length micro-batches with ZeRO-3 under a "
+                                      "pipeline (pp > 1) are not supported: use zero<=2 or pp=1")
+        start = self._now()
+        self.compute_s = 0.0
+        self.optim.begin_step(len(batches), grad_divisor=float(total_tokens))
+        batches = [mb.to(self.device) for mb in batches]
+        if self.layout.pp > 1:
+            losses, self.compute_s = self._pipeline_executor().run(batches)
+        else:
+            losses, self.compute_s = run_plain(self.modules[0], batches, self._token_loss,
+                                               self._now, fsdp=self.layout.zero == 3)
+        self._apply_recompute()
+        local = torch.stack([loss.double() for loss in losses]).sum() if losses else 0.0
+        return self._finish_step(start, local, self.layout.tp * total_tokens, lr, grad_clip,
+                                 stop)
+
+    def _pipeline_executor(self) -> PipelineExecutor:
+        if self._executor is None:
+            layout = self.layout
+            self._executor = PipelineExecutor(
+                self.modules, self.pp_rank, layout.pp, layout.schedule,
+                self.mesh["pp"].get_group(), self.device, self.hidden,
+                layout.tp if layout.sequence_parallel else 1, self._token_loss, self._now)
+        return self._executor
+
+    def _token_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return token_loss_sum(logits, targets) * self.loss_scale
+
+    def _finish_step(self, start: float, local_loss, loss_divisor: float, lr: float,
+                     grad_clip: float, stop: bool) -> StepStats:
+        """After the forward/backward: gradient sync, norm, clipping, AdamW; the global loss is
+        the sum of every rank's `local_loss` / loss_divisor."""
         fwd_bwd_end = self._now()
         self.optim.finish_backward()
         sync_end = self._now()
@@ -209,8 +266,8 @@ class Engine:
             self.optim.step(lr, grad_clip, inv_scale, norm)
         self._update_loss_scale(skipped)
         end = self._now()
-        loss, stop = self._global_loss(losses, stop)
-        return StepStats(loss=loss * inv_scale, grad_norm=norm, step_s=end - start,
+        loss, stop = self._global_loss(local_loss, stop)
+        return StepStats(loss=loss / loss_divisor * inv_scale, grad_norm=norm, step_s=end - start,
                          fwd_bwd_s=fwd_bwd_end - start, compute_s=self.compute_s,
                          sync_wait_s=sync_end - fwd_bwd_end, norm_s=norm_end - sync_end,
                          optimizer_s=end - norm_end, skipped=skipped, stop=stop)
@@ -239,15 +296,15 @@ class Engine:
             losses.append(loss.detach())
         return losses
 
-    def _global_loss(self, losses: List[torch.Tensor], stop: bool):
-        """(the mean loss over every micro-batch of every data-parallel rank, whether any rank
-        asked to stop), on every rank: one all-reduce for both."""
+    def _global_loss(self, local_loss, stop: bool):
+        """(the sum of every last-stage rank's local_loss, whether any rank asked to stop), on
+        every rank: one all-reduce for both."""
         local = torch.zeros(2, dtype=torch.float64, device=self.device)
-        if self.is_last and losses:
-            local[0] += torch.stack([loss.double() for loss in losses]).mean()
+        if self.is_last:
+            local[0] += local_loss
         local[1] = float(stop)
         dist.all_reduce(local)
-        return float(local[0]) / (self.layout.dp * self.layout.tp), bool(local[1] > 0)
+        return float(local[0]), bool(local[1] > 0)
 
     def _update_loss_scale(self, skipped: bool) -> None:
         if self.dtype != Dtype.fp16:

@@ -124,7 +124,7 @@ class ShardedAdamW:
         # No pipeline or tensor parallelism: with ZeRO-0 every rank holds the whole reduced
         # gradient, so the norm needs no communication.
         self.local_norm = replicas_only and zero == 0
-        self.m = num_micro_batches
+        self.begin_step(num_micro_batches)
         self.params = [p for p in params if p.requires_grad]
         self.counts: Dict[nn.Parameter, int] = {}
         self.bucket_of: Dict[nn.Parameter, Bucket] = {}
@@ -136,6 +136,16 @@ class ShardedAdamW:
                                        **_adamw_kernel(masters[0].device))
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def begin_step(self, num_micro_batches: int, grad_divisor: Optional[float] = None) -> None:
+        """Before an iteration's backward: this rank's micro-batch count (a parameter's gradient
+        is complete after that many) and what its summed local gradients are divided by before
+        the sum over dp (default dp * m: the mean of equal micro-batches; the global batch's
+        real-token count for per-token summed losses)."""
+        if num_micro_batches < 1:
+            raise ValueError(f"num_micro_batches({num_micro_batches}) must be >= 1")
+        self.m = num_micro_batches
+        self.grad_divisor = grad_divisor or float(self.dp * num_micro_batches)
 
     # ------------------------------------------------------------------ buckets
     def _make_buckets(self, bucket_MiB: float) -> List[Bucket]:
@@ -217,8 +227,8 @@ class ShardedAdamW:
             self._launch(b)
 
     def _launch(self, b: Bucket) -> None:
-        # Mean over the data-parallel replicas and the micro-batches of each.
-        b.grad.div_(self.dp * self.m)
+        # Divided before the sum over replicas: the mean over replicas and micro-batches.
+        b.grad.div_(self.grad_divisor)
         if self.dp == 1:
             b.work = None
         elif self.zero == 2:
@@ -367,21 +377,28 @@ class FsdpAdamW:
     over dp). Same interface as ShardedAdamW."""
 
     def __init__(self, params: List[nn.Parameter], num_micro_batches: int, world_group=None,
-                 weight_decay: float = 0.1, betas=(0.9, 0.95), eps: float = 1e-8):
+                 weight_decay: float = 0.1, betas=(0.9, 0.95), eps: float = 1e-8,
+                 dp: int = 1):
         self.params = [p for p in params if p.requires_grad]
-        self.m = num_micro_batches
+        self.dp = dp
+        self.begin_step(num_micro_batches)
         self.world_group = world_group
         self.optim = torch.optim.AdamW(self.params, lr=0.0, betas=betas, eps=eps,
                                        weight_decay=weight_decay,
                                        **_adamw_kernel(local_tensor(self.params[0]).device))
 
+    def begin_step(self, num_micro_batches: int, grad_divisor: Optional[float] = None) -> None:
+        """As ShardedAdamW.begin_step (FSDP's own reduction already divides by dp)."""
+        self.m = num_micro_batches
+        self.fsdp_divisor = grad_divisor / self.dp if grad_divisor else float(num_micro_batches)
+
     def finish_backward(self) -> None:
-        """FSDP averaged over dp; the micro-batches summed: make it their mean. Partial sums
-        (sequence-parallel norms) reduced."""
+        """FSDP averaged over dp; the micro-batches summed: make it their mean (or divide by
+        begin_step's divisor). Partial sums (sequence-parallel norms) reduced."""
         for p in self.params:
             if p.grad is not None:
                 p.grad = full_grad(p)
-                p.grad.div_(self.m)
+                p.grad.div_(self.fsdp_divisor)
 
     def grad_norm(self) -> float:
         device = local_tensor(self.params[0]).device

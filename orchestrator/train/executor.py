@@ -1,0 +1,171 @@
+"""One training iteration over micro-batches of different shapes (dynamic micro-batching).
+
+torch.distributed.pipelining needs every micro-batch to have the same shape; a plan from
+planner/dynamic.py gives each micro-batch its own size, padded length and recompute mode. This
+runs such a plan:
+- pp = 1: a plain loop, forward and backward per micro-batch.
+- pp > 1: each rank walks planner.schedule.stage_order (the op order the planner's simulation
+  prices; 1F1B or interleaved, chunk c of rank r is virtual stage c * pp + r) and moves
+  activations forward and gradients backward with isend/irecv. Receive buffers take their shape
+  from the micro-batch (batch, padded_len, or padded_len / tp under sequence parallelism), so no
+  shape messages travel. Sends never block; a rank waits only on the receive it needs next, so
+  the run cannot deadlock where the simulation does not. Every message has its own tag
+  (direction, virtual stage, micro-batch), so channels between the same two ranks never mix.
+Losses are token sums (padding ignored); the caller divides by the global token count.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from orchestrator.planner.dynamic import RECOMPUTE_MODES
+from orchestrator.planner.schedule import stage_order
+
+
+@dataclass(frozen=True)
+class MicroBatchInput:
+    """One micro-batch to run: int64 (batch, padded_len) tokens and targets (IGNORE_INDEX at
+    padding), and its recompute mode ("none" | "selective" | "full")."""
+
+    tokens: torch.Tensor
+    targets: torch.Tensor
+    recompute: str = "none"
+
+    def to(self, device: torch.device) -> "MicroBatchInput":
+        return MicroBatchInput(self.tokens.to(device), self.targets.to(device), self.recompute)
+
+
+def set_recompute(module, mode: str) -> None:
+    """Set a pipeline stage module's recompute flags for every block: "full" reruns whole
+    blocks in backward, "selective" the attention core, "none" keeps every activation."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {mode!r}")
+    module.recompute_blocks = frozenset(module.blocks.keys()) if mode == "full" else frozenset()
+    for block in module.blocks.values():
+        block.attn.recompute_core = mode == "selective"
+
+
+def message_tag(backward: bool, virtual_stage: int, micro_batch: int, num_virtual: int) -> int:
+    """A tag unique to one message of an iteration: the activation into (or the gradient out
+    of) `virtual_stage` for `micro_batch`."""
+    return (micro_batch * num_virtual + virtual_stage) * 2 + int(backward)
+
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Timer = Callable[[], float]
+
+
+@dataclass
+class _InFlight:
+    """A forward whose backward has not run: its input (gradient wanted unless tokens) and its
+    output (the loss on the last virtual stage)."""
+
+    inputs: torch.Tensor
+    output: torch.Tensor
+
+
+class PipelineExecutor:
+    """Runs this rank's ops of one iteration over its model chunks (`modules[c]` is virtual
+    stage c * pp + pp_rank). `run` returns the detached loss sums on the last stage (else [])
+    and the seconds of this rank's own forward/backward work."""
+
+    def __init__(self, modules: Sequence[torch.nn.Module], pp_rank: int, pp: int,
+                 schedule: str, group, device: torch.device, hidden: int, seq_divisor: int,
+                 loss_fn: LossFn, now: Timer):
+        self.modules, self.pp_rank, self.pp, self.schedule = list(modules), pp_rank, pp, schedule
+        self.v = len(self.modules)
+        self.num_virtual = pp * self.v
+        self.device, self.hidden, self.seq_divisor = device, hidden, seq_divisor
+        self.loss_fn, self.now = loss_fn, now
+        self.peer = [dist.get_global_rank(group, r) for r in range(pp)]
+
+    def run(self, batches: Sequence[MicroBatchInput]) -> Tuple[List[torch.Tensor], float]:
+        for mb in batches:
+            if mb.tokens.shape[1] % self.seq_divisor:
+                raise ValueError(f"padded_len({mb.tokens.shape[1]}) must divide by tp"
+                                 f"({self.seq_divisor}) under sequence parallelism")
+        order = stage_order(self.pp, self.pp_rank, len(batches), self.schedule, self.v)
+        in_flight: Dict[Tuple[int, int], _InFlight] = {}
+        sends: List[Tuple[object, torch.Tensor]] = []
+        losses: List[torch.Tensor] = []
+        compute_s = 0.0
+        for kind, chunk, i in order:
+            stage = chunk * self.pp + self.pp_rank
+            set_recompute(self.modules[chunk], batches[i].recompute)
+            if kind == "F":
+                compute_s += self._forward(chunk, stage, i, batches[i], in_flight, sends, losses)
+            else:
+                compute_s += self._backward(chunk, stage, i, in_flight.pop((chunk, i)), sends)
+        for work, _ in sends:
+            work.wait()
+        return losses, compute_s
+
+    def _forward(self, chunk, stage, i, mb, in_flight, sends, losses) -> float:
+        if stage == 0:
+            x = mb.tokens
+        else:
+            x = self._recv(self._activation_shape(mb), stage - 1, False, stage, i)
+            x.requires_grad_(True)
+        start = self.now()
+        out = self.modules[chunk](x)
+        if stage == self.num_virtual - 1:
+            out = self.loss_fn(out, mb.targets)
+            losses.append(out.detach())
+        elapsed = self.now() - start
+        if stage < self.num_virtual - 1:
+            # Activations travel as fp32 (the residual stream's dtype under autocast too).
+            self._send(out.detach().float(), stage + 1, False, stage + 1, i, sends)
+        in_flight[(chunk, i)] = _InFlight(x, out)
+        return elapsed
+
+    def _backward(self, chunk, stage, i, state: _InFlight, sends) -> float:
+        if stage == self.num_virtual - 1:
+            start = self.now()
+            state.output.backward()
+        else:
+            grad = self._recv(state.output.shape, stage + 1, True, stage, i)
+            start = self.now()
+            state.output.backward(grad.to(state.output.dtype))
+        elapsed = self.now() - start
+        if stage > 0:
+            self._send(state.inputs.grad, stage - 1, True, stage - 1, i, sends)
+        return elapsed
+
+    def _activation_shape(self, mb: MicroBatchInput) -> Tuple[int, int, int]:
+        batch, padded_len = mb.tokens.shape
+        return batch, padded_len // self.seq_divisor, self.hidden
+
+    def _rank_of(self, virtual_stage: int) -> int:
+        return self.peer[virtual_stage % self.pp]
+
+    def _recv(self, shape, src_stage, backward, tag_stage, i) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=torch.float32, device=self.device)
+        tag = message_tag(backward, tag_stage, i, self.num_virtual)
+        dist.irecv(buf, src=self._rank_of(src_stage), tag=tag).wait()
+        return buf
+
+    def _send(self, tensor, dst_stage, backward, tag_stage, i, sends) -> None:
+        tensor = tensor.contiguous()
+        tag = message_tag(backward, tag_stage, i, self.num_virtual)
+        # Keep the tensor alive until the send completes.
+        sends.append((dist.isend(tensor, dst=self._rank_of(dst_stage), tag=tag), tensor))
+
+
+def run_plain(module, batches: Sequence[MicroBatchInput], loss_fn: LossFn, now: Timer,
+              fsdp: bool) -> Tuple[List[torch.Tensor], float]:
+    """pp = 1: forward and backward of each micro-batch in turn; returns (detached loss sums,
+    seconds of compute). FSDP (ZeRO-3) reduces gradients only after the last micro-batch."""
+    losses, compute_s = [], 0.0
+    for i, mb in enumerate(batches):
+        if fsdp:
+            module.set_requires_gradient_sync(i == len(batches) - 1)
+        set_recompute(module, mb.recompute)
+        start = now()
+        loss = loss_fn(module(mb.tokens), mb.targets)
+        loss.backward()
+        compute_s += now() - start
+        losses.append(loss.detach())
+    return losses, compute_s

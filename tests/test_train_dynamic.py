@@ -1,0 +1,260 @@
+"""Training on variable-length micro-batches (train/executor.py) on 4 real CPU processes over
+gloo, against today's train_step and a single-process reference on the whole batch; and the
+variable-length data it eats. One launch for every case (a launch costs seconds)."""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from orchestrator.models.gpt import IGNORE_INDEX
+from orchestrator.planner.dynamic import MicroBatch
+from orchestrator.train.data import LengthDistribution, make_data, micro_batch_tensors
+
+WORLD_SIZE = 4
+SEQ_LEN = 32
+LR = 1e-2
+CLEAR_GRAD = 1e-6  # gradients below this are rounding-level for Adam's sign
+LENGTHS = LengthDistribution(mean_len=12, max_len=SEQ_LEN, min_len=2)
+# Per dp rank, its plan over its 4 samples (local indices): different counts, sizes, padded
+# lengths (the longest sample, rounded up to even for sequence parallelism) and recompute modes.
+UNEQUAL_1F1B = [[((0, 1), "none"), ((2, 3), "full")],
+                [((0,), "selective"), ((1, 2), "none"), ((3,), "full")]]
+UNEQUAL_INTERLEAVED = [[((0, 1), "selective"), ((2, 3), "none")],
+                       [((0,), "none"), ((1,), "full"), ((2,), "none"), ((3,), "selective")]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model():
+    from orchestrator.models.config import ModelConfig
+
+    return ModelConfig(hidden=64, ffn=128, layers=4, heads=4, kv_heads=2, vocab=128,
+                       seq_len=SEQ_LEN)
+
+
+def _layout(pp, tp, m, **extra):
+    from orchestrator.layout import ParallelLayout
+
+    return ParallelLayout.uniform(WORLD_SIZE, tp, pp, 4, micro_batch_size=1,
+                                  num_micro_batches=m, sequence_parallel=tp > 1, **extra)
+
+
+def _global_samples(data, num_samples, step=0):
+    """The step's samples: their windows (length + 1 tokens each)."""
+    lengths = data.sample_lengths(step, 0, num_samples, LENGTHS)
+    return data.varlen_windows(step, range(num_samples), lengths)
+
+
+def _micro_batches(windows, plan, pad_to_max=False, multiple=2):
+    from orchestrator.train.executor import MicroBatchInput
+
+    out = []
+    for samples, recompute in plan:
+        longest = max(len(windows[i]) - 1 for i in samples)
+        padded = SEQ_LEN if pad_to_max else -(-longest // multiple) * multiple
+        tokens, targets = micro_batch_tensors(windows, MicroBatch(samples, padded, recompute))
+        out.append(MicroBatchInput(tokens, targets, recompute))
+    return out
+
+
+def _real_tokens(windows) -> int:
+    return sum(len(w) - 1 for w in windows)
+
+
+def _params(engine) -> dict:
+    from orchestrator.train.grads import local_tensor
+
+    return {name: local_tensor(p).detach().clone() for name, p in engine.named_parameters().items()}
+
+
+def _max_diff(a: dict, b: dict, masks: dict | None = None) -> float:
+    """The largest |a - b| over every parameter (where masks[name] is True, if given)."""
+    assert a.keys() == b.keys()
+    diffs = [(a[k] - b[k]).abs() for k in a]
+    if masks is not None:
+        diffs = [d[masks[k]] for d, k in zip(diffs, a)]
+    return max(float(d.max()) if d.numel() else 0.0 for d in diffs)
+
+
+def _reference(windows, plan_by_dp):
+    """One process, the whole model: (loss = the mean over real tokens, gradient norm, the
+    parameters after one AdamW step) on every dp rank's micro-batches."""
+    from orchestrator.models.gpt import GPT, token_loss_sum
+
+    model = GPT(_model(), seed=1)
+    total = _real_tokens(windows)
+    loss_sum = 0.0
+    for dp_rank, plan in enumerate(plan_by_dp):
+        for mb in _micro_batches(windows[4 * dp_rank:4 * dp_rank + 4], plan):
+            loss = token_loss_sum(model(mb.tokens), mb.targets) / total
+            loss.backward()
+            loss_sum += float(loss.detach())
+    norm = float(torch.sqrt(sum(p.grad.double().square().sum() for p in model.parameters())))
+    optim = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8,
+                              weight_decay=0.1)
+    # Adam's first step moves a weight by about lr * sign(grad): where the gradient is within
+    # rounding of zero its sign (and so the update) is arbitrary, so only clear gradients count.
+    clear = {n: p.grad.abs() > CLEAR_GRAD for n, p in model.named_parameters()}
+    optim.step()
+    return loss_sum, norm, {n: p.detach().clone() for n, p in model.named_parameters()}, clear
+
+
+def _equal_shapes(rank, out, pp, tp):
+    """Today's train_step and the executor on the same equal micro-batches (1 x seq_len)."""
+    from orchestrator.train.engine import Engine
+    from orchestrator.train.executor import MicroBatchInput
+
+    layout = _layout(pp, tp, m=2)
+    data = make_data(None, 128, SEQ_LEN, seed=0)
+    results = []
+    for dynamic in (False, True):
+        engine = Engine(layout, _model(), torch.device("cpu"), seed=1)
+        tokens, targets = data.rank_batch(0, engine.dp_rank, layout.dp, 2)
+        if dynamic:
+            batches = [MicroBatchInput(tokens[i:i + 1], targets[i:i + 1]) for i in range(2)]
+            stats = engine.train_step_micro_batches(batches, LR, 1.0,
+                                                    total_tokens=layout.dp * 2 * SEQ_LEN)
+        else:
+            stats = engine.train_step(tokens, targets, LR, 1.0)
+        results.append((stats.loss, stats.grad_norm, _params(engine)))
+    (loss0, norm0, p0), (loss1, norm1, p1) = results
+    out[(f"equal pp{pp} tp{tp}", rank)] = (loss0, loss1, norm0, norm1, _max_diff(p0, p1))
+
+
+def _unequal(rank, out, name, layout, plan_by_dp, pad_to_max=False):
+    """The executor on this dp rank's plan against the whole-batch reference."""
+    from orchestrator.train.engine import Engine
+
+    data = make_data(None, 128, SEQ_LEN, seed=0)
+    windows = _global_samples(data, 4 * len(plan_by_dp))  # 4 per dp rank
+    engine = Engine(layout, _model(), torch.device("cpu"), seed=1)
+    mine = windows[4 * engine.dp_rank:4 * engine.dp_rank + 4]
+    batches = _micro_batches(mine, plan_by_dp[engine.dp_rank], pad_to_max)
+    stats = engine.train_step_micro_batches(batches, LR, 0.0, _real_tokens(windows))
+    loss, norm, params, clear = _reference(windows, plan_by_dp)
+    mine_params = _params(engine)
+    diff = _max_diff(mine_params, {k: params[k] for k in mine_params}, clear)
+    out[(name, rank)] = (stats.loss, loss, stats.grad_norm, norm, diff)
+
+
+def _worker(rank: int, port: int, out: dict) -> None:
+    torch.set_num_threads(1)  # 4 processes share 2 cores
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD_SIZE)
+    try:
+        _equal_shapes(rank, out, pp=2, tp=1)
+        _equal_shapes(rank, out, pp=2, tp=2)
+        _unequal(rank, out, "1f1b", _layout(2, 1, m=2), UNEQUAL_1F1B)
+        _unequal(rank, out, "1f1b padded", _layout(2, 1, m=2), UNEQUAL_1F1B, pad_to_max=True)
+        _unequal(rank, out, "interleaved",
+                 _layout(2, 1, m=2, schedule="interleaved", virtual_stages=2),
+                 UNEQUAL_INTERLEAVED)
+        _unequal(rank, out, "dp4 zero2", _layout(1, 1, m=1, zero=2),
+                 [UNEQUAL_1F1B[0], UNEQUAL_1F1B[1]] * 2)
+        _unequal(rank, out, "dp4 zero3", _layout(1, 1, m=1, zero=3),
+                 [UNEQUAL_1F1B[1], UNEQUAL_1F1B[0]] * 2)
+        dist.barrier()
+    except BaseException:
+        out[f"error on rank {rank}"] = traceback.format_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results():
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with mp.Manager() as manager:
+        out = manager.dict()
+        try:
+            mp.spawn(_worker, args=(_free_port(), out), nprocs=WORLD_SIZE)
+        except mp.ProcessRaisedException:
+            pass
+        result = dict(out)
+    errors = [v for k, v in result.items() if isinstance(k, str) and k.startswith("error")]
+    assert not errors, "\n".join(errors)
+    return result
+
+
+@pytest.mark.parametrize("case", ["equal pp2 tp1", "equal pp2 tp2"])
+def test_executor_matches_train_step_on_equal_micro_batches(results, case):
+    for rank in range(WORLD_SIZE):
+        loss_today, loss_new, norm_today, norm_new, param_diff = results[(case, rank)]
+        assert loss_new == pytest.approx(loss_today, rel=1e-6), (case, rank)
+        assert norm_new == pytest.approx(norm_today, rel=1e-5), (case, rank)
+        assert param_diff < 1e-5, (case, rank, param_diff)
+
+
+@pytest.mark.parametrize("case", ["1f1b", "interleaved", "dp4 zero2", "dp4 zero3"])
+def test_unequal_micro_batches_give_the_whole_batch_token_mean(results, case):
+    """Different micro-batch counts per dp rank (2 vs 3, 2 vs 4): loss, gradient norm and the
+    updated parameters are those of one process on the whole batch, padding ignored."""
+    for rank in range(WORLD_SIZE):
+        loss, want_loss, norm, want_norm, param_diff = results[(case, rank)]
+        assert loss == pytest.approx(want_loss, rel=1e-5), (case, rank)
+        assert norm == pytest.approx(want_norm, rel=1e-4), (case, rank)
+        assert param_diff < 1e-5, (case, rank, param_diff)
+
+
+def test_extra_padding_changes_nothing(results):
+    for rank in range(WORLD_SIZE):
+        padded, plain = results[("1f1b padded", rank)], results[("1f1b", rank)]
+        assert padded[0] == pytest.approx(plain[0], rel=1e-6)
+        assert padded[2] == pytest.approx(plain[2], rel=1e-5)
+        assert padded[4] < 1e-5
+
+
+def test_sample_lengths_depend_on_seed_step_and_index_only():
+    data = make_data(None, vocab=128, seq_len=64, seed=3)
+    lengths = data.sample_lengths(5, 0, 16, LENGTHS)
+    assert np.array_equal(data.sample_lengths(5, 4, 3, LENGTHS), lengths[4:7])
+    again = make_data(None, vocab=128, seq_len=64, seed=3)  # a resumed run
+    assert np.array_equal(again.sample_lengths(5, 0, 16, LENGTHS), lengths)
+    assert not np.array_equal(data.sample_lengths(6, 0, 16, LENGTHS), lengths)
+    other = make_data(None, vocab=128, seq_len=64, seed=4)
+    assert not np.array_equal(other.sample_lengths(5, 0, 16, LENGTHS), lengths)
+
+
+def test_sample_lengths_are_long_tailed_and_capped():
+    data = make_data(None, vocab=128, seq_len=512, seed=0)
+    capped = LengthDistribution(mean_len=64, max_len=256, min_len=8, sigma=1.0)
+    lengths = data.sample_lengths(0, 0, 20000, capped)
+    assert lengths.min() >= 8 and lengths.max() == 256  # the tail reaches the cap
+    # lognormal(mu = ln 64 - 1/2, sigma 1): median 64 e^-0.5 = 38.8;
+    # P(> 256) = P(z > ln 4 + 1/2 = 1.886) = 2.96%; P(< 8) = P(z < -1.579) = 5.7%
+    assert 36 <= np.median(lengths) <= 42
+    assert 0.025 <= np.mean(lengths == 256) <= 0.035
+    assert 0.05 <= np.mean(lengths == 8) <= 0.065
+    with pytest.raises(ValueError, match=r"max_len\(1024\) > the data's seq_len\(512\)"):
+        data.sample_lengths(0, 0, 4, LengthDistribution(mean_len=64, max_len=1024))
+
+
+@pytest.mark.parametrize("source", [None, os.path.dirname(os.__file__)])
+def test_varlen_windows_are_the_fixed_windows_cut(source):
+    data = make_data(source, vocab=256, seq_len=32, seed=2, max_bytes=1 << 20)
+    tokens, targets = data.batch(3, 0, 4)
+    windows = data.varlen_windows(3, [0, 1, 2, 3], [5, 32, 1, 17])
+    assert [len(w) for w in windows] == [6, 33, 2, 18]
+    for w, t, y in zip(windows, tokens, targets):
+        assert torch.equal(w[:-1], t[:len(w) - 1]) and torch.equal(w[1:], y[:len(w) - 1])
+
+
+def test_micro_batch_tensors_pad_with_ignored_targets():
+    windows = [torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6, 7, 8]), torch.tensor([9, 10])]
+    tokens, targets = micro_batch_tensors(windows, MicroBatch((2, 0), padded_len=4))
+    assert tokens.tolist() == [[9, 0, 0, 0], [1, 2, 0, 0]]
+    assert targets.tolist() == [[10, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX],
+                                [2, 3, IGNORE_INDEX, IGNORE_INDEX]]
+    with pytest.raises(ValueError, match=r"sample 1 has 4 tokens, more than .*padded_len\(3\)"):
+        micro_batch_tensors(windows, MicroBatch((1,), padded_len=3))
