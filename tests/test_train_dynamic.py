@@ -162,8 +162,6 @@ def _worker(rank: int, port: int, out: dict) -> None:
                  UNEQUAL_INTERLEAVED)
         _unequal(rank, out, "dp4 zero2", _layout(1, 1, m=1, zero=2),
                  [UNEQUAL_1F1B[0], UNEQUAL_1F1B[1]] * 2)
-        _unequal(rank, out, "dp4 zero3", _layout(1, 1, m=1, zero=3),
-                 [UNEQUAL_1F1B[1], UNEQUAL_1F1B[0]] * 2)
         dist.barrier()
     except BaseException:
         out[f"error on rank {rank}"] = traceback.format_exc()
@@ -196,7 +194,7 @@ def test_executor_matches_train_step_on_equal_micro_batches(results, case):
         assert param_diff < 1e-5, (case, rank, param_diff)
 
 
-@pytest.mark.parametrize("case", ["1f1b", "interleaved", "dp4 zero2", "dp4 zero3"])
+@pytest.mark.parametrize("case", ["1f1b", "interleaved", "dp4 zero2"])
 def test_unequal_micro_batches_give_the_whole_batch_token_mean(results, case):
     """Different micro-batch counts per dp rank (2 vs 3, 2 vs 4): loss, gradient norm and the
     updated parameters are those of one process on the whole batch, padding ignored."""

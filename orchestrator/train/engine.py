@@ -96,7 +96,7 @@ class Engine:
         if layout.zero == 3:
             self.optim = FsdpAdamW(params, layout.num_micro_batches,
                                    weight_decay=optim.weight_decay, betas=optim.betas,
-                                   eps=optim.eps, dp=layout.dp)
+                                   eps=optim.eps)
         else:
             self.optim = ShardedAdamW(params, layout.zero, self.mesh["dp"].get_group(),
                                       layout.dp, layout.num_micro_batches,
@@ -220,9 +220,12 @@ class Engine:
         if not batches or total_tokens < 1:
             raise ValueError(f"train_step_micro_batches needs micro-batches and total_tokens "
                              f">= 1, got {len(batches)} and {total_tokens}")
-        if self.layout.zero == 3 and self.layout.pp > 1:
-            raise NotImplementedError("variable-length micro-batches with ZeRO-3 under a "
-                                      "pipeline (pp > 1) are not supported: use zero<=2 or pp=1")
+        if self.layout.zero == 3:
+            # FSDP all-gathers parameters per forward: dp ranks with different micro-batch
+            # counts would issue different numbers of collectives and hang.
+            raise NotImplementedError("variable-length micro-batches with ZeRO-3 are not "
+                                      "supported (dp ranks run different micro-batch counts): "
+                                      "use zero<=2")
         start = self._now()
         self.compute_s = 0.0
         self.optim.begin_step(len(batches), grad_divisor=float(total_tokens))
@@ -231,7 +234,7 @@ class Engine:
             losses, self.compute_s = self._pipeline_executor().run(batches)
         else:
             losses, self.compute_s = run_plain(self.modules[0], batches, self._token_loss,
-                                               self._now, fsdp=self.layout.zero == 3)
+                                               self._now)
         self._apply_recompute()
         local = torch.stack([loss.double() for loss in losses]).sum() if losses else 0.0
         return self._finish_step(start, local, self.layout.tp * total_tokens, lr, grad_clip,

@@ -154,14 +154,12 @@ class PipelineExecutor:
         sends.append((dist.isend(tensor, dst=self._rank_of(dst_stage), tag=tag), tensor))
 
 
-def run_plain(module, batches: Sequence[MicroBatchInput], loss_fn: LossFn, now: Timer,
-              fsdp: bool) -> Tuple[List[torch.Tensor], float]:
+def run_plain(module, batches: Sequence[MicroBatchInput], loss_fn: LossFn,
+              now: Timer) -> Tuple[List[torch.Tensor], float]:
     """pp = 1: forward and backward of each micro-batch in turn; returns (detached loss sums,
-    seconds of compute). FSDP (ZeRO-3) reduces gradients only after the last micro-batch."""
+    seconds of compute)."""
     losses, compute_s = [], 0.0
-    for i, mb in enumerate(batches):
-        if fsdp:
-            module.set_requires_gradient_sync(i == len(batches) - 1)
+    for mb in batches:
         set_recompute(module, mb.recompute)
         start = now()
         loss = loss_fn(module(mb.tokens), mb.targets)

@@ -377,28 +377,25 @@ class FsdpAdamW:
     over dp). Same interface as ShardedAdamW."""
 
     def __init__(self, params: List[nn.Parameter], num_micro_batches: int, world_group=None,
-                 weight_decay: float = 0.1, betas=(0.9, 0.95), eps: float = 1e-8,
-                 dp: int = 1):
+                 weight_decay: float = 0.1, betas=(0.9, 0.95), eps: float = 1e-8):
         self.params = [p for p in params if p.requires_grad]
-        self.dp = dp
         self.begin_step(num_micro_batches)
         self.world_group = world_group
         self.optim = torch.optim.AdamW(self.params, lr=0.0, betas=betas, eps=eps,
                                        weight_decay=weight_decay,
                                        **_adamw_kernel(local_tensor(self.params[0]).device))
 
-    def begin_step(self, num_micro_batches: int, grad_divisor: Optional[float] = None) -> None:
-        """As ShardedAdamW.begin_step (FSDP's own reduction already divides by dp)."""
+    def begin_step(self, num_micro_batches: int) -> None:
+        """Before an iteration's backward: this rank's micro-batch count."""
         self.m = num_micro_batches
-        self.fsdp_divisor = grad_divisor / self.dp if grad_divisor else float(num_micro_batches)
 
     def finish_backward(self) -> None:
-        """FSDP averaged over dp; the micro-batches summed: make it their mean (or divide by
-        begin_step's divisor). Partial sums (sequence-parallel norms) reduced."""
+        """FSDP averaged over dp; the micro-batches summed: make it their mean. Partial sums
+        (sequence-parallel norms) reduced."""
         for p in self.params:
             if p.grad is not None:
                 p.grad = full_grad(p)
-                p.grad.div_(self.fsdp_divisor)
+                p.grad.div_(self.m)
 
     def grad_norm(self) -> float:
         device = local_tensor(self.params[0]).device
