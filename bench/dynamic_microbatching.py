@@ -208,8 +208,50 @@ def tiny_case(sizes, iterations) -> None:
          iterations)
 
 
+def measured_case(steps: int) -> None:
+    """tiny trained for real on 4 local CPU ranks (pp2 dp2, mpiexec + gloo), the same samples
+    under dynamic, padded and packed micro-batching: medians of measured and predicted
+    iteration time over the timed steps (analytic local profiles in a temporary folder)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        common = [f"profiles_dir={tmp}", "model=tiny"]
+
+        def cli(*args):
+            return subprocess.run([sys.executable, "-m", "orchestrator", *args, *common],
+                                  capture_output=True, text=True, cwd=REPO)
+        cli("stage=profile_hardware", "profile_hardware.source=analytic")
+        cli("stage=profile_model", "profile_model.source=analytic", "profile_model.plot=false")
+        table = Table(title=f"tiny trained on 4 CPU ranks (pp2 dp2), 16 samples per dp rank, "
+                            f"lengths mean 64 max 256, {steps} steps, medians after 2")
+        for col in ("micro-batching", "measured ms", "predicted ms", "real / computed tokens",
+                    "micro-batches per rank", "vs padded"):
+            table.add_column(col, justify="right")
+        padded_ms = None
+        for kind in ("padded", "packed", "dynamic"):
+            proc = cli("stage=train", "train.pp=2", f"train.microbatching={kind}",
+                       f"train.steps={steps}", "train.global_batch_size=32",
+                       "train.seq_len=256", "train.plot=false", "train.timing_warmup_steps=2")
+            found = list(Path(tmp).glob(f"local/train/tiny/*-{kind}.json"))
+            if proc.returncode or not found:
+                console.print(f"{kind}: failed ({proc.returncode}): {proc.stderr[-400:]}")
+                continue
+            mb = json.loads(found[0].read_text())["microbatching"]
+            per_rank = statistics.median(len(s["micro_batches"][0]) for s in mb["steps"])
+            padded_ms = mb["measured_ms"] if kind == "padded" else padded_ms
+            table.add_row(kind, f"{mb['measured_ms']:.1f}", f"{mb['predicted_ms']:.1f}",
+                          f"{mb['real_tokens'] / mb['padded_tokens'] * 100:.0f}%",
+                          f"{per_rank:g}",
+                          f"{padded_ms / mb['measured_ms']:.2f}x" if padded_ms else "-")
+        console.print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--no-measure", action="store_true",
+                        help="skip training tiny on 4 CPU ranks (about a minute)")
+    parser.add_argument("--measure-steps", type=int, default=10)
     parser.add_argument("--iterations", type=int, default=None,
                         help="iterations per batch size (default 20, 5 with --quick)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 8 and 64 sequences")
@@ -219,6 +261,8 @@ def main() -> None:
     t0 = time.perf_counter()
     llama_case(sizes, iterations)
     tiny_case(sizes, iterations)
+    if not args.no_measure:
+        measured_case(args.measure_steps)
     console.print(f"total {time.perf_counter() - t0:.1f} s")
 
 

@@ -69,7 +69,7 @@ class PlanOptions:
     pad_multiple: int = 1
     normal_adjustments: int = 64
     fast_adjustments: int = 4
-    fast_splits: int = 64
+    fast_splits: int = 96  # fast-mode quality loss <= 2% at 256 sequences (the bench)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from one StageCosts of the layout itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -98,22 +98,29 @@ class MicroBatchCosts:
                               if other.active else other)
         intra = boundary_intra_node(layout.pp, layout.tp * layout.dp, hardware.tasks_per_node)
         self.p2p_lines = np.array([_p2p_line(hardware, x, layout.pp) for x in intra])
-        self._per_seq: Dict[int, Tuple[float, ...]] = {}
+        # Row s - 1: one sequence of s tokens (see _per_sequence); grown on demand.
+        self._per_seq = np.zeros((0, 9))
 
-    def _per_sequence(self, s: int) -> Tuple[float, ...]:
-        """One sequence of s tokens: block fwd, bwd, attention core, other fwd, bwd (us); stored
-        bytes per token of a layer for none, selective, full; the LM head's per token."""
-        hit = self._per_seq.get(s)
-        if hit is None:
+    def _per_sequence(self, s: np.ndarray) -> np.ndarray:
+        """[len(s), 9] for sequences of s tokens: block fwd, bwd, attention core, other fwd,
+        bwd (us); stored bytes per token of a layer for none, selective, full; the LM head's
+        per token. Computed for every length up to max(s) at once, then looked up."""
+        longest = int(np.max(s, initial=0))
+        have = len(self._per_seq)
+        if longest > have:
             m, tp = self.model, self.tp
             block, other = m.memory(tp)
-            act = ActivationBytes.from_block(block, s, tp, self.layout.sequence_parallel,
+            new = np.arange(have + 1, max(longest, 2 * have) + 1)
+            act = ActivationBytes.from_block(block, new, tp, self.layout.sequence_parallel,
                                              m.hidden, m.dtype_bytes)
-            hit = self._per_seq[s] = (
-                m.block_fwd_us(s, tp), m.block_bwd_us(s, tp), m.attention_core_fwd_us(s, tp),
-                m.other_fwd_us(s, tp), m.other_bwd_us(s, tp), act.none, act.selective, act.full,
-                other.act_bytes_per_token_at("none", s))
-        return hit
+            columns = (m.block_fwd_us(new, tp), m.block_bwd_us(new, tp),
+                       m.attention_core_fwd_us(new, tp), m.other_fwd_us(new, tp),
+                       m.other_bwd_us(new, tp), act.none, act.selective, act.full,
+                       other.act_bytes_per_token_at("none", new))
+            rows = np.stack([np.broadcast_to(np.asarray(c, dtype=float), new.shape)
+                             for c in columns], axis=1)
+            self._per_seq = np.concatenate([self._per_seq, rows])
+        return self._per_seq[np.asarray(s) - 1]
 
     def _tp_comm(self, tp_bytes: np.ndarray) -> TpComm:
         """TpComm.from_hardware with the message size an array."""
@@ -136,9 +143,7 @@ class MicroBatchCosts:
         b = np.asarray(b, dtype=float)
         s = np.asarray(s, dtype=np.int64)
         code = np.asarray(mode_code)[None, :]
-        uniq, inverse = np.unique(s, return_inverse=True)
-        table = np.array([self._per_sequence(int(x)) for x in uniq]).reshape(len(uniq), 9)
-        (bf, bb, attn, of, ob, a_none, a_sel, a_full, a_head) = table[inverse].T
+        (bf, bb, attn, of, ob, a_none, a_sel, a_full, a_head) = self._per_sequence(s).T
         m, pp, v, n = self.model, self.pp, self.v, self.n
         tokens = b * s
         tp_bytes = tokens * m.hidden * m.dtype_bytes

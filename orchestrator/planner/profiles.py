@@ -12,6 +12,8 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+import numpy as np
+
 from orchestrator.choices import Dtype
 from orchestrator.commands import rerun_command
 from orchestrator.errors import ProfileError
@@ -270,12 +272,15 @@ class PartMemory:
         fit, as with flash attention)."""
         per_token = self.act_bytes_per_token[mode]
         fit = (self.act_bytes_fit or {}).get(mode)
-        if not fit or not self.act_seq_len or seq_len == self.act_seq_len:
+        if not fit or not self.act_seq_len:
             return per_token
         at_profiled = _poly(fit, self.act_seq_len) / self.act_seq_len
         if at_profiled <= 0:
             return per_token
-        return per_token * (_poly(fit, seq_len) / seq_len) / at_profiled
+        scaled = per_token * (_poly(fit, seq_len) / seq_len) / at_profiled
+        if np.ndim(scaled) == 0:
+            return per_token if seq_len == self.act_seq_len else float(scaled)
+        return np.where(np.asarray(seq_len) == self.act_seq_len, per_token, scaled)
 
 
 @dataclass(frozen=True)
@@ -288,8 +293,10 @@ class TpFit:
     other_optim_us: float = 0.0  # of the other parts' (0: not profiled, e.g. analytic)
 
 
-def _poly(coeffs: Tuple[float, ...], s: float) -> float:
-    return max(0.0, sum(c * s ** i for i, c in enumerate(coeffs)))
+def _poly(coeffs: Tuple[float, ...], s):
+    """The polynomial at s (a float or a numpy array), never below 0."""
+    value = np.maximum(0.0, sum(c * s ** i for i, c in enumerate(coeffs)))
+    return float(value) if np.ndim(value) == 0 else value
 
 
 def _part_memory(part: MemoryPart, model_seq_len: int) -> PartMemory:

@@ -34,9 +34,13 @@ class StrategyLayout:
 
 
 def summary_path(cfg, layout, label: str = ""):
+    """<layout-tag>[-<microbatching>].json: variable-length runs keep their own summary and
+    checkpoints beside the fixed-length run of the same layout."""
     from orchestrator.sweep import labelled
 
-    return labelled(train_dir(cfg) / f"{layout_tag(layout)}.json", label)
+    kind = str(cfg.train.microbatching)
+    suffix = "" if kind == "fixed" else f"-{kind}"
+    return labelled(train_dir(cfg) / f"{layout_tag(layout)}{suffix}.json", label)
 
 
 class Train(Stage):
@@ -55,6 +59,15 @@ class Train(Stage):
         explicit = cfg.train.pp is not None or cfg.train.tp is not None
         if not explicit:
             inputs.append(StageInput(layout_file(cfg), StrategyLayout, "search"))
+        if str(cfg.train.microbatching) != "fixed":  # the per-iteration planner prices with them
+            from orchestrator.store import hardware_path, model_profile_path
+            from orchestrator.store.schema import HardwareProfile, ModelProfile
+
+            inputs += [StageInput(hardware_path(cfg.profiles_dir, cfg.cluster.name),
+                                  HardwareProfile, "profile_hardware"),
+                       StageInput(model_profile_path(cfg.profiles_dir, cfg.cluster.name,
+                                                     cfg.model.name),
+                                  ModelProfile, "profile_model")]
         if explicit or layout_file(cfg).exists():
             target = resolve(cfg)  # else search writes it first (stage=all): resolved on the ranks
             outputs.append(summary_path(cfg, target.layout))  # the pipeline labels sweep points
@@ -70,8 +83,14 @@ class Train(Stage):
                               detail=point_label(cfg, self.sweep_section))
 
     def read_inputs(self, cfg, plan) -> List[str]:
-        if plan.inputs and not plan.inputs[0].path.exists():
+        strategy = [x for x in plan.inputs if x.profile is StrategyLayout]
+        if strategy and not strategy[0].path.exists():
             resolve(cfg)  # the ProfileError naming the search command
+        from orchestrator.store import read_profile
+
+        for needed in plan.inputs:
+            if needed.profile is not StrategyLayout:
+                read_profile(needed.path, needed.profile, needed.rebuild())
         return []
 
     def run(self, ctx, run):
@@ -143,6 +162,7 @@ def train(ctx, run):
     engine = Engine(layout, model_config(cfg, target.seq_len), ctx.device, train_dtype(cfg),
                     seed=t.seed, optim=OptimSettings(weight_decay=t.weight_decay))
     data = make_data(t.data, cfg.model.vocab, target.seq_len, t.seed)
+    planner = _variable_length_planner(cfg, layout, target.seq_len, data)
     out = summary_path(cfg, layout, run.plan.detail)
     ckpt_dir = out.with_suffix(".ckpt")
     steps_log = StepLog(ctx, run, layout, target.seq_len, t)
@@ -154,12 +174,23 @@ def train(ctx, run):
         steps_log.warn(w)
     stop = StopFlag()  # until the summary is written: a signal after the last step is ignored
     samples_per_rank = layout.micro_batch_size * layout.num_micro_batches
+    ahead = planner.submit(start) if planner is not None and start < t.steps else None
     try:
         for step in range(start, t.steps):
-            tokens, targets = data.rank_batch(step, engine.dp_rank, layout.dp, samples_per_rank)
             lr = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
-            stats = engine.train_step(tokens, targets, lr, t.grad_clip,
-                                      stop=stop.signum is not None)
+            if planner is None:
+                tokens, targets = data.rank_batch(step, engine.dp_rank, layout.dp,
+                                                  samples_per_rank)
+                stats = engine.train_step(tokens, targets, lr, t.grad_clip,
+                                          stop=stop.signum is not None)
+            else:
+                iteration = ahead.result()
+                # The next plan is made while this step trains.
+                ahead = planner.submit(step + 1) if step + 1 < t.steps else None
+                stats = _planned_step(engine, planner, iteration, data, lr, t.grad_clip,
+                                      stop.signum is not None, steps_log)
+                if stats is None:
+                    continue
             monitor.mark(f"step {step + 1}")
             steps_log.record(step + 1, lr, stats)
             last = step + 1 == t.steps  # done: nothing left for a requeued job to resume
@@ -177,10 +208,55 @@ def train(ctx, run):
         if not ctx.is_root:
             return None
         return write_summary(run, cfg, target, prediction, note, per_rank, steps_log, out,
-                             data.describe())
+                             data.describe() if planner is None else
+                             f"{data.describe()}, {planner.distribution.describe()}")
     finally:
         stop.restore()
         monitor.stop()
+        if planner is not None:
+            planner.close()
+
+
+def _variable_length_planner(cfg, layout, seq_len: int, data):
+    """The per-iteration planner of train.microbatching=dynamic | padded | packed (None for
+    fixed): lognormal sample lengths (mean train.length_mean, else seq_len / 4, at most
+    seq_len), priced with the cluster's profiles against the memory budget minus the search's
+    reserve."""
+    from orchestrator.choices import Microbatching
+    from orchestrator.train.data import LengthDistribution
+    from orchestrator.train.microbatching import IterationPlanner, budget_bytes, with_fast_mode
+    from orchestrator.train.plan import memory_budget_GiB, planner_profiles
+
+    t = cfg.train
+    kind = Microbatching.parse(t.microbatching)
+    if kind == Microbatching.fixed:
+        return None
+    model_cost, hardware = planner_profiles(cfg)
+    mean = t.length_mean or max(1, seq_len // 4)
+    distribution = LengthDistribution(mean_len=float(mean), max_len=seq_len)
+    s = cfg.search
+    budget = budget_bytes(memory_budget_GiB(cfg), s.reserve_fraction, s.reserve_GiB)
+    return IterationPlanner(kind, layout, data, distribution, model_cost, hardware, budget,
+                            seq_len, with_fast_mode(kind, s.fast_mode))
+
+
+def _planned_step(engine, planner, iteration, data, lr: float, grad_clip: float, stop: bool,
+                  steps_log):
+    """One step of a planned iteration on this rank; every rank skips an iteration in which
+    some dp rank was left with no sample (it could not join the gradient collectives)."""
+    from orchestrator.train.microbatching import empty_ranks, rank_inputs
+
+    record = iteration.record()
+    empty = empty_ranks(iteration.plan)
+    if empty:
+        steps_log.warn(f"step {iteration.step + 1}: dp rank(s) {empty} have no sample that "
+                       f"fits (skipped: {record['skipped']}); the iteration is skipped")
+        return None
+    inputs = rank_inputs(iteration, data, engine.dp_rank, planner.samples_per_rank)
+    stats = engine.train_step_micro_batches(inputs, lr, grad_clip, iteration.total_tokens,
+                                            stop=stop)
+    steps_log.planned(record, stats)
+    return stats
 
 
 def _resume(engine, state, ckpt_dir, t, load_latest, latest_checkpoint, load_checkpoint,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +77,10 @@ class LengthDistribution:
         if self.mean_len <= 0 or self.sigma < 0:
             raise DataError(f"sample lengths: mean_len({self.mean_len}) must be > 0 and "
                             f"sigma({self.sigma}) >= 0")
+
+    def describe(self) -> str:
+        return (f"lengths lognormal (mean {self.mean_len:g}, sigma {self.sigma:g}) in "
+                f"[{self.min_len}, {self.max_len}]")
 
     def lengths(self, uniform_a: np.ndarray, uniform_b: np.ndarray) -> np.ndarray:
         """Lengths (int64) from two arrays of uniforms in [0, 1) (Box-Muller)."""
@@ -235,6 +239,27 @@ def micro_batch_tensors(windows: Sequence[torch.Tensor], micro_batch: MicroBatch
                              f"padded_len({micro_batch.padded_len})")
         tokens[row, :length] = window[:-1]
         targets[row, :length] = window[1:]
+    return tokens, targets
+
+
+def packed_tensors(windows: Mapping[int, torch.Tensor], rows: Sequence[Sequence[int]],
+                   row_len: int, pad_token: int = 0) -> Batch:
+    """(tokens, targets) int64 of shape (len(rows), row_len) for a packed micro-batch: each row
+    holds its samples' windows back to back (each sample's targets are its own next tokens, so
+    no target crosses into the next sample), the rest is padding (targets IGNORE_INDEX)."""
+    tokens = torch.full((len(rows), row_len), pad_token, dtype=torch.int64)
+    targets = torch.full((len(rows), row_len), IGNORE_INDEX, dtype=torch.int64)
+    for r, row in enumerate(rows):
+        at = 0
+        for sample in row:
+            window = windows[sample]
+            length = len(window) - 1
+            if at + length > row_len:
+                raise ValueError(f"row {r}: samples {list(row)} hold more than row_len"
+                                 f"({row_len}) tokens")
+            tokens[r, at:at + length] = window[:-1]
+            targets[r, at:at + length] = window[1:]
+            at += length
     return tokens, targets
 
 

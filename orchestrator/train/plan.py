@@ -178,6 +178,10 @@ def check_target(cfg, target: TrainTarget, world: int) -> None:
         raise LayoutError(str(e)) from None
     if target.seq_len > cfg.model.seq_len:
         raise LayoutError(f"train.seq_len({target.seq_len}) > model.seq_len({cfg.model.seq_len})")
+    if str(cfg.train.microbatching) != "fixed" and layout.zero == 3:
+        raise LayoutError(f"train.microbatching={cfg.train.microbatching} runs ZeRO 0-2: with "
+                          f"ZeRO-3 the dp ranks' different micro-batch counts would stall "
+                          f"FSDP's gathers; set train.zero=2 (or 0/1)")
     if cfg.train.steps < 1:
         raise LayoutError(f"train.steps({cfg.train.steps}) must be >= 1")
     backend = cfg.cluster.backend
@@ -205,20 +209,29 @@ def predict(cfg, layout: ParallelLayout, seq_len: int):
     """(prediction or None, note): the planner's evaluate() of this layout from the cluster's
     profiles, without the memory reserve (what the ranks themselves use); None with the reason
     when the profiles are missing or do not fit this model."""
-    from orchestrator.planner import CostOptions, HardwareModel, ModelCost, evaluate
+    from orchestrator.planner import CostOptions, evaluate
+
+    try:
+        model_cost, hardware = planner_profiles(cfg)
+        pred = evaluate(layout, model_cost, hardware, seq_len=seq_len,
+                        options=CostOptions(reserve_bytes=0.0))
+    except (ProfileError, ValueError, KeyError) as e:
+        return None, f"no prediction: {e}"
+    return pred, ""
+
+
+def planner_profiles(cfg):
+    """(ModelCost, HardwareModel) of the cluster's profiles; ProfileError naming the command
+    that writes a missing or unreadable one."""
+    from orchestrator.planner import HardwareModel, ModelCost
     from orchestrator.store import read_profile
     from orchestrator.store.schema import HardwareProfile, ModelProfile
 
     hw_path = hardware_path(cfg.profiles_dir, cfg.cluster.name)
     mp_path = model_profile_path(cfg.profiles_dir, cfg.cluster.name, cfg.model.name)
-    try:
-        hw = read_profile(hw_path, HardwareProfile, rerun_command("profile_hardware"))
-        mp = read_profile(mp_path, ModelProfile, rerun_command("profile_model"))
-        pred = evaluate(layout, ModelCost.from_profile(mp), HardwareModel.from_profile(hw),
-                        seq_len=seq_len, options=CostOptions(reserve_bytes=0.0))
-    except (ProfileError, ValueError, KeyError) as e:
-        return None, f"no prediction: {e}"
-    return pred, ""
+    hw = read_profile(hw_path, HardwareProfile, rerun_command("profile_hardware"))
+    mp = read_profile(mp_path, ModelProfile, rerun_command("profile_model"))
+    return ModelCost.from_profile(mp), HardwareModel.from_profile(hw)
 
 
 def memory_budget_GiB(cfg) -> float:
@@ -232,6 +245,8 @@ def check_memory(cfg, prediction) -> None:
     budget = memory_budget_GiB(cfg)
     if prediction is None or not budget or cfg.train.allow_oom_risk:
         return
+    if str(cfg.train.microbatching) != "fixed":
+        return  # variable-length samples: each iteration's plan keeps to the budget itself
     from orchestrator.planner.cost_model import memory_reserve_GiB
 
     s = cfg.search

@@ -28,6 +28,10 @@ class StepLog:
         self.notes: List[str] = []
         self.checkpoints: List[Dict[str, float]] = []
         self.identity = ""  # the run's checkpoint identity (stages/train.run_identity)
+        # Variable-length runs: each step's plan (train/microbatching.Iteration.record) with
+        # its measured time, and the step's real tokens for the tokens/s of its line.
+        self.plans: List[Dict[str, Any]] = []
+        self._step_tokens: Optional[int] = None
         self.started = time.time()
         self._progress_at = -PROGRESS_EVERY_S
         self.console = None
@@ -62,14 +66,26 @@ class StepLog:
         self.checkpoints.append({"step": step, "took_s": took_s})
         log.info("checkpoint at step %d (%.2f s)", step, took_s)
 
+    def planned(self, record: Dict[str, Any], stats) -> None:
+        """A planned step ran (record: its plan): keep the plan with the measured time."""
+        self.plans.append({**record, "measured_ms": stats.step_s * 1e3})
+        self._step_tokens = record["real_tokens"]
+        if self.ctx.is_root:
+            log.info("step %d plan: %s %s, %d micro-batches on dp rank 0, predicted %.1f ms, "
+                     "measured %.1f ms, planned in %.1f ms", record["step"] + 1, record["kind"],
+                     record["mode"], len(record["micro_batches"][0]), record["predicted_ms"],
+                     stats.step_s * 1e3, record["planning_ms"])
+
     def record(self, step: int, lr: float, stats) -> None:
         row = {"step": step, "loss": stats.loss, "lr": lr, "grad_norm": stats.grad_norm,
                "skipped": stats.skipped, **{k: getattr(stats, k) for k in TIME_PARTS}}
         self.steps.append(row)
         self.losses[step] = stats.loss
+        tokens = self._step_tokens or self.tokens_per_step
+        self._step_tokens = None
         if not self.ctx.is_root:
             return
-        tokens_per_s = self.tokens_per_step / stats.step_s if stats.step_s > 0 else 0.0
+        tokens_per_s = tokens / stats.step_s if stats.step_s > 0 else 0.0
         line = (f"step {step}/{self.t.steps}  loss {stats.loss:.4f}  lr {lr:.2e}  "
                 f"grad {stats.grad_norm:.3f}  {stats.step_s * 1e3:.1f} ms  "
                 f"{tokens_per_s:,.0f} tok/s  mem {_memory_MiB(self.ctx.device):.0f} MiB")
@@ -169,11 +185,17 @@ def write_summary(run, cfg, target, prediction, note, per_rank, steps_log: StepL
     measured = measured_parts(per_rank, layout)
     predicted = predicted_parts(prediction, layout)
     tokens = layout.global_batch_size * target.seq_len
-    measured["tokens_per_s"] = tokens / (measured["iteration_ms"] / 1e3)
     mfu = _mfu(cfg, target, measured["iteration_ms"], layout)
-    error = None
-    if predicted is not None:
+    error, microbatching = None, None
+    if steps_log.plans:
+        microbatching = _microbatching(cfg, steps_log)
+        # Every step has its own plan: the fixed layout's prediction does not apply.
+        predicted, note, mfu = None, "variable-length samples: see microbatching", None
+        error = microbatching["error"]
+        tokens = microbatching["real_tokens"] / max(1, microbatching["iterations"])
+    elif predicted is not None:
         error = (predicted["iteration_ms"] - measured["iteration_ms"]) / measured["iteration_ms"]
+    measured["tokens_per_s"] = tokens / (measured["iteration_ms"] / 1e3)
     losses = dict(sorted(steps_log.losses.items()))
     summary = new_profile(
         "train", "measured", run.provenance(), model=cfg.model.name,
@@ -187,7 +209,8 @@ def write_summary(run, cfg, target, prediction, note, per_rank, steps_log: StepL
         measured=measured, predicted=predicted, prediction_note=note,
         iteration_time_error=error, mfu=mfu, notes=steps_log.notes,
         checkpoints=steps_log.checkpoints,
-        step_times_ms={str(r["rank"]): [s * 1e3 for s in r["step_s"]] for r in per_rank})
+        step_times_ms={str(r["rank"]): [s * 1e3 for s in r["step_s"]] for r in per_rank},
+        microbatching=microbatching)
     write_json(out, summary)
     if cfg.train.plot:
         from orchestrator.train.monitor import plot_memory
@@ -202,6 +225,17 @@ def write_summary(run, cfg, target, prediction, note, per_rank, steps_log: StepL
             "predicted_ms": predicted["iteration_ms"] if predicted else None,
             "error": error, "tokens_per_s": measured["tokens_per_s"],
             "first_loss": summary["first_loss"], "last_loss": summary["last_loss"]}
+
+
+def _microbatching(cfg, steps_log: StepLog) -> Dict[str, Any]:
+    """The summary's section of a variable-length run: medians of predicted vs measured
+    iteration time and planning time over the timed steps, and every step's plan."""
+    from orchestrator.train.microbatching import summarize
+
+    t = cfg.train
+    return {"kind": str(t.microbatching),
+            **summarize(steps_log.plans, steps_log.plans[0]["step"] + t.timing_warmup_steps),
+            "steps": steps_log.plans}
 
 
 def _mfu(cfg, target, iteration_ms: float, layout) -> Optional[float]:
@@ -250,6 +284,14 @@ def print_summary(summary: dict, console) -> None:
     table.add_row("peak memory", fmt(p["peak_memory_MiB"], " MiB") if p else "-",
                   fmt(max(m["peak_memory_MiB"]), " MiB"))
     console.print(table)
+    mb = summary.get("microbatching")
+    if mb:
+        console.print(f"{mb['kind']} micro-batching over {mb['iterations']} steps: predicted "
+                      f"{mb['predicted_ms']:.1f} ms vs measured {mb['measured_ms']:.1f} ms "
+                      f"(medians), planned in {mb['planning_ms']:.1f} ms; "
+                      f"{mb['real_tokens'] / max(1, mb['padded_tokens']) * 100:.0f}% of the "
+                      f"tokens computed are real; {mb['skipped_samples']} samples skipped",
+                      highlight=False, markup=False)
     err = summary["iteration_time_error"]
     console.print(f"tokens/s {m['tokens_per_s']:,.0f}; loss {summary['first_loss']:.4f} -> "
                   f"{summary['last_loss']:.4f}"

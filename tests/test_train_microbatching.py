@@ -1,0 +1,90 @@
+"""`stage=train train.microbatching=dynamic | padded | packed` on 4 local CPU ranks (pp2 dp2,
+tiny): variable-length samples, a plan per iteration, each plan's prediction beside its
+measured time in the run summary, and samples no plan can hold skipped and counted."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conftest import run_cli
+from test_train_cli import _analytic_profiles, _losses
+
+RUN = ["stage=train", "train.pp=2", "train.global_batch_size=16", "train.seq_len=128",
+       "train.plot=false", "train.memory_interval_s=0.2", "train.timing_warmup_steps=1"]
+
+
+def _summary(profiles, kind: str) -> dict:
+    folder = Path(profiles) / "local" / "train" / "tiny"
+    (path,) = folder.glob(f"*-{kind}.json")
+    return json.loads(path.read_text())
+
+
+def test_dynamic_trains_with_a_plan_per_step_and_baselines_see_the_same_samples(profiles):
+    _analytic_profiles(profiles)
+    proc = run_cli(*RUN, "train.microbatching=dynamic", "train.steps=6", profiles_dir=profiles)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "dynamic micro-batching over 6 steps" in proc.stdout
+    dynamic = _summary(profiles, "dynamic")
+    losses = _losses(dynamic)
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.3, losses
+    mb = dynamic["microbatching"]
+    assert mb["kind"] == "dynamic" and mb["iterations"] == 6 and mb["skipped_samples"] == 0
+    for step in mb["steps"]:
+        assert step["kind"] == "dynamic" and step["mode"] == "normal"
+        assert step["predicted_ms"] > 0 and step["measured_ms"] > 0 and step["planning_ms"] > 0
+        assert len(step["micro_batches"]) == 2  # one list per dp rank
+        for rank in step["micro_batches"]:
+            # Every one of the rank's 8 samples runs once; a micro-batch may hold several.
+            assert sum(size for size, _, _, _ in rank) == 8
+            assert all(1 <= padded <= 128 for _, padded, _, _ in rank)
+        # Lengths vary (lognormal): the padded tokens cannot all be the cap.
+        assert step["real_tokens"] < 16 * 128
+        assert step["padded_tokens"] >= step["real_tokens"]
+    assert len({step["real_tokens"] for step in mb["steps"]}) > 1
+    assert mb["predicted_ms"] > 0 and mb["error"] is not None
+
+    # The padded baseline: the same samples (same real tokens per step), the layout's
+    # micro-batches of one sequence padded to the longest of the step; the first loss is the
+    # same token mean over the same samples from the same weights.
+    proc = run_cli(*RUN, "train.microbatching=padded", "train.steps=2", profiles_dir=profiles)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    padded = _summary(profiles, "padded")
+    steps = padded["microbatching"]["steps"]
+    assert [s["real_tokens"] for s in steps] == [s["real_tokens"] for s in mb["steps"][:2]]
+    for step in steps:
+        longest = max(p for rank in step["micro_batches"] for _, p, _, _ in rank)
+        assert all(size == 1 and p == longest for rank in step["micro_batches"]
+                   for size, p, _, _ in rank)
+        assert all(len(rank) == 8 for rank in step["micro_batches"])
+    assert abs(_losses(padded)[0] - losses[0]) < 1e-4, (_losses(padded)[0], losses[0])
+    # The fixed-length run of the same layout keeps its own summary name.
+    assert not list((Path(profiles) / "local" / "train" / "tiny").glob("*1f1b.json"))
+
+
+def test_packed_rows_and_a_sample_over_the_budget_is_skipped_and_counted(profiles):
+    _analytic_profiles(profiles)
+    proc = run_cli(*RUN, "train.microbatching=packed", "train.steps=2", profiles_dir=profiles)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    steps = _summary(profiles, "packed")["microbatching"]["steps"]
+    for step in steps:
+        for rank in step["micro_batches"]:
+            # Rows of train.seq_len tokens, several samples to a row.
+            assert all(p == 128 and rows >= 1 for _, p, _, rows in rank)
+            assert sum(rows for _, _, _, rows in rank) < 8
+    # A budget that the longest samples cannot meet even alone with full recompute (the
+    # analytic tiny profile: ~7.1 MiB for 8 tokens, ~8.8 MiB for 128, with the reserve off).
+    budget = ["train.memory_GiB=0.0084", "search.reserve_fraction=0", "search.reserve_GiB=0"]
+    proc = run_cli(*RUN, "train.microbatching=dynamic", "train.steps=3", "force=true", *budget,
+                   profiles_dir=profiles)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    mb = _summary(profiles, "dynamic")["microbatching"]
+    skipped = [s for step in mb["steps"] for s in step["skipped"]]
+    assert mb["skipped_samples"] == len(skipped) > 0
+    kept = [p for step in mb["steps"] for rank in step["micro_batches"] for _, p, _, _ in rank]
+    for rank, index, length, reason in skipped:
+        assert "alone with full recompute > budget" in reason
+        assert length > max(kept)  # only the long ones go
+    for step in mb["steps"]:  # each step's real tokens leave the skipped samples out
+        planned = sum(size * p for rank in step["micro_batches"] for size, p, _, _ in rank)
+        assert step["real_tokens"] <= planned
+    assert f"{mb['skipped_samples']} samples skipped" in " ".join(proc.stdout.split())
