@@ -208,10 +208,12 @@ def tiny_case(sizes, iterations) -> None:
          iterations)
 
 
-def measured_case(steps: int) -> None:
+def measured_case(steps: int, measured_model: bool) -> None:
     """tiny trained for real on 4 local CPU ranks (pp2 dp2, mpiexec + gloo), the same samples
     under dynamic, padded and packed micro-batching: medians of measured and predicted
-    iteration time over the timed steps (analytic local profiles in a temporary folder)."""
+    iteration time over the timed steps. Profiles in a temporary folder: analytic hardware, and
+    the model profile analytic (FLOPs on the CPU sheet: no per-sequence fixed cost) or, with
+    measured_model, measured on these ranks (its fit's intercept is that cost)."""
     import subprocess
     import tempfile
 
@@ -222,9 +224,14 @@ def measured_case(steps: int) -> None:
             return subprocess.run([sys.executable, "-m", "orchestrator", *args, *common],
                                   capture_output=True, text=True, cwd=REPO)
         cli("stage=profile_hardware", "profile_hardware.source=analytic")
-        cli("stage=profile_model", "profile_model.source=analytic", "profile_model.plot=false")
-        table = Table(title=f"tiny trained on 4 CPU ranks (pp2 dp2), 16 samples per dp rank, "
-                            f"lengths mean 64 max 256, {steps} steps, medians after 2")
+        source = "measured" if measured_model else "analytic"
+        t0 = time.perf_counter()
+        cli("stage=profile_model", f"profile_model.source={source}", "profile_model.plot=false",
+            "profile_model.max_tp=1", "profile_model.seq_lens=[16,64,128,256]")
+        console.print(f"tiny model profile: {source} ({time.perf_counter() - t0:.0f} s)")
+        table = Table(title=f"tiny trained on 4 CPU ranks (pp2 dp2), {source} model profile, "
+                            f"16 samples per dp rank, lengths mean 64 max 256, {steps} steps, "
+                            f"medians after 2")
         for col in ("micro-batching", "measured ms", "predicted ms", "real / computed tokens",
                     "micro-batches per rank", "vs padded"):
             table.add_column(col, justify="right")
@@ -252,6 +259,8 @@ def main() -> None:
     parser.add_argument("--no-measure", action="store_true",
                         help="skip training tiny on 4 CPU ranks (about a minute)")
     parser.add_argument("--measure-steps", type=int, default=10)
+    parser.add_argument("--measured-model", action="store_true",
+                        help="price the trained runs with a measured tiny model profile")
     parser.add_argument("--iterations", type=int, default=None,
                         help="iterations per batch size (default 20, 5 with --quick)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 8 and 64 sequences")
@@ -262,7 +271,7 @@ def main() -> None:
     llama_case(sizes, iterations)
     tiny_case(sizes, iterations)
     if not args.no_measure:
-        measured_case(args.measure_steps)
+        measured_case(args.measure_steps, args.measured_model)
     console.print(f"total {time.perf_counter() - t0:.1f} s")
 
 

@@ -62,3 +62,30 @@ def slurm_cluster():
             key, _, value = line[len("export "):].partition("=")
             os.environ[key] = value.strip().strip('"').strip("'")
     return os.environ.get("SLURM_CONF")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(worker, world_size: int) -> dict:
+    """Run worker(rank, port, out) on `world_size` processes (torch.multiprocessing); the dict
+    the ranks filled. A rank that failed put its traceback under "error on rank <r>": every such
+    traceback fails the calling test."""
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with mp.Manager() as manager:
+        out = manager.dict()
+        try:
+            mp.spawn(worker, args=(free_port(), out), nprocs=world_size)
+        except mp.ProcessRaisedException:
+            pass
+        result = dict(out)
+    errors = [v for k, v in result.items() if isinstance(k, str) and k.startswith("error")]
+    assert not errors, "\n".join(errors)
+    return result

@@ -4,14 +4,14 @@ variable-length data it eats. One launch for every case (a launch costs seconds)
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from conftest import spawn_ranks
 
 from orchestrator.models.gpt import IGNORE_INDEX
 from orchestrator.planner.dynamic import MicroBatch
@@ -28,12 +28,6 @@ UNEQUAL_1F1B = [[((0, 1), "none"), ((2, 3), "full")],
                 [((0,), "selective"), ((1, 2), "none"), ((3,), "full")]]
 UNEQUAL_INTERLEAVED = [[((0, 1), "selective"), ((2, 3), "none")],
                        [((0,), "none"), ((1,), "full"), ((2,), "none"), ((3,), "selective")]]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model():
@@ -172,17 +166,7 @@ def _worker(rank: int, port: int, out: dict) -> None:
 
 @pytest.fixture(scope="module")
 def results():
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with mp.Manager() as manager:
-        out = manager.dict()
-        try:
-            mp.spawn(_worker, args=(_free_port(), out), nprocs=WORLD_SIZE)
-        except mp.ProcessRaisedException:
-            pass
-        result = dict(out)
-    errors = [v for k, v in result.items() if isinstance(k, str) and k.startswith("error")]
-    assert not errors, "\n".join(errors)
-    return result
+    return spawn_ranks(_worker, WORLD_SIZE)
 
 
 @pytest.mark.parametrize("case", ["equal pp2 tp1", "equal pp2 tp2"])

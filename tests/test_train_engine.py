@@ -3,14 +3,13 @@ same model on the same data, gives the same losses as plain data parallelism (fp
 loss falls over 30 steps. One launch for all layouts (a launch costs seconds)."""
 from __future__ import annotations
 
-import os
-import socket
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from conftest import spawn_ranks
 
 WORLD_SIZE = 4
 STEPS = 30
@@ -35,12 +34,6 @@ LAYOUTS = [
     (2, 1, {"recompute": "full"}),
     (2, 1, {"layers_per_stage": (3, 1)}),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _layout(pp, tp, extra):
@@ -91,17 +84,7 @@ def _worker(rank: int, port: int, out: dict) -> None:
 
 @pytest.fixture(scope="module")
 def losses_by_layout():
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with mp.Manager() as manager:
-        out = manager.dict()
-        try:
-            mp.spawn(_worker, args=(_free_port(), out), nprocs=WORLD_SIZE)
-        except mp.ProcessRaisedException:
-            pass
-        result = dict(out)
-    errors = {k: v for k, v in result.items() if k.startswith("error")}
-    assert not errors, "\n".join(errors.values())
-    return result
+    return spawn_ranks(_worker, WORLD_SIZE)
 
 
 def test_every_layout_trains(losses_by_layout):
