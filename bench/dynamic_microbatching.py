@@ -13,7 +13,7 @@ Memory budget: cluster.device_mem_GiB minus the search's reserve (memory_reserve
 search.reserve_fraction / reserve_GiB defaults). Targets (issue 12): <= 100 ms normal and <= 20 ms
 fast for 64 sequences; dynamic never slower than the better baseline; fast loss <= 2%.
 
-    python bench/dynamic_microbatching.py [--iterations 20] [--quick]
+    python bench/dynamic_microbatching.py [--iterations 20] [--quick] [--no-measure] [--analytic-model]
 """
 from __future__ import annotations
 
@@ -259,8 +259,9 @@ def main() -> None:
     parser.add_argument("--no-measure", action="store_true",
                         help="skip training tiny on 4 CPU ranks (about a minute)")
     parser.add_argument("--measure-steps", type=int, default=10)
-    parser.add_argument("--measured-model", action="store_true",
-                        help="price the trained runs with a measured tiny model profile")
+    parser.add_argument("--analytic-model", action="store_true",
+                        help="price the trained runs with the analytic tiny model profile "
+                             "(default: measured on the 4 ranks first, ~30 s)")
     parser.add_argument("--iterations", type=int, default=None,
                         help="iterations per batch size (default 20, 5 with --quick)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 8 and 64 sequences")
@@ -271,7 +272,7 @@ def main() -> None:
     llama_case(sizes, iterations)
     tiny_case(sizes, iterations)
     if not args.no_measure:
-        measured_case(args.measure_steps, args.measured_model)
+        measured_case(args.measure_steps, not args.analytic_model)
     console.print(f"total {time.perf_counter() - t0:.1f} s")
 
 

@@ -72,17 +72,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_ranks(worker, world_size: int) -> dict:
-    """Run worker(rank, port, out) on `world_size` processes (torch.multiprocessing); the dict
-    the ranks filled. A rank that failed put its traceback under "error on rank <r>": every such
-    traceback fails the calling test."""
+def _rank_main(rank: int, body, world_size: int, port: int, out) -> None:
+    """One spawned rank: a gloo process group, body(rank, out), its traceback into out."""
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # the ranks share the machine's 2 cores
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size)
+    try:
+        body(rank, out)
+        dist.barrier()
+    except BaseException:
+        out[f"error on rank {rank}"] = traceback.format_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_ranks(body, world_size: int) -> dict:
+    """Run body(rank, out) on `world_size` processes (torch.multiprocessing) joined in a gloo
+    process group; the dict the ranks filled. A rank that failed put its traceback under
+    "error on rank <r>": every such traceback fails the calling test."""
     import torch.multiprocessing as mp
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with mp.Manager() as manager:
         out = manager.dict()
         try:
-            mp.spawn(worker, args=(free_port(), out), nprocs=world_size)
+            mp.spawn(_rank_main, args=(body, world_size, free_port(), out), nprocs=world_size)
         except mp.ProcessRaisedException:
             pass
         result = dict(out)
