@@ -13,7 +13,8 @@ Memory budget: cluster.device_mem_GiB minus the search's reserve (memory_reserve
 search.reserve_fraction / reserve_GiB defaults). Targets (issue 12): <= 100 ms normal and <= 20 ms
 fast for 64 sequences; dynamic never slower than the better baseline; fast loss <= 2%.
 
-    python bench/dynamic_microbatching.py [--iterations 20] [--quick] [--no-measure] [--analytic-model]
+    python bench/dynamic_microbatching.py [--iterations 20] [--quick] [--no-measure]
+                                          [--analytic-model]
 """
 from __future__ import annotations
 
@@ -37,7 +38,6 @@ from omegaconf import OmegaConf  # noqa: E402
 from orchestrator.config import CONF_DIR, cluster_world_size, register_configs  # noqa: E402
 from orchestrator.layout import ParallelLayout  # noqa: E402
 from orchestrator.planner import HardwareModel, ModelCost  # noqa: E402
-from orchestrator.planner.cost_model import memory_reserve_GiB  # noqa: E402
 from orchestrator.planner.dynamic import (MicroBatchCosts, packed_plan, padded_plan,  # noqa: E402
                                           plan_iteration)
 
@@ -87,9 +87,11 @@ def analytic_model_profile(cfg) -> dict:
 
 def budget_bytes(cfg) -> float:
     """cluster.device_mem_GiB minus the search's reserve rule, in bytes."""
-    mem = float(cfg.cluster.device_mem_GiB)
+    from orchestrator.train.microbatching import budget_bytes as planner_budget_bytes
+
     s = cfg.search
-    return (mem - memory_reserve_GiB(mem, s.reserve_fraction, s.reserve_GiB)) * GiB
+    return planner_budget_bytes(float(cfg.cluster.device_mem_GiB), s.reserve_fraction,
+                                s.reserve_GiB)
 
 
 def lognormal_lengths(rng, n: int, mean_len: float, max_len: int) -> list:
