@@ -24,7 +24,8 @@ from orchestrator.models.gpt import GPT, Rotary, init_parameters
 
 
 def apply_tensor_parallel(
-    model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bool = True, loss_parallel: bool = False
+    model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bool = True, loss_parallel: bool = False,
+    blocks=None,
 ) -> GPT:
     """Shard `model` in place over the ranks of the 1-D `tp_mesh`; returns the same model.
 
@@ -36,6 +37,8 @@ def apply_tensor_parallel(
     With `loss_parallel`, logits stay vocab-sharded DTensors; forward and backward must then run
     inside `torch.distributed.tensor.parallel.loss_parallel()`. Without it the logits are gathered
     and `model(tokens, targets)` is an ordinary loss.
+    `blocks`: the block indices to shard (None: all); a caller that uses a few blocks only (a
+    pipeline stage on the meta device, trace) skips sharding the others.
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"tp_mesh must be 1-D (e.g. mesh['tp']), got {tp_mesh.ndim} dims")
@@ -57,7 +60,9 @@ def apply_tensor_parallel(
             ),
         },
     )
-    for block in model.blocks:
+    for index, block in enumerate(model.blocks):
+        if blocks is not None and index not in blocks:
+            continue
         plan = {
             "attn.wq": ColwiseParallel(),
             "attn.wk": ColwiseParallel(),

@@ -74,8 +74,11 @@ class PipelineExecutor:
 
     def __init__(self, modules: Sequence[torch.nn.Module], pp_rank: int, pp: int,
                  schedule: str, group, device: torch.device, hidden: int, seq_divisor: int,
-                 loss_fn: LossFn, now: Timer):
+                 loss_fn: LossFn, now: Timer, wire_dtype: torch.dtype = torch.float32):
         self.modules, self.pp_rank, self.pp, self.schedule = list(modules), pp_rank, pp, schedule
+        # Activations and gradients travel in this dtype: fp32 under autocast (the residual
+        # stream's dtype); the parameters' dtype when they are bf16 themselves (trace).
+        self.wire_dtype = wire_dtype
         self.v = len(self.modules)
         self.num_virtual = pp * self.v
         self.device, self.hidden, self.seq_divisor = device, hidden, seq_divisor
@@ -116,8 +119,7 @@ class PipelineExecutor:
             losses.append(out.detach())
         elapsed = self.now() - start
         if stage < self.num_virtual - 1:
-            # Activations travel as fp32 (the residual stream's dtype under autocast too).
-            self._send(out.detach().float(), stage + 1, False, stage + 1, i, sends)
+            self._send(out.detach().to(self.wire_dtype), stage + 1, False, stage + 1, i, sends)
         in_flight[(chunk, i)] = _InFlight(x, out)
         return elapsed
 
@@ -142,7 +144,7 @@ class PipelineExecutor:
         return self.peer[virtual_stage % self.pp]
 
     def _recv(self, shape, src_stage, backward, tag_stage, i) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=torch.float32, device=self.device)
+        buf = torch.empty(shape, dtype=self.wire_dtype, device=self.device)
         tag = message_tag(backward, tag_stage, i, self.num_virtual)
         dist.irecv(buf, src=self._rank_of(src_stage), tag=tag).wait()
         return buf

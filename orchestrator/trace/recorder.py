@@ -1,0 +1,200 @@
+"""A dispatch hook that writes down every operation one rank issues, in issue order.
+
+Every aten op that reaches the dispatcher while `OpRecorder` is active is one record: compute
+(op, shapes, dtype, FLOPs from torch's FLOP formulas, bytes read + written), collectives (from
+DTensor's functional collectives and from torch.distributed's c10d ops: op, group, bytes) and
+point-to-point messages (peer, bytes, send/recv). Ops that only make views (reshape, transpose,
+slicing) launch no kernel and are left out. The tensors are on the meta device and the process
+group is fake, so recording costs no memory and no communication.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+# Ops that make views or change metadata only: no kernel, no record.
+_NO_KERNEL = {
+    "aten.view", "aten._unsafe_view", "aten.t", "aten.transpose", "aten.permute", "aten.expand",
+    "aten.slice", "aten.select", "aten.split", "aten.split_with_sizes", "aten.unsqueeze",
+    "aten.squeeze", "aten.as_strided", "aten.alias", "aten.detach", "aten.unbind", "aten.chunk",
+    "aten.reshape", "aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty",
+    "aten.new_empty_strided", "aten.lift_fresh", "aten._reshape_alias", "aten.narrow",
+    "aten.view_as", "aten.flatten", "aten.unflatten", "aten.movedim", "aten.diagonal",
+    "aten.sym_size", "aten.sym_stride", "aten.sym_numel", "aten.is_same_size",
+    "aten._to_copy_meta", "aten.set_", "aten.resize_", "aten.unsafe_split",
+    "aten._local_scalar_dense",
+}
+_SKIP_COMM = {"wait_tensor", "barrier", "monitored_barrier_"}
+
+# Collective names as the records spell them (Megatron / NCCL vocabulary).
+_FUNCTIONAL = {
+    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_out": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce",
+    "all_to_all_single": "all_to_all", "broadcast": "broadcast",
+    "all_reduce_coalesced": "all_reduce", "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+}
+_C10D = {
+    "allreduce_": "all_reduce", "_allgather_base_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather", "allgather_": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_tensor_coalesced_":
+    "reduce_scatter", "reduce_scatter_": "reduce_scatter", "alltoall_base_": "all_to_all",
+    "alltoall_": "all_to_all", "broadcast_": "broadcast", "allreduce_coalesced_": "all_reduce",
+    "send": "send", "recv_": "recv", "recv_any_source_": "recv",
+}
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+               torch.float64: "fp64", torch.int64: "int64", torch.int32: "int32",
+               torch.bool: "bool", torch.uint8: "uint8"}
+
+
+def _tensors(tree) -> List[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def describe_group(ranks: List[int]) -> Dict[str, object]:
+    """A group as first rank + stride when its ranks are evenly spaced (every group of a
+    (pp, dp, tp) mesh is), else the whole list."""
+    if len(ranks) > 1:
+        stride = ranks[1] - ranks[0]
+        if all(b - a == stride for a, b in zip(ranks, ranks[1:])):
+            return {"group_size": len(ranks), "group_first": ranks[0], "group_stride": stride}
+    elif ranks:
+        return {"group_size": 1, "group_first": ranks[0], "group_stride": 1}
+    return {"group_size": len(ranks), "group_ranks": list(ranks)}
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records the ops dispatched while active into `records` (a list of dicts, see module doc).
+
+    `context()` gives the fields stamped on every record (phase, micro-batch, chunk); `module`
+    names the innermost module running (torch's ModuleTracker), when one is given;
+    `group_names` maps a process group's ranks to a name ("tp", "dp", "pp", "world").
+    """
+
+    def __init__(self, group_names: Optional[Dict[tuple, str]] = None,
+                 context: Optional[Callable[[], dict]] = None, tracker=None):
+        super().__init__()
+        self.records: List[dict] = []
+        self.group_names = group_names or {}
+        self.context = context or dict
+        self.tracker = tracker
+        self._ranks_of: Dict[object, List[int]] = {}
+
+    # ----------------------------------------------------------------- dispatch
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func.overloadpacket
+        namespace = func.namespace
+        if namespace == "aten":
+            name = f"aten.{packet.__name__}"
+            if name not in _NO_KERNEL and not func.is_view:
+                self._compute(func, name, args, kwargs, out)
+        elif namespace == "_c10d_functional":
+            op = _FUNCTIONAL.get(packet.__name__)
+            if op is not None:
+                self._functional(op, func, args, kwargs, out)
+        elif namespace == "c10d":
+            op = _C10D.get(packet.__name__)
+            if op is not None:
+                self._c10d(op, func, args, kwargs)
+        return out
+
+    def _stamp(self, record: dict) -> dict:
+        record.update(self.context())
+        if "module" not in record:
+            record["module"] = _innermost(self.tracker.parents) if self.tracker else ""
+        self.records.append(record)
+        return record
+
+    def _compute(self, func, name, args, kwargs, out) -> None:
+        ins, outs = _tensors((args, kwargs)), _tensors(out)
+        if not any(t.is_meta for t in ins + outs):
+            return  # bookkeeping on real CPU tensors (DeviceMesh coordinates), not the workload
+        flop_fn = flop_registry.get(func.overloadpacket)
+        flops = int(flop_fn(*args, **kwargs, out_val=out)) if flop_fn else 0
+        first = (ins or outs or [None])[0]
+        self._stamp({
+            "kind": "compute", "op": name,
+            "shapes": [list(t.shape) for t in ins],
+            "out_shapes": [list(t.shape) for t in outs],
+            "dtype": DTYPE_NAMES.get(first.dtype, str(first.dtype)) if first is not None else "",
+            "flops": flops,
+            "bytes": sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs),
+        })
+
+    # ----------------------------------------------------------------- communication
+    def _ranks(self, pg) -> List[int]:
+        ranks = self._ranks_of.get(pg)
+        if ranks is None:
+            ranks = self._ranks_of[pg] = dist.get_process_group_ranks(pg)
+        return ranks
+
+    def _group(self, pg) -> Dict[str, object]:
+        ranks = self._ranks(pg)
+        info = describe_group(ranks)
+        info["group"] = self.group_names.get(tuple(ranks), "other")
+        return info
+
+    def _functional(self, op, func, args, kwargs, out) -> None:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        schema = func._schema
+        bound = dict(zip([a.name for a in schema.arguments], args)) | kwargs
+        pg = _resolve_process_group(bound["group_name"])
+        tensor = _tensors(args)[0]
+        result = _tensors(out)[0]
+        # Megatron's convention: all-gather counts the gathered (output) buffer, the others
+        # the input buffer.
+        size = _nbytes(result) if op == "all_gather" else _nbytes(tensor)
+        self._stamp({"kind": "coll", "op": op, **self._group(pg), "bytes": size,
+                     "dtype": DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))})
+
+    def _c10d(self, op, func, args, kwargs) -> None:
+        bound = dict(zip([a.name for a in func._schema.arguments], args)) | kwargs
+        pg = next(v for v in bound.values() if isinstance(v, torch.ScriptObject))
+        pg = dist.ProcessGroup.unbox(pg)  # the c10d op carries it boxed
+        tensors = _tensors(args)
+        if op in ("send", "recv"):
+            keys = ("dst", "dstRank") if op == "send" else ("src", "srcRank")  # torch renamed
+            local_peer = int(next((bound[k] for k in keys if k in bound), -1))
+            ranks = self._ranks(pg)
+            t = tensors[0]
+            self._stamp({"kind": "p2p", "op": op,
+                         "peer": ranks[local_peer] if local_peer >= 0 else -1,
+                         "bytes": _nbytes(t), "tag": int(bound.get("tag", 0)),
+                         "dtype": DTYPE_NAMES.get(t.dtype, str(t.dtype)),
+                         "shape": list(t.shape)})
+            return
+        # c10d ops pass (output, input) for the *_base_ forms; count as the functional ones do
+        if op == "all_gather":
+            size = _nbytes(tensors[0])
+        elif op == "reduce_scatter" and len(tensors) > 1:
+            size = _nbytes(tensors[1])
+        else:
+            size = sum(_nbytes(t) for t in tensors)
+        self._stamp({"kind": "coll", "op": op, **self._group(pg), "bytes": size,
+                     "dtype": DTYPE_NAMES.get(tensors[0].dtype, str(tensors[0].dtype))})
+
+
+def _innermost(parents) -> str:
+    """The innermost module's name from ModuleTracker's set of running modules ("Global" and the
+    root's class name dropped: "blocks.5.attn.wq")."""
+    names = [p for p in parents if p != "Global"]
+    if not names:
+        return ""
+    name = max(names, key=len)
+    name = name.split(".", 1)[1] if "." in name else ""
+    if name == "chunk" or name.startswith("chunk."):  # tracer.LiveChunk holds the chunk
+        name = name[len("chunk."):]
+    return name

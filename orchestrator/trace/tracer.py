@@ -1,0 +1,330 @@
+"""Trace one rank of a configuration in this process, at the configuration's full world size.
+
+- A fake process group (torch's "fake" backend) of WORLD_SIZE ranks with this process as `rank`;
+  the (pp, dp, tp) DeviceMesh, TP/SP sharding (models/parallelize.py), pipeline split and the
+  pipeline executor are the ones train uses (train/executor.py), on meta tensors: no memory for
+  weights or activations, no communication.
+- Parameters are in the model's dtype (Megatron's bf16 training: bf16 weights and activations,
+  fp32 gradient buckets and optimizer masters), attention is the fused kernel a GPU runs (flash
+  attention's meta kernels), not the CPU's math fallback.
+- Every micro-batch of a configuration has the same shape, so each model chunk's forward and
+  backward are traced once (`capture`) and repeated by the executor, which issues every
+  micro-batch's p2p messages and loss itself in schedule order (`replay=False` runs each
+  micro-batch through the model instead; tests check both give the same trace).
+- After the last backward: the data-parallel gradient collectives of train's ZeRO 0/1/2
+  optimizer (train/grads.py: one per bucket), the gradient-norm all-reduce and the optimizer step
+  with its parameter all-gather.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from orchestrator.models.config import ModelConfig
+from orchestrator.trace.configs import TraceSpec
+from orchestrator.trace.recorder import OpRecorder
+
+META = torch.device("meta")
+
+
+@dataclass
+class RankTrace:
+    rank: int
+    stage: int
+    records: List[dict]
+    seconds: float
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int):
+    """This process as `rank` of a fake process group of `world_size` ranks."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised in this process; trace "
+                           "runs in a process of its own")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """Drop DTensor's caches keyed by mesh: the next rank's mesh compares equal to this one's
+    but holds the groups of a new process group."""
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+
+
+def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention as the fused flash kernel (what SDPA runs on a GPU); grouped-query KV
+    heads are repeated to the query heads first."""
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0]
+
+
+@contextlib.contextmanager
+def gpu_attention():
+    from orchestrator.models import gpt
+
+    original = gpt._attention_core
+    gpt._attention_core = _flash_attention
+    try:
+        yield
+    finally:
+        gpt._attention_core = original
+
+
+def build_chunks(spec: TraceSpec, model: ModelConfig, mesh, pp_rank: int) -> List[nn.Module]:
+    """This rank's model chunks (virtual stage c * pp + pp_rank), TP/SP-sharded, on meta."""
+    from orchestrator.models.gpt import GPT
+    from orchestrator.models.parallelize import apply_tensor_parallel, split_pipeline
+    from orchestrator.train.engine import virtual_stage_layers
+    from orchestrator.train.executor import set_recompute
+
+    layout = spec.layout
+    with torch.device("meta"):
+        whole = GPT(dataclasses.replace(model, seq_len=spec.seq_len))
+    per_virtual = virtual_stage_layers(layout)
+    parts_ranges, start = [], 0
+    for n in per_virtual:
+        parts_ranges.append(range(start, start + n))
+        start += n
+    mine = [c * layout.pp + pp_rank for c in range(layout.virtual_stages)]
+    blocks = {i for s in mine for i in parts_ranges[s]}
+    if layout.tp > 1:
+        apply_tensor_parallel(whole, mesh["tp"], layout.sequence_parallel, blocks=blocks)
+    parts = split_pipeline(whole, per_virtual)
+    chunks = [parts[s] for s in mine]
+    mode, _ = layout.recompute[pp_rank]
+    for chunk in chunks:
+        set_recompute(chunk, mode)
+    return chunks
+
+
+class _Replay(torch.autograd.Function):
+    """A chunk's traced forward (and, in backward, its traced backward) written into the
+    recorder again, for the next micro-batch, without running the model."""
+
+    @staticmethod
+    def forward(ctx, x, anchor, chunk):
+        chunk.emit_forward()
+        ctx.chunk = chunk
+        ctx.x_spec = (x.shape, x.dtype) if x.is_floating_point() else None
+        return torch.empty(chunk.out_shape, dtype=chunk.out_dtype, device=META)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.chunk.emit_backward()
+        spec = ctx.x_spec
+        gx = None if spec is None else torch.empty(spec[0], dtype=spec[1], device=META)
+        return gx, None, None
+
+
+class ReplayChunk(nn.Module):
+    """Stands in for a model chunk in the executor: repeats its captured ops per micro-batch."""
+
+    def __init__(self, chunk: nn.Module, index: int, virtual_stage: int, last: bool,
+                 forward_ops: List[dict], backward_ops: List[dict], out: torch.Tensor,
+                 tracer: "_RankTracer"):
+        super().__init__()
+        self.blocks = nn.ModuleDict()  # set_recompute finds nothing to change
+        self.recompute_blocks = frozenset()
+        self.index, self.virtual_stage, self.last = index, virtual_stage, last
+        self.forward_ops, self.backward_ops = forward_ops, backward_ops
+        self.out_shape, self.out_dtype = out.shape, out.dtype
+        self.tracer = tracer
+        self.anchor = torch.empty((), device=META, requires_grad=True)
+        self.forwards = self.backwards = 0
+
+    def forward(self, x):
+        return _Replay.apply(x, self.anchor, self)
+
+    def emit_forward(self) -> None:
+        mb = self.forwards
+        self.forwards += 1
+        self.tracer.emit(self.forward_ops, "F", self.index, mb)
+        # What follows on the last stage (until the backward) is the loss of this micro-batch.
+        self.tracer.state = {"phase": "loss" if self.last else "F", "chunk": self.index,
+                             "mb": mb}
+
+    def emit_backward(self) -> None:
+        mb = self.backwards
+        self.backwards += 1
+        self.tracer.emit(self.backward_ops, "B", self.index, mb)
+
+
+class LiveChunk(nn.Module):
+    """A model chunk run for every micro-batch (replay=False), stamping its ops."""
+
+    def __init__(self, chunk: nn.Module, index: int, last: bool, tracer: "_RankTracer"):
+        super().__init__()
+        self.chunk, self.index, self.last, self.tracer = chunk, index, last, tracer
+        self.blocks = nn.ModuleDict()
+        self.recompute_blocks = frozenset()
+        self.forwards = 0
+
+    def forward(self, x):
+        mb = self.forwards
+        self.forwards += 1
+        self.tracer.state = {"phase": "F", "chunk": self.index, "mb": mb}
+        out = self.chunk(x)
+        state = {"phase": "B", "chunk": self.index, "mb": mb}
+
+        def backward_starts(grad):
+            self.tracer.state = state
+        out.register_hook(backward_starts)
+        self.tracer.state = {"phase": "loss" if self.last else "F", "chunk": self.index,
+                             "mb": mb}
+        return out
+
+
+class _RankTracer:
+    def __init__(self, spec: TraceSpec, model: ModelConfig, rank: int, bucket_MiB: float):
+        self.spec, self.model, self.rank, self.bucket_MiB = spec, model, rank, bucket_MiB
+        self.state: Dict[str, object] = {"phase": "setup", "chunk": None, "mb": None}
+        self.records: List[dict] = []
+
+    def emit(self, template: List[dict], phase: str, chunk: int, mb: int) -> None:
+        stamp = {"phase": phase, "chunk": chunk, "mb": mb}
+        self.records.extend({**r, **stamp} for r in template)
+
+
+    def context(self) -> dict:
+        return dict(self.state)
+
+    def run(self, replay: bool = True) -> List[dict]:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.utils.module_tracker import ModuleTracker
+
+        from orchestrator.models.gpt import IGNORE_INDEX  # noqa: F401 (targets use real ids)
+        from orchestrator.models.gpt import token_loss_sum
+        from orchestrator.train.executor import MicroBatchInput, PipelineExecutor, run_plain
+        from orchestrator.train.grads import ShardedAdamW
+
+        spec, layout = self.spec, self.spec.layout
+        mesh = init_device_mesh("cpu", (layout.pp, layout.dp, layout.tp),
+                                mesh_dim_names=("pp", "dp", "tp"))
+        names = {tuple(range(layout.world_size)): "world"}
+        for dim in ("pp", "dp", "tp"):
+            names[tuple(dist.get_process_group_ranks(mesh[dim].get_group()))] = dim
+        pp_rank = mesh.get_local_rank("pp")
+        chunks = build_chunks(spec, self.model, mesh, pp_rank)
+        dtype = next(p.dtype for c in chunks for p in c.parameters())
+        mbs, seq = layout.micro_batch_size, spec.seq_len
+        seq_divisor = layout.tp if layout.sequence_parallel else 1
+        num_virtual = layout.pp * layout.virtual_stages
+        tracker = ModuleTracker()
+        recorder = OpRecorder(names, context=self.context)
+        recorder.records = self.records
+
+        def tokens():
+            return torch.zeros((mbs, seq), dtype=torch.int64, device=META)
+
+        modules: List[nn.Module] = chunks
+        with gpu_attention():
+            if replay:
+                modules = []
+                for c, chunk in enumerate(chunks):
+                    stage = c * layout.pp + pp_rank
+                    last = stage == num_virtual - 1
+                    x = tokens() if stage == 0 else torch.empty(
+                        (mbs, seq // seq_divisor, self.model.hidden), dtype=dtype, device=META,
+                        requires_grad=True)
+                    captured: List[dict] = []
+                    recorder.records = captured
+                    recorder.tracker = tracker
+                    self.state = {"phase": "F", "chunk": c, "mb": 0}
+                    # Gradients already there: the template accumulates into them, as every
+                    # micro-batch does into Megatron's main_grad buffers.
+                    for p in chunk.parameters():
+                        p.grad = torch.zeros_like(p)
+                    with tracker, recorder:
+                        out = chunk(x)
+                        n_forward = len(captured)
+                        self.state = {"phase": "B", "chunk": c, "mb": 0}
+                        out.backward(torch.empty_like(out))
+                    recorder.tracker = None
+                    for p in chunk.parameters():
+                        p.grad = None
+                    forward_ops, backward_ops = captured[:n_forward], captured[n_forward:]
+                    for r in captured:
+                        del r["phase"], r["chunk"], r["mb"]
+                    modules.append(ReplayChunk(chunk, c, stage, last, forward_ops,
+                                               backward_ops, out, self))
+                recorder.records = self.records
+            else:
+                modules = [LiveChunk(chunk, c, c * layout.pp + pp_rank == num_virtual - 1, self)
+                           for c, chunk in enumerate(chunks)]
+                recorder.tracker = tracker
+            # Made outside the recorder: building the buckets is set-up, not the iteration.
+            params = [p for chunk in chunks for p in chunk.parameters()]
+            optim = ShardedAdamW(params, layout.zero, mesh["dp"].get_group(), layout.dp,
+                                 layout.num_micro_batches, bucket_MiB=self.bucket_MiB)
+            # No gradient reaches a parameter during a replayed run, and the buckets' collectives
+            # are issued after the last backward (finish_backward), in bucket order.
+            optim.begin_step(10**9)
+            if not replay:
+                for p in params:
+                    p.grad = torch.zeros_like(p)
+            batches = [MicroBatchInput(tokens(), tokens(), layout.recompute[pp_rank][0])
+                       for _ in range(layout.num_micro_batches)]
+        with gpu_attention(), recorder, (contextlib.nullcontext() if replay else tracker):
+            self.state = {"phase": "F", "chunk": 0, "mb": 0}
+            if layout.pp > 1:
+                executor = PipelineExecutor(modules, pp_rank, layout.pp, layout.schedule,
+                                            mesh["pp"].get_group(), META, self.model.hidden,
+                                            seq_divisor, token_loss_sum, lambda: 0.0,
+                                            wire_dtype=dtype)
+                executor.run(batches)
+            else:
+                run_plain(modules[0], batches, token_loss_sum, lambda: 0.0)
+            self.state = {"phase": "dp", "chunk": None, "mb": None}
+            optim.finish_backward()
+            self.state = {"phase": "optimizer", "chunk": None, "mb": None}
+            try:
+                optim.grad_norm()
+            except (RuntimeError, NotImplementedError) as e:  # float() of a meta tensor
+                if "meta" not in str(e).lower():
+                    raise
+            optim.step(0.0, 1.0, norm=1.0)
+        _fix_p2p(self.records, layout.pp, num_virtual)
+        return self.records
+
+
+def _fix_p2p(records: List[dict], pp: int, num_virtual: int) -> None:
+    """Stamp p2p messages with the phase, micro-batch and this rank's model chunk that their
+    tag encodes (train/executor.message_tag: the receiver's virtual stage)."""
+    for r in records:
+        if r["kind"] == "p2p" and r.get("tag", 0) >= 0:
+            rest, backward = divmod(r["tag"], 2)
+            mb, receiver = divmod(rest, num_virtual)
+            own = receiver if r["op"] == "recv" else receiver + (1 if backward else -1)
+            r.update(phase="B" if backward else "F", mb=mb, chunk=own // pp)
+
+
+def trace_rank(spec: TraceSpec, model: ModelConfig, rank: int, replay: bool = True,
+               bucket_MiB: float = 25.0) -> RankTrace:
+    """Every op `rank` of `spec` issues in one iteration, in order (see module doc)."""
+    start = time.perf_counter()
+    with fake_world(rank, spec.world_size):
+        records = _RankTracer(spec, model, rank, bucket_MiB).run(replay)
+    for i, r in enumerate(records):
+        r["i"] = i
+    return RankTrace(rank=rank, stage=spec.stage_of(rank), records=records,
+                     seconds=time.perf_counter() - start)
