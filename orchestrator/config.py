@@ -227,6 +227,33 @@ class ExportConfig:
 
 
 @dataclass
+class TraceConfig:
+    """`stage=trace`: one iteration's workload per rank at a fake world size (orchestrator/trace).
+
+    Configurations are [WORLD_SIZE, PP, TP] (DP = WORLD_SIZE / (PP * TP)), as a list in
+    `configs` or as one in world_size/pp/tp (which `-m` can sweep); the rest is shared.
+    """
+
+    configs: Optional[List[List[int]]] = None
+    world_size: Optional[int] = None
+    pp: Optional[int] = None
+    tp: Optional[int] = None
+    global_batch_size: int = 1024
+    micro_batch_size: int = 1
+    seq_len: Optional[int] = None  # None: model.seq_len
+    sequence_parallel: bool = True  # with tp > 1
+    schedule: Schedule = Schedule["1f1b"]
+    virtual_stages: int = 2  # interleaved only
+    zero: int = 0  # 0: all-reduce gradients; 1: + parameter all-gather; 2: reduce-scatter
+    recompute: Recompute = Recompute.none
+    layers_per_stage: Optional[List[int]] = None  # uneven pipeline split
+    all_ranks: bool = False  # every rank, not one per pipeline stage (small worlds: checking)
+    export: Optional[str] = None  # simai: also the SimAI/AICB workload file
+    device: str = "h100"  # device sheet for compute times when no model profile covers them
+    bucket_MiB: float = 25.0  # data-parallel gradient buckets (train's default)
+
+
+@dataclass
 class NoopConfig:
     sleep_s: float = 0.0  # hold every rank this long (tests of a run in progress)
 
@@ -247,6 +274,7 @@ class Config:
     noop: NoopConfig = field(default_factory=NoopConfig)
     import_: ImportConfig = field(default_factory=ImportConfig)  # `import.` on the command line
     export: ExportConfig = field(default_factory=ExportConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
 
 
 def _field_type(node: type, name: str) -> Optional[type]:
@@ -307,6 +335,10 @@ def unknown_key_message(dotted_key: str) -> str:
     """'unknown key <key>; did you mean <closest known key>?' (or where to list the keys)."""
     import difflib
 
+    leaf = dotted_key.rsplit(".", 1)[-1].lower()
+    if dotted_key.startswith("model.") and ("expert" in leaf or "moe" in leaf):
+        return (f"unknown key {dotted_key}: mixture-of-experts models are not supported yet "
+                f"(profile_model, search, train and trace model dense transformers only)")
     close = difflib.get_close_matches(dotted_key, schema_keys(), n=1, cutoff=0.6)
     hint = (f"did you mean {close[0]}?" if close
             else "`python -m orchestrator --cfg job` lists the keys")

@@ -23,7 +23,7 @@ from orchestrator.errors import ConfigError
 # `stage=all` runs these in order, skipping what is done.
 PIPELINE = ("profile_hardware", "profile_model", "search", "train")
 # Stages a user can name (plus `all` and `status`, which the CLI handles itself).
-STAGES = PIPELINE + ("import", "export", "noop")
+STAGES = PIPELINE + ("import", "export", "trace", "noop")
 
 
 @dataclass(frozen=True)

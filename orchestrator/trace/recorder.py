@@ -92,6 +92,12 @@ class OpRecorder(TorchDispatchMode):
 
     # ----------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if DTensor in types:
+            # Let DTensor run it (mode still active): we record the local ops and collectives
+            # it issues on this rank's shards, not the global-shaped op.
+            return NotImplemented
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func.overloadpacket

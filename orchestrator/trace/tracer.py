@@ -8,7 +8,8 @@
   fp32 gradient buckets and optimizer masters), attention is the fused kernel a GPU runs (flash
   attention's meta kernels), not the CPU's math fallback.
 - Every micro-batch of a configuration has the same shape, so each model chunk's forward and
-  backward are traced once (`capture`) and repeated by the executor, which issues every
+  backward are traced once (the backward twice: the first micro-batch assigns the gradients,
+  the others accumulate into them) and repeated by the executor, which issues every
   micro-batch's p2p messages and loss itself in schedule order (`replay=False` runs each
   micro-batch through the model instead; tests check both give the same trace).
 - After the last backward: the data-parallel gradient collectives of train's ZeRO 0/1/2
@@ -21,7 +22,7 @@ import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
@@ -158,7 +159,8 @@ class ReplayChunk(nn.Module):
     def emit_forward(self) -> None:
         mb = self.forwards
         self.forwards += 1
-        self.tracer.emit(self.forward_ops, "F", self.index, mb)
+        first, rest = self.forward_ops  # micro-batch 0's, and the later ones'
+        self.tracer.emit(first if mb == 0 else rest, "F", self.index, mb)
         # What follows on the last stage (until the backward) is the loss of this micro-batch.
         self.tracer.state = {"phase": "loss" if self.last else "F", "chunk": self.index,
                              "mb": mb}
@@ -166,7 +168,8 @@ class ReplayChunk(nn.Module):
     def emit_backward(self) -> None:
         mb = self.backwards
         self.backwards += 1
-        self.tracer.emit(self.backward_ops, "B", self.index, mb)
+        first, rest = self.backward_ops  # the first backward assigns gradients, later ones add
+        self.tracer.emit(first if mb == 0 else rest, "B", self.index, mb)
 
 
 class LiveChunk(nn.Module):
@@ -212,7 +215,6 @@ class _RankTracer:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.utils.module_tracker import ModuleTracker
 
-        from orchestrator.models.gpt import IGNORE_INDEX  # noqa: F401 (targets use real ids)
         from orchestrator.models.gpt import token_loss_sum
         from orchestrator.train.executor import MicroBatchInput, PipelineExecutor, run_plain
         from orchestrator.train.grads import ShardedAdamW
@@ -250,19 +252,23 @@ class _RankTracer:
                     recorder.records = captured
                     recorder.tracker = tracker
                     self.state = {"phase": "F", "chunk": c, "mb": 0}
-                    # Gradients already there: the template accumulates into them, as every
-                    # micro-batch does into Megatron's main_grad buffers.
-                    for p in chunk.parameters():
-                        p.grad = torch.zeros_like(p)
+                    self.state = {"phase": "F", "chunk": c, "mb": 0}
                     with tracker, recorder:
                         out = chunk(x)
                         n_forward = len(captured)
                         self.state = {"phase": "B", "chunk": c, "mb": 0}
                         out.backward(torch.empty_like(out))
+                        n_first = len(captured)
+                        # Again, now accumulating into the gradients as micro-batches 1.. do.
+                        x.grad = None  # a new micro-batch's input has no gradient yet
+                        again = chunk(x)
+                        n_second = len(captured)
+                        again.backward(torch.empty_like(again))
                     recorder.tracker = None
                     for p in chunk.parameters():
                         p.grad = None
-                    forward_ops, backward_ops = captured[:n_forward], captured[n_forward:]
+                    forward_ops = (captured[:n_forward], captured[n_first:n_second])
+                    backward_ops = (captured[n_forward:n_first], captured[n_second:])
                     for r in captured:
                         del r["phase"], r["chunk"], r["mb"]
                     modules.append(ReplayChunk(chunk, c, stage, last, forward_ops,
@@ -279,9 +285,6 @@ class _RankTracer:
             # No gradient reaches a parameter during a replayed run, and the buckets' collectives
             # are issued after the last backward (finish_backward), in bucket order.
             optim.begin_step(10**9)
-            if not replay:
-                for p in params:
-                    p.grad = torch.zeros_like(p)
             batches = [MicroBatchInput(tokens(), tokens(), layout.recompute[pp_rank][0])
                        for _ in range(layout.num_micro_batches)]
         with gpu_attention(), recorder, (contextlib.nullcontext() if replay else tracker):

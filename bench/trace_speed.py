@@ -1,0 +1,150 @@
+"""How long `stage=trace` takes for the five seed configurations of llama2_7b (representative
+ranks only), its peak memory, and what tracing every rank would cost instead.
+
+    python bench/trace_speed.py           # the five seed configurations (104 ranks)
+    python bench/trace_speed.py --quick   # the first two
+
+Against the Python API (orchestrator.trace): plan_configs + trace_rank per representative rank,
+each rank's records written as JSON lines to a temporary folder (the output cost counts).
+GBS 1024, MBS 1, seq 4096, SP on, ZeRO 0, 1F1B. Targets: <= 60 s wall and <= 4 GiB peak RSS on
+2 CPU cores. Then a small world (tiny model, WS 64 PP 4 TP 4) traced at every rank vs at the
+representatives, and the every-rank estimate of the seed configurations (per-rank time x WS).
+`--profile N` prints cProfile's top N functions of the seed run.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from orchestrator.models.config import ModelConfig  # noqa: E402
+from orchestrator.trace.configs import TraceSettings, plan_configs  # noqa: E402
+from orchestrator.trace.tracer import trace_rank  # noqa: E402
+
+SEED_CONFIGS = [[8192, 16, 8], [8192, 32, 8], [8192, 32, 4], [4096, 16, 4], [2048, 8, 4]]
+SEED_SETTINGS = TraceSettings(global_batch_size=1024, micro_batch_size=1, seq_len=4096,
+                              sequence_parallel=True, zero=0)
+# KV heads 4: the small world's TP 4 splits them.
+TINY = ModelConfig(name="tiny", hidden=128, ffn=384, layers=8, heads=4, kv_heads=4, vocab=512,
+                   seq_len=256, dtype="bf16")
+SMALL_WORLD = [64, 4, 4]
+SMALL_SETTINGS = TraceSettings(global_batch_size=64, micro_batch_size=1, seq_len=256,
+                               sequence_parallel=True, zero=1)
+TARGET_S, TARGET_RSS_GiB = 60.0, 4.0
+
+
+def llama2_7b() -> ModelConfig:
+    values = yaml.safe_load((REPO / "orchestrator/conf/model/llama2_7b.yaml").read_text())
+    return ModelConfig(**values)
+
+
+def peak_rss_GiB() -> float:
+    """This process's peak resident set (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def write_jsonl(records, path: Path) -> int:
+    """Writes one record per line; returns the bytes written."""
+    text = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records)
+    path.write_text(text)
+    return len(text)
+
+
+def trace_configs(configs, settings, model, out_dir: Path, all_ranks: bool = False):
+    """Per configuration: (spec, ranks traced, seconds, records, bytes written)."""
+    specs, skipped = plan_configs(configs, settings, model)
+    if skipped:
+        raise SystemExit(f"skipped configurations: {skipped}")
+    rows = []
+    for spec in specs:
+        ranks = spec.all_ranks() if all_ranks else spec.representative_ranks()
+        start = time.perf_counter()
+        n_records = n_bytes = 0
+        folder = out_dir / spec.dir_name(model.name)
+        folder.mkdir(parents=True, exist_ok=True)
+        for rank in ranks:
+            trace = trace_rank(spec, model, rank)
+            n_records += len(trace.records)
+            n_bytes += write_jsonl(trace.records, folder / f"fake_rank_{rank}.jsonl")
+        rows.append((spec, len(ranks), time.perf_counter() - start, n_records, n_bytes))
+    return rows
+
+
+def seed_table(rows, wall_s: float) -> Table:
+    table = Table(title=f"llama2_7b seed configurations (GBS 1024, seq 4096, SP): wall "
+                        f"{wall_s:.1f} s (target <= {TARGET_S:.0f} s), peak RSS "
+                        f"{peak_rss_GiB():.2f} GiB (target <= {TARGET_RSS_GiB:.0f} GiB)")
+    for col in ("WS", "PP", "TP", "DP", "micro-batches", "ranks traced", "time s",
+                "s / rank", "records", "MiB written", "every rank (est.) s"):
+        table.add_column(col, justify="right")
+    for spec, ranks, seconds, records, nbytes in rows:
+        lay = spec.layout
+        per_rank_s = seconds / ranks
+        table.add_row(str(lay.world_size), str(lay.pp), str(lay.tp), str(lay.dp),
+                      str(lay.num_micro_batches), str(ranks), f"{seconds:.1f}",
+                      f"{per_rank_s:.2f}", f"{records:,}", f"{nbytes / 2**20:.1f}",
+                      f"{per_rank_s * lay.world_size:,.0f}")
+    ranks = sum(r[1] for r in rows)
+    every_s = sum(r[2] / r[1] * r[0].layout.world_size for r in rows)
+    table.add_row("all", "", "", "", "", str(ranks), f"{sum(r[2] for r in rows):.1f}", "",
+                  f"{sum(r[3] for r in rows):,}", f"{sum(r[4] for r in rows) / 2**20:.1f}",
+                  f"{every_s:,.0f} ({every_s / wall_s:,.0f}x)")
+    return table
+
+
+def small_world_table(out_dir: Path) -> Table:
+    rep = trace_configs([SMALL_WORLD], SMALL_SETTINGS, TINY, out_dir / "rep")[0]
+    every = trace_configs([SMALL_WORLD], SMALL_SETTINGS, TINY, out_dir / "all", all_ranks=True)[0]
+    ws, pp, tp = SMALL_WORLD
+    table = Table(title=f"tiny model WS {ws} PP {pp} TP {tp}: every rank vs representatives")
+    for col in ("ranks", "time s", "s / rank", "records"):
+        table.add_column(col, justify="right")
+    for label, row in (("representatives", rep), ("every rank", every)):
+        table.add_row(f"{row[1]} ({label})", f"{row[2]:.1f}", f"{row[2] / row[1]:.2f}",
+                      f"{row[3]:,}")
+    table.add_row("ratio", f"{every[2] / rep[2]:.1f}x", "", f"{every[3] / rep[3]:.1f}x")
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the first two seed configs only")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="print cProfile's top N functions (cumulative) of the seed run")
+    parser.add_argument("--no-small", action="store_true", help="skip the small-world ratio")
+    args = parser.parse_args()
+    console = Console(width=150)
+    configs = SEED_CONFIGS[:2] if args.quick else SEED_CONFIGS
+    model = llama2_7b()
+    with tempfile.TemporaryDirectory(prefix="trace_speed_") as tmp:
+        profiler = cProfile.Profile() if args.profile else None
+        start = time.perf_counter()
+        if profiler:
+            profiler.enable()
+        rows = trace_configs(configs, SEED_SETTINGS, model, Path(tmp) / "seed")
+        if profiler:
+            profiler.disable()
+        wall_s = time.perf_counter() - start
+        console.print(seed_table(rows, wall_s))
+        if profiler:
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
+        if not args.no_small:
+            console.print(small_world_table(Path(tmp) / "small"))
+
+
+if __name__ == "__main__":
+    main()

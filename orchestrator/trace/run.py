@@ -1,0 +1,72 @@
+"""One configuration, traced: its ranks, their compute times, the files, the summary."""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable, Dict, Optional
+
+from orchestrator.store import write_json
+from orchestrator.trace.configs import TraceSpec
+from orchestrator.trace.output import rank_totals, write_rank
+from orchestrator.trace.timing import ComputePricer
+from orchestrator.trace.tracer import trace_rank
+
+
+def _merge(into: Dict[str, dict], totals: Dict[str, dict]) -> None:
+    for key, values in totals.items():
+        slot = into.setdefault(key, {k: 0 for k in values})
+        for k, v in values.items():
+            slot[k] += v
+
+
+def trace_configuration(spec: TraceSpec, model, pricer: ComputePricer, folder: Path, *,
+                        all_ranks: bool = False, replay: bool = True, bucket_MiB: float = 25.0,
+                        export: Optional[str] = None,
+                        on_rank: Callable[[int], None] = lambda rank: None) -> dict:
+    """Trace the representative ranks (or all), write their files and summary.json into
+    `folder`; returns the summary."""
+    start = time.perf_counter()
+    ranks = spec.all_ranks() if all_ranks else spec.representative_ranks()
+    per_stage: Dict[int, Dict[str, dict]] = defaultdict(dict)
+    per_rank = {}
+    seconds = []
+    for rank in ranks:
+        traced = trace_rank(spec, model, rank, replay=replay, bucket_MiB=bucket_MiB)
+        pp_rank = spec.stage_of(rank)
+        pricer.price(traced.records, spec, pp_rank)
+        write_rank(folder, rank, traced.records)
+        totals = rank_totals(traced.records)
+        if rank == pp_rank * spec.layout.tp * spec.layout.dp or not per_stage[pp_rank]:
+            per_stage[pp_rank] = totals  # the stage's representative speaks for it
+        per_rank[rank] = {"stage": pp_rank, "ops": len(traced.records),
+                          "seconds": round(traced.seconds, 4)}
+        seconds.append(traced.seconds)
+        if export == "simai" and rank == pp_rank * spec.layout.tp * spec.layout.dp:
+            from orchestrator.trace.simai import simai_file_name, write_simai
+
+            write_simai(folder / simai_file_name(spec, model.name, stage=pp_rank),
+                        traced.records, spec, model.name)
+        on_rank(rank)
+    elapsed = time.perf_counter() - start
+    lay = spec.layout
+    mean_s = sum(seconds) / len(seconds)
+    totals: Dict[str, dict] = {}
+    for stage_totals in per_stage.values():
+        _merge(totals, stage_totals)
+    summary = {
+        "config": [lay.world_size, lay.pp, lay.tp], "index": spec.index,
+        "layout": lay.to_dict(), "layout_text": lay.describe(), "seq_len": spec.seq_len,
+        "ranks_traced": len(ranks), "ranks_total": lay.world_size,
+        "representatives_only": not all_ranks,
+        "seconds": round(elapsed, 3),
+        # One rank per process as other tools do, at this process's pace per rank: a floor
+        # (it leaves out their per-process start-up).
+        "seconds_all_ranks_estimate": round(mean_s * lay.world_size, 1),
+        "compute_times": pricer.note,
+        "per_stage": {str(s): per_stage[s] for s in sorted(per_stage)},
+        "per_stage_summed": totals,
+        "ranks": {str(r): v for r, v in per_rank.items()},
+    }
+    write_json(folder / "summary.json", summary)
+    return summary

@@ -1,0 +1,258 @@
+"""The SimAI / ASTRA-sim training workload text file of one traced rank (`trace.export=simai`).
+
+Format (learned from the public AICB and SimAI sources, not copied):
+- Line 1: `HYBRID_TRANSFORMER_FWD_IN_BCKWD model_parallel_NPU_group: <tp> ep: <ep> pp: <pp>
+  vpp: <n> ga: <micro-batches> all_gpus: <ws> checkpoints: 0 checkpoint_initiates: 0
+  pp_comm: <bytes>` (aliyun/aicb workload_generator/SimAI_training_workload_generator.py,
+  SIMAI_workload.dump_file; AICB writes the model's layer count after `vpp:`, we do the same).
+  SimAI reads the tokens after each `key:` (aliyun/SimAI astra-sim-alibabacloud/astra-sim/
+  workload/Workload.cc, Workload::initialize_workload) and warns when pp > 1 and pp_comm is 0.
+- Line 2: the number of item lines.
+- One tab-separated line per item: name, -1 (dependency placeholder), forward compute, forward
+  comm type, forward comm bytes, input-gradient compute, ig comm type, ig bytes, weight-gradient
+  compute, wg comm type, wg bytes, wg update time (AICB's Work_Item field order).
+- Comm types: ALLREDUCE, ALLGATHER, REDUCESCATTER, ALLTOALL, NONE (+ _EP / _DP_EP suffixes for
+  MoE, unused here). Workload.cc maps an un-suffixed type to the TP group in the forward and
+  ig columns and to the DP group in the wg column, so the DP gradient collectives go in the wg
+  column of their own items, as AICB's `grad_param_comm` / `grad_gather` items do.
+- TIME UNIT: integer nanoseconds. AICB's AIOB times kernels with CUDA events in us
+  (utils/utils.py, cuda_timing_decorator: `elapsed_time(...) * 1000`) and extract_averages
+  multiplies those by 1000 again before rounding to int (`avg_value = float(...) * 1000`); SimAI
+  reads the columns as `Tick`s, and its clock reports `Sys::boostedTick() / FREQ` with FREQ 1000
+  as microseconds, i.e. one tick is 1 ns.
+
+Items follow AICB's split with sequence parallelism: per block an attention "column" item
+(norm, QKV, attention core: forward all-gather, backward reduce-scatter) and a "row" item (output
+projection: forward reduce-scatter, backward all-gather), the same for the MLP, plus the
+embedding and the final norm + lm_head + loss. Compute times are sums of the records' time_us.
+"""
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+COMM_TYPES = ("NONE", "ALLREDUCE", "ALLGATHER", "REDUCESCATTER", "ALLTOALL")
+_COMM_OF_OP = {"all_reduce": "ALLREDUCE", "all_gather": "ALLGATHER",
+               "reduce_scatter": "REDUCESCATTER", "all_to_all": "ALLTOALL"}
+HEADER_KIND = "HYBRID_TRANSFORMER_FWD_IN_BCKWD"
+_BLOCK = re.compile(r"^blocks\.(\d+)(?:\.(attn|mlp)(_norm)?(?:\.(\w+))?)?$")
+# Ops that compute a weight's gradient without being a matmul.
+_WEIGHT_GRAD_OPS = {"aten.embedding_dense_backward"}
+
+
+@dataclass
+class _Pass:
+    """One pass (forward, input-gradient or weight-gradient) of an item."""
+
+    time_us: float = 0.0
+    comm: Dict[str, int] = field(default_factory=dict)  # SimAI type -> bytes, issue order
+
+    def add_comm(self, comm_type: str, n_bytes: int) -> None:
+        self.comm[comm_type] = self.comm.get(comm_type, 0) + n_bytes
+
+
+@dataclass
+class _Item:
+    name: str
+    fwd: _Pass = field(default_factory=_Pass)
+    ig: _Pass = field(default_factory=_Pass)
+    wg: _Pass = field(default_factory=_Pass)
+    update_us: float = 0.0
+
+
+def _item_name(module: str) -> Optional[str]:
+    """The AICB-style item a module's ops belong to, or None (ops outside any item)."""
+    if module == "tok_emb":
+        return "embedding_layer"
+    if module in ("norm", "lm_head"):
+        return "final_norm_lm_head"
+    m = _BLOCK.match(module)
+    if m is None or m.group(2) is None:
+        return None
+    layer, part, child = m.group(1), m.group(2), m.group(4)
+    row = (part == "attn" and child == "wo") or (part == "mlp" and child == "w_down")
+    kind = "attention" if part == "attn" else "mlp"
+    return f"layer{layer}_{kind}_{'row' if row else 'column'}"
+
+
+def _is_part_module(module: str) -> bool:
+    """True for "blocks.N.attn" / "blocks.N.mlp" themselves (not a projection or a norm)."""
+    m = _BLOCK.match(module)
+    return m is not None and m.group(2) is not None and not m.group(3) and not m.group(4)
+
+
+def _comm_type(record: dict) -> str:
+    op = record["op"]
+    if op not in _COMM_OF_OP:
+        raise ValueError(f"collective {op!r} (record {record.get('i')}) has no SimAI workload "
+                         f"type; SimAI knows {sorted(_COMM_OF_OP)}")
+    return _COMM_OF_OP[op]
+
+
+def _weight_shapes(forward: List[dict]) -> Dict[str, set]:
+    """item -> the local weight shapes its forward matmuls use, both orientations (by item, not
+    module: the backward's module labels of sibling projections are not reliable)."""
+    shapes: Dict[str, set] = {}
+    for r in forward:
+        if r["kind"] == "compute" and r["op"] == "aten.mm" and len(r["shapes"]) == 2:
+            w = tuple(r["shapes"][1])
+            shapes.setdefault(_item_name(r["module"]), set()).update({w, w[::-1]})
+    return shapes
+
+
+def _is_weight_grad(record: dict, item: str, weights: Dict[str, set]) -> bool:
+    """A backward op producing a weight's gradient: an mm whose output is one of the item's
+    weight shapes (or the embedding's dense backward); everything else is input gradient."""
+    if record["op"] in _WEIGHT_GRAD_OPS:
+        return True
+    if record["op"] != "aten.mm" or not record.get("out_shapes"):
+        return False
+    return tuple(record["out_shapes"][0]) in weights.get(item, ())
+
+
+def _stream_items(stream: List[dict], backward: bool) -> List[Tuple[str, dict]]:
+    """(item name, record) for one chunk's ordered records. Compute records go by their module;
+    collectives and records outside any item (residual adds, casts, p2p, loss) go with the item
+    whose compute they follow in the forward (a row projection's reduce-scatter comes after its
+    matmul) and precede in the backward (its all-gather comes before the matmul's gradient)."""
+    named = [_item_name(r.get("module", "")) if r["kind"] == "compute" else None
+             for r in stream]
+    order = range(len(stream) - 1, -1, -1) if backward else range(len(stream))
+    owner: List[Optional[str]] = [None] * len(stream)
+    current = None
+    for k in order:
+        name = named[k]
+        # Ops of the attention / MLP module itself (rope, the reduce-scatter's concat) stay in
+        # the row item once its projection has run: they belong to its communication.
+        weak = name is not None and _is_part_module(stream[k]["module"])
+        if weak and current is not None and current.rsplit("_", 1)[0] == name.rsplit("_", 1)[0]:
+            name = None
+        current = name or current
+        owner[k] = current
+    first = next((n for n in (owner[k] for k in order) if n), None)
+    return [(name or first, r) for name, r in zip(owner, stream)]
+
+
+def _chunk_items(records: List[dict], chunk: int) -> List[_Item]:
+    """The items of one model chunk from its micro-batch 0, in forward order."""
+    mine = [r for r in records if r.get("chunk") == chunk and r.get("mb") == 0]
+    forward = [r for r in mine if r["phase"] in ("F", "loss")]
+    backward = [r for r in mine if r["phase"] == "B"]
+    weights = _weight_shapes(forward)
+    items: Dict[str, _Item] = {}
+    for name, r in _stream_items(forward, backward=False):
+        item = items.setdefault(name, _Item(name))
+        _add(item.fwd, r)
+    for name, r in _stream_items(backward, backward=True):
+        item = items.setdefault(name, _Item(name))
+        wg = r["kind"] == "compute" and _is_weight_grad(r, name, weights)
+        _add(item.wg if wg else item.ig, r)
+    return list(items.values())
+
+
+def _add(target: _Pass, record: dict) -> None:
+    if record["kind"] == "compute":
+        target.time_us += _time_us(record)
+    elif record["kind"] == "coll":
+        target.add_comm(_comm_type(record), int(record["bytes"]))
+
+
+def _time_us(record: dict) -> float:
+    if "time_us" not in record:
+        raise ValueError(f"compute record {record.get('i')} ({record['op']}) has no time_us: "
+                         f"price the trace with a model profile or device sheet first")
+    return float(record["time_us"])
+
+
+def _end_items(records: List[dict]) -> Tuple[List[_Item], List[_Item]]:
+    """(items before the layers, after them): the DP gradient collectives in wg columns (AICB's
+    grad_param_comm / grad_gather) and the optimizer step with its grad-norm all-reduce."""
+    reduce_item, gather_item = _Item("grad_param_comm"), _Item("grad_gather")
+    optimizer = _Item("optimizer")
+    for r in records:
+        if r["phase"] == "dp":
+            _add(reduce_item.wg, r)
+        elif r["phase"] == "optimizer" and r["kind"] == "coll" and r.get("group") == "dp":
+            gather_item.wg.add_comm(_comm_type(r), int(r["bytes"]))
+        elif r["phase"] == "optimizer" and r["kind"] == "coll":
+            # AICB writes the grad-norm all-reduce as a forward ALLREDUCE (optimizer1..4 items).
+            optimizer.fwd.add_comm(_comm_type(r), int(r["bytes"]))
+        elif r["phase"] == "optimizer" and r["kind"] == "compute":
+            optimizer.update_us += _time_us(r)
+    before = [i for i in (reduce_item, gather_item) if i.wg.comm or i.wg.time_us]
+    return before, [optimizer]
+
+
+def _ns(time_us: float) -> int:
+    return int(round(time_us * 1000.0))
+
+
+def _lines(item: _Item) -> List[str]:
+    """The item's line, then one comm-only line per extra comm type of a pass (AICB writes
+    several lines with one name when a layer issues several collectives, as for its MoE)."""
+    passes = (item.fwd, item.ig, item.wg)
+    comms = [list(p.comm.items()) or [("NONE", 0)] for p in passes]
+    rows = []
+    for k in range(max(len(c) for c in comms)):
+        cols = [item.name, "-1"]
+        for p, c in zip(passes, comms):
+            comm_type, n_bytes = c[k] if k < len(c) else ("NONE", 0)
+            cols += [str(_ns(p.time_us) if k == 0 else 0), comm_type,
+                     str(n_bytes if comm_type != "NONE" else 0)]
+        cols.append(str(_ns(item.update_us) if k == 0 else 0))
+        rows.append("\t".join(cols))
+    return rows
+
+
+def _pp_comm_bytes(records: List[dict]) -> int:
+    """The activation message a stage sends or receives (0 with one stage)."""
+    return max((int(r["bytes"]) for r in records if r["kind"] == "p2p"), default=0)
+
+
+def simai_workload(records: List[dict], spec, model_name: str) -> str:
+    """The SimAI workload text of one representative rank's records (compute records need
+    time_us; compute columns in integer ns, comm sizes in bytes). `model_name` is only used for
+    the file name, kept here for a uniform signature."""
+    del model_name
+    lay = spec.layout
+    chunks = sorted({r["chunk"] for r in records if r.get("chunk") is not None})
+    before, after = _end_items(records)
+    items = before + [i for c in chunks for i in _chunk_items(records, c)] + after
+    rows = [row for item in items for row in _lines(item)]
+    header = (f"{HEADER_KIND} model_parallel_NPU_group: {lay.tp} ep: 1 pp: {lay.pp} "
+              f"vpp: {sum(lay.layers_per_stage)} ga: {lay.num_micro_batches} "
+              f"all_gpus: {lay.world_size} checkpoints: 0 checkpoint_initiates: 0 "
+              f"pp_comm: {_pp_comm_bytes(records) if lay.pp > 1 else 0}")
+    return "\n".join([header, str(len(rows))] + rows) + "\n"
+
+
+def simai_file_name(spec, model_name: str, stage: Optional[int] = None) -> str:
+    """AICB's workload file name (without its GPU-type prefix, which a trace does not know),
+    plus `-stage<s>` when one file per pipeline stage is written."""
+    lay = spec.layout
+    suffix = "" if stage is None else f"-stage{stage}"
+    return (f"{model_name}-world_size{lay.world_size}-tp{lay.tp}-pp{lay.pp}-ep1"
+            f"-gbs{lay.global_batch_size}-mbs{lay.micro_batch_size}-seq{spec.seq_len}"
+            f"-MOE-False-GEMM-False-flash_attn-True{suffix}.txt")
+
+
+def write_simai(path, records: List[dict], spec, model_name: str) -> Path:
+    """Write the workload to `path` atomically (temp file in the same folder, then rename);
+    returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = simai_workload(records, spec, model_name)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path

@@ -1,0 +1,138 @@
+"""trace.export=simai: the SimAI/AICB workload text of a traced rank, parsed back and checked
+against hand-computed sizes and times (tiny model, WS 16 PP 2 TP 2 DP 4, bf16, SP on)."""
+import pytest
+
+from orchestrator.models.config import ModelConfig
+from orchestrator.trace.configs import TraceSettings, plan_configs
+from orchestrator.trace.simai import COMM_TYPES, simai_file_name, simai_workload, write_simai
+from orchestrator.trace.tracer import trace_rank
+
+MODEL = ModelConfig(name="tiny", hidden=128, ffn=384, layers=4, heads=4, kv_heads=2, vocab=512,
+                    seq_len=256, dtype="bf16")
+SEQ, MBS, HIDDEN, BF16_BYTES = 256, 1, 128, 2
+
+
+@pytest.fixture(scope="module")
+def spec():
+    settings = TraceSettings(global_batch_size=16, micro_batch_size=MBS, seq_len=SEQ,
+                             sequence_parallel=True)
+    specs, skipped = plan_configs([[16, 2, 2]], settings, MODEL)
+    assert not skipped
+    return specs[0]
+
+
+@pytest.fixture(scope="module")
+def traces(spec):
+    out = {}
+    for rank in (0, 8):
+        records = trace_rank(spec, MODEL, rank).records
+        for r in records:
+            if r["kind"] == "compute":
+                r["time_us"] = r["flops"] / 1e6 + 1.0  # 1 us per op + 1 us per MFLOP
+        out[rank] = records
+    return out
+
+
+def parse(text):
+    lines = text.rstrip("\n").split("\n")
+    tokens = lines[0].split()
+    header = {tokens[k][:-1]: tokens[k + 1] for k in range(1, len(tokens) - 1)
+              if tokens[k].endswith(":")}
+    items = [line.split("\t") for line in lines[2:]]
+    return tokens[0], header, int(lines[1]), items
+
+
+def by_name(items):
+    return {row[0]: row for row in items}
+
+
+def test_header_carries_the_degrees_and_accumulation(spec, traces):
+    kind, header, count, items = parse(simai_workload(traces[8], spec, "tiny"))
+    assert kind == "HYBRID_TRANSFORMER_FWD_IN_BCKWD"
+    assert header["model_parallel_NPU_group"] == "2" and header["pp"] == "2"
+    assert header["all_gpus"] == "16" and header["ep"] == "1"
+    assert header["ga"] == str(16 // (4 * MBS))  # GBS / (DP * MBS)
+    assert header["vpp"] == "4"  # AICB writes the model's layer count here
+    # p2p activation with SP: s*b*h*bytes / TP
+    assert header["pp_comm"] == str(SEQ * MBS * HIDDEN * BF16_BYTES // 2)
+    assert count == len(items) and all(len(row) == 12 for row in items)
+
+
+def test_items_cover_only_the_ranks_layers(spec, traces):
+    names0 = [row[0] for row in parse(simai_workload(traces[0], spec, "tiny"))[3]]
+    names8 = [row[0] for row in parse(simai_workload(traces[8], spec, "tiny"))[3]]
+    parts = ("attention_column", "attention_row", "mlp_column", "mlp_row")
+    assert [n for n in names0 if n.startswith("layer")] == [
+        f"layer{n}_{p}" for n in (0, 1) for p in parts]
+    assert [n for n in names8 if n.startswith("layer")] == [
+        f"layer{n}_{p}" for n in (2, 3) for p in parts]
+    assert "embedding_layer" in names0 and "embedding_layer" not in names8
+    assert "final_norm_lm_head" in names8 and "final_norm_lm_head" not in names0
+
+
+def test_sequence_parallel_comm_sizes_are_sbh_bytes(spec, traces):
+    sbh_bytes = SEQ * MBS * HIDDEN * BF16_BYTES
+    items = by_name(parse(simai_workload(traces[8], spec, "tiny"))[3])
+    for part in ("attention", "mlp"):
+        col, row = items[f"layer2_{part}_column"], items[f"layer2_{part}_row"]
+        assert col[3:5] == ["ALLGATHER", str(sbh_bytes)]  # forward
+        assert col[6:8] == ["REDUCESCATTER", str(sbh_bytes)]  # input gradient
+        assert row[3:5] == ["REDUCESCATTER", str(sbh_bytes)]
+        assert row[6:8] == ["ALLGATHER", str(sbh_bytes)]
+        assert col[9] == row[9] == "NONE"  # DP gradients have items of their own
+
+
+def test_weight_gradient_time_is_the_projections_matmuls(spec, traces):
+    # TP 2 local shards: wq 128x64 (4 heads / 2 * 32), wk and wv 128x32 (2 kv heads / 2);
+    # each weight-gradient mm is 2*tokens*in*out FLOPs, priced flops/1e6 + 1 us.
+    tokens = SEQ * MBS
+    wg_us = sum(2 * tokens * 128 * out / 1e6 + 1.0 for out in (64, 32, 32))
+    items = by_name(parse(simai_workload(traces[0], spec, "tiny"))[3])
+    assert int(items["layer0_attention_column"][8]) == round(wg_us * 1000)  # ns
+    # w_down local shard 192x128 (ffn 384 / TP 2): one weight-gradient mm
+    down_us = 2 * tokens * 192 * 128 / 1e6 + 1.0
+    assert int(items["layer1_mlp_row"][8]) == round(down_us * 1000)
+
+
+def test_compute_time_adds_up_to_one_micro_batch(spec, traces):
+    records = traces[8]
+    expected_us = sum(r["time_us"] for r in records if r["kind"] == "compute"
+                      and r.get("mb") == 0 and r["phase"] in ("F", "B", "loss"))
+    items = parse(simai_workload(records, spec, "tiny"))[3]
+    layer_ns = sum(int(row[k]) for row in items if row[0] not in ("grad_param_comm",
+                   "grad_gather", "optimizer") for k in (2, 5, 8))
+    assert abs(layer_ns - expected_us * 1000) <= len(items) * 3  # per-column rounding
+    optimizer_us = sum(r["time_us"] for r in records
+                       if r["kind"] == "compute" and r["phase"] == "optimizer")
+    assert int(by_name(items)["optimizer"][11]) == round(optimizer_us * 1000)
+
+
+def test_dp_gradient_reduce_is_the_stage_gradient_bytes(spec, traces):
+    records = traces[8]
+    dp_bytes = sum(r["bytes"] for r in records if r["phase"] == "dp" and r["kind"] == "coll")
+    items = by_name(parse(simai_workload(records, spec, "tiny"))[3])
+    assert items["grad_param_comm"][10] == str(dp_bytes) and dp_bytes > 0
+
+
+def test_every_comm_type_is_in_simai_vocabulary(spec, traces):
+    for rank in (0, 8):
+        for row in parse(simai_workload(traces[rank], spec, "tiny"))[3]:
+            assert {row[3], row[6], row[9]} <= set(COMM_TYPES)
+            for k in (3, 6, 9):
+                assert (row[k] == "NONE") == (row[k + 1] == "0")
+
+
+def test_compute_without_time_is_refused(spec, traces):
+    records = [dict(r) for r in traces[8]]
+    next(r for r in records if r["kind"] == "compute").pop("time_us")
+    with pytest.raises(ValueError, match="time_us"):
+        simai_workload(records, spec, "tiny")
+
+
+def test_write_simai_writes_the_text_under_aicb_name(spec, traces, tmp_path):
+    name = simai_file_name(spec, "tiny", stage=1)
+    assert name == ("tiny-world_size16-tp2-pp2-ep1-gbs16-mbs1-seq256-MOE-False-GEMM-False"
+                    "-flash_attn-True-stage1.txt")
+    path = write_simai(tmp_path / name, traces[8], spec, "tiny")
+    assert path.read_text() == simai_workload(traces[8], spec, "tiny")
+    assert [p.name for p in tmp_path.iterdir()] == [name]  # no temp file left

@@ -1,0 +1,132 @@
+"""Tracing only the representative ranks is enough: every rank's trace is its stage
+representative's with the ranks of its groups and peers renamed (issue 13, "Symmetry").
+
+Every rank of two small worlds is traced (WS 16 PP 2 TP 2 with 1F1B; WS 32 PP 4 TP 2
+interleaved). A record is normalised by checking its group's first rank / its peer against the
+rank order tp, dp, pp (computed here, not asked of the layout) and then dropping the rank
+numbers; the normalised streams must be equal within a stage.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Dict, List, Tuple
+
+import pytest
+
+from orchestrator.models.config import ModelConfig
+from orchestrator.trace.configs import TraceSettings, TraceSpec, plan_configs
+from orchestrator.trace.tracer import trace_rank
+
+TINY = ModelConfig(name="tiny", hidden=128, ffn=384, layers=8, heads=4, kv_heads=2, vocab=512,
+                   seq_len=256, dtype="bf16")
+# [ws, pp, tp], schedule; GBS 16 with DP 4 gives 4 micro-batches (>= pp for interleaved).
+WORLDS = {
+    "ws16_pp2_tp2_1f1b": ([16, 2, 2], "1f1b"),
+    "ws32_pp4_tp2_interleaved": ([32, 4, 2], "interleaved"),
+}
+
+
+def _spec(config, schedule: str, zero: int = 1) -> TraceSpec:
+    settings = TraceSettings(global_batch_size=16, micro_batch_size=1, seq_len=256,
+                             sequence_parallel=True, schedule=schedule, zero=zero)
+    specs, skipped = plan_configs([config], settings, TINY)
+    assert not skipped, skipped
+    return specs[0]
+
+
+@lru_cache(maxsize=None)
+def _all_traces(world: str) -> Tuple[TraceSpec, Dict[int, List[dict]]]:
+    """Every rank's records of one world (traced once per test session)."""
+    config, schedule = WORLDS[world]
+    spec = _spec(config, schedule)
+    return spec, {r: trace_rank(spec, TINY, r).records for r in spec.all_ranks()}
+
+
+def _coords(rank: int, tp: int, dp: int) -> Dict[str, int]:
+    """(tp, dp, pp) coordinates of a rank in the rank order tp-dp-pp."""
+    return {"tp": rank % tp, "dp": rank // tp % dp, "pp": rank // (tp * dp)}
+
+
+def _expected_group(group: str, tp: int, dp: int, pp: int) -> Tuple[int, int]:
+    """(size, stride) of a named group in the rank order tp-dp-pp."""
+    return {"tp": (tp, 1), "dp": (dp, tp), "pp": (pp, tp * dp),
+            "world": (tp * dp * pp, 1)}[group]
+
+
+def normalise(record: dict, rank: int, spec: TraceSpec) -> dict:
+    """The record without rank numbers, after checking they are the ones this rank's position
+    implies: a group by (name, size, stride), a peer by its stage and its offset in ranks."""
+    lay = spec.layout
+    out = dict(record)
+    if record["kind"] == "coll":
+        group = record["group"]
+        assert "group_ranks" not in record, record  # every mesh group is evenly spaced
+        size, stride = _expected_group(group, lay.tp, lay.dp, lay.pp)
+        assert (record["group_size"], record["group_stride"]) == (size, stride), record
+        position = rank if group == "world" else _coords(rank, lay.tp, lay.dp)[group]
+        assert rank - record["group_first"] == position * stride, (rank, record)
+        del out["group_first"]
+    elif record["kind"] == "p2p":
+        peer = record["peer"]
+        stage, peer_stage = spec.stage_of(rank), spec.stage_of(peer)
+        offset = peer - rank
+        # Neighbouring stages, or the wrap-around between the last and the first stage of the
+        # interleaved schedule (virtual stage pp-1 -> pp).
+        assert abs(peer_stage - stage) in (1, lay.pp - 1), (rank, record)
+        assert offset == (peer_stage - stage) * lay.tp * lay.dp, (rank, record)
+        out["peer"] = ("stage", peer_stage, offset)
+    return out
+
+
+@pytest.mark.parametrize("world", list(WORLDS))
+def test_every_rank_equals_its_stage_representative_up_to_renaming(world):
+    spec, traces = _all_traces(world)
+    representative = {spec.stage_of(r): r for r in spec.representative_ranks()}
+    assert sorted(representative) == list(range(spec.layout.pp))
+    for rank, records in traces.items():
+        rep = representative[spec.stage_of(rank)]
+        mine = [normalise(r, rank, spec) for r in records]
+        theirs = [normalise(r, rep, spec) for r in traces[rep]]
+        assert len(mine) == len(theirs), (rank, rep)
+        for a, b in zip(mine, theirs):
+            assert a == b, (rank, rep, a, b)
+
+
+@pytest.mark.parametrize("world", list(WORLDS))
+def test_raw_streams_differ_by_the_rank_offset(world):
+    """Not faked: a non-representative rank's raw records name other ranks, shifted by exactly
+    its offset from the representative (peers) or by its offset outside the group (groups)."""
+    spec, traces = _all_traces(world)
+    lay = spec.layout
+    for rep in spec.representative_ranks():
+        # The last rank of the stage: tp rank tp-1, dp rank dp-1.
+        rank = rep + lay.tp * lay.dp - 1
+        shifts = {"tp": lay.tp * (lay.dp - 1), "dp": lay.tp - 1, "pp": rank - rep, "world": 0}
+        assert traces[rank] != traces[rep]
+        compared = {"p2p": 0, "tp": 0, "dp": 0}
+        for a, b in zip(traces[rank], traces[rep]):
+            if a["kind"] == "p2p":
+                assert a["peer"] - b["peer"] == rank - rep, (a, b)
+                compared["p2p"] += 1
+            elif a["kind"] == "coll":
+                assert a["group_first"] - b["group_first"] == shifts[a["group"]], (a, b)
+                compared[a["group"]] = compared.get(a["group"], 0) + 1
+        assert min(compared.values()) > 0, compared
+
+
+def _cut_modules(records: List[dict]) -> List[dict]:
+    """ModuleTracker's backward attribution is approximate below the block: compare
+    "blocks.5.attn" rather than "blocks.5.attn.wq"."""
+    return [{**r, "module": ".".join(r["module"].split(".")[:3])} for r in records]
+
+
+@pytest.mark.parametrize("world", list(WORLDS))
+def test_replayed_trace_equals_running_every_micro_batch(world):
+    config, schedule = WORLDS[world]
+    spec = _spec(config, schedule)
+    for rank in spec.representative_ranks()[:2]:
+        replayed = trace_rank(spec, TINY, rank, replay=True).records
+        live = trace_rank(spec, TINY, rank, replay=False).records
+        assert len(replayed) == len(live), rank
+        for a, b in zip(_cut_modules(replayed), _cut_modules(live)):
+            assert a == b, (rank, a, b)
