@@ -94,7 +94,8 @@ def gpu_attention():
 def build_chunks(spec: TraceSpec, model: ModelConfig, mesh, pp_rank: int) -> List[nn.Module]:
     """This rank's model chunks (virtual stage c * pp + pp_rank), TP/SP-sharded, on meta."""
     from orchestrator.models.gpt import GPT
-    from orchestrator.models.parallelize import apply_tensor_parallel, split_pipeline
+    from orchestrator.models.parallelize import (apply_tensor_parallel, split_pipeline,
+                                                 stage_layer_ranges)
     from orchestrator.train.engine import virtual_stage_layers
     from orchestrator.train.executor import set_recompute
 
@@ -102,10 +103,7 @@ def build_chunks(spec: TraceSpec, model: ModelConfig, mesh, pp_rank: int) -> Lis
     with torch.device("meta"):
         whole = GPT(dataclasses.replace(model, seq_len=spec.seq_len))
     per_virtual = virtual_stage_layers(layout)
-    parts_ranges, start = [], 0
-    for n in per_virtual:
-        parts_ranges.append(range(start, start + n))
-        start += n
+    parts_ranges = stage_layer_ranges(per_virtual, model.layers)
     mine = [c * layout.pp + pp_rank for c in range(layout.virtual_stages)]
     blocks = {i for s in mine for i in parts_ranges[s]}
     if layout.tp > 1:
