@@ -89,8 +89,7 @@ def run_trace(ctx, run) -> dict:
             "config": list(s.config), "index": s.index, "state": "skipped", "reason": s.reason}
     todo = set(run.todo)
     specs = [s for s in plan.specs if s.subpart() in todo]
-    pricer = make_pricer(cfg, specs[0].seq_len if specs else cfg.model.seq_len,
-                         {s.layout.tp for s in specs})
+    pricer = make_pricer(cfg, {s.layout.tp for s in specs})
     console.print(f"trace: {len(specs)} configuration(s) to trace, "
                   f"{len(plan.specs) - len(specs)} done before; {pricer.note}")
     done, failed = [], []

@@ -6,7 +6,7 @@ configurations. An invalid configuration is reported with its reason and skipped
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from orchestrator.layout import LayoutError, ParallelLayout
@@ -69,14 +69,13 @@ class TraceSettings:
     zero: int = 1
     recompute: str = "none"
     layers_per_stage: Optional[Tuple[int, ...]] = None
-    extra: dict = field(default_factory=dict)
 
 
 def parse_configs(configs) -> List[Tuple[int, ...]]:
     """[[ws, pp, tp], ...] from the config (a list of triples); ValueError on a malformed one."""
     out = []
     for i, c in enumerate(configs or []):
-        items = list(c) if isinstance(c, (list, tuple)) or hasattr(c, "__iter__") else None
+        items = list(c) if isinstance(c, (list, tuple)) else None
         if items is None or len(items) != 3 or not all(
                 isinstance(x, int) and not isinstance(x, bool) for x in items):
             raise ValueError(f"trace.configs[{i}]={c!r}: each configuration is "

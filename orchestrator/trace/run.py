@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
@@ -28,7 +27,8 @@ def trace_configuration(spec: TraceSpec, model, pricer: ComputePricer, folder: P
     `folder`; returns the summary."""
     start = time.perf_counter()
     ranks = spec.all_ranks() if all_ranks else spec.representative_ranks()
-    per_stage: Dict[int, Dict[str, dict]] = defaultdict(dict)
+    representatives = set(spec.representative_ranks())  # every traced list includes them
+    per_stage: Dict[int, Dict[str, dict]] = {}
     per_rank = {}
     seconds = []
     for rank in ranks:
@@ -37,12 +37,12 @@ def trace_configuration(spec: TraceSpec, model, pricer: ComputePricer, folder: P
         pricer.price(traced.records, spec, pp_rank)
         write_rank(folder, rank, traced.records)
         totals = rank_totals(traced.records)
-        if rank == pp_rank * spec.layout.tp * spec.layout.dp or not per_stage[pp_rank]:
+        if rank in representatives:
             per_stage[pp_rank] = totals  # the stage's representative speaks for it
         per_rank[rank] = {"stage": pp_rank, "ops": len(traced.records),
                           "seconds": round(traced.seconds, 4)}
         seconds.append(traced.seconds)
-        if export == "simai" and rank == pp_rank * spec.layout.tp * spec.layout.dp:
+        if export == "simai" and rank in representatives:
             from orchestrator.trace.simai import simai_file_name, write_simai
 
             write_simai(folder / simai_file_name(spec, model.name, stage=pp_rank),

@@ -74,8 +74,7 @@ class ComputePricer:
     def price(self, records: List[dict], spec, pp_rank: int) -> None:
         """Set time_us and time_source on every compute record of one rank's trace."""
         layout = spec.layout
-        per_chunk = [n // layout.virtual_stages for n in
-                     [layout.layers_per_stage[pp_rank]] * layout.virtual_stages]
+        chunk_layers = layout.layers_per_stage[pp_rank] // layout.virtual_stages
         num_virtual = layout.pp * layout.virtual_stages
         recompute = layout.recompute[pp_rank][0]
         for r in records:
@@ -94,7 +93,7 @@ class ComputePricer:
         for (chunk, phase, mb), ops in groups.items():
             if chunk not in targets:
                 last = chunk * layout.pp + pp_rank == num_virtual - 1
-                targets[chunk] = self.chunk_targets_us(spec, per_chunk[chunk], last,
+                targets[chunk] = self.chunk_targets_us(spec, chunk_layers, last,
                                                        layout.tp, recompute)
             want = targets[chunk][0 if phase == "F" else 1]
             have = sum(r["time_us"] for r in ops)
@@ -104,7 +103,7 @@ class ComputePricer:
                 r["time_source"] = source
 
 
-def make_pricer(cfg, seq_len: int, tps) -> ComputePricer:
+def make_pricer(cfg, tps) -> ComputePricer:
     """The pricer for this cluster and model: the model profile when it exists and covers every
     TP degree traced, else the device sheet (trace.device, or h100)."""
     from orchestrator.errors import ProfileError

@@ -138,13 +138,12 @@ class _Replay(torch.autograd.Function):
 class ReplayChunk(nn.Module):
     """Stands in for a model chunk in the executor: repeats its captured ops per micro-batch."""
 
-    def __init__(self, chunk: nn.Module, index: int, virtual_stage: int, last: bool,
-                 forward_ops: List[dict], backward_ops: List[dict], out: torch.Tensor,
+    def __init__(self, index: int, last: bool, forward_ops, backward_ops, out: torch.Tensor,
                  tracer: "_RankTracer"):
         super().__init__()
         self.blocks = nn.ModuleDict()  # set_recompute finds nothing to change
         self.recompute_blocks = frozenset()
-        self.index, self.virtual_stage, self.last = index, virtual_stage, last
+        self.index, self.last = index, last
         self.forward_ops, self.backward_ops = forward_ops, backward_ops
         self.out_shape, self.out_dtype = out.shape, out.dtype
         self.tracer = tracer
@@ -269,8 +268,7 @@ class _RankTracer:
                     backward_ops = (captured[n_forward:n_first], captured[n_second:])
                     for r in captured:
                         del r["phase"], r["chunk"], r["mb"]
-                    modules.append(ReplayChunk(chunk, c, stage, last, forward_ops,
-                                               backward_ops, out, self))
+                    modules.append(ReplayChunk(c, last, forward_ops, backward_ops, out, self))
                 recorder.records = self.records
             else:
                 modules = [LiveChunk(chunk, c, c * layout.pp + pp_rank == num_virtual - 1, self)
