@@ -4,8 +4,10 @@ ranks only), its peak memory, and what tracing every rank would cost instead.
     python bench/trace_speed.py           # the five seed configurations (104 ranks)
     python bench/trace_speed.py --quick   # the first two
 
-Against the Python API (orchestrator.trace): plan_configs + trace_rank per representative rank,
-each rank's records written as JSON lines to a temporary folder (the output cost counts).
+What `stage=trace` runs, minus the ledger: plan_configs, then trace_configuration per
+configuration (each traced rank priced from the h100 device sheet, its .jsonl and .log written
+to a temporary folder, summary.json), chunk captures shared across the run as the stage shares
+them.
 GBS 1024, MBS 1, seq 4096, SP on, ZeRO 0, 1F1B. Targets: <= 60 s wall and <= 4 GiB peak RSS on
 2 CPU cores. Then a small world (tiny model, WS 64 PP 4 TP 4) traced at every rank vs at the
 representatives, and the every-rank estimate of the seed configurations (per-rank time x WS).
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import pstats
 import resource
 import sys
@@ -33,6 +34,10 @@ from rich.table import Table  # noqa: E402
 
 from orchestrator.models.config import ModelConfig  # noqa: E402
 from orchestrator.trace.configs import TraceSettings, plan_configs  # noqa: E402
+from orchestrator.profiling.model.analytic import load_device_sheet  # noqa: E402
+from orchestrator.trace.output import write_rank  # noqa: E402
+from orchestrator.trace.run import trace_configuration  # noqa: E402
+from orchestrator.trace.timing import ComputePricer  # noqa: E402
 from orchestrator.trace.tracer import trace_rank  # noqa: E402
 
 SEED_CONFIGS = [[8192, 16, 8], [8192, 32, 8], [8192, 32, 4], [4096, 16, 4], [2048, 8, 4]]
@@ -57,31 +62,46 @@ def peak_rss_GiB() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def write_jsonl(records, path: Path) -> int:
-    """Writes one record per line; returns the bytes written."""
-    text = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records)
-    path.write_text(text)
-    return len(text)
+def folder_MiB(folder: Path) -> float:
+    return sum(f.stat().st_size for f in folder.iterdir() if f.suffix == ".jsonl") / 2**20
 
 
 def trace_configs(configs, settings, model, out_dir: Path, all_ranks: bool = False):
-    """Per configuration: (spec, ranks traced, seconds, records, bytes written)."""
+    """Per configuration: (spec, ranks traced, seconds, records, MiB of JSON lines, estimate of
+    tracing every rank one process each, s)."""
     specs, skipped = plan_configs(configs, settings, model)
     if skipped:
         raise SystemExit(f"skipped configurations: {skipped}")
+    pricer = ComputePricer(load_device_sheet("h100"))
+    captures: dict = {}
     rows = []
     for spec in specs:
-        ranks = spec.all_ranks() if all_ranks else spec.representative_ranks()
         start = time.perf_counter()
-        n_records = n_bytes = 0
+        folder = out_dir / spec.dir_name(model.name)
+        summary = trace_configuration(spec, model, pricer, folder, all_ranks=all_ranks,
+                                      captures=captures)
+        records = sum(r["ops"] for r in summary["ranks"].values())
+        rows.append((spec, summary["ranks_traced"], time.perf_counter() - start, records,
+                     folder_MiB(folder), summary["seconds_all_ranks_estimate"]))
+    return rows
+
+
+def trace_alone(configs, settings, model, out_dir: Path):
+    """Every rank traced on its own (nothing shared between ranks, as one process per rank
+    would), its files written: (ranks, seconds, records)."""
+    specs, _ = plan_configs(configs, settings, model)
+    pricer = ComputePricer(load_device_sheet("h100"))
+    start = time.perf_counter()
+    ranks = records = 0
+    for spec in specs:
         folder = out_dir / spec.dir_name(model.name)
         folder.mkdir(parents=True, exist_ok=True)
-        for rank in ranks:
-            trace = trace_rank(spec, model, rank)
-            n_records += len(trace.records)
-            n_bytes += write_jsonl(trace.records, folder / f"fake_rank_{rank}.jsonl")
-        rows.append((spec, len(ranks), time.perf_counter() - start, n_records, n_bytes))
-    return rows
+        for rank in spec.all_ranks():
+            traced = trace_rank(spec, model, rank)
+            pricer.price(traced.records, spec, traced.stage)
+            write_rank(folder, rank, traced.records)
+            ranks, records = ranks + 1, records + len(traced.records)
+    return ranks, time.perf_counter() - start, records
 
 
 def seed_table(rows, wall_s: float) -> Table:
@@ -91,32 +111,33 @@ def seed_table(rows, wall_s: float) -> Table:
     for col in ("WS", "PP", "TP", "DP", "micro-batches", "ranks traced", "time s",
                 "s / rank", "records", "MiB written", "every rank (est.) s"):
         table.add_column(col, justify="right")
-    for spec, ranks, seconds, records, nbytes in rows:
+    for spec, ranks, seconds, records, mib, every_rank_s in rows:
         lay = spec.layout
         per_rank_s = seconds / ranks
         table.add_row(str(lay.world_size), str(lay.pp), str(lay.tp), str(lay.dp),
                       str(lay.num_micro_batches), str(ranks), f"{seconds:.1f}",
-                      f"{per_rank_s:.2f}", f"{records:,}", f"{nbytes / 2**20:.1f}",
-                      f"{per_rank_s * lay.world_size:,.0f}")
+                      f"{per_rank_s:.2f}", f"{records:,}", f"{mib:.1f}",
+                      f"{every_rank_s:,.0f}")
     ranks = sum(r[1] for r in rows)
-    every_s = sum(r[2] / r[1] * r[0].layout.world_size for r in rows)
+    every_s = sum(r[5] for r in rows)
     table.add_row("all", "", "", "", "", str(ranks), f"{sum(r[2] for r in rows):.1f}", "",
-                  f"{sum(r[3] for r in rows):,}", f"{sum(r[4] for r in rows) / 2**20:.1f}",
+                  f"{sum(r[3] for r in rows):,}", f"{sum(r[4] for r in rows):.1f}",
                   f"{every_s:,.0f} ({every_s / wall_s:,.0f}x)")
     return table
 
 
 def small_world_table(out_dir: Path) -> Table:
-    rep = trace_configs([SMALL_WORLD], SMALL_SETTINGS, TINY, out_dir / "rep")[0]
-    every = trace_configs([SMALL_WORLD], SMALL_SETTINGS, TINY, out_dir / "all", all_ranks=True)[0]
+    rep = trace_configs([SMALL_WORLD], SMALL_SETTINGS, TINY, out_dir / "rep")[0][1:4]
+    every = trace_alone([SMALL_WORLD], SMALL_SETTINGS, TINY, out_dir / "all")
     ws, pp, tp = SMALL_WORLD
-    table = Table(title=f"tiny model WS {ws} PP {pp} TP {tp}: every rank vs representatives")
+    table = Table(title=f"tiny model WS {ws} PP {pp} TP {tp}: every rank, each on its own (as one "
+                        f"process per rank would), vs the representatives as the stage traces")
     for col in ("ranks", "time s", "s / rank", "records"):
         table.add_column(col, justify="right")
     for label, row in (("representatives", rep), ("every rank", every)):
-        table.add_row(f"{row[1]} ({label})", f"{row[2]:.1f}", f"{row[2] / row[1]:.2f}",
-                      f"{row[3]:,}")
-    table.add_row("ratio", f"{every[2] / rep[2]:.1f}x", "", f"{every[3] / rep[3]:.1f}x")
+        table.add_row(f"{row[0]} ({label})", f"{row[1]:.1f}", f"{row[1] / row[0]:.2f}",
+                      f"{row[2]:,}")
+    table.add_row("ratio", f"{every[1] / rep[1]:.1f}x", "", f"{every[2] / rep[2]:.1f}x")
     return table
 
 

@@ -109,9 +109,14 @@ def test_compute_time_adds_up_to_one_micro_batch(spec, traces):
 
 def test_dp_gradient_reduce_is_the_stage_gradient_bytes(spec, traces):
     records = traces[8]
-    dp_bytes = sum(r["bytes"] for r in records if r["phase"] == "dp" and r["kind"] == "coll")
+    comm = [r for r in records if r["phase"] == "dp" and r["kind"] == "coll"]
+    dp_bytes = sum(r["bytes"] for r in comm if r["group"] == "dp")
+    tp_bytes = sum(r["bytes"] for r in comm if r["group"] == "tp")
     items = by_name(parse(simai_workload(records, spec, "tiny"))[3])
     assert items["grad_param_comm"][10] == str(dp_bytes) and dp_bytes > 0
+    # SP norm gradients, reduced over TP: in an input-gradient column (SimAI's TP group).
+    assert items["norm_grads_allreduce"][6:8] == ["ALLREDUCE", str(tp_bytes)] and tp_bytes > 0
+    assert items["norm_grads_allreduce"][9] == "NONE"
 
 
 def test_every_comm_type_is_in_simai_vocabulary(spec, traces):

@@ -85,6 +85,19 @@ def apply_tensor_parallel(
                     input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
                 ),
             }
+        else:
+            # The sub-layer's input as one replicated DTensor shared by its projections: their
+            # input gradients add up as one Partial, all-reduced once per sub-layer (Megatron's
+            # fused QKV and gate/up), not once per projection (5 all-reduces per layer).
+            plan |= {
+                "attn": PrepareModuleInput(
+                    input_layouts=(Replicate(), None, None),
+                    desired_input_layouts=(Replicate(), None, None),
+                ),
+                "mlp": PrepareModuleInput(
+                    input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)
+                ),
+            }
         parallelize_module(block, tp_mesh, plan)
     return model
 

@@ -93,6 +93,7 @@ def run_trace(ctx, run) -> dict:
     console.print(f"trace: {len(specs)} configuration(s) to trace, "
                   f"{len(plan.specs) - len(specs)} done before; {pricer.note}")
     done, failed = [], []
+    captures: dict = {}  # a chunk shape met in one configuration is not traced again
     for spec in plan.specs:
         name = spec.dir_name(model_name)
         if spec not in specs:
@@ -103,7 +104,8 @@ def run_trace(ctx, run) -> dict:
             with run.subpart(spec.subpart()):
                 summary = trace_configuration(
                     spec, cfg.model, pricer, out / name, all_ranks=cfg.trace.all_ranks,
-                    bucket_MiB=cfg.trace.bucket_MiB, export=cfg.trace.export)
+                    bucket_MiB=cfg.trace.bucket_MiB, export=cfg.trace.export,
+                    captures=captures)
                 done.append(summary)
                 entries[name] = {"config": summary["config"], "index": spec.index,
                                  "state": "done", "path": str(out / name),

@@ -92,6 +92,7 @@ class OpRecorder(TorchDispatchMode):
 
     # ----------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import FakeTensor
         from torch.distributed.tensor import DTensor
 
         if DTensor in types:
@@ -100,6 +101,10 @@ class OpRecorder(TorchDispatchMode):
             return NotImplemented
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if FakeTensor in types:
+            # DTensor's sharding propagation running the op on fake global-shaped tensors to
+            # learn its output's shape (once per op and input layout): not the workload.
+            return out
         packet = func.overloadpacket
         namespace = func.namespace
         if namespace == "aten":
@@ -195,12 +200,22 @@ class OpRecorder(TorchDispatchMode):
 
 def _innermost(parents) -> str:
     """The innermost module's name from ModuleTracker's set of running modules ("Global" and the
-    root's class name dropped: "blocks.5.attn.wq")."""
+    root's class name dropped: "blocks.5.attn.wq").
+
+    In backward the set can hold siblings (wq, wk, wv's hooks overlap): the deepest wins, ties
+    broken by name and then block number, so the choice does not depend on set order and is the
+    same for every chunk of one shape (tracer.Captured renames block numbers)."""
     names = [p for p in parents if p != "Global"]
     if not names:
         return ""
-    name = max(names, key=len)
+    name = max(names, key=_depth_key)
     name = name.split(".", 1)[1] if "." in name else ""
     if name == "chunk" or name.startswith("chunk."):  # tracer.LiveChunk holds the chunk
         name = name[len("chunk."):]
     return name
+
+
+def _depth_key(name: str):
+    parts = name.split(".")
+    numbers = [int(p) for p in parts if p.isdigit()]
+    return len(parts), [p for p in parts if not p.isdigit()], numbers

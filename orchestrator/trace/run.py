@@ -22,17 +22,21 @@ def _merge(into: Dict[str, dict], totals: Dict[str, dict]) -> None:
 def trace_configuration(spec: TraceSpec, model, pricer: ComputePricer, folder: Path, *,
                         all_ranks: bool = False, replay: bool = True, bucket_MiB: float = 25.0,
                         export: Optional[str] = None,
-                        on_rank: Callable[[int], None] = lambda rank: None) -> dict:
+                        on_rank: Callable[[int], None] = lambda rank: None,
+                        captures: Optional[dict] = None) -> dict:
     """Trace the representative ranks (or all), write their files and summary.json into
-    `folder`; returns the summary."""
+    `folder`; returns the summary. `captures`: chunk captures shared across configurations
+    (tracer.trace_rank); one for this configuration when not given."""
     start = time.perf_counter()
     ranks = spec.all_ranks() if all_ranks else spec.representative_ranks()
     representatives = set(spec.representative_ranks())  # every traced list includes them
     per_stage: Dict[int, Dict[str, dict]] = {}
     per_rank = {}
-    seconds = []
+    seconds_alone = []
+    captures = {} if captures is None else captures
     for rank in ranks:
-        traced = trace_rank(spec, model, rank, replay=replay, bucket_MiB=bucket_MiB)
+        traced = trace_rank(spec, model, rank, replay=replay, bucket_MiB=bucket_MiB,
+                            captures=captures)
         pp_rank = spec.stage_of(rank)
         pricer.price(traced.records, spec, pp_rank)
         write_rank(folder, rank, traced.records)
@@ -40,8 +44,9 @@ def trace_configuration(spec: TraceSpec, model, pricer: ComputePricer, folder: P
         if rank in representatives:
             per_stage[pp_rank] = totals  # the stage's representative speaks for it
         per_rank[rank] = {"stage": pp_rank, "ops": len(traced.records),
-                          "seconds": round(traced.seconds, 4)}
-        seconds.append(traced.seconds)
+                          "seconds": round(traced.seconds, 4),
+                          "seconds_alone": round(traced.seconds_alone, 4)}
+        seconds_alone.append(traced.seconds_alone)
         if export == "simai" and rank in representatives:
             from orchestrator.trace.simai import simai_file_name, write_simai
 
@@ -50,7 +55,7 @@ def trace_configuration(spec: TraceSpec, model, pricer: ComputePricer, folder: P
         on_rank(rank)
     elapsed = time.perf_counter() - start
     lay = spec.layout
-    mean_s = sum(seconds) / len(seconds)
+    mean_s = sum(seconds_alone) / len(seconds_alone)
     totals: Dict[str, dict] = {}
     for stage_totals in per_stage.values():
         _merge(totals, stage_totals)
@@ -60,8 +65,8 @@ def trace_configuration(spec: TraceSpec, model, pricer: ComputePricer, folder: P
         "ranks_traced": len(ranks), "ranks_total": lay.world_size,
         "representatives_only": not all_ranks,
         "seconds": round(elapsed, 3),
-        # One rank per process as other tools do, at this process's pace per rank: a floor
-        # (it leaves out their per-process start-up).
+        # One rank per process as other tools do, each tracing its chunks itself, at this
+        # process's pace: a floor (it leaves out their per-process start-up).
         "seconds_all_ranks_estimate": round(mean_s * lay.world_size, 1),
         "compute_times": pricer.note,
         "per_stage": {str(s): per_stage[s] for s in sorted(per_stage)},

@@ -169,12 +169,16 @@ def _time_us(record: dict) -> float:
 
 
 def _end_items(records: List[dict]) -> Tuple[List[_Item], List[_Item]]:
-    """(items before the layers, after them): the DP gradient collectives in wg columns (AICB's
-    grad_param_comm / grad_gather) and the optimizer step with its grad-norm all-reduce."""
+    """(items before the layers, after them): the SP norm gradients' TP all-reduce in an ig
+    column (the TP group's), the DP gradient collectives in wg columns (AICB's grad_param_comm
+    / grad_gather) and the optimizer step with its grad-norm all-reduce."""
+    norm_item = _Item("norm_grads_allreduce")
     reduce_item, gather_item = _Item("grad_param_comm"), _Item("grad_gather")
     optimizer = _Item("optimizer")
     for r in records:
-        if r["phase"] == "dp":
+        if r["phase"] == "dp" and r["kind"] == "coll" and r.get("group") == "tp":
+            norm_item.ig.add_comm(_comm_type(r), int(r["bytes"]))
+        elif r["phase"] == "dp":
             _add(reduce_item.wg, r)
         elif r["phase"] == "optimizer" and r["kind"] == "coll" and r.get("group") == "dp":
             gather_item.wg.add_comm(_comm_type(r), int(r["bytes"]))
@@ -183,7 +187,8 @@ def _end_items(records: List[dict]) -> Tuple[List[_Item], List[_Item]]:
             optimizer.fwd.add_comm(_comm_type(r), int(r["bytes"]))
         elif r["phase"] == "optimizer" and r["kind"] == "compute":
             optimizer.update_us += _time_us(r)
-    before = [i for i in (reduce_item, gather_item) if i.wg.comm or i.wg.time_us]
+    before = [i for i in (norm_item, reduce_item, gather_item)
+              if i.ig.comm or i.wg.comm or i.wg.time_us]
     return before, [optimizer]
 
 

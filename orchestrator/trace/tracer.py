@@ -6,15 +6,18 @@
   weights or activations, no communication.
 - Parameters are in the model's dtype (Megatron's bf16 training: bf16 weights and activations,
   fp32 gradient buckets and optimizer masters), attention is the fused kernel a GPU runs (flash
-  attention's meta kernels), not the CPU's math fallback.
+  attention's meta kernels), not the CPU's math fallback, and the loss is vocab-parallel
+  (Megatron's: logits stay sharded over TP, three small all-reduces per micro-batch).
 - Every micro-batch of a configuration has the same shape, so each model chunk's forward and
-  backward are traced once (the backward twice: the first micro-batch assigns the gradients,
-  the others accumulate into them) and repeated by the executor, which issues every
-  micro-batch's p2p messages and loss itself in schedule order (`replay=False` runs each
-  micro-batch through the model instead; tests check both give the same trace).
-- After the last backward: the data-parallel gradient collectives of train's ZeRO 0/1/2
-  optimizer (train/grads.py: one per bucket), the gradient-norm all-reduce and the optimizer step
-  with its parameter all-gather.
+  backward are traced once (twice: the first micro-batch assigns the gradients, the others
+  accumulate into them) and repeated by the executor, which issues every micro-batch's p2p
+  messages and loss itself in schedule order (`replay=False` runs each micro-batch through the
+  model instead; tests check both give the same trace). A chunk's ops depend on its shape, not
+  on which rank or stage holds it, so a capture is reused by every chunk of that shape
+  (`captures`, shared over a run), its layer numbers and TP group renamed.
+- After the last backward: the TP all-reduce of the SP norm weights' partial gradients, the
+  data-parallel gradient collectives of train's ZeRO 0/1/2 optimizer (train/grads.py: one per
+  bucket), the gradient-norm all-reduce and the optimizer step with its parameter all-gather.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -41,6 +44,9 @@ class RankTrace:
     stage: int
     records: List[dict]
     seconds: float
+    # What this rank would take alone (one process per rank, as other tools trace): its own
+    # seconds plus those of the chunk captures it reused.
+    seconds_alone: float
 
 
 @contextlib.contextmanager
@@ -107,7 +113,9 @@ def build_chunks(spec: TraceSpec, model: ModelConfig, mesh, pp_rank: int) -> Lis
     mine = [c * layout.pp + pp_rank for c in range(layout.virtual_stages)]
     blocks = {i for s in mine for i in parts_ranges[s]}
     if layout.tp > 1:
-        apply_tensor_parallel(whole, mesh["tp"], layout.sequence_parallel, blocks=blocks)
+        # Vocab-parallel loss (Megatron's): the logits stay sharded over the vocabulary.
+        apply_tensor_parallel(whole, mesh["tp"], layout.sequence_parallel, loss_parallel=True,
+                              blocks=blocks)
     parts = split_pipeline(whole, per_virtual)
     chunks = [parts[s] for s in mine]
     mode, _ = layout.recompute[pp_rank]
@@ -125,7 +133,7 @@ class _Replay(torch.autograd.Function):
         chunk.emit_forward()
         ctx.chunk = chunk
         ctx.x_spec = (x.shape, x.dtype) if x.is_floating_point() else None
-        return torch.empty(chunk.out_shape, dtype=chunk.out_dtype, device=META)
+        return chunk.new_output()
 
     @staticmethod
     def backward(ctx, grad):
@@ -138,20 +146,32 @@ class _Replay(torch.autograd.Function):
 class ReplayChunk(nn.Module):
     """Stands in for a model chunk in the executor: repeats its captured ops per micro-batch."""
 
-    def __init__(self, index: int, last: bool, forward_ops, backward_ops, out: torch.Tensor,
-                 tracer: "_RankTracer"):
+    def __init__(self, index: int, last: bool, forward_ops, backward_ops,
+                 captured: "Captured", tp_mesh, tracer: "_RankTracer"):
         super().__init__()
         self.blocks = nn.ModuleDict()  # set_recompute finds nothing to change
         self.recompute_blocks = frozenset()
         self.index, self.last = index, last
         self.forward_ops, self.backward_ops = forward_ops, backward_ops
-        self.out_shape, self.out_dtype = out.shape, out.dtype
+        self.captured, self.tp_mesh = captured, tp_mesh
         self.tracer = tracer
         self.anchor = torch.empty((), device=META, requires_grad=True)
         self.forwards = self.backwards = 0
 
     def forward(self, x):
         return _Replay.apply(x, self.anchor, self)
+
+    def new_output(self) -> torch.Tensor:
+        """A stand-in for the chunk's output: its shape, and its sharding when a DTensor."""
+        from torch.distributed.tensor import DTensor
+
+        c = self.captured
+        local = torch.empty(c.out_shape, dtype=c.out_dtype, device=META)
+        if c.out_dtensor is None:
+            return local
+        placements, shape, stride = c.out_dtensor
+        return DTensor.from_local(local, self.tp_mesh, placements, run_check=False, shape=shape,
+                                  stride=stride)
 
     def emit_forward(self) -> None:
         mb = self.forwards
@@ -194,9 +214,121 @@ class LiveChunk(nn.Module):
         return out
 
 
+@dataclass
+class Captured:
+    """One model chunk's ops, traced once: the first micro-batch's forward and backward (which
+    assigns the gradients) and a later one's (which accumulates), as the rank that traced it
+    issued them. Every chunk of the same shape issues the same ops (tests/test_trace_symmetry),
+    up to its blocks' numbers and its TP group, which `for_rank` renames."""
+
+    forward_ops: Tuple[List[dict], List[dict]]
+    backward_ops: Tuple[List[dict], List[dict]]
+    out_shape: torch.Size  # the chunk's output on this rank (its local shard)
+    out_dtype: torch.dtype
+    # The output as a DTensor over TP (the vocab-sharded logits of the last chunk, for the
+    # vocab-parallel loss): its placements and global shape and stride; None when plain.
+    out_dtensor: Optional[tuple]
+    # Parameters whose gradient is placed unlike the parameter (name -> the gradient's
+    # placements and local shape): SP norm weights, replicated over TP, get Partial gradients.
+    partial_grads: Dict[str, tuple]
+    first_block: int
+    tp_first: int
+    reusable: bool  # every collective in it is a TP one (renamable)
+    seconds: float  # to capture it
+
+    def for_rank(self, first_block: int, tp_first: int):
+        """(forward_ops, backward_ops, partial_grads) for a chunk whose first block is
+        `first_block` and whose TP group starts at rank `tp_first`."""
+        if (first_block, tp_first) == (self.first_block, self.tp_first):
+            return self.forward_ops, self.backward_ops, self.partial_grads
+        shift = first_block - self.first_block
+
+        def rename(ops: List[dict]) -> List[dict]:
+            out = []
+            for r in ops:
+                r = dict(r)
+                if r.get("group") == "tp":
+                    r["group_first"] = tp_first
+                r["module"] = _shift_block(r["module"], shift)
+                out.append(r)
+            return out
+
+        return (tuple(rename(ops) for ops in self.forward_ops),
+                tuple(rename(ops) for ops in self.backward_ops),
+                {_shift_block(name, shift): v for name, v in self.partial_grads.items()})
+
+
+def _shift_block(name: str, shift: int) -> str:
+    """"blocks.5.attn" -> "blocks.7.attn" for shift 2; other names unchanged."""
+    head, _, rest = name.partition(".")
+    if head != "blocks" or not shift:
+        return name
+    number, dot, tail = rest.partition(".")
+    return f"blocks.{int(number) + shift}{dot}{tail}"
+
+
+def _first_block(chunk: nn.Module) -> int:
+    return min((int(k) for k in chunk.blocks.keys()), default=0)
+
+
+def _capture_key(spec: TraceSpec, model: ModelConfig, chunk: nn.Module, stage: int, last: bool,
+                 pp_rank: int, dtype: torch.dtype) -> tuple:
+    """What a chunk's ops depend on: the model, the micro-batch shape, TP/SP, recompute, and
+    the chunk's shape (how many blocks; embedding first, head last)."""
+    layout = spec.layout
+    return (repr(model), spec.seq_len, layout.micro_batch_size, layout.tp,
+            layout.sequence_parallel, layout.recompute[pp_rank], str(dtype), len(chunk.blocks),
+            stage == 0, last)
+
+
+def _capture(chunk: nn.Module, x: torch.Tensor, recorder: OpRecorder, tracker,
+             tp_first: int) -> Captured:
+    """Run `chunk` forward and backward twice under the recorder: micro-batch 0, which assigns
+    the gradients, and a later one, which accumulates into them."""
+    from torch.distributed.tensor import DTensor
+
+    start = time.perf_counter()
+    captured: List[dict] = []
+    context = recorder.context
+    recorder.records, recorder.tracker, recorder.context = captured, tracker, dict
+    try:
+        with tracker, recorder:
+            out = chunk(x)
+            n_forward = len(captured)
+            out.backward(torch.empty_like(out))
+            n_first = len(captured)
+            x.grad = None  # a new micro-batch's input has no gradient yet
+            again = chunk(x)
+            n_second = len(captured)
+            again.backward(torch.empty_like(again))
+    finally:
+        recorder.tracker, recorder.context = None, context
+    partial_grads = {name: (tuple(p.grad.placements), p.grad.to_local().shape)
+                     for name, p in chunk.named_parameters()
+                     if isinstance(p.grad, DTensor)
+                     and tuple(p.grad.placements) != tuple(p.placements)}
+    for p in chunk.parameters():
+        p.grad = None
+    reusable = all(r.get("group") == "tp" for r in captured if r["kind"] != "compute")
+    local, out_dtensor = out, None
+    if isinstance(out, DTensor):
+        local = out.to_local()
+        out_dtensor = (tuple(out.placements), out.shape, out.stride())
+    return Captured(forward_ops=(captured[:n_forward], captured[n_first:n_second]),
+                    backward_ops=(captured[n_forward:n_first], captured[n_second:]),
+                    out_shape=local.shape, out_dtype=local.dtype, out_dtensor=out_dtensor,
+                    partial_grads=partial_grads,
+                    first_block=_first_block(chunk),
+                    tp_first=tp_first, reusable=reusable,
+                    seconds=time.perf_counter() - start)
+
+
 class _RankTracer:
-    def __init__(self, spec: TraceSpec, model: ModelConfig, rank: int, bucket_MiB: float):
+    def __init__(self, spec: TraceSpec, model: ModelConfig, rank: int, bucket_MiB: float,
+                 captures: Optional[Dict[tuple, "Captured"]] = None):
         self.spec, self.model, self.rank, self.bucket_MiB = spec, model, rank, bucket_MiB
+        self.captures = {} if captures is None else captures
+        self.reused_seconds = 0.0
         self.state: Dict[str, object] = {"phase": "setup", "chunk": None, "mb": None}
         self.records: List[dict] = []
 
@@ -210,11 +342,12 @@ class _RankTracer:
 
     def run(self, replay: bool = True) -> List[dict]:
         from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import loss_parallel
         from torch.utils.module_tracker import ModuleTracker
 
         from orchestrator.models.gpt import token_loss_sum
         from orchestrator.train.executor import MicroBatchInput, PipelineExecutor, run_plain
-        from orchestrator.train.grads import ShardedAdamW
+        from orchestrator.train.grads import ShardedAdamW, full_grad
 
         spec, layout = self.spec, self.spec.layout
         mesh = init_device_mesh("cpu", (layout.pp, layout.dp, layout.tp),
@@ -236,39 +369,30 @@ class _RankTracer:
             return torch.zeros((mbs, seq), dtype=torch.int64, device=META)
 
         modules: List[nn.Module] = chunks
+        tp_first = min(dist.get_process_group_ranks(mesh["tp"].get_group()))
+        partial_grads = []  # replayed chunks: (chunk, its partial_grads)
         with gpu_attention():
             if replay:
                 modules = []
                 for c, chunk in enumerate(chunks):
                     stage = c * layout.pp + pp_rank
                     last = stage == num_virtual - 1
-                    x = tokens() if stage == 0 else torch.empty(
-                        (mbs, seq // seq_divisor, self.model.hidden), dtype=dtype, device=META,
-                        requires_grad=True)
-                    captured: List[dict] = []
-                    recorder.records = captured
-                    recorder.tracker = tracker
-                    self.state = {"phase": "F", "chunk": c, "mb": 0}
-                    self.state = {"phase": "F", "chunk": c, "mb": 0}
-                    with tracker, recorder:
-                        out = chunk(x)
-                        n_forward = len(captured)
-                        self.state = {"phase": "B", "chunk": c, "mb": 0}
-                        out.backward(torch.empty_like(out))
-                        n_first = len(captured)
-                        # Again, now accumulating into the gradients as micro-batches 1.. do.
-                        x.grad = None  # a new micro-batch's input has no gradient yet
-                        again = chunk(x)
-                        n_second = len(captured)
-                        again.backward(torch.empty_like(again))
-                    recorder.tracker = None
-                    for p in chunk.parameters():
-                        p.grad = None
-                    forward_ops = (captured[:n_forward], captured[n_first:n_second])
-                    backward_ops = (captured[n_forward:n_first], captured[n_second:])
-                    for r in captured:
-                        del r["phase"], r["chunk"], r["mb"]
-                    modules.append(ReplayChunk(c, last, forward_ops, backward_ops, out, self))
+                    key = _capture_key(spec, self.model, chunk, stage, last, pp_rank, dtype)
+                    captured = self.captures.get(key)
+                    if captured is not None:
+                        self.reused_seconds += captured.seconds
+                    else:
+                        x = tokens() if stage == 0 else torch.empty(
+                            (mbs, seq // seq_divisor, self.model.hidden), dtype=dtype,
+                            device=META, requires_grad=True)
+                        captured = _capture(chunk, x, recorder, tracker, tp_first)
+                        if captured.reusable:
+                            self.captures[key] = captured
+                    forward_ops, backward_ops, partial = captured.for_rank(
+                        _first_block(chunk), tp_first)
+                    partial_grads.append((chunk, partial))
+                    modules.append(ReplayChunk(c, last, forward_ops, backward_ops,
+                                               captured, mesh["tp"], self))
                 recorder.records = self.records
             else:
                 modules = [LiveChunk(chunk, c, c * layout.pp + pp_rank == num_virtual - 1, self)
@@ -283,7 +407,9 @@ class _RankTracer:
             optim.begin_step(10**9)
             batches = [MicroBatchInput(tokens(), tokens(), layout.recompute[pp_rank][0])
                        for _ in range(layout.num_micro_batches)]
-        with gpu_attention(), recorder, (contextlib.nullcontext() if replay else tracker):
+        # The loss's forward and backward both run inside loss_parallel (vocab-sharded logits).
+        with gpu_attention(), loss_parallel(), recorder, (
+                contextlib.nullcontext() if replay else tracker):
             self.state = {"phase": "F", "chunk": 0, "mb": 0}
             if layout.pp > 1:
                 executor = PipelineExecutor(modules, pp_rank, layout.pp, layout.schedule,
@@ -294,6 +420,14 @@ class _RankTracer:
             else:
                 run_plain(modules[0], batches, token_loss_sum, lambda: 0.0)
             self.state = {"phase": "dp", "chunk": None, "mb": None}
+            # Train reduces these over TP as their last micro-batch's gradient arrives
+            # (grads.full_grad in the bucket hook), Megatron once per iteration before the
+            # data-parallel sync (_allreduce_layernorm_grads): here, just before it.
+            _set_partial_grads(partial_grads)
+            for p in params:
+                if p.grad is not None:
+                    full_grad(p)
+                    p.grad = None
             optim.finish_backward()
             self.state = {"phase": "optimizer", "chunk": None, "mb": None}
             try:
@@ -304,6 +438,20 @@ class _RankTracer:
             optim.step(0.0, 1.0, norm=1.0)
         _fix_p2p(self.records, layout.pp, num_virtual)
         return self.records
+
+
+def _set_partial_grads(partial_grads) -> None:
+    """Give the replayed chunks' parameters the Partial gradients their backward leaves (the
+    replay itself gives them none)."""
+    from torch.distributed.tensor import DTensor
+
+    for chunk, partial in partial_grads:
+        params = dict(chunk.named_parameters())
+        for name, (placements, local_shape) in partial.items():
+            p = params[name]
+            local = torch.empty(local_shape, dtype=p.dtype, device=META)
+            p.grad = DTensor.from_local(local, p.device_mesh, placements, run_check=False,
+                                        shape=p.shape, stride=p.stride())
 
 
 def _fix_p2p(records: List[dict], pp: int, num_virtual: int) -> None:
@@ -318,12 +466,18 @@ def _fix_p2p(records: List[dict], pp: int, num_virtual: int) -> None:
 
 
 def trace_rank(spec: TraceSpec, model: ModelConfig, rank: int, replay: bool = True,
-               bucket_MiB: float = 25.0) -> RankTrace:
-    """Every op `rank` of `spec` issues in one iteration, in order (see module doc)."""
+               bucket_MiB: float = 25.0,
+               captures: Optional[Dict[tuple, Captured]] = None) -> RankTrace:
+    """Every op `rank` of `spec` issues in one iteration, in order (see module doc).
+
+    `captures`: chunk captures to reuse and add to; pass the same dict for every rank (and
+    configuration) of a run, so each chunk shape is traced once."""
     start = time.perf_counter()
     with fake_world(rank, spec.world_size):
-        records = _RankTracer(spec, model, rank, bucket_MiB).run(replay)
+        tracer = _RankTracer(spec, model, rank, bucket_MiB, captures)
+        records = tracer.run(replay)
     for i, r in enumerate(records):
         r["i"] = i
-    return RankTrace(rank=rank, stage=spec.stage_of(rank), records=records,
-                     seconds=time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    return RankTrace(rank=rank, stage=spec.stage_of(rank), records=records, seconds=seconds,
+                     seconds_alone=seconds + tracer.reused_seconds)
