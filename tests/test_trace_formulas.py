@@ -136,24 +136,16 @@ def test_sp_norm_gradients_are_all_reduced_over_tp_once_per_iteration():
         assert elements == norms * TINY.hidden, rank
 
 
-def test_without_sp_two_forward_all_reduces_per_layer_and_micro_batch():
+@pytest.mark.parametrize("phase", ["F", "B"])
+def test_without_sp_two_all_reduces_per_layer_and_micro_batch(phase):
+    """Forward: after attention and MLP. Backward: one input-gradient all-reduce per sub-layer
+    (Megatron's fused QKV and gate/up), not one per projection (models/parallelize.py shares
+    the sub-layer's input among them)."""
     spec, traces = traced("no_sp_zero1")
     lay = spec.layout
     for rank, records in traces.items():
         layers = lay.layers_per_stage[spec.stage_of(rank)]
-        ops = in_blocks(records, "F")
-        assert Counter(r["op"] for r in ops) == {"all_reduce": 2 * layers * lay.num_micro_batches}
-        assert {r["bytes"] for r in ops} == {activation_bytes()}
-
-
-def test_without_sp_two_backward_all_reduces_per_layer_and_micro_batch():
-    """Megatron's fused QKV and gate/up: one input-gradient all-reduce per sub-layer, not one
-    per projection (models/parallelize.py shares the sub-layer's input among them)."""
-    spec, traces = traced("no_sp_zero1")
-    lay = spec.layout
-    for rank, records in traces.items():
-        layers = lay.layers_per_stage[spec.stage_of(rank)]
-        ops = in_blocks(records, "B")
+        ops = in_blocks(records, phase)
         assert Counter(r["op"] for r in ops) == {"all_reduce": 2 * layers * lay.num_micro_batches}
         assert {r["bytes"] for r in ops} == {activation_bytes()}
 
