@@ -67,3 +67,20 @@ def test_single_configuration_keys_and_bad_input(profiles):
     moe = run_cli("stage=trace", "trace.world_size=16", "trace.pp=2", "trace.tp=2",
                   "+model.num_experts=8", profiles_dir=profiles)
     assert moe.returncode != 0 and "mixture-of-experts" in moe.stdout + moe.stderr
+
+
+def test_a_model_that_does_not_split_over_tp_is_skipped_with_its_reason():
+    from orchestrator.models.config import ModelConfig
+    from orchestrator.trace.configs import TraceSettings, plan_configs
+
+    model = ModelConfig(name="tiny", hidden=128, ffn=384, layers=4, heads=4, kv_heads=2,
+                        vocab=512, seq_len=256, dtype="bf16")
+    settings = TraceSettings(global_batch_size=8, micro_batch_size=1, seq_len=255,
+                             sequence_parallel=False)
+    specs, skipped = plan_configs([[16, 2, 2], [24, 2, 3], [32, 2, 4]], settings, model)
+    assert specs == []
+    assert [s.index for s in skipped] == [0, 1, 2]
+    # The sequence over TP (255 % 2), then the first field TP does not divide.
+    assert "model.seq_len(255) is not divisible by tp(2)" in skipped[0].reason
+    assert "model.heads(4) is not divisible by tp(3)" in skipped[1].reason
+    assert "model.kv_heads(2) is not divisible by tp(4)" in skipped[2].reason

@@ -6,10 +6,12 @@ configurations. An invalid configuration is reported with its reason and skipped
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from orchestrator.layout import LayoutError, ParallelLayout
+from orchestrator.models.config import validate_model
 
 
 @dataclass(frozen=True)
@@ -92,15 +94,9 @@ def check_config(index: int, config: Sequence[int], settings: TraceSettings, mod
     if ws % (pp * tp):
         raise ValueError(f"WORLD_SIZE({ws}) % (PP({pp}) * TP({tp})) != 0")
     dp = ws // (pp * tp)
-    if model.heads % tp:
-        raise ValueError(f"model.heads({model.heads}) % TP({tp}) != 0")
-    if model.kv_heads % tp:
-        raise ValueError(f"model.kv_heads({model.kv_heads}) % TP({tp}) != 0")
-    for name in ("ffn", "vocab"):
-        if getattr(model, name) % tp:
-            raise ValueError(f"model.{name}({getattr(model, name)}) % TP({tp}) != 0")
-    if settings.sequence_parallel and tp > 1 and settings.seq_len % tp:
-        raise ValueError(f"seq_len({settings.seq_len}) % TP({tp}) != 0 (sequence parallel)")
+    # Heads, KV heads, FFN, vocabulary and sequence over TP: the checks the TP sharding itself
+    # makes (apply_tensor_parallel), here before tracing so the configuration is skipped.
+    validate_model(dataclasses.replace(model, seq_len=settings.seq_len), tp=tp)
     if settings.layers_per_stage is not None:
         layers = tuple(settings.layers_per_stage)
         if len(layers) != pp or sum(layers) != model.layers:

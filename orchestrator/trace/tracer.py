@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -147,31 +148,19 @@ class ReplayChunk(nn.Module):
     """Stands in for a model chunk in the executor: repeats its captured ops per micro-batch."""
 
     def __init__(self, index: int, last: bool, forward_ops, backward_ops,
-                 captured: "Captured", tp_mesh, tracer: "_RankTracer"):
+                 new_output: Callable[[], torch.Tensor], tracer: "_RankTracer"):
         super().__init__()
         self.blocks = nn.ModuleDict()  # set_recompute finds nothing to change
         self.recompute_blocks = frozenset()
         self.index, self.last = index, last
         self.forward_ops, self.backward_ops = forward_ops, backward_ops
-        self.captured, self.tp_mesh = captured, tp_mesh
+        self.new_output = new_output  # a stand-in for the chunk's output
         self.tracer = tracer
         self.anchor = torch.empty((), device=META, requires_grad=True)
         self.forwards = self.backwards = 0
 
     def forward(self, x):
         return _Replay.apply(x, self.anchor, self)
-
-    def new_output(self) -> torch.Tensor:
-        """A stand-in for the chunk's output: its shape, and its sharding when a DTensor."""
-        from torch.distributed.tensor import DTensor
-
-        c = self.captured
-        local = torch.empty(c.out_shape, dtype=c.out_dtype, device=META)
-        if c.out_dtensor is None:
-            return local
-        placements, shape, stride = c.out_dtensor
-        return DTensor.from_local(local, self.tp_mesh, placements, run_check=False, shape=shape,
-                                  stride=stride)
 
     def emit_forward(self) -> None:
         mb = self.forwards
@@ -235,6 +224,18 @@ class Captured:
     tp_first: int
     reusable: bool  # every collective in it is a TP one (renamable)
     seconds: float  # to capture it
+
+    def new_output(self, tp_mesh) -> torch.Tensor:
+        """A stand-in for the chunk's output: its shape, and its sharding over `tp_mesh` when a
+        DTensor."""
+        from torch.distributed.tensor import DTensor
+
+        local = torch.empty(self.out_shape, dtype=self.out_dtype, device=META)
+        if self.out_dtensor is None:
+            return local
+        placements, shape, stride = self.out_dtensor
+        return DTensor.from_local(local, tp_mesh, placements, run_check=False, shape=shape,
+                                  stride=stride)
 
     def for_rank(self, first_block: int, tp_first: int):
         """(forward_ops, backward_ops, partial_grads) for a chunk whose first block is
@@ -336,7 +337,6 @@ class _RankTracer:
         stamp = {"phase": phase, "chunk": chunk, "mb": mb}
         self.records.extend({**r, **stamp} for r in template)
 
-
     def context(self) -> dict:
         return dict(self.state)
 
@@ -391,8 +391,9 @@ class _RankTracer:
                     forward_ops, backward_ops, partial = captured.for_rank(
                         _first_block(chunk), tp_first)
                     partial_grads.append((chunk, partial))
-                    modules.append(ReplayChunk(c, last, forward_ops, backward_ops,
-                                               captured, mesh["tp"], self))
+                    modules.append(ReplayChunk(
+                        c, last, forward_ops, backward_ops,
+                        functools.partial(captured.new_output, mesh["tp"]), self))
                 recorder.records = self.records
             else:
                 modules = [LiveChunk(chunk, c, c * layout.pp + pp_rank == num_virtual - 1, self)
