@@ -3,6 +3,7 @@ ranks only), its peak memory, and what tracing every rank would cost instead.
 
     python bench/trace_speed.py           # the five seed configurations (104 ranks)
     python bench/trace_speed.py --quick   # the first two
+    python bench/trace_speed.py --only-scale   # WS 8192 vs 131072 vs 1000000 alone
 
 What `stage=trace` runs, minus the ledger: plan_configs, then trace_configuration per
 configuration (each traced rank priced from the h100 device sheet, its .jsonl and .log written
@@ -11,12 +12,17 @@ them.
 GBS 1024, MBS 1, seq 4096, SP on, ZeRO 0, 1F1B. Targets: <= 60 s wall and <= 4 GiB peak RSS on
 2 CPU cores. Then a small world (tiny model, WS 64 PP 4 TP 4) traced at every rank vs at the
 representatives, and the every-rank estimate of the seed configurations (per-rank time x WS).
+Then the world size alone: llama2_7b PP 8 TP 8 at WS 8192, 131072 and 1000000 with the same
+per-rank work (8 micro-batches each), chunk captures made beforehand, each world timed in turn
+(best of --repeats), wall and CPU seconds and their ratio to WS 8192 in the same run: a rank's
+trace should cost about the same at any world size.
 `--profile N` prints cProfile's top N functions of the seed run.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import pstats
 import resource
 import sys
@@ -50,6 +56,8 @@ SMALL_WORLD = [64, 4, 4]
 SMALL_SETTINGS = TraceSettings(global_batch_size=64, micro_batch_size=1, seq_len=256,
                                sequence_parallel=True, zero=1)
 TARGET_S, TARGET_RSS_GiB = 60.0, 4.0
+SCALE_WORLDS = [8192, 131072, 1000000]  # PP 8 TP 8; the first is the reference
+SCALE_PP, SCALE_TP, SCALE_MICRO_BATCHES = 8, 8, 8
 
 
 def llama2_7b() -> ModelConfig:
@@ -141,17 +149,68 @@ def small_world_table(out_dir: Path) -> Table:
     return table
 
 
+def scale_table(out_dir: Path, repeats: int) -> Table:
+    """Each world of SCALE_WORLDS traced (representative ranks, files written) `repeats` times in
+    turn after one warm-up that makes the chunk captures; the best wall and CPU seconds."""
+    model = llama2_7b()
+    pricer = ComputePricer(load_device_sheet("h100"))
+    specs = []
+    for ws in SCALE_WORLDS:
+        dp = ws // (SCALE_PP * SCALE_TP)
+        settings = dataclasses.replace(SEED_SETTINGS,
+                                       global_batch_size=dp * SCALE_MICRO_BATCHES)
+        planned, skipped = plan_configs([[ws, SCALE_PP, SCALE_TP]], settings, model)
+        if skipped:
+            raise SystemExit(f"skipped configurations: {skipped}")
+        specs.append(planned[0])
+    captures: dict = {}
+    trace_configuration(specs[0], model, pricer, out_dir / "warm-up", captures=captures)
+    best = {spec.world_size: (float("inf"), float("inf"), 0) for spec in specs}
+    for attempt in range(repeats):
+        for spec in specs:
+            folder = out_dir / f"{attempt}" / spec.dir_name(model.name)
+            wall, cpu = time.perf_counter(), time.process_time()
+            summary = trace_configuration(spec, model, pricer, folder, captures=captures)
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            records = sum(r["ops"] for r in summary["ranks"].values())
+            old = best[spec.world_size]
+            best[spec.world_size] = (min(old[0], wall), min(old[1], cpu), records)
+    ref_wall, ref_cpu, _ = best[SCALE_WORLDS[0]]
+    table = Table(title=f"llama2_7b PP {SCALE_PP} TP {SCALE_TP}, {SCALE_MICRO_BATCHES} "
+                        f"micro-batches per rank, seq {SEED_SETTINGS.seq_len}: the world size "
+                        f"alone (best of {repeats}, captures made beforehand)")
+    for col in ("WS", "DP", "ranks traced", "time s", "CPU s", "s / rank", "records",
+                f"time / WS {SCALE_WORLDS[0]}", f"CPU / WS {SCALE_WORLDS[0]}"):
+        table.add_column(col, justify="right")
+    for spec in specs:
+        wall, cpu, records = best[spec.world_size]
+        lay = spec.layout
+        table.add_row(f"{lay.world_size:,}", f"{lay.dp:,}", str(lay.pp), f"{wall:.2f}",
+                      f"{cpu:.2f}", f"{wall / lay.pp:.2f}", f"{records:,}",
+                      f"{wall / ref_wall:.2f}x", f"{cpu / ref_cpu:.2f}x")
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the first two seed configs only")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="print cProfile's top N functions (cumulative) of the seed run")
     parser.add_argument("--no-small", action="store_true", help="skip the small-world ratio")
+    parser.add_argument("--no-scale", action="store_true",
+                        help="skip the world-size comparison (WS 8192 vs 1000000)")
+    parser.add_argument("--only-scale", action="store_true",
+                        help="the world-size comparison alone")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="times each world of the world-size comparison is traced")
     args = parser.parse_args()
     console = Console(width=150)
     configs = SEED_CONFIGS[:2] if args.quick else SEED_CONFIGS
     model = llama2_7b()
     with tempfile.TemporaryDirectory(prefix="trace_speed_") as tmp:
+        if args.only_scale:
+            console.print(scale_table(Path(tmp) / "scale", args.repeats))
+            return
         profiler = cProfile.Profile() if args.profile else None
         start = time.perf_counter()
         if profiler:
@@ -165,6 +224,8 @@ def main() -> None:
             pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
         if not args.no_small:
             console.print(small_world_table(Path(tmp) / "small"))
+        if not args.no_scale:
+            console.print(scale_table(Path(tmp) / "scale", args.repeats))
 
 
 if __name__ == "__main__":

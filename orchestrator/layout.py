@@ -152,6 +152,36 @@ class ParallelLayout:
         """Sequences per iteration: dp * micro_batch_size * num_micro_batches."""
         return self.dp * self.micro_batch_size * self.num_micro_batches
 
+    # ---------------------------------------------------------------- rank order
+    def coordinate(self, rank: int, dim: str) -> int:
+        """`rank`'s index along `dim` ("tp", "dp" or "pp") in the rank order tp, dp, pp."""
+        self._check_rank(rank)
+        if dim == "tp":
+            return rank % self.tp
+        if dim == "dp":
+            return rank // self.tp % self.dp
+        if dim == "pp":
+            return rank // (self.tp * self.dp)
+        raise LayoutError(f"dim must be 'tp', 'dp' or 'pp', got {dim!r}")
+
+    def group_ranks(self, dim: str, rank: int) -> range:
+        """The global ranks of `rank`'s `dim` group ("tp", "dp", "pp" or "world"), in group-rank
+        order (the group a (pp, dp, tp) DeviceMesh gives `rank`), as a range: the same cost at
+        any world size."""
+        if dim == "world":
+            self._check_rank(rank)
+            return range(self.world_size)
+        size, stride = {"tp": (self.tp, 1), "dp": (self.dp, self.tp),
+                        "pp": (self.pp, self.tp * self.dp)}.get(dim, (None, None))
+        if size is None:
+            raise LayoutError(f"dim must be 'tp', 'dp', 'pp' or 'world', got {dim!r}")
+        first = rank - self.coordinate(rank, dim) * stride
+        return range(first, first + size * stride, stride)
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank({rank}) must be in 0..world_size({self.world_size})-1")
+
     def describe(self) -> str:
         """One line for logs, e.g. `tp4 pp2 dp8 zero1 sp mbs1 x16 1f1b [18,18] rc[full2,none]`."""
         rc = ",".join(mode if mode != "full" else f"full{k}" for mode, k in self.recompute)

@@ -28,15 +28,14 @@ class TraceSpec:
         return self.layout.world_size
 
     def representative_ranks(self) -> List[int]:
-        """TP rank 0 and DP rank 0 of every pipeline stage (rank order tp, dp, pp)."""
-        lay = self.layout
-        return [stage * lay.tp * lay.dp for stage in range(lay.pp)]
+        """TP rank 0 and DP rank 0 of every pipeline stage: rank 0's pipeline group."""
+        return list(self.layout.group_ranks("pp", 0))
 
     def all_ranks(self) -> List[int]:
         return list(range(self.layout.world_size))
 
     def stage_of(self, rank: int) -> int:
-        return rank // (self.layout.tp * self.layout.dp)
+        return self.layout.coordinate(rank, "pp")
 
     def dir_name(self, model: str) -> str:
         """The seed tracer's folder name for this configuration."""

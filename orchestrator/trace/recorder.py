@@ -9,7 +9,7 @@ group is fake, so recording costs no memory and no communication.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,15 +61,26 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def describe_group(ranks: List[int]) -> Dict[str, object]:
-    """A group as first rank + stride when its ranks are evenly spaced (every group of a
-    (pp, dp, tp) mesh is), else the whole list."""
+def as_range(ranks: Sequence[int]) -> Optional[range]:
+    """`ranks` as a range when evenly spaced (every group of a (pp, dp, tp) mesh is), else
+    None; a range is returned as it is (no walk over its ranks)."""
+    if isinstance(ranks, range):
+        return ranks
+    if len(ranks) == 1:
+        return range(ranks[0], ranks[0] + 1)
     if len(ranks) > 1:
         stride = ranks[1] - ranks[0]
-        if all(b - a == stride for a, b in zip(ranks, ranks[1:])):
-            return {"group_size": len(ranks), "group_first": ranks[0], "group_stride": stride}
-    elif ranks:
-        return {"group_size": 1, "group_first": ranks[0], "group_stride": 1}
+        if stride and all(b - a == stride for a, b in zip(ranks, ranks[1:])):
+            return range(ranks[0], ranks[-1] + (1 if stride > 0 else -1), stride)
+    return None
+
+
+def describe_group(ranks: Sequence[int]) -> Dict[str, object]:
+    """A group as first rank + stride when its ranks are evenly spaced, else the whole list."""
+    spaced = as_range(ranks)
+    if spaced:
+        return {"group_size": len(spaced), "group_first": spaced[0],
+                "group_stride": spaced.step if len(spaced) > 1 else 1}
     return {"group_size": len(ranks), "group_ranks": list(ranks)}
 
 
@@ -78,17 +89,22 @@ class OpRecorder(TorchDispatchMode):
 
     `context()` gives the fields stamped on every record (phase, micro-batch, chunk); `module`
     names the innermost module running (torch's ModuleTracker), when one is given;
-    `group_names` maps a process group's ranks to a name ("tp", "dp", "pp", "world").
+    `group_names` maps a process group's ranks (a range) to a name ("tp", "dp", "pp", "world");
+    `group_ranks` gives the caller's groups' ranks (ranges) by process-group name, so that
+    describing a group costs the same at any world size; for any other group torch's list of
+    its ranks is asked (world_size long for the default group).
     """
 
-    def __init__(self, group_names: Optional[Dict[tuple, str]] = None,
-                 context: Optional[Callable[[], dict]] = None, tracker=None):
+    def __init__(self, group_names: Optional[Dict[range, str]] = None,
+                 context: Optional[Callable[[], dict]] = None, tracker=None,
+                 group_ranks: Optional[Dict[str, range]] = None):
         super().__init__()
         self.records: List[dict] = []
         self.group_names = group_names or {}
         self.context = context or dict
         self.tracker = tracker
-        self._ranks_of: Dict[object, List[int]] = {}
+        self._ranks_of: Dict[str, Sequence[int]] = dict(group_ranks or {})
+        self._groups: Dict[str, Dict[str, object]] = {}  # group name -> its record fields
 
     # ----------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -145,30 +161,37 @@ class OpRecorder(TorchDispatchMode):
         })
 
     # ----------------------------------------------------------------- communication
-    def _ranks(self, pg) -> List[int]:
-        ranks = self._ranks_of.get(pg)
+    def _ranks(self, group_name: str) -> Sequence[int]:
+        """The global ranks of the group named `group_name`, in group-rank order."""
+        ranks = self._ranks_of.get(group_name)
         if ranks is None:
-            ranks = self._ranks_of[pg] = dist.get_process_group_ranks(pg)
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            ranks = dist.get_process_group_ranks(_resolve_process_group(group_name))
+            ranks = self._ranks_of[group_name] = as_range(ranks) or ranks
         return ranks
 
-    def _group(self, pg) -> Dict[str, object]:
-        ranks = self._ranks(pg)
-        info = describe_group(ranks)
-        info["group"] = self.group_names.get(tuple(ranks), "other")
-        return info
+    def _group(self, group_name: str) -> Dict[str, object]:
+        """A collective's group fields: size, first rank and stride (or the ranks), name."""
+        fields = self._groups.get(group_name)
+        if fields is None:
+            ranks = self._ranks(group_name)
+            fields = describe_group(ranks)
+            fields["group"] = self.group_names.get(ranks, "other") \
+                if isinstance(ranks, range) else "other"
+            self._groups[group_name] = fields
+        return fields
 
     def _functional(self, op, func, args, kwargs, out) -> None:
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
         schema = func._schema
         bound = dict(zip([a.name for a in schema.arguments], args)) | kwargs
-        pg = _resolve_process_group(bound["group_name"])
+        group_name = bound["group_name"]
         tensor = _tensors(args)[0]
         result = _tensors(out)[0]
         # Megatron's convention: all-gather counts the gathered (output) buffer, the others
         # the input buffer.
         size = _nbytes(result) if op == "all_gather" else _nbytes(tensor)
-        self._stamp({"kind": "coll", "op": op, **self._group(pg), "bytes": size,
+        self._stamp({"kind": "coll", "op": op, **self._group(group_name), "bytes": size,
                      "dtype": DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))})
 
     def _c10d(self, op, func, args, kwargs) -> None:
@@ -179,7 +202,7 @@ class OpRecorder(TorchDispatchMode):
         if op in ("send", "recv"):
             keys = ("dst", "dstRank") if op == "send" else ("src", "srcRank")  # torch renamed
             local_peer = int(next((bound[k] for k in keys if k in bound), -1))
-            ranks = self._ranks(pg)
+            ranks = self._ranks(pg.group_name)
             t = tensors[0]
             self._stamp({"kind": "p2p", "op": op,
                          "peer": ranks[local_peer] if local_peer >= 0 else -1,
@@ -194,7 +217,7 @@ class OpRecorder(TorchDispatchMode):
             size = _nbytes(tensors[1])
         else:
             size = sum(_nbytes(t) for t in tensors)
-        self._stamp({"kind": "coll", "op": op, **self._group(pg), "bytes": size,
+        self._stamp({"kind": "coll", "op": op, **self._group(pg.group_name), "bytes": size,
                      "dtype": DTYPE_NAMES.get(tensors[0].dtype, str(tensors[0].dtype))})
 
 

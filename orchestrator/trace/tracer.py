@@ -1,9 +1,11 @@
 """Trace one rank of a configuration in this process, at the configuration's full world size.
 
 - A fake process group (torch's "fake" backend) of WORLD_SIZE ranks with this process as `rank`;
-  the (pp, dp, tp) DeviceMesh, TP/SP sharding (models/parallelize.py), pipeline split and the
-  pipeline executor are the ones train uses (train/executor.py), on meta tensors: no memory for
-  weights or activations, no communication.
+  this rank's own TP, DP and PP groups (the ones train's (pp, dp, tp) DeviceMesh gives it, from
+  the layout's rank order; only these, so the set-up costs the same at any world size), TP/SP
+  sharding over its TP group (models/parallelize.py), pipeline split and the pipeline executor
+  are the ones train uses (train/executor.py), on meta tensors: no memory for weights or
+  activations, no communication.
 - Parameters are in the model's dtype (Megatron's bf16 training: bf16 weights and activations,
   fp32 gradient buckets and optimizer masters), attention is the fused kernel a GPU runs (flash
   attention's meta kernels), not the CPU's math fallback, and the loss is vocab-parallel
@@ -26,15 +28,19 @@ import dataclasses
 import functools
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig
 from orchestrator.trace.configs import TraceSpec
 from orchestrator.trace.recorder import OpRecorder
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 META = torch.device("meta")
 
@@ -67,8 +73,8 @@ def fake_world(rank: int, world_size: int):
 
 
 def _forget_meshes() -> None:
-    """Drop DTensor's caches keyed by mesh: the next rank's mesh compares equal to this one's
-    but holds the groups of a new process group."""
+    """Drop DTensor's caches keyed by mesh: the next rank's mesh can compare equal to this one's
+    (a TP group in common) but holds the groups of a new process group."""
     from torch.distributed.tensor import _redistribute
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
@@ -98,8 +104,42 @@ def gpu_attention():
         gpt._attention_core = original
 
 
-def build_chunks(spec: TraceSpec, model: ModelConfig, mesh, pp_rank: int) -> List[nn.Module]:
-    """This rank's model chunks (virtual stage c * pp + pp_rank), TP/SP-sharded, on meta."""
+@dataclass(frozen=True)
+class RankGroups:
+    """One rank's process groups in its fake world, by dimension ("tp", "dp", "pp", "world"):
+    the group and its global ranks (a range, from the layout); and the 1-D DeviceMesh over its
+    TP group that its DTensors are placed on."""
+
+    groups: Dict[str, dist.ProcessGroup]
+    ranks: Dict[str, range]
+    tp_mesh: DeviceMesh
+
+
+def make_rank_groups(layout: ParallelLayout, rank: int) -> RankGroups:
+    """`rank`'s TP, DP and PP groups (the default group where one spans the world, as
+    init_device_mesh does) and a 1-D TP DeviceMesh over its TP group, in this process's fake
+    process group.
+
+    init_device_mesh((pp, dp, tp)) would make every group of the world, because a real backend
+    needs every rank to join each new_group: world/tp + world/dp + world/pp groups, and a mesh of
+    world_size ranks that DTensor compares rank by rank (seconds a rank at 1,000,000 ranks). The
+    fake backend needs only this rank's three, the same work at any world size."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    world = dist.group.WORLD
+    groups, ranks = {"world": world}, {"world": layout.group_ranks("world", rank)}
+    for dim in ("pp", "dp", "tp"):
+        ranks[dim] = layout.group_ranks(dim, rank)
+        groups[dim] = world if len(ranks[dim]) == layout.world_size \
+            else dist.new_group(list(ranks[dim]))
+    tp_mesh = DeviceMesh.from_group(groups["tp"], "cpu", mesh_dim_names=("tp",))
+    return RankGroups(groups=groups, ranks=ranks, tp_mesh=tp_mesh)
+
+
+def build_chunks(spec: TraceSpec, model: ModelConfig, tp_mesh: DeviceMesh,
+                 pp_rank: int) -> List[nn.Module]:
+    """This rank's model chunks (virtual stage c * pp + pp_rank), TP/SP-sharded over `tp_mesh`
+    (1-D), on meta."""
     from orchestrator.models.gpt import GPT
     from orchestrator.models.parallelize import (apply_tensor_parallel, split_pipeline,
                                                  stage_layer_ranges)
@@ -115,7 +155,7 @@ def build_chunks(spec: TraceSpec, model: ModelConfig, mesh, pp_rank: int) -> Lis
     blocks = {i for s in mine for i in parts_ranges[s]}
     if layout.tp > 1:
         # Vocab-parallel loss (Megatron's): the logits stay sharded over the vocabulary.
-        apply_tensor_parallel(whole, mesh["tp"], layout.sequence_parallel, loss_parallel=True,
+        apply_tensor_parallel(whole, tp_mesh, layout.sequence_parallel, loss_parallel=True,
                               blocks=blocks)
     parts = split_pipeline(whole, per_virtual)
     chunks = [parts[s] for s in mine]
@@ -341,7 +381,6 @@ class _RankTracer:
         return dict(self.state)
 
     def run(self, replay: bool = True) -> List[dict]:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import loss_parallel
         from torch.utils.module_tracker import ModuleTracker
 
@@ -350,26 +389,28 @@ class _RankTracer:
         from orchestrator.train.grads import ShardedAdamW, full_grad
 
         spec, layout = self.spec, self.spec.layout
-        mesh = init_device_mesh("cpu", (layout.pp, layout.dp, layout.tp),
-                                mesh_dim_names=("pp", "dp", "tp"))
-        names = {tuple(range(layout.world_size)): "world"}
-        for dim in ("pp", "dp", "tp"):
-            names[tuple(dist.get_process_group_ranks(mesh[dim].get_group()))] = dim
-        pp_rank = mesh.get_local_rank("pp")
-        chunks = build_chunks(spec, self.model, mesh, pp_rank)
+        rank_groups = make_rank_groups(layout, self.rank)
+        tp_mesh = rank_groups.tp_mesh
+        # A group is named by its ranks; where two coincide (a degree of 1, or one spanning the
+        # world) the later name wins.
+        names = {rank_groups.ranks[dim]: dim for dim in ("world", "pp", "dp", "tp")}
+        pp_rank = layout.coordinate(self.rank, "pp")
+        chunks = build_chunks(spec, self.model, tp_mesh, pp_rank)
         dtype = next(p.dtype for c in chunks for p in c.parameters())
         mbs, seq = layout.micro_batch_size, spec.seq_len
         seq_divisor = layout.tp if layout.sequence_parallel else 1
         num_virtual = layout.pp * layout.virtual_stages
         tracker = ModuleTracker()
-        recorder = OpRecorder(names, context=self.context)
+        recorder = OpRecorder(names, context=self.context, group_ranks={
+            rank_groups.groups[dim].group_name: ranks
+            for dim, ranks in rank_groups.ranks.items()})
         recorder.records = self.records
 
         def tokens():
             return torch.zeros((mbs, seq), dtype=torch.int64, device=META)
 
         modules: List[nn.Module] = chunks
-        tp_first = min(dist.get_process_group_ranks(mesh["tp"].get_group()))
+        tp_first = rank_groups.ranks["tp"][0]
         partial_grads = []  # replayed chunks: (chunk, its partial_grads)
         with gpu_attention():
             if replay:
@@ -393,7 +434,7 @@ class _RankTracer:
                     partial_grads.append((chunk, partial))
                     modules.append(ReplayChunk(
                         c, last, forward_ops, backward_ops,
-                        functools.partial(captured.new_output, mesh["tp"]), self))
+                        functools.partial(captured.new_output, tp_mesh), self))
                 recorder.records = self.records
             else:
                 modules = [LiveChunk(chunk, c, c * layout.pp + pp_rank == num_virtual - 1, self)
@@ -401,7 +442,7 @@ class _RankTracer:
                 recorder.tracker = tracker
             # Made outside the recorder: building the buckets is set-up, not the iteration.
             params = [p for chunk in chunks for p in chunk.parameters()]
-            optim = ShardedAdamW(params, layout.zero, mesh["dp"].get_group(), layout.dp,
+            optim = ShardedAdamW(params, layout.zero, rank_groups.groups["dp"], layout.dp,
                                  layout.num_micro_batches, bucket_MiB=self.bucket_MiB)
             # No gradient reaches a parameter during a replayed run, and the buckets' collectives
             # are issued after the last backward (finish_backward), in bucket order.
@@ -414,7 +455,7 @@ class _RankTracer:
             self.state = {"phase": "F", "chunk": 0, "mb": 0}
             if layout.pp > 1:
                 executor = PipelineExecutor(modules, pp_rank, layout.pp, layout.schedule,
-                                            mesh["pp"].get_group(), META, self.model.hidden,
+                                            rank_groups.groups["pp"], META, self.model.hidden,
                                             seq_divisor, token_loss_sum, lambda: 0.0,
                                             wire_dtype=dtype)
                 executor.run(batches)
