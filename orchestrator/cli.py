@@ -14,7 +14,10 @@ from pathlib import Path
 from typing import List, NoReturn, Optional
 
 import hydra
+from hydra.core.config_search_path import ConfigSearchPath, SearchPathQuery
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.plugins import Plugins
+from hydra.plugins.search_path_plugin import SearchPathPlugin
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
@@ -22,8 +25,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from orchestrator.choices import Ranks
-from orchestrator.config import (CONF_DIR, Config, choice_type, register_configs, schema_has_key,
-                                 schema_spelling, unknown_key_message)
+from orchestrator.config import (CONF_DIR, PATH_NAME_KEYS, Config, check_group_file,
+                                 check_path_name, check_path_names, choice_type, config_dirs,
+                                 group_options, group_source, override_type_error,
+                                 register_configs, schema_has_key, schema_spelling, site_conf_dir,
+                                 unknown_key_message)
 from orchestrator.commands import parse_overrides, rerun_command, set_user_overrides
 from orchestrator.errors import (ConfigError, InvalidLayout, LaunchError, OrchestratorError,
                                  file_error)
@@ -31,8 +37,8 @@ from orchestrator.launch import make_launcher, refresh_ledger
 from orchestrator.pipeline import (check_launchable, decide, ledger_for, plan_stage, stages_for,
                                    validate_cluster)
 from orchestrator.runtime.request import StageRequest
-from orchestrator.stages import STAGES, StagePlan, get_stage
-from orchestrator.store import atomic_write, cluster_dir, read_json
+from orchestrator.stages import STAGES, StagePlan, disk_need_text, get_stage
+from orchestrator.store import DISK_FULL, atomic_write, cluster_dir, read_json
 from orchestrator.store.ledger import State
 from orchestrator.sweep import set_swept_keys
 
@@ -41,15 +47,83 @@ console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 err_console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 200)
 
 
+# ---------------------------------------------------------------- the user's site folder
+class SiteSearchPath(SearchPathPlugin):
+    """Puts the user's site folder (`config.site_conf_dir`: $ORCHESTRATOR_CONF or ./conf) right
+    before the package's conf/ in Hydra's search path: `--help`, tab completion, `--cfg` and
+    `-m` see its groups, and a site file named like a package file overrides it (the first
+    folder that holds a file provides it). Other Hydra apps' search paths are left alone."""
+
+    def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
+        try:
+            site = site_conf_dir()
+        except ConfigError:
+            return  # main() has said so in one line before Hydra started
+        package = next((e for e in search_path.get_path() if e.provider == "main"
+                        and Path(e.path.removeprefix("file://")).resolve() == CONF_DIR), None)
+        if site is None or package is None or site == CONF_DIR:
+            return
+        search_path.prepend("orchestrator-site", f"file://{site}",
+                            anchor=SearchPathQuery(provider="main", path=package.path))
+
+
+def check_site(argv: List[str]) -> None:
+    """ConfigError for a site folder that cannot be used: $ORCHESTRATOR_CONF not a folder, a
+    config.yaml there (it would replace the orchestrator's own: e.g. another Hydra app's
+    ./conf), or a site file this command selects that the schema refuses (check_group_file).
+
+    Hydra refuses such a file too, but in several lines and with exit code 1.
+    """
+    site = site_conf_dir()
+    if site is None or site == CONF_DIR:
+        return
+    if (site / "config.yaml").exists():
+        raise ConfigError(f"{site / 'config.yaml'}: a site folder holds config groups only "
+                          f"(cluster/, model/, ...); this file would replace the orchestrator's "
+                          f"own config.yaml. Move it, or set ORCHESTRATOR_CONF=<another folder>")
+    for group, names in _selected_choices(argv).items():
+        for name in names:
+            path = site / group / f"{name}.yaml"
+            if path.is_file():
+                check_group_file(group, path)
+
+
+def _selected_choices(argv: List[str]) -> dict:
+    """group -> the names this command selects (`cluster=a,b` in a sweep: both), the package's
+    defaults (conf/config.yaml) for groups the command line leaves alone."""
+    import yaml
+
+    defaults = yaml.safe_load((CONF_DIR / "config.yaml").read_text())["defaults"]
+    chosen = {k: [v] for d in defaults if isinstance(d, dict) for k, v in d.items()
+              if k.isidentifier()}
+    for o in parse_overrides(tuple(argv)) or ():
+        if o.key_or_group in chosen and not o.is_delete():
+            values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.value()]
+            chosen[o.key_or_group] = [str(v) for v in values]
+    return chosen
+
+
+def selected_sources() -> dict:
+    """Where this command's cluster and model came from (provenance): a site file's path, or
+    `package:<group>/<name>.yaml`, as Hydra's search path orders its folders."""
+    hydra_cfg = HydraConfig.get()
+    dirs = [Path(s.path) for s in hydra_cfg.runtime.config_sources if s.schema == "file"]
+    sources = {group: group_source(group, str(hydra_cfg.runtime.choices.get(group)), dirs)
+               for group in ("cluster", "model")}
+    return {group: source for group, source in sources.items() if source is not None}
+
+
 # ---------------------------------------------------------------- before Hydra: closed choices
 def _group_names() -> List[str]:
-    """Config groups a command line selects from (`cluster=dev`, `model=...`)."""
-    return sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir())
+    """Config groups a command line selects from (`cluster=dev`, `model=...`): the site's and
+    the package's."""
+    return sorted({p.name for d in config_dirs() for p in d.iterdir() if p.is_dir()})
 
 
 def check_closed_choices(argv: List[str]) -> None:
-    """Refuse an unknown key, stage, launcher or enum value (schedule, dtype, source, ...) with
-    one line naming what is allowed (exit code 2).
+    """Refuse an unknown key, stage, launcher or enum value (schedule, dtype, source, ...), or a
+    name that would leave the profiles folder (`cluster.name=../x`), or a value of the wrong
+    type (`trace.configs=[[a,1,1]]`), with one line naming what is allowed (exit code 2).
 
     Hydra's own message for these spans several lines and exits 1, and for a key it suggests
     `+key`, which it then accepts silently; they are closed sets, so we check them first (every
@@ -57,7 +131,7 @@ def check_closed_choices(argv: List[str]) -> None:
     """
     overrides = parse_overrides(tuple(argv)) or ()  # a syntax error: Hydra reports it
     groups = {"stage": sorted(STAGES + ("all", "status")),
-              "launcher": sorted(p.stem for p in (CONF_DIR / "launcher").glob("*.yaml"))}
+              "launcher": group_options("launcher", config_dirs())}
     group_names = _group_names()
     for o in overrides:
         key = o.key_or_group
@@ -73,7 +147,12 @@ def check_closed_choices(argv: List[str]) -> None:
                 if str(value) not in groups[key]:
                     raise ConfigError(f"unknown {key} {value!r}; allowed: {', '.join(groups[key])}")
             continue
+        if key in PATH_NAME_KEYS:  # before Hydra: a sweep makes its folder from cluster.name
+            for value in values:
+                check_path_name(key, value)
         _check_choice(key, values)
+        if key not in group_names and key.split(".")[0].split("/")[0] != "hydra":
+            _check_types(key, list(o.sweep_iterator()) if o.is_sweep_override() else values)
 
 
 def _check_choice(key: str, values: list) -> None:
@@ -91,6 +170,15 @@ def _check_choice(key: str, values: list) -> None:
                 raise ConfigError(f"{key}={item!r}; allowed: {allowed}") from None
 
 
+def _check_types(key: str, values: list) -> None:
+    """ConfigError (one line, exit 2) if a value does not fit the schema's type for `key`: what
+    Hydra would refuse at compose time with OmegaConf's multi-line dump and exit 1."""
+    for value in values:
+        error = override_type_error(key, value)
+        if error:
+            raise ConfigError(error)
+
+
 # ---------------------------------------------------------------- running stages
 def _run_base(cfg: Config) -> Path:
     """This command's run folder (not made yet): profiles/<cluster>/runs/<time>_<stage>/, or a
@@ -102,12 +190,14 @@ def _run_base(cfg: Config) -> Path:
     return cluster_dir(cfg.profiles_dir, cfg.cluster.name) / "runs" / f"{stamp}_{cfg.stage.name}"
 
 
-def _run_dir(cfg: Config, base: Path, stage: str, n_stages: int) -> Path:
+def _run_dir(cfg: Config, base: Path, stage: str, n_stages: int, sources: dict) -> Path:
     """The folder of one launch (a sub-folder per stage for stage=all). The command's folder is
-    made at its first launch, with the composed config and the overrides in it, so a command
-    that launches nothing (status, a rerun that skips everything) leaves no folder behind."""
+    made at its first launch, with the composed config (headed by where its cluster and model
+    files came from: `sources`) and the overrides in it, so a command that launches nothing
+    (status, a rerun that skips everything) leaves no folder behind."""
     if not (base / "config.yaml").exists():
-        text = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+        text = "".join(f"# {group}: {source}\n" for group, source in sources.items())
+        text += OmegaConf.to_yaml(OmegaConf.structured(cfg))
         overrides = "".join(f"- {o}\n" for o in HydraConfig.get().overrides.task)
         atomic_write(base / "overrides.yaml", lambda f: f.write(overrides))
         atomic_write(base / "config.yaml", lambda f: f.write(text))
@@ -142,6 +232,7 @@ def run_stages(cfg: Config) -> List[dict]:
     launcher = make_launcher(cfg)
     refresh_ledger(ledger, cfg)  # a launch refuses keys of runs still going, so know which are
     run_base = _run_base(cfg)
+    sources = selected_sources()
     rows, pending, produced_now, previous_job = [], [], set(), None
     for plan in plans:
         # Decided now: an earlier stage of this command may have just written its inputs.
@@ -160,15 +251,16 @@ def run_stages(cfg: Config) -> List[dict]:
         _check_inputs(plan, cfg, produced_now)
         request = StageRequest(plan=plan, config=cfg, todo=list(decision.todo),
                                ledger_dir=str(ledger.path.parent),
-                               run_dir=str(_run_dir(cfg, run_base, plan.stage, len(names))),
-                               launcher=launcher.name)
+                               run_dir=str(_run_dir(cfg, run_base, plan.stage, len(names),
+                                                    sources)),
+                               launcher=launcher.name, config_sources=sources)
         console.print(_launch_line(plan, request.todo, launcher))
         ledger.launch(plan.key, request.todo, queued=launcher.queued, config_hash=plan.config_hash,
                       launcher=launcher.name, run_dir=request.run_dir)
         try:
             handle = launcher.submit(request, after=previous_job)
         except BaseException as e:
-            ledger.mark_ended(plan.key, State.failed, request.todo, f"not launched: {e}")
+            _mark_ended(ledger, plan.key, State.failed, request.todo, f"not launched: {e}")
             raise
         job = {"job_id": launcher.job_id(handle), "job_folder": launcher.job_folder(handle)}
         ledger.attach_job(plan.key, request.todo, **job)
@@ -212,9 +304,9 @@ def _finish(ledger, launcher, handle, request: StageRequest) -> dict:
                                  f"kept, rerun the same command to resume"))
         raise SystemExit(130)
     except BaseException as e:  # an in-process stage raised: an error to act on, or a bug
-        ledger.mark_ended(key, State.failed, request.todo, f"{type(e).__name__}: {e}")
+        _mark_ended(ledger, key, State.failed, request.todo, f"{type(e).__name__}: {e}")
         raise
-    ledger.mark_ended(key, outcome.state, request.todo, outcome.message)
+    _mark_ended(ledger, key, outcome.state, request.todo, outcome.message)
     if outcome.state != "done":
         error = LaunchError(f"{key} {outcome.state}: {outcome.message}. Parts finished before "
                             f"are kept; rerun the same command to resume.")
@@ -223,6 +315,28 @@ def _finish(ledger, launcher, handle, request: StageRequest) -> dict:
     console.print("[green]✓[/] " + escape(f"{key}: done" + _summary_text(outcome.result)))
     return {"stage": key, "state": "done", "job_id": outcome.job_id, "log": outcome.log_path,
             "result": outcome.result, "outputs": [str(p) for p in request.plan.outputs]}
+
+
+# Ends of launches the ledger could not record (a full disk, even with its reserve spent): the
+# error line says so rather than a second error hiding the first.
+_unrecorded_ends: List[str] = []
+
+
+def _mark_ended(ledger, key: str, state, todo, message: str) -> None:
+    """ledger.mark_ended; when the ledger cannot be written, a note for the error line."""
+    try:
+        ledger.mark_ended(key, state, todo, message)
+    except OSError as e:
+        _unrecorded_ends.append(f"the ledger {ledger.path} could not record that {key} "
+                                f"{state} ({e.strerror or e}): `stage=status` marks it failed "
+                                f"once there is room")
+
+
+def _disk_need(error: OSError, cfg: Config) -> str:
+    """On a full disk, what this command's stages write (`disk_need_text`); else ''."""
+    if error.errno not in DISK_FULL or cfg.stage.name not in STAGES + ("all",):
+        return ""
+    return disk_need_text(stages_for(cfg.stage.name), cfg)
 
 
 def _summary_text(result) -> str:
@@ -309,21 +423,29 @@ def report_error(error: OrchestratorError) -> NoReturn:
 
 
 def orchestrate(composed: DictConfig):
-    """The Hydra task: one stage (or `all`, or `status`) for one composed config."""
+    """The Hydra task: one stage (or `all`, `status`, `init`) for one composed config."""
     cfg: Config = OmegaConf.to_object(composed)  # typed from here on, down to the ranks
     set_user_overrides(HydraConfig.get().overrides.task)  # printed fix commands keep them
     try:
+        check_path_names(cfg)  # also what a cluster or model file names: before any folder
         if cfg.stage.name == "status":
             return print_status(cfg)
+        if cfg.stage.name == "init":  # on the login node; its check job goes through run_stages
+            from orchestrator.stages.init import init_cluster
+
+            return init_cluster(cfg, run_stages, console)
         return run_stages(cfg)
     except OrchestratorError as e:
         return _failed(e, cfg)
     except OSError as e:  # a file we must write: the profiles folder is read-only, full, ...
-        return _failed(file_error(e, cfg.profiles_dir), cfg)
+        return _failed(file_error(e, cfg.profiles_dir, _disk_need(e, cfg)), cfg)
 
 
 def _failed(error: OrchestratorError, cfg: Config):
     """One line on stderr; in a sweep a row of its table (the sweep goes on), else the exit."""
+    if _unrecorded_ends:
+        error.args = ("; ".join([str(error), *_unrecorded_ends]),)
+        _unrecorded_ends.clear()
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         print_error(error)
         if isinstance(error, InvalidLayout):  # a point that cannot run here: skipped, not failed
@@ -335,6 +457,7 @@ def _failed(error: OrchestratorError, cfg: Config):
 
 
 register_configs()
+Plugins.instance().register(SiteSearchPath)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
@@ -347,8 +470,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         sys.argv[1:] = [schema_spelling(a) for a in sys.argv[1:]]  # Hydra reads sys.argv itself
     argv = sys.argv[1:] if argv is None else [schema_spelling(a) for a in argv]
     set_swept_keys(argv)
+    # Tab completion's `query=bash` / `install=bash` are Hydra's words, not config keys.
+    completing = any(a in ("-sc", "--shell-completion") for a in argv)
     try:
-        check_closed_choices(argv)
+        if not completing:
+            check_closed_choices(argv)
+        check_site([] if completing else argv)
     except ConfigError as e:
         report_error(e)
     try:

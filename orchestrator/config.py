@@ -7,6 +7,7 @@ or a wrong type fails at compose time with Hydra's message.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import typing
 from dataclasses import dataclass, field
@@ -15,11 +16,126 @@ from typing import Any, Dict, List, Optional
 
 from orchestrator.choices import (Backend, Dtype, HardwareExport, HardwareSource, LauncherName,
                                   Microbatching, ModelSource, Recompute, Schedule)
+from orchestrator.errors import ConfigError
 from orchestrator.models.config import ModelConfig
 from orchestrator.profiling.hardware.benchmarks import BENCHMARKS
 
 # The Hydra config groups ship inside the package, so a wheel install finds them too.
 CONF_DIR = Path(__file__).resolve().parent / "conf"
+
+# The user's site folder: conf/<group>/<name>.yaml files layered over CONF_DIR's (a site file
+# with the same name as a package file overrides it). This variable names it; else ./conf.
+SITE_CONF_ENV = "ORCHESTRATOR_CONF"
+
+
+def site_conf_dir() -> Optional[Path]:
+    """The user's site config folder, absolute: $ORCHESTRATOR_CONF if set, else ./conf if it is
+    a folder, else None. ConfigError if ORCHESTRATOR_CONF is set but is not a folder."""
+    named = os.environ.get(SITE_CONF_ENV)
+    if named:  # set and not empty
+        path = Path(named).expanduser()
+        if not path.is_dir():
+            raise ConfigError(f"{SITE_CONF_ENV}={named}: not a folder; point it at a folder of "
+                              f"config groups (e.g. one holding cluster/<name>.yaml) or unset it "
+                              f"to use ./conf")
+        return path.resolve()
+    local = Path.cwd() / "conf"
+    return local.resolve() if local.is_dir() else None
+
+
+def config_dirs() -> List[Path]:
+    """The config folders in Hydra's search order: the site folder (when there is one), then
+    the package's conf/. The first that holds `<group>/<name>.yaml` provides it."""
+    site = site_conf_dir()
+    return ([site] if site is not None else []) + [CONF_DIR]
+
+
+def group_options(group: str, dirs: List[Path]) -> List[str]:
+    """Names a command line can select in config `group` (`cluster=<name>`), over `dirs`."""
+    return sorted({p.stem for d in dirs for p in (d / group).glob("*.yaml")})
+
+
+def group_source(group: str, name: str, dirs: List[Path]) -> Optional[str]:
+    """Where `group=name` comes from, for provenance: the file's absolute path, or
+    `package:<group>/<name>.yaml` for the package's own; None when no folder of `dirs` (in
+    search order) holds it."""
+    for folder in dirs:
+        path = folder / group / f"{name}.yaml"
+        if path.is_file():
+            if folder.resolve() == CONF_DIR:
+                return f"package:{group}/{name}.yaml"
+            return str(path.resolve())
+    return None
+
+
+def check_group_file(group: str, path: Path) -> None:
+    """ConfigError naming `path` and the key when a group file (e.g. a site's
+    conf/cluster/mysite.yaml) does not fit the schema's `group` section: an unknown key, a wrong
+    type, a name that cannot be a folder name. What Hydra would refuse at compose time, in one
+    line. Files that place themselves elsewhere (`# @package`) are left to Hydra."""
+    import yaml
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+    section = _field_type(Config, group)
+    text = path.read_text()
+    if not dataclasses.is_dataclass(section) or "@package" in text:
+        return
+    try:
+        node = OmegaConf.create(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}:" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{path}:{where} not valid YAML: {problem}") from None
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"{path}: holds a {type(node).__name__}, not {group} keys (key: value)")
+    node.pop("defaults", None)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(section), node)
+    except ConfigKeyError as e:
+        raise ConfigError(f"{path}: {unknown_key_message(f'{group}.{e.full_key}')}") from None
+    except OmegaConfBaseException as e:  # a wrong type: worded as on the command line
+        key = f"{group}.{e.full_key}"
+        line = (override_type_error(key, OmegaConf.select(node, str(e.full_key)))
+                or f"{key}: {str(e).splitlines()[0]}")
+        raise ConfigError(f"{path}: {line}") from None
+    for key in PATH_NAME_KEYS:
+        head, _, leaf = key.partition(".")
+        if head == group:
+            try:
+                check_path_name(key, OmegaConf.select(merged, leaf))
+            except ConfigError as e:
+                raise ConfigError(f"{path}: {e}") from None
+
+
+# Config values that become one folder or file name: profiles/<cluster.name>/,
+# model/<model.name>.json, train/<model.name>/, conf/device/<device>.yaml.
+PATH_NAME_KEYS = ("cluster.name", "model.name", "profile_model.device", "trace.device")
+_PATH_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def check_path_name(key: str, value: Any) -> None:
+    """ConfigError unless `value` is safe as one folder or file name, so that it cannot leave
+    the profiles folder: ASCII letters, digits, `_`, `-` and `.`, not starting with `.` or `-`,
+    no `..` (None passes: an unset optional)."""
+    if value is None:
+        return
+    text = str(value)
+    if _PATH_NAME.fullmatch(text) and ".." not in text:
+        return
+    raise ConfigError(f"{key}={text!r}: it names a folder or file, so it may hold only letters, "
+                      f"digits, '_', '-' and '.', and must not start with '.' or '-' nor contain "
+                      f"'..'")
+
+
+def check_path_names(cfg: Config) -> None:
+    """check_path_name on every key of PATH_NAME_KEYS in `cfg`."""
+    for key in PATH_NAME_KEYS:
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        check_path_name(key, value)
 
 
 @dataclass
@@ -259,6 +375,24 @@ class NoopConfig:
 
 
 @dataclass
+class InitConfig:
+    """`stage=init`, on a Slurm login node: conf/cluster/<name>.yaml written from what Slurm says
+    (into the site folder), then a check of the cluster with it (docs/stages/init.md)."""
+
+    name: Optional[str] = None  # the file's and the cluster's name; None: Slurm's ClusterName
+    partition: Optional[str] = None  # None: the default partition
+    nodes: Optional[int] = None  # None: the partition's idle nodes
+    tasks_per_node: Optional[int] = None  # None: one per GPU; CPU nodes: min(CPUs, 4)
+    account: Optional[str] = None  # sbatch --account, where the site wants one
+    setup: List[str] = field(default_factory=list)  # cluster.setup: shell lines before srun
+    max_time_min: int = 60  # cluster.time_min: the partition's MaxTime, at most this
+    preflight: bool = True  # check the cluster once the file is written
+    preflight_only: bool = False  # only check the cluster that cluster=<name> names
+    preflight_nodes: int = 2  # nodes of the check job (at most cluster.nodes)
+    preflight_time_min: int = 5  # the check job's time limit: a hung MPI start-up ends then
+
+
+@dataclass
 class Config:
     stage: StageChoice = field(default_factory=StageChoice)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
@@ -272,6 +406,7 @@ class Config:
     search: SearchConfig = field(default_factory=SearchConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     noop: NoopConfig = field(default_factory=NoopConfig)
+    init: InitConfig = field(default_factory=InitConfig)
     import_: ImportConfig = field(default_factory=ImportConfig)  # `import.` on the command line
     export: ExportConfig = field(default_factory=ExportConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
@@ -300,6 +435,131 @@ def choice_type(dotted_key: str, node: type = None) -> Optional[type]:
     if rest:
         return choice_type(rest, hint)
     return hint if isinstance(hint, type) and issubclass(hint, Choice) else None
+
+
+# ---- the type of a command-line value, checked before Hydra composes
+def _optional_inner(hint) -> tuple:
+    """(X, True) for Optional[X], else (hint, False)."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is typing.Union and type(None) in args and len(args) == 2:
+        return next(a for a in args if a is not type(None)), True
+    return hint, False
+
+
+def _schema_hint(dotted_key: str, node: type = Config):
+    """The full type hint of `dotted_key` (Optional and List kept); Any inside a free-form Dict
+    field, None for a key the schema does not have."""
+    head, _, rest = dotted_key.partition(".")
+    hint = typing.get_type_hints(node).get(head) if dataclasses.is_dataclass(node) else None
+    if hint is None or not rest:
+        return hint
+    inner, _ = _optional_inner(hint)
+    return Any if _is_free_form(inner) else _schema_hint(rest, inner)
+
+
+def _type_words(hint) -> tuple:
+    """How a message names a value of type `hint`: (singular, plural)."""
+    from enum import Enum
+
+    hint, _ = _optional_inner(hint)
+    if typing.get_origin(hint) in (list, List):
+        plural = _type_words((typing.get_args(hint) or (Any,))[0])[1]
+        return f"a list of {plural}", f"lists of {plural}"
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        names = ", ".join(hint.__members__)
+        return f"one of {names}", f"items from {names}"
+    if dataclasses.is_dataclass(hint):
+        return "a mapping of its keys", "mappings"
+    words = {bool: ("true or false", "booleans (true or false)"), int: ("an integer", "integers"),
+             float: ("a number", "numbers"), str: ("a string", "strings")}
+    name = getattr(hint, "__name__", str(hint))
+    return words.get(hint, (f"a {name}", f"{name} values"))
+
+
+def _leaf_fits(hint, value) -> bool:
+    """Whether OmegaConf's node of type `hint` (int, float, bool, str, an Enum) takes `value`:
+    the check OmegaConf makes when Hydra assigns it."""
+    from enum import Enum
+
+    from omegaconf import nodes
+    from omegaconf.errors import ValidationError
+
+    kinds = {int: nodes.IntegerNode, float: nodes.FloatNode, bool: nodes.BooleanNode,
+             str: nodes.StringNode}
+    try:
+        if isinstance(hint, type) and issubclass(hint, Enum):
+            nodes.EnumNode(enum_type=hint, value=value)
+        elif hint in kinds:
+            kinds[hint](value=value)
+    except ValidationError:
+        return False
+    return True
+
+
+def _misfit(where: str, hint, value) -> Optional[tuple]:
+    """(key with list indices, value, expected hint) of the first part of `value` that does not
+    fit `hint`, walking lists and sections; None when every part fits."""
+    if isinstance(value, str) and "${" in value:
+        return None  # an interpolation: OmegaConf checks what it resolves to
+    inner, optional = _optional_inner(hint)
+    if inner is Any or inner is None or _is_free_form(inner):
+        return None
+    if value is None:
+        return None if optional else (where, value, inner)
+    if typing.get_origin(inner) in (list, List):
+        if not isinstance(value, (list, tuple)):
+            return (where, value, inner)
+        item = (typing.get_args(inner) or (Any,))[0]
+        return next((m for i, v in enumerate(value) if (m := _misfit(f"{where}[{i}]", item, v))),
+                    None)
+    if dataclasses.is_dataclass(inner):
+        if not isinstance(value, dict):
+            return (where, value, inner)
+        hints = typing.get_type_hints(inner)
+        return next((m for k, v in value.items()
+                     if k in hints and (m := _misfit(f"{where}.{k}", hints[k], v))), None)
+    return None if _leaf_fits(inner, value) else (where, value, inner)
+
+
+def _shown(value) -> str:
+    """A value as a message shows it: strings quoted, null, true/false."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def override_type_error(dotted_key: str, value: Any) -> Optional[str]:
+    """None when `value` (as Hydra parsed it from the command line) fits the schema's type at
+    `dotted_key`; else one line naming the key, down to the list item, and the type expected:
+    "trace.configs[0][0]='a': expected an integer". OmegaConf decides, with the update Hydra
+    makes when it composes, on the key's section (a top-level value: OmegaConf's node check)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+    hint = _schema_hint(dotted_key)
+    head, _, rest = dotted_key.partition(".")
+    section = typing.get_type_hints(Config).get(head)
+    cause = "does not fit the schema"
+    if dataclasses.is_dataclass(section):
+        try:
+            node = OmegaConf.structured(section)
+            if rest:
+                OmegaConf.update(node, rest, value, merge=True)
+            else:
+                OmegaConf.merge(node, value)
+            return None
+        except (ConfigKeyError, ConfigAttributeError):
+            return None  # an unknown key: refused as such before this check
+        except OmegaConfBaseException as e:
+            cause = str(e).strip().splitlines()[0]
+    found = _misfit(dotted_key, hint, value)
+    if found is None:
+        return None if not dataclasses.is_dataclass(section) else user_spelling(
+            f"{dotted_key}={_shown(value)}: {cause}")
+    where, bad, expected = found
+    return user_spelling(f"{where}={_shown(bad)}: expected {_type_words(expected)[0]}")
 
 
 def _is_free_form(hint) -> bool:

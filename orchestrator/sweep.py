@@ -124,6 +124,18 @@ class SweepTable(Callback):
         self.exit_codes: List[int] = []
         self.sweep_dir: Optional[Path] = None
 
+    def on_multirun_start(self, config, **kwargs) -> None:
+        # Hydra makes the sweep folder, profiles/<cluster.name>/multirun/..., before any point
+        # runs: a name from a cluster file is checked here (the command line's before Hydra).
+        from orchestrator.cli import report_error
+        from orchestrator.config import check_path_name
+        from orchestrator.errors import ConfigError
+
+        try:
+            check_path_name("cluster.name", config.cluster.name)
+        except ConfigError as e:
+            report_error(e)
+
     def on_job_end(self, config, job_return, **kwargs) -> None:
         from hydra.core.utils import JobStatus
 

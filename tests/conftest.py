@@ -5,6 +5,8 @@ when it cannot: Slurm behaviour is part of what the suite promises.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import subprocess
@@ -17,10 +19,12 @@ REPO = Path(__file__).resolve().parent.parent
 DEV_CLUSTER = REPO / "slurm" / "dev-cluster.sh"
 
 
-def run_cli(*args, profiles_dir, timeout=300, env=None, check=None):
-    """`python -m orchestrator <args> profiles_dir=<dir>` in the repo; returns CompletedProcess."""
-    cmd = [sys.executable, "-m", "orchestrator", *args, f"profiles_dir={profiles_dir}"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+def run_cli(*args, profiles_dir, timeout=300, env=None, check=None, cwd=REPO):
+    """`python -m orchestrator <args> profiles_dir=<dir>` in `cwd` (the repo: its conf/ is the
+    site folder); profiles_dir=None leaves the default. Returns the CompletedProcess."""
+    cmd = [sys.executable, "-m", "orchestrator", *args,
+           *([f"profiles_dir={profiles_dir}"] if profiles_dir is not None else [])]
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
     if check is not None and proc.returncode != check:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode} (wanted {check})\n"
@@ -38,6 +42,36 @@ def start_cli(*args, profiles_dir, env=None):
 def ledger(profiles_dir, cluster="local") -> dict:
     path = Path(profiles_dir) / cluster / "ledger.json"
     return json.loads(path.read_text())["entries"] if path.exists() else {}
+
+
+@contextlib.contextmanager
+def tiny_disk(folder: Path, size: str):
+    """A real, small file system (tmpfs of `size`, e.g. "96k") mounted at `folder`, unmounted
+    however the block ends. Mounting needs root: without it the test fails, saying so."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                           capture_output=True, text=True)
+    if mount.returncode != 0:
+        pytest.fail(f"cannot mount a {size} tmpfs at {folder} (needs root): "
+                    f"{mount.stderr.strip()}")
+    try:
+        yield folder
+    finally:  # lazy: a rank still dying may hold a file open
+        subprocess.run(["umount", "--lazy", str(folder)], check=True, capture_output=True)
+
+
+def fill_disk(folder: Path) -> Path:
+    """Write a file in `folder` until its file system is full; returns it."""
+    path = folder / "filler"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e
+    finally:
+        os.close(fd)
+    return path
 
 
 @pytest.fixture
@@ -64,48 +98,99 @@ def slurm_cluster():
     return os.environ.get("SLURM_CONF")
 
 
-def free_port() -> int:
-    import socket
+# A rank waits this long for its peers (rendezvous, each collective): generous, as the machine
+# may be loaded by other jobs; a rank whose peer died still fails instead of hanging.
+RANK_TIMEOUT_S = 300.0
+# The whole spawn, under pytest-timeout's 600 s (setup.cfg), so a hung launch fails here with the
+# ranks named rather than from the plugin's alarm.
+SPAWN_TIMEOUT_S = 540.0
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
-
-def _rank_main(rank: int, body, world_size: int, port: int, out) -> None:
-    """One spawned rank: a gloo process group, body(rank, out), its traceback into out."""
+def _rank_main(rank: int, body, world_size: int, store_path: str, out) -> None:
+    """One spawned rank: a gloo process group met through a FileStore, body(rank, out), its
+    traceback into out."""
+    import datetime
     import traceback
 
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # the ranks share the machine's 2 cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size)
     try:
+        timeout = datetime.timedelta(seconds=RANK_TIMEOUT_S)
+        store = dist.FileStore(store_path, world_size)
+        store.set_timeout(timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
         body(rank, out)
         dist.barrier()
     except BaseException:
+        # Written before the group closes: the peers' "connection closed" errors come after it.
         out[f"error on rank {rank}"] = traceback.format_exc()
         raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def spawn_ranks(body, world_size: int) -> dict:
+def spawn_ranks(body, world_size: int, check: bool = True,
+                timeout_s: float = SPAWN_TIMEOUT_S) -> dict:
     """Run body(rank, out) on `world_size` processes (torch.multiprocessing) joined in a gloo
-    process group; the dict the ranks filled. A rank that failed put its traceback under
-    "error on rank <r>": every such traceback fails the calling test."""
-    import torch.multiprocessing as mp
+    process group; returns the dict the ranks filled. `body` must be picklable (a module-level
+    function, or a functools.partial of one).
 
+    The ranks meet through a FileStore in a fresh temporary folder (no port to pick, so no port
+    another process can take first). A rank that raised puts its traceback under
+    "error on rank <r>", in the order the ranks failed (the first is the cause, the others
+    usually its echo). A rank that died without one (a signal, os._exit), or ranks still running
+    after `timeout_s` (then killed), give a line under "error", first. With check=True (the
+    default) any error fails the calling test with every message; check=False returns them.
+    """
+    import shutil
+    import tempfile
+    import time
+
+    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
+
+    saved_env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME")}
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with mp.Manager() as manager:
-        out = manager.dict()
-        try:
-            mp.spawn(_rank_main, args=(body, world_size, free_port(), out), nprocs=world_size)
-        except mp.ProcessRaisedException:
-            pass
-        result = dict(out)
-    errors = [v for k, v in result.items() if isinstance(k, str) and k.startswith("error")]
-    assert not errors, "\n".join(errors)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks' own links stay on loopback
+    store_dir = tempfile.mkdtemp(prefix="spawn_ranks_")
+    try:
+        with mp.Manager() as manager:
+            out = manager.dict()
+            context = mp.start_processes(
+                _rank_main, args=(body, world_size, os.path.join(store_dir, "store"), out),
+                nprocs=world_size, join=False, start_method="spawn")
+            spawn_error = None
+            deadline = time.monotonic() + timeout_s
+            try:
+                while not context.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
+                    if time.monotonic() >= deadline:
+                        running = [r for r, p in enumerate(context.processes) if p.is_alive()]
+                        spawn_error = (f"ranks {running} of {world_size} still running after "
+                                       f"{timeout_s:.0f} s; killed")
+                        break
+            except ProcessException as e:  # a rank raised, or died (a signal, os._exit)
+                if f"error on rank {e.error_index}" not in out.keys():
+                    spawn_error = str(e)  # else that rank's own traceback says it better
+            finally:
+                for process in context.processes:  # none outlives the spawn, whatever happened
+                    if process.is_alive():
+                        process.kill()
+                    process.join()
+            result = dict(out)
+    finally:
+        shutil.rmtree(store_dir, ignore_errors=True)
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    if spawn_error:
+        result = {"error": spawn_error, **result}
+    if check:
+        errors = [f"{k}: {v}" for k, v in result.items() if str(k).startswith("error")]
+        assert not errors, "\n".join(errors)
     return result

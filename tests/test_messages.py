@@ -93,6 +93,48 @@ def test_unknown_plus_key_exits_2_in_one_line(profiles):
     assert not profiles.exists()
 
 
+# ---------------------------------------------------------------- wrong types, before Hydra
+@pytest.mark.parametrize("arg, line", [
+    ("trace.configs=[[a,1,1]]", "trace.configs[0][0]='a': expected an integer"),
+    ("trace.configs=[[8,2,2],[8,x,1]]", "trace.configs[1][1]='x': expected an integer"),
+    ("trace.configs=[8,2,2]", "trace.configs[0]=8: expected a list of integers"),
+    ("cluster.nodes=abc", "cluster.nodes='abc': expected an integer"),
+    ("cluster.nodes=1.5", "cluster.nodes=1.5: expected an integer"),
+    ("cluster.nodes=null", "cluster.nodes=null: expected an integer"),
+    ("train.lr=fast", "train.lr='fast': expected a number"),
+    ("cluster.links.nic_Gbps=[1]", "cluster.links.nic_Gbps=[1]: expected a number"),
+    ("force=maybe", "force='maybe': expected true or false"),
+    ("search.zero_stages=[0,one]", "search.zero_stages[1]='one': expected an integer"),
+    ("search.schedules=1f1b", "search.schedules='1f1b': expected a list of items from 1f1b"),
+    ("import_.path=[a]", "import.path=['a']: expected a string"),  # as main() passes it
+])
+def test_a_wrong_type_names_the_key_and_the_type_expected(arg, line):
+    with pytest.raises(ConfigError) as error:
+        check_closed_choices(["stage=noop", arg])
+    assert str(error.value).startswith(line), str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_a_wrong_type_in_a_sweep_value_is_refused():
+    with pytest.raises(ConfigError, match=r"^train\.pp='a': expected an integer"):
+        check_closed_choices(["-m", "stage=noop", "train.pp=1,a"])
+
+
+def test_values_of_the_right_type_pass():
+    check_closed_choices(["stage=noop", "trace.configs=[[8,2,2],[16,4,2]]", "cluster.nodes=2",
+                          "train.lr=1", "train.lr=3e-4", "force=yes", "train.pp=null",
+                          "search.zero_stages=[0,1]", "search.schedules=[1f1b,interleaved]",
+                          "cluster.links={nic_Gbps: 100}", "train.seq_len=${model.seq_len}",
+                          "cluster.sbatch_args.exclusive=[1,a]", "train.pp=range(1,3)"])
+
+
+def test_a_wrong_type_on_the_command_line_is_one_line_exit_2(profiles):
+    proc = run_cli("stage=trace", "trace.configs=[[a,1,1]]", profiles_dir=profiles)
+    line = _one_error_line(proc, 2)
+    assert line == "error: trace.configs[0][0]='a': expected an integer"
+    assert not profiles.exists()
+
+
 # ---------------------------------------------------------------- fix commands that work
 def test_error_line_prints_brackets_intact(capsys):
     """rich reads `[all2all]` as markup: the CLI's error line must not lose it."""

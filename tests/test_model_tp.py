@@ -1,20 +1,12 @@
 """Tensor parallelism gives the single-device numbers: 4 real CPU processes over gloo."""
 
-import os
-import socket
 from copy import deepcopy
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from conftest import spawn_ranks
 
 WORLD_SIZE = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -23,7 +15,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _tp_worker(rank: int, port: int) -> None:
+def _tp_worker(rank: int, out: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
@@ -31,62 +23,54 @@ def _tp_worker(rank: int, port: int) -> None:
     from orchestrator.models.gpt import GPT
     from orchestrator.models.parallelize import apply_tensor_parallel
 
-    torch.set_num_threads(1)  # 4 processes share 2 cores
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE
-    )
-    try:
-        # heads and kv_heads divisible by 4, still grouped-query (2 query heads per KV head).
-        cfg = ModelConfig(hidden=64, ffn=128, layers=2, heads=8, kv_heads=4, vocab=128, seq_len=16)
-        reference = GPT(cfg, seed=1)
-        generator = torch.Generator().manual_seed(2)
-        tokens = torch.randint(0, cfg.vocab, (2, cfg.seq_len), generator=generator)
-        targets = torch.randint(0, cfg.vocab, (2, cfg.seq_len), generator=generator)
-        ref_loss = reference(tokens, targets)
-        ref_loss.backward()
-        ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+    # heads and kv_heads divisible by 4, still grouped-query (2 query heads per KV head).
+    cfg = ModelConfig(hidden=64, ffn=128, layers=2, heads=8, kv_heads=4, vocab=128, seq_len=16)
+    reference = GPT(cfg, seed=1)
+    generator = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, cfg.vocab, (2, cfg.seq_len), generator=generator)
+    targets = torch.randint(0, cfg.vocab, (2, cfg.seq_len), generator=generator)
+    ref_loss = reference(tokens, targets)
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
 
-        cases = [  # (tp, sequence_parallel, loss_parallel)
-            (2, True, False),
-            (2, False, True),
-            (4, True, True),
-            (4, False, False),
-        ]
-        for tp, sequence_parallel, use_loss_parallel in cases:
-            what = f"tp={tp} sequence_parallel={sequence_parallel} loss_parallel={use_loss_parallel}"
-            mesh = init_device_mesh("cpu", (WORLD_SIZE // tp, tp), mesh_dim_names=("dp", "tp"))
-            model = apply_tensor_parallel(
-                deepcopy(reference), mesh["tp"], sequence_parallel, loss_parallel=use_loss_parallel
-            )
-            local_wq = model.blocks[0].attn.wq.weight.to_local()
-            assert local_wq.shape == (cfg.hidden // tp, cfg.hidden), f"wq not sharded at {what}"
-            if use_loss_parallel:
-                with loss_parallel():
-                    loss = model(tokens, targets)
-                    loss.backward()
-            else:
+    cases = [  # (tp, sequence_parallel, loss_parallel)
+        (2, True, False),
+        (2, False, True),
+        (4, True, True),
+        (4, False, False),
+    ]
+    for tp, sequence_parallel, use_loss_parallel in cases:
+        what = f"tp={tp} sequence_parallel={sequence_parallel} loss_parallel={use_loss_parallel}"
+        mesh = init_device_mesh("cpu", (WORLD_SIZE // tp, tp), mesh_dim_names=("dp", "tp"))
+        model = apply_tensor_parallel(
+            deepcopy(reference), mesh["tp"], sequence_parallel, loss_parallel=use_loss_parallel
+        )
+        local_wq = model.blocks[0].attn.wq.weight.to_local()
+        assert local_wq.shape == (cfg.hidden // tp, cfg.hidden), f"wq not sharded at {what}"
+        if use_loss_parallel:
+            with loss_parallel():
                 loss = model(tokens, targets)
                 loss.backward()
-            torch.testing.assert_close(_full(loss), ref_loss, msg=f"loss differs at {what}")
-            for name, param in model.named_parameters():
-                torch.testing.assert_close(
-                    _full(param.grad), ref_grads[name], atol=1e-5, rtol=1e-4,
-                    msg=lambda m, name=name: f"grad of {name} differs at {what}: {m}",
-                )
+        else:
+            loss = model(tokens, targets)
+            loss.backward()
+        torch.testing.assert_close(_full(loss), ref_loss, msg=f"loss differs at {what}")
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(
+                _full(param.grad), ref_grads[name], atol=1e-5, rtol=1e-4,
+                msg=lambda m, name=name: f"grad of {name} differs at {what}: {m}",
+            )
 
-        # Built on meta, sharded, then materialised and initialised shard by shard: same weights.
-        with torch.device("meta"):
-            lazy = GPT(cfg, seed=1)
-        apply_tensor_parallel(lazy, init_device_mesh("cpu", (WORLD_SIZE,)))
-        lazy.to_empty(device="cpu")
-        lazy.init_weights(seed=1)
-        torch.testing.assert_close(_full(lazy(tokens, targets)), ref_loss.detach())
-        for name, param in lazy.named_parameters():
-            torch.testing.assert_close(_full(param), dict(reference.named_parameters())[name])
-    finally:
-        dist.destroy_process_group()
+    # Built on meta, sharded, then materialised and initialised shard by shard: same weights.
+    with torch.device("meta"):
+        lazy = GPT(cfg, seed=1)
+    apply_tensor_parallel(lazy, init_device_mesh("cpu", (WORLD_SIZE,)))
+    lazy.to_empty(device="cpu")
+    lazy.init_weights(seed=1)
+    torch.testing.assert_close(_full(lazy(tokens, targets)), ref_loss.detach())
+    for name, param in lazy.named_parameters():
+        torch.testing.assert_close(_full(param), dict(reference.named_parameters())[name])
 
 
 def test_tensor_parallel_matches_single_device_loss_and_gradients():
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.spawn(_tp_worker, args=(_free_port(),), nprocs=WORLD_SIZE, join=True)
+    spawn_ranks(_tp_worker, WORLD_SIZE)  # every assertion runs on every rank

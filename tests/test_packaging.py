@@ -35,6 +35,19 @@ def test_wheel_install_in_a_fresh_venv_runs_stages_from_its_packaged_configs(tmp
     cfg = _run(python, "-m", "orchestrator", "--cfg", "job", "cluster=dgx_h100", cwd=work).stdout
     assert "intra_busbw_GBps: 450.0" in cfg  # conf/cluster/dgx_h100.yaml, from the wheel
 
+    # The repository's example site (top-level conf/) is not in the wheel; a user's site folder
+    # (./conf) is layered over the wheel's configs.
+    import zipfile
+
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "orchestrator/conf/cluster/local.yaml" in names
+    assert not [n for n in names if n.startswith("conf/") or "example_site" in n], names
+    (work / "conf" / "cluster").mkdir(parents=True)
+    (work / "conf" / "cluster" / "mysite.yaml").write_text("name: mysite\ntasks_per_node: 3\n")
+    cfg = _run(python, "-m", "orchestrator", "--cfg", "job", "cluster=mysite", "model=llama2_7b",
+               cwd=work).stdout
+    assert "name: mysite" in cfg and "tasks_per_node: 3" in cfg and "name: llama2_7b" in cfg
+
     profiles = work / "profiles"
     _run(python, "-m", "orchestrator", "stage=profile_hardware", "profile_hardware.source=analytic",
          "cluster=dgx_h100", f"profiles_dir={profiles}", cwd=work)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ledger, run_cli, start_cli
+from conftest import fill_disk, ledger, run_cli, start_cli, tiny_disk
 from orchestrator.profiling.hardware.fit import fit_points, predict_fit_time_us
 from orchestrator.interop.galvatron.hardware import import_hardware
 from orchestrator.profiling.measure import busbw_factor
+from orchestrator.store import read_profile
+from orchestrator.store.schema import HardwareProfile
 
 # Small sweeps: the point is the path and the bookkeeping, not the figures.
 QUICK = ["profile_hardware.max_size_bytes=1048576", "profile_hardware.max_time_s=0.1",
@@ -100,6 +103,62 @@ def test_killed_rank_in_all2all_then_rerun_resumes(profiles):
     assert hw["benchmarks"]["allreduce"] == allreduce_before  # not measured again
     assert all(ledger(profiles)[f"profile_hardware/{b}"]["state"] == "done"
                for b in ("inventory", "allreduce", "all2all", "overlap"))
+
+
+def _error_line(output: str) -> str:
+    """The CLI's own error line: the last line of its output (ranks print theirs before it)."""
+    line = output.strip().splitlines()[-1]
+    assert line.startswith("error: "), output
+    return line
+
+
+# Sized so that the ledger, run folder and hardware.json fit, and hardware.png (~50 KiB measured,
+# ~200 KiB analytic) does not.
+@pytest.mark.parametrize("size, args", [
+    ("96k", ["profile_hardware.benchmarks=[inventory,allreduce]",
+             "profile_hardware.max_size_bytes=65536", "profile_hardware.max_time_s=0.05"]),
+    ("160k", ["profile_hardware.source=analytic"]),  # in the CLI's process, not on ranks
+], ids=["measured", "analytic"])
+def test_a_full_disk_names_the_file_and_the_room_needed_and_marks_the_ledger(tmp_path, size,
+                                                                             args):
+    with tiny_disk(tmp_path / "disk", size) as disk:
+        proc = run_cli("stage=profile_hardware", *args, profiles_dir=disk)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        line = _error_line(proc.stderr)
+        assert f"{disk}/local/hardware.png: No space left on device" in line, line
+        need = re.search(r"free there, profile_hardware writes about (\d+) KiB\)", line)
+        assert need and 20 <= int(need.group(1)) <= 2000, line  # the right order of magnitude
+        assert f"Make room in the profiles folder {disk}" in line, line
+        entries = ledger(disk)  # readable, and it says how the run ended
+        assert entries["profile_hardware"]["state"] == "failed", entries["profile_hardware"]
+        assert "hardware.png" in entries["profile_hardware"]["error"]
+        parts = [k for k in entries if k.startswith("profile_hardware/")]
+        assert parts and all(entries[k]["state"] == "done" for k in parts), entries
+        profile = read_profile(disk / "local" / "hardware.json", HardwareProfile, "rebuild")
+        assert profile.benchmarks.allreduce.points  # complete before the PNG, and intact
+        assert not list(disk.rglob("*.tmp")), list(disk.rglob("*"))
+
+
+def test_a_disk_filled_during_a_run_still_ends_its_ledger_entry(tmp_path):
+    """The ledger lives on the full disk too: its reserve makes room to record the failure."""
+    with tiny_disk(tmp_path / "disk", "200k") as disk:
+        proc = start_cli("stage=noop", "noop.sleep_s=3", profiles_dir=disk)
+        try:
+            deadline = time.monotonic() + 120
+            while ledger(disk).get("noop", {}).get("state") != "running":
+                assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read()
+                time.sleep(0.05)
+            fill_disk(disk)  # the ranks are starting: rank 0's next ledger write fails
+            out, _ = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        assert proc.returncode == 2, out
+        line = _error_line(out)
+        assert f"{disk}/local/ledger.json: No space left on device" in line, line
+        entry = ledger(disk)["noop"]
+        assert entry["state"] == "failed" and "ledger.json: No space left" in entry["error"], entry
+        assert not list(disk.rglob("*.tmp")), list(disk.rglob("*"))
 
 
 @pytest.mark.parametrize("arg, words", [

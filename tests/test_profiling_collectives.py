@@ -3,18 +3,14 @@ returns the same numbers, and the numbers obey the schema and the nccl-tests con
 from __future__ import annotations
 
 import json
-import os
-import pickle
-import socket
 import warnings
 from dataclasses import dataclass
 from typing import Any, List
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from conftest import spawn_ranks
 from orchestrator.profiling.hardware.fit import fit_points
 from orchestrator.profiling.measure import busbw_factor
 
@@ -33,55 +29,40 @@ class _Rank:
     device: Any
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, out: dict) -> None:
     from orchestrator.errors import ConfigError
     from orchestrator.profiling.hardware.collectives import (SWEEPS, SweepConfig, bench_allreduce,
                                                              bench_collective)
     from orchestrator.profiling.hardware.overlap import OverlapConfig, measure_overlap
     from orchestrator.profiling.hardware.sampling import StopRule
 
-    torch.set_num_threads(1)  # 4 processes share 2 cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD_SIZE)
-    try:
-        ctx = _Rank(rank, WORLD_SIZE, NODE_OF_RANK, torch.device("cpu"))
-        sweep = SweepConfig(min_bytes=1024, max_bytes=16 * 1024, step=4,
-                            stop=StopRule(warmup_iters=1, min_iters=3, max_iters=6,
-                                          max_time_s=0.2, chunk_iters=3))
-        progress = []
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", FutureWarning)  # no deprecated collective APIs
-            benchmarks = {name: bench(ctx, sweep, on_point=lambda *a: progress.append(a))
-                          for name, bench in SWEEPS.items()}
-        # 4 bytes cannot be split over 4 ranks: the message grows to one element per rank.
-        tiny = bench_collective("all_gather", ctx, SweepConfig(min_bytes=4, max_bytes=4,
-                                                               stop=sweep.stop), [(4, "consec")])
-        benchmarks["overlap"] = measure_overlap(ctx, OverlapConfig(
-            matmul_dim=64, comm_bytes=64 * 1024, window_s=0.03, repeats=1))
-        try:  # a bad context is refused on every rank before any collective runs
-            bench_allreduce(_Rank(rank, WORLD_SIZE, [0, 0], torch.device("cpu")), sweep)
-            refused = None
-        except ConfigError as e:
-            refused = str(e)
-        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump({"benchmarks": benchmarks, "progress": progress, "refused": refused,
-                         "tiny": tiny}, f)
-    finally:
-        dist.destroy_process_group()
+    ctx = _Rank(rank, WORLD_SIZE, NODE_OF_RANK, torch.device("cpu"))
+    sweep = SweepConfig(min_bytes=1024, max_bytes=16 * 1024, step=4,
+                        stop=StopRule(warmup_iters=1, min_iters=3, max_iters=6,
+                                      max_time_s=0.2, chunk_iters=3))
+    progress = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # no deprecated collective APIs
+        benchmarks = {name: bench(ctx, sweep, on_point=lambda *a: progress.append(a))
+                      for name, bench in SWEEPS.items()}
+    # 4 bytes cannot be split over 4 ranks: the message grows to one element per rank.
+    tiny = bench_collective("all_gather", ctx, SweepConfig(min_bytes=4, max_bytes=4,
+                                                           stop=sweep.stop), [(4, "consec")])
+    benchmarks["overlap"] = measure_overlap(ctx, OverlapConfig(
+        matmul_dim=64, comm_bytes=64 * 1024, window_s=0.03, repeats=1))
+    try:  # a bad context is refused on every rank before any collective runs
+        bench_allreduce(_Rank(rank, WORLD_SIZE, [0, 0], torch.device("cpu")), sweep)
+        refused = None
+    except ConfigError as e:
+        refused = str(e)
+    out[rank] = {"benchmarks": benchmarks, "progress": progress, "refused": refused,
+                 "tiny": tiny}
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> List[dict]:
-    out_dir = tmp_path_factory.mktemp("profiling")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD_SIZE, join=True)
-    return [pickle.loads((out_dir / f"rank{r}.pkl").read_bytes()) for r in range(WORLD_SIZE)]
+def results() -> List[dict]:
+    out = spawn_ranks(_worker, WORLD_SIZE)
+    return [out[r] for r in range(WORLD_SIZE)]
 
 
 def test_every_rank_returns_the_same_profile(results):

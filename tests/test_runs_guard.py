@@ -122,18 +122,62 @@ def test_ctrl_c_exits_130_then_rerun_resumes(profiles):
     assert "✓ noop: done" in rerun.stdout
 
 
-@pytest.mark.parametrize("after_s", [1.5, 2.5])
-def test_ctrl_c_before_launch_exits_130_without_traceback(profiles, after_s):
+# `python -m orchestrator <args>` run through runpy, paused at one point before any launch until
+# the test's Ctrl-C; it creates the file named by argv[2] once paused there.
+_PAUSED_CLI = """
+import pathlib, runpy, sys, time
+
+phase, paused = sys.argv[1], pathlib.Path(sys.argv[2])
+sys.argv = ["orchestrator", *sys.argv[3:]]
+
+
+def pause(*args, **kwargs):
+    paused.touch()
+    time.sleep(300)  # the test's SIGINT ends this
+    raise AssertionError("no Ctrl-C came")
+
+
+if phase == "loading":  # the CLI's own modules are being imported
+    class PauseOnImport:
+        def find_spec(self, name, path=None, target=None):
+            if name == "orchestrator.pipeline":
+                pause()
+
+    sys.meta_path.insert(0, PauseOnImport())
+elif phase == "composing":  # Hydra composes the config
+    from hydra._internal.hydra import Hydra
+
+    Hydra.compose_config = pause
+elif phase == "planning":  # the stage is planned (inside the Hydra task)
+    import orchestrator.pipeline
+
+    orchestrator.pipeline.plan_stage = pause
+runpy.run_module("orchestrator", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("phase", ["loading", "composing", "planning"])
+def test_ctrl_c_before_launch_exits_130_without_traceback(profiles, tmp_path, phase):
     # Interrupted while loading, composing or planning (before any launch): 130, one line.
-    proc = start_cli("stage=profile_hardware", profiles_dir=profiles)
+    paused = tmp_path / "paused"
+    proc = subprocess.Popen([sys.executable, "-c", _PAUSED_CLI, phase, str(paused),
+                             "stage=profile_hardware", f"profiles_dir={profiles}"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
-        time.sleep(after_s)
+        deadline = time.monotonic() + 120
+        while not paused.exists():
+            if proc.poll() is not None:
+                pytest.fail(f"the CLI ended before pausing while {phase}:\n{proc.stdout.read()}")
+            assert time.monotonic() < deadline, f"the CLI did not reach {phase} in 120 s"
+            time.sleep(0.05)
         os.kill(proc.pid, signal.SIGINT)
-        out, _ = proc.communicate(timeout=30)
+        out, _ = proc.communicate(timeout=60)
     finally:
         _stop(proc)
     assert proc.returncode == 130, out
     assert "Traceback" not in out and "interrupted (Ctrl-C)" in out.strip().splitlines()[-1]
+    assert not ledger(profiles)  # nothing was launched
 
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664)])

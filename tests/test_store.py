@@ -1,11 +1,13 @@
 """Profile files and the ledger: atomic writes, validation that names the fix, concurrent writers."""
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing as mp
 
 import pytest
 
+from conftest import fill_disk, tiny_disk
 from orchestrator.errors import ProfileError
 from orchestrator.store import new_profile, provenance, read_profile, write_json
 from orchestrator.store.ledger import Ledger, LedgerEntry, LedgerError, State
@@ -28,6 +30,27 @@ def test_write_is_atomic_a_failed_write_keeps_the_old_file(tmp_path):
     back = read_profile(path, HardwareProfile, REBUILD)
     assert (back.kind, back.source, back.cluster.world_size) == ("hardware", Source.measured, 2)
     assert [p.name for p in tmp_path.iterdir()] == ["hardware.json"]  # no temp file left
+
+
+def test_a_full_disk_names_the_file_keeps_the_old_one_and_the_ledger_can_still_end_a_run(
+        tmp_path):
+    with tiny_disk(tmp_path / "disk", "64k") as disk:
+        ledger = Ledger(disk)
+        ledger.launch("noop", [], queued=False, config_hash="h", launcher="local",
+                      run_dir=str(disk))
+        assert ledger.reserve.stat().st_size > 2 * ledger.path.stat().st_size
+        write_json(disk / "hardware.json", _profile())
+        fill_disk(disk)
+        with pytest.raises(OSError) as full:
+            write_json(disk / "hardware.json", _profile("x" * 100_000))
+        assert (full.value.errno, full.value.filename) == (errno.ENOSPC,
+                                                          str(disk / "hardware.json"))
+        assert read_profile(disk / "hardware.json", HardwareProfile, REBUILD)  # intact
+        assert not list(disk.glob(".*.tmp"))  # the temp file is gone
+        with pytest.raises(OSError):  # an ordinary ledger write fails like any other...
+            ledger.set_progress("noop", "step 1")
+        ledger.mark_ended("noop", State.failed, message="disk full")  # ...an ending does not
+        assert ledger.get("noop").state == State.failed
 
 
 def test_missing_profile_names_file_and_command(tmp_path):

@@ -1,64 +1,47 @@
 """Distributed checkpoints on 4 real CPU processes over gloo: saved in one layout, reloaded in
 another, damaged ones skipped for the previous one, old ones pruned."""
 
-import os
-import socket
 import warnings
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch.multiprocessing.spawn import ProcessException
+
+from conftest import spawn_ranks
 
 WORLD_SIZE = 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, bodies, folder: str) -> None:
+def _worker(rank: int, out: dict, bodies, folder: str) -> None:
     """Run each body in its own subfolder; rank 0 marks each one that passed on every rank."""
-    torch.set_num_threads(1)  # 4 processes share 2 cores
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE
-    )
-    try:
-        for body in bodies:
-            body(rank, Path(folder) / body.__name__)
-            dist.barrier()
-            if rank == 0:
-                (Path(folder) / f"{body.__name__}.passed").touch()
-    finally:
-        dist.destroy_process_group()
+    for body in bodies:
+        body(rank, Path(folder) / body.__name__)
+        dist.barrier()
+        if rank == 0:
+            out[f"{body.__name__} passed"] = True
 
 
 class Spawned:
     """One launch of 4 processes for the whole file (a launch costs seconds on 2 cores)."""
 
-    def __init__(self, folder: Path, failure: str):
-        self.folder, self.failure = folder, failure
+    def __init__(self, out: dict):
+        self.out = out
+        errors = [f"{k}: {v}" for k, v in out.items() if str(k).startswith("error")]
+        self.failure = "\n".join(errors) or "not run"  # the body that failed, its traceback
 
     def check(self, body) -> None:
-        assert (self.folder / f"{body.__name__}.passed").exists(), self.failure
+        assert self.out.get(f"{body.__name__} passed"), self.failure
 
 
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory) -> Spawned:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     folder = tmp_path_factory.mktemp("checkpoints")
     bodies = (_dp2_tp2_saves_tp4_and_plain_load, _pp2_tp2_saves_dp4_loads,
               _damaged_checkpoints_fall_back, _saves_keep_the_newest)
-    try:
-        mp.spawn(_worker, args=(_free_port(), bodies, str(folder)), nprocs=WORLD_SIZE, join=True)
-        failure = "not run"
-    except ProcessException as e:  # the first body that failed, with its traceback
-        failure = str(e)
-    return Spawned(folder, failure)
+    worker = partial(_worker, bodies=bodies, folder=str(folder))
+    return Spawned(spawn_ranks(worker, WORLD_SIZE, check=False))
 
 
 def _on_rank0(rank: int, action) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from itertools import pairwise
 
@@ -175,25 +176,38 @@ def test_lr_without_warmup_and_with_warmup_longer_than_the_run():
         lr_at(-1, 1.0, 0, 10)
 
 
+def _wait_for_background_samples(monitor: MemoryMonitor, count: int, timeout_s: float = 60.0):
+    """Until the monitor's thread has taken `count` readings of its own (label None)."""
+    deadline = time.monotonic() + timeout_s
+    while sum(sample["label"] is None for sample in list(monitor.samples)) < count:
+        assert time.monotonic() < deadline, f"under {count} background samples in {timeout_s} s"
+        time.sleep(0.01)
+
+
 def test_memory_monitor_samples_in_the_background():
-    with MemoryMonitor(interval_s=0.05, device="cpu") as monitor:
-        time.sleep(0.3)
+    threads_before = set(threading.enumerate())
+    monitor = MemoryMonitor(interval_s=0.05, device="cpu")
+    made_s = time.monotonic()
+    with monitor:
+        samplers = set(threading.enumerate()) - threads_before
+        _wait_for_background_samples(monitor, 3)
         monitor.mark("step 10")
+        waited_s = time.monotonic() - made_s
     labels = [sample["label"] for sample in monitor.samples]
-    assert labels.count(None) >= 1  # the thread's own samples (about 6; fewer on a busy machine)
+    assert labels.count(None) >= 3  # the thread's own samples
     assert labels[0] == "start" and labels[-1] == "stop" and "step 10" in labels
     elapsed = [sample["elapsed_s"] for sample in monitor.samples]
-    assert elapsed == sorted(elapsed) and elapsed[-1] >= 0.3
+    assert elapsed == sorted(elapsed) and elapsed[-1] >= waited_s  # seconds since it was made
     assert all(sample["rss_MiB"] > 1 for sample in monitor.samples)
     assert monitor.peak_MiB() >= max(sample["rss_MiB"] for sample in monitor.samples)
-    count = len(monitor.samples)
-    time.sleep(0.12)
-    assert len(monitor.samples) == count  # stopped means stopped
+    # Stopped means stopped: the sampling thread is gone, so no sample can come later.
+    assert len(samplers) == 1 and not any(thread.is_alive() for thread in samplers)
 
 
 def test_a_disabled_monitor_takes_no_samples_but_reads_a_peak():
+    threads_before = set(threading.enumerate())
     monitor = MemoryMonitor(interval_s=0, device=torch.device("cpu")).start()
-    time.sleep(0.1)
+    assert set(threading.enumerate()) <= threads_before  # no sampling thread to add samples
     monitor.stop()
     assert monitor.samples == [] and monitor.peak_MiB() > 1
 
@@ -224,7 +238,7 @@ def test_memory_monitor_reads_the_cuda_allocator():
     before = monitor.mark("before")
     block = torch.empty(64 << 20, dtype=torch.uint8, device=device)  # 64 MiB
     with monitor:
-        time.sleep(0.2)
+        _wait_for_background_samples(monitor, 1)
     after = monitor.samples[-1]
     assert after["allocated_MiB"] - before["allocated_MiB"] == pytest.approx(64, abs=1)
     assert after["reserved_MiB"] >= after["allocated_MiB"] and after["peak_MiB"] >= 64

@@ -22,7 +22,8 @@ from orchestrator.errors import LaunchError
 from orchestrator.runtime.context import RankContext
 from orchestrator.runtime.request import StageRequest
 from orchestrator.runtime.stage_run import StageRun
-from orchestrator.store import write_json
+from orchestrator.store import DISK_FULL, write_json
+from orchestrator.store.ledger import reserve_path
 from orchestrator.store.owner import pid_alive
 
 log = logging.getLogger("orchestrator.runtime")
@@ -30,6 +31,8 @@ log = logging.getLogger("orchestrator.runtime")
 # Set by the local launcher: "<pid>:<start ticks>" of the CLI the ranks must not outlive.
 PARENT_ENV = "ORCHESTRATOR_PARENT_PID"
 PARENT_POLL_S = 0.5
+# How long a rank waits for its peers: at the rendezvous, and in each collective.
+RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=10)
 
 
 def _job_id() -> Optional[str]:
@@ -59,12 +62,6 @@ def check_world_size(mpi_size: int, expected: int) -> None:
                       f"(cluster.nodes * cluster.tasks_per_node)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def _master_addr(hostnames: list) -> str:
     """Where rank 0's rendezvous listens, reachable from every rank.
 
@@ -76,6 +73,35 @@ def _master_addr(hostnames: list) -> str:
     if len(set(hostnames)) == 1:
         return "127.0.0.1"
     return socket.getfqdn()
+
+
+def _rendezvous_store(comm, rank: int, size: int, hostnames: list):
+    """The TCPStore every rank meets at: (store, its address, its port).
+
+    Rank 0 opens it on a port the OS picks and keeps it bound (a port picked, released, then
+    bound again could be taken in between); MPI tells the other ranks the port. When rank 0
+    cannot open it, every rank raises instead of waiting for a store that will not come.
+    """
+    import torch.distributed as dist
+
+    if rank == 0:
+        addr = _master_addr(hostnames)
+        try:
+            # wait_for_workers=False: the others learn the port only after this returns.
+            store = dist.TCPStore(host_name=addr, port=0, world_size=size, is_master=True,
+                                  timeout=RENDEZVOUS_TIMEOUT, wait_for_workers=False)
+            endpoint = (addr, store.port, None)
+        except Exception as e:  # told to every rank below, then raised here too
+            store, endpoint = None, (addr, None, f"{type(e).__name__}: {e}")
+    addr, port, error = comm.bcast(endpoint if rank == 0 else None, root=0)
+    if error is not None:
+        raise LaunchError(f"rank 0 could not open the torch.distributed rendezvous on {addr}: "
+                          f"{error}. Set MASTER_ADDR to an address of rank 0's host that every "
+                          f"rank can reach.")
+    if rank != 0:
+        store = dist.TCPStore(host_name=addr, port=port, world_size=size, is_master=False,
+                              timeout=RENDEZVOUS_TIMEOUT)
+    return store, addr, port
 
 
 def bootstrap(world_size: int, backend: str = "gloo", torch_distributed: bool = True,
@@ -106,13 +132,13 @@ def bootstrap(world_size: int, backend: str = "gloo", torch_distributed: bool = 
     if not torch_distributed:
         return RankContext(backend="none", device=None, **context)
 
-    addr, port = comm.bcast((_master_addr(hostnames), _free_port()) if rank == 0 else None, root=0)
+    import torch
+    import torch.distributed as dist
+
+    store, addr, port = _rendezvous_store(comm, rank, size, hostnames)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(local_rank),
                       LOCAL_WORLD_SIZE=str(local_world_size), GROUP_RANK=str(node_rank),
                       MASTER_ADDR=addr, MASTER_PORT=str(port))
-
-    import torch
-    import torch.distributed as dist
 
     if backend == "nccl":
         if not torch.cuda.is_available():
@@ -124,8 +150,8 @@ def bootstrap(world_size: int, backend: str = "gloo", torch_distributed: bool = 
         device = torch.device("cpu")
         # Ranks share the node's cores; oversubscribed intra-op threads slow everything down.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
-    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
-                            world_size=size, timeout=datetime.timedelta(minutes=10))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+                            timeout=RENDEZVOUS_TIMEOUT)
     return RankContext(backend=backend, device=device, **context)
 
 
@@ -177,9 +203,25 @@ def _run_stage(request: StageRequest, ctx: RankContext):
 
 def record_failure(request: StageRequest, message: str, error: BaseException) -> None:
     """Rank 0's error line and exit code in the result file: the launcher shows the user this
-    line (and exits with the error's own code), not only "job failed"."""
+    line (and exits with the error's own code), not only "job failed". On a full disk the
+    ledger's reserve makes room for it (store.ledger)."""
     write_json(request.result_path, {"ok": False, "error": message, "ended": time.time(),
-                                     "exit_code": getattr(error, "exit_code", None)})
+                                     "exit_code": getattr(error, "exit_code", None)},
+               reserve=reserve_path(request.ledger_dir))
+
+
+def _as_file_error(error: BaseException, request: StageRequest, rank: int) -> BaseException:
+    """An OSError on a file the stage writes (a full disk, a read-only folder) as the CLI words
+    it: the file, the cause, and on a full disk the room the stage needs (rank 0 estimates it);
+    any other error as it is."""
+    if not isinstance(error, OSError) or not error.filename:
+        return error
+    from orchestrator.errors import file_error
+    from orchestrator.stages import disk_need_text
+
+    full = error.errno in DISK_FULL and rank == 0
+    need = disk_need_text([request.stage], request.config) if full else ""
+    return file_error(error, request.config.profiles_dir, need)
 
 
 def run_rank(request: StageRequest):
@@ -211,11 +253,16 @@ def run_rank(request: StageRequest):
         log.warning("rank %d: stopped by the time limit or a preemption; the job is requeued", rank)
         raise
     except BaseException as e:
-        msg = f"rank {rank}: {type(e).__name__}: {e}"
+        error = _as_file_error(e, request, rank)
+        msg = f"rank {rank}: {type(error).__name__}: {error}"
         log.error("%s\n%s", msg, traceback.format_exc())
         print(msg, file=sys.stderr, flush=True)
         if rank == 0:
-            record_failure(request, msg, e)
+            try:
+                record_failure(request, msg, error)
+            except OSError as unwritten:  # still abort: the other ranks must not wait for us
+                print(f"rank 0: {unwritten}; the launcher reports the exit code only",
+                      file=sys.stderr, flush=True)
         if ctx is not None and ctx.world_size > 1:
             ctx.comm.Abort(1)
         raise

@@ -6,9 +6,9 @@ Slurm), and every rank reads it. Launchers never look inside beyond `ranks` and 
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from orchestrator.choices import Backend, Ranks
 from orchestrator.config import Config
@@ -32,6 +32,8 @@ class StageRequest:
     run_dir: str  # logs and the result file of this launch
     launcher: str = "local"
     job_id: Optional[str] = None
+    # group -> the file its choice came from (provenance): a site file's path or package:<file>
+    config_sources: Dict[str, str] = field(default_factory=dict)
 
     @property
     def stage(self) -> str:

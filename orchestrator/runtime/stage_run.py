@@ -56,16 +56,20 @@ class StageRun:
             raise
         except BaseException as e:
             if self.ledger is not None:
-                self.ledger.transition(self.subpart_key(name), State.failed,
-                                       error=f"{type(e).__name__}: {e}",
-                                       traceback=traceback.format_exc(limit=5))
+                try:
+                    self.ledger.transition(self.subpart_key(name), State.failed,
+                                           error=f"{type(e).__name__}: {e}",
+                                           traceback=traceback.format_exc(limit=5))
+                except OSError:  # a full disk: the error that ended the part is the one to
+                    pass  # report; the CLI marks the part failed when the launch ends
             raise
         if self.ledger is not None:
             self.ledger.transition(self.subpart_key(name), State.done)
 
     def provenance(self) -> dict:
         return provenance(dataclasses.asdict(self.cfg), self.request.config_hash,
-                          job_id=self.ctx.job_id, hosts=self.ctx.hostnames, started=self.started)
+                          job_id=self.ctx.job_id, hosts=self.ctx.hostnames, started=self.started,
+                          config_sources=self.request.config_sources)
 
     def resume_profile(self, path: Path, kind: str, source: str, identity: str, **fields) -> dict:
         """The profile at `path` if it holds the same kind, source and `fields[identity]` (the

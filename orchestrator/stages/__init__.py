@@ -22,8 +22,9 @@ from orchestrator.errors import ConfigError
 
 # `stage=all` runs these in order, skipping what is done.
 PIPELINE = ("profile_hardware", "profile_model", "search", "train")
-# Stages a user can name (plus `all` and `status`, which the CLI handles itself).
-STAGES = PIPELINE + ("import", "export", "trace", "noop")
+# Stages a user can name (plus `all` and `status`, which the CLI handles itself). `init` runs in
+# the CLI's process too (it writes a cluster file, then launches its check job itself).
+STAGES = PIPELINE + ("import", "export", "trace", "noop", "init")
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,12 @@ class Stage:
         """Run on every rank (`run.plan`, `run.cfg`, `run.todo`); rank 0 returns the summary."""
         raise NotImplementedError
 
+    def disk_bytes(self, cfg: Config) -> Optional[int]:
+        """About how many bytes a run writes under the profiles folder (an order of magnitude,
+        computed from the shape of its outputs), for the message on a full disk; None: the
+        stage does not say."""
+        return None
+
     def make_plan(self, cfg: Config, key: str, ranks: Ranks = Ranks.cluster,
                   subparts=(), inputs=(), outputs=(), detail=None, selection=()) -> StagePlan:
         """A StagePlan of this stage; the world size follows from `ranks`."""
@@ -111,3 +118,19 @@ def get_stage(name: str) -> Stage:
         raise ConfigError(f"unknown stage {name!r}; allowed: {allowed}")
     module = f"{name}_" if keyword.iskeyword(name) else name  # stage=import: stages/import_.py
     return importlib.import_module(f"orchestrator.stages.{module}").STAGE
+
+
+def disk_need_text(names, cfg: Config) -> str:
+    """'<stage> writes about <size>' for each stage of `names` that estimates it, joined by
+    commas; '' when none does. Only for an error message: an estimate that fails is left out."""
+    from orchestrator.errors import size_text
+
+    parts = []
+    for name in names:
+        try:
+            n_bytes = get_stage(name).disk_bytes(cfg)
+        except Exception:  # noqa: BLE001 - never hide the error being reported
+            n_bytes = None
+        if n_bytes:
+            parts.append(f"{name} writes about {size_text(n_bytes)}")
+    return ", ".join(parts)

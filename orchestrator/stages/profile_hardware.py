@@ -8,14 +8,16 @@ profile comes from the cluster's published link figures (`cluster.links`), in th
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
+from typing import Optional
 
 from orchestrator.config import cluster_world_size
 from orchestrator.errors import ConfigError
-from orchestrator.choices import HardwareSource, Ranks
+from orchestrator.choices import Backend, HardwareSource, Ranks
 from orchestrator.profiling.hardware.benchmarks import BENCHMARKS
 from orchestrator.stages import Stage
-from orchestrator.store import cluster_dir, hardware_path, write_profile
+from orchestrator.store import PNG_DPI, cluster_dir, hardware_path, write_profile
 from orchestrator.store.schema import HardwareProfile
 
 
@@ -159,6 +161,42 @@ def validate(cfg) -> None:
         link_sheet(cfg)  # its own checks (positive figures, overlap_coe >= 1)
 
 
+def stand_in_bytes(cfg) -> int:
+    """About how many bytes hardware.json and (with plot) hardware.png take: those of a
+    stand-in profile of the same shape, the analytic one from cluster.links at the message
+    sizes, group sizes and benchmarks configured (its inventory and provenance left out: small
+    beside the points). ConfigError where no analytic profile exists (one rank)."""
+    import io
+
+    from orchestrator.profiling.hardware.analytic import analytic_benchmarks
+
+    hw, world = cfg.profile_hardware, cluster_world_size(cfg.cluster)
+    sizes, names = None, None  # analytic: its own sizes, every section
+    if hw.source != HardwareSource.analytic:
+        from orchestrator.profiling.hardware.collectives import default_max_bytes, message_sizes
+
+        device = "cuda" if cfg.cluster.backend == Backend.nccl else "cpu"
+        sizes = message_sizes(hw.min_size_bytes, hw.max_size_bytes or default_max_bytes(device),
+                              hw.size_step)
+        names = set(hw.benchmarks)
+    benchmarks = analytic_benchmarks(world, link_sheet(cfg), max_tp=hw.max_tp,
+                                     max_pp=None if names is None else hw.max_pp, sizes=sizes)
+    record = {"kind": "hardware", "source": str(hw.source), "cluster": _cluster_summary(cfg),
+              "benchmarks": {k: v for k, v in benchmarks.items() if names is None or k in names}}
+    n_bytes = len(json.dumps(record, indent=1, default=str))
+    if hw.plot and any(b.get("points") for b in record["benchmarks"].values()):
+        import matplotlib.pyplot as plt
+
+        from orchestrator.profiling.hardware.report import build_busbw_figure
+
+        fig = build_busbw_figure(record)
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=PNG_DPI)
+        plt.close(fig)
+        n_bytes += png.tell()
+    return n_bytes
+
+
 class ProfileHardware(Stage):
     name = "profile_hardware"
     hash_sections = ("cluster", "profile_hardware")
@@ -179,6 +217,9 @@ class ProfileHardware(Stage):
 
     def run(self, ctx, run):
         return run_profile(ctx, run)
+
+    def disk_bytes(self, cfg) -> Optional[int]:
+        return stand_in_bytes(cfg)
 
 
 STAGE = ProfileHardware()

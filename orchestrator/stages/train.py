@@ -18,11 +18,11 @@ import time
 from typing import List, Optional
 
 from orchestrator.choices import Ranks
-from orchestrator.errors import ProfileError
+from orchestrator.errors import ConfigError
 from orchestrator.stages import Stage, StageInput
 from orchestrator.store import cluster_dir, file_sha256
-from orchestrator.train.plan import (check_memory, layout_file, layout_tag, predict, resolve,
-                                     train_dir)
+from orchestrator.train.plan import (check_length_mean, check_memory, layout_file, layout_tag,
+                                     predict, resolve, train_dir)
 
 log = logging.getLogger("orchestrator.train")
 
@@ -72,6 +72,17 @@ class Train(Stage):
             target = resolve(cfg)  # else search writes it first (stage=all): resolved on the ranks
             outputs.append(summary_path(cfg, target.layout))  # the pipeline labels sweep points
             check_memory(cfg, predict(cfg, target.layout, target.seq_len)[0])
+        # Without a layout yet (search writes it in this command) the sequence length will be
+        # search's: search.seq_len, else model.seq_len.
+        check_length_mean(cfg.train, target.seq_len if target else
+                          cfg.train.seq_len or cfg.search.seq_len or cfg.model.seq_len)
+        if cfg.train.load:  # a path with no checkpoint is a config error, before launch
+            from orchestrator.train.checkpoint import CheckpointError, checkpoint_to_load
+
+            try:
+                checkpoint_to_load(cfg.train.load)
+            except CheckpointError as e:
+                raise ConfigError(f"train.load={cfg.train.load}: {e}") from None
         if cfg.train.data:  # a bad corpus path is a config error, before launch
             from orchestrator.train.data import make_data
 
@@ -142,7 +153,8 @@ class StopFlag:
 def train(ctx, run):
     import torch
 
-    from orchestrator.train.checkpoint import load_checkpoint, load_latest, latest_checkpoint
+    from orchestrator.train.checkpoint import (checkpoint_to_load, load_checkpoint, load_latest,
+                                               latest_checkpoint)
     from orchestrator.train.data import make_data
     from orchestrator.train.engine import Engine, OptimSettings
     from orchestrator.train.lr import lr_at
@@ -169,7 +181,7 @@ def train(ctx, run):
     steps_log.identity = run_identity(cfg, layout.describe())
     state = engine.state()
     start, warnings = _resume(engine, state, ckpt_dir, t, load_latest, latest_checkpoint,
-                              load_checkpoint, steps_log)
+                              load_checkpoint, checkpoint_to_load, steps_log)
     for w in warnings:
         steps_log.warn(w)
     stop = StopFlag()  # until the summary is written: a signal after the last step is ignored
@@ -260,10 +272,10 @@ def _planned_step(engine, planner, iteration, data, lr: float, grad_clip: float,
 
 
 def _resume(engine, state, ckpt_dir, t, load_latest, latest_checkpoint, load_checkpoint,
-            steps_log):
+            checkpoint_to_load, steps_log):
     """The step to start from: the last good checkpoint of this layout's folder, else
     train.load (any layout), else 0; the warnings about checkpoints skipped."""
-    from pathlib import Path
+    from orchestrator.train.checkpoint import CheckpointError
 
     _set_aside_unusable(ckpt_dir, t, steps_log, latest_checkpoint)
     info, warnings = load_latest(ckpt_dir, state)
@@ -273,9 +285,11 @@ def _resume(engine, state, ckpt_dir, t, load_latest, latest_checkpoint, load_che
         steps_log.note(f"resumed from {info.path} (step {info.step})")
         return info.step, warnings
     if t.load:
-        found = _checkpoint_at(Path(t.load), latest_checkpoint)
-        if found is None:
-            raise ProfileError(f"train.load={t.load}: no complete checkpoint there")
+        try:  # checked before launch too; a folder can change in between
+            found, skipped = checkpoint_to_load(t.load)
+        except CheckpointError as e:
+            raise CheckpointError(f"train.load={t.load}: {e}") from None
+        warnings = warnings + skipped
         extra = load_checkpoint(found, state)
         engine.load_state(state, found.step)
         steps_log.restore(extra)
@@ -323,16 +337,6 @@ def _set_aside_unusable(ckpt_dir, t, steps_log, latest_checkpoint) -> None:
     dist.broadcast_object_list(note, src=0)
     if note[0]:
         steps_log.note(note[0])
-
-
-def _checkpoint_at(path, latest_checkpoint):
-    """train.load: one step folder (…/step_00000004), or the newest good one of a folder."""
-    from orchestrator.train.checkpoint import find_checkpoints
-
-    if (path / "complete.json").exists():
-        good, _ = find_checkpoints(path.parent)
-        return next((c for c in good if c.path.resolve() == path.resolve()), None)
-    return latest_checkpoint(path)
 
 
 def _save(engine, ckpt_dir, step: int, t, steps_log) -> None:

@@ -7,6 +7,7 @@ ProfileError naming the file, the first bad field and the command that rebuilds 
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -55,6 +56,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], binary: b
     """Write a file atomically: `write(f)` fills a temp file in the same folder, then fsync and
     rename. A reader never sees a half-written file; a crash leaves the previous version intact.
     The file gets the user's umask (mkstemp makes it 0600: unreadable by teammates).
+    An OSError of the writing itself (a full disk: `[Errno 28]` with no file name) is raised
+    naming `path`, with the temp file removed.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -66,17 +69,62 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], binary: b
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(e, OSError) and e.errno is not None and not e.filename:
+            raise OSError(e.errno, e.strerror, str(path)) from e
         raise
     return path
 
 
-def write_json(path: str | os.PathLike, obj: Any) -> Path:
-    """Write obj as JSON atomically (the project's one JSON writer)."""
+# Errors that mean "the disk (or the user's quota) is full".
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def keep_reserve(path: str | os.PathLike, nbytes: int) -> None:
+    """Best effort: a file of `nbytes` allocated at `path` (kept if already that big), which a
+    write that must not fail on a full disk can delete to make room (`write_json(reserve=)`).
+    Nothing is kept when there is no room for it (or the folder is read-only)."""
+    path = Path(path)
+    try:
+        if path.stat().st_size >= nbytes:
+            return
+    except OSError:
+        pass
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, FILE_MODE)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        finally:
+            os.close(fd)
+    except OSError:
+        try:  # a partly allocated reserve would only take room without being sure to give it
+            path.unlink()
+        except OSError:
+            pass
+
+
+def write_json(path: str | os.PathLike, obj: Any,
+               reserve: Optional[str | os.PathLike] = None) -> Path:
+    """Write obj as JSON atomically (the project's one JSON writer). With `reserve` (a file
+    `keep_reserve` made): when the disk is full, that file is deleted and the write tried once
+    more, so a record of a failure gets written even then."""
+    try:
+        return _write_json(path, obj)
+    except OSError as e:
+        if reserve is None or e.errno not in DISK_FULL:
+            raise
+        try:
+            os.unlink(reserve)
+        except FileNotFoundError:
+            raise e from None
+        return _write_json(path, obj)
+
+
+def _write_json(path: str | os.PathLike, obj: Any) -> Path:
     def dump(f):
         json.dump(obj, f, indent=1, default=_json_default)
         f.write("\n")
@@ -84,7 +132,10 @@ def write_json(path: str | os.PathLike, obj: Any) -> Path:
     return atomic_write(path, dump)
 
 
-def save_figure(fig, path: str | os.PathLike, dpi: int = 110) -> Path:
+PNG_DPI = 110  # every plot's resolution
+
+
+def save_figure(fig, path: str | os.PathLike, dpi: int = PNG_DPI) -> Path:
     """A matplotlib figure as PNG, atomically."""
     return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=dpi), binary=True)
 
@@ -134,10 +185,13 @@ def library_versions() -> dict:
 
 
 def provenance(config: Mapping, config_hash_: str, *, job_id: Optional[str], hosts: list,
-               started: float, ended: Optional[float] = None) -> dict:
-    """The provenance block every profile carries. Times are Unix seconds."""
+               started: float, ended: Optional[float] = None,
+               config_sources: Optional[Mapping[str, str]] = None) -> dict:
+    """The provenance block every profile carries. Times are Unix seconds; `config_sources`:
+    the file each config group's choice came from (`cluster`, `model`)."""
     return {
         "config": config,
+        "config_sources": dict(config_sources or {}),
         "config_hash": config_hash_,
         "job_id": job_id,
         "hosts": sorted(set(hosts)) or [socket.gethostname()],

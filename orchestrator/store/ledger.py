@@ -10,6 +10,10 @@ stale read:
   its owner (host, CLI pid) recorded; refused while another live run has the key;
 - `attach_job`: the job id and folder, once the launcher knows them (never the state);
 - `transition`: the state, and with it `ended`, `error` and `summary`, along the allowed edges.
+
+A full disk must not leave a launch `running` in the ledger: beside it lies `ledger.json.reserve`,
+a file of about twice the ledger's size, which only the writes that record how a launch failed
+may delete to make room (`mark_ended` here, rank 0's result file in the runtime).
 """
 from __future__ import annotations
 
@@ -25,10 +29,12 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
 from filelock import FileLock
 
 from orchestrator.errors import LaunchError
-from orchestrator.store import read_json, write_json
+from orchestrator.store import keep_reserve, read_json, write_json
 from orchestrator.store.owner import Owner, pid_alive
 
 LEDGER_NAME = "ledger.json"
+# Room the reserve keeps beyond a copy of the ledger: rank 0's result file, rounding to blocks.
+RESERVE_SLACK_BYTES = 16 * 1024
 LOCAL_JOB_PREFIX = "local-"  # a local launch's job id: local-<mpiexec pid>
 EXIT_WAIT_S = 10.0  # how long a launch waits for the ranks of a killed CLI to exit
 
@@ -139,9 +145,15 @@ class LedgerEntry:
 Rebuild = Callable[[Path], Tuple[Dict[str, "LedgerEntry"], List[str]]]
 
 
+def reserve_path(folder: str | Path) -> Path:
+    """The ledger's reserve in a cluster folder (see the module's docstring)."""
+    return Path(folder) / f"{LEDGER_NAME}.reserve"
+
+
 class Ledger:
     def __init__(self, folder: str | Path, rebuild: Optional[Rebuild] = None):
         self.path = Path(folder) / LEDGER_NAME
+        self.reserve = reserve_path(folder)
         self._rebuild = rebuild
         self._lock = FileLock(str(self.path) + ".lock", timeout=60)
 
@@ -183,17 +195,20 @@ class Ledger:
 
     # ------------------------------------------------------------------ writing
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[Dict[str, LedgerEntry]]:
-        """The entries, read under the lock; written back when the block exits cleanly."""
+    def _locked(self, spend_reserve: bool = False) -> Iterator[Dict[str, LedgerEntry]]:
+        """The entries, read under the lock; written back when the block exits cleanly (on a
+        full disk, with `spend_reserve`, by deleting the reserve)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock:
             entries = self._read()
             yield entries
-            self._write(entries)
+            self._write(entries, spend_reserve)
 
-    def _write(self, entries: Dict[str, LedgerEntry]) -> None:
+    def _write(self, entries: Dict[str, LedgerEntry], spend_reserve: bool = False) -> None:
         write_json(self.path, {"schema_version": 1,
-                               "entries": {k: e.to_dict() for k, e in entries.items()}})
+                               "entries": {k: e.to_dict() for k, e in entries.items()}},
+                   reserve=self.reserve if spend_reserve else None)
+        keep_reserve(self.reserve, 2 * self.path.stat().st_size + RESERVE_SLACK_BYTES)
 
     @staticmethod
     def _move(entries: Dict[str, LedgerEntry], key: str, to: State,
@@ -329,11 +344,12 @@ class Ledger:
                    message: str = "") -> None:
         """After a launch that did not finish: the stage and its unfinished sub-parts take
         `state`, in one locked read-and-write. What is done stays done (its results are in the
-        profile file and a rerun skips it), also when rank 0 marked it a moment ago."""
+        profile file and a rerun skips it), also when rank 0 marked it a moment ago. On a full
+        disk it spends the reserve to be written."""
         state = State(state)
         if state == State.done:
             return
-        with self._locked() as entries:
+        with self._locked(spend_reserve=True) as entries:  # also on a full disk
             self._end(entries, key, state, todo, message, time.time())
 
     def _end(self, entries: Dict[str, LedgerEntry], key: str, state: State, todo: Sequence[str],

@@ -7,7 +7,9 @@ folder appears atomically: DCP writes into `.tmp_step_<step>/`, rank 0 then adds
 crash mid-save leaves only a `.tmp_` folder: never read, removed by the next save.
 
 Every function that takes a `state` is collective: all ranks of the default process group call
-it, and all of them return the same outcome or raise the same error.
+it, and all of them return the same outcome or raise the same error. The file checks
+(`find_checkpoints`, `checkpoint_to_load`) are local and torch-free: torch is imported where it
+is used, so the CLI checks `train.load` before launch without loading it.
 """
 from __future__ import annotations
 
@@ -18,17 +20,13 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, List, Mapping, Optional, Tuple
-
-import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from typing import TYPE_CHECKING, Any, Callable, List, Mapping, Optional, Tuple
 
 from orchestrator.errors import OrchestratorError
 from orchestrator.store import read_json, write_json
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 COMPLETE = "complete.json"
 _STEP_DIR = re.compile(r"step_(\d{8})")
@@ -74,6 +72,9 @@ def save_checkpoint(folder: str | os.PathLike, step: int, state: dict, extra: di
     later ones: this run resumed from before them (they were damaged, or it started afresh), and
     a later resume must not jump back onto them.
     Returns the checkpoint's folder. Collective."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
     if keep < 1:
         raise ValueError(f"keep={keep}: a save must keep at least the checkpoint it writes")
     folder = Path(folder)
@@ -102,6 +103,8 @@ def _prepare(folder: Path, tmp: Path) -> None:
 def _publish(tmp: Path, final: Path, step: int, extra: dict) -> None:
     """Write complete.json into `tmp`, then rename `tmp` to `final` (replacing an older save of
     the same step: moved aside first, since a folder cannot be renamed over a full one)."""
+    import torch.distributed as dist
+
     file_bytes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
     write_json(tmp / COMPLETE, {"step": step, "extra": extra, "saved_unix_s": time.time(),
                                 "world_size": dist.get_world_size(), "file_bytes": file_bytes})
@@ -182,11 +185,47 @@ def latest_checkpoint(folder: str | os.PathLike) -> Optional[CheckpointInfo]:
 
 # ---- load -------------------------------------------------------------------------------------
 
+# What `train.load` must name, for the messages that refuse another folder.
+CHECKPOINT_FOLDER = (f"a checkpoint is a folder step_<8 digits>/ holding {COMPLETE} and DCP's "
+                     f".metadata with its data files (what train writes under "
+                     f"profiles/<cluster>/train/<model>/<layout>.ckpt/); give one such folder, or "
+                     f"the folder of them (its newest complete one is loaded)")
+
+
+def checkpoint_to_load(path: str | os.PathLike) -> Tuple[CheckpointInfo, List[str]]:
+    """The checkpoint `path` names: a step folder (`.../step_00000004`), or the newest complete
+    one of a folder of step folders; with one line per damaged step folder skipped. Raises
+    CheckpointError saying what is missing or damaged there and what a checkpoint folder
+    holds. Local (files only, no collective)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"does not exist; {CHECKPOINT_FOLDER}")
+    if not path.is_dir():
+        raise CheckpointError(f"not a folder; {CHECKPOINT_FOLDER}")
+    step = _STEP_DIR.fullmatch(path.name)
+    if step:  # one step folder
+        info, problem = _check_folder(int(step.group(1)), path)
+        if info is None:
+            raise CheckpointError(f"{problem}; {CHECKPOINT_FOLDER}")
+        return info, []
+    good, problems = find_checkpoints(path)
+    if good:
+        return good[0], problems
+    if problems:
+        raise CheckpointError(f"no complete checkpoint in it ({'; '.join(problems)}); "
+                              f"{CHECKPOINT_FOLDER}")
+    raise CheckpointError(f"no checkpoint in it; {CHECKPOINT_FOLDER}")
+
+
+
 def load_checkpoint(info: CheckpointInfo, state: dict) -> dict:
     """Load checkpoint `info` in place into `state` (tensors and DTensors already allocated in the
     target layout; keys of the checkpoint that `state` lacks are left out). Returns its `extra`.
     Raises CheckpointMismatchError when `state` has keys or shapes the checkpoint lacks, and
     CheckpointError when its files do not read. Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
     metadata, error = None, None
     try:
         metadata = FileSystemReader(str(info.path)).read_metadata()
@@ -209,6 +248,8 @@ def load_latest(folder: str | os.PathLike,
     caller to print. Rank 0 decides which folders to try, so every rank loads the same one.
     Raises CheckpointError when there are checkpoints but none reads, CheckpointMismatchError when
     the newest does not fit `state`. Collective."""
+    import torch.distributed as dist
+
     scanned = [find_checkpoints(folder) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(scanned, src=0)
     candidates, problems = scanned[0]
@@ -237,9 +278,12 @@ def _flatten(state: Mapping, prefix: str = "") -> dict:
     return flat
 
 
-def _mismatch(metadata: Metadata, state: dict) -> Optional[str]:
+def _mismatch(metadata: "Metadata", state: dict) -> Optional[str]:
     """What of `state` this rank cannot fill from the checkpoint: a few missing keys and global
     shapes that differ; None when everything fits."""
+    import torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     stored = metadata.state_dict_metadata
     missing, shapes = [], []
     for key, value in _flatten(state).items():
@@ -265,6 +309,8 @@ def _mismatch(metadata: Metadata, state: dict) -> Optional[str]:
 def _dcp_call(call: Callable, state: dict, path: Path, what: str) -> None:
     """dcp.save / dcp.load; their CheckpointException (a BaseException, raised on every rank
     alike) as a CheckpointError naming the folder and each failing rank's error."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         call(state, checkpoint_id=str(path))
     except CheckpointException as e:
@@ -291,6 +337,8 @@ def _on_rank0(action: Callable[[], Any], what: str) -> Optional[str]:
 
 def _from_rank0(error: Optional[str]) -> Optional[str]:
     """Rank 0's `error` on every rank."""
+    import torch.distributed as dist
+
     shared = [error]
     dist.broadcast_object_list(shared, src=0)
     return shared[0]
@@ -298,6 +346,8 @@ def _from_rank0(error: Optional[str]) -> Optional[str]:
 
 def _agreed(error: Optional[str]) -> Optional[str]:
     """The first rank's error, if any rank has one, on every rank."""
+    import torch.distributed as dist
+
     errors: List[Optional[str]] = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     return next((e for e in errors if e), None)

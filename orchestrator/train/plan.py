@@ -12,7 +12,7 @@ from typing import Optional
 from orchestrator.choices import Backend, Dtype
 from orchestrator.commands import rerun_command
 from orchestrator.config import cluster_world_size
-from orchestrator.errors import InfeasibleError, InvalidLayout, ProfileError
+from orchestrator.errors import ConfigError, InfeasibleError, InvalidLayout, ProfileError
 from orchestrator.layout import LayoutError, ParallelLayout
 from orchestrator.store import cluster_dir, hardware_path, model_profile_path, strategy_path
 
@@ -232,6 +232,20 @@ def planner_profiles(cfg):
     hw = read_profile(hw_path, HardwareProfile, rerun_command("profile_hardware"))
     mp = read_profile(mp_path, ModelProfile, rerun_command("profile_model"))
     return ModelCost.from_profile(mp), HardwareModel.from_profile(hw)
+
+
+def check_length_mean(train, seq_len: int) -> None:
+    """ConfigError when variable-length samples (train.microbatching other than fixed) are asked
+    for with a mean length outside (0, seq_len] tokens: every sample is capped at seq_len, so a
+    larger mean trains the fixed-length run under another name."""
+    mean = train.length_mean
+    if str(train.microbatching) == "fixed" or mean is None or 0 < mean <= seq_len:
+        return
+    raise ConfigError(f"train.length_mean({mean}) must be in (0, seq_len({seq_len})]: samples "
+                      f"are capped at seq_len, so train.microbatching={train.microbatching} "
+                      f"would train every sample at seq_len, the fixed run; set "
+                      f"train.length_mean to at most {seq_len}, or leave it unset for "
+                      f"seq_len / 4 = {max(1, seq_len // 4)}")
 
 
 def memory_budget_GiB(cfg) -> float:

@@ -19,25 +19,28 @@ from typing import Dict, Optional, Tuple
 
 from orchestrator.errors import ConfigError
 from orchestrator.choices import Dtype
-from orchestrator.config import CONF_DIR
+from orchestrator.config import CONF_DIR, config_dirs, group_options
 from orchestrator.models.config import ModelConfig, count_block_params
 
-DEVICE_DIR = CONF_DIR / "device"
+DEVICE_DIR = CONF_DIR / "device"  # the package's sheets; a site's device/ folder comes first
 # Causal attention: a flash kernel computes only the blocks on or below the diagonal.
 CAUSAL_ATTENTION_FRACTION = 0.5
 
 
 # ---------------------------------------------------------------- device sheets
 def device_sheets() -> list:
-    """Names of the device sheets in conf/device/."""
-    return sorted(p.stem for p in DEVICE_DIR.glob("*.yaml"))
+    """Names of the device sheets in conf/device/ (the site's and the package's)."""
+    return group_options("device", config_dirs())
 
 
 def load_device_sheet(name: str) -> dict:
-    """conf/device/<name>.yaml as a dict; ConfigError naming the sheets there if it is missing."""
+    """conf/device/<name>.yaml as a dict (a site's sheet first, as Hydra's groups); ConfigError
+    naming the sheets there if it is missing."""
     import yaml
 
-    path = DEVICE_DIR / f"{name}.yaml"
+    dirs = config_dirs()
+    path = next((d / "device" / f"{name}.yaml" for d in dirs
+                 if (d / "device" / f"{name}.yaml").is_file()), DEVICE_DIR / f"{name}.yaml")
     if not path.exists():
         raise ConfigError(f"profile_model.device={name!r}: no sheet {path}; "
                           f"available: {', '.join(device_sheets())}")

@@ -17,6 +17,9 @@ class Provenance(Record):
     KEEP_NONE: ClassVar[bool] = True
 
     config: Dict[str, Any] = doc("the composed config the stage ran with", default_factory=dict)
+    config_sources: Dict[str, str] = doc("the file each config group's choice came from "
+                                         "(cluster, model): a site file's path, or "
+                                         "package:<group>/<name>.yaml", default_factory=dict)
     config_hash: Optional[str] = doc("hash of the config sections that change the result; a "
                                      "reader expecting another hash calls the file stale",
                                      default=None)

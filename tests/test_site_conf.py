@@ -1,0 +1,216 @@
+"""A user's site folder (./conf or $ORCHESTRATOR_CONF) layered over the package's configs, and
+names that become paths: they cannot leave the profiles folder.
+
+The repository's own conf/ is an example site (conf/cluster/example_site.yaml,
+conf/model/example_model.yaml); the CLI tests run from the repository root, so it is theirs too.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run_cli
+from orchestrator.config import check_path_name
+from orchestrator.errors import ConfigError
+
+MYSITE = """\
+# A local site cluster: this machine, 2 CPU ranks over gloo.
+name: mysite
+nodes: 1
+tasks_per_node: 2
+backend: gloo
+device_mem_GiB: 4
+"""
+# Every stage, as fast as it goes: analytic profiles (no measuring), two training steps.
+QUICK_ALL = ["profile_hardware.source=analytic", "profile_model.source=analytic",
+             "profile_model.seq_lens=[128,256]", "profile_model.max_tp=1", "search.max_tp=1",
+             "train.steps=2", "profile_hardware.plot=false", "profile_model.plot=false",
+             "search.plot=false", "train.plot=false"]
+
+
+def _one_error_line(proc, code: int) -> str:
+    """The CLI's stderr, asserted to be one `error:` line (no traceback) and exit `code`."""
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    return lines[0]
+
+
+def _site(folder: Path, files: dict) -> Path:
+    """`folder` holding `files` ({"cluster/mysite.yaml": text}); returns it."""
+    for name, text in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+    return folder
+
+
+def _files(folder: Path) -> list:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+# ---------------------------------------------------------------- the example site (repo's conf/)
+def test_example_site_cluster_composes_and_validates(profiles):
+    proc = run_cli("--cfg", "job", "cluster=example_site", "model=example_model",
+                   profiles_dir=profiles, check=0)
+    assert "name: example_site" in proc.stdout and "partition: gpu" in proc.stdout
+    assert "- module load cuda/12.4" in proc.stdout
+    assert "name: example_model" in proc.stdout and "ffn: 2816" in proc.stdout
+
+
+def test_help_lists_the_sites_choices_with_the_packages(profiles):
+    proc = run_cli("--help", profiles_dir=profiles, check=0)
+    assert "cluster: dev, dgx_a100, dgx_h100, example_site, gpu_node, local" in proc.stdout
+    assert "model: example_model, llama2_7b, qwen_100b, qwen_30b, tiny" in proc.stdout
+
+
+def test_example_model_is_planned_on_the_example_site_with_sources_in_provenance(profiles):
+    site = ["cluster=example_site", "model=example_model"]
+    run_cli("stage=profile_hardware", "profile_hardware.source=analytic",
+            "profile_hardware.plot=false", *site, profiles_dir=profiles, check=0)
+    run_cli("stage=profile_model", "profile_model.source=analytic", "profile_model.max_tp=2",
+            "profile_model.seq_lens=[1024,2048]", "profile_model.plot=false", *site,
+            profiles_dir=profiles, check=0)
+    run_cli("stage=search", "search.max_tp=2", "search.plot=false", *site,
+            profiles_dir=profiles, check=0)
+    strategy = json.loads((profiles / "example_site" / "strategy" / "example_model.json")
+                          .read_text())
+    layout = strategy["layout"]
+    assert layout["pp"] * layout["tp"] * layout["dp"] == 16  # 2 nodes x 8 GPUs
+    assert strategy["provenance"]["config_sources"] == {
+        "cluster": str(REPO / "conf" / "cluster" / "example_site.yaml"),
+        "model": str(REPO / "conf" / "model" / "example_model.yaml")}
+
+
+# ---------------------------------------------------------------- a site of one's own
+def test_a_fresh_folder_with_one_site_cluster_runs_every_stage(tmp_path):
+    _site(tmp_path / "conf", {"cluster/mysite.yaml": MYSITE})
+    run_cli("stage=all", "cluster=mysite", "model=tiny", *QUICK_ALL, profiles_dir=None,
+            cwd=tmp_path, check=0, timeout=600)
+    folder = tmp_path / "profiles" / "mysite"  # profiles_dir's default, under the working dir
+    for output in ("hardware.json", "model/tiny.json", "strategy/tiny.json"):
+        assert (folder / output).exists(), output
+    summary = next((folder / "train" / "tiny").glob("*.json"))
+    sources = {"cluster": str(tmp_path / "conf" / "cluster" / "mysite.yaml"),
+               "model": "package:model/tiny.yaml"}
+    for path in (folder / "hardware.json", folder / "strategy" / "tiny.json", summary):
+        assert json.loads(path.read_text())["provenance"]["config_sources"] == sources, path
+    run_config = next((folder / "runs").glob("*_all/config.yaml")).read_text()
+    assert run_config.startswith(f"# cluster: {sources['cluster']}\n"
+                                 f"# model: package:model/tiny.yaml\n")
+
+
+def test_orchestrator_conf_names_a_site_folder_elsewhere(tmp_path):
+    site = _site(tmp_path / "shared" / "site", {"cluster/othersite.yaml":
+                                                 MYSITE.replace("mysite", "othersite")})
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {"ORCHESTRATOR_CONF": str(site)}
+    proc = run_cli("--cfg", "job", "cluster=othersite", profiles_dir=None, cwd=work, env=env,
+                   check=0)
+    assert "name: othersite" in proc.stdout and "tasks_per_node: 2" in proc.stdout
+    run_cli("stage=noop", "cluster=othersite", profiles_dir=None, cwd=work, env=env, check=0)
+    run_config = next((work / "profiles" / "othersite" / "runs").glob("*_noop/config.yaml"))
+    assert run_config.read_text().startswith(
+        f"# cluster: {site / 'cluster' / 'othersite.yaml'}\n")
+
+
+def test_orchestrator_conf_that_is_not_a_folder_fails_in_one_line(tmp_path):
+    proc = run_cli("stage=noop", profiles_dir=None, cwd=tmp_path,
+                   env={"ORCHESTRATOR_CONF": str(tmp_path / "missing")})
+    assert "ORCHESTRATOR_CONF=" in _one_error_line(proc, 2)
+    assert _files(tmp_path) == []
+
+
+def test_a_site_file_named_like_a_package_file_overrides_it(tmp_path):
+    _site(tmp_path / "conf", {"cluster/local.yaml": "name: local\ntasks_per_node: 3\n"})
+    proc = run_cli("--cfg", "job", profiles_dir=None, cwd=tmp_path, check=0)
+    assert "tasks_per_node: 3" in proc.stdout
+
+
+def test_a_site_sweep_runs_from_the_site_folder(tmp_path):
+    _site(tmp_path / "conf", {"cluster/mysite.yaml": MYSITE})
+    proc = run_cli("-m", "stage=noop", "cluster=mysite", "cluster.tasks_per_node=1,2",
+                   profiles_dir=None, cwd=tmp_path, check=0)
+    assert "sweep: 2 point(s)" in proc.stdout
+    assert list((tmp_path / "profiles" / "mysite" / "multirun").glob("*/sweep.csv"))
+
+
+@pytest.mark.parametrize("text, says", [
+    ("name: mysite\nnodez: 2\n", "unknown key cluster.nodez; did you mean cluster.nodes?"),
+    ("name: mysite\nnodes: two\n", "cluster.nodes='two': expected an integer"),
+    ("name: mysite\nlinks:\n  nic_Gbps: fast\n",
+     "cluster.links.nic_Gbps='fast': expected a number"),
+    ("name: mysite\n  nodes: [\n", "line 2: not valid YAML: mapping values are not allowed here"),
+])
+def test_a_bad_site_cluster_file_fails_in_one_line_naming_the_file(tmp_path, text, says):
+    site = _site(tmp_path / "conf", {"cluster/mysite.yaml": text})
+    for sweep in ([], ["-m", "cluster=local,mysite"]):
+        args = [*sweep, "stage=noop"] + ([] if sweep else ["cluster=mysite"])
+        line = _one_error_line(run_cli(*args, profiles_dir=None, cwd=tmp_path), 2)
+        assert line == f"error: {site / 'cluster' / 'mysite.yaml'}: {says}"
+    assert _files(tmp_path) == ["conf", "conf/cluster", "conf/cluster/mysite.yaml"]
+
+
+def test_a_site_config_yaml_is_refused_not_used_as_the_primary_config(tmp_path):
+    _site(tmp_path / "conf", {"config.yaml": "defaults: []\n"})
+    line = _one_error_line(run_cli("stage=noop", profiles_dir=None, cwd=tmp_path), 2)
+    assert "conf/config.yaml: a site folder holds config groups only" in line
+
+
+# ---------------------------------------------------------------- names that become paths
+REFUSED_NAMES = ["../x", "a/b", "/abs", "a\\b", "..", "a..b", "", ".hidden", "-x"]
+
+
+@pytest.mark.parametrize("name", REFUSED_NAMES)
+def test_a_name_that_would_leave_the_profiles_folder_is_refused(name):
+    with pytest.raises(ConfigError, match=r"may hold only letters, digits, '_', '-' and '\.'"):
+        check_path_name("cluster.name", name)
+
+
+@pytest.mark.parametrize("name", ["local", "dgx_h100", "my-site.2", "A1"])
+def test_plain_names_pass(name):
+    check_path_name("model.name", name)
+
+
+@pytest.mark.parametrize("override", [f"cluster.name={n}" for n in REFUSED_NAMES]
+                         + ["model.name=../m", "model.name=m/../../x",
+                            "profile_model.device=../../etc/h100", "trace.device=a/b"])
+def test_a_path_name_on_the_command_line_exits_2_in_one_line_creating_nothing(tmp_path,
+                                                                               override):
+    profiles = tmp_path / "deep" / "profiles"  # ../x would land in tmp_path/deep/x
+    line = _one_error_line(run_cli("stage=noop", override, profiles_dir=profiles), 2)
+    assert "must not start with '.' or '-' nor contain '..'" in line
+    assert line.startswith(f"error: {override.split('=')[0]}=")
+    assert _files(tmp_path) == []
+
+
+def test_a_path_name_in_a_sweep_exits_2_before_the_sweep_folder(tmp_path):
+    profiles = tmp_path / "deep" / "profiles"
+    proc = run_cli("-m", "stage=noop", "cluster.name=ok,../x", profiles_dir=profiles)
+    assert "cluster.name='../x'" in _one_error_line(proc, 2)
+    assert _files(tmp_path) == []
+
+
+def test_a_path_name_from_a_site_cluster_file_exits_2_creating_nothing(tmp_path):
+    site = _site(tmp_path / "conf", {"cluster/evil.yaml": "name: ../evil\n"})
+    for sweep in ([], ["-m", "cluster.tasks_per_node=1,2"]):
+        proc = run_cli(*sweep, "stage=noop", "cluster=evil", profiles_dir=None, cwd=tmp_path)
+        line = _one_error_line(proc, 2)
+        assert line.startswith(f"error: {site / 'cluster' / 'evil.yaml'}: cluster.name='../evil'")
+    assert _files(tmp_path) == ["conf", "conf/cluster", "conf/cluster/evil.yaml"]
+
+
+def test_a_path_name_from_a_config_dir_file_is_refused_after_composing(tmp_path):
+    """Files of Hydra's own --config-dir are not the site's pre-checked ones: the composed
+    config is checked before any folder is made (the sweep folder too)."""
+    extra = _site(tmp_path / "extra", {"cluster/evil.yaml": "name: ../evil\n"})
+    work = tmp_path / "work"
+    work.mkdir()
+    for sweep in ([], ["-m", "cluster.tasks_per_node=1,2"]):
+        proc = run_cli(f"--config-dir={extra}", *sweep, "stage=noop", "cluster=evil",
+                       profiles_dir=None, cwd=work)
+        assert "cluster.name='../evil'" in _one_error_line(proc, 2)
+    assert _files(work) == []
+    assert not (tmp_path / "evil").exists()
