@@ -263,7 +263,11 @@ def run_stages(cfg: Config) -> List[dict]:
             _mark_ended(ledger, plan.key, State.failed, request.todo, f"not launched: {e}")
             raise
         job = {"job_id": launcher.job_id(handle), "job_folder": launcher.job_folder(handle)}
-        ledger.attach_job(plan.key, request.todo, **job)
+        try:
+            ledger.attach_job(plan.key, request.todo, **job)
+        except BaseException:  # e.g. a full disk: a launch nobody can follow must not run on
+            launcher.stop(handle)
+            raise
         produced_now.add(plan.stage)
         if launcher.queued:  # submit the whole chain first (afterok), then wait in order
             previous_job = job["job_id"]

@@ -74,6 +74,20 @@ def fill_disk(folder: Path) -> Path:
     return path
 
 
+def pytest_collection_modifyitems(config, items):
+    """Groups for `pytest -n 2 --dist loadgroup` (pytest-xdist; `make test` runs it so): every
+    test of the dev Slurm cluster on one worker, one after another (its two fake nodes run one
+    job at a time, and the requeue tests time Slurm's own checks); every other test with the
+    rest of its module, so a module-scoped fixture is built once."""
+    for item in items:
+        if "slurm_cluster" in item.fixturenames:
+            item.add_marker(pytest.mark.slurm)
+            group = "slurm"
+        else:
+            group = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture
 def profiles(tmp_path):
     return tmp_path / "profiles"

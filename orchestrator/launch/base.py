@@ -40,6 +40,10 @@ class Launcher(Protocol):
         this terminal themselves). A Ctrl-C propagates as KeyboardInterrupt (the caller
         records the cancel and exits 130), after stopping ranks that end with this command."""
 
+    def stop(self, handle) -> None:
+        """End a launch the ledger cannot follow (its entry could not be written): local ranks
+        are stopped and waited for, a Slurm job is cancelled."""
+
     def refresh(self, ledger, key: str, entry: LedgerEntry) -> None:
         """Re-attach to a launch the ledger still calls pending/running; record how it ended
         (local: a launch whose command is gone, failed)."""

@@ -79,6 +79,11 @@ class LocalLauncher:
     def job_folder(self, handle) -> Optional[str]:
         return None
 
+    def stop(self, handle: LocalHandle) -> None:
+        if handle.proc is not None and handle.proc.poll() is None:
+            os.killpg(handle.proc.pid, signal.SIGTERM)
+            handle.proc.wait()  # mpiexec's last words come before the caller's error line
+
     def refresh(self, ledger, key: str, entry: LedgerEntry) -> None:
         """A local launch ends with the command that started it: one whose command is gone
         (killed) without recording how it ended is marked failed."""

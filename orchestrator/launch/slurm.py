@@ -200,6 +200,9 @@ class SlurmLauncher:
     def job_folder(self, job) -> Optional[str]:
         return str(job.paths.folder)
 
+    def stop(self, job) -> None:
+        job.cancel(check=False)
+
     def refresh(self, ledger, key: str, entry: LedgerEntry) -> None:
         """Re-attach to the job of a pending/running ledger entry and record how it ended."""
         if not entry.job_id or not entry.job_folder:
