@@ -14,10 +14,7 @@ from pathlib import Path
 from typing import List, NoReturn, Optional
 
 import hydra
-from hydra.core.config_search_path import ConfigSearchPath, SearchPathQuery
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.plugins import Plugins
-from hydra.plugins.search_path_plugin import SearchPathPlugin
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
@@ -30,6 +27,7 @@ from orchestrator.config import (CONF_DIR, PATH_NAME_KEYS, Config, check_group_f
                                  group_options, group_source, override_type_error,
                                  register_configs, schema_has_key, schema_spelling, site_conf_dir,
                                  unknown_key_message)
+from orchestrator.console import err_console, print_error, report_error
 from orchestrator.commands import parse_overrides, rerun_command, set_user_overrides
 from orchestrator.errors import (ConfigError, InvalidLayout, LaunchError, OrchestratorError,
                                  file_error)
@@ -44,29 +42,9 @@ from orchestrator.sweep import set_swept_keys
 
 # Wide enough for the status table when output goes to a file or a pipe (rich would use 80).
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
-err_console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 200)
 
 
 # ---------------------------------------------------------------- the user's site folder
-class SiteSearchPath(SearchPathPlugin):
-    """Puts the user's site folder (`config.site_conf_dir`: $ORCHESTRATOR_CONF or ./conf) right
-    before the package's conf/ in Hydra's search path: `--help`, tab completion, `--cfg` and
-    `-m` see its groups, and a site file named like a package file overrides it (the first
-    folder that holds a file provides it). Other Hydra apps' search paths are left alone."""
-
-    def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
-        try:
-            site = site_conf_dir()
-        except ConfigError:
-            return  # main() has said so in one line before Hydra started
-        package = next((e for e in search_path.get_path() if e.provider == "main"
-                        and Path(e.path.removeprefix("file://")).resolve() == CONF_DIR), None)
-        if site is None or package is None or site == CONF_DIR:
-            return
-        search_path.prepend("orchestrator-site", f"file://{site}",
-                            anchor=SearchPathQuery(provider="main", path=package.path))
-
-
 def check_site(argv: List[str]) -> None:
     """ConfigError for a site folder that cannot be used: $ORCHESTRATOR_CONF not a folder, a
     config.yaml there (it would replace the orchestrator's own: e.g. another Hydra app's
@@ -415,17 +393,6 @@ def print_train_table(cfg) -> None:
 
 
 # ---------------------------------------------------------------- entry points
-def print_error(error: OrchestratorError) -> None:
-    """`error` as one line on stderr (its text verbatim: `[all2all]` is not markup)."""
-    err_console.print(f"[red]error:[/] {escape(str(error))}", soft_wrap=True)
-
-
-def report_error(error: OrchestratorError) -> NoReturn:
-    """Print `error` as one line on stderr and exit with its code."""
-    print_error(error)
-    sys.exit(error.exit_code)
-
-
 def orchestrate(composed: DictConfig):
     """The Hydra task: one stage (or `all`, `status`, `init`) for one composed config."""
     cfg: Config = OmegaConf.to_object(composed)  # typed from here on, down to the ranks
@@ -461,7 +428,6 @@ def _failed(error: OrchestratorError, cfg: Config):
 
 
 register_configs()
-Plugins.instance().register(SiteSearchPath)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")

@@ -619,8 +619,39 @@ def user_spelling(text: str) -> str:
 
 
 def register_configs() -> None:
-    """Register the schema; conf/config.yaml puts `base_config` first in its defaults."""
+    """Register the schema (conf/config.yaml puts `base_config` first in its defaults) and the
+    site folder's place in Hydra's search path (once per process)."""
+    from hydra.core.config_search_path import ConfigSearchPath, SearchPathQuery
     from hydra.core.config_store import ConfigStore  # here: the ranks import this module too
+    from hydra.core.plugins import Plugins
+    from hydra.plugins.search_path_plugin import SearchPathPlugin
 
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
+    global _site_search_path_registered
+    if _site_search_path_registered:
+        return
+
+    class SiteSearchPath(SearchPathPlugin):
+        """Puts the user's site folder (site_conf_dir: $ORCHESTRATOR_CONF or ./conf) right
+        before the package's conf/ in Hydra's search path: `--help`, tab completion, `--cfg`
+        and `-m` see its groups, and a site file named like a package file overrides it (the
+        first folder that holds a file provides it). Other Hydra apps' paths are left alone."""
+
+        def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
+            try:
+                site = site_conf_dir()
+            except ConfigError:
+                return  # main() has said so in one line before Hydra started
+            package = next((e for e in search_path.get_path() if e.provider == "main" and
+                            Path(e.path.removeprefix("file://")).resolve() == CONF_DIR), None)
+            if site is None or package is None or site == CONF_DIR:
+                return
+            search_path.prepend("orchestrator-site", f"file://{site}",
+                                anchor=SearchPathQuery(provider="main", path=package.path))
+
+    Plugins.instance().register(SiteSearchPath)
+    _site_search_path_registered = True
+
+
+_site_search_path_registered = False

@@ -7,10 +7,28 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import NoReturn
 
 from rich.console import Console
+from rich.markup import escape
+
+from orchestrator.errors import OrchestratorError
+
+# The CLI's error lines (wide enough for one line when stderr is a file or a pipe).
+err_console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 200)
 
 
 def stage_console() -> Console:
     tty = os.environ.get("ORCHESTRATOR_TTY") == "1" or sys.stdout.isatty()
     return Console(highlight=False, force_terminal=tty or None, width=None if tty else 160)
+
+
+def print_error(error: OrchestratorError) -> None:
+    """`error` as one line on stderr (its text verbatim: `[all2all]` is not markup)."""
+    err_console.print(f"[red]error:[/] {escape(str(error))}", soft_wrap=True)
+
+
+def report_error(error: OrchestratorError) -> NoReturn:
+    """Print `error` as one line on stderr and exit with its code."""
+    print_error(error)
+    sys.exit(error.exit_code)

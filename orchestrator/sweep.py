@@ -127,7 +127,7 @@ class SweepTable(Callback):
     def on_multirun_start(self, config, **kwargs) -> None:
         # Hydra makes the sweep folder, profiles/<cluster.name>/multirun/..., before any point
         # runs: a name from a cluster file is checked here (the command line's before Hydra).
-        from orchestrator.cli import report_error
+        from orchestrator.console import report_error
         from orchestrator.config import check_path_name
         from orchestrator.errors import ConfigError
 

@@ -33,7 +33,7 @@ from rich.table import Table
 from orchestrator.choices import Backend, LauncherName
 from orchestrator.commands import rerun_command, user_overrides
 from orchestrator.config import (CONF_DIR, ClusterConfig, Config, InitConfig, LinkSheetConfig,
-                                 check_path_name, site_conf_dir)
+                                 check_path_name, register_configs, site_conf_dir)
 from orchestrator.errors import ConfigError, LaunchError, OrchestratorError
 from orchestrator.launch import slurm_discovery
 from orchestrator.launch.slurm_discovery import SlurmCluster
@@ -271,7 +271,7 @@ def load_cluster(name: str) -> ClusterConfig:
     from hydra.initialize import get_gh_backup, restore_gh_from_backup
     from omegaconf import OmegaConf
 
-    import orchestrator.cli  # noqa: F401  (registers the site folder's search path)
+    register_configs()  # the site folder's search path, also outside the CLI
 
     # A fresh search path (this command's was fixed at start, maybe before ./conf existed);
     # the running command's Hydra is put back after.
