@@ -1,9 +1,10 @@
 # `make test`: install what the tests need, start the dev Slurm cluster, run the whole suite.
 PYTHON ?= python3
 PYTEST_ARGS ?=
-# Two pytest-xdist workers: the Slurm tests (mostly waiting on Slurm) on one, the rest beside
-# them; tests/conftest.py groups them (0: one process, e.g. to debug).
-PYTEST_WORKERS ?= 2
+# Three pytest-xdist workers on CI's 2 cores: two Slurm test groups (mostly waiting on Slurm's
+# clocks) and the CPU-bound modules beside them; tests/conftest.py groups and orders them
+# (0: one process, e.g. to debug).
+PYTEST_WORKERS ?= 3
 
 .PHONY: install test cluster-start cluster-stop bench
 
@@ -13,7 +14,7 @@ install:
 test:
 	$(PYTHON) -m pip install -q -e '.[dev]'
 	bash slurm/dev-cluster.sh start
-	eval "$$(bash slurm/dev-cluster.sh env)" && $(PYTHON) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	eval "$$(bash slurm/dev-cluster.sh env)" && $(PYTHON) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 
 cluster-start:
 	bash slurm/dev-cluster.sh start

@@ -9,6 +9,7 @@ import contextlib
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -74,23 +75,75 @@ def fill_disk(folder: Path) -> Path:
     return path
 
 
+# Groups that start first, longest first (from `--durations` of a full run; the order changes
+# only the wall time): the Slurm tests wait on Slurm's own clocks (a 1-minute time limit, 30 s
+# checks) and the modules that follow build a measured profile chain or train many layouts.
+FIRST = ("slurm-train", "slurm", "test_trust_data", "test_train_cli", "test_train_engine",
+         "test_profile_hardware", "test_train_microbatching", "test_profile_model",
+         "test_search_stage", "test_plots", "test_trace_symmetry", "test_site_conf")
+
+
+_GROUP = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-    """Groups for `pytest -n 2 --dist loadgroup` (pytest-xdist; `make test` runs it so): every
-    test of the dev Slurm cluster on one worker, one after another (its two fake nodes run one
-    job at a time, and the requeue tests time Slurm's own checks); every other test with the
-    rest of its module, so a module-scoped fixture is built once."""
+    """Groups for `pytest -n 3 --dist loadgroup --no-loadscope-reorder` (pytest-xdist; `make
+    test` runs it so). The dev Slurm cluster's tests are two groups, each on one worker in
+    order: the train jobs (test_train_slurm.py) and the others; its two fake nodes (4 CPUs each)
+    hold two 4-task jobs at once, so the groups' waits overlap. Every other test stays with the
+    rest of its module, so a module-scoped fixture is built once. Groups in FIRST start first."""
     for item in items:
         if "slurm_cluster" in item.fixturenames:
             item.add_marker(pytest.mark.slurm)
-            group = "slurm"
+            group = "slurm-train" if item.module.__name__ == "test_train_slurm" else "slurm"
         else:
             group = item.module.__name__
         item.add_marker(pytest.mark.xdist_group(group))
+        item.stash[_GROUP] = group
+    rank = {group: i for i, group in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.stash[_GROUP], len(FIRST)))  # stable
 
 
 @pytest.fixture
 def profiles(tmp_path):
     return tmp_path / "profiles"
+
+
+# stage=all measured on 4 local ranks, small: every benchmark, two lengths, tp <= 2, two steps.
+QUICK_HW = ["profile_hardware.max_size_bytes=262144", "profile_hardware.max_time_s=0.05",
+            "profile_hardware.size_step=8"]
+QUICK_MODEL = ["profile_model.seq_lens=[64,128]", "profile_model.max_tp=2",
+               "profile_model.plot=false"]
+MEASURED_CHAIN = [*QUICK_HW, *QUICK_MODEL, "search.max_tp=2", "train.steps=2", "train.plot=false"]
+
+
+@pytest.fixture(scope="session")
+def measured_chain(tmp_path_factory) -> Path:
+    """The profiles folder of one `stage=all` with MEASURED_CHAIN (about a CPU-minute), made
+    once per run even with several xdist workers (a file lock in the run's shared temp folder;
+    the first worker builds it, the others wait and reuse it). Read-only: copy it to change it."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    # An xdist worker's temp folder is inside the run's own one; without xdist it is the run's.
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder = shared / "measured_chain"
+    with FileLock(str(shared / "measured_chain.lock")):
+        if not (folder / "complete").exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a worker that failed halfway
+            run_cli("stage=all", *MEASURED_CHAIN, profiles_dir=folder / "profiles", check=0,
+                    timeout=600)
+            (folder / "complete").touch()
+    return folder / "profiles"
+
+
+@pytest.fixture
+def chain(measured_chain, tmp_path) -> Path:
+    """A copy of the measured chain's profiles folder, the test's own."""
+    copy = tmp_path / "profiles"
+    shutil.copytree(measured_chain, copy)
+    return copy
 
 
 @pytest.fixture(scope="session")

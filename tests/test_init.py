@@ -5,12 +5,14 @@ the dev Slurm cluster (module fixture) backs the end-to-end tests.
 """
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 import yaml
 
 from conftest import ledger, run_cli
+from test_slurm import all_completed, sacct, wait_for
 from orchestrator.config import ClusterConfig, InitConfig
 from orchestrator.errors import ConfigError
 from orchestrator.launch.slurm_discovery import (SlurmCluster, parse_config_value,
@@ -210,6 +212,11 @@ def test_known_failures_in_the_job_logs_name_their_fix(log, fix):
 
 # ---------------------------------------------------------------- on the dev Slurm cluster
 SLURM = ["launcher.poll_s=0.5"]
+QUICK_CHAIN = ["profile_hardware.max_size_bytes=65536", "profile_hardware.max_time_s=0.05",
+               "profile_hardware.size_step=16",
+               "profile_hardware.benchmarks=[inventory,allreduce,p2p,reduce_scatter,all_gather,"
+               "overlap]", "profile_model.seq_lens=[64,128]", "profile_model.max_tp=2",
+               "search.max_tp=2", "train.steps=2", "train.plot=false"]
 
 
 @pytest.fixture(scope="module")
@@ -236,11 +243,31 @@ def test_init_writes_the_dev_cluster_and_every_check_passes(written):
     assert ledger(folder / "profiles", "devcluster")["init"]["state"] == "done"
 
 
-def test_a_stage_runs_on_slurm_with_the_written_cluster(written):
+def test_all_runs_on_slurm_with_the_written_cluster_as_an_afterok_chain(written):
+    """The first hour's end: `stage=all launcher=slurm cluster=<name>` from the folder init
+    wrote to, with nothing else there. One job per stage, each held until the last ended well
+    (afterok); a rerun finds every stage done and submits nothing."""
     folder, _ = written
-    proc = run_cli("stage=noop", "launcher=slurm", "cluster=devcluster", *SLURM,
-                   profiles_dir=folder / "profiles", cwd=folder, check=0)
-    assert "noop: done" in proc.stdout
+    profiles = folder / "profiles"
+    args = ["stage=all", "launcher=slurm", "cluster=devcluster", *SLURM, *QUICK_CHAIN]
+    proc = run_cli(*args, "wait=false", profiles_dir=profiles, cwd=folder, check=0)
+    job_ids = re.findall(r"submitted Slurm job (\d+)", proc.stdout)
+    assert len(job_ids) == 4, proc.stdout  # profile_hardware, profile_model, search, train
+    wait_for(lambda: all_completed(job_ids, profiles / "devcluster"), timeout_s=600, every_s=2,
+             what="the four jobs to complete")
+    for before, after in zip(job_ids, job_ids[1:]):  # afterok: each started after the last ended
+        assert sacct(after, "Start")[0] >= sacct(before, "End")[0]
+        script = next((profiles / "devcluster" / "runs").glob(f"*/*/submitit/{after}_submission.sh"))
+        assert f"#SBATCH --dependency=afterok:{before}" in script.read_text()
+    run_cli("stage=status", "cluster=devcluster", profiles_dir=profiles, cwd=folder, check=0)
+    entries = ledger(profiles, "devcluster")
+    assert [entries[k]["state"] for k in ("profile_hardware", "profile_model/tiny", "search/tiny",
+                                          "train/tiny")] == ["done"] * 4
+    strategy = json.loads((profiles / "devcluster" / "strategy" / "tiny.json").read_text())
+    assert strategy["layout"]["world_size"] == 2  # the written file's 2 nodes x 1 task
+    # The chain recorded the hashes a later plan computes: nothing runs again.
+    proc = run_cli(*args, profiles_dir=profiles, cwd=folder, check=0)
+    assert proc.stdout.count("skipping (force=true redoes it)") == 4, proc.stdout
 
 
 def test_init_refuses_to_overwrite_the_file_without_force(written):

@@ -7,17 +7,12 @@ import time
 
 import pytest
 
-from conftest import ledger, run_cli
+from conftest import MEASURED_CHAIN, ledger, run_cli
 
-QUICK_HW = ["profile_hardware.max_size_bytes=262144", "profile_hardware.max_time_s=0.05",
-            "profile_hardware.size_step=8", "profile_hardware.benchmarks=[inventory,allreduce,p2p,reduce_scatter,all_gather,overlap]"]
-QUICK_MODEL = ["profile_model.seq_lens=[64,128,192]", "profile_model.max_tp=2",
-               "train.steps=2"]  # stage=all ends with train
-
-
-def test_all_runs_the_chain_then_skips_it(profiles):
-    run_cli("stage=all", *QUICK_HW, *QUICK_MODEL, "search.max_tp=2", profiles_dir=profiles,
-            check=0, timeout=900)
+def test_all_runs_the_chain_then_skips_it(chain):
+    """The measured chain (conftest.measured_chain: stage=all once per run), then stage=all
+    again on a copy of it, which skips every stage."""
+    profiles = chain
     strategy = json.loads((profiles / "local" / "strategy" / "tiny.json").read_text())
     assert strategy["kind"] == "strategy" and strategy["source"] == "measured"
     layout = strategy["layout"]
@@ -46,7 +41,7 @@ def test_all_runs_the_chain_then_skips_it(profiles):
 
     before = ledger(profiles)
     strategy_bytes = (profiles / "local" / "strategy" / "tiny.json").read_bytes()
-    run_cli("stage=all", *QUICK_HW, *QUICK_MODEL, "search.max_tp=2", profiles_dir=profiles, check=0)
+    run_cli("stage=all", *MEASURED_CHAIN, profiles_dir=profiles, check=0)
     after = ledger(profiles)
     for key in ("profile_hardware", "profile_model/tiny", "search/tiny"):
         assert after[key]["ended"] == before[key]["ended"], key  # skipped, not rerun

@@ -17,7 +17,7 @@ from conftest import ledger, run_cli, start_cli
 SLURM = ["launcher=slurm", "cluster=dev", "launcher.poll_s=0.5"]
 
 
-def _wait_for(predicate, timeout_s=120, every_s=0.5, what="condition"):
+def wait_for(predicate, timeout_s=120, every_s=0.5, what="condition"):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
@@ -27,19 +27,20 @@ def _wait_for(predicate, timeout_s=120, every_s=0.5, what="condition"):
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
-def _all_completed(job_ids, profiles) -> bool:
-    """Whether every job COMPLETED; fails at once (with the job's stderr) when one ended any
-    other way, instead of waiting out the timeout for a chain that can no longer finish."""
-    states = [(_sacct(j, "State") or ["PENDING"])[0] for j in job_ids]
+def all_completed(job_ids, cluster_dir) -> bool:
+    """Whether every job COMPLETED; fails at once (with the job's stderr, from the runs of
+    `cluster_dir`, e.g. profiles/dev) when one ended any other way, instead of waiting out the
+    timeout for a chain that can no longer finish."""
+    states = [(sacct(j, "State") or ["PENDING"])[0] for j in job_ids]
     for job_id, state in zip(job_ids, states):
         if state.split()[0] in ("FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL"):
-            logs = sorted((profiles / "dev" / "runs").glob(f"*/*/submitit/{job_id}_*_log.err"))
+            logs = sorted((cluster_dir / "runs").glob(f"*/*/submitit/{job_id}_*_log.err"))
             tails = "\n".join(f"{log.name}: {log.read_text()[-2000:]}" for log in logs)
             pytest.fail(f"job {job_id} ended {state} (states {states}):\n{tails}")
     return all(state == "COMPLETED" for state in states)
 
 
-def _sacct(job_id, fields="State,NNodes,NTasks"):
+def sacct(job_id, fields="State,NNodes,NTasks"):
     out = subprocess.run(["sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", fields],
                          capture_output=True, text=True, check=True).stdout.strip()
     return out.split("|") if out else []
@@ -107,7 +108,7 @@ def test_inventory_on_2_nodes_x_2_tasks(slurm_cluster, profiles):
     entry = ledger(profiles, "dev")["profile_hardware"]
     assert entry["state"] == "done" and entry["job_id"].isdigit()
     assert profile["provenance"]["job_id"] == entry["job_id"]
-    assert _sacct(entry["job_id"], "State")[0] == "COMPLETED"
+    assert sacct(entry["job_id"], "State")[0] == "COMPLETED"
 
 
 def test_missing_pmi_flag_is_explained(slurm_cluster, profiles):
@@ -129,7 +130,7 @@ def test_wait_false_returns_at_once_and_status_reattaches(slurm_cluster, profile
         rows = [line for line in out.splitlines() if "│ noop " in line]
         return rows and "done" in rows[0] and rows[0]
 
-    row = _wait_for(noop_row_in_status, what="status to report the noop job done")
+    row = wait_for(noop_row_in_status, what="status to report the noop job done")
     assert job_id in row
     assert ledger(profiles, "dev")["noop"]["state"] == "done"
 
@@ -139,7 +140,7 @@ def test_sweep_submits_one_job_per_point_with_its_own_resources(slurm_cluster, p
                    "cluster.tasks_per_node=1", profiles_dir=profiles, check=0)
     job_ids = re.findall(r"submitted Slurm job (\d+)", proc.stdout)
     assert len(job_ids) == 2, proc.stdout
-    states = {j: _wait_for(lambda j=j: (s := _sacct(j)) and s[0] == "COMPLETED" and s,
+    states = {j: wait_for(lambda j=j: (s := sacct(j)) and s[0] == "COMPLETED" and s,
                            what=f"job {j} to complete") for j in job_ids}
     assert sorted(int(states[j][1]) for j in job_ids) == [1, 2]  # NNodes differ per point
 
@@ -155,7 +156,7 @@ def test_cancelled_job_then_rerun_resumes(slurm_cluster, profiles):
             return (e.get("profile_hardware/inventory", {}).get("state") == "done"
                     and e.get("profile_hardware/allreduce", {}).get("state") == "running")
 
-        _wait_for(inventory_done, timeout_s=180, every_s=0.2, what="inventory done, allreduce running")
+        wait_for(inventory_done, timeout_s=180, every_s=0.2, what="inventory done, allreduce running")
         job_id = ledger(profiles, "dev")["profile_hardware"]["job_id"]
         subprocess.run(["scancel", job_id], check=True)
         out, _ = proc.communicate(timeout=120)
@@ -184,31 +185,6 @@ def test_cancelled_job_then_rerun_resumes(slurm_cluster, profiles):
     assert {p["layout"] for p in profile["benchmarks"]["p2p"]["points"]} == {"intra", "inter"}
 
 
-def test_all_submits_an_afterok_chain(slurm_cluster, profiles):
-    quick = ["profile_hardware.max_size_bytes=65536", "profile_hardware.max_time_s=0.05",
-             "profile_hardware.size_step=16",
-             "profile_hardware.benchmarks=[inventory,allreduce,p2p,reduce_scatter,all_gather,overlap]",
-             "profile_model.seq_lens=[64,128,192]", "profile_model.max_tp=2", "search.max_tp=2",
-             "train.steps=2"]
-    proc = run_cli("stage=all", *SLURM, "wait=false", *quick, profiles_dir=profiles, check=0)
-    job_ids = re.findall(r"submitted Slurm job (\d+)", proc.stdout)
-    assert len(job_ids) == 4, proc.stdout  # profile_hardware, profile_model, search, train
-    _wait_for(lambda: _all_completed(job_ids, profiles), timeout_s=600, every_s=2,
-              what="the four jobs to complete")
-    for before, after in zip(job_ids, job_ids[1:]):  # afterok: each started after the last ended
-        assert _sacct(after, "Start")[0] >= _sacct(before, "End")[0]
-        script = next((profiles / "dev" / "runs").glob(f"*/*/submitit/{after}_submission.sh"))
-        assert f"#SBATCH --dependency=afterok:{before}" in script.read_text()
-    run_cli("stage=status", "cluster=dev", profiles_dir=profiles, check=0)
-    entries = ledger(profiles, "dev")
-    assert [entries[k]["state"] for k in ("profile_hardware", "profile_model/tiny", "search/tiny",
-                                          "train/tiny")] == ["done"] * 4
-    assert (profiles / "dev" / "strategy" / "tiny.json").exists()
-    # The chain recorded the hashes a later plan computes: nothing runs again.
-    proc = run_cli("stage=all", *SLURM, *quick, profiles_dir=profiles, check=0)
-    assert proc.stdout.count("skipping (force=true redoes it)") == 4, proc.stdout
-
-
 def test_analytic_model_profile_runs_as_one_task(slurm_cluster, profiles):
     """A single-process stage (no MPI world, no process group) as a one-task job."""
     run_cli("stage=profile_model", *SLURM, "model=qwen_100b", "profile_model.plot=false",
@@ -216,7 +192,7 @@ def test_analytic_model_profile_runs_as_one_task(slurm_cluster, profiles):
     profile = json.loads((profiles / "dev" / "model" / "qwen_100b.json").read_text())
     assert profile["source"] == "analytic"
     entry = ledger(profiles, "dev")["profile_model/qwen_100b"]
-    assert entry["state"] == "done" and _sacct(entry["job_id"], "NNodes,AllocCPUS") == ["1", "1"]
+    assert entry["state"] == "done" and sacct(entry["job_id"], "NNodes,AllocCPUS") == ["1", "1"]
 
 
 def test_one_task_job_that_fails_reports_its_error_and_exit_code(slurm_cluster, profiles):
@@ -291,7 +267,7 @@ def test_time_limit_requeues_and_resumes_without_redoing_done_parts(slurm_cluste
                 if entries[f"profile_hardware/{p}"]["state"] == "done"}
 
     try:
-        job_id = _wait_for(lambda: ledger(profiles, "dev").get("profile_hardware", {}).get("job_id"),
+        job_id = wait_for(lambda: ledger(profiles, "dev").get("profile_hardware", {}).get("job_id"),
                            what="the job id in the ledger")
         # Released 8 s after a requeue, the next run starts 20 s before the next time-limit
         # check and gets the full 25-55 s window (not 25 s).
@@ -362,7 +338,7 @@ def test_without_accounting_squeue_and_the_result_end_a_job(slurm_cluster, profi
     run_cli("stage=status", "cluster=dev", profiles_dir=profiles, env=env, check=0)
     assert ledger(profiles, "dev")["noop"]["state"] == "pending"  # held: squeue lists it
     subprocess.run(["scancel", job_id], check=True)
-    _wait_for(lambda: subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True,
+    wait_for(lambda: subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True,
                                      text=True).stdout.strip() == "", what="squeue to drop the job")
     run_cli("stage=status", "cluster=dev", profiles_dir=profiles, env=env, check=0)
     entry = ledger(profiles, "dev")["noop"]

@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from conftest import ledger, run_cli, start_cli
-from test_slurm import SLURM, _follow_requeues, _job_runs, _wait_for
+from test_slurm import SLURM, _follow_requeues, _job_runs, wait_for
 
 TRAIN = ["stage=train", "model=tiny", "train.seq_len=64", "train.plot=false"]
 KEY = "train/tiny"
@@ -63,7 +63,7 @@ def test_scancel_then_rerun_continues_the_same_loss_trajectory(slurm_cluster, tm
     run_cli(*args, profiles_dir=reference, check=0)
     proc = start_cli(*args, profiles_dir=profiles)
     try:
-        _wait_for(lambda: [s for s in _checkpoint_steps(profiles) if s >= 8], timeout_s=240,
+        wait_for(lambda: [s for s in _checkpoint_steps(profiles) if s >= 8], timeout_s=240,
                   every_s=0.2, what="a checkpoint at step 8 or later")
         seen = max(_checkpoint_steps(profiles))
         job_id = ledger(profiles, "dev")[KEY]["job_id"]
@@ -109,7 +109,7 @@ def test_time_limit_signal_checkpoints_requeues_and_finishes(slurm_cluster, prof
                      "train.checkpoint_every=100",
                      "cluster.time_min=1", "cluster.signal_delay_s=5", profiles_dir=profiles)
     try:
-        job_id = _wait_for(lambda: ledger(profiles, "dev").get(KEY, {}).get("job_id"),
+        job_id = wait_for(lambda: ledger(profiles, "dev").get(KEY, {}).get("job_id"),
                            what="the job id in the ledger")
         # Released 5 s after a requeue, a run starts 6-10 s after that time-limit check: the
         # next check is too early to signal it, the one after comes ~50 s into the run.

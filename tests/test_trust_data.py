@@ -8,32 +8,10 @@ import json
 import shutil
 from pathlib import Path
 
-import pytest
+from conftest import MEASURED_CHAIN, QUICK_HW, ledger, run_cli
 
-from conftest import ledger, run_cli
-
-QUICK_HW = ["profile_hardware.max_size_bytes=262144", "profile_hardware.max_time_s=0.05",
-            "profile_hardware.size_step=8"]
-QUICK_MODEL = ["profile_model.seq_lens=[64,128]", "profile_model.max_tp=2",
-               "profile_model.plot=false"]
-CHAIN = [*QUICK_HW, *QUICK_MODEL, "search.max_tp=2", "search.plot=false",
-         "train.steps=2", "train.plot=false"]
+CHAIN = MEASURED_CHAIN
 OTHERS = ("inventory", "p2p", "reduce_scatter", "all_gather", "all2all", "overlap")
-
-
-@pytest.fixture(scope="module")
-def chain_once(tmp_path_factory):
-    """stage=all once (small settings); each test works on its own copy."""
-    profiles = tmp_path_factory.mktemp("chain") / "profiles"
-    run_cli("stage=all", *CHAIN, profiles_dir=profiles, check=0, timeout=600)
-    return profiles
-
-
-@pytest.fixture
-def chain(chain_once, tmp_path):
-    copy = tmp_path / "profiles"
-    shutil.copytree(chain_once, copy)
-    return copy
 
 
 def _json(path: Path) -> dict:

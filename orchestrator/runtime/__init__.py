@@ -7,6 +7,7 @@ the calling process.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import logging
 import os
 import signal
@@ -232,6 +233,9 @@ def run_rank(request: StageRequest):
     """
     rank = int(os.environ.get("PMI_RANK", os.environ.get("SLURM_PROCID", "0")))
     _setup_logging(request, rank)
+    # A crash inside torch's or gloo's C++ code (a segfault) leaves every thread's Python stack
+    # on the rank's stderr (its log), instead of only "task 0: Segmentation fault" from srun.
+    faulthandler.enable(all_threads=True)
     if request.launcher == "local":
         watch_parent()
     ctx = None
