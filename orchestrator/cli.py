@@ -66,6 +66,24 @@ def check_site(argv: List[str]) -> None:
                 check_group_file(group, path)
 
 
+def _override_values(o, options: Optional[List[str]] = None) -> list:
+    """The values an override sets: its one value, or each value of a sweep. `glob(...)` picks
+    among `options` (a config group's names, or a closed set such as the stages); on any other
+    key it is refused, as Hydra would only fail later with a traceback."""
+    if not o.is_sweep_override():
+        return [o.value()]
+    from hydra.core.override_parser.types import Glob
+
+    if isinstance(o.value(), Glob):
+        key = o.key_or_group
+        if options is None:
+            raise ConfigError(f"{key}=glob(...): glob picks among the names of a config group "
+                              f"(cluster=glob(*)); list the values of {key} instead "
+                              f"({key}=a,b)")
+        return o.value().filter(options)
+    return list(o.sweep_string_iterator())
+
+
 def _selected_choices(argv: List[str]) -> dict:
     """group -> the names this command selects (`cluster=a,b` in a sweep: both), the package's
     defaults (conf/config.yaml) for groups the command line leaves alone."""
@@ -76,7 +94,7 @@ def _selected_choices(argv: List[str]) -> dict:
               if k.isidentifier()}
     for o in parse_overrides(tuple(argv)) or ():
         if o.key_or_group in chosen and not o.is_delete():
-            values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.value()]
+            values = _override_values(o, group_options(o.key_or_group, config_dirs()))
             chosen[o.key_or_group] = [str(v) for v in values]
     return chosen
 
@@ -119,7 +137,8 @@ def check_closed_choices(argv: List[str]) -> None:
             raise ConfigError(unknown_key_message(key))
         if o.is_delete():
             continue
-        values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.value()]
+        values = _override_values(o, groups.get(key) or (
+            group_options(key, config_dirs()) if key in group_names else None))
         if key in groups:
             for value in values:
                 if str(value) not in groups[key]:

@@ -33,6 +33,15 @@ def run_cli(*args, profiles_dir, timeout=300, env=None, check=None, cwd=REPO):
     return proc
 
 
+def one_error_line(proc, code: int) -> str:
+    """The CLI's stderr, asserted to be one `error:` line (no traceback) and exit `code`."""
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    return lines[0]
+
+
 def start_cli(*args, profiles_dir, env=None):
     """The CLI in the background (for tests that interrupt it)."""
     cmd = [sys.executable, "-m", "orchestrator", *args, f"profiles_dir={profiles_dir}"]

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, one_error_line, run_cli
 from planner_fixtures import synthetic_hardware, synthetic_model
 
 from orchestrator.cli import check_closed_choices, report_error
@@ -26,15 +26,6 @@ from orchestrator.store import write_json
 from orchestrator.store.ledger import Ledger
 
 SLURM = ["launcher=slurm", "cluster=dev", "launcher.poll_s=0.5"]
-
-
-def _one_error_line(proc, code: int) -> str:
-    """The CLI's stderr, asserted to be one `error:` line (no traceback) and exit `code`."""
-    assert proc.returncode == code, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    return lines[0]
 
 
 def _printed_command(line: str, after: str) -> list:
@@ -88,9 +79,18 @@ def test_known_keys_groups_hydra_and_free_form_dicts_pass():
 
 def test_unknown_plus_key_exits_2_in_one_line(profiles):
     proc = run_cli("stage=noop", "+search.max_tpp=2", profiles_dir=profiles)
-    line = _one_error_line(proc, 2)
+    line = one_error_line(proc, 2)
     assert line == "error: unknown key search.max_tpp; did you mean search.max_tp?"
     assert not profiles.exists()
+
+
+def test_glob_sweep_of_a_value_exits_2_in_one_line_and_of_a_group_picks_its_names(profiles):
+    proc = run_cli("-m", "stage=train", "train.pp=glob(*)", profiles_dir=profiles)
+    line = one_error_line(proc, 2)
+    assert "train.pp=glob(...): glob picks among the names of a config group" in line, line
+    assert "train.pp=a,b" in line and not profiles.exists()
+    proc = run_cli("-m", "stage=glob(no*)", profiles_dir=profiles, check=0)  # stage=noop only
+    assert "stage=noop" in proc.stdout and "stage=train" not in proc.stdout, proc.stdout
 
 
 # ---------------------------------------------------------------- wrong types, before Hydra
@@ -130,7 +130,7 @@ def test_values_of_the_right_type_pass():
 
 def test_a_wrong_type_on_the_command_line_is_one_line_exit_2(profiles):
     proc = run_cli("stage=trace", "trace.configs=[[a,1,1]]", profiles_dir=profiles)
-    line = _one_error_line(proc, 2)
+    line = one_error_line(proc, 2)
     assert line == "error: trace.configs[0][0]='a': expected an integer"
     assert not profiles.exists()
 
@@ -150,7 +150,7 @@ def test_missing_input_command_keeps_profiles_dir_and_model_overrides(profiles):
     model = ["model.hidden=192", "model.heads=3", "model.kv_heads=3"]
     proc = run_cli("stage=search", *model, "search.max_tp=2",
                    "profile_hardware.benchmarks=[all2all]", profiles_dir=profiles)
-    line = _one_error_line(proc, 4)
+    line = one_error_line(proc, 4)
     assert f"{profiles}/local/hardware.json: missing" in line
     assert _printed_command(line, "Run: ") == [
         "python", "-m", "orchestrator", "stage=profile_hardware", *model,
@@ -161,12 +161,12 @@ def test_printed_fix_commands_do_the_fix(profiles):
     """Each missing input names a command; running it as printed makes the next step pass."""
     given = ["profile_hardware.source=analytic", "profile_model.source=analytic"]
     proc = run_cli("stage=search", *given, profiles_dir=profiles)
-    fix = _printed_command(_one_error_line(proc, 4), "Run: ")
+    fix = _printed_command(one_error_line(proc, 4), "Run: ")
     assert fix[3:] == ["stage=profile_hardware", "profile_hardware.source=analytic",
                        f"profiles_dir={profiles}"]
     subprocess.run([sys.executable, *fix[1:]], cwd=REPO, check=True, capture_output=True)
     proc = run_cli("stage=search", *given, profiles_dir=profiles)
-    fix = _printed_command(_one_error_line(proc, 4), "Run: ")
+    fix = _printed_command(one_error_line(proc, 4), "Run: ")
     assert fix[3] == "stage=profile_model" and f"profiles_dir={profiles}" in fix
     subprocess.run([sys.executable, *fix[1:]], cwd=REPO, check=True, capture_output=True)
     run_cli("stage=search", *given, profiles_dir=profiles, check=0)
@@ -180,7 +180,7 @@ def test_planner_message_keeps_brackets_and_profiles_dir(profiles):
     shape = ("model.hidden=256", "model.ffn=1024", "model.heads=8", "model.kv_heads=8",
              "model.vocab=1000", "model.dtype=bf16")  # the synthetic profile's
     proc = run_cli("stage=search", "search.zero_stages=[2]", *shape, profiles_dir=profiles)
-    line = _one_error_line(proc, 4)
+    line = one_error_line(proc, 4)
     assert "no 'reduce_scatter' fits" in line
     fix = line.split("rerun `", 1)[1].rstrip("`")
     assert shlex.split(fix) == ["python", "-m", "orchestrator", "stage=profile_hardware",
@@ -241,7 +241,7 @@ def test_read_only_profiles_folder_is_one_line_exit_2(profiles):
         proc = _cli_as_user("stage=noop", "force=true", profiles_dir=profiles)
     finally:
         cluster_dir.chmod(0o755)
-    line = _one_error_line(proc, 2)
+    line = one_error_line(proc, 2)
     assert str(cluster_dir) in line and "profiles_dir=" in line
 
 
@@ -267,7 +267,7 @@ def test_status_works_on_a_read_only_folder(profiles):
                                         ("cluster.mem_GiB=100000", "Memory specification")])
 def test_sbatch_refusal_is_one_line_exit_5(slurm_cluster, profiles, bad, cause):
     proc = run_cli("stage=noop", *SLURM, bad, profiles_dir=profiles)
-    line = _one_error_line(proc, 5)
+    line = one_error_line(proc, 5)
     assert "sbatch refused" in line and cause in line
 
 
@@ -275,7 +275,7 @@ def test_slurm_not_configured_is_one_line_exit_2(slurm_cluster, profiles):
     env = {k: v for k, v in os.environ.items() if k != "SLURM_CONF"}
     cmd = [sys.executable, "-m", "orchestrator", "stage=noop", *SLURM, f"profiles_dir={profiles}"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
-    line = _one_error_line(proc, 2)
+    line = one_error_line(proc, 2)
     assert "SLURM_CONF" in line
 
 
@@ -285,6 +285,6 @@ def test_no_slurm_commands_is_one_line_exit_2(profiles, tmp_path):
     cmd = [sys.executable, "-m", "orchestrator", "stage=noop", *SLURM, f"profiles_dir={profiles}"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PATH": str(bin_dir)})
-    line = _one_error_line(proc, 2)
+    line = one_error_line(proc, 2)
     assert "sbatch" in line and "PATH" in line
     assert shutil.which("sbatch")  # the suite's own PATH has it

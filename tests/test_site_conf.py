@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import REPO, one_error_line, run_cli
 from orchestrator.config import check_path_name
 from orchestrator.errors import ConfigError
 
@@ -28,14 +28,6 @@ QUICK_ALL = ["profile_hardware.source=analytic", "profile_model.source=analytic"
              "profile_model.seq_lens=[128,256]", "profile_model.max_tp=1", "search.max_tp=1",
              "train.steps=2", "profile_hardware.plot=false", "profile_model.plot=false",
              "search.plot=false", "train.plot=false"]
-
-
-def _one_error_line(proc, code: int) -> str:
-    """The CLI's stderr, asserted to be one `error:` line (no traceback) and exit `code`."""
-    assert proc.returncode == code, proc.stdout + proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    return lines[0]
 
 
 def _site(folder: Path, files: dict) -> Path:
@@ -119,7 +111,7 @@ def test_orchestrator_conf_names_a_site_folder_elsewhere(tmp_path):
 def test_orchestrator_conf_that_is_not_a_folder_fails_in_one_line(tmp_path):
     proc = run_cli("stage=noop", profiles_dir=None, cwd=tmp_path,
                    env={"ORCHESTRATOR_CONF": str(tmp_path / "missing")})
-    assert "ORCHESTRATOR_CONF=" in _one_error_line(proc, 2)
+    assert "ORCHESTRATOR_CONF=" in one_error_line(proc, 2)
     assert _files(tmp_path) == []
 
 
@@ -148,14 +140,14 @@ def test_a_bad_site_cluster_file_fails_in_one_line_naming_the_file(tmp_path, tex
     site = _site(tmp_path / "conf", {"cluster/mysite.yaml": text})
     for sweep in ([], ["-m", "cluster=local,mysite"]):
         args = [*sweep, "stage=noop"] + ([] if sweep else ["cluster=mysite"])
-        line = _one_error_line(run_cli(*args, profiles_dir=None, cwd=tmp_path), 2)
+        line = one_error_line(run_cli(*args, profiles_dir=None, cwd=tmp_path), 2)
         assert line == f"error: {site / 'cluster' / 'mysite.yaml'}: {says}"
     assert _files(tmp_path) == ["conf", "conf/cluster", "conf/cluster/mysite.yaml"]
 
 
 def test_a_site_config_yaml_is_refused_not_used_as_the_primary_config(tmp_path):
     _site(tmp_path / "conf", {"config.yaml": "defaults: []\n"})
-    line = _one_error_line(run_cli("stage=noop", profiles_dir=None, cwd=tmp_path), 2)
+    line = one_error_line(run_cli("stage=noop", profiles_dir=None, cwd=tmp_path), 2)
     assert "conf/config.yaml: a site folder holds config groups only" in line
 
 
@@ -180,7 +172,7 @@ def test_plain_names_pass(name):
 def test_a_path_name_on_the_command_line_exits_2_in_one_line_creating_nothing(tmp_path,
                                                                                override):
     profiles = tmp_path / "deep" / "profiles"  # ../x would land in tmp_path/deep/x
-    line = _one_error_line(run_cli("stage=noop", override, profiles_dir=profiles), 2)
+    line = one_error_line(run_cli("stage=noop", override, profiles_dir=profiles), 2)
     assert "must not start with '.' or '-' nor contain '..'" in line
     assert line.startswith(f"error: {override.split('=')[0]}=")
     assert _files(tmp_path) == []
@@ -189,7 +181,7 @@ def test_a_path_name_on_the_command_line_exits_2_in_one_line_creating_nothing(tm
 def test_a_path_name_in_a_sweep_exits_2_before_the_sweep_folder(tmp_path):
     profiles = tmp_path / "deep" / "profiles"
     proc = run_cli("-m", "stage=noop", "cluster.name=ok,../x", profiles_dir=profiles)
-    assert "cluster.name='../x'" in _one_error_line(proc, 2)
+    assert "cluster.name='../x'" in one_error_line(proc, 2)
     assert _files(tmp_path) == []
 
 
@@ -197,7 +189,7 @@ def test_a_path_name_from_a_site_cluster_file_exits_2_creating_nothing(tmp_path)
     site = _site(tmp_path / "conf", {"cluster/evil.yaml": "name: ../evil\n"})
     for sweep in ([], ["-m", "cluster.tasks_per_node=1,2"]):
         proc = run_cli(*sweep, "stage=noop", "cluster=evil", profiles_dir=None, cwd=tmp_path)
-        line = _one_error_line(proc, 2)
+        line = one_error_line(proc, 2)
         assert line.startswith(f"error: {site / 'cluster' / 'evil.yaml'}: cluster.name='../evil'")
     assert _files(tmp_path) == ["conf", "conf/cluster", "conf/cluster/evil.yaml"]
 
@@ -211,6 +203,6 @@ def test_a_path_name_from_a_config_dir_file_is_refused_after_composing(tmp_path)
     for sweep in ([], ["-m", "cluster.tasks_per_node=1,2"]):
         proc = run_cli(f"--config-dir={extra}", *sweep, "stage=noop", "cluster=evil",
                        profiles_dir=None, cwd=work)
-        assert "cluster.name='../evil'" in _one_error_line(proc, 2)
+        assert "cluster.name='../evil'" in one_error_line(proc, 2)
     assert _files(work) == []
     assert not (tmp_path / "evil").exists()
