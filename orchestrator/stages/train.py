@@ -20,7 +20,6 @@ from typing import List, Optional
 from orchestrator.choices import Ranks
 from orchestrator.errors import ConfigError
 from orchestrator.stages import Stage, StageInput
-from orchestrator.store import cluster_dir, file_sha256
 from orchestrator.train.plan import (check_length_mean, check_memory, layout_file, layout_tag,
                                      predict, resolve, train_dir)
 
@@ -345,13 +344,3 @@ def _save(engine, ckpt_dir, step: int, t, steps_log) -> None:
     start = time.perf_counter()
     save_checkpoint(ckpt_dir, step, engine.state(), steps_log.extra(), keep=t.keep_checkpoints)
     steps_log.checkpointed(step, time.perf_counter() - start)
-
-
-def _relative_inputs(cfg, target) -> dict:
-    """The strategy layout file read, by path relative to the cluster folder, with its digest."""
-    if target.strategy_file is None:
-        return {}
-    folder = cluster_dir(cfg.profiles_dir, cfg.cluster.name)
-    return {str(target.strategy_file.relative_to(folder)):
-            {"sha256": file_sha256(target.strategy_file), "source": None}}
-

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from orchestrator.store import new_profile, write_json
+from orchestrator.store import cluster_dir, file_sha256, new_profile, write_json
 
 log = logging.getLogger("orchestrator.train")
 GiB = 2**30
@@ -175,10 +175,18 @@ def predicted_parts(prediction, layout) -> Optional[Dict[str, Any]]:
             "breakdown_ms": {k: v / 1e3 for k, v in b.items()}}
 
 
+def relative_inputs(cfg, target) -> dict:
+    """The strategy layout file read, by path relative to the cluster folder, with its digest."""
+    if target.strategy_file is None:
+        return {}
+    folder = cluster_dir(cfg.profiles_dir, cfg.cluster.name)
+    return {str(target.strategy_file.relative_to(folder)):
+            {"sha256": file_sha256(target.strategy_file), "source": None}}
+
+
 def write_summary(run, cfg, target, prediction, note, per_rank, steps_log: StepLog, out: Path,
                   data_text: str) -> dict:
     """Rank 0: the summary file (+ PNGs), a table on the console; the stage's result row."""
-    from orchestrator.stages.train import _relative_inputs
     from orchestrator.train.plan import train_dtype
 
     layout = target.layout
@@ -199,7 +207,7 @@ def write_summary(run, cfg, target, prediction, note, per_rank, steps_log: StepL
     losses = dict(sorted(steps_log.losses.items()))
     summary = new_profile(
         "train", "measured", run.provenance(), model=cfg.model.name,
-        inputs=_relative_inputs(cfg, target), layout=layout.to_dict(),
+        inputs=relative_inputs(cfg, target), layout=layout.to_dict(),
         describe=layout.describe(), layout_source=target.source, seq_len=target.seq_len,
         dtype=train_dtype(cfg).value,
         data=data_text, steps=cfg.train.steps, timed_steps=len(steps_log.timed_steps()),
