@@ -223,17 +223,24 @@ def _job_runs(job_id) -> list:
                           capture_output=True, text=True, check=True).stdout.split()
 
 
-def _follow_requeues(proc, job_id, at_requeue, release_after_s: float) -> list:
+def _follow_requeues(proc, job_id, at_requeue, release_after_s: float,
+                     extend_when=None) -> list:
     """Until the CLI `proc` exits: at each requeue of `job_id`, what `at_requeue()` returns
     (e.g. the ledger then), in order. Slurm holds a requeued job for its credential lifetime
     (120 s); it is released `release_after_s` after the requeue (a time-limit check), which
-    decides where the next run's time-limit window falls."""
-    seen, requeued_at = [], None
+    decides where the next run's time-limit window falls. `extend_when()`: at the first requeue
+    where it is true, the job's time limit becomes 10 minutes (as an admin extends a job), so
+    the resumed run finishes however slowly a loaded machine lets it work."""
+    seen, requeued_at, extended = [], None, False
     while proc.poll() is None:
         job = _scontrol_job(job_id)
         if int(job["Restarts"]) > len(seen) and job["JobState"] == "PENDING":
             seen.append(at_requeue())
             requeued_at = time.monotonic()
+            if extend_when is not None and not extended and extend_when():
+                subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=10"],
+                               check=True)
+                extended = True
         if requeued_at is not None and time.monotonic() - requeued_at > release_after_s:
             subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
             requeued_at = None

@@ -45,6 +45,11 @@ def _checkpoint_steps(profiles) -> list:
                   for p in folder.glob("*.ckpt/step_*/complete.json"))
 
 
+def _signal_checkpoints(profiles) -> list:
+    """Checkpoints written on a signal (not the every-100-steps ones)."""
+    return [s for s in _checkpoint_steps(profiles) if s % 100]
+
+
 def _noted_steps(notes, pattern: str) -> list:
     """The step number in each note that matches `pattern` (one group: the step)."""
     return [int(m.group(1)) for n in notes if (m := re.search(pattern, n))]
@@ -111,10 +116,12 @@ def test_time_limit_signal_checkpoints_requeues_and_finishes(slurm_cluster, prof
     try:
         job_id = wait_for(lambda: ledger(profiles, "dev").get(KEY, {}).get("job_id"),
                            what="the job id in the ledger")
-        # Released 5 s after a requeue, a run starts 6-10 s after that time-limit check: the
-        # next check is too early to signal it, the one after comes ~50 s into the run.
+        # Once a run has checkpointed on the signal, the job gets 10 minutes: the resumed run
+        # finishes even when a loaded machine trains 10 steps in a 1-minute run (each requeued
+        # run would spend most of its minute starting 4 ranks: a dozen requeues for 300 steps).
         at_requeue = _follow_requeues(proc, job_id, lambda: ledger(profiles, "dev")[KEY],
-                                      release_after_s=5)  # the ledger entry at each requeue
+                                      release_after_s=5,  # the ledger entry at each requeue
+                                      extend_when=lambda: _signal_checkpoints(profiles))
         out, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
