@@ -11,7 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from conftest import ledger, run_cli, start_cli
+from conftest import ledger, one_error_line, run_cli, start_cli
 
 SHORT = ["train.seq_len=64", "train.plot=false", "train.memory_interval_s=0.2"]
 
@@ -50,14 +50,6 @@ def test_a_layout_that_does_not_divide_is_one_line_before_launch(profiles):
     assert proc.returncode == 2 and "tp(4) does not divide model.kv_heads(2)" in proc.stderr
 
 
-def _refused_before_launch(proc, code: int = 2) -> str:
-    """The CLI's one error line; asserts nothing was launched."""
-    assert proc.returncode == code, proc.stdout + proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    return lines[0]
-
-
 def test_a_load_path_without_a_checkpoint_is_one_line_before_launch(profiles, tmp_path):
     damaged = tmp_path / "damaged.ckpt"
     (damaged / "step_00000003").mkdir(parents=True)  # a save that did not finish
@@ -69,7 +61,7 @@ def test_a_load_path_without_a_checkpoint_is_one_line_before_launch(profiles, tm
                         (damaged / "step_00000003", ["complete.json missing", explain])]:
         proc = run_cli("stage=train", "train.pp=1", "train.tp=1", f"train.load={load}", *SHORT,
                        profiles_dir=profiles)
-        line = _refused_before_launch(proc)
+        line = one_error_line(proc, 2)
         for word in words:
             assert word in line, line
     assert not (profiles / "local" / "runs").exists()  # nothing launched
@@ -80,11 +72,11 @@ def test_a_length_mean_beyond_seq_len_is_refused_before_launch(profiles):
     for mean in (100000, 0, -5):
         proc = run_cli("stage=train", "train.microbatching=dynamic",
                        f"train.length_mean={mean}", profiles_dir=profiles)
-        line = _refused_before_launch(proc)
+        line = one_error_line(proc, 2)
         assert f"train.length_mean({mean}) must be in (0, seq_len(256)]" in line, line
     proc = run_cli("stage=train", "train.pp=1", "train.tp=1", "train.microbatching=dynamic",
                    "train.length_mean=65", *SHORT, profiles_dir=profiles)
-    line = _refused_before_launch(proc)
+    line = one_error_line(proc, 2)
     assert "train.length_mean(65) must be in (0, seq_len(64)]" in line, line
     assert not (profiles / "local" / "runs").exists()  # nothing launched
 
