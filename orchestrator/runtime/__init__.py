@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from orchestrator.errors import LaunchError
-from orchestrator.runtime.context import RankContext
+from orchestrator.runtime.context import RankContext, quiet_wait
 from orchestrator.runtime.request import StageRequest
 from orchestrator.runtime.stage_run import StageRun
 from orchestrator.store import DISK_FULL, write_json
@@ -94,6 +94,7 @@ def _rendezvous_store(comm, rank: int, size: int, hostnames: list):
             endpoint = (addr, store.port, None)
         except Exception as e:  # told to every rank below, then raised here too
             store, endpoint = None, (addr, None, f"{type(e).__name__}: {e}")
+    quiet_wait(comm)  # the others wait while rank 0 opens the store
     addr, port, error = comm.bcast(endpoint if rank == 0 else None, root=0)
     if error is not None:
         raise LaunchError(f"rank 0 could not open the torch.distributed rendezvous on {addr}: "
@@ -118,6 +119,7 @@ def bootstrap(world_size: int, backend: str = "gloo", torch_distributed: bool = 
     rank, size = comm.Get_rank(), comm.Get_size()
     check_world_size(size, world_size)
 
+    quiet_wait(comm)  # ranks start at different times on a loaded machine
     # One exchange tells every rank where all ranks run: node (fake Slurm nodes share a host) and host.
     node_names, hostnames = map(list, zip(*comm.allgather((_node_name(), socket.gethostname()))))
     order = list(dict.fromkeys(node_names))  # nodes in order of their first rank

@@ -1,0 +1,32 @@
+"""Ranks waiting for a slower peer sleep instead of spinning (MPICH polls at full speed inside a
+blocking collective; with more ranks than cores the spin slows the rank they wait for)."""
+import shutil
+import subprocess
+import sys
+
+RANK_SCRIPT = """
+import sys, time
+from mpi4py import MPI
+from orchestrator.runtime.context import quiet_wait
+comm = MPI.COMM_WORLD
+quiet_wait(comm)
+if comm.rank == 0:
+    time.sleep(2.0)  # rank 0 still working (writing results, importing torch)
+cpu0, wall0 = time.process_time(), time.monotonic()
+quiet_wait(comm)
+with open(f"{sys.argv[1]}/rank{comm.rank}", "w") as out:  # mpiexec interleaves stdout lines
+    out.write(f"{time.process_time() - cpu0} {time.monotonic() - wall0}")
+"""
+
+
+def test_waiting_ranks_use_almost_no_cpu_and_wake_when_the_last_one_arrives(tmp_path):
+    proc = subprocess.run([shutil.which("mpiexec"), "-n", "3", sys.executable, "-c", RANK_SCRIPT,
+                           str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = {rank: tuple(map(float, (tmp_path / f"rank{rank}").read_text().split()))
+            for rank in range(3)}
+    for rank in (1, 2):
+        cpu_s, wall_s = rows[rank]
+        assert wall_s >= 1.9, f"rank {rank} left the wait before rank 0 arrived ({wall_s:.2f} s)"
+        # a spinning MPI_Barrier burns about its whole 2 s wait
+        assert cpu_s < 0.3, f"rank {rank} used {cpu_s:.2f} CPU-s while waiting {wall_s:.2f} s"
