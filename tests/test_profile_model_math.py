@@ -240,3 +240,18 @@ def test_analytic_memory_equals_measured_memory_on_the_same_kernels():
     # full recompute keeps the sequence-parallel input shard only
     assert records[2]["block_act_bytes"]["full"] == 4 * 128 * cfg_m.hidden // 2
     assert records[1]["megatron_act_bytes"]["full"] == 4 * 128 * cfg_m.hidden  # fp32 input
+
+
+def test_point_estimate_counts_fp32_activations_at_4_bytes():
+    """The model's dtype is a Dtype ("fp32"): the estimate once looked up torch's names
+    ("float32") and counted every dtype at 2 bytes."""
+    from dataclasses import replace
+
+    bf16 = ModelConfig(hidden=64, ffn=128, layers=2, heads=4, kv_heads=2, vocab=128,
+                       seq_len=64, dtype="bf16")
+    fp32 = replace(bf16, dtype="fp32")
+    # states (18 B/param) and the fp32 logits do not depend on the dtype; the activations do
+    diff = an.estimate_point_bytes(fp32, 64) - an.estimate_point_bytes(bf16, 64)
+    h, g, f = 64, 2 / 4, 128 / 64
+    per_elem = 64 * h * (24 + 4 * g + 8 * f) / 2 + 64 * 4 * h
+    assert diff == pytest.approx(per_elem * (4 - 2))

@@ -1,6 +1,8 @@
 """The training engine on 4 real CPU processes over gloo: every layout of the issue trains the
 same model on the same data, gives the same losses as plain data parallelism (fp32), and its
-loss falls over 20 steps. One launch for all layouts (a launch costs seconds)."""
+loss falls over 20 steps; the collectives and messages each rank issues in a step are exactly
+the workload model's list (orchestrator/workload/comm.py), in fp32 and under bf16 autocast.
+One launch for all layouts (a launch costs seconds)."""
 from __future__ import annotations
 
 
@@ -16,7 +18,7 @@ SAME_STEPS = 10  # steps over which every layout must give dp4's losses
 GBS = 4
 # (pp, tp, extra ParallelLayout fields): dp4, tp2*dp2, pp2*dp2, pp2*tp2, pp4 1F1B, pp2 v2
 # interleaved, ZeRO 1/2/3 (FSDP2, also under a pipeline and with TP), each recompute mode,
-# an uneven split.
+# an uneven split, TP without SP, full recompute of k < n layers with TP, selective with ZeRO-2.
 LAYOUTS = [
     (1, 1, {}),
     (1, 2, {}),
@@ -32,7 +34,17 @@ LAYOUTS = [
     (1, 1, {"recompute": "selective"}),
     (2, 1, {"recompute": "full"}),
     (2, 1, {"layers_per_stage": (3, 1)}),
+    (1, 2, {"sequence_parallel": False}),
+    (2, 2, {"recompute": ("full", 1)}),
+    (1, 2, {"zero": 2, "recompute": "selective"}),
 ]
+# Traced once each under bf16 autocast (not trained): the dtype of every message.
+BF16_LAYOUTS = [
+    (2, 2, {}),
+    (1, 2, {"sequence_parallel": False, "zero": 1}),
+    (2, 2, {"sequence_parallel": False, "recompute": ("full", 1)}),
+]
+RECORDED_STEP = 1  # the first step also sends the pipeline's shape metadata
 
 
 def _layout(pp, tp, extra):
@@ -41,12 +53,60 @@ def _layout(pp, tp, extra):
     extra = dict(extra)
     recompute = extra.pop("recompute", "none")
     dp = WORLD_SIZE // (pp * tp)
-    common = dict(micro_batch_size=1, num_micro_batches=GBS // dp, sequence_parallel=tp > 1)
+    common = dict(micro_batch_size=1, num_micro_batches=GBS // dp,
+                  sequence_parallel=extra.pop("sequence_parallel", tp > 1))
     stages = extra.pop("layers_per_stage", None)
     if stages:
         return ParallelLayout(world_size=WORLD_SIZE, pp=pp, tp=tp, dp=dp, layers_per_stage=stages,
                               **common, **extra)
     return ParallelLayout.uniform(WORLD_SIZE, tp, pp, 4, recompute=recompute, **common, **extra)
+
+
+MODEL = dict(hidden=64, ffn=128, layers=4, heads=4, kv_heads=2, vocab=128, seq_len=32)
+
+
+def _recorded(records) -> list:
+    """A step's messages as (op, group size, first rank, stride or peer, bytes, dtype): count."""
+    from collections import Counter
+
+    seen = Counter()
+    for r in records:
+        if r["kind"] == "coll":
+            seen[(r["op"], r["group_size"], r["group_first"], r["group_stride"], r["bytes"],
+                  r["dtype"])] += 1
+        elif r["kind"] == "p2p":
+            seen[(r["op"], 2, r["peer"], None, r["bytes"], r["dtype"])] += 1
+    return sorted(seen.items())
+
+
+def _predicted(layout, rank: int, dtype: str) -> list:
+    """The workload model's list for `rank`, in _recorded's terms (groups as rank ranges)."""
+    from collections import Counter
+
+    from orchestrator.models.config import ModelConfig
+    from orchestrator.workload.comm import rank_comms
+
+    seen = Counter()
+    for c in rank_comms(ModelConfig(**MODEL), layout, rank, dtype=dtype):
+        if c.op in ("send", "recv"):
+            pp_ranks = layout.group_ranks("pp", rank)
+            me = pp_ranks.index(rank)
+            peer = pp_ranks[(me + (1 if c.peer == "next" else -1)) % layout.pp]
+            seen[(c.op, 2, peer, None, c.bytes, c.dtype)] += c.count
+        else:
+            g = layout.group_ranks(c.group, rank)
+            seen[(c.op, len(g), g[0], g.step if len(g) > 1 else 1, c.bytes, c.dtype)] += c.count
+    return sorted(seen.items())
+
+
+def _record_step(engine, data, layout, step: int, lr: float):
+    from orchestrator.trace.recorder import OpRecorder
+
+    tokens, targets = data.rank_batch(step, engine.dp_rank, layout.dp, GBS // layout.dp)
+    recorder = OpRecorder()
+    with recorder:
+        stats = engine.train_step(tokens, targets, lr, 1.0)
+    return stats, _recorded(recorder.records)
 
 
 def _worker(rank: int, out: dict) -> None:
@@ -55,8 +115,7 @@ def _worker(rank: int, out: dict) -> None:
     from orchestrator.train.engine import Engine
     from orchestrator.train.lr import lr_at
 
-    model = ModelConfig(hidden=64, ffn=128, layers=4, heads=4, kv_heads=2, vocab=128,
-                        seq_len=32)
+    model = ModelConfig(**MODEL)
     data = make_data(None, model.vocab, model.seq_len, seed=0)
     for pp, tp, extra in LAYOUTS:
         layout = _layout(pp, tp, extra)
@@ -64,11 +123,28 @@ def _worker(rank: int, out: dict) -> None:
         per_rank = GBS // layout.dp
         losses = []
         for step in range(STEPS):
-            tokens, targets = data.rank_batch(step, engine.dp_rank, layout.dp, per_rank)
-            stats = engine.train_step(tokens, targets, lr_at(step, 3e-3, 3, STEPS), 1.0)
+            lr = lr_at(step, 3e-3, 3, STEPS)
+            if step == RECORDED_STEP:
+                stats, out[f"comms fp32 {layout.describe()} rank {rank}"] = _record_step(
+                    engine, data, layout, step, lr)
+            else:
+                tokens, targets = data.rank_batch(step, engine.dp_rank, layout.dp, per_rank)
+                stats = engine.train_step(tokens, targets, lr, 1.0)
             losses.append(stats.loss)
         if rank == 0:
             out[layout.describe()] = losses
+        dist.barrier()
+    for pp, tp, extra in BF16_LAYOUTS:
+        layout = _layout(pp, tp, extra)
+        engine = Engine(layout, model, torch.device("cpu"), dtype="bf16", seed=1)
+        for step in range(RECORDED_STEP + 1):
+            if step == RECORDED_STEP:
+                _, out[f"comms bf16 {layout.describe()} rank {rank}"] = _record_step(
+                    engine, data, layout, step, 1e-3)
+            else:
+                tokens, targets = data.rank_batch(step, engine.dp_rank, layout.dp,
+                                                  GBS // layout.dp)
+                engine.train_step(tokens, targets, 1e-3, 1.0)
         dist.barrier()
 
 
@@ -78,7 +154,8 @@ def losses_by_layout():
 
 
 def test_every_layout_trains(losses_by_layout):
-    assert len(losses_by_layout) == len(LAYOUTS)
+    assert sorted(k for k in losses_by_layout if not k.startswith("comms ")) == \
+        sorted(_layout(*layout).describe() for layout in LAYOUTS)
 
 
 @pytest.mark.parametrize("index", range(len(LAYOUTS)))
@@ -97,3 +174,18 @@ def test_same_losses_as_data_parallel(losses_by_layout, index):
     for step, (want, got) in enumerate(zip(reference[:SAME_STEPS],
                                            losses_by_layout[describe][:SAME_STEPS])):
         assert abs(got - want) <= 1e-4 * abs(want), f"{describe} step {step + 1}: {got} != {want}"
+
+
+@pytest.mark.parametrize("dtype,index", [("fp32", i) for i in range(len(LAYOUTS))]
+                         + [("bf16", i) for i in range(len(BF16_LAYOUTS))])
+def test_every_message_of_a_step_is_the_workload_models(losses_by_layout, dtype, index):
+    """Op, group, bytes, dtype and count of every collective and p2p message each rank issued
+    in a step equal orchestrator/workload's list for that rank: one definition, checked."""
+    layout = _layout(*(LAYOUTS if dtype == "fp32" else BF16_LAYOUTS)[index])
+    for rank in range(WORLD_SIZE):
+        recorded = losses_by_layout[f"comms {dtype} {layout.describe()} rank {rank}"]
+        predicted = _predicted(layout, rank, dtype)
+        assert dict(recorded) == dict(predicted), (
+            f"{layout.describe()} {dtype} rank {rank}:\n recorded only "
+            f"{sorted(set(recorded) - set(predicted))}\n predicted only "
+            f"{sorted(set(predicted) - set(recorded))}")

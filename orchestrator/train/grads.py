@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from orchestrator.workload.buckets import plan_buckets
+
 
 # torch renamed all_gather_into_tensor (2.13 warns on the old name; 2.11 has only the old one).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -149,25 +151,16 @@ class ShardedAdamW:
 
     # ------------------------------------------------------------------ buckets
     def _make_buckets(self, bucket_MiB: float) -> List[Bucket]:
-        # At least 4 buckets, so a small model's first collectives start during the backward.
-        total = sum(local_tensor(p).numel() for p in self.params)
-        limit = max(1, min(int(bucket_MiB * 2**20 / 4), -(-total // 4)))
-        groups, current, size = [], [], 0
-        for p in reversed(self.params):  # backward order: the last layers' grads come first
-            current.append(p)
-            size += local_tensor(p).numel()
-            if size >= limit:
-                groups.append(current)
-                current, size = [], 0
-        if current:
-            groups.append(current)
+        # The plan is workload.buckets' (the planner and the workload list price the same one).
+        plans = plan_buckets([local_tensor(p).numel() for p in self.params], self.dp, bucket_MiB)
         buckets = []
-        for ps in groups:
+        for plan in plans:
+            ps = [self.params[i] for i in plan.indices]
             offsets, n = [], 0
             for p in ps:
                 offsets.append(n)
                 n += local_tensor(p).numel()
-            numel = -(-n // self.dp) * self.dp
+            numel = plan.numel
             b = Bucket(params=ps, numel=numel, offsets=offsets)
             lo, hi = self._owned(b)
             flat = torch.zeros(numel, dtype=torch.float32, device=local_tensor(ps[0]).device)

@@ -180,7 +180,7 @@ def estimate_point_bytes(cfg: ModelConfig, seq_len: int, batch: int = 1) -> floa
     the other parts' states (18 B/param), the block's activations term by term as
     docs/model-memory.md derives them (flash attention: no s^2 term; +12 sbh for CPU norms)
     and fp32 logits with their gradient and softmax."""
-    elem = {"float32": 4, "bfloat16": 2, "float16": 2}.get(cfg.dtype, 2)
+    elem = Dtype.parse(cfg.dtype).bytes
     block_params = count_block_params(cfg)
     other_params = 2 * cfg.vocab * cfg.hidden + cfg.hidden
     states = 18 * (block_params + other_params)

@@ -1,0 +1,251 @@
+"""Every collective and point-to-point message of one training iteration on one rank.
+
+`rank_comms(model, layout, rank)` is what `stage=train`'s engine issues in a steady-state
+iteration (the first one also sends shape metadata between pipeline stages), for engine
+"orchestrator" (train/engine.py): the planner prices this list and tests check it against the
+real engine. Sizes follow the recorder's convention (trace/recorder.py): an all-gather counts
+its gathered output, every other op its input.
+
+Tensor parallelism (DTensor, models/parallelize.py), per layer and micro-batch:
+- with sequence parallelism: forward 2 all-gathers (the norm outputs, the residual dtype) and 2
+  reduce-scatters (attention and MLP outputs, the compute dtype); backward the reverse of each
+  (2 reduce-scatters in the residual dtype, 2 all-gathers in the compute dtype): DTensor keeps
+  the gathered inputs for the weight gradients, so nothing is gathered twice;
+- without: forward 2 all-reduces (compute dtype), backward 2 (residual dtype);
+- a layer recomputed in full repeats its forward collectives during the backward up to the last
+  one whose output the backward needs (torch.utils.checkpoint stops there): with SP 2
+  all-gathers and 1 reduce-scatter (the MLP's output is not needed), without SP 1 all-reduce;
+- the embedding reduce-scatters (all-reduces without SP) its output; its backward all-gathers
+  (SP only); the LM head all-gathers the final norm's output (SP), and its backward reduce-
+  scatters it (all-reduces it without SP); the logits are all-gathered over TP for the loss;
+- after the last micro-batch, each sequence-parallel norm weight's partial gradient is
+  all-reduced over TP (fp32: the parameters are fp32 masters).
+The residual stream is in the parameters' dtype (fp32: autocast casts only the matmul inputs);
+matmul outputs are in the compute dtype (bf16/fp16 under autocast).
+
+Pipeline (torch.distributed.pipelining): per micro-batch, each model chunk that is not the last
+virtual stage sends its output forward and receives its gradient back; each that is not the
+first receives its input and sends its input's gradient back (residual dtype, 1/tp of the
+sequence with SP).
+
+Data parallel (train/grads.py): ZeRO 0/1 all-reduce each fp32 gradient bucket
+(workload/buckets.py), ZeRO 2 reduce-scatters it, during the backward once the last micro-batch
+has accumulated; ZeRO 1/2 all-gather the updated fp32 parameters after the step. ZeRO 3 (FSDP2,
+one unit per block and one per chunk for the rest) all-gathers each unit's parameters in forward
+and again in backward for every micro-batch without a pipeline (resharded after forward), once
+per iteration with one (kept gathered, torchtitan's choice), and reduce-scatters its gradients
+once, after the last micro-batch.
+
+Every iteration ends with one all-reduce over all ranks of the global gradient norm (fp64; none
+when pp = tp = 1 with ZeRO 0, where every rank holds the whole gradient) and one of the loss and
+the stop flag (2 x fp64).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+from orchestrator.choices import Dtype
+from orchestrator.layout import ParallelLayout
+from orchestrator.models.config import ModelConfig
+from orchestrator.workload.buckets import plan_buckets
+from orchestrator.workload.params import rank_chunks, virtual_stage_ranges
+
+ENGINES = ("orchestrator",)
+RESIDUAL = Dtype.fp32  # the engine keeps fp32 parameters and residual stream (autocast)
+
+
+@dataclass(frozen=True)
+class Comm:
+    """One kind of message a rank issues, `count` times per iteration."""
+
+    op: str  # all_reduce | all_gather | reduce_scatter | send | recv
+    group: str  # tp | dp | pp | world
+    bytes: int  # per message (all_gather: the gathered output; others: the input)
+    dtype: str  # fp32 | bf16 | fp16 | fp64
+    phase: str  # fwd | bwd | step (after the backward)
+    count: int
+    what: str  # what it moves, for people
+    peer: str = ""  # send/recv: "next" or "prev" pipeline rank
+
+    def key(self) -> Tuple:
+        """What the recorder can tell apart (phase and `what` it cannot see)."""
+        return (self.op, self.group, self.bytes, self.dtype, self.peer)
+
+
+def check_engine(engine: str) -> None:
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r}: the workload model describes {list(ENGINES)}")
+
+
+def rank_comms(model: ModelConfig, layout: ParallelLayout, rank: int,
+               engine: str = "orchestrator", dtype: Dtype | str = Dtype.fp32,
+               bucket_MiB: float = 25.0) -> List[Comm]:
+    """Every message `rank` issues in one iteration of `layout` training `model` with the
+    given compute dtype; see the module docstring."""
+    check_engine(engine)
+    compute = Dtype.parse(dtype)
+    out: List[Comm] = []
+    out += _tp_comms(model, layout, rank, compute)
+    out += _pp_comms(model, layout, rank)
+    out += _dp_comms(model, layout, rank)
+    if layout.world_size > 1:
+        if not (layout.pp * layout.tp == 1 and layout.zero == 0):
+            out.append(Comm("all_reduce", "world", 8, "fp64", "step", 1, "gradient norm"))
+    out.append(Comm("all_reduce", "world", 16, "fp64", "step", 1, "loss and stop flag"))
+    return [c for c in out if c.count > 0]
+
+
+def _chunk_flags(model: ModelConfig, layout: ParallelLayout, rank: int):
+    """(virtual stage, its blocks, first?, last?) for each chunk `rank` holds."""
+    pp_rank = layout.coordinate(rank, "pp")
+    ranges = virtual_stage_ranges(model, layout)
+    last = len(ranges) - 1
+    for c in range(layout.virtual_stages):
+        s = c * layout.pp + pp_rank
+        yield s, ranges[s], s == 0, s == last
+
+
+def _recomputed_blocks(layout: ParallelLayout, rank: int, blocks_in_chunk: int) -> int:
+    """Blocks of a chunk whose forward reruns in backward (full recompute: the first k / v)."""
+    mode, k = layout.recompute[layout.coordinate(rank, "pp")]
+    return min(blocks_in_chunk, k // layout.virtual_stages) if mode == "full" else 0
+
+
+def _tp_comms(model, layout, rank, compute: Dtype) -> List[Comm]:
+    tp, m = layout.tp, layout.num_micro_batches
+    if tp == 1:
+        return []
+    tokens = model.seq_len * layout.micro_batch_size
+    act = tokens * model.hidden  # elements of one layer activation of a micro-batch
+    res, cmp = RESIDUAL.bytes, compute.bytes
+    rn, cn = RESIDUAL.value, compute.value
+    layers = recomputed = 0
+    first = last = False
+    for _, blocks, is_first, is_last in _chunk_flags(model, layout, rank):
+        layers += len(blocks)
+        recomputed += _recomputed_blocks(layout, rank, len(blocks))
+        first, last = first or is_first, last or is_last
+    out: List[Comm] = []
+    if layout.sequence_parallel:
+        out += [Comm("all_gather", "tp", act * res, rn, "fwd", 2 * layers * m, "SP norm outputs"),
+                Comm("reduce_scatter", "tp", act * cmp, cn, "fwd", 2 * layers * m,
+                     "SP attention/MLP outputs"),
+                Comm("all_gather", "tp", act * res, rn, "bwd", 2 * recomputed * m,
+                     "SP norm outputs, recomputed"),
+                Comm("reduce_scatter", "tp", act * cmp, cn, "bwd", recomputed * m,
+                     "SP attention output, recomputed"),
+                Comm("reduce_scatter", "tp", act * res, rn, "bwd", 2 * layers * m,
+                     "SP norm output gradients"),
+                Comm("all_gather", "tp", act * cmp, cn, "bwd", 2 * layers * m,
+                     "SP attention/MLP output gradients")]
+        if first:
+            out += [Comm("reduce_scatter", "tp", act * res, rn, "fwd", m, "embedding output"),
+                    Comm("all_gather", "tp", act * res, rn, "bwd", m, "embedding gradient")]
+        if last:
+            out += [Comm("all_gather", "tp", act * res, rn, "fwd", m, "final norm output"),
+                    Comm("reduce_scatter", "tp", act * res, rn, "bwd", m,
+                         "final norm output gradient")]
+        norms = 2 * layers + (1 if last else 0)
+        out.append(Comm("all_reduce", "tp", model.hidden * RESIDUAL.bytes, rn, "bwd", norms,
+                        "SP norm weight gradients (partial over TP)"))
+    else:
+        out += [Comm("all_reduce", "tp", act * cmp, cn, "fwd", 2 * layers * m,
+                     "attention/MLP outputs"),
+                Comm("all_reduce", "tp", act * cmp, cn, "bwd", recomputed * m,
+                     "attention output, recomputed"),
+                Comm("all_reduce", "tp", act * res, rn, "bwd", 2 * layers * m,
+                     "attention/MLP input gradients")]
+        if first:
+            out.append(Comm("all_reduce", "tp", act * res, rn, "fwd", m, "embedding output"))
+        if last:
+            out.append(Comm("all_reduce", "tp", act * res, rn, "bwd", m,
+                            "LM head input gradient"))
+    if last:
+        out.append(Comm("all_gather", "tp", tokens * model.vocab * cmp, cn, "fwd", m,
+                        "logits for the loss"))
+    return out
+
+
+def _pp_comms(model, layout, rank) -> List[Comm]:
+    if layout.pp == 1:
+        return []
+    m = layout.num_micro_batches
+    size = model.seq_len * layout.micro_batch_size * model.hidden * RESIDUAL.bytes
+    if layout.sequence_parallel:
+        size //= layout.tp
+    rn = RESIDUAL.value
+    counts: Counter = Counter()
+    for _, _, is_first, is_last in _chunk_flags(model, layout, rank):
+        if not is_last:
+            counts["send", "next", "fwd"] += m
+            counts["recv", "next", "bwd"] += m
+        if not is_first:
+            counts["recv", "prev", "fwd"] += m
+            counts["send", "prev", "bwd"] += m
+    what = {"fwd": "activations", "bwd": "activation gradients"}
+    return [Comm(op, "pp", size, rn, phase, n, what[phase], peer)
+            for (op, peer, phase), n in sorted(counts.items())]
+
+
+def _dp_comms(model, layout, rank) -> List[Comm]:
+    dp, m = layout.dp, layout.num_micro_batches
+    if dp == 1:
+        return []
+    chunks = rank_chunks(model, layout, rank)
+    if layout.zero == 3:
+        return _fsdp_comms(chunks, layout)
+    params = [p for chunk in chunks for p in chunk]
+    out = []
+    for plan in plan_buckets([p.local_numel for p in params], dp, _bucket_MiB(layout)):
+        grad_op = "reduce_scatter" if layout.zero == 2 else "all_reduce"
+        out.append(Comm(grad_op, "dp", plan.bytes, "fp32", "bwd", 1, "gradient bucket"))
+        if layout.zero >= 1:
+            out.append(Comm("all_gather", "dp", plan.bytes, "fp32", "step", 1,
+                            "updated parameters (ZeRO-1/2)"))
+    return _merge(out)
+
+
+def _bucket_MiB(layout) -> float:
+    return getattr(layout, "bucket_MiB", 25.0)
+
+
+def _fsdp_comms(chunks, layout) -> List[Comm]:
+    dp, m = layout.dp, layout.num_micro_batches
+    gathers = 1 if layout.pp > 1 else 2 * m  # kept gathered under a pipeline
+    out = []
+    for chunk in chunks:
+        units: Dict[str, int] = {}
+        for p in chunk:
+            # FSDP2 pads each parameter's first dimension to a multiple of dp
+            rows = -(-p.local_shape[0] // dp) * dp
+            units[p.unit] = units.get(p.unit, 0) + rows * (p.local_numel // max(1, p.local_shape[0]))
+        for unit, numel in units.items():
+            out += [Comm("all_gather", "dp", numel * 4, "fp32", "fwd", gathers,
+                         f"ZeRO-3 parameters of {'a block' if unit != 'root' else 'the rest'}"),
+                    Comm("reduce_scatter", "dp", numel * 4, "fp32", "bwd", 1,
+                         "ZeRO-3 gradients")]
+    return _merge(out)
+
+
+def _merge(comms: List[Comm]) -> List[Comm]:
+    """One entry per distinct message (counts added)."""
+    merged: Dict[Tuple, Comm] = {}
+    for c in comms:
+        k = (c.op, c.group, c.bytes, c.dtype, c.phase, c.what, c.peer)
+        if k in merged:
+            old = merged[k]
+            merged[k] = Comm(old.op, old.group, old.bytes, old.dtype, old.phase,
+                             old.count + c.count, old.what, old.peer)
+        else:
+            merged[k] = c
+    return list(merged.values())
+
+
+def counts_by_key(comms: List[Comm]) -> Counter:
+    """{Comm.key(): count per iteration}: what a recorder's view is compared with."""
+    out: Counter = Counter()
+    for c in comms:
+        out[c.key()] += c.count
+    return out
