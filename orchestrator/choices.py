@@ -82,6 +82,13 @@ class ModelSource(Choice):
     analytic = "analytic"  # FLOPs + device sheet, exact memory under FakeTensorMode
 
 
+class Engine(Choice):
+    """What runs a layout (orchestrator/workload prices each one's communication)."""
+
+    orchestrator = "orchestrator"
+    megatron = "megatron"
+
+
 class Recompute(Choice):
     none = "none"
     selective = "selective"

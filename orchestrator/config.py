@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from orchestrator.choices import (Backend, Dtype, HardwareExport, HardwareSource, LauncherName,
-                                  Microbatching, ModelSource, Recompute, Schedule)
+from orchestrator.choices import (Backend, Dtype, Engine, HardwareExport, HardwareSource,
+                                  LauncherName, Microbatching, ModelSource, Recompute, Schedule)
 from orchestrator.errors import ConfigError
 from orchestrator.models.config import ModelConfig
 from orchestrator.profiling.hardware.benchmarks import BENCHMARKS
@@ -272,6 +272,9 @@ class SearchConfig:
     # predicted at P fits B when 1.452 P + 1 <= B, i.e. a reserve B - P >= 0.311 B + 0.69 GiB.
     reserve_fraction: float = 0.32  # in [0, 1)
     reserve_GiB: float = 1.0
+    # The engine the pick will run on, whose communication is priced (orchestrator/workload):
+    # orchestrator (stage=train) or megatron (the Megatron-LM export).
+    engine: Engine = Engine.orchestrator
     # A Galvatron strategy (galvatron_config_*.json) to price with our cost model and print next
     # to our best, term by term.
     compare: Optional[str] = None

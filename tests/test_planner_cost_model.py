@@ -90,11 +90,15 @@ def test_recompute_costs_time(model, hw):
     assert times[2] - times[0] == pytest.approx(5 * 4 * costs.full_recompute_us)
 
 
-def test_sequence_parallel_backward_moves_more_than_forward(model, hw):
+def test_megatrons_sequence_parallel_backward_moves_more_than_forward(model, hw):
     key = ConfigKey(8, 4, 1, 2, 0, True, 1, 4, "1f1b", 1)
-    costs = StageCosts(key, model, hw, SEQ)
+    megatron = CostOptions(engine="megatron")
+    costs = StageCosts(key, model, hw, SEQ, megatron)
     assert costs.tp.layer.bwd_us > costs.tp.layer.fwd_us > 0  # 4 AG + 2 RS vs 2 AG + 2 RS
-    no_sp = StageCosts(ConfigKey(8, 4, 1, 2, 0, False, 1, 4, "1f1b", 1), model, hw, SEQ)
+    ours = StageCosts(key, model, hw, SEQ)
+    assert ours.tp.layer.bwd_us == pytest.approx(ours.tp.layer.fwd_us)  # 2 AG + 2 RS each way
+    no_sp = StageCosts(ConfigKey(8, 4, 1, 2, 0, False, 1, 4, "1f1b", 1), model, hw, SEQ,
+                       megatron)
     assert no_sp.tp.layer.bwd_us == no_sp.tp.layer.fwd_us  # 2 all-reduce each way
     message_bytes = SEQ * 256 * 2  # s * b * h * bf16
     assert costs.tp.layer.bwd_us - costs.tp.layer.fwd_us == pytest.approx(

@@ -138,3 +138,17 @@ def test_strategy_records_the_reserve_and_the_headroom(capsys):
     line = [x for x in capsys.readouterr().out.splitlines() if "memory per device" in x]
     assert line and f"reserve {reserve:.2f}" in line[0]
     assert f"headroom {8 - peak_GiB:.2f} GiB" in line[0]
+
+
+@pytest.mark.parametrize("engine", ["orchestrator", "megatron"])
+def test_search_prices_the_engine_it_is_told_and_says_which(engine, capsys):
+    """search.engine reaches the cost model (workload.tp's counts of that engine) and the
+    strategy and the printed table name it."""
+    cfg = _cfg("search.memory_GiB=8", f"search.engine={engine}", *SEARCHED)
+    space = validate(cfg)
+    assert space.options.engine == engine
+    result = search(_model(), HardwareModel.from_dict(synthetic_hardware(1, 4)), space)
+    strategy = _strategy(cfg, result, space, [], [], Provenance())
+    assert strategy.space.engine == engine
+    _report(result, strategy, cfg)
+    assert f"communication of the {engine} engine" in " ".join(capsys.readouterr().out.split())

@@ -74,11 +74,14 @@ class CostOptions:
       embedding and LM head are the same size: 0.5).
     reserve_bytes: memory kept free on every device (CUDA context, allocator fragmentation,
       what the model profile does not count): the stage computes it by memory_reserve_GiB.
+    engine: the engine whose communication is priced (orchestrator/workload/tp.py): stage=train's
+      ("orchestrator") or Megatron-LM's ("megatron", what the Megatron export runs).
     """
 
     other_time_first_share: float = 0.05
     other_memory_first_share: float = 0.5
     reserve_bytes: float = 0.0
+    engine: str = "orchestrator"  # what runs the layout: orchestrator (stage=train) | megatron
 
 
 def memory_reserve_GiB(budget_GiB: float, reserve_fraction: float, reserve_GiB: float) -> float:
@@ -140,6 +143,7 @@ class StageCosts:
                  options: CostOptions = CostOptions()):
         self.key = key
         self.hardware = hardware
+        self.engine = options.engine
         self.tokens = float(seq_len * key.micro_batch_size)
         self.overlap_coe = hardware.overlap_coe
         block, other = model.memory(key.tp)
@@ -184,14 +188,17 @@ class StageCosts:
         """Time per layer: compute, TP communication, ZeRO 2/3 traffic sticking out of both."""
         key = self.key
         self.compute = LayerCompute.from_model(model, seq_len, key.tp, key.micro_batch_size)
-        self.tp = TpComm.from_hardware(self.hardware, key.tp, key.sequence_parallel, tp_bytes)
+        logits_bytes = float(seq_len * key.micro_batch_size) * model.vocab * model.dtype_bytes
+        self.tp = TpComm.from_hardware(self.hardware, key.tp, key.sequence_parallel, tp_bytes,
+                                       self.engine, logits_bytes)
         window = self.compute.block + self.tp.layer
         traffic = ZeroTraffic.from_hardware(self.hardware, key.zero, key.dp, key.tp,
                                             self.block_param_bytes, self.block_grad_bytes)
         exposed = traffic.exposed(window, self.overlap_coe)
         self.zero_layer = FwdBwd(float(exposed.fwd_us), float(exposed.bwd_us))
         self.layer = window + self.zero_layer
-        self.full_recompute_us = window.fwd_us  # reruns the forward and its TP communication
+        # reruns the forward and the TP collectives the engine repeats (workload.tp)
+        self.full_recompute_us = self.compute.block.fwd_us + self.tp.recompute_us
 
     def _price_other(self, time_first_share: float) -> None:
         """Time per stage of "other": compute split between the first and the last stage, the

@@ -122,19 +122,10 @@ class MicroBatchCosts:
             self._per_seq = np.concatenate([self._per_seq, rows])
         return self._per_seq[np.asarray(s) - 1]
 
-    def _tp_comm(self, tp_bytes: np.ndarray) -> TpComm:
-        """TpComm.from_hardware with the message size an array."""
-        if self.tp == 1:
-            zero = FwdBwd(tp_bytes * 0.0, tp_bytes * 0.0)
-            return TpComm(layer=zero, embedding=zero, head=zero)
-
-        def op_us(op: str) -> np.ndarray:
-            alpha_us, us_per_byte = self.hardware.collective_line(op, self.tp, 1)
-            return alpha_us + tp_bytes * us_per_byte
-
-        if self.layout.sequence_parallel:
-            return TpComm.from_times(True, op_us("all_gather"), op_us("reduce_scatter"), 0.0)
-        return TpComm.from_times(False, 0.0, 0.0, op_us("allreduce"))
+    def _tp_comm(self, tp_bytes: np.ndarray, logits_bytes: np.ndarray) -> TpComm:
+        """TpComm.from_hardware with the message sizes arrays."""
+        return TpComm.from_hardware(self.hardware, self.tp, self.layout.sequence_parallel,
+                                    tp_bytes, self.options.engine, logits_bytes)
 
     def price(self, b, s, mode_code) -> PricedMicroBatches:
         """Price K micro-batches: b[k] sequences padded to s[k] tokens, recompute
@@ -147,7 +138,7 @@ class MicroBatchCosts:
         m, pp, v, n = self.model, self.pp, self.v, self.n
         tokens = b * s
         tp_bytes = tokens * m.hidden * m.dtype_bytes
-        tpc = self._tp_comm(tp_bytes)
+        tpc = self._tp_comm(tp_bytes, tokens * m.vocab * m.dtype_bytes)
         window = FwdBwd(b * bf, b * bb) + tpc.layer
         layer = window + self.block_traffic.exposed(window, self.overlap_coe)
         share = self.options.other_time_first_share
@@ -157,7 +148,7 @@ class MicroBatchCosts:
                         + FwdBwd(_ends(tpc.embedding.fwd_us, tpc.head.fwd_us, pp, k),
                                  _ends(tpc.embedding.bwd_us, tpc.head.bwd_us, pp, k)))
         other_t = other_window + self.other_traffic.exposed(other_window, self.overlap_coe)
-        recompute = np.where(code == 1, n * (b * attn), np.where(code == 2, n * window.fwd_us, 0.0))
+        recompute = np.where(code == 1, n * (b * attn), np.where(code == 2, n * (b * bf + tpc.recompute_us), 0.0))
         fwd = n * layer.fwd_us + other_t.fwd_us
         bwd = n * layer.bwd_us + recompute + other_t.bwd_us
         p2p_bytes = tokens * m.hidden * m.dtype_bytes / (self.tp if self.layout.sequence_parallel

@@ -112,7 +112,7 @@ def search_space(cfg):
         recompute=tuple(s.recompute), micro_batch_sizes=tuple(s.micro_batch_sizes),
         schedules=tuple(s.schedules), virtual_stages=tuple(s.virtual_stages),
         fast_mode=bool(s.fast_mode), top_k=s.top_k, pp=s.pp, tp=s.tp,
-        options=CostOptions(reserve_bytes=_reserve_GiB(cfg) * GiB))
+        options=CostOptions(reserve_bytes=_reserve_GiB(cfg) * GiB, engine=str(s.engine)))
 
 
 def _exporters(out: Path):
@@ -167,7 +167,8 @@ def _strategy(cfg, result, space, inputs, notes, prov: Provenance) -> StrategyPr
                            memory_GiB=space.memory_budget_bytes / GiB,
                            global_batch_size=space.global_batch_size, seq_len=space.seq_len,
                            fast_mode=space.fast_mode, reserve_fraction=cfg.search.reserve_fraction,
-                           reserve_GiB=cfg.search.reserve_GiB, reserve_total_GiB=reserve_GiB),
+                           reserve_GiB=cfg.search.reserve_GiB, reserve_total_GiB=reserve_GiB,
+                           engine=space.options.engine),
         headroom=Headroom(free_GiB=(space.memory_budget_bytes
                                     - result.prediction.peak_memory_bytes) / GiB,
                           reserve_GiB=reserve_GiB),
@@ -245,7 +246,8 @@ def _report(result, strategy: StrategyProfile, cfg) -> None:
     console = stage_console()
     table = Table(title=f"best layouts for {cfg.model.name} on {result.best.world_size} devices "
                         f"({strategy.source.value} profiles; searched {result.considered} "
-                        f"configs in {result.elapsed_s:.2f} s)")
+                        f"configs in {result.elapsed_s:.2f} s; communication of the "
+                        f"{strategy.space.engine} engine, search.engine)")
     headroom = strategy.headroom
     reserve_bytes = headroom.reserve_GiB * GiB
     # The model's own peak (the reserve is the same for every layout and would hide it).

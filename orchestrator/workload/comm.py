@@ -51,8 +51,8 @@ from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig
 from orchestrator.workload.buckets import plan_buckets
 from orchestrator.workload.params import rank_chunks, virtual_stage_ranges
+from orchestrator.workload.tp import tp_counts
 
-ENGINES = ("orchestrator",)
 RESIDUAL = Dtype.fp32  # the engine keeps fp32 parameters and residual stream (autocast)
 
 
@@ -74,17 +74,14 @@ class Comm:
         return (self.op, self.group, self.bytes, self.dtype, self.peer)
 
 
-def check_engine(engine: str) -> None:
-    if engine not in ENGINES:
-        raise ValueError(f"engine={engine!r}: the workload model describes {list(ENGINES)}")
-
-
 def rank_comms(model: ModelConfig, layout: ParallelLayout, rank: int,
                engine: str = "orchestrator", dtype: Dtype | str = Dtype.fp32,
                bucket_MiB: float = 25.0) -> List[Comm]:
     """Every message `rank` issues in one iteration of `layout` training `model` with the
     given compute dtype; see the module docstring."""
-    check_engine(engine)
+    if engine != "orchestrator":
+        raise ValueError(f"engine={engine!r}: the per-rank message list describes the "
+                         f"orchestrator engine only (workload.tp prices megatron's TP)")
     compute = Dtype.parse(dtype)
     out: List[Comm] = []
     out += _tp_comms(model, layout, rank, compute)
@@ -119,52 +116,40 @@ def _tp_comms(model, layout, rank, compute: Dtype) -> List[Comm]:
         return []
     tokens = model.seq_len * layout.micro_batch_size
     act = tokens * model.hidden  # elements of one layer activation of a micro-batch
-    res, cmp = RESIDUAL.bytes, compute.bytes
-    rn, cn = RESIDUAL.value, compute.value
     layers = recomputed = 0
     first = last = False
     for _, blocks, is_first, is_last in _chunk_flags(model, layout, rank):
         layers += len(blocks)
         recomputed += _recomputed_blocks(layout, rank, len(blocks))
         first, last = first or is_first, last or is_last
+    counts = tp_counts("orchestrator", layout.sequence_parallel)
+    # forward: gathers move norm outputs (residual dtype), reductions matmul outputs (compute
+    # dtype); each backward collective moves the gradient of a forward one, in its dtype
+    fwd = {"all_gather": RESIDUAL, "reduce_scatter": compute, "all_reduce": compute}
+    bwd = {"all_gather": compute, "reduce_scatter": RESIDUAL, "all_reduce": RESIDUAL}
+    residual = dict.fromkeys(fwd, RESIDUAL)
     out: List[Comm] = []
-    if layout.sequence_parallel:
-        out += [Comm("all_gather", "tp", act * res, rn, "fwd", 2 * layers * m, "SP norm outputs"),
-                Comm("reduce_scatter", "tp", act * cmp, cn, "fwd", 2 * layers * m,
-                     "SP attention/MLP outputs"),
-                Comm("all_gather", "tp", act * res, rn, "bwd", 2 * recomputed * m,
-                     "SP norm outputs, recomputed"),
-                Comm("reduce_scatter", "tp", act * cmp, cn, "bwd", recomputed * m,
-                     "SP attention output, recomputed"),
-                Comm("reduce_scatter", "tp", act * res, rn, "bwd", 2 * layers * m,
-                     "SP norm output gradients"),
-                Comm("all_gather", "tp", act * cmp, cn, "bwd", 2 * layers * m,
-                     "SP attention/MLP output gradients")]
-        if first:
-            out += [Comm("reduce_scatter", "tp", act * res, rn, "fwd", m, "embedding output"),
-                    Comm("all_gather", "tp", act * res, rn, "bwd", m, "embedding gradient")]
-        if last:
-            out += [Comm("all_gather", "tp", act * res, rn, "fwd", m, "final norm output"),
-                    Comm("reduce_scatter", "tp", act * res, rn, "bwd", m,
-                         "final norm output gradient")]
-        norms = 2 * layers + (1 if last else 0)
-        out.append(Comm("all_reduce", "tp", model.hidden * RESIDUAL.bytes, rn, "bwd", norms,
-                        "SP norm weight gradients (partial over TP)"))
-    else:
-        out += [Comm("all_reduce", "tp", act * cmp, cn, "fwd", 2 * layers * m,
-                     "attention/MLP outputs"),
-                Comm("all_reduce", "tp", act * cmp, cn, "bwd", recomputed * m,
-                     "attention output, recomputed"),
-                Comm("all_reduce", "tp", act * res, rn, "bwd", 2 * layers * m,
-                     "attention/MLP input gradients")]
-        if first:
-            out.append(Comm("all_reduce", "tp", act * res, rn, "fwd", m, "embedding output"))
-        if last:
-            out.append(Comm("all_reduce", "tp", act * res, rn, "bwd", m,
-                            "LM head input gradient"))
+
+    def add(ops, times, dtypes, phase, what, elements=act):
+        for op, n in ops.items():
+            out.append(Comm(op, "tp", elements * dtypes[op].bytes, dtypes[op].value, phase,
+                            n * times, what))
+
+    add(counts.layer_fwd, layers * m, fwd, "fwd", "layer activations")
+    add(counts.recompute, recomputed * m, fwd, "bwd", "layer activations, recomputed")
+    add(counts.layer_bwd, layers * m, bwd, "bwd", "layer activation gradients")
+    if first:
+        add(counts.embedding_fwd, m, residual, "fwd", "embedding output")
+        add(counts.embedding_bwd, m, residual, "bwd", "embedding output gradient")
     if last:
-        out.append(Comm("all_gather", "tp", tokens * model.vocab * cmp, cn, "fwd", m,
-                        "logits for the loss"))
+        add(counts.head_fwd, m, residual, "fwd", "LM head input")
+        add(counts.head_bwd, m, residual, "bwd", "LM head input gradient")
+        add({"all_gather": counts.logits_all_gather}, m, {"all_gather": compute}, "fwd",
+            "logits for the loss", elements=tokens * model.vocab)
+    if layout.sequence_parallel:
+        norms = 2 * layers + (1 if last else 0)
+        out.append(Comm("all_reduce", "tp", model.hidden * RESIDUAL.bytes, RESIDUAL.value,
+                        "bwd", norms, "SP norm weight gradients (partial over TP)"))
     return out
 
 

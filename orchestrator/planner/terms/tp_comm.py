@@ -1,13 +1,10 @@
-"""Tensor-parallel communication per micro-batch (Megatron).
+"""Tensor-parallel communication per micro-batch, priced from the workload model's counts.
 
-Every collective moves the layer's activation, s * b * h * dtype_bytes (2sbh bytes in bf16):
-- with sequence parallelism, per transformer layer: forward 2 all-gather + 2 reduce-scatter
-  (before / after attention and MLP), backward 4 all-gather + 2 reduce-scatter (the two extra
-  all-gathers re-gather the inputs that sequence parallelism keeps sharded for the weight
-  gradients); the embedding reduce-scatters its output and the LM head all-gathers its input
-  (and the reverse in backward);
-- without: 2 all-reduce forward (g after attention and MLP), 2 backward (f); the embedding
-  all-reduces its output in forward, the LM head its input gradient in backward.
+Every collective moves the layer's activation, s * b * h * dtype_bytes (2sbh bytes in bf16),
+except the logits all-gather of the orchestrator engine (s * b * vocab * dtype_bytes). Which
+collectives each engine issues per layer, for the embedding and the LM head, and what a full
+recompute reruns, is orchestrator/workload/tp.py's (one definition, checked against the real
+engine); this module only prices them.
 """
 from __future__ import annotations
 
@@ -15,6 +12,7 @@ from dataclasses import dataclass
 
 from orchestrator.planner.profiles import HardwareModel
 from orchestrator.planner.terms import FwdBwd
+from orchestrator.workload.tp import TpCounts, priced_us, tp_counts
 
 
 def tp_message_bytes(seq_len: int, micro_batch_size: int, hidden: int,
@@ -26,34 +24,53 @@ def tp_message_bytes(seq_len: int, micro_batch_size: int, hidden: int,
 @dataclass(frozen=True)
 class TpComm:
     """Tensor-parallel communication time (us per micro-batch) of one layer, of the embedding
-    and of the LM head; all zero for tp = 1."""
+    and of the LM head (its logits all-gather included), and what a layer recomputed in full
+    reruns in backward; all zero for tp = 1."""
 
     layer: FwdBwd
     embedding: FwdBwd
     head: FwdBwd
+    recompute_us: object = 0.0
 
     @classmethod
-    def from_times(cls, sequence_parallel: bool, all_gather_us: float,
-                   reduce_scatter_us: float, allreduce_us: float) -> "TpComm":
-        """Count Megatron's collectives (module docstring), given one of each priced."""
-        ag, rs, ar = all_gather_us, reduce_scatter_us, allreduce_us
-        if sequence_parallel:
-            return cls(layer=FwdBwd(2 * ag + 2 * rs, 4 * ag + 2 * rs),
-                       embedding=FwdBwd(rs, ag), head=FwdBwd(ag, rs))
-        return cls(layer=FwdBwd(2 * ar, 2 * ar), embedding=FwdBwd(ar, 0.0),
-                   head=FwdBwd(0.0, ar))
+    def from_times(cls, counts: TpCounts, op_us: dict, logits_all_gather_us=0.0) -> "TpComm":
+        """Price `counts` given one of each op priced (op_us: {"all_gather", "reduce_scatter",
+        "all_reduce"} -> us, floats or numpy arrays) and the logits all-gather's time."""
+        op_us = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0, **op_us}
+        return cls(layer=FwdBwd(priced_us(counts.layer_fwd, op_us),
+                                priced_us(counts.layer_bwd, op_us)),
+                   embedding=FwdBwd(priced_us(counts.embedding_fwd, op_us),
+                                    priced_us(counts.embedding_bwd, op_us)),
+                   head=FwdBwd(priced_us(counts.head_fwd, op_us)
+                               + counts.logits_all_gather * logits_all_gather_us,
+                               priced_us(counts.head_bwd, op_us)),
+                   recompute_us=priced_us(counts.recompute, op_us))
+
+    @classmethod
+    def zero(cls, like=0.0) -> "TpComm":
+        nothing = FwdBwd(like * 0.0, like * 0.0)
+        return cls(layer=nothing, embedding=nothing, head=nothing, recompute_us=like * 0.0)
 
     @classmethod
     def from_hardware(cls, hardware: HardwareModel, tp: int, sequence_parallel: bool,
-                      message_bytes: float) -> "TpComm":
-        """Price the collectives on a group of `tp` consecutive ranks (Megatron rank order)."""
+                      message_bytes, engine: str = "orchestrator",
+                      logits_bytes=0.0) -> "TpComm":
+        """Price `engine`'s collectives on a group of `tp` consecutive ranks (Megatron rank
+        order) for layer messages of `message_bytes` and logits of `logits_bytes` (floats or
+        numpy arrays)."""
+        counts = tp_counts(engine, sequence_parallel)
         if tp == 1:
-            zero = FwdBwd(0.0, 0.0)
-            return cls(layer=zero, embedding=zero, head=zero)
+            return cls.zero(message_bytes)
 
-        def op_us(op: str) -> float:
-            return hardware.collective_time_us(op, tp, 1, message_bytes)
+        def op_us(op: str, size):
+            alpha_us, us_per_byte = hardware.collective_line(op, tp, 1)
+            return (alpha_us + size * us_per_byte) * (size > 0)  # nothing to move: no latency
 
-        if sequence_parallel:
-            return cls.from_times(True, op_us("all_gather"), op_us("reduce_scatter"), 0.0)
-        return cls.from_times(False, 0.0, 0.0, op_us("allreduce"))
+        ops = ("all_gather", "reduce_scatter") if sequence_parallel else ("all_reduce",)
+        return cls.from_times(counts, {op: op_us(_PROFILE_OP[op], message_bytes) for op in ops},
+                              op_us("all_gather", logits_bytes))
+
+
+# The hardware profile's names for the workload's ops.
+_PROFILE_OP = {"all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
+               "all_reduce": "allreduce"}

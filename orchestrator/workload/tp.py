@@ -1,0 +1,73 @@
+"""Tensor-parallel collectives per layer and micro-batch, by engine: what the planner prices
+and what workload.comm lists for a rank.
+
+engine "orchestrator" (stage=train, DTensor; checked against the real engine by
+tests/test_train_engine.py): with sequence parallelism a layer moves 2 all-gathers + 2 reduce-
+scatters forward and the same backward (DTensor keeps the gathered inputs for the weight
+gradients); a layer recomputed in full reruns 2 all-gathers + 1 reduce-scatter (checkpointing
+stops at the last output the backward needs); the LM head's logits are all-gathered for the loss.
+
+engine "megatron" (Megatron-LM): backward re-gathers the inputs SP keeps sharded (4 all-gathers
++ 2 reduce-scatters), full recompute reruns the whole forward, the loss is vocab-parallel (three
+fp32 all-reduces of s*b values per micro-batch, too small to price: no logits all-gather).
+
+Without SP both move 2 all-reduces forward and 2 backward per layer. The embedding reduce-
+scatters (all-reduces) its output forward and, with SP, all-gathers its gradient backward; the
+LM head all-gathers its input forward (SP) and reduce-scatters (all-reduces) its gradient back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict
+
+ENGINES = ("orchestrator", "megatron")
+
+
+@dataclass(frozen=True)
+class TpCounts:
+    """Collectives of one micro-batch by op ("all_gather", "reduce_scatter", "all_reduce"), each
+    moving one layer activation (s * b * h elements), except `logits_all_gather` (s * b * vocab)."""
+
+    layer_fwd: Dict[str, int]
+    layer_bwd: Dict[str, int]
+    recompute: Dict[str, int]  # rerun in backward by a layer recomputed in full
+    embedding_fwd: Dict[str, int]
+    embedding_bwd: Dict[str, int]
+    head_fwd: Dict[str, int]
+    head_bwd: Dict[str, int]
+    logits_all_gather: int = 0
+    engine: str = field(default="orchestrator")
+
+
+def check_engine(engine: str) -> None:
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r}: the workload model describes {list(ENGINES)}")
+
+
+def tp_counts(engine: str, sequence_parallel: bool) -> TpCounts:
+    """The TP collectives `engine` issues per micro-batch (module docstring)."""
+    check_engine(engine)
+    ours = engine == "orchestrator"
+    if sequence_parallel:
+        fwd = {"all_gather": 2, "reduce_scatter": 2}
+        return TpCounts(
+            layer_fwd=fwd,
+            layer_bwd={"all_gather": 2 if ours else 4, "reduce_scatter": 2},
+            recompute={"all_gather": 2, "reduce_scatter": 1} if ours else dict(fwd),
+            embedding_fwd={"reduce_scatter": 1}, embedding_bwd={"all_gather": 1},
+            head_fwd={"all_gather": 1}, head_bwd={"reduce_scatter": 1},
+            logits_all_gather=1 if ours else 0, engine=engine)
+    return TpCounts(
+        layer_fwd={"all_reduce": 2}, layer_bwd={"all_reduce": 2},
+        recompute={"all_reduce": 1 if ours else 2},
+        embedding_fwd={"all_reduce": 1}, embedding_bwd={},
+        head_fwd={}, head_bwd={"all_reduce": 1},
+        logits_all_gather=1 if ours else 0, engine=engine)
+
+
+def priced_us(counts: Dict[str, int], op_us: Dict[str, object]):
+    """sum(count * time of one) over the ops in `counts` (floats or numpy arrays)."""
+    total = 0.0
+    for op, n in counts.items():
+        total = total + n * op_us[op]
+    return total
