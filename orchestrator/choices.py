@@ -138,3 +138,9 @@ class Microbatching(Choice):
     dynamic = "dynamic"  # variable-length samples, a planned split/order/recompute per iteration
     padded = "padded"  # variable-length samples, the layout's micro-batches padded to the longest
     packed = "packed"  # variable-length samples packed into rows of train.seq_len tokens
+
+
+# profile_hardware's benchmarks, in run order (profiling/hardware/benchmarks.py runs them; the
+# config lists them without importing what measures them).
+BENCHMARK_NAMES = ("inventory", "allreduce", "p2p", "reduce_scatter", "all_gather", "all2all",
+                   "overlap")

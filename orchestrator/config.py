@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from orchestrator.choices import (Backend, Dtype, Engine, HardwareExport, HardwareSource,
-                                  LauncherName, Microbatching, ModelSource, Recompute, Schedule)
+from orchestrator.choices import (BENCHMARK_NAMES, Backend, Dtype, Engine, HardwareExport,
+                                  HardwareSource, LauncherName, Microbatching, ModelSource,
+                                  Recompute, Schedule)
 from orchestrator.errors import ConfigError
 from orchestrator.models.config import ModelConfig
-from orchestrator.profiling.hardware.benchmarks import BENCHMARKS
 
 # The Hydra config groups ship inside the package, so a wheel install finds them too.
 CONF_DIR = Path(__file__).resolve().parent / "conf"
@@ -210,7 +210,7 @@ SUBMISSION_ONLY_FIELDS = (
 @dataclass
 class ProfileHardwareConfig:
     # Sub-parts in order; each is a ledger entry, so a rerun redoes only what is not done.
-    benchmarks: List[str] = field(default_factory=lambda: list(BENCHMARKS))
+    benchmarks: List[str] = field(default_factory=lambda: list(BENCHMARK_NAMES))
     source: HardwareSource = HardwareSource.measured  # analytic: from cluster.links, no launch
     min_size_bytes: int = 1024
     max_size_bytes: Optional[int] = None  # None: 64 MiB on CPU, 256 MiB on GPU

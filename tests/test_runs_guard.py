@@ -16,6 +16,9 @@ import pytest
 from conftest import REPO, ledger, run_cli, start_cli
 
 SLOW_NOOP = ["stage=noop", "noop.sleep_s=60"]
+# An upper bound on one CLI step (start, exit after a signal, a rerun), not a synchronisation:
+# generous because a loaded 2-core machine can take a minute to import and exit Python.
+WAIT_S = 240
 
 
 def _wait_until_running(proc, profiles, key="noop", timeout_s=30) -> dict:
@@ -53,7 +56,7 @@ def test_second_run_of_a_stage_is_refused_naming_the_first(profiles):
     first = start_cli(*SLOW_NOOP, profiles_dir=profiles)
     try:
         entry = _wait_until_running(first, profiles)
-        second = run_cli("stage=noop", profiles_dir=profiles, timeout=60)
+        second = run_cli("stage=noop", profiles_dir=profiles, timeout=WAIT_S)
         assert second.returncode == 5, second.stdout + second.stderr
         err = second.stderr.strip()
         assert len(err.splitlines()) == 1, err
@@ -89,7 +92,7 @@ def test_kill_9_of_the_cli_takes_its_ranks_then_status_and_rerun(profiles):
     assert "failed" in row and f"processes are gone (pid {proc.pid})" in row
     entry = ledger(profiles)["noop"]
     assert entry["state"] == "failed" and "processes are gone" in entry["error"]
-    rerun = run_cli("stage=noop", profiles_dir=profiles, check=0, timeout=60)
+    rerun = run_cli("stage=noop", profiles_dir=profiles, check=0, timeout=WAIT_S)
     assert "✓ noop: done" in rerun.stdout
     assert ledger(profiles)["noop"]["state"] == "done"
 
@@ -102,7 +105,7 @@ def test_kill_9_then_an_immediate_rerun_runs(profiles):
         proc.wait()
     finally:
         _stop(proc)
-    rerun = run_cli("stage=noop", profiles_dir=profiles, check=0, timeout=60)
+    rerun = run_cli("stage=noop", profiles_dir=profiles, check=0, timeout=WAIT_S)
     assert "✓ noop: done" in rerun.stdout
     assert ledger(profiles)["noop"]["state"] == "done"
 
@@ -112,13 +115,13 @@ def test_ctrl_c_exits_130_then_rerun_resumes(profiles):
     try:
         _wait_until_running(proc, profiles)
         os.kill(proc.pid, signal.SIGINT)
-        out, _ = proc.communicate(timeout=30)
+        out, _ = proc.communicate(timeout=WAIT_S)
     finally:
         _stop(proc)
     assert proc.returncode == 130, out
     assert "Traceback" not in out and "interrupted" in out
     assert ledger(profiles)["noop"]["state"] == "cancelled"
-    rerun = run_cli("stage=noop", profiles_dir=profiles, check=0, timeout=60)
+    rerun = run_cli("stage=noop", profiles_dir=profiles, check=0, timeout=WAIT_S)
     assert "✓ noop: done" in rerun.stdout
 
 
@@ -165,14 +168,14 @@ def test_ctrl_c_before_launch_exits_130_without_traceback(profiles, tmp_path, ph
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + WAIT_S
         while not paused.exists():
             if proc.poll() is not None:
                 pytest.fail(f"the CLI ended before pausing while {phase}:\n{proc.stdout.read()}")
-            assert time.monotonic() < deadline, f"the CLI did not reach {phase} in 120 s"
+            assert time.monotonic() < deadline, f"the CLI did not reach {phase} in {WAIT_S} s"
             time.sleep(0.05)
         os.kill(proc.pid, signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
+        out, _ = proc.communicate(timeout=WAIT_S)
     finally:
         _stop(proc)
     assert proc.returncode == 130, out
@@ -184,7 +187,7 @@ def test_ctrl_c_before_launch_exits_130_without_traceback(profiles, tmp_path, ph
 def test_outputs_follow_the_users_umask(profiles, umask, mode):
     cmd = [sys.executable, "-m", "orchestrator", "stage=profile_hardware",
            "profile_hardware.source=analytic", "cluster=dgx_h100", f"profiles_dir={profiles}"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=WAIT_S,
                           preexec_fn=lambda: os.umask(umask))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     folder = profiles / "dgx_h100"
@@ -308,7 +311,7 @@ def test_a_queued_slurm_job_refuses_a_second_run_naming_it(slurm_cluster, profil
                    profiles_dir=profiles, check=0)
     job_id = re.search(r"submitted Slurm job (\d+)", held.stdout).group(1)
     try:  # the CLI that submitted it is gone; the job, held in the queue, is not
-        second = run_cli("stage=noop", *slurm, profiles_dir=profiles, timeout=60)
+        second = run_cli("stage=noop", *slurm, profiles_dir=profiles, timeout=WAIT_S)
         assert second.returncode == 5, second.stdout + second.stderr
         assert (f"noop is already running (Slurm job {job_id}); wait for it or stop it "
                 f"(`scancel {job_id}`)") in second.stderr

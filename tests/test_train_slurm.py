@@ -18,6 +18,7 @@ from test_slurm import SLURM, _follow_requeues, _job_runs, wait_for
 
 TRAIN = ["stage=train", "model=tiny", "train.seq_len=64", "train.plot=false"]
 KEY = "train/tiny"
+RUN_S = 480  # one 24-step pp2 x tp2 Slurm run, on a loaded machine
 
 
 def _summaries(profiles) -> dict:
@@ -59,13 +60,14 @@ RESUMED = r"^resumed from .*step_\d+ \(step (\d+)\)$"
 SIGNALLED = r"^warning: SIGUSR2: checkpoint at step (\d+) written; stopping"
 
 
+@pytest.mark.timeout(1200)  # three Slurm train jobs, one after the other
 def test_scancel_then_rerun_continues_the_same_loss_trajectory(slurm_cluster, tmp_path):
     """pp2 x tp2: cancelled once a checkpoint past step 8 exists; the rerun of the same command
     resumes from the last checkpoint and every step's loss is that of an uninterrupted run."""
     args = [*TRAIN, *SLURM, "train.pp=2", "train.tp=2", "train.steps=24",
             "train.checkpoint_every=4"]
     reference, profiles = tmp_path / "reference", tmp_path / "profiles"
-    run_cli(*args, profiles_dir=reference, check=0)
+    run_cli(*args, profiles_dir=reference, check=0, timeout=RUN_S)
     proc = start_cli(*args, profiles_dir=profiles)
     try:
         wait_for(lambda: [s for s in _checkpoint_steps(profiles) if s >= 8], timeout_s=240,
@@ -82,7 +84,7 @@ def test_scancel_then_rerun_continues_the_same_loss_trajectory(slurm_cluster, tm
     assert ledger(profiles, "dev")[KEY]["state"] == "cancelled"
     assert not _summaries(profiles)
 
-    run_cli(*args, profiles_dir=profiles, check=0)
+    run_cli(*args, profiles_dir=profiles, check=0, timeout=RUN_S)
     entry = ledger(profiles, "dev")[KEY]
     assert entry["state"] == "done" and entry["job_id"] != job_id
     resumed = _only_summary(profiles)

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from orchestrator.errors import ConfigError
+
+# A profiling loop's progress callback: (benchmark name, points done, points in total).
+OnPoint = Callable[[str, int, int], None]
 
 KiB = 1024
 MiB = 1024 * KiB

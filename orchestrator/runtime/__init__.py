@@ -204,10 +204,21 @@ def _run_stage(request: StageRequest, ctx: RankContext):
     return result
 
 
-def record_failure(request: StageRequest, message: str, error: BaseException) -> None:
+def record_failure(request: StageRequest, message: str, error: BaseException,
+                   disk_full: bool = False) -> None:
     """Rank 0's error line and exit code in the result file: the launcher shows the user this
     line (and exits with the error's own code), not only "job failed". On a full disk the
-    ledger's reserve makes room for it (store.ledger)."""
+    ledger's reserve makes room (store.ledger): rank 0 then marks the ledger entry failed
+    itself first, while the room is there (the ranks' logs would fill it before the launcher
+    gets to it), and the small result file goes in what the reserve left."""
+    if disk_full:
+        from orchestrator.store.ledger import Ledger, State
+
+        try:
+            Ledger(request.ledger_dir).mark_ended(request.ledger_key, State.failed,
+                                                  request.todo, message)
+        except OSError:
+            pass  # the launcher tries again and says so when it cannot
     write_json(request.result_path, {"ok": False, "error": message, "ended": time.time(),
                                      "exit_code": getattr(error, "exit_code", None)},
                reserve=reserve_path(request.ledger_dir))
@@ -265,7 +276,8 @@ def run_rank(request: StageRequest):
         print(msg, file=sys.stderr, flush=True)
         if rank == 0:
             try:
-                record_failure(request, msg, error)
+                record_failure(request, msg, error,
+                               disk_full=getattr(e, "errno", None) in DISK_FULL)
             except OSError as unwritten:  # still abort: the other ranks must not wait for us
                 print(f"rank 0: {unwritten}; the launcher reports the exit code only",
                       file=sys.stderr, flush=True)

@@ -347,10 +347,20 @@ class Ledger:
         profile file and a rerun skips it), also when rank 0 marked it a moment ago. On a full
         disk it spends the reserve to be written."""
         state = State(state)
-        if state == State.done:
+        if state == State.done or self._already_ended(key, state, todo):
             return
         with self._locked(spend_reserve=True) as entries:  # also on a full disk
             self._end(entries, key, state, todo, message, time.time())
+
+    def _already_ended(self, key: str, state: State, todo: Sequence[str]) -> bool:
+        """True when rank 0 already recorded this end (on a full disk, before the launcher
+        looks): writing it again could only fail."""
+        entries = self._read()
+        entry = entries.get(key)
+        if entry is None or entry.state != state or entry.ended is None:
+            return False
+        return not any(entries[f"{key}/{sub}"].state in ACTIVE for sub in todo
+                       if f"{key}/{sub}" in entries)
 
     def _end(self, entries: Dict[str, LedgerEntry], key: str, state: State, todo: Sequence[str],
              message: str, now: float) -> None:

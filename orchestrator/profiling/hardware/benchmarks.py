@@ -6,13 +6,16 @@ Each entry measures one section of hardware.json on every rank of a job together
 profile_hardware config section and on_point(name, done, total) a progress callback. It returns
 the section (identical on all ranks, or only on rank 0 for the inventory).
 
-Torch-free at import (the config reads the names); each benchmark imports what it runs.
+Torch-free at import; each benchmark imports what it runs. Their names and order are
+choices.BENCHMARK_NAMES (what the config lists).
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, Optional
 
-OnPoint = Callable[[str, int, int], None]  # (benchmark name, points done, points in total)
+from orchestrator.choices import BENCHMARK_NAMES
+from orchestrator.profiling.measure import OnPoint
+
 Benchmark = Callable[[Any, Any, OnPoint], Optional[dict]]
 
 
@@ -55,8 +58,5 @@ def overlap(ctx, hw, on_point: OnPoint) -> dict:
 
 
 BENCHMARKS: Dict[str, Benchmark] = {
-    "inventory": inventory,
-    **{name: _collective(name) for name in
-       ("allreduce", "p2p", "reduce_scatter", "all_gather", "all2all")},
-    "overlap": overlap,
-}
+    name: inventory if name == "inventory" else overlap if name == "overlap"
+    else _collective(name) for name in BENCHMARK_NAMES}

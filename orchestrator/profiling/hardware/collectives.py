@@ -16,13 +16,13 @@ import torch.distributed as dist
 
 from orchestrator.choices import Dtype
 from orchestrator.errors import ConfigError
-from orchestrator.profiling.hardware.benchmarks import OnPoint
 from orchestrator.profiling.hardware.fit import fit_points
 from orchestrator.profiling.hardware.groups import (check_node_of_rank, group_sizes, groups_for,
                                                     layouts_for, p2p_pairs_by_layout,
                                                     pp_neighbours, pp_sizes)
 from orchestrator.profiling.hardware.sampling import StopRule, Timing, measure
-from orchestrator.profiling.measure import KiB, MiB, algbw_GBps, busbw_GBps, is_cuda
+from orchestrator.profiling.measure import (KiB, MiB, OnPoint, algbw_GBps, busbw_GBps,
+                                            is_cuda)
 
 
 
