@@ -78,7 +78,8 @@ def rank_comms(model: ModelConfig, layout: ParallelLayout, rank: int,
                engine: str = "orchestrator", dtype: Dtype | str = Dtype.fp32,
                bucket_MiB: float = 25.0) -> List[Comm]:
     """Every message `rank` issues in one iteration of `layout` training `model` with the
-    given compute dtype; see the module docstring."""
+    given compute dtype and gradient buckets of `bucket_MiB` (train's OptimSettings); see the
+    module docstring."""
     if engine != "orchestrator":
         raise ValueError(f"engine={engine!r}: the per-rank message list describes the "
                          f"orchestrator engine only (workload.tp prices megatron's TP)")
@@ -86,7 +87,7 @@ def rank_comms(model: ModelConfig, layout: ParallelLayout, rank: int,
     out: List[Comm] = []
     out += _tp_comms(model, layout, rank, compute)
     out += _pp_comms(model, layout, rank)
-    out += _dp_comms(model, layout, rank)
+    out += _dp_comms(model, layout, rank, bucket_MiB)
     if layout.world_size > 1:
         if not (layout.pp * layout.tp == 1 and layout.zero == 0):
             out.append(Comm("all_reduce", "world", 8, "fp64", "step", 1, "gradient norm"))
@@ -174,8 +175,8 @@ def _pp_comms(model, layout, rank) -> List[Comm]:
             for (op, peer, phase), n in sorted(counts.items())]
 
 
-def _dp_comms(model, layout, rank) -> List[Comm]:
-    dp, m = layout.dp, layout.num_micro_batches
+def _dp_comms(model, layout, rank, bucket_MiB: float) -> List[Comm]:
+    dp = layout.dp
     if dp == 1:
         return []
     chunks = rank_chunks(model, layout, rank)
@@ -183,17 +184,13 @@ def _dp_comms(model, layout, rank) -> List[Comm]:
         return _fsdp_comms(chunks, layout)
     params = [p for chunk in chunks for p in chunk]
     out = []
-    for plan in plan_buckets([p.local_numel for p in params], dp, _bucket_MiB(layout)):
+    for plan in plan_buckets([p.local_numel for p in params], dp, bucket_MiB):
         grad_op = "reduce_scatter" if layout.zero == 2 else "all_reduce"
         out.append(Comm(grad_op, "dp", plan.bytes, "fp32", "bwd", 1, "gradient bucket"))
         if layout.zero >= 1:
             out.append(Comm("all_gather", "dp", plan.bytes, "fp32", "step", 1,
                             "updated parameters (ZeRO-1/2)"))
     return _merge(out)
-
-
-def _bucket_MiB(layout) -> float:
-    return getattr(layout, "bucket_MiB", 25.0)
 
 
 def _fsdp_comms(chunks, layout) -> List[Comm]:
