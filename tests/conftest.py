@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -42,11 +43,19 @@ def one_error_line(proc, code: int) -> str:
     return lines[0]
 
 
+def default_sigint() -> None:
+    """In a child before exec: SIGINT back to its default. A suite started in the background
+    of a non-interactive shell (`.ci/run &`) inherits SIGINT ignored, and Python then never
+    raises KeyboardInterrupt: the tests that send Ctrl-C would hang."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_cli(*args, profiles_dir, env=None):
     """The CLI in the background (for tests that interrupt it)."""
     cmd = [sys.executable, "-m", "orchestrator", *args, f"profiles_dir={profiles_dir}"]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, **(env or {})}, start_new_session=True)
+                            text=True, env={**os.environ, **(env or {})}, start_new_session=True,
+                            preexec_fn=default_sigint)
 
 
 def ledger(profiles_dir, cluster="local") -> dict:

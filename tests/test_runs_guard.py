@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, ledger, run_cli, start_cli
+from conftest import REPO, default_sigint, ledger, run_cli, start_cli
 
 SLOW_NOOP = ["stage=noop", "noop.sleep_s=60"]
 # An upper bound on one CLI step (start, exit after a signal, a rerun), not a synchronisation:
@@ -166,7 +166,7 @@ def test_ctrl_c_before_launch_exits_130_without_traceback(profiles, tmp_path, ph
     proc = subprocess.Popen([sys.executable, "-c", _PAUSED_CLI, phase, str(paused),
                              "stage=profile_hardware", f"profiles_dir={profiles}"], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=default_sigint)
     try:
         deadline = time.monotonic() + WAIT_S
         while not paused.exists():
