@@ -148,7 +148,8 @@ class MicroBatchCosts:
                         + FwdBwd(_ends(tpc.embedding.fwd_us, tpc.head.fwd_us, pp, k),
                                  _ends(tpc.embedding.bwd_us, tpc.head.bwd_us, pp, k)))
         other_t = other_window + self.other_traffic.exposed(other_window, self.overlap_coe)
-        recompute = np.where(code == 1, n * (b * attn), np.where(code == 2, n * (b * bf + tpc.recompute_us), 0.0))
+        full_us = n * (b * bf + tpc.recompute_us)  # the forward and the TP it repeats
+        recompute = np.where(code == 1, n * (b * attn), np.where(code == 2, full_us, 0.0))
         fwd = n * layer.fwd_us + other_t.fwd_us
         bwd = n * layer.bwd_us + recompute + other_t.bwd_us
         p2p_bytes = tokens * m.hidden * m.dtype_bytes / (self.tp if self.layout.sequence_parallel

@@ -202,7 +202,8 @@ def _fsdp_comms(chunks, layout) -> List[Comm]:
         for p in chunk:
             # FSDP2 pads each parameter's first dimension to a multiple of dp
             rows = -(-p.local_shape[0] // dp) * dp
-            units[p.unit] = units.get(p.unit, 0) + rows * (p.local_numel // max(1, p.local_shape[0]))
+            row_numel = p.local_numel // max(1, p.local_shape[0])
+            units[p.unit] = units.get(p.unit, 0) + rows * row_numel
         for unit, numel in units.items():
             out += [Comm("all_gather", "dp", numel * 4, "fp32", "fwd", gathers,
                          f"ZeRO-3 parameters of {'a block' if unit != 'root' else 'the rest'}"),

@@ -17,7 +17,7 @@ LM head all-gathers its input forward (SP) and reduce-scatters (all-reduces) its
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict
 
 ENGINES = ("orchestrator", "megatron")
@@ -36,7 +36,6 @@ class TpCounts:
     head_fwd: Dict[str, int]
     head_bwd: Dict[str, int]
     logits_all_gather: int = 0
-    engine: str = field(default="orchestrator")
 
 
 def check_engine(engine: str) -> None:
@@ -56,13 +55,13 @@ def tp_counts(engine: str, sequence_parallel: bool) -> TpCounts:
             recompute={"all_gather": 2, "reduce_scatter": 1} if ours else dict(fwd),
             embedding_fwd={"reduce_scatter": 1}, embedding_bwd={"all_gather": 1},
             head_fwd={"all_gather": 1}, head_bwd={"reduce_scatter": 1},
-            logits_all_gather=1 if ours else 0, engine=engine)
+            logits_all_gather=1 if ours else 0)
     return TpCounts(
         layer_fwd={"all_reduce": 2}, layer_bwd={"all_reduce": 2},
         recompute={"all_reduce": 1 if ours else 2},
         embedding_fwd={"all_reduce": 1}, embedding_bwd={},
         head_fwd={}, head_bwd={"all_reduce": 1},
-        logits_all_gather=1 if ours else 0, engine=engine)
+        logits_all_gather=1 if ours else 0)
 
 
 def priced_us(counts: Dict[str, int], op_us: Dict[str, object]):
