@@ -245,6 +245,18 @@ def _saves_keep_the_newest(rank: int, folder: Path) -> None:
     info, _ = load_latest(folder, state)
     assert (info.step, _step_of(state)) == (25, 25.0)
 
+    # A state dict is made only when there is a checkpoint to load into it (stage=train made
+    # one before its first step and kept it: zeros beside AdamW's own moments all run long).
+    made = []
+
+    def make() -> dict:
+        made.append(_step_state(0, mesh))
+        return made[-1]
+    assert load_latest(folder / "never_saved", make) == (None, [])
+    assert made == []
+    info, _ = load_latest(folder, make)
+    assert (info.step, len(made), _step_of(made[0])) == (25, 1, 25.0)
+
 
 def test_save_keeps_the_two_newest_checkpoints(spawned):
     spawned.check(_saves_keep_the_newest)

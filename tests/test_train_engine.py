@@ -45,6 +45,8 @@ BF16_LAYOUTS = [
     (2, 2, {"sequence_parallel": False, "recompute": ("full", 1)}),
 ]
 RECORDED_STEP = 1  # the first step also sends the pipeline's shape metadata
+MEMORY_STEP = 2  # after the optimizer's first step made its states
+PEAK_TOLERANCE = 0.05  # the workload model's peak against every live tensor byte counted
 
 
 def _layout(pp, tp, extra):
@@ -109,6 +111,28 @@ def _record_step(engine, data, layout, step: int, lr: float):
     return stats, _recorded(recorder.records)
 
 
+def _count_step(engine, data, layout, step: int, lr: float):
+    """A step under LiveTensorBytes: (bytes at its start, peak bytes, where the peak fell)."""
+    from orchestrator.train.live_memory import LiveTensorBytes
+
+    tokens, targets = data.rank_batch(step, engine.dp_rank, layout.dp, GBS // layout.dp)
+    live = LiveTensorBytes("cpu", [engine, tokens, targets])
+    optim = engine.optim
+    with live:
+        live.mark("forward/backward")
+        original = optim.finish_backward
+
+        def marked():
+            live.mark("after the backward")
+            original()
+        optim.finish_backward = marked
+        try:
+            stats = engine.train_step(tokens, targets, lr, 1.0)
+        finally:
+            del optim.finish_backward
+    return stats, (live.start_bytes, live.peak_bytes, live.peak_label)
+
+
 def _worker(rank: int, out: dict) -> None:
     from orchestrator.models.config import ModelConfig
     from orchestrator.train.data import make_data
@@ -127,6 +151,9 @@ def _worker(rank: int, out: dict) -> None:
             if step == RECORDED_STEP:
                 stats, out[f"comms fp32 {layout.describe()} rank {rank}"] = _record_step(
                     engine, data, layout, step, lr)
+            elif step == MEMORY_STEP:
+                stats, out[f"memory fp32 {layout.describe()} rank {rank}"] = _count_step(
+                    engine, data, layout, step, lr)
             else:
                 tokens, targets = data.rank_batch(step, engine.dp_rank, layout.dp, per_rank)
                 stats = engine.train_step(tokens, targets, lr, 1.0)
@@ -137,9 +164,12 @@ def _worker(rank: int, out: dict) -> None:
     for pp, tp, extra in BF16_LAYOUTS:
         layout = _layout(pp, tp, extra)
         engine = Engine(layout, model, torch.device("cpu"), dtype="bf16", seed=1)
-        for step in range(RECORDED_STEP + 1):
+        for step in range(MEMORY_STEP + 1):
             if step == RECORDED_STEP:
                 _, out[f"comms bf16 {layout.describe()} rank {rank}"] = _record_step(
+                    engine, data, layout, step, 1e-3)
+            elif step == MEMORY_STEP:
+                _, out[f"memory bf16 {layout.describe()} rank {rank}"] = _count_step(
                     engine, data, layout, step, 1e-3)
             else:
                 tokens, targets = data.rank_batch(step, engine.dp_rank, layout.dp,
@@ -154,7 +184,8 @@ def losses_by_layout():
 
 
 def test_every_layout_trains(losses_by_layout):
-    assert sorted(k for k in losses_by_layout if not k.startswith("comms ")) == \
+    assert sorted(k for k in losses_by_layout
+                  if not k.startswith(("comms ", "memory "))) == \
         sorted(_layout(*layout).describe() for layout in LAYOUTS)
 
 
@@ -189,3 +220,46 @@ def test_every_message_of_a_step_is_the_workload_models(losses_by_layout, dtype,
             f"{layout.describe()} {dtype} rank {rank}:\n recorded only "
             f"{sorted(set(recorded) - set(predicted))}\n predicted only "
             f"{sorted(set(predicted) - set(recorded))}")
+
+
+@pytest.fixture(scope="module")
+def block_activations():
+    """What profile_model counts for one layer of MODEL at the test's micro-batch, per TP
+    degree (its memory_point on a fake process group: the analytic profile's own path)."""
+    from orchestrator.models.config import ModelConfig
+    from orchestrator.profiling.model.analytic import fake_world
+    from orchestrator.profiling.model.timing import build_point_model, memory_point
+    from orchestrator.workload.memory import BlockActivations
+
+    model = ModelConfig(**MODEL)
+    out = {}
+    for tp in (1, 2):
+        with fake_world(tp) as mesh:
+            counted = memory_point(build_point_model(model, model.seq_len, tp, mesh, "cpu"),
+                                   model.seq_len)["block_act_bytes"]
+        out[tp] = BlockActivations(counted["none"], counted["selective"], counted["full"],
+                                   elem_bytes=4)
+    return out
+
+
+@pytest.mark.parametrize("dtype,index", [("fp32", i) for i in range(len(LAYOUTS))]
+                         + [("bf16", i) for i in range(len(BF16_LAYOUTS))])
+def test_memory_of_a_step_is_the_workload_models(losses_by_layout, block_activations, dtype,
+                                                 index):
+    """Every live tensor byte of a real step, counted: what each rank holds between steps is
+    orchestrator/workload/memory.py's states to the byte (but the data loader's layout of the
+    tokens, and the device mesh), and its peak is within PEAK_TOLERANCE."""
+    from orchestrator.models.config import ModelConfig
+    from orchestrator.workload.memory import rank_memory
+
+    model = ModelConfig(**MODEL)
+    layout = _layout(*(LAYOUTS if dtype == "fp32" else BF16_LAYOUTS)[index])
+    for rank in range(WORLD_SIZE):
+        start, peak, where = losses_by_layout[f"memory {dtype} {layout.describe()} rank {rank}"]
+        predicted = rank_memory(model, layout, rank, block_activations[layout.tp], dtype=dtype)
+        assert abs(start - predicted.states.total) <= 512, (
+            f"{layout.describe()} {dtype} rank {rank}: {start} B held between steps, predicted "
+            f"{predicted.states.as_dict()}")
+        assert abs(predicted.peak / peak - 1) <= PEAK_TOLERANCE, (
+            f"{layout.describe()} {dtype} rank {rank}: peak {peak} B ({where}), predicted "
+            f"{predicted.peak:.0f} B ({predicted.phase}: {dict(predicted.at_peak)})")

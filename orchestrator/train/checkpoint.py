@@ -242,8 +242,9 @@ def load_checkpoint(info: CheckpointInfo, state: dict) -> dict:
 
 
 def load_latest(folder: str | os.PathLike,
-                state: dict) -> Tuple[Optional[CheckpointInfo], List[str]]:
-    """Load the newest checkpoint of `folder` that reads, into `state` in place. Returns it (None
+                state) -> Tuple[Optional[CheckpointInfo], List[str]]:
+    """Load the newest checkpoint of `folder` that reads, into `state` in place (a dict, or a
+    function that makes it: called only when there is a checkpoint to load). Returns it (None
     when the folder holds no checkpoint) and one line per damaged checkpoint skipped, for the
     caller to print. Rank 0 decides which folders to try, so every rank loads the same one.
     Raises CheckpointError when there are checkpoints but none reads, CheckpointMismatchError when
@@ -255,7 +256,7 @@ def load_latest(folder: str | os.PathLike,
     candidates, problems = scanned[0]
     for info in candidates:
         try:
-            load_checkpoint(info, state)
+            load_checkpoint(info, state() if callable(state) else state)
             return info, problems
         except CheckpointMismatchError:
             raise

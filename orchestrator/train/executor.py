@@ -4,7 +4,7 @@ torch.distributed.pipelining needs every micro-batch to have the same shape; a p
 planner/dynamic.py gives each micro-batch its own size, padded length and recompute mode. This
 runs such a plan:
 - pp = 1: a plain loop, forward and backward per micro-batch.
-- pp > 1: each rank walks planner.schedule.stage_order (the op order the planner's simulation
+- pp > 1: each rank walks workload.order.stage_order (the op order the planner's simulation
   prices; 1F1B or interleaved, chunk c of rank r is virtual stage c * pp + r) and moves
   activations forward and gradients backward with isend/irecv. Receive buffers take their shape
   from the micro-batch (batch, padded_len, or padded_len / tp under sequence parallelism), so no
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from orchestrator.planner.dynamic import RECOMPUTE_MODES
-from orchestrator.planner.schedule import stage_order
+from orchestrator.workload.order import stage_order
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ fused kernels instead of one per parameter.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Dict, List, Optional
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -65,16 +65,18 @@ def full_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
 NORM_CHUNK = 1 << 24  # elements per float64 slice: bounded temporaries on big buckets
 
 
-def _weighted_sumsq(grad: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
+def _weighted_sumsq(grad: torch.Tensor, replicated: List[Tuple[int, int, float]]) -> torch.Tensor:
     """sum(weight * grad^2) in float64, a slice at a time (a whole bucket in float64 would
-    add 16 bytes per parameter to the peak memory)."""
+    add 16 bytes per parameter to the peak memory); the weight is 1 except on the `replicated`
+    ranges [start, end) of weight w (the SP norms: a few elements, where a per-element weight
+    over the whole bucket held 4 bytes per element of every bucket holding one)."""
     total = torch.zeros((), dtype=torch.float64, device=grad.device)
     for start in range(0, grad.numel(), NORM_CHUNK):
         part = grad[start:start + NORM_CHUNK].double()
-        part = part * part
-        if weight is not None:
-            part *= weight[start:start + NORM_CHUNK]
-        total += part.sum()
+        total += (part * part).sum()
+    for start, end, w in replicated:
+        part = grad[start:end].double()
+        total += (w - 1.0) * (part * part).sum()
     return total
 
 
@@ -99,7 +101,8 @@ class Bucket:
     grad: Optional[torch.Tensor] = None  # full flat gradient (None between steps for ZeRO-2)
     shard_grad: Optional[torch.Tensor] = None  # this rank's reduced slice
     master: Optional[nn.Parameter] = None  # fp32 master of the slice this rank updates
-    weight: Optional[torch.Tensor] = None  # per element of the slice: replication weight (None: 1)
+    # [start, end) ranges of the slice whose elements every TP rank holds, with their weight
+    replicated: List[Tuple[int, int, float]] = field(default_factory=list)
     ready: int = 0
     work: object = None
     # Plain fp32 parameters (no DTensor): their storage is a view of `flat_params` and their
@@ -164,11 +167,13 @@ class ShardedAdamW:
             b = Bucket(params=ps, numel=numel, offsets=offsets)
             lo, hi = self._owned(b)
             flat = torch.zeros(numel, dtype=torch.float32, device=local_tensor(ps[0]).device)
-            weight = torch.zeros_like(flat)
             for p, off in zip(ps, offsets):
                 loc = local_tensor(p)
                 flat[off:off + loc.numel()] = loc.detach().reshape(-1).float()
-                weight[off:off + loc.numel()] = replication_weight(p)
+                w = replication_weight(p)
+                start, end = max(off, lo), min(off + loc.numel(), hi)
+                if w != 1.0 and start < end:
+                    b.replicated.append((start - lo, end - lo, w))
             if all(_viewable(p) for p in ps):
                 b.flat_params = flat
                 with torch.no_grad():
@@ -177,9 +182,6 @@ class ShardedAdamW:
             # ZeRO-0 updates the parameters' own storage; ZeRO-1/2 a copy of this rank's slice.
             shares = b.flat_params is not None and self.zero == 0
             b.master = nn.Parameter(flat if shares else flat[lo:hi].clone())
-            # Plain parameters count once: no per-element weights to keep.
-            plain = all(replication_weight(p) == 1.0 for p in ps)
-            b.weight = None if plain else weight[lo:hi].clone()
             if self.zero < 2:
                 b.grad = torch.zeros_like(flat)
             for p, off in zip(ps, offsets):
@@ -265,7 +267,7 @@ class ShardedAdamW:
         """The global gradient norm: every element once, over data, tensor and pipeline ranks."""
         sumsq = torch.zeros((), dtype=torch.float64, device=self.buckets[0].master.device)
         for b in self.buckets:
-            sumsq += _weighted_sumsq(b.shard_grad, b.weight)
+            sumsq += _weighted_sumsq(b.shard_grad, b.replicated)
         if self.local_norm:
             return math.sqrt(float(sumsq))
         if self.zero == 0 and self.dp > 1:

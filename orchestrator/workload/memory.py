@@ -1,0 +1,482 @@
+"""Every byte a rank holds during one training iteration of `stage=train`'s engine, by kind.
+
+Held between iterations (`rank_states`), exact, from the parameter list (params.py) and the
+gradient buckets (buckets.py) the engine itself uses:
+- ZeRO 0/1/2 (train/grads.py): parameters are fp32 (the masters: autocast only casts matmul
+  inputs). A bucket whose parameters are all plain tensors (no TP, or the norms of TP without
+  SP) holds them as views of one flat buffer; a bucket with DTensor parameters keeps them as they
+  are and a flat fp32 copy for AdamW (its master: the whole bucket for ZeRO 0, this rank's 1/dp
+  slice for ZeRO 1/2; plain buckets under ZeRO 0 update the parameters in place, no copy).
+  Gradients: the whole flat fp32 bucket for ZeRO 0/1, nothing between steps for ZeRO 2. AdamW's
+  two moments cover the master (one 4-byte step counter each). Every bucket is padded to a
+  multiple of dp elements.
+- ZeRO 3 (FSDP2): each parameter's dim-0 shard (1/dp, torch.chunk's sizes) and AdamW's two
+  moments of it, with one step counter per parameter.
+- Pipeline (torch.distributed.pipelining): each model chunk keeps, per micro-batch, a receive
+  buffer of its input (not the first virtual stage) and of its output's gradient (not the last),
+  in the residual dtype (fp32), 1/tp of the sequence under SP.
+- The rotary tables (cos, sin: seq x head_dim / 2, fp32), the device mesh (int32 per rank) and
+  this rank's tokens and targets (int64, micro_batch_size x num_micro_batches x seq each).
+
+The peak of an iteration (`rank_memory`) walks the rank's pipeline op order (workload/order.py)
+part by part (embedding, each layer, head and loss), adding what each forward keeps and taking
+it back in its backward, with what each step holds only while it runs:
+- activations per micro-batch and layer: the model profile's count (the block in the model's
+  dtype, SP when tp > 1), plus what the engine keeps beyond it: without SP the norms' and
+  residual's tokens are not sharded; under autocast the residual stream stays fp32 (the norms
+  keep fp32 inputs: 2 B more per element) and each matmul casts its fp32 input on its own (wq,
+  wk, wv and w_gate, w_up: five bf16 copies where a bf16 model keeps two), and each layer keeps
+  the bf16 copies of its weights (autocast's cache) until its backward;
+- the head (final norm, LM head, loss): its inputs, the logits gathered over TP in fp32 and the
+  log-softmax output; the loss backward holds two more logits-sized fp32 tensors;
+- a layer's backward: the gradients flowing through it, its recompute (full: the layer's
+  activations again; selective: the attention core's), its weights' fresh gradients;
+- gradients: DTensor parameters accumulate .grad over the micro-batches and copy it into the
+  bucket after the last; ZeRO 2 allocates a bucket's flat gradient in the backward (the first
+  micro-batch when its parameters are views of it, else the last) and a 1/dp shard for its
+  reduce-scatter; FSDP gathers a unit's fp32 parameters for its forward and backward (kept
+  gathered all iteration under a pipeline) and accumulates unsharded gradients;
+- after the backward: ZeRO 2 waits with every full bucket and shard alive (gloo copies the
+  largest bucket once more); the gradient norm squares a float64 slice (16 B per element of the
+  largest owned bucket slice, at most NORM_CHUNK); AdamW foreach (CPU) holds one temporary as
+  large as the masters, fused AdamW (CUDA) none; ZeRO 1/2 gather each updated DTensor bucket
+  into a full fp32 buffer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Dict, List, Mapping, Optional, Tuple
+
+from orchestrator.choices import Dtype
+from orchestrator.layout import ParallelLayout
+from orchestrator.models.config import ModelConfig
+from orchestrator.workload.buckets import plan_buckets
+from orchestrator.workload.order import stage_order
+from orchestrator.workload.params import Param, chunk_size, rank_chunks, virtual_stage_ranges
+
+FP32 = 4
+INT64 = 8
+INT32 = 4
+STEP_COUNTER_BYTES = 4  # AdamW keeps `step` as a float32 scalar tensor per parameter it updates
+NORM_CHUNK = 1 << 24  # train/grads.py: elements per float64 slice of the gradient norm
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes one rank holds between iterations, by kind."""
+
+    params: int  # the parameters (fp32), views of the flat buckets where they can be
+    master: int  # flat fp32 copies AdamW updates (DTensor buckets; ZeRO 1/2 slices)
+    grads: int  # fp32 gradient buckets kept between steps (ZeRO 0/1)
+    optim: int  # AdamW's exp_avg and exp_avg_sq (and step counters)
+    pipeline_buffers: int  # receive buffers of the pipeline stages, every micro-batch
+    inputs: int  # rotary tables, tokens and targets
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def as_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["total"] = self.total
+        return out
+
+
+def rank_parameters(model: ModelConfig, layout: ParallelLayout, rank: int) -> List[Param]:
+    """This rank's parameters in the engine's order (its chunks in order)."""
+    return [p for chunk in rank_chunks(model, layout, rank) for p in chunk]
+
+
+def is_dtensor(p: Param, layout: ParallelLayout) -> bool:
+    """Whether the engine holds `p` as a DTensor: TP-sharded, or a norm under SP (replicated
+    over TP); the norms of TP without SP stay plain tensors."""
+    if layout.tp == 1:
+        return False
+    return p.tp_sharded or (layout.sequence_parallel and p.name.endswith("norm.weight"))
+
+
+def _bucket_states(params: List[Param], layout: ParallelLayout, bucket_MiB: float) -> dict:
+    dp, zero = layout.dp, layout.zero
+    out = dict(params=0, master=0, grads=0, optim=0)
+    plans = plan_buckets([p.local_numel for p in params], dp, bucket_MiB)
+    for plan in plans:
+        members = [params[i] for i in plan.indices]
+        viewable = not any(is_dtensor(p, layout) for p in members)
+        owned = plan.numel if zero == 0 else plan.numel // dp
+        out["params"] += FP32 * (plan.numel if viewable else sum(p.local_numel for p in members))
+        out["master"] += 0 if (viewable and zero == 0) else FP32 * owned
+        out["grads"] += FP32 * plan.numel if zero < 2 else 0
+        out["optim"] += 2 * FP32 * owned + STEP_COUNTER_BYTES
+    return out
+
+
+def fsdp_shard_numel(p: Param, dp: int, dp_rank: int) -> int:
+    """Elements of FSDP2's dim-0 shard of this rank's (TP-local) parameter."""
+    rows = p.local_shape[0]
+    rest = p.local_numel // rows if rows else 0
+    return chunk_size(rows, dp, dp_rank) * rest
+
+
+def _fsdp_states(params: List[Param], layout: ParallelLayout, dp_rank: int) -> dict:
+    shard = sum(fsdp_shard_numel(p, layout.dp, dp_rank) for p in params)
+    return dict(params=FP32 * shard, master=0, grads=0,
+                optim=2 * FP32 * shard + STEP_COUNTER_BYTES * len(params))
+
+
+def sequence_shard(seq_len: int, layout: ParallelLayout) -> int:
+    """Tokens of a sequence one rank's residual stream holds between layers."""
+    return seq_len // layout.tp if layout.tp > 1 and layout.sequence_parallel else seq_len
+
+
+def pipeline_buffer_bytes(model: ModelConfig, layout: ParallelLayout, rank: int,
+                          seq_len: int) -> int:
+    """The pipeline stages' receive buffers (fp32 residual stream), every micro-batch."""
+    if layout.pp == 1:
+        return 0
+    pp_rank = layout.coordinate(rank, "pp")
+    last = layout.pp * layout.virtual_stages - 1
+    per = layout.micro_batch_size * sequence_shard(seq_len, layout) * model.hidden * FP32
+    buffers = 0
+    for c in range(layout.virtual_stages):
+        stage = c * layout.pp + pp_rank
+        buffers += (stage > 0) + (stage < last)
+    return buffers * per * layout.num_micro_batches
+
+
+def rank_states(model: ModelConfig, layout: ParallelLayout, rank: int,
+                seq_len: int | None = None, bucket_MiB: float = 25.0) -> StateBytes:
+    """What `rank` holds between iterations of `layout` training `model` at `seq_len`
+    (default the model's) on the orchestrator engine, by kind (bytes)."""
+    seq_len = seq_len or model.seq_len
+    params = rank_parameters(model, layout, rank)
+    if layout.zero == 3:
+        kinds = _fsdp_states(params, layout, layout.coordinate(rank, "dp"))
+    else:
+        kinds = _bucket_states(params, layout, bucket_MiB)
+    head_dim = model.hidden // model.heads
+    samples = layout.micro_batch_size * layout.num_micro_batches
+    inputs = (2 * model.seq_len * (head_dim // 2) * FP32 + INT32 * layout.world_size
+              + 2 * samples * seq_len * INT64)
+    return StateBytes(**kinds, pipeline_buffers=pipeline_buffer_bytes(model, layout, rank,
+                                                                      seq_len),
+                      inputs=inputs)
+
+
+# ---------------------------------------------------------------------------- the peak
+
+
+@dataclass(frozen=True)
+class BlockActivations:
+    """Bytes one layer keeps for its backward, per micro-batch on one rank, by recompute mode,
+    as profile_model counts them (the model profile's block_act_bytes at the micro-batch's
+    tokens): the block in `elem_bytes` (the model's dtype), sequence parallel when tp > 1."""
+
+    none: float
+    selective: float
+    full: float
+    elem_bytes: int = 4
+
+    def at(self, mode: str) -> float:
+        return getattr(self, mode)
+
+
+@dataclass(frozen=True)
+class MemoryBytes:
+    """One rank's memory in one iteration (bytes): what it holds between iterations, its peak,
+    where the peak falls and what is alive then beyond the states, by kind."""
+
+    states: StateBytes
+    peak: float
+    phase: str  # "forward F<chunk>.<micro-batch>" ... | "backward ..." | finish_backward |
+    #             grad_norm | optimizer
+    at_peak: Mapping[str, float]  # kind -> bytes above the states at the peak
+
+    def as_dict(self) -> dict:
+        return {"states": self.states.as_dict(), "peak": self.peak, "phase": self.phase,
+                "at_peak": dict(self.at_peak)}
+
+
+class _Live:
+    """Bytes alive above the states, by kind, and the highest total seen (with its moment)."""
+
+    def __init__(self):
+        self.kinds: Dict[str, float] = {}
+        self.peak, self.phase, self.at_peak = 0.0, "start", {}
+
+    def add(self, kind: str, size: float) -> None:
+        self.kinds[kind] = self.kinds.get(kind, 0.0) + size
+
+    def check(self, phase: str, transient: Optional[Mapping[str, float]] = None) -> None:
+        total = sum(self.kinds.values()) + sum((transient or {}).values())
+        if total > self.peak:
+            self.peak, self.phase = total, phase
+            snapshot = dict(self.kinds)
+            for kind, size in (transient or {}).items():
+                snapshot[kind] = snapshot.get(kind, 0.0) + size
+            self.at_peak = {k: v for k, v in snapshot.items() if v}
+
+
+@dataclass(frozen=True)
+class _Part:
+    """A piece of a model chunk a forward runs through in order: the embedding, a layer, the
+    head (final norm, LM head and loss)."""
+
+    kind: str  # embed | block | head
+    mode: str  # recompute mode of a block
+    params: Tuple[int, ...]  # positions in the rank's parameter list
+
+
+def _chunk_parts(chunk: List[Param], offset: int, modes: List[str]) -> List[_Part]:
+    parts: List[_Part] = []
+    blocks: Dict[str, List[int]] = {}
+    head: List[int] = []
+    for i, p in enumerate(chunk):
+        if p.name.startswith("tok_emb"):
+            parts.append(_Part("embed", "none", (offset + i,)))
+        elif p.unit.startswith("blocks."):
+            blocks.setdefault(p.unit, []).append(offset + i)
+        else:
+            head.append(offset + i)
+    for b, (unit, idx) in enumerate(blocks.items()):
+        parts.append(_Part("block", modes[b], tuple(idx)))
+    if head:
+        parts.append(_Part("head", "none", tuple(head)))
+    return parts
+
+
+def _chunk_modes(layout: ParallelLayout, pp_rank: int, layers: int) -> List[str]:
+    """Recompute mode of each layer of one chunk: the stage's mode, full for its first k / v."""
+    mode, k = layout.recompute[pp_rank]
+    if mode == "full":
+        per_chunk = k // layout.virtual_stages
+        return ["full" if i < per_chunk else "none" for i in range(layers)]
+    return [mode] * layers
+
+
+def engine_block_bytes(act: BlockActivations, mode: str, model: ModelConfig,
+                       layout: ParallelLayout, dtype: Dtype, tokens: int,
+                       block_local_numel: int) -> float:
+    """What one layer of the engine keeps per micro-batch of `tokens` tokens (the model
+    profile's count plus the engine's own, see the module's docstring)."""
+    h, t = model.hidden, layout.tp
+    t_sp = t if t > 1 and layout.sequence_parallel else 1
+    autocast = dtype != Dtype.fp32
+    elem = dtype.bytes if autocast else FP32
+    kept = act.at(mode) * (elem / act.elem_bytes)
+    if t > 1 and not layout.sequence_parallel:
+        # The tokens SP would shard, whole: the norms' inputs (and outputs they keep on CPUs),
+        # the residual and the gathered matmul inputs.
+        per_token = {"none": 10.0, "selective": 10.0, "full": 2.0}[mode]
+        kept += per_token * h * (elem / 2.0) * tokens * (1.0 - 1.0 / t)
+    if autocast:
+        if mode == "full":
+            kept += tokens * (FP32 - elem) * h / t_sp  # the kept input is fp32
+        else:
+            kept += tokens * ((FP32 - elem) * 2 * h / t_sp + 3 * elem * h)
+            kept += elem * block_local_numel  # autocast's weight cache
+    return kept
+
+
+def _head_bytes(model: ModelConfig, layout: ParallelLayout, dtype: Dtype, tokens: int,
+                fused_norm: bool, vocab_local: int) -> Tuple[float, float, float]:
+    """(kept, forward transient, backward transient) of the head and loss per micro-batch."""
+    h, v, t = model.hidden, model.vocab, layout.tp
+    t_sp = t if t > 1 and layout.sequence_parallel else 1
+    autocast = dtype != Dtype.fp32
+    elem = dtype.bytes if autocast else FP32
+    norm = tokens / t_sp * (FP32 * h + FP32 + (0 if fused_norm else FP32 * h))
+    if autocast:
+        head_in = tokens * elem * h + elem * vocab_local * h  # its cast input and weight
+    else:
+        head_in = tokens * FP32 * h
+    logits = tokens * v * FP32  # gathered over TP, fp32 for the loss
+    kept = norm + head_in + logits + tokens * INT64  # log-softmax output, the targets
+    forward = logits + tokens * vocab_local * elem  # the local logits while gathered/cast
+    backward = 2 * logits
+    return kept, forward, backward
+
+
+def _block_working(model: ModelConfig, layout: ParallelLayout, tokens: int) -> float:
+    """A layer's backward, beyond its kept activations: the gradients flowing through it (the
+    residual's and the MLP's intermediate ones) while its weights' gradients are made."""
+    t = layout.tp
+    t_sp = t if t > 1 and layout.sequence_parallel else 1
+    return FP32 * tokens * (2 * model.hidden / t_sp + 2 * model.ffn / t)
+
+
+def _bucket_of(plans) -> Dict[int, int]:
+    out = {}
+    for b, plan in enumerate(plans):
+        for i in plan.indices:
+            out[i] = b
+    return out
+
+
+def rank_memory(model: ModelConfig, layout: ParallelLayout, rank: int, act: BlockActivations,
+                dtype: Dtype | str = Dtype.fp32, device: str = "cpu",
+                seq_len: Optional[int] = None, bucket_MiB: float = 25.0) -> MemoryBytes:
+    """`rank`'s states and the peak of one iteration of `layout` training `model` on the
+    orchestrator engine in `dtype` on a `device` ("cpu" or "cuda"), with `act` the profile's
+    per-layer activations at this micro-batch size and sequence length (see the module's
+    docstring for every term)."""
+    dtype = Dtype.parse(dtype)
+    seq_len = seq_len or model.seq_len
+    cuda = device.startswith("cuda")
+    states = rank_states(model, layout, rank, seq_len, bucket_MiB)
+    params = rank_parameters(model, layout, rank)
+    numel = [p.local_numel for p in params]
+    pp_rank, dp_rank = layout.coordinate(rank, "pp"), layout.coordinate(rank, "dp")
+    dp, zero, m = layout.dp, layout.zero, layout.num_micro_batches
+    tokens = layout.micro_batch_size * seq_len
+    t_sp = layout.tp if layout.tp > 1 and layout.sequence_parallel else 1
+    vocab_local = chunk_size(model.vocab, layout.tp, layout.coordinate(rank, "tp"))
+    head_kept, head_fwd, head_bwd = _head_bytes(model, layout, dtype, tokens, cuda, vocab_local)
+
+    # Chunks and their parts, with what each keeps per micro-batch.
+    chunks, parts, offset = rank_chunks(model, layout, rank), [], 0
+    for chunk in chunks:
+        layers = len({p.unit for p in chunk if p.unit.startswith("blocks.")})
+        parts.append(_chunk_parts(chunk, offset, _chunk_modes(layout, pp_rank, layers)))
+        offset += len(chunk)
+
+    def kept(part: _Part) -> float:
+        if part.kind == "block":
+            return engine_block_bytes(act, part.mode, model, layout, dtype, tokens,
+                                      sum(numel[i] for i in part.params))
+        if part.kind == "head":
+            return head_kept
+        if layout.tp == 1:
+            return 0.0  # the embedding keeps its input ids, held already
+        # Vocabulary-parallel lookup: its partial output (every token) stays alive with the
+        # reduced one (1/tp of the tokens under SP) until the micro-batch's backward.
+        return FP32 * tokens * model.hidden * (1 + 1 / t_sp)
+
+    # Gradients: which parameters accumulate a .grad of their own, where buckets appear.
+    plans = plan_buckets(numel, dp, bucket_MiB) if zero < 3 else []
+    bucket_of = _bucket_of(plans)
+    viewable = [not any(is_dtensor(params[i], layout) for i in plan.indices) for plan in plans]
+    owned = [plan.numel if zero == 0 else plan.numel // dp for plan in plans]
+    allocated = set()
+    fsdp_units: Dict[str, int] = {}
+    for p in params:
+        fsdp_units[p.unit] = fsdp_units.get(p.unit, 0) + p.local_numel
+    unit_of_part = {}
+    for chunk_parts in parts:
+        for part in chunk_parts:
+            unit_of_part[part] = params[part.params[0]].unit
+    gathered_all = zero == 3 and layout.pp > 1  # kept gathered between forward and backward
+
+    live = _Live()
+    if gathered_all:
+        live.add("fsdp gathered params", FP32 * sum(fsdp_units.values()))
+    done_backward: Dict[Tuple[int, int], int] = {}  # (chunk, part) -> backwards done
+    order = stage_order(layout.pp, pp_rank, m, layout.schedule, layout.virtual_stages)
+    for op, c, mb in order:
+        tag = f"{'forward' if op == 'F' else 'backward'} F{c}.{mb}"
+        if op == "F":
+            for part in parts[c]:
+                transient = {}
+                if zero == 3 and not gathered_all:
+                    transient["fsdp gathered params"] = _fsdp_gathered(part, unit_of_part,
+                                                                      fsdp_units)
+                if part.kind == "head":
+                    transient["logits"] = head_fwd
+                elif part.kind == "block" and part.mode != "none":
+                    # A recomputed layer's forward holds what it does not keep while it runs.
+                    transient["recompute"] = kept(_Part("block", "none", part.params)) - kept(part)
+                live.add("activations", kept(part))
+                live.check(tag, transient)
+            continue
+        for j, part in reversed(list(enumerate(parts[c]))):
+            transient = {}
+            if part.kind == "block":
+                transient["backward working"] = _block_working(model, layout, tokens)
+                if part.mode != "none":
+                    transient["recompute"] = (kept(_Part("block", "none", part.params))
+                                              - kept(part))
+            elif part.kind == "head":
+                transient["loss backward"] = head_bwd
+            else:  # the embedding's gradient is made whole on every TP rank, then sliced
+                transient["backward working"] = FP32 * model.vocab * model.hidden
+            if zero == 3:
+                if not gathered_all:  # this unit, the next one prefetched, and the root
+                    transient["fsdp gathered params"] = _fsdp_gathered(
+                        part, unit_of_part, fsdp_units, prefetch=True)
+                if not gathered_all and not done_backward.get((c, j)):  # its unsharded grads
+                    transient["fresh gradients"] = FP32 * sum(numel[i] for i in part.params)
+            else:  # a weight's gradient before it is copied into its bucket
+                transient["fresh gradients"] = max(numel[i] for i in part.params) * FP32
+            live.check(tag, transient)
+            live.add("activations", -kept(part))
+            count = done_backward[(c, j)] = done_backward.get((c, j), 0) + 1
+            _gradients(part, count, m, params, numel, layout, plans, bucket_of, viewable, owned,
+                       allocated, fsdp_units, unit_of_part, live)
+    # After the backward.
+    tail = {}
+    if zero == 2 and dp > 1:
+        full = sum(FP32 * plan.numel for b, plan in enumerate(plans) if b not in allocated)
+        live.add("gradient buckets", full)
+        tail["gloo copy"] = 0 if cuda else FP32 * max(plan.numel for plan in plans)
+        live.check("finish_backward", tail)
+        live.kinds.pop("gradient buckets", None)
+    live.kinds.pop("activations", None)
+    live.kinds.pop("fsdp gathered params", None)
+    live.kinds.pop("gradient accumulators", None)
+    if zero == 3:
+        shard = sum(fsdp_shard_numel(p, dp, dp_rank) for p in params)
+        live.kinds = {"sharded gradients": FP32 * shard}
+        biggest = max(fsdp_shard_numel(p, dp, dp_rank) for p in params)
+        live.check("grad_norm", {"norm temporaries": 16 * biggest})
+        live.check("optimizer", {"adamw temporaries": 0 if cuda else FP32 * shard})
+    else:
+        shards = sum(FP32 * o for o in owned) if (zero == 2 and dp > 1) else 0.0
+        live.kinds = {"gradient shards": shards}
+        live.check("grad_norm", {"norm temporaries": 16 * min(max(owned), NORM_CHUNK)})
+        master = sum(FP32 * o for o in owned)
+        live.check("optimizer", {"adamw temporaries": 0 if cuda else master})
+        gather = [FP32 * plans[b].numel for b in range(len(plans))
+                  if zero > 0 and dp > 1 and not viewable[b]]
+        if gather:
+            live.kinds = {}
+            live.check("optimizer", {"parameter all-gather": max(gather)})
+    return MemoryBytes(states=states, peak=states.total + live.peak, phase=live.phase,
+                       at_peak=live.at_peak)
+
+
+def _fsdp_gathered(part, unit_of_part, fsdp_units, prefetch: bool = False) -> float:
+    """FSDP2 parameters gathered while `part` runs without a pipeline: its unit (one more
+    block prefetched in the backward) and the root unit, which FSDP2 never reshards between
+    forward and backward."""
+    unit = unit_of_part[part]
+    gathered = fsdp_units.get("root", 0)
+    if unit != "root":
+        gathered += fsdp_units[unit] * (2 if prefetch else 1)
+    return FP32 * gathered
+
+
+def _gradients(part, count, m, params, numel, layout, plans, bucket_of, viewable, owned,
+               allocated, fsdp_units, unit_of_part, live) -> None:
+    """What the backward of `part` (its `count`-th of m this iteration) leaves allocated."""
+    zero, dp = layout.zero, layout.dp
+    size = FP32 * sum(numel[i] for i in part.params)
+    if zero == 3:
+        if count == 1 and m > 1:
+            live.add("gradient accumulators", FP32 * fsdp_units[unit_of_part[part]]
+                     if part.kind == "block" else size)
+        return
+    own = [i for i in part.params if not viewable[bucket_of[i]]]
+    own_size = FP32 * sum(numel[i] for i in own)
+    if m > 1 and count == 1 and own_size:
+        live.add("gradient accumulators", own_size)  # DTensor .grad until the last micro-batch
+    if count == m and m > 1 and own_size:
+        live.add("gradient accumulators", -own_size)  # copied into its bucket
+    if zero != 2 or dp == 1:
+        return
+    for i in part.params:
+        b = bucket_of[i]
+        first = viewable[b] and count == 1
+        if b not in allocated and (first or count == m):
+            allocated.add(b)
+            live.add("gradient buckets", FP32 * plans[b].numel)
+            live.add("gradient shards", FP32 * owned[b])

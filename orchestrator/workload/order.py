@@ -1,0 +1,50 @@
+"""The order in which a pipeline stage runs its forwards and backwards: what the engine executes
+(train/executor.py walks it; torch's Schedule1F1B / ScheduleInterleaved1F1B run the same order
+for equal micro-batches), what the planner's simulation times and what the memory model
+(workload/memory.py) walks to find a stage's peak."""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+from orchestrator.layout import SCHEDULES
+
+
+def stage_order(pp: int, stage: int, num_micro_batches: int, schedule: str = "1f1b",
+                virtual_stages: int = 1) -> List[Tuple[str, int, int]]:
+    """The operations of `stage` in execution order: ("F" | "B", chunk, micro_batch).
+
+    1F1B: min(p - stage - 1, m) warm-up forwards, then forward/backward pairs, then the
+    remaining backwards. Interleaved (Megatron): micro-batches go in groups of p through chunk
+    0, 1, ..., v-1 (backwards through v-1, ..., 0), with (p - stage - 1) * 2 + (v - 1) * p
+    warm-up forwards."""
+    m, v, p = num_micro_batches, virtual_stages, pp
+    if schedule == "1f1b":
+        if v != 1:
+            raise ValueError(f"1f1b has virtual_stages 1, got {v}")
+        warmup = min(p - stage - 1, m)
+        fwd = [("F", 0, i) for i in range(m)]
+        bwd = [("B", 0, i) for i in range(m)]
+    elif schedule == "interleaved":
+        if m % p:
+            raise ValueError(f"interleaved schedule: num_micro_batches({m}) % pp({p}) != 0")
+        total = m * v
+        warmup = min((p - stage - 1) * 2 + (v - 1) * p, total)
+
+        def chunk_mb(k: int, forward: bool) -> Tuple[int, int]:
+            group, within = divmod(k, p * v)
+            chunk = within // p
+            if not forward:
+                chunk = v - 1 - chunk
+            return chunk, group * p + within % p
+
+        fwd = [("F", *chunk_mb(k, True)) for k in range(total)]
+        bwd = [("B", *chunk_mb(k, False)) for k in range(total)]
+    else:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    order = fwd[:warmup]
+    steady = len(fwd) - warmup
+    for i in range(steady):
+        order.append(fwd[warmup + i])
+        order.append(bwd[i])
+    order.extend(bwd[steady:])
+    return order
