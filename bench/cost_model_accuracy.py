@@ -108,9 +108,12 @@ def rescored(summary: dict, folder: Path) -> Optional[dict]:
     raw = json.loads((folder / "model" / f"{summary['model']}.json").read_text())
     raw["fits"] = fit_points(raw["points"])  # this code's fits of the kept points
     model = ModelCost.from_dict(raw)
-    hw = HardwareModel.from_dict(json.loads((folder / "hardware.json").read_text()))
+    hw_raw = json.loads((folder / "hardware.json").read_text())
+    hw = HardwareModel.from_dict(hw_raw)
+    device = "cuda" if hw_raw["cluster"].get("backend") == "nccl" else "cpu"
     pred = evaluate(layout, model, hw, seq_len=summary["seq_len"],
-                    options=CostOptions(reserve_bytes=0.0))
+                    options=CostOptions(reserve_bytes=0.0, dtype=summary.get("dtype") or "",
+                                        device=device))
     return predicted_parts(pred, layout)
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from orchestrator.errors import ConfigError
 from orchestrator.layout import ParallelLayout
-from orchestrator.planner import HardwareModel, ModelCost, evaluate
+from orchestrator.planner import CostOptions, HardwareModel, ModelCost, evaluate
 from orchestrator.planner.dynamic import (MicroBatch, MicroBatchCosts, pack_rows, packed_plan,
                                           padded_plan, partition, plan_iteration, price_candidates,
                                           price_plan)
@@ -33,11 +33,19 @@ def test_equal_micro_batches_price_as_the_cost_model(pp, tp, dp, sp, zero, sched
     b, m, s = 2, 4, 300
     lay = layout(pp, tp, dp, zero=zero, sequence_parallel=sp, micro_batch_size=b,
                  num_micro_batches=m, schedule=schedule, virtual_stages=v, recompute=mode)
-    pred = evaluate(lay, MODEL, HW, seq_len=s, simulate=True)
-    plan = price_plan([[MicroBatch(tuple(range(b)), s, mode)] * m] * dp,
-                      MicroBatchCosts(lay, MODEL, HW), 1e15)
-    assert plan.iteration_time_us == pytest.approx(pred.simulated_iteration_time_us, rel=1e-6)
-    assert max(plan.stage_peak_memory_bytes) == pytest.approx(pred.peak_memory_bytes, rel=1e-6)
+    for options, memory_rel in ((CostOptions(engine="megatron"), 1e-6), (CostOptions(), 0.15)):
+        pred = evaluate(lay, MODEL, HW, seq_len=s, simulate=True, options=options)
+        plan = price_plan([[MicroBatch(tuple(range(b)), s, mode)] * m] * dp,
+                          MicroBatchCosts(lay, MODEL, HW, options), 1e15)
+        assert plan.iteration_time_us == pytest.approx(pred.simulated_iteration_time_us,
+                                                       rel=1e-6)
+        # Megatron's memory: the same formula. The orchestrator engine's: the same terms
+        # (workload/memory.py), but for micro-batches of any size the dynamic planner adds the
+        # largest transient to the in-flight peak and counts accumulated gradients from the
+        # first micro-batch on, where evaluate() places each at its moment: it is above.
+        peak = max(plan.stage_peak_memory_bytes)
+        assert peak == pytest.approx(pred.peak_memory_bytes, rel=memory_rel)
+        assert peak >= pred.peak_memory_bytes * (1 - 1e-3)
 
 
 def brute_force(t_us, fill_drain, groups):

@@ -1,5 +1,6 @@
-"""The cost model: closed-form pipeline time, Megatron-style memory and communication, and the
-profile adapters it reads."""
+"""The cost model: closed-form pipeline time, memory (Megatron's formulas for engine=megatron,
+the workload model's for stage=train's engine) and communication, and the profile adapters it
+reads."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +13,7 @@ from orchestrator.planner.cost_model import (BREAKDOWN_KINDS, ConfigKey, StageCo
 from planner_fixtures import GiB, synthetic_hardware, synthetic_model
 
 SEQ = 512
+MEGATRON = CostOptions(engine="megatron")
 
 
 @pytest.fixture(scope="module")
@@ -132,9 +134,9 @@ def test_gradient_sync_is_exposed_only_with_data_parallelism(model, hw):
 @pytest.mark.parametrize("zero,bytes_per_param", [
     (0, lambda dp: 18.0), (1, lambda dp: 6.0 + 12.0 / dp), (2, lambda dp: 2.0 + 16.0 / dp),
     (3, lambda dp: 18.0 / dp)])
-def test_bytes_per_param_by_zero_stage(model_json, model, hw, zero, bytes_per_param):
+def test_megatron_bytes_per_param_by_zero_stage(model_json, model, hw, zero, bytes_per_param):
     layout = ParallelLayout.uniform(16, 2, 2, 8, zero=zero, num_micro_batches=2)
-    pred = evaluate(layout, model, hw, SEQ)
+    pred = evaluate(layout, model, hw, SEQ, options=MEGATRON)
     # Stage 1 holds 4 blocks and half of "other" (the LM head).
     other = model_json["memory"]["2"]["other"]["param_bytes"] / 2 * 0.5
     params = 4 * _block_params(model_json, 2) + other
@@ -143,31 +145,100 @@ def test_bytes_per_param_by_zero_stage(model_json, model, hw, zero, bytes_per_pa
         params * bytes_per_param(layout.dp), rel=1e-12)
 
 
-def test_1f1b_stage_holds_p_minus_j_micro_batches(model_json, model, hw):
-    layout = ParallelLayout.uniform(8, 2, 4, 8, sequence_parallel=True, num_micro_batches=16)
+@pytest.mark.parametrize("zero,bytes_per_param", [
+    (0, lambda dp: 20.0), (1, lambda dp: 8.0 + 12.0 / dp), (2, lambda dp: 4.0 + 12.0 / dp),
+    (3, lambda dp: 12.0 / dp)])
+def test_engine_bytes_per_param_by_zero_stage(model, hw, zero, bytes_per_param):
+    """stage=train's engine: fp32 parameters (+ a flat fp32 master for DTensor buckets under
+    ZeRO 0, a 1/dp slice under ZeRO 1/2), fp32 gradient buckets (ZeRO 0/1), AdamW's two fp32
+    moments; the LM head's exact size on the last stage (no share knob)."""
+    from orchestrator.workload.params import block_parameters
+
+    layout = ParallelLayout.uniform(16, 2, 2, 8, zero=zero, num_micro_batches=2)
     pred = evaluate(layout, model, hw, SEQ)
+    config = _config(model)
+    numel = (4 * sum(p.local_numel for p in block_parameters(config, 0, 2, 0))
+             + model.hidden + model.vocab // 2 * model.hidden)
+    mem = pred.memory_bytes[1]
+    assert mem["params"] + mem["grads"] + mem["optim"] == pytest.approx(
+        numel * bytes_per_param(layout.dp), rel=1e-12)
+
+
+def _config(model):
+    from orchestrator.models.config import ModelConfig
+
+    return ModelConfig(name=model.name, hidden=model.hidden, ffn=model.ffn, layers=model.layers,
+                       heads=model.heads, kv_heads=model.kv_heads, vocab=model.vocab,
+                       seq_len=SEQ, dtype=model.dtype)
+
+
+LAYOUTS = [  # (world, tp, pp, extra)
+    (8, 1, 1, {}), (8, 2, 1, {"sequence_parallel": True}), (8, 2, 1, {}),
+    (8, 2, 4, {"sequence_parallel": True, "num_micro_batches": 8}),
+    (8, 1, 4, {"num_micro_batches": 16, "recompute": "full"}),
+    (16, 2, 2, {"zero": 1, "num_micro_batches": 4, "recompute": "selective"}),
+    (16, 1, 2, {"zero": 2, "num_micro_batches": 4}),
+    (16, 2, 2, {"zero": 3, "num_micro_batches": 2, "sequence_parallel": True}),
+    (16, 2, 1, {"zero": 3, "num_micro_batches": 2, "sequence_parallel": True}),
+    (8, 1, 2, {"schedule": "interleaved", "virtual_stages": 2, "num_micro_batches": 4}),
+]
+
+
+@pytest.mark.parametrize("world,tp,pp,extra", LAYOUTS)
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_engine_memory_is_the_workload_models(model, hw, world, tp, pp, extra, device):
+    """The search's closed form against orchestrator/workload/memory.rank_memory (the walk of
+    the rank's op order that tests/test_train_engine.py checks against real steps): states
+    equal, peaks within 6% (the closed form adds the largest transient to the largest in-flight
+    activations)."""
+    from orchestrator.workload.memory import BlockActivations, rank_memory
+
+    layout = ParallelLayout.uniform(world, tp, pp, 8, **extra)
+    pred = evaluate(layout, model, hw, SEQ, options=CostOptions(device=device))
+    block, _ = model.memory(tp)
+    tokens = SEQ * layout.micro_batch_size
+    act = BlockActivations(*(block.act_bytes_per_token_at(mode, SEQ) * tokens
+                             for mode in ("none", "selective", "full")),
+                           elem_bytes=model.dtype_bytes)
+    for j in range(pp):
+        rank = layout.group_ranks("pp", 0)[j]
+        walked = rank_memory(_config(model), layout, rank, act, dtype=model.dtype,
+                             device=device, seq_len=SEQ)
+        mem = pred.memory_bytes[j]
+        states = mem["params"] + mem["grads"] + mem["optim"] + mem["comm_buffers"]
+        assert states == pytest.approx(walked.states.total, rel=1e-3), layout.describe()
+        assert mem["total"] == pytest.approx(walked.peak, rel=0.06), (
+            f"{layout.describe()} stage {j}: walk {walked.phase} {dict(walked.at_peak)}")
+
+
+def test_megatron_1f1b_stage_holds_p_minus_j_micro_batches(model_json, model, hw):
+    layout = ParallelLayout.uniform(8, 2, 4, 8, sequence_parallel=True, num_micro_batches=16)
+    pred = evaluate(layout, model, hw, SEQ, options=MEGATRON)
     per_token = model_json["memory"]["2"]["block"]["act_bytes_per_token"]["none"]
     for j in range(3):  # the last stage also holds the LM head's activations
         assert pred.memory_bytes[j]["activations"] == pytest.approx((4 - j) * 2 * per_token * SEQ)
 
 
-def test_full_recompute_keeps_layer_inputs_plus_one_layer(model_json, model, hw):
+def test_megatron_full_recompute_keeps_layer_inputs_plus_one_layer(model_json, model, hw):
     layout = ParallelLayout(world_size=2, pp=1, tp=2, dp=1, sequence_parallel=True,
                             layers_per_stage=(8,), recompute=(("full", 6),))
-    pred = evaluate(layout, model, hw, SEQ)
+    pred = evaluate(layout, model, hw, SEQ, options=MEGATRON)
     act = model_json["memory"]["2"]["block"]["act_bytes_per_token"]
     other = model_json["memory"]["2"]["other"]["act_bytes_per_token"]["none"]
     expected = SEQ * (6 * act["full"] + 2 * act["none"] + (act["none"] - act["full"]) + other)
     assert pred.memory_bytes[0]["activations"] == pytest.approx(expected)
 
 
-def test_without_sequence_parallel_activations_grow(model, hw):
-    sp = evaluate(ParallelLayout.uniform(4, 4, 1, 8, sequence_parallel=True), model, hw, SEQ)
-    no_sp = evaluate(ParallelLayout.uniform(4, 4, 1, 8), model, hw, SEQ)
+@pytest.mark.parametrize("options", [MEGATRON, CostOptions()])
+def test_without_sequence_parallel_activations_grow(model, hw, options):
+    sp = evaluate(ParallelLayout.uniform(4, 4, 1, 8, sequence_parallel=True), model, hw, SEQ,
+                  options=options)
+    no_sp = evaluate(ParallelLayout.uniform(4, 4, 1, 8), model, hw, SEQ, options=options)
     assert no_sp.memory_bytes[0]["activations"] > sp.memory_bytes[0]["activations"]
-    # One micro-batch in flight, 8 layers, each token keeping 10h (1 - 1/t) more bytes.
-    assert no_sp.memory_bytes[0]["activations"] - sp.memory_bytes[0]["activations"] == \
-        pytest.approx(SEQ * 8 * 10 * 256 * (1 - 1 / 4))
+    if options.engine == "megatron":
+        # One micro-batch in flight, 8 layers, each token keeping 10h (1 - 1/t) more bytes.
+        assert no_sp.memory_bytes[0]["activations"] - sp.memory_bytes[0]["activations"] == \
+            pytest.approx(SEQ * 8 * 10 * 256 * (1 - 1 / 4))
 
 
 def test_over_budget_is_infeasible_with_a_reason(model, hw):
@@ -266,6 +337,8 @@ def test_activation_fit_moves_memory_to_other_sequence_lengths(model_json, hw):
     part = model.memory(2)[0]
     assert part.act_bytes_per_token_at("none", 512) == pytest.approx(per_token)
     assert part.act_bytes_per_token_at("none", 2048) == pytest.approx(per_token - 0.5 + 2.0)
-    short = evaluate(ParallelLayout.uniform(2, 2, 1, 8, sequence_parallel=True), model, hw, 512)
-    long = evaluate(ParallelLayout.uniform(2, 2, 1, 8, sequence_parallel=True), model, hw, 2048)
+    short = evaluate(ParallelLayout.uniform(2, 2, 1, 8, sequence_parallel=True), model, hw, 512,
+                     options=MEGATRON)
+    long = evaluate(ParallelLayout.uniform(2, 2, 1, 8, sequence_parallel=True), model, hw, 2048,
+                    options=MEGATRON)
     assert long.memory_bytes[0]["activations"] > 4 * short.memory_bytes[0]["activations"]

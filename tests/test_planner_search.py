@@ -108,7 +108,8 @@ def _budget_between(model, hw, space, frac):
                and model.heads % t == 0 and model.kv_heads % t == 0):
         for pp in (p for p in _divisors(space.world_size // tp) if p <= L):
             lay_full = ParallelLayout.uniform(space.world_size, tp, pp, L, recompute="full",
-                                              zero=3 if space.world_size // (tp * pp) > 1 else 0,
+                                              zero=max(space.zero_stages)
+                                              if space.world_size // (tp * pp) > 1 else 0,
                                               sequence_parallel=tp > 1,
                                               num_micro_batches=space.global_batch_size
                                               // (space.world_size // (tp * pp)))

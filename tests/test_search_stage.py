@@ -37,6 +37,13 @@ def test_all_runs_the_chain_then_skips_it(chain):
     assert galvatron["pp_deg"] == layout["pp"]
     assert (profiles / "local" / "strategy" / "tiny.png").exists()
     assert ledger(profiles)["search/tiny"]["state"] == "done"
+    # train of that layout counted every live tensor byte of a step (CPU) and the planner's
+    # peak, from the measured profiles, is within 5% of it (docs/workload.md#memory).
+    (summary,) = (profiles / "local" / "train" / "tiny").glob("*.json")
+    trained = json.loads(summary.read_text())
+    assert trained["measured"]["peak_memory_source"] == "tensors counted in one step"
+    measured = max(trained["measured"]["peak_memory_MiB"])
+    assert trained["predicted"]["peak_memory_MiB"] == pytest.approx(measured, rel=0.05)
 
     before = ledger(profiles)
     strategy_bytes = (profiles / "local" / "strategy" / "tiny.json").read_bytes()
@@ -94,7 +101,7 @@ def test_uneven_middle_stages_write_the_strategy_and_record_megatron_approximati
                    "search.max_tp=1", "search.schedules=[1f1b]", "search.recompute=[none]",
                    "search.zero_stages=[0]", "search.micro_batch_sizes=[1]", "search.reserve_GiB=0",
                    "search.reserve_fraction=0",
-                   "search.plot=false",
+                   "search.plot=false", "search.engine=megatron",  # priced as what it exports
                    # the synthetic profile's shape (a profile of another shape is refused)
                    "model.layers=9", "model.hidden=256", "model.ffn=1024", "model.heads=8",
                    "model.kv_heads=8", "model.vocab=1000", "model.dtype=bf16",

@@ -47,6 +47,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from orchestrator.layout import LayoutError, ParallelLayout
+from orchestrator.models.config import ModelConfig
 from orchestrator.planner.profiles import HardwareModel, ModelCost
 from orchestrator.planner.schedule import (in_flight_micro_batches, schedule_coefficients,
                                            simulate as simulate_schedule)
@@ -58,6 +59,7 @@ from orchestrator.planner.terms.pipeline import (boundary_intra_node, boundary_u
                                                  on_end_stages, p2p_message_bytes, stage_sends)
 from orchestrator.planner.terms.tp_comm import TpComm, tp_message_bytes
 from orchestrator.planner.terms.zero import ZeroSharding, ZeroTraffic, dp_sync_us
+from orchestrator.workload.memory import BlockActivations, StageMemory
 
 GiB = float(1 << 30)
 MEMORY_KINDS = ("params", "grads", "optim", "activations", "comm_buffers", "reserve")
@@ -74,14 +76,33 @@ class CostOptions:
       embedding and LM head are the same size: 0.5).
     reserve_bytes: memory kept free on every device (CUDA context, allocator fragmentation,
       what the model profile does not count): the stage computes it by memory_reserve_GiB.
-    engine: the engine whose communication is priced (orchestrator/workload/tp.py): stage=train's
-      ("orchestrator") or Megatron-LM's ("megatron", what the Megatron export runs).
+    engine: the engine whose communication and memory are priced (orchestrator/workload/):
+      stage=train's ("orchestrator") or Megatron-LM's ("megatron", what the Megatron export runs).
+    dtype: the compute dtype training runs in ("" = the model profile's); device: "cuda" (fused
+      AdamW and RMSNorm kernels) or "cpu" (foreach AdamW's temporary, CPU norms keep more):
+      the orchestrator engine's memory depends on both.
     """
 
     other_time_first_share: float = 0.05
     other_memory_first_share: float = 0.5
     reserve_bytes: float = 0.0
     engine: str = "orchestrator"  # what runs the layout: orchestrator (stage=train) | megatron
+    dtype: str = ""
+    device: str = "cuda"
+
+
+def _engine_memory(key: "ConfigKey", model: ModelCost, block, seq_len: int,
+                   options: CostOptions) -> StageMemory:
+    """workload/memory.py's closed form for this config, fed the model profile's activations
+    (per token at `seq_len`, counted in the profile's dtype)."""
+    tokens = float(seq_len * key.micro_batch_size)
+    act = BlockActivations(*(block.act_bytes_per_token_at(mode, seq_len) * tokens
+                             for mode in ("none", "selective", "full")),
+                           elem_bytes=model.dtype_bytes)
+    config = ModelConfig(name=model.name, hidden=model.hidden, ffn=model.ffn, layers=model.layers,
+                         heads=model.heads, kv_heads=model.kv_heads, vocab=model.vocab,
+                         seq_len=seq_len, dtype=model.dtype)
+    return StageMemory(config, key, act, options.dtype or model.dtype, options.device, seq_len)
 
 
 def memory_reserve_GiB(budget_GiB: float, reserve_fraction: float, reserve_GiB: float) -> float:
@@ -177,9 +198,15 @@ class StageCosts:
             0.0, self.tokens * other.act_bytes_per_token_at("none", seq_len), key.pp)
         self.in_flight = in_flight_micro_batches(key.schedule, key.pp, key.num_micro_batches,
                                                  key.virtual_stages)
-        self.comm_buffers = comm_buffer_bytes(key.zero, key.dp, key.tp, block.param_bytes,
-                                              tp_bytes)
+        self.comm_buffers = np.full(key.pp, comm_buffer_bytes(key.zero, key.dp, key.tp,
+                                                              block.param_bytes, tp_bytes))
         self.reserve = float(options.reserve_bytes)
+        # The orchestrator engine's memory: workload/memory.py's closed form (every byte it
+        # holds, checked against real steps); Megatron's stays the Korthikanti-style sum above.
+        self.engine_memory = (_engine_memory(key, model, block, seq_len, options)
+                              if self.engine == "orchestrator" else None)
+        if self.engine_memory is not None:
+            self.comm_buffers = self.engine_memory.buffers
         # T = alpha * sum_j t_j + beta * max_j t_j + e_0
         self.alpha, self.beta = schedule_coefficients(key.schedule, key.num_micro_batches,
                                                       key.virtual_stages)
@@ -254,27 +281,38 @@ class StageCosts:
         return self.stage_fwd_us(j, n) + self.stage_bwd_us(j, n, mode_code, k)
 
     def activation_bytes(self, j: int, n, mode_code, k):
-        """Peak activation bytes of stage j: in-flight micro-batches x stored activations, one
-        layer's worth while it is recomputed, and the LM head's on the last stage."""
+        """Peak activation bytes of stage j. Orchestrator engine: everything its ranks hold at
+        their peak beyond the states (activations in flight, gradients being accumulated, the
+        loss's logits, recompute, the optimizer's temporaries: workload/memory.py). Megatron:
+        in-flight micro-batches x stored activations, one layer's worth while it is recomputed,
+        and the LM head's on the last stage."""
+        if self.engine_memory is not None:
+            return self.engine_memory.peak_above_states(j, n, mode_code, k)
         return (stage_activation_bytes(self.act, self.tokens, self.in_flight[j], n, mode_code, k)
                 + self.other_act[j])
 
     def static_bytes(self, j: int, n):
-        """(params, grads, optim) bytes of stage j holding n layers, after ZeRO sharding."""
+        """(params, grads, optim) bytes of stage j holding n layers, after ZeRO sharding
+        (orchestrator engine: fp32 parameters with the masters AdamW updates, its gradient
+        buckets and moments, workload/memory.py)."""
         n = np.asarray(n, dtype=float)
+        if self.engine_memory is not None:
+            states = self.engine_memory.states(j, n)
+            return states["params"], states["grads"], states["optim"]
         (layer_p, layer_g, layer_o), (other_p, other_g, other_o) = (self.layer_static,
                                                                     self.other_static)
         return n * layer_p + other_p[j], n * layer_g + other_g[j], n * layer_o + other_o[j]
 
-    def total_bytes(self, params, grads, optim, activations):
-        """Sum of the memory kinds (bytes), in the one order every caller uses."""
-        return params + grads + optim + activations + self.comm_buffers + self.reserve
+    def total_bytes(self, j, params, grads, optim, activations):
+        """Sum of the memory kinds of stage(s) j (bytes), in the one order every caller uses."""
+        return params + grads + optim + activations + self.comm_buffers[j] + self.reserve
 
     def memory_bytes(self, j: int, n, mode_code, k):
         """Total bytes per device of stage j: params + grads + optim + activations + buffers +
         reserve."""
         params, grads, optim = self.static_bytes(j, n)
-        return self.total_bytes(params, grads, optim, self.activation_bytes(j, n, mode_code, k))
+        return self.total_bytes(j, params, grads, optim,
+                                self.activation_bytes(j, n, mode_code, k))
 
     def dp_sync_us(self, j: int, n):
         """Data-parallel sync time (us) of stage j with n layers at the end of the iteration,
@@ -424,10 +462,10 @@ def evaluate(layout: ParallelLayout, model_cost: ModelCost, hardware: HardwareMo
     t = f_arr + b_arr  # = stage_time_us, bit for bit
     params, grads, optim = costs.static_bytes(j, n)
     acts = costs.activation_bytes(j, n, codes, ks)
-    totals = costs.total_bytes(params, grads, optim, acts)  # = memory_bytes
+    totals = costs.total_bytes(j, params, grads, optim, acts)  # = memory_bytes
     fwd, bwd, times = f_arr.tolist(), b_arr.tolist(), t.tolist()
     memory = [{"params": float(params[i]), "grads": float(grads[i]), "optim": float(optim[i]),
-               "activations": float(acts[i]), "comm_buffers": float(costs.comm_buffers),
+               "activations": float(acts[i]), "comm_buffers": float(costs.comm_buffers[i]),
                "reserve": costs.reserve, "total": float(totals[i])} for i in range(p)]
     e0 = float(costs.dp_exposed_us(0, layout.layers_per_stage[0]))
     o0 = float(costs.optimizer_us(0, layout.layers_per_stage[0]))

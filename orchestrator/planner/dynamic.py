@@ -140,7 +140,8 @@ def simulate_rank(costs: MicroBatchCosts, priced: PricedMicroBatches) -> Tuple[f
     window = priced.sync_window_us[:, -1] if m else np.zeros(layout.pp)
     time_us = float(np.max(np.array(sim.stage_finish_us) + costs.tail_us(window)))
     extra = priced.extra_bytes.max(axis=1) if m else np.zeros(layout.pp)
-    return time_us, costs.static_bytes + np.array(sim.stage_peak_act_bytes) + extra
+    return time_us, costs.static_bytes + np.maximum(np.array(sim.stage_peak_act_bytes) + extra,
+                                                    costs.tail_bytes)
 
 
 def _price_micro_batches(costs: MicroBatchCosts, mbs: Sequence[MicroBatch],

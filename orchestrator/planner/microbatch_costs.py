@@ -79,10 +79,19 @@ class MicroBatchCosts:
         j = np.arange(self.pp)
         params, grads, optim = whole.static_bytes(j, self.n[:, 0])
         block, _ = model.memory(layout.tp)
-        zero_buffers = comm_buffer_bytes(layout.zero, layout.dp, layout.tp, block.param_bytes, 0.0)
+        # The orchestrator engine's memory is workload/memory.py's (whole.engine_memory);
+        # Megatron's keeps the Korthikanti-style terms below.
+        self.engine_memory = whole.engine_memory
+        if self.engine_memory is not None:
+            zero_buffers = whole.comm_buffers  # the pipeline's receive buffers, inputs
+        else:
+            zero_buffers = comm_buffer_bytes(layout.zero, layout.dp, layout.tp,
+                                             block.param_bytes, 0.0)
         # Everything but activations and the TP buffer: params, grads, optim, ZeRO 3's gathered
         # layers, the reserve (bytes per stage).
         self.static_bytes = params + grads + optim + zero_buffers + whole.reserve
+        self.tail_bytes = (self.engine_memory.tail_above_states(j, self.n[:, 0])
+                           if self.engine_memory is not None else np.zeros(self.pp))
         self.dp_sync_us = whole.dp_sync_us(j, self.n[:, 0])
         self.optimizer_us = whole.optimizer_us(j, self.n[:, 0])
         self.overlap_coe = hardware.overlap_coe
@@ -160,21 +169,35 @@ class MicroBatchCosts:
             boundary = self.p2p_lines[:, :1] + p2p_bytes[None, :] * self.p2p_lines[:, 1:]
         inner, wrap = v * boundary[:-1], (v - 1) * boundary[-1:]
         sends = np.concatenate([inner, wrap]) + np.concatenate([wrap, inner])
-        stored_per_token = np.where(code == 1, n * a_sel, np.where(code == 2, n * a_full,
-                                                                    n * a_none))
-        working = np.where(code == 1, a_none - a_sel, np.where(code == 2, a_none - a_full, 0.0))
-        extra = tokens * working + _ends(0.0, tokens * a_head, pp, k)
-        if self.tp > 1:
-            extra = extra + tp_bytes
+        if self.engine_memory is not None:
+            # the profile's per-token figures without the no-SP term the engine model adds
+            block, _ = m.memory(self.tp)
+            per_token = [block.act_bytes_per_token_at(mode, s)
+                         for mode in ("none", "selective", "full")]
+            stored, extra, fixed = self.engine_memory.micro_batch_bytes(
+                self.n[:, 0], tokens, per_token, code[0])
+            extra = extra + fixed[:, None]
+        else:
+            stored_per_token = np.where(code == 1, n * a_sel, np.where(code == 2, n * a_full,
+                                                                        n * a_none))
+            stored = tokens * stored_per_token
+            working = np.where(code == 1, a_none - a_sel,
+                               np.where(code == 2, a_none - a_full, 0.0))
+            extra = tokens * working + _ends(0.0, tokens * a_head, pp, k)
+            if self.tp > 1:
+                extra = extra + tp_bytes
         return PricedMicroBatches(fwd_us=fwd, bwd_us=bwd, boundary_us=boundary,
                                   stage_time_us=fwd + bwd + sends,
-                                  stored_bytes=tokens * stored_per_token, extra_bytes=extra,
+                                  stored_bytes=np.broadcast_to(stored, (pp, k)).astype(float),
+                                  extra_bytes=np.broadcast_to(extra, (pp, k)).astype(float),
                                   sync_window_us=n * layer.bwd_us + other_t.bwd_us)
 
     def alone_bytes(self, priced: PricedMicroBatches) -> np.ndarray:
-        """[p, K]: a stage's memory (bytes) if every in-flight micro-batch were this one."""
-        return (self.static_bytes[:, None] + self.in_flight[:, None] * priced.stored_bytes
-                + priced.extra_bytes)
+        """[p, K]: a stage's memory (bytes) if every in-flight micro-batch were this one (or its
+        tail after the backward, when larger)."""
+        return self.static_bytes[:, None] + np.maximum(
+            self.in_flight[:, None] * priced.stored_bytes + priced.extra_bytes,
+            self.tail_bytes[:, None])
 
     def tail_us(self, sync_window_us: np.ndarray) -> np.ndarray:
         """Per stage: exposed gradient sync after the last backward (whose window is given, 0

@@ -246,20 +246,18 @@ def _stage_options(costs: StageCosts, L: int, budget: float, modes: Sequence[str
         if fast:
             k = n.copy()
         else:
-            # Memory falls linearly in k: the least k (a multiple of v) that fits, checked
-            # against the exact arithmetic one step either side of the rounding.
-            mem0 = costs.memory_bytes(j, n, 2, zeros)
-            slope = costs.tokens * costs.in_flight[j] * (costs.act.none - costs.act.full)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                need = np.where(mem0 <= budget, 0.0, np.ceil((mem0 - budget) / slope))
-            need = np.where(np.isfinite(need) & (need >= 0), need, n + v)
-            k = np.maximum(v, np.ceil(np.maximum(need, 1.0) / v) * v)
-            k = np.minimum(k, n + v)  # n + v: does not fit even fully recomputed
-            lower = np.maximum(k - v, v)
-            lower_ok = costs.memory_bytes(j, n, 2, lower) <= budget
-            k = np.where(lower_ok & (lower < k), lower, k)
-            k_ok = costs.memory_bytes(j, n, 2, np.minimum(k, n)) <= budget
-            k = np.where(~k_ok & (k + v <= n), k + v, k)
+            # Memory never grows with k: the least k (a multiple of v) that fits, by bisection
+            # on every (stage, n) at once (a linear guess from the activations would miss the
+            # orchestrator engine's other terms).
+            steps = np.maximum(n // v, 1.0)
+            lo, hi = np.ones_like(n), steps.copy()
+            fits_all = costs.memory_bytes(j, n, 2, np.minimum(steps * v, n)) <= budget
+            while np.any(lo < hi):
+                mid = np.floor((lo + hi) / 2)
+                ok_mid = costs.memory_bytes(j, n, 2, np.minimum(mid * v, n)) <= budget
+                hi = np.where((lo < hi) & ok_mid, mid, hi)
+                lo = np.where((lo < hi) & ~ok_mid, mid + 1, lo)
+            k = np.where(fits_all, lo * v, n + v)  # n + v: does not fit even fully recomputed
         k = np.minimum(k, np.maximum(n, v))
         ok = (costs.memory_bytes(j, n, 2, k) <= budget) & (k <= n)
         offer(costs.stage_time_us(j, n, 2, k), ok, 2, k.astype(np.int64))

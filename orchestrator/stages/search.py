@@ -100,7 +100,8 @@ def read_inputs(cfg, plan) -> SearchInputs:
 
 def search_space(cfg):
     """The planner's SearchSpace from the `search` config section (and the cluster's defaults)."""
-    from orchestrator.planner import CostOptions, SearchSpace
+    from orchestrator.planner import SearchSpace
+    from orchestrator.train.plan import engine_options
 
     s = cfg.search
     memory_GiB = _memory_GiB(cfg)
@@ -112,7 +113,7 @@ def search_space(cfg):
         recompute=tuple(s.recompute), micro_batch_sizes=tuple(s.micro_batch_sizes),
         schedules=tuple(s.schedules), virtual_stages=tuple(s.virtual_stages),
         fast_mode=bool(s.fast_mode), top_k=s.top_k, pp=s.pp, tp=s.tp,
-        options=CostOptions(reserve_bytes=_reserve_GiB(cfg) * GiB, engine=str(s.engine)))
+        options=engine_options(cfg, _reserve_GiB(cfg) * GiB))
 
 
 def _exporters(out: Path):
@@ -246,7 +247,7 @@ def _report(result, strategy: StrategyProfile, cfg) -> None:
     console = stage_console()
     table = Table(title=f"best layouts for {cfg.model.name} on {result.best.world_size} devices "
                         f"({strategy.source.value} profiles; searched {result.considered} "
-                        f"configs in {result.elapsed_s:.2f} s; communication of the "
+                        f"configs in {result.elapsed_s:.2f} s; communication and memory of the "
                         f"{strategy.space.engine} engine, search.engine)")
     headroom = strategy.headroom
     reserve_bytes = headroom.reserve_GiB * GiB

@@ -12,6 +12,8 @@ checkpoint (profiles/<cluster>/train/<model>/<layout-tag>.ckpt/).
 """
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import signal
 import time
@@ -158,7 +160,8 @@ def train(ctx, run):
     from orchestrator.train.engine import Engine, OptimSettings
     from orchestrator.train.lr import lr_at
     from orchestrator.train.monitor import MemoryMonitor
-    from orchestrator.train.plan import model_config, train_dtype
+    from orchestrator.errors import InfeasibleError
+    from orchestrator.train.plan import memory_budget_GiB, model_config, train_dtype
     from orchestrator.train.report import StepLog, write_summary
 
     cfg, t = run.cfg, run.cfg.train
@@ -191,8 +194,9 @@ def train(ctx, run):
             if planner is None:
                 tokens, targets = data.rank_batch(step, engine.dp_rank, layout.dp,
                                                   samples_per_rank)
-                stats = engine.train_step(tokens, targets, lr, t.grad_clip,
-                                          stop=stop.signum is not None)
+                with _tensor_count(engine, tokens, targets, step - start, t, steps_log):
+                    stats = engine.train_step(tokens, targets, lr, t.grad_clip,
+                                              stop=stop.signum is not None)
             else:
                 iteration = ahead.result()
                 # The next plan is made while this step trains.
@@ -214,6 +218,13 @@ def train(ctx, run):
                 monitor.stop()
                 stop.hand_over(ctx.is_root)
         monitor.stop()
+        if not steps_log.steps and start < t.steps:
+            # every iteration was skipped: no sample fits the memory budget even alone
+            raise InfeasibleError(
+                f"no sample of steps {start + 1}-{t.steps} fits train.memory_GiB="
+                f"{memory_budget_GiB(cfg)} (less the search's reserve) even alone with full "
+                f"recompute: nothing was trained. Raise train.memory_GiB, or shorten "
+                f"train.seq_len")
         per_rank = ctx.gather(steps_log.rank_summary(monitor))
         if not ctx.is_root:
             return None
@@ -267,6 +278,24 @@ def _planned_step(engine, planner, iteration, data, lr: float, grad_clip: float,
                                             stop=stop)
     steps_log.planned(record, stats)
     return stats
+
+
+@contextlib.contextmanager
+def _tensor_count(engine, tokens, targets, index: int, t, steps_log):
+    """On CPU, count every live tensor byte of this run's second step (the optimizer's states
+    exist, and it is a timing warm-up step: the counting's overhead is not timed): the RSS
+    cannot tell the training's memory from the allocator's and the libraries', this can, and
+    the report compares it with the planner's peak. GPUs report the allocator's peak instead."""
+    device = engine.device
+    if device.type == "cuda" or index != 1 or t.timing_warmup_steps < 2:
+        yield
+        return
+    from orchestrator.train.live_memory import LiveTensorBytes
+
+    live = LiveTensorBytes(device, [engine, tokens, targets])
+    with live:
+        yield
+    steps_log.tensor_peak_bytes = live.peak_bytes
 
 
 def _resume(engine, ckpt_dir, t, load_latest, latest_checkpoint, load_checkpoint,

@@ -16,8 +16,8 @@ fused kernels instead of one per parameter.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -65,18 +65,20 @@ def full_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
 NORM_CHUNK = 1 << 24  # elements per float64 slice: bounded temporaries on big buckets
 
 
-def _weighted_sumsq(grad: torch.Tensor, replicated: List[Tuple[int, int, float]]) -> torch.Tensor:
+def _weighted_sumsq(grad: torch.Tensor, rep_index: Optional[torch.Tensor],
+                    rep_weight: Optional[torch.Tensor]) -> torch.Tensor:
     """sum(weight * grad^2) in float64, a slice at a time (a whole bucket in float64 would
-    add 16 bytes per parameter to the peak memory); the weight is 1 except on the `replicated`
-    ranges [start, end) of weight w (the SP norms: a few elements, where a per-element weight
-    over the whole bucket held 4 bytes per element of every bucket holding one)."""
+    add 16 bytes per parameter to the peak memory); the weight is 1 except at `rep_index`,
+    the elements every TP rank holds (the SP norms), where it is 1 + rep_weight. The same ops
+    on every rank of a bucket (a rank whose slice holds none gathers an empty index), so ranks
+    of a stage issue one op stream (the tracer relies on it)."""
     total = torch.zeros((), dtype=torch.float64, device=grad.device)
     for start in range(0, grad.numel(), NORM_CHUNK):
         part = grad[start:start + NORM_CHUNK].double()
         total += (part * part).sum()
-    for start, end, w in replicated:
-        part = grad[start:end].double()
-        total += (w - 1.0) * (part * part).sum()
+    if rep_index is not None:
+        part = grad[rep_index].double()
+        total += (rep_weight * part * part).sum()
     return total
 
 
@@ -101,8 +103,11 @@ class Bucket:
     grad: Optional[torch.Tensor] = None  # full flat gradient (None between steps for ZeRO-2)
     shard_grad: Optional[torch.Tensor] = None  # this rank's reduced slice
     master: Optional[nn.Parameter] = None  # fp32 master of the slice this rank updates
-    # [start, end) ranges of the slice whose elements every TP rank holds, with their weight
-    replicated: List[Tuple[int, int, float]] = field(default_factory=list)
+    # Elements of the slice every TP rank holds (SP norms; None: the bucket has none) and their
+    # weight less 1 (float64): a few per layer, where a per-element weight of the whole bucket
+    # held 4 bytes per element of every bucket holding one.
+    rep_index: Optional[torch.Tensor] = None
+    rep_weight: Optional[torch.Tensor] = None
     ready: int = 0
     work: object = None
     # Plain fp32 parameters (no DTensor): their storage is a view of `flat_params` and their
@@ -170,10 +175,7 @@ class ShardedAdamW:
             for p, off in zip(ps, offsets):
                 loc = local_tensor(p)
                 flat[off:off + loc.numel()] = loc.detach().reshape(-1).float()
-                w = replication_weight(p)
-                start, end = max(off, lo), min(off + loc.numel(), hi)
-                if w != 1.0 and start < end:
-                    b.replicated.append((start - lo, end - lo, w))
+            self._replicated_elements(b, lo, hi)
             if all(_viewable(p) for p in ps):
                 b.flat_params = flat
                 with torch.no_grad():
@@ -189,6 +191,32 @@ class ShardedAdamW:
                 self.offset_of[id(p)] = off
             buckets.append(b)
         return buckets
+
+    def _replicated_elements(self, b: Bucket, lo: int, hi: int) -> None:
+        """b.rep_index / rep_weight: the elements of this rank's slice [lo, hi) that every TP
+        rank holds, padded (index 0, weight 0) to the most any dp rank's slice has, so every
+        rank of a stage runs the same ops on the same shapes."""
+        weights = [(off, local_tensor(p).numel(), replication_weight(p))
+                   for p, off in zip(b.params, b.offsets)]
+        if all(w == 1.0 for _, _, w in weights):
+            return
+        size = hi - lo
+
+        def inside(start: int) -> int:
+            return sum(max(0, min(off + n, start + size) - max(off, start))
+                       for off, n, w in weights if w != 1.0)
+        width = max(inside(r * size) for r in range(self.dp if self.zero else 1))
+        index = torch.zeros(width, dtype=torch.long)
+        weight = torch.zeros(width, dtype=torch.float64)
+        at = 0
+        for off, n, w in weights:
+            start, end = max(off, lo), min(off + n, hi)
+            if w != 1.0 and start < end:
+                index[at:at + end - start] = torch.arange(start - lo, end - lo)
+                weight[at:at + end - start] = w - 1.0
+                at += end - start
+        device = b.master.device if b.master is not None else local_tensor(b.params[0]).device
+        b.rep_index, b.rep_weight = index.to(device), weight.to(device)
 
     def _owned(self, b: Bucket):
         """The slice [lo, hi) of bucket b this rank updates: all of it for ZeRO-0."""
@@ -267,7 +295,7 @@ class ShardedAdamW:
         """The global gradient norm: every element once, over data, tensor and pipeline ranks."""
         sumsq = torch.zeros((), dtype=torch.float64, device=self.buckets[0].master.device)
         for b in self.buckets:
-            sumsq += _weighted_sumsq(b.shard_grad, b.replicated)
+            sumsq += _weighted_sumsq(b.shard_grad, b.rep_index, b.rep_weight)
         if self.local_norm:
             return math.sqrt(float(sumsq))
         if self.zero == 0 and self.dp > 1:

@@ -63,6 +63,20 @@ def train_dtype(cfg) -> Dtype:
     return Dtype.bf16 if cfg.cluster.backend == Backend.nccl else Dtype.fp32
 
 
+def train_device(cfg) -> str:
+    """What the ranks compute on, as the memory model needs it: "cuda" on nccl clusters."""
+    return "cuda" if cfg.cluster.backend == Backend.nccl else "cpu"
+
+
+def engine_options(cfg, reserve_bytes: float = 0.0):
+    """The cost model's options for the layout stage=train will run: search.engine (default:
+    this engine), train's dtype and device, and the reserve given."""
+    from orchestrator.planner import CostOptions
+
+    return CostOptions(reserve_bytes=reserve_bytes, engine=str(cfg.search.engine),
+                       dtype=str(train_dtype(cfg)), device=train_device(cfg))
+
+
 def _global_batch(cfg, default: int) -> int:
     return cfg.train.global_batch_size or default
 
@@ -213,8 +227,9 @@ def predict(cfg, layout: ParallelLayout, seq_len: int):
 
     try:
         model_cost, hardware = planner_profiles(cfg)
-        pred = evaluate(layout, model_cost, hardware, seq_len=seq_len,
-                        options=CostOptions(reserve_bytes=0.0))
+        options = CostOptions(reserve_bytes=0.0, dtype=str(train_dtype(cfg)),
+                              device=train_device(cfg))  # the engine train runs: ours
+        pred = evaluate(layout, model_cost, hardware, seq_len=seq_len, options=options)
     except (ProfileError, ValueError, KeyError) as e:
         return None, f"no prediction: {e}"
     return pred, ""

@@ -28,6 +28,7 @@ class StepLog:
         self.notes: List[str] = []
         self.checkpoints: List[Dict[str, float]] = []
         self.identity = ""  # the run's checkpoint identity (stages/train.run_identity)
+        self.tensor_peak_bytes = None  # every live tensor byte of one step, counted (CPU)
         # Variable-length runs: each step's plan (train/microbatching.Iteration.record) with
         # its measured time, and the step's real tokens for the tokens/s of its line.
         self.plans: List[Dict[str, Any]] = []
@@ -115,9 +116,15 @@ class StepLog:
         # the peak over the RSS before the model was built (the first sample).
         on_cpu = self.ctx.device is None or self.ctx.device.type != "cuda"
         base = monitor.samples[0]["rss_MiB"] if on_cpu and monitor.samples else 0.0
+        counted = (None if self.tensor_peak_bytes is None else self.tensor_peak_bytes / MiB)
         return {"rank": self.ctx.rank, "medians_s": medians,
                 "step_s": [r["step_s"] for r in self.steps],
-                "peak_MiB": peak - base, "process_peak_MiB": peak, "samples": monitor.samples}
+                # the training's own peak: the tensors counted (CPU), else the allocator's (GPU)
+                # or the RSS over its start
+                "peak_MiB": counted if counted is not None else peak - base,
+                "peak_source": ("tensors counted in one step" if counted is not None else
+                                "CUDA allocator" if not on_cpu else "RSS over its start"),
+                "process_peak_MiB": peak, "samples": monitor.samples}
 
 
 def _memory_MiB(device) -> float:
@@ -154,6 +161,7 @@ def measured_parts(per_rank: List[dict], layout) -> Dict[str, Any]:
                        "optimizer_ms": ms("optimizer_s")})
     return {"iteration_ms": step_ms, "stages": stages,
             "peak_memory_MiB": [r["peak_MiB"] for r in per_rank],
+            "peak_memory_source": per_rank[0].get("peak_source", ""),
             "process_peak_MiB": [r["process_peak_MiB"] for r in per_rank]}
 
 
@@ -289,7 +297,9 @@ def print_summary(summary: dict, console) -> None:
     if p:
         table.add_row("bubble + pp sends", fmt(p["bubble_ms"] + p["pp_comm_ms"]), "")
         table.add_row("dp sync exposed", fmt(p["dp_sync_exposed_ms"]), "")
-    table.add_row("peak memory", fmt(p["peak_memory_MiB"], " MiB") if p else "-",
+    source = m.get("peak_memory_source")
+    table.add_row("peak memory" + (f" ({source})" if source else ""),
+                  fmt(p["peak_memory_MiB"], " MiB") if p else "-",
                   fmt(max(m["peak_memory_MiB"]), " MiB"))
     console.print(table)
     mb = summary.get("microbatching")

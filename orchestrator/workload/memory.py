@@ -8,8 +8,9 @@ gradient buckets (buckets.py) the engine itself uses:
   are and a flat fp32 copy for AdamW (its master: the whole bucket for ZeRO 0, this rank's 1/dp
   slice for ZeRO 1/2; plain buckets under ZeRO 0 update the parameters in place, no copy).
   Gradients: the whole flat fp32 bucket for ZeRO 0/1, nothing between steps for ZeRO 2. AdamW's
-  two moments cover the master (one 4-byte step counter each). Every bucket is padded to a
-  multiple of dp elements.
+  two moments cover the master (one 4-byte step counter each). A bucket holding sequence-
+  parallel norms (replicated over TP) keeps their elements' indices in this rank's slice and
+  their norm weights (8 + 8 bytes each). Every bucket is padded to a multiple of dp elements.
 - ZeRO 3 (FSDP2): each parameter's dim-0 shard (1/dp, torch.chunk's sizes) and AdamW's two
   moments of it, with one step counter per parameter.
 - Pipeline (torch.distributed.pipelining): each model chunk keeps, per micro-batch, a receive
@@ -47,14 +48,18 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Dict, List, Mapping, Optional, Tuple
 
+import numpy as np
+
 from orchestrator.choices import Dtype
 from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig
 from orchestrator.workload.buckets import plan_buckets
 from orchestrator.workload.order import stage_order
-from orchestrator.workload.params import Param, chunk_size, rank_chunks, virtual_stage_ranges
+from orchestrator.workload.params import (Param, block_parameters, chunk_size, rank_chunks,
+                                          virtual_stage_ranges)
 
 FP32 = 4
+FP64 = 8
 INT64 = 8
 INT32 = 4
 STEP_COUNTER_BYTES = 4  # AdamW keeps `step` as a float32 scalar tensor per parameter it updates
@@ -70,6 +75,7 @@ class StateBytes:
     master: int  # flat fp32 copies AdamW updates (DTensor buckets; ZeRO 1/2 slices)
     grads: int  # fp32 gradient buckets kept between steps (ZeRO 0/1)
     optim: int  # AdamW's exp_avg and exp_avg_sq (and step counters)
+    norm_index: int  # the SP norms' elements of this rank's slices and their weights (fp64)
     pipeline_buffers: int  # receive buffers of the pipeline stages, every micro-batch
     inputs: int  # rotary tables, tokens and targets
 
@@ -96,14 +102,30 @@ def is_dtensor(p: Param, layout: ParallelLayout) -> bool:
     return p.tp_sharded or (layout.sequence_parallel and p.name.endswith("norm.weight"))
 
 
+def replicated_over_tp(p: Param, layout: ParallelLayout) -> bool:
+    """A DTensor whose local values every TP rank holds (the SP norms)."""
+    return is_dtensor(p, layout) and not p.tp_sharded
+
+
 def _bucket_states(params: List[Param], layout: ParallelLayout, bucket_MiB: float) -> dict:
     dp, zero = layout.dp, layout.zero
-    out = dict(params=0, master=0, grads=0, optim=0)
+    out = dict(params=0, master=0, grads=0, optim=0, norm_index=0)
     plans = plan_buckets([p.local_numel for p in params], dp, bucket_MiB)
     for plan in plans:
         members = [params[i] for i in plan.indices]
         viewable = not any(is_dtensor(p, layout) for p in members)
         owned = plan.numel if zero == 0 else plan.numel // dp
+        # The replicated elements of a rank's slice (an index and a weight each), padded to
+        # the most any dp rank's slice holds: every rank keeps the same shapes.
+        spans, off = [], 0
+        for p in members:
+            if replicated_over_tp(p, layout):
+                spans.append((off, off + p.local_numel))
+            off += p.local_numel
+        if spans:
+            width = max(sum(max(0, min(end, lo + owned) - max(start, lo)) for start, end in spans)
+                        for lo in range(0, plan.numel, owned))
+            out["norm_index"] += (INT64 + FP64) * width
         out["params"] += FP32 * (plan.numel if viewable else sum(p.local_numel for p in members))
         out["master"] += 0 if (viewable and zero == 0) else FP32 * owned
         out["grads"] += FP32 * plan.numel if zero < 2 else 0
@@ -121,7 +143,7 @@ def fsdp_shard_numel(p: Param, dp: int, dp_rank: int) -> int:
 def _fsdp_states(params: List[Param], layout: ParallelLayout, dp_rank: int) -> dict:
     shard = sum(fsdp_shard_numel(p, layout.dp, dp_rank) for p in params)
     return dict(params=FP32 * shard, master=0, grads=0,
-                optim=2 * FP32 * shard + STEP_COUNTER_BYTES * len(params))
+                optim=2 * FP32 * shard + STEP_COUNTER_BYTES * len(params), norm_index=0)
 
 
 def sequence_shard(seq_len: int, layout: ParallelLayout) -> int:
@@ -480,3 +502,254 @@ def _gradients(part, count, m, params, numel, layout, plans, bucket_of, viewable
             allocated.add(b)
             live.add("gradient buckets", FP32 * plans[b].numel)
             live.add("gradient shards", FP32 * owned[b])
+
+
+# ---------------------------------------------------------------------------- closed form
+
+
+def _b_events(pp: int, stage: int, m: int, schedule: str, v: int) -> List[Tuple[int, int, bool]]:
+    """Each distinct (model chunks in flight, backwards done before, whether it is a last
+    micro-batch's) at the start of a backward of `stage`, in the rank's op order: where its
+    activation peak can be."""
+    live, backwards, seen = 0, 0, []
+    for op, _, mb in stage_order(pp, stage, m, schedule, v):
+        if op == "F":
+            live += 1
+            continue
+        event = (live, min(backwards, 1), mb == m - 1)
+        if event not in seen:
+            seen.append(event)
+        live -= 1
+        backwards += 1
+    return seen
+
+
+class StageMemory:
+    """rank_memory's peak in closed form, for every stage size at once (numpy arrays over the
+    layers n, recompute code 0/1/2 = none/selective/full and k full layers): what the planner's
+    search prices for the orchestrator engine. Same terms as the walk; where the walk knows the
+    moment (the loss backward happens with the last stage's one micro-batch in flight), this
+    adds the largest transient to the largest in-flight activations, so it can only be above:
+    tests/test_workload_memory.py keeps it within a few percent of rank_memory."""
+
+    def __init__(self, model: ModelConfig, layout: ParallelLayout, act: BlockActivations,
+                 dtype: Dtype | str, device: str, seq_len: int, bucket_MiB: float = 25.0):
+        self.model, self.layout = model, layout
+        dtype = Dtype.parse(dtype)
+        tp, pp, dp, zero = layout.tp, layout.pp, layout.dp, layout.zero
+        m, v = layout.num_micro_batches, layout.virtual_stages
+        cuda = device.startswith("cuda")
+        h, vocab = model.hidden, model.vocab
+        tokens = layout.micro_batch_size * seq_len
+        self.t_sp = t_sp = tp if tp > 1 and layout.sequence_parallel else 1
+        block = [p.local_numel for p in _block_params(model, tp)]
+        self.layer_numel = layer = float(sum(block))
+        vocab_local = chunk_size(vocab, tp, 0)
+        first = np.zeros(pp)
+        first[0] += vocab_local * h
+        last = np.zeros(pp)
+        last[-1] += h + vocab_local * h
+        self.other_numel = first + last
+        largest_other = np.maximum(np.where(first > 0, vocab_local * h, 0),
+                                   np.where(last > 0, vocab_local * h, 0))
+        self.largest_block_param = float(max(block))
+        self.largest_param = np.maximum(max(block), largest_other)
+
+        # States per element of this rank's parameters.
+        owned_div = dp if zero >= 1 else 1
+        if zero == 3:
+            self.per_elem = {"params": FP32 / dp, "grads": 0.0, "optim": 2 * FP32 / dp}
+        else:
+            master = (FP32 if tp > 1 else 0.0) if zero == 0 else FP32 / dp
+            self.per_elem = {"params": FP32 + master, "grads": FP32 if zero < 2 else 0.0,
+                             "optim": 2 * FP32 / owned_div}
+        sp_norms = tp > 1 and layout.sequence_parallel and zero < 3
+        self.norm_index_per_elem = (INT64 + FP64) / owned_div if sp_norms else 0.0
+        buffers = np.zeros(pp)
+        if pp > 1:
+            per = layout.micro_batch_size * sequence_shard(seq_len, layout) * h * FP32
+            for j in range(pp):
+                for c in range(v):
+                    stage = c * pp + j
+                    buffers[j] += ((stage > 0) + (stage < pp * v - 1)) * per * m
+        samples = layout.micro_batch_size * m
+        self.buffers = buffers + (2 * model.seq_len * (h // model.heads // 2) * FP32
+                                  + INT32 * layout.world_size + 2 * samples * seq_len * INT64)
+
+        # Activations per micro-batch.
+        self.act = np.array([engine_block_bytes(act, mode, model, layout, dtype, tokens, layer)
+                             for mode in RECOMPUTE_MODES])
+        head_kept, head_fwd, head_bwd = _head_bytes(model, layout, dtype, tokens, cuda,
+                                                    vocab_local)
+        self.head_kept = np.where(last > 0, head_kept, 0.0)
+        self.emb_kept = np.where(first > 0, FP32 * tokens * h * (1 + 1 / t_sp), 0.0) \
+            if tp > 1 else np.zeros(pp)
+        self.block_working = _block_working(model, layout, tokens)
+        self.end_working = np.maximum(np.where(last > 0, max(head_fwd, head_bwd), 0.0),
+                                      np.where(first > 0, FP32 * vocab * h, 0.0))
+        # Each stage's distinct backwards (padded with its first: the max is unchanged).
+        events = [_b_events(pp, j, m, layout.schedule, v) for j in range(pp)]
+        width = max(len(e) for e in events)
+        padded = [e + [e[0]] * (width - len(e)) for e in events]
+        self.ev_live = np.array([[live for live, _, _ in e] for e in padded], dtype=float)
+        self.ev_done = np.array([[done for _, done, _ in e] for e in padded], dtype=bool)
+        self.ev_last = np.array([[last for _, _, last in e] for e in padded], dtype=bool)
+        self.v, self.m, self.zero, self.dp, self.tp, self.cuda = v, m, zero, dp, tp, cuda
+        self.dtype, self.profile_elem, self.vocab_local = dtype, act.elem_bytes, vocab_local
+        limit = min(bucket_MiB * 2**20 / FP32, 1e30)
+        self.bucket_limit = limit
+
+    def states(self, j, n) -> Dict[str, np.ndarray]:
+        """Bytes held between iterations by stage j's ranks holding n layers, by kind."""
+        n = np.asarray(n, dtype=float)
+        numel = n * self.layer_numel + self.other_numel[j]
+        out = {kind: per * numel for kind, per in self.per_elem.items()}
+        # the SP norms' indices and weights for the gradient norm, with the optimizer's
+        out["optim"] = out["optim"] + self.norm_index_per_elem * (
+            2 * self.model.hidden * n + np.where(j == self.layout.pp - 1, self.model.hidden, 0))
+        out["buffers"] = np.broadcast_to(self.buffers[j], np.shape(numel)).astype(float)
+        return out
+
+    def peak_above_states(self, j, n, mode_code, k):
+        """The most bytes stage j holds at once beyond its states (numpy, elementwise: j, n,
+        mode_code and k broadcast together)."""
+        j, n, code, k = np.broadcast_arrays(np.asarray(j), np.asarray(n, dtype=float),
+                                            np.asarray(mode_code), np.asarray(k, dtype=float))
+        a_none, a_sel, a_full = self.act
+        stored = np.where(code == 1, n * a_sel,
+                          np.where(code == 2, k * a_full + (n - k) * a_none, n * a_none))
+        numel = n * self.layer_numel + self.other_numel[j]
+        zero, dp, m, pp = self.zero, self.dp, self.m, self.layout.pp
+        accum = np.zeros_like(numel)
+        always = np.zeros_like(numel)
+        if zero == 3:
+            if m > 1:
+                accum = FP32 * numel
+            if pp > 1:
+                always = FP32 * numel  # kept gathered between forward and backward
+        elif zero == 2 and dp > 1 and self.tp == 1:
+            accum = FP32 * numel * (1 + 1 / dp)  # buckets (and shards) from the first backward
+        elif self.tp > 1 and m > 1:
+            accum = FP32 * numel  # DTensor .grad until the last micro-batch
+        per_chunk = (stored + self.emb_kept[j]) / self.v
+        # A recomputed layer holds its activations again; under full recompute of k < n layers
+        # those are each chunk's first, whose backward comes after its (n - k) / v kept layers'
+        # were freed (so memory never grows with k: the search relies on it).
+        recompute = np.where(code == 1, a_none - a_sel,
+                             np.where(code == 2, np.maximum(
+                                 0.0, (a_none - a_full) - (n - k) / self.v * a_none), 0.0))
+        block = self.block_working + recompute
+        gathered = 0.0
+        if zero == 3 and pp == 1:  # the root, this unit and the next (backward)
+            gathered = FP32 * (self.other_numel.sum() + 2 * self.layer_numel)
+        if zero == 3:  # a unit's unsharded gradients (kept gathered under a pipeline: none)
+            fresh = fresh_end = 0.0 if pp > 1 else FP32 * self.layer_numel
+        else:  # a weight's gradient before it is copied into its bucket
+            fresh, fresh_end = FP32 * self.largest_block_param, FP32 * self.largest_param[j]
+        buckets = FP32 * numel * (1 + 1 / dp) if (zero == 2 and dp > 1) else np.zeros_like(numel)
+        first_stage, last_stage = j == 0, j == pp - 1
+
+        # Every distinct backward of the stage (last axis): chunks in flight, whether gradients
+        # were accumulated before it, whether it is a last micro-batch's.
+        live, done, last_mb = self.ev_live[j], self.ev_done[j], self.ev_last[j]
+
+        def x(a):
+            return np.asarray(a, dtype=float)[..., None]
+        # The backward starts: every chunk in flight, the loss (last stage) or a layer.
+        if zero == 2 and self.tp == 1 and dp > 1:
+            start_accum = np.where(done, x(buckets), 0.0)
+        else:
+            start_accum = np.where(done, x(accum), 0.0)
+        inflight = live * x(per_chunk) + start_accum
+        fresh_start = np.where(done, 0.0, x(fresh)) if zero == 3 else x(fresh)
+        start = inflight + x(block) + fresh_start + x(gathered)
+        root = FP32 * self.other_numel.sum() if (zero == 3 and pp == 1) else 0.0
+        loss = (inflight + x(self.head_kept[j] + self.end_working[j])
+                + (x(fresh_end) if zero < 3 else 0.0) + root)
+        start = np.where(x(last_stage), np.maximum(start, loss), start)
+        # It ends: one chunk fewer, the gradients it made (ZeRO 2's buckets on the last
+        # micro-batch), the embedding's whole-vocabulary gradient on the first stage.
+        if zero == 2 and dp > 1:
+            end_accum = (x(buckets) + 0.0 * last_mb if self.tp == 1
+                         else np.where(last_mb, x(buckets), x(accum)))
+        elif zero < 3:
+            end_accum = np.where(last_mb, 0.0, x(accum))
+        else:
+            end_accum = x(accum) + 0.0 * last_mb
+        end_working = np.where(first_stage, FP32 * self.model.vocab * self.model.hidden, block)
+        end = ((live - 1) * x(per_chunk) + end_accum + x(end_working)
+               + x(np.where(first_stage, fresh_end, fresh)) + x(gathered))
+        peak = np.maximum(start, end).max(axis=-1)
+        return np.maximum(peak + always, self.tail_above_states(j, n))
+
+    def micro_batch_bytes(self, layers, tokens, per_token, code):
+        """For micro-batches of their own sizes (the dynamic planner's): (stored [p, K], extra
+        [p, K], fixed [p]) bytes: what one in flight keeps on each stage (its layers, the
+        embedding's), what it needs on top while its backward runs (a layer's working set and
+        recompute, or the loss and the head's activations on the last stage, the embedding's
+        gradient on the first), and per stage what does not depend on the micro-batch (DTensor
+        or FSDP gradients accumulated, FSDP's gathered units). `layers`: each stage's layer
+        count; `per_token`: the profile's (none, selective, full) bytes per token of a layer at
+        each micro-batch's length."""
+        tokens = np.asarray(tokens, dtype=float)
+        code = np.asarray(code)
+        layout, pp = self.layout, self.layout.pp
+        n = np.asarray(layers, dtype=float)[:, None]
+        act = BlockActivations(*(np.asarray(a, dtype=float) * tokens for a in per_token),
+                               elem_bytes=self.profile_elem)
+        kept = [engine_block_bytes(act, mode, self.model, layout, self.dtype, tokens,
+                                   self.layer_numel) for mode in RECOMPUTE_MODES]
+        layer = np.where(code == 1, kept[1], np.where(code == 2, kept[2], kept[0]))
+        recompute = np.where(code == 1, kept[0] - kept[1],
+                             np.where(code == 2, kept[0] - kept[2], 0.0))
+        first = (np.arange(pp) == 0)[:, None]
+        last = (np.arange(pp) == pp - 1)[:, None]
+        emb = (FP32 * tokens * self.model.hidden * (1 + 1 / self.t_sp)) if self.tp > 1 else 0.0
+        stored = n * layer + np.where(first, emb, 0.0)
+        head_kept, _, head_bwd = _head_bytes(self.model, layout, self.dtype, tokens, self.cuda,
+                                             self.vocab_local)
+        fresh = (FP32 * self.largest_block_param if self.zero < 3 else
+                 (0.0 if pp > 1 else FP32 * self.layer_numel))
+        fresh_end = FP32 * self.largest_param[:, None] if self.zero < 3 else 0.0
+        block = _block_working(self.model, layout, tokens) + recompute + fresh
+        end = np.where(first, FP32 * self.model.vocab * self.model.hidden + fresh_end, 0.0)
+        extra = np.maximum(np.maximum(block, end),
+                           np.where(last, head_kept + head_bwd + fresh_end, 0.0))
+        numel = n[:, 0] * self.layer_numel + self.other_numel
+        fixed = np.zeros(pp)
+        if self.zero == 3:
+            fixed = FP32 * numel * ((pp > 1) + (self.m > 1))
+            if pp == 1:
+                fixed = fixed + FP32 * (self.other_numel.sum() + 2 * self.layer_numel)
+        elif self.zero == 2 and self.dp > 1:
+            fixed = FP32 * numel * (1 + 1 / self.dp)
+        elif self.tp > 1 and self.m > 1:
+            fixed = FP32 * numel
+        return stored, extra, fixed
+
+    def tail_above_states(self, j, n):
+        """After the backward: ZeRO 2's buckets and shards, the gradient norm's float64 slice,
+        AdamW's foreach temporary (CPU), ZeRO 1/2's parameter all-gather."""
+        numel = np.asarray(n, dtype=float) * self.layer_numel + self.other_numel[j]
+        zero, dp, cuda = self.zero, self.dp, self.cuda
+        if zero == 3:
+            shard = numel / dp
+            return FP32 * shard + np.maximum(16 * self.largest_param[j] / dp,
+                                             0.0 if cuda else FP32 * shard)
+        bucket = np.maximum(np.minimum(self.bucket_limit, np.ceil(numel / 4)),
+                            self.largest_param[j])
+        owned = bucket / dp if zero >= 1 else bucket
+        master = numel / dp if zero >= 1 else numel
+        shards = FP32 * numel / dp if (zero == 2 and dp > 1) else 0.0
+        norm = shards + 16 * np.minimum(owned, NORM_CHUNK)
+        step = shards + (0.0 if cuda else FP32 * master)
+        tail = np.maximum(norm, step)
+        if zero >= 1 and dp > 1 and self.tp > 1:
+            tail = np.maximum(tail, FP32 * bucket)
+        if zero == 2 and dp > 1:
+            tail = np.maximum(tail, FP32 * numel + shards + (0.0 if cuda else FP32 * bucket))
+        return tail
+
+
+def _block_params(model: ModelConfig, tp: int) -> List[Param]:
+    return block_parameters(model, 0, tp, 0)

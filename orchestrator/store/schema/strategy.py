@@ -29,8 +29,9 @@ class SpaceSummary(Record):
                                        default=None)
     reserve_total_GiB: Optional[float] = doc("kept free per device: reserve_fraction x "
                                              "memory_GiB + reserve_GiB", default=None)
-    engine: Optional[str] = doc("search.engine: whose communication was priced, orchestrator "
-                                "(stage=train) or megatron (the Megatron export)", default=None)
+    engine: Optional[str] = doc("search.engine: whose communication and memory were priced, "
+                                "orchestrator (stage=train) or megatron (the Megatron export)",
+                                default=None)
 
 
 @dataclass(kw_only=True)
