@@ -116,18 +116,49 @@ def test_overlap_slows_both_sides_by_the_coefficient():
 
 
 def test_gradient_sync_is_exposed_only_with_data_parallelism(model, hw):
-    single = evaluate(ParallelLayout.uniform(2, 2, 1, 8, sequence_parallel=True), model, hw, SEQ)
-    many = evaluate(ParallelLayout.uniform(16, 2, 1, 8, sequence_parallel=True), model, hw, SEQ)
+    single = evaluate(ParallelLayout.uniform(2, 2, 1, 8, sequence_parallel=True), model, hw, SEQ,
+                      options=MEGATRON)
+    many = evaluate(ParallelLayout.uniform(16, 2, 1, 8, sequence_parallel=True), model, hw, SEQ,
+                    options=MEGATRON)
     assert single.breakdown_us["dp_sync_exposed"] == 0
     assert many.breakdown_us["dp_sync_exposed"] > 0
     # dp 8 with stride tp 2 all-reduces the fp32 gradients of all 8 blocks and "other", beside
     # the last micro-batch's backward of one stage holding everything.
-    costs = StageCosts(ConfigKey.of(many.layout), model, hw, SEQ)
+    costs = StageCosts(ConfigKey.of(many.layout), model, hw, SEQ, MEGATRON)
     block, other = model.memory(2)
     sync = hw.collective_time_us("allreduce", 8, 2, 8 * block.grad_bytes + other.grad_bytes)
     window = 8 * costs.layer.bwd_us + float(costs.other.bwd_us[0])
     assert many.breakdown_us["dp_sync_exposed"] == pytest.approx(
         float(overlap_extra_us(window, sync, hw.overlap_coe)))
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_engine_data_parallel_sync_is_what_train_runs(model, hw, zero):
+    """stage=train's engine (workload/comm.py): fp32 gradients all-reduced (ZeRO 0/1) or
+    reduce-scattered (ZeRO 2/3, FSDP once per iteration) beside the last backward; ZeRO 1/2
+    all-gather the fp32 parameters after the optimizer step, where nothing hides it; ZeRO 3
+    all-gathers each block in forward and backward per micro-batch (no pipeline)."""
+    from orchestrator.workload.params import block_parameters
+
+    layout = ParallelLayout.uniform(16, 2, 1, 8, sequence_parallel=True, zero=zero,
+                                    num_micro_batches=2)
+    pred = evaluate(layout, model, hw, SEQ)
+    costs = StageCosts(ConfigKey.of(layout), model, hw, SEQ)
+    layer = 4.0 * sum(p.local_numel for p in block_parameters(_config(model), 0, 2, 0))
+    assert costs.block_param_bytes == costs.block_grad_bytes == layer
+    stage = 8 * layer + float(costs.other_grad_bytes[0])
+    op = "allreduce" if zero < 2 else "reduce_scatter"
+    during = hw.collective_time_us(op, 8, 2, stage)
+    after = hw.collective_time_us("all_gather", 8, 2, stage) if zero in (1, 2) else 0.0
+    window = 8 * costs.layer.bwd_us + float(costs.other.bwd_us[0])
+    exposed = float(overlap_extra_us(window, during, hw.overlap_coe)) + after
+    assert float(costs.dp_exposed_us(0, 8)) == pytest.approx(exposed, rel=1e-9)
+    if zero < 3:  # (ZeRO 3's per-layer gathers add to the breakdown's exposed sync too)
+        assert pred.breakdown_us["dp_sync_exposed"] == pytest.approx(exposed, rel=1e-9)
+    gather = hw.collective_time_us("all_gather", 8, 2, layer) if zero == 3 else 0.0
+    assert costs.zero_layer.fwd_us == pytest.approx(
+        float(overlap_extra_us(costs.compute.block.fwd_us + costs.tp.layer.fwd_us, gather,
+                               hw.overlap_coe)))
 
 
 # ------------------------------------------------------------------ memory

@@ -8,13 +8,14 @@ from dataclasses import replace
 import pytest
 
 from orchestrator.layout import ParallelLayout
-from orchestrator.planner import SearchSpace, evaluate, search
+from orchestrator.planner import CostOptions, SearchSpace, evaluate, search
 from orchestrator.planner.profiles import HardwareModel, LinkFit, group_span
 from orchestrator.planner.terms.zero import ZeroTraffic, dp_sync_us
 
 from planner_fixtures import hand_model
 
 GiB = 2**30
+MEGATRON = CostOptions(engine="megatron")
 
 # 2 nodes x 4 ranks. All-reduce: inside a node 100 / 80 GB/s algbw (groups of 2 / 4); across
 # nodes 10 GB/s (one per node), 8 (2 per node, strided 4 = ranks 0,2,4,6), 5 (4 per node, consec
@@ -105,14 +106,15 @@ def test_search_keeps_data_parallel_traffic_inside_a_node():
                                            optim_bytes=48e6), other=replace(other, grad_bytes=64e6))
     space = SearchSpace(world_size=8, memory_budget_bytes=80 * GiB, global_batch_size=8,
                         seq_len=512, tp=2, zero_stages=(0,), recompute=("none",),
-                        micro_batch_sizes=(1,), schedules=("1f1b",), sequence_parallel=(False,))
+                        micro_batch_sizes=(1,), schedules=("1f1b",), sequence_parallel=(False,),
+                        options=MEGATRON)  # the profile's gradient bytes, as set above
     new, old = search(model, two_by_four(), space), search(model, one_node_fits_only(), space)
     assert (new.best.pp, new.best.dp) == (2, 2)
     assert (old.best.pp, old.best.dp) == (1, 4)
     assert new.prediction.breakdown_us["dp_sync_exposed"] == 0.0
     pp1 = ParallelLayout.uniform(8, 2, 1, 4, micro_batch_size=1, num_micro_batches=2)
     for hw, sync_us in ((two_by_four(), 50 + 128e6 / 8e3), (one_node_fits_only(), 20 + 1600)):
-        pred = evaluate(pp1, model, hw, 512)
+        pred = evaluate(pp1, model, hw, 512, options=MEGATRON)
         exposed = max(0.0, sync_us - pred.stage_bwd_us[0])  # overlap_coe 1: what sticks out
         assert pred.breakdown_us["dp_sync_exposed"] == pytest.approx(exposed, rel=1e-9)
         assert (pred.iteration_time_us > new.prediction.iteration_time_us) == (exposed > 0)

@@ -58,7 +58,7 @@ from orchestrator.planner.terms.memory import (ActivationBytes, comm_buffer_byte
 from orchestrator.planner.terms.pipeline import (boundary_intra_node, boundary_us,
                                                  on_end_stages, p2p_message_bytes, stage_sends)
 from orchestrator.planner.terms.tp_comm import TpComm, tp_message_bytes
-from orchestrator.planner.terms.zero import ZeroSharding, ZeroTraffic, dp_sync_us
+from orchestrator.planner.terms.zero import ZeroSharding, ZeroTraffic, dp_sync_parts_us
 from orchestrator.workload.memory import BlockActivations, StageMemory
 
 GiB = float(1 << 30)
@@ -179,6 +179,14 @@ class StageCosts:
         self.other_param_bytes = other.param_bytes * share
         self.other_grad_bytes = other.grad_bytes * share
         other_optim_bytes = other.optim_bytes * share
+        # The orchestrator engine's memory is workload/memory.py's closed form (every byte it
+        # holds, checked against real steps); Megatron's stays the Korthikanti-style sum below.
+        # Its data-parallel traffic moves fp32 parameters and gradients of the exact shapes.
+        self.engine_memory = (_engine_memory(key, model, block, seq_len, options)
+                              if self.engine == "orchestrator" else None)
+        if self.engine_memory is not None:
+            self.block_param_bytes = self.block_grad_bytes = 4.0 * self.engine_memory.layer_numel
+            self.other_param_bytes = self.other_grad_bytes = 4.0 * self.engine_memory.other_numel
         block_optim_us, other_optim_us = model.optimizer_us(key.tp)
         # ZeRO >= 1: each data-parallel rank steps 1/dp of the masters.
         optim_shard = key.dp if key.zero >= 1 else 1
@@ -201,10 +209,6 @@ class StageCosts:
         self.comm_buffers = np.full(key.pp, comm_buffer_bytes(key.zero, key.dp, key.tp,
                                                               block.param_bytes, tp_bytes))
         self.reserve = float(options.reserve_bytes)
-        # The orchestrator engine's memory: workload/memory.py's closed form (every byte it
-        # holds, checked against real steps); Megatron's stays the Korthikanti-style sum above.
-        self.engine_memory = (_engine_memory(key, model, block, seq_len, options)
-                              if self.engine == "orchestrator" else None)
         if self.engine_memory is not None:
             self.comm_buffers = self.engine_memory.buffers
         # T = alpha * sum_j t_j + beta * max_j t_j + e_0
@@ -220,7 +224,8 @@ class StageCosts:
                                        self.engine, logits_bytes)
         window = self.compute.block + self.tp.layer
         traffic = ZeroTraffic.from_hardware(self.hardware, key.zero, key.dp, key.tp,
-                                            self.block_param_bytes, self.block_grad_bytes)
+                                            self.block_param_bytes, self.block_grad_bytes,
+                                            self.engine, key.pp, key.num_micro_batches)
         exposed = traffic.exposed(window, self.overlap_coe)
         self.zero_layer = FwdBwd(float(exposed.fwd_us), float(exposed.bwd_us))
         self.layer = window + self.zero_layer
@@ -239,7 +244,8 @@ class StageCosts:
                                on_end_stages(self.tp.embedding.bwd_us, self.tp.head.bwd_us, pp))
         traffic = ZeroTraffic.from_hardware(self.hardware, self.key.zero, self.key.dp,
                                             self.key.tp, self.other_param_bytes,
-                                            self.other_grad_bytes)
+                                            self.other_grad_bytes, self.engine, self.key.pp,
+                                            self.key.num_micro_batches)
         window = self.other_compute + self.other_tp
         self.other_zero = traffic.exposed(window, self.overlap_coe)
         self.other = window + self.other_zero
@@ -314,14 +320,21 @@ class StageCosts:
         return self.total_bytes(j, params, grads, optim,
                                 self.activation_bytes(j, n, mode_code, k))
 
-    def dp_sync_us(self, j: int, n):
-        """Data-parallel sync time (us) of stage j with n layers at the end of the iteration,
-        alone (terms/zero.py: dp_sync_us)."""
+    def dp_sync_parts_us(self, j: int, n):
+        """Stage j's data-parallel sync (us) with n layers, alone: (during its last backward,
+        after the optimizer step) (terms/zero.py: dp_sync_parts_us, by engine)."""
         n = np.asarray(n, dtype=float)
         key = self.key
-        return dp_sync_us(self.hardware, key.zero, key.dp, key.tp,
-                          n * self.block_grad_bytes + self.other_grad_bytes[j],
-                          n * self.block_param_bytes + self.other_param_bytes[j])
+        return dp_sync_parts_us(self.hardware, key.zero, key.dp, key.tp,
+                                n * self.block_grad_bytes + self.other_grad_bytes[j],
+                                n * self.block_param_bytes + self.other_param_bytes[j],
+                                self.engine)
+
+    def dp_sync_us(self, j: int, n):
+        """Data-parallel sync time (us) of stage j with n layers at the end of the iteration,
+        alone (both parts)."""
+        during, after = self.dp_sync_parts_us(j, n)
+        return during + after
 
     def optimizer_us(self, j: int, n):
         """Optimizer step time (us) of stage j holding n layers, on one rank after ZeRO."""
@@ -337,7 +350,8 @@ class StageCosts:
         micro-batch (recompute excluded from the window)."""
         n = np.asarray(n, dtype=float)
         window = n * self.layer.bwd_us + self.other.bwd_us[j]
-        return overlap_extra_us(window, self.dp_sync_us(j, n), self.overlap_coe)
+        during, after = self.dp_sync_parts_us(j, n)
+        return overlap_extra_us(window, during, self.overlap_coe) + after
 
 
 # ====================================================================== prediction

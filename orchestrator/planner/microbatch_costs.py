@@ -92,19 +92,24 @@ class MicroBatchCosts:
         self.static_bytes = params + grads + optim + zero_buffers + whole.reserve
         self.tail_bytes = (self.engine_memory.tail_above_states(j, self.n[:, 0])
                            if self.engine_memory is not None else np.zeros(self.pp))
-        self.dp_sync_us = whole.dp_sync_us(j, self.n[:, 0])
+        self.dp_sync_us, self.dp_after_step_us = whole.dp_sync_parts_us(j, self.n[:, 0])
         self.optimizer_us = whole.optimizer_us(j, self.n[:, 0])
         self.overlap_coe = hardware.overlap_coe
         self.in_flight = in_flight_micro_batches(layout.schedule, layout.pp, 1 << 30, self.v)
         self.block_traffic = ZeroTraffic.from_hardware(hardware, layout.zero, layout.dp,
                                                        layout.tp, whole.block_param_bytes,
-                                                       whole.block_grad_bytes)
+                                                       whole.block_grad_bytes, options.engine,
+                                                       layout.pp, layout.num_micro_batches)
         other = ZeroTraffic.from_hardware(hardware, layout.zero, layout.dp, layout.tp,
-                                          whole.other_param_bytes, whole.other_grad_bytes)
+                                          whole.other_param_bytes, whole.other_grad_bytes,
+                                          options.engine, layout.pp, layout.num_micro_batches)
         per_stage = np.zeros((self.pp, 1))  # the traffic per stage, as a column
-        self.other_traffic = (ZeroTraffic(per_stage + np.reshape(other.gather_us, (-1, 1)),
-                                          per_stage + np.reshape(other.reduce_scatter_us, (-1, 1)))
-                              if other.active else other)
+        self.other_traffic = (ZeroTraffic(
+            per_stage + np.reshape(other.gather_us, (-1, 1)),
+            per_stage + np.reshape(other.reduce_scatter_us, (-1, 1)),
+            gather_bwd_us=(None if other.gather_bwd_us is None
+                           else per_stage + np.reshape(other.gather_bwd_us, (-1, 1))))
+            if other.active else other)
         intra = boundary_intra_node(layout.pp, layout.tp * layout.dp, hardware.tasks_per_node)
         self.p2p_lines = np.array([_p2p_line(hardware, x, layout.pp) for x in intra])
         # Row s - 1: one sequence of s tokens (see _per_sequence); grown on demand.
@@ -201,9 +206,10 @@ class MicroBatchCosts:
 
     def tail_us(self, sync_window_us: np.ndarray) -> np.ndarray:
         """Per stage: exposed gradient sync after the last backward (whose window is given, 0
-        with no micro-batch) + optimizer step (us)."""
+        with no micro-batch) + optimizer step + the sync after it (ZeRO 1/2's parameter
+        all-gather in the orchestrator engine) (us)."""
         return (overlap_extra_us(sync_window_us, self.dp_sync_us, self.overlap_coe)
-                + self.optimizer_us)
+                + self.dp_after_step_us + self.optimizer_us)
 
 
 # ====================================================================== candidate runs

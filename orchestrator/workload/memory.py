@@ -501,6 +501,8 @@ def _gradients(part, count, m, params, numel, layout, plans, bucket_of, viewable
         if b not in allocated and (first or count == m):
             allocated.add(b)
             live.add("gradient buckets", FP32 * plans[b].numel)
+        if count == m and -1 - b not in allocated:  # its reduce-scatter's output, at launch
+            allocated.add(-1 - b)
             live.add("gradient shards", FP32 * owned[b])
 
 
@@ -628,7 +630,7 @@ class StageMemory:
             if pp > 1:
                 always = FP32 * numel  # kept gathered between forward and backward
         elif zero == 2 and dp > 1 and self.tp == 1:
-            accum = FP32 * numel * (1 + 1 / dp)  # buckets (and shards) from the first backward
+            accum = FP32 * numel  # the buckets, from the first backward (views of them)
         elif self.tp > 1 and m > 1:
             accum = FP32 * numel  # DTensor .grad until the last micro-batch
         per_chunk = (stored + self.emb_kept[j]) / self.v
@@ -646,7 +648,9 @@ class StageMemory:
             fresh = fresh_end = 0.0 if pp > 1 else FP32 * self.layer_numel
         else:  # a weight's gradient before it is copied into its bucket
             fresh, fresh_end = FP32 * self.largest_block_param, FP32 * self.largest_param[j]
+        # ZeRO 2: the full buckets, and their reduce-scatters' shards from the last backward on
         buckets = FP32 * numel * (1 + 1 / dp) if (zero == 2 and dp > 1) else np.zeros_like(numel)
+        bucket_only = FP32 * numel if (zero == 2 and dp > 1) else np.zeros_like(numel)
         first_stage, last_stage = j == 0, j == pp - 1
 
         # Every distinct backward of the stage (last axis): chunks in flight, whether gradients
@@ -657,7 +661,7 @@ class StageMemory:
             return np.asarray(a, dtype=float)[..., None]
         # The backward starts: every chunk in flight, the loss (last stage) or a layer.
         if zero == 2 and self.tp == 1 and dp > 1:
-            start_accum = np.where(done, x(buckets), 0.0)
+            start_accum = np.where(done, x(bucket_only), 0.0)
         else:
             start_accum = np.where(done, x(accum), 0.0)
         inflight = live * x(per_chunk) + start_accum
@@ -670,8 +674,8 @@ class StageMemory:
         # It ends: one chunk fewer, the gradients it made (ZeRO 2's buckets on the last
         # micro-batch), the embedding's whole-vocabulary gradient on the first stage.
         if zero == 2 and dp > 1:
-            end_accum = (x(buckets) + 0.0 * last_mb if self.tp == 1
-                         else np.where(last_mb, x(buckets), x(accum)))
+            end_accum = np.where(last_mb, x(buckets),
+                                 x(bucket_only) if self.tp == 1 else x(accum))
         elif zero < 3:
             end_accum = np.where(last_mb, 0.0, x(accum))
         else:

@@ -4,7 +4,7 @@ Data-parallel groups are `dp` ranks `tp` apart (Megatron rank order). Sharding b
 1 the optimizer states (Megatron's distributed optimizer: 2 + 4 + 12/dp = 6 + 12/dp bytes per
 parameter with mixed-precision Adam, 18 without), 2 also the gradients, 3 also the parameters.
 
-Traffic:
+Traffic, engine "megatron" (Megatron-LM's distributed optimizer):
 - once per iteration, after the last backward: fp32 gradients all-reduced (ZeRO 0), or
   reduce-scattered + bf16 parameters all-gathered (ZeRO 1); ZeRO 2 only all-gathers the
   parameters and ZeRO 3 syncs nothing there;
@@ -12,6 +12,14 @@ Traffic:
   backward (keeping them whole through gradient accumulation would undo the sharding), and ZeRO 3
   all-gathers each layer's parameters in forward and again in backward, overlapped with the
   layer's own compute (prefetch).
+
+Engine "orchestrator" (stage=train: train/grads.py, FSDP2; workload/comm.py lists each message,
+checked against the real engine): parameters and gradients are fp32; during the last
+micro-batch's backward each gradient bucket is all-reduced (ZeRO 0/1) or reduce-scattered
+(ZeRO 2), and ZeRO 3 reduce-scatters each unit's gradients once; after the optimizer step ZeRO
+1/2 all-gather the updated fp32 parameters (nothing to overlap it with); ZeRO 3 all-gathers each
+unit's fp32 parameters in forward and in backward per micro-batch without a pipeline, once per
+iteration with one (kept gathered).
 """
 from __future__ import annotations
 
@@ -61,11 +69,22 @@ class ZeroTraffic:
     gather_us: Any
     reduce_scatter_us: Any
     active: bool = True
+    gather_bwd_us: Any = None  # the backward's all-gather when it differs (None: gather_us)
 
     @classmethod
     def from_hardware(cls, hardware: HardwareModel, zero: int, dp: int, tp: int, param_bytes,
-                      grad_bytes) -> "ZeroTraffic":
-        """Price the traffic of a part holding `param_bytes` / `grad_bytes` unsharded."""
+                      grad_bytes, engine: str = "megatron", pp: int = 1,
+                      num_micro_batches: int = 1) -> "ZeroTraffic":
+        """Price the per-micro-batch traffic of a part holding `param_bytes` / `grad_bytes`
+        unsharded (the engine's own dtypes)."""
+        if engine == "orchestrator":
+            if zero < 3 or dp == 1:
+                return cls(gather_us=0.0, reduce_scatter_us=0.0, active=False)
+            gather = collective_us(hardware, "all_gather", dp, tp, param_bytes)
+            if pp > 1:  # gathered once per iteration: the first micro-batch's forward
+                return cls(gather_us=gather / num_micro_batches, reduce_scatter_us=0.0,
+                           gather_bwd_us=0.0)
+            return cls(gather_us=gather, reduce_scatter_us=0.0)
         if zero < 2 or dp == 1:
             return cls(gather_us=0.0, reduce_scatter_us=0.0, active=False)
         return cls(gather_us=(collective_us(hardware, "all_gather", dp, tp, param_bytes)
@@ -78,16 +97,37 @@ class ZeroTraffic:
         TP communication) when the traffic runs beside it."""
         if not self.active:
             return FwdBwd(window.fwd_us * 0.0, window.bwd_us * 0.0)
+        gather_bwd = self.gather_us if self.gather_bwd_us is None else self.gather_bwd_us
         return FwdBwd(overlap_extra_us(window.fwd_us, self.gather_us, overlap_coe),
-                      overlap_extra_us(window.bwd_us, self.gather_us + self.reduce_scatter_us,
+                      overlap_extra_us(window.bwd_us, gather_bwd + self.reduce_scatter_us,
                                        overlap_coe))
 
 
+def dp_sync_parts_us(hardware: HardwareModel, zero: int, dp: int, tp: int, grad_bytes,
+                     param_bytes, engine: str = "megatron"):
+    """(during the last backward, after the optimizer step): the data-parallel sync (us) of a
+    stage holding `grad_bytes` of gradients and `param_bytes` of parameters unsharded. Megatron:
+    all of dp_sync_us during. Orchestrator: the buckets' all-reduce (ZeRO 0/1), reduce-scatter
+    (ZeRO 2) or FSDP's reduce-scatter (ZeRO 3) during; ZeRO 1/2's all-gather of the fp32
+    parameters after."""
+    if engine != "orchestrator":
+        return (dp_sync_us(hardware, zero, dp, tp, grad_bytes, param_bytes),
+                np.zeros_like(grad_bytes))
+    if dp == 1:
+        return np.zeros_like(grad_bytes), np.zeros_like(grad_bytes)
+    op = "allreduce" if zero < 2 else "reduce_scatter"
+    during = collective_us(hardware, op, dp, tp, grad_bytes)
+    after = (collective_us(hardware, "all_gather", dp, tp, param_bytes) if zero in (1, 2)
+             else np.zeros_like(grad_bytes))
+    return during, after
+
+
 def dp_sync_us(hardware: HardwareModel, zero: int, dp: int, tp: int, grad_bytes, param_bytes):
-    """Data-parallel sync (us) at the end of the iteration of a stage holding `grad_bytes` of
-    gradients and `param_bytes` of parameters unsharded (numpy arrays of the same shape):
-    all-reduce (ZeRO 0), reduce-scatter + all-gather (ZeRO 1), all-gather (ZeRO 2), nothing
-    (ZeRO 3 or dp = 1). The dp group is `dp` ranks `tp` apart, priced by the nodes it spans."""
+    """Megatron's data-parallel sync (us) at the end of the iteration of a stage holding
+    `grad_bytes` of gradients and `param_bytes` of parameters unsharded (numpy arrays of the
+    same shape): all-reduce (ZeRO 0), reduce-scatter + all-gather (ZeRO 1), all-gather (ZeRO 2),
+    nothing (ZeRO 3 or dp = 1). The dp group is `dp` ranks `tp` apart, priced by the nodes it
+    spans."""
     if dp == 1 or zero >= 3:
         return np.zeros_like(grad_bytes)
     if zero == 0:
