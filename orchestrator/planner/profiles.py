@@ -14,11 +14,10 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
+from orchestrator.bandwidth import busbw_factor, half_allreduce_line
 from orchestrator.choices import Dtype
 from orchestrator.commands import rerun_command
 from orchestrator.errors import ProfileError
-from orchestrator.profiling.hardware.fit import half_allreduce_line
-from orchestrator.profiling.measure import busbw_factor
 from orchestrator.store import parse_profile
 from orchestrator.store.schema import HardwareProfile, MemoryPart, ModelProfile
 

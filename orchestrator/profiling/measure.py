@@ -5,8 +5,8 @@ Bandwidths follow nccl-tests: algbw = bytes / time, busbw = algbw x an op's fact
 turns algbw into the bandwidth each rank's link actually carries, so busbw is comparable across
 group sizes: allreduce 2(n-1)/n; reduce_scatter, all_gather, all2all (n-1)/n; p2p (send/recv) 1.
 
-Torch-free at import (the planner reads the bandwidth conventions); the timer imports torch only
-on a GPU.
+Torch-free at import; the timer imports torch only on a GPU. The bandwidth conventions live in
+orchestrator/bandwidth.py, which the planner also prices with.
 """
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+# The conventions themselves live in orchestrator/bandwidth.py (the planner prices with them).
+from orchestrator.bandwidth import OPS, busbw_factor  # noqa: F401 (re-exported)
 from orchestrator.errors import ConfigError
 
 # A profiling loop's progress callback: (benchmark name, points done, points in total).
@@ -24,7 +26,6 @@ OnPoint = Callable[[str, int, int], None]
 KiB = 1024
 MiB = 1024 * KiB
 
-OPS = ("allreduce", "p2p", "reduce_scatter", "all_gather", "all2all")
 
 
 # ---------------------------------------------------------------- units
@@ -35,19 +36,6 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if n == int(n) else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
-
-
-def busbw_factor(op: str, n: int) -> float:
-    """The nccl-tests factor busbw / algbw for `op` over a group of `n` ranks (dimensionless)."""
-    if op not in OPS:
-        raise ConfigError(f"unknown collective {op!r}; expected one of {', '.join(OPS)}")
-    if op == "p2p":
-        return 1.0
-    if n < 1:
-        raise ConfigError(f"group size must be >= 1 for {op}, got {n}")
-    if op == "allreduce":
-        return 2.0 * (n - 1) / n
-    return (n - 1) / n
 
 
 def algbw_GBps(size_bytes: float, time_us: float) -> float:

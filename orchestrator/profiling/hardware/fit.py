@@ -9,10 +9,11 @@ would ignore every small size). Both parameters are kept non-negative (scipy's N
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence, Tuple
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from orchestrator.bandwidth import half_allreduce_line  # noqa: F401 (re-exported)
 from orchestrator.profiling.measure import nonneg_rel_lsq
 
 # Slowest and fastest bandwidth a fit may return (GB/s): a flat curve (time not growing with size,
@@ -67,15 +68,6 @@ def fit_alpha_beta(size_bytes: Sequence[float], time_us: Sequence[float]) -> Alp
     pred = alpha + s * beta
     max_rel_err = float(np.max(np.abs(pred - t) / t))
     return AlphaBeta(alpha_us=float(alpha), algbw_GBps=float(algbw), max_rel_err=max_rel_err)
-
-
-def half_allreduce_line(alpha_us: float, algbw_GBps: float) -> Tuple[float, float]:
-    """(alpha_us, algbw_GBps) of a reduce-scatter or an all-gather of the same buffer on the same
-    group, from an all-reduce's line: a ring all-reduce is a reduce-scatter followed by an
-    all-gather, each with half its steps and half its traffic (equal bus bandwidth), so each
-    takes half the time: alpha / 2 and twice the algorithm bandwidth. The stated rule wherever
-    only all-reduce was measured (Galvatron's files; groups that cross nodes)."""
-    return alpha_us / 2.0, algbw_GBps * 2.0
 
 
 def fit_points(points: Iterable[Mapping]) -> list:
