@@ -110,7 +110,8 @@ def main() -> None:
         live.mark("start")
         engine.train_step(tokens, targets, 1e-4, 1.0)
     predicted = rank_states(model, layout, 0, seq_len=args.seq)
-    out = {"config": vars(args), "params": sum(p.numel() for p in engine.named_parameters().values()),
+    params = sum(p.numel() for p in engine.named_parameters().values())
+    out = {"config": vars(args), "params": params,
            "states_predicted": predicted.as_dict(), "states_counted": live.start_bytes,
            "peak_counted": live.peak_bytes, "peak_phase": live.peak_label,
            "peak_by_phase": live.peak_by_label}
@@ -133,7 +134,8 @@ def main() -> None:
     print(f"peak counted: {live.peak_bytes / MiB:.1f} MiB, during '{live.peak_label}'")
     if device.type == "cuda":
         print(f"cuda: allocated at start {cuda_start / MiB:.1f} MiB, max allocated "
-              f"{out['cuda_max_allocated'] / MiB:.1f} MiB, reserved {out['cuda_reserved'] / MiB:.1f}")
+              f"{out['cuda_max_allocated'] / MiB:.1f} MiB, reserved "
+              f"{out['cuda_reserved'] / MiB:.1f}")
     print("peak per phase (MiB above the start):")
     for label, value in live.peak_by_label.items():
         print(f"  {label:20s} {(value - live.start_bytes) / MiB:10.1f}")

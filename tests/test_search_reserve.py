@@ -156,4 +156,5 @@ def test_search_prices_the_engine_it_is_told_and_says_which(engine, capsys):
     strategy = _strategy(cfg, result, space, [], [], Provenance())
     assert strategy.space.engine == engine
     _report(result, strategy, cfg)
-    assert f"communication and memory of the {engine} engine" in " ".join(capsys.readouterr().out.split())
+    printed = " ".join(capsys.readouterr().out.split())
+    assert f"communication and memory of the {engine} engine" in printed

@@ -55,8 +55,7 @@ from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig
 from orchestrator.workload.buckets import plan_buckets
 from orchestrator.workload.order import stage_order
-from orchestrator.workload.params import (Param, block_parameters, chunk_size, rank_chunks,
-                                          virtual_stage_ranges)
+from orchestrator.workload.params import Param, block_parameters, chunk_size, rank_chunks
 
 FP32 = 4
 FP64 = 8
