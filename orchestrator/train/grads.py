@@ -24,6 +24,9 @@ import torch.distributed as dist
 from torch import nn
 
 from orchestrator.workload.buckets import plan_buckets
+# elements per float64 slice of the gradient norm: bounded temporaries on big buckets (the
+# memory model prices the same slices)
+from orchestrator.workload.memory import NORM_CHUNK
 
 
 # torch renamed all_gather_into_tensor (2.13 warns on the old name; 2.11 has only the old one).
@@ -62,7 +65,6 @@ def full_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
     return g
 
 
-NORM_CHUNK = 1 << 24  # elements per float64 slice: bounded temporaries on big buckets
 
 
 def _weighted_sumsq(grad: torch.Tensor, rep_index: Optional[torch.Tensor],

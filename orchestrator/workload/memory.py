@@ -62,7 +62,7 @@ FP64 = 8
 INT64 = 8
 INT32 = 4
 STEP_COUNTER_BYTES = 4  # AdamW keeps `step` as a float32 scalar tensor per parameter it updates
-NORM_CHUNK = 1 << 24  # train/grads.py: elements per float64 slice of the gradient norm
+NORM_CHUNK = 1 << 24  # elements per float64 slice of the gradient norm (train/grads.py's)
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
@@ -597,8 +597,7 @@ class StageMemory:
         self.ev_last = np.array([[last for _, _, last in e] for e in padded], dtype=bool)
         self.v, self.m, self.zero, self.dp, self.tp, self.cuda = v, m, zero, dp, tp, cuda
         self.dtype, self.profile_elem, self.vocab_local = dtype, act.elem_bytes, vocab_local
-        limit = min(bucket_MiB * 2**20 / FP32, 1e30)
-        self.bucket_limit = limit
+        self.bucket_limit = bucket_MiB * 2**20 / FP32  # elements (workload/buckets.py)
 
     def states(self, j, n) -> Dict[str, np.ndarray]:
         """Bytes held between iterations by stage j's ranks holding n layers, by kind."""
