@@ -145,24 +145,55 @@ def _fsdp_states(params: List[Param], layout: ParallelLayout, dp_rank: int) -> d
                 optim=2 * FP32 * shard + STEP_COUNTER_BYTES * len(params), norm_index=0)
 
 
+def sp_degree(layout) -> int:
+    """The ranks sequence parallelism splits a sequence over: tp under SP, else 1."""
+    return layout.tp if layout.tp > 1 and layout.sequence_parallel else 1
+
+
 def sequence_shard(seq_len: int, layout: ParallelLayout) -> int:
     """Tokens of a sequence one rank's residual stream holds between layers."""
-    return seq_len // layout.tp if layout.tp > 1 and layout.sequence_parallel else seq_len
+    return seq_len // sp_degree(layout)
 
 
-def pipeline_buffer_bytes(model: ModelConfig, layout: ParallelLayout, rank: int,
-                          seq_len: int) -> int:
-    """The pipeline stages' receive buffers (fp32 residual stream), every micro-batch."""
+# Bytes per token and hidden unit (of a 2-byte dtype) a layer keeps whole without SP that SP
+# would shard over tp (Korthikanti et al.): the norms' inputs and outputs, the residual, the
+# gathered matmul inputs; full recompute keeps only the layer input.
+NO_SP_EXTRA_BYTES_PER_HIDDEN = {"none": 10.0, "selective": 10.0, "full": 2.0}
+
+
+def no_sp_extra_bytes_per_token(mode: str, tp: int, hidden: int, dtype_bytes: int) -> float:
+    """Bytes per token and layer that plain TP keeps whole and sequence parallelism would shard
+    over tp: NO_SP_EXTRA_BYTES_PER_HIDDEN[mode] * h * (1 - 1/t), scaled to the dtype."""
+    return NO_SP_EXTRA_BYTES_PER_HIDDEN[mode] * hidden * (dtype_bytes / 2.0) * (1.0 - 1.0 / tp)
+
+
+def stage_buffer_bytes(model: ModelConfig, layout, pp_rank: int, seq_len: int) -> int:
+    """The pipeline receive buffers of pipeline rank `pp_rank` (fp32 residual stream, every
+    micro-batch): each chunk's input (not the first virtual stage) and its output's gradient
+    (not the last)."""
     if layout.pp == 1:
         return 0
-    pp_rank = layout.coordinate(rank, "pp")
     last = layout.pp * layout.virtual_stages - 1
     per = layout.micro_batch_size * sequence_shard(seq_len, layout) * model.hidden * FP32
-    buffers = 0
-    for c in range(layout.virtual_stages):
-        stage = c * layout.pp + pp_rank
-        buffers += (stage > 0) + (stage < last)
+    buffers = sum((stage > 0) + (stage < last)
+                  for stage in (c * layout.pp + pp_rank for c in range(layout.virtual_stages)))
     return buffers * per * layout.num_micro_batches
+
+
+def input_bytes(model: ModelConfig, layout, seq_len: int) -> int:
+    """The rotary tables, the device mesh and a rank's tokens and targets."""
+    samples = layout.micro_batch_size * layout.num_micro_batches
+    return (2 * model.seq_len * (model.hidden // model.heads // 2) * FP32
+            + INT32 * layout.world_size + 2 * samples * seq_len * INT64)
+
+
+def embedding_bytes(model: ModelConfig, layout, tokens):
+    """What the embedding keeps per micro-batch beyond its input ids (held already): under TP
+    its vocabulary-parallel lookup's partial output (every token) stays alive with the reduced
+    one (1/tp of the tokens under SP) until the micro-batch's backward."""
+    if layout.tp == 1:
+        return 0.0
+    return FP32 * tokens * model.hidden * (1 + 1 / sp_degree(layout))
 
 
 def rank_states(model: ModelConfig, layout: ParallelLayout, rank: int,
@@ -175,13 +206,9 @@ def rank_states(model: ModelConfig, layout: ParallelLayout, rank: int,
         kinds = _fsdp_states(params, layout, layout.coordinate(rank, "dp"))
     else:
         kinds = _bucket_states(params, layout, bucket_MiB)
-    head_dim = model.hidden // model.heads
-    samples = layout.micro_batch_size * layout.num_micro_batches
-    inputs = (2 * model.seq_len * (head_dim // 2) * FP32 + INT32 * layout.world_size
-              + 2 * samples * seq_len * INT64)
-    return StateBytes(**kinds, pipeline_buffers=pipeline_buffer_bytes(model, layout, rank,
-                                                                      seq_len),
-                      inputs=inputs)
+    buffers = stage_buffer_bytes(model, layout, layout.coordinate(rank, "pp"), seq_len)
+    return StateBytes(**kinds, pipeline_buffers=buffers,
+                      inputs=input_bytes(model, layout, seq_len))
 
 
 # ---------------------------------------------------------------------------- the peak
@@ -280,16 +307,12 @@ def engine_block_bytes(act: BlockActivations, mode: str, model: ModelConfig,
                        block_local_numel: int) -> float:
     """What one layer of the engine keeps per micro-batch of `tokens` tokens (the model
     profile's count plus the engine's own, see the module's docstring)."""
-    h, t = model.hidden, layout.tp
-    t_sp = t if t > 1 and layout.sequence_parallel else 1
+    h, t, t_sp = model.hidden, layout.tp, sp_degree(layout)
     autocast = dtype != Dtype.fp32
     elem = dtype.bytes if autocast else FP32
     kept = act.at(mode) * (elem / act.elem_bytes)
-    if t > 1 and not layout.sequence_parallel:
-        # The tokens SP would shard, whole: the norms' inputs (and outputs they keep on CPUs),
-        # the residual and the gathered matmul inputs.
-        per_token = {"none": 10.0, "selective": 10.0, "full": 2.0}[mode]
-        kept += per_token * h * (elem / 2.0) * tokens * (1.0 - 1.0 / t)
+    if t > 1 and not layout.sequence_parallel:  # the tokens SP would shard, whole
+        kept += no_sp_extra_bytes_per_token(mode, t, h, elem) * tokens
     if autocast:
         if mode == "full":
             kept += tokens * (FP32 - elem) * h / t_sp  # the kept input is fp32
@@ -302,8 +325,7 @@ def engine_block_bytes(act: BlockActivations, mode: str, model: ModelConfig,
 def _head_bytes(model: ModelConfig, layout: ParallelLayout, dtype: Dtype, tokens: int,
                 fused_norm: bool, vocab_local: int) -> Tuple[float, float, float]:
     """(kept, forward transient, backward transient) of the head and loss per micro-batch."""
-    h, v, t = model.hidden, model.vocab, layout.tp
-    t_sp = t if t > 1 and layout.sequence_parallel else 1
+    h, v, t_sp = model.hidden, model.vocab, sp_degree(layout)
     autocast = dtype != Dtype.fp32
     elem = dtype.bytes if autocast else FP32
     norm = tokens / t_sp * (FP32 * h + FP32 + (0 if fused_norm else FP32 * h))
@@ -321,9 +343,7 @@ def _head_bytes(model: ModelConfig, layout: ParallelLayout, dtype: Dtype, tokens
 def _block_working(model: ModelConfig, layout: ParallelLayout, tokens: int) -> float:
     """A layer's backward, beyond its kept activations: the gradients flowing through it (the
     residual's and the MLP's intermediate ones) while its weights' gradients are made."""
-    t = layout.tp
-    t_sp = t if t > 1 and layout.sequence_parallel else 1
-    return FP32 * tokens * (2 * model.hidden / t_sp + 2 * model.ffn / t)
+    return FP32 * tokens * (2 * model.hidden / sp_degree(layout) + 2 * model.ffn / layout.tp)
 
 
 def _bucket_of(plans) -> Dict[int, int]:
@@ -350,7 +370,6 @@ def rank_memory(model: ModelConfig, layout: ParallelLayout, rank: int, act: Bloc
     pp_rank, dp_rank = layout.coordinate(rank, "pp"), layout.coordinate(rank, "dp")
     dp, zero, m = layout.dp, layout.zero, layout.num_micro_batches
     tokens = layout.micro_batch_size * seq_len
-    t_sp = layout.tp if layout.tp > 1 and layout.sequence_parallel else 1
     vocab_local = chunk_size(model.vocab, layout.tp, layout.coordinate(rank, "tp"))
     head_kept, head_fwd, head_bwd = _head_bytes(model, layout, dtype, tokens, cuda, vocab_local)
 
@@ -367,11 +386,7 @@ def rank_memory(model: ModelConfig, layout: ParallelLayout, rank: int, act: Bloc
                                       sum(numel[i] for i in part.params))
         if part.kind == "head":
             return head_kept
-        if layout.tp == 1:
-            return 0.0  # the embedding keeps its input ids, held already
-        # Vocabulary-parallel lookup: its partial output (every token) stays alive with the
-        # reduced one (1/tp of the tokens under SP) until the micro-batch's backward.
-        return FP32 * tokens * model.hidden * (1 + 1 / t_sp)
+        return embedding_bytes(model, layout, tokens)
 
     # Gradients: which parameters accumulate a .grad of their own, where buckets appear.
     plans = plan_buckets(numel, dp, bucket_MiB) if zero < 3 else []
@@ -542,7 +557,6 @@ class StageMemory:
         cuda = device.startswith("cuda")
         h, vocab = model.hidden, model.vocab
         tokens = layout.micro_batch_size * seq_len
-        self.t_sp = t_sp = tp if tp > 1 and layout.sequence_parallel else 1
         block = [p.local_numel for p in _block_params(model, tp)]
         self.layer_numel = layer = float(sum(block))
         vocab_local = chunk_size(vocab, tp, 0)
@@ -566,16 +580,9 @@ class StageMemory:
                              "optim": 2 * FP32 / owned_div}
         sp_norms = tp > 1 and layout.sequence_parallel and zero < 3
         self.norm_index_per_elem = (INT64 + FP64) / owned_div if sp_norms else 0.0
-        buffers = np.zeros(pp)
-        if pp > 1:
-            per = layout.micro_batch_size * sequence_shard(seq_len, layout) * h * FP32
-            for j in range(pp):
-                for c in range(v):
-                    stage = c * pp + j
-                    buffers[j] += ((stage > 0) + (stage < pp * v - 1)) * per * m
-        samples = layout.micro_batch_size * m
-        self.buffers = buffers + (2 * model.seq_len * (h // model.heads // 2) * FP32
-                                  + INT32 * layout.world_size + 2 * samples * seq_len * INT64)
+        self.buffers = np.array([stage_buffer_bytes(model, layout, j, seq_len)
+                                 for j in range(pp)], dtype=float) + input_bytes(
+                                     model, layout, seq_len)
 
         # Activations per micro-batch.
         self.act = np.array([engine_block_bytes(act, mode, model, layout, dtype, tokens, layer)
@@ -583,8 +590,7 @@ class StageMemory:
         head_kept, head_fwd, head_bwd = _head_bytes(model, layout, dtype, tokens, cuda,
                                                     vocab_local)
         self.head_kept = np.where(last > 0, head_kept, 0.0)
-        self.emb_kept = np.where(first > 0, FP32 * tokens * h * (1 + 1 / t_sp), 0.0) \
-            if tp > 1 else np.zeros(pp)
+        self.emb_kept = np.where(first > 0, embedding_bytes(model, layout, tokens), 0.0)
         self.block_working = _block_working(model, layout, tokens)
         self.end_working = np.maximum(np.where(last > 0, max(head_fwd, head_bwd), 0.0),
                                       np.where(first > 0, FP32 * vocab * h, 0.0))
@@ -706,8 +712,7 @@ class StageMemory:
                              np.where(code == 2, kept[0] - kept[2], 0.0))
         first = (np.arange(pp) == 0)[:, None]
         last = (np.arange(pp) == pp - 1)[:, None]
-        emb = (FP32 * tokens * self.model.hidden * (1 + 1 / self.t_sp)) if self.tp > 1 else 0.0
-        stored = n * layer + np.where(first, emb, 0.0)
+        stored = n * layer + np.where(first, embedding_bytes(self.model, layout, tokens), 0.0)
         head_kept, _, head_bwd = _head_bytes(self.model, layout, self.dtype, tokens, self.cuda,
                                              self.vocab_local)
         fresh = (FP32 * self.largest_block_param if self.zero < 3 else

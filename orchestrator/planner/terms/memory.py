@@ -14,14 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from orchestrator.planner.profiles import PartMemory
+# defined once, with the rest of a layout's memory
+from orchestrator.workload.memory import no_sp_extra_bytes_per_token
 
-NO_SP_EXTRA_BYTES_PER_HIDDEN = {"none": 10.0, "selective": 10.0, "full": 2.0}
-
-
-def no_sp_extra_bytes_per_token(mode: str, tp: int, hidden: int, dtype_bytes: int) -> float:
-    """Bytes per token and layer that plain TP keeps whole and sequence parallelism would shard
-    over tp: NO_SP_EXTRA_BYTES_PER_HIDDEN[mode] * h * (1 - 1/t), scaled to the dtype."""
-    return NO_SP_EXTRA_BYTES_PER_HIDDEN[mode] * hidden * (dtype_bytes / 2.0) * (1.0 - 1.0 / tp)
 
 
 @dataclass(frozen=True)
