@@ -113,12 +113,14 @@ class MicroBatchCosts:
         intra = boundary_intra_node(layout.pp, layout.tp * layout.dp, hardware.tasks_per_node)
         self.p2p_lines = np.array([_p2p_line(hardware, x, layout.pp) for x in intra])
         # Row s - 1: one sequence of s tokens (see _per_sequence); grown on demand.
-        self._per_seq = np.zeros((0, 9))
+        self._per_seq = np.zeros((0, 12))
 
     def _per_sequence(self, s: np.ndarray) -> np.ndarray:
-        """[len(s), 9] for sequences of s tokens: block fwd, bwd, attention core, other fwd,
+        """[len(s), 12] for sequences of s tokens: block fwd, bwd, attention core, other fwd,
         bwd (us); stored bytes per token of a layer for none, selective, full; the LM head's
-        per token. Computed for every length up to max(s) at once, then looked up."""
+        per token; the profile's own per-token bytes of a layer for none, selective, full (what
+        the engine's memory model starts from). Computed for every length up to max(s) at
+        once, then looked up."""
         longest = int(np.max(s, initial=0))
         have = len(self._per_seq)
         if longest > have:
@@ -130,7 +132,9 @@ class MicroBatchCosts:
             columns = (m.block_fwd_us(new, tp), m.block_bwd_us(new, tp),
                        m.attention_core_fwd_us(new, tp), m.other_fwd_us(new, tp),
                        m.other_bwd_us(new, tp), act.none, act.selective, act.full,
-                       other.act_bytes_per_token_at("none", new))
+                       other.act_bytes_per_token_at("none", new),
+                       *(block.act_bytes_per_token_at(mode, new)
+                         for mode in ("none", "selective", "full")))
             rows = np.stack([np.broadcast_to(np.asarray(c, dtype=float), new.shape)
                              for c in columns], axis=1)
             self._per_seq = np.concatenate([self._per_seq, rows])
@@ -148,7 +152,8 @@ class MicroBatchCosts:
         b = np.asarray(b, dtype=float)
         s = np.asarray(s, dtype=np.int64)
         code = np.asarray(mode_code)[None, :]
-        (bf, bb, attn, of, ob, a_none, a_sel, a_full, a_head) = self._per_sequence(s).T
+        (bf, bb, attn, of, ob, a_none, a_sel, a_full, a_head,
+         *profile_per_token) = self._per_sequence(s).T
         m, pp, v, n = self.model, self.pp, self.v, self.n
         tokens = b * s
         tp_bytes = tokens * m.hidden * m.dtype_bytes
@@ -175,12 +180,8 @@ class MicroBatchCosts:
         inner, wrap = v * boundary[:-1], (v - 1) * boundary[-1:]
         sends = np.concatenate([inner, wrap]) + np.concatenate([wrap, inner])
         if self.engine_memory is not None:
-            # the profile's per-token figures without the no-SP term the engine model adds
-            block, _ = m.memory(self.tp)
-            per_token = [block.act_bytes_per_token_at(mode, s)
-                         for mode in ("none", "selective", "full")]
             stored, extra, fixed = self.engine_memory.micro_batch_bytes(
-                self.n[:, 0], tokens, per_token, code[0])
+                self.n[:, 0], tokens, profile_per_token, code[0])
             extra = extra + fixed[:, None]
         else:
             stored_per_token = np.where(code == 1, n * a_sel, np.where(code == 2, n * a_full,
