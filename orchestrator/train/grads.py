@@ -177,7 +177,7 @@ class ShardedAdamW:
             for p, off in zip(ps, offsets):
                 loc = local_tensor(p)
                 flat[off:off + loc.numel()] = loc.detach().reshape(-1).float()
-            self._replicated_elements(b, lo, hi)
+            self._replicated_elements(b, lo, hi, flat.device)
             if all(_viewable(p) for p in ps):
                 b.flat_params = flat
                 with torch.no_grad():
@@ -194,7 +194,7 @@ class ShardedAdamW:
             buckets.append(b)
         return buckets
 
-    def _replicated_elements(self, b: Bucket, lo: int, hi: int) -> None:
+    def _replicated_elements(self, b: Bucket, lo: int, hi: int, device) -> None:
         """b.rep_index / rep_weight: the elements of this rank's slice [lo, hi) that every TP
         rank holds, padded (index 0, weight 0) to the most any dp rank's slice has, so every
         rank of a stage runs the same ops on the same shapes."""
@@ -217,7 +217,6 @@ class ShardedAdamW:
                 index[at:at + end - start] = torch.arange(start - lo, end - lo)
                 weight[at:at + end - start] = w - 1.0
                 at += end - start
-        device = b.master.device if b.master is not None else local_tensor(b.params[0]).device
         b.rep_index, b.rep_weight = index.to(device), weight.to(device)
 
     def _owned(self, b: Bucket):

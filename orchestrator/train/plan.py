@@ -68,12 +68,12 @@ def train_device(cfg) -> str:
     return "cuda" if cfg.cluster.backend == Backend.nccl else "cpu"
 
 
-def engine_options(cfg, reserve_bytes: float = 0.0):
-    """The cost model's options for the layout stage=train will run: search.engine (default:
-    this engine), train's dtype and device, and the reserve given."""
+def engine_options(cfg, reserve_bytes: float = 0.0, engine: Optional[str] = None):
+    """The cost model's options for a layout trained with train's dtype and device: the
+    engine given (default search.engine) and the reserve given."""
     from orchestrator.planner import CostOptions
 
-    return CostOptions(reserve_bytes=reserve_bytes, engine=str(cfg.search.engine),
+    return CostOptions(reserve_bytes=reserve_bytes, engine=engine or str(cfg.search.engine),
                        dtype=str(train_dtype(cfg)), device=train_device(cfg))
 
 
@@ -223,13 +223,12 @@ def predict(cfg, layout: ParallelLayout, seq_len: int):
     """(prediction or None, note): the planner's evaluate() of this layout from the cluster's
     profiles, without the memory reserve (what the ranks themselves use); None with the reason
     when the profiles are missing or do not fit this model."""
-    from orchestrator.planner import CostOptions, evaluate
+    from orchestrator.planner import evaluate
 
     try:
         model_cost, hardware = planner_profiles(cfg)
-        options = CostOptions(reserve_bytes=0.0, dtype=str(train_dtype(cfg)),
-                              device=train_device(cfg))  # the engine train runs: ours
-        pred = evaluate(layout, model_cost, hardware, seq_len=seq_len, options=options)
+        pred = evaluate(layout, model_cost, hardware, seq_len=seq_len,
+                        options=engine_options(cfg, engine="orchestrator"))  # what train runs
     except (ProfileError, ValueError, KeyError) as e:
         return None, f"no prediction: {e}"
     return pred, ""
