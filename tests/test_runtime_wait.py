@@ -1,8 +1,15 @@
-"""Ranks waiting for a slower peer sleep instead of spinning (MPICH polls at full speed inside a
-blocking collective; with more ranks than cores the spin slows the rank they wait for)."""
+"""Ranks do not fight over the cores: waiting for a slower peer they sleep instead of spinning
+(MPICH polls at full speed inside a blocking collective; with more ranks than cores the spin
+slows the rank they wait for), and a CPU rank's intra-op threads share its host's CPUs with
+every rank on that host."""
+import os
 import shutil
 import subprocess
 import sys
+
+import pytest
+
+from orchestrator.runtime import cpu_threads
 
 RANK_SCRIPT = """
 import sys, time
@@ -30,3 +37,14 @@ def test_waiting_ranks_use_almost_no_cpu_and_wake_when_the_last_one_arrives(tmp_
         assert wall_s >= 1.9, f"rank {rank} left the wait before rank 0 arrived ({wall_s:.2f} s)"
         # a spinning MPI_Barrier burns about its whole 2 s wait
         assert cpu_s < 0.3, f"rank {rank} used {cpu_s:.2f} CPU-s while waiting {wall_s:.2f} s"
+
+
+@pytest.mark.parametrize("hostnames,rank,ranks_on_its_host", [
+    (["a", "a", "a", "a"], 2, 4),  # one node, 4 ranks
+    (["a", "a", "b", "b"], 0, 2),  # two nodes of 2 ranks
+    (["a", "a"], 1, 2),  # two fake Slurm nodes of 1 task on one host: 2 ranks share it
+    (["a", "b", "b", "b"], 0, 1),
+])
+def test_cpu_threads_share_the_hosts_cpus_among_its_ranks(hostnames, rank, ranks_on_its_host):
+    usable = len(os.sched_getaffinity(0))
+    assert cpu_threads(hostnames, rank) == max(1, usable // ranks_on_its_host)

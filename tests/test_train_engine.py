@@ -1,6 +1,6 @@
 """The training engine on 4 real CPU processes over gloo: every layout of the issue trains the
 same model on the same data, gives the same losses as plain data parallelism (fp32), and its
-loss falls over 20 steps; the collectives and messages each rank issues in a step are exactly
+loss falls over its 10 steps; the collectives and messages each rank issues in a step are exactly
 the workload model's list (orchestrator/workload/comm.py), in fp32 and under bf16 autocast; and
 every live tensor byte of a step, counted, is the workload model's memory (workload/memory.py:
 states to the byte, the peak within 5%). One launch for all layouts (a launch costs seconds)."""
@@ -14,8 +14,9 @@ import torch.distributed as dist
 from conftest import spawn_ranks
 
 WORLD_SIZE = 4
-STEPS = 20
-SAME_STEPS = 10  # steps over which every layout must give dp4's losses
+STEPS = 10  # each layout trains this many steps, every one of them equal to dp4's
+PEAK_LR = 5e-3
+LOSS_DROP = 0.5  # the mean of the last 5 losses under the first by this much (0.95 seen)
 GBS = 4
 # (pp, tp, extra ParallelLayout fields): dp4, tp2*dp2, pp2*dp2, pp2*tp2, pp4 1F1B, pp2 v2
 # interleaved, ZeRO 1/2/3 (FSDP2, also under a pipeline and with TP), each recompute mode,
@@ -148,7 +149,7 @@ def _worker(rank: int, out: dict) -> None:
         per_rank = GBS // layout.dp
         losses = []
         for step in range(STEPS):
-            lr = lr_at(step, 3e-3, 3, STEPS)
+            lr = lr_at(step, PEAK_LR, 3, STEPS)
             if step == RECORDED_STEP:
                 stats, out[f"comms fp32 {layout.describe()} rank {rank}"] = _record_step(
                     engine, data, layout, step, lr)
@@ -191,11 +192,11 @@ def test_every_layout_trains(losses_by_layout):
 
 
 @pytest.mark.parametrize("index", range(len(LAYOUTS)))
-def test_loss_falls_over_20_steps(losses_by_layout, index):
+def test_loss_falls_over_its_steps(losses_by_layout, index):
     describe = _layout(*LAYOUTS[index]).describe()
     losses = losses_by_layout[describe]
     first, last = losses[0], sum(losses[-5:]) / 5
-    assert last < first - 1.0, f"{describe}: loss {first:.3f} -> {last:.3f}"
+    assert last < first - LOSS_DROP, f"{describe}: loss {first:.3f} -> {last:.3f}"
 
 
 @pytest.mark.parametrize("index", range(1, len(LAYOUTS)))
@@ -203,8 +204,8 @@ def test_same_losses_as_data_parallel(losses_by_layout, index):
     """fp32, same seed, same data: the split changes where the arithmetic runs, not its result."""
     reference = losses_by_layout[_layout(*LAYOUTS[0]).describe()]
     describe = _layout(*LAYOUTS[index]).describe()
-    for step, (want, got) in enumerate(zip(reference[:SAME_STEPS],
-                                           losses_by_layout[describe][:SAME_STEPS])):
+    assert len(reference) == len(losses_by_layout[describe]) == STEPS
+    for step, (want, got) in enumerate(zip(reference, losses_by_layout[describe])):
         assert abs(got - want) <= 1e-4 * abs(want), f"{describe} step {step + 1}: {got} != {want}"
 
 

@@ -1,8 +1,11 @@
-"""stage=train on the dev Slurm cluster (2 fake nodes x 2 tasks, gloo) through submitit: a run
-cancelled with scancel resumes the same loss trajectory, a run longer than its 1-minute time
-limit is signalled, requeued and finishes by itself, and a PP sweep compares its points.
+"""stage=train on the dev Slurm cluster (2 fake nodes, gloo) through submitit: a run cancelled
+with scancel resumes the same loss trajectory, a run longer than its 1-minute time limit is
+signalled, requeued and finishes by itself, and a PP sweep compares its points.
 
-Explicit layouts (train.pp, train.tp) need no profiles; seq_len 64 keeps the steps short.
+Explicit layouts (train.pp, train.tp) need no profiles; seq_len 64 keeps the steps short. One
+task per node (2 ranks, one on each node) but for the time-limit run: every rank a job starts
+costs ~3 CPU-s before its first step (torch), and the suite shares 2 cores; TP and 4-rank
+layouts train locally (test_train_cli.py, test_train_engine.py).
 """
 from __future__ import annotations
 
@@ -16,9 +19,10 @@ import pytest
 from conftest import ledger, run_cli, start_cli
 from test_slurm import SLURM, _follow_requeues, _job_runs, wait_for
 
-TRAIN = ["stage=train", "model=tiny", "train.seq_len=64", "train.plot=false"]
+TRAIN = ["stage=train", "model=tiny", "train.seq_len=64", "train.plot=false",
+         "cluster.tasks_per_node=1"]
 KEY = "train/tiny"
-RUN_S = 480  # one 24-step pp2 x tp2 Slurm run, on a loaded machine
+RUN_S = 480  # one 24-step pp2 Slurm run, on a loaded machine
 
 
 def _summaries(profiles) -> dict:
@@ -62,9 +66,10 @@ SIGNALLED = r"^warning: SIGUSR2: checkpoint at step (\d+) written; stopping"
 
 @pytest.mark.timeout(1200)  # three Slurm train jobs, one after the other
 def test_scancel_then_rerun_continues_the_same_loss_trajectory(slurm_cluster, tmp_path):
-    """pp2 x tp2: cancelled once a checkpoint past step 8 exists; the rerun of the same command
-    resumes from the last checkpoint and every step's loss is that of an uninterrupted run."""
-    args = [*TRAIN, *SLURM, "train.pp=2", "train.tp=2", "train.steps=24",
+    """pp2 over 2 nodes: cancelled once a checkpoint past step 8 exists; the rerun of the same
+    command resumes from the last checkpoint and every step's loss is that of an uninterrupted
+    run."""
+    args = [*TRAIN, *SLURM, "train.pp=2", "train.tp=1", "train.steps=24",
             "train.checkpoint_every=4"]
     reference, profiles = tmp_path / "reference", tmp_path / "profiles"
     run_cli(*args, profiles_dir=reference, check=0, timeout=RUN_S)
@@ -107,11 +112,15 @@ def test_time_limit_signal_checkpoints_requeues_and_finishes(slurm_cluster, prof
 
     Slurm checks time limits every 30 s and signals at the first check with at most
     signal_delay_s + 30 s left: with 5 s, 25 to 55 s into a run (20 s would leave 10 to 40 s,
-    about the start-up of 4 ranks here). 300 steps at seq 256 take about 75 s alone on an idle
-    machine (more under load): the first run cannot finish them.
+    about the start-up of the ranks here). 360 steps at seq 256 take about 62 s and a 6 s start
+    on an idle machine (0.17 s a step; more under load): the first run cannot finish them.
     """
-    steps = 300
-    at_256 = [a if not a.startswith("train.seq_len=") else "train.seq_len=256" for a in TRAIN]
+    steps = 360
+    # 2 tasks per node (4 ranks): the CPU a run burns until its limit is the same with 2 ranks,
+    # which train a step faster (0.15 s) and would need ~450 steps to outlast the window.
+    at_256 = ["train.seq_len=256" if a.startswith("train.seq_len=") else
+              "cluster.tasks_per_node=2" if a.startswith("cluster.tasks_per_node=") else a
+              for a in TRAIN]
     proc = start_cli(*at_256, *SLURM, "train.pp=1", "train.tp=1", f"train.steps={steps}",
                      "train.checkpoint_every=100",
                      "cluster.time_min=1", "cluster.signal_delay_s=5", profiles_dir=profiles)
@@ -120,7 +129,7 @@ def test_time_limit_signal_checkpoints_requeues_and_finishes(slurm_cluster, prof
                            what="the job id in the ledger")
         # Once a run has checkpointed on the signal, the job gets 10 minutes: the resumed run
         # finishes even when a loaded machine trains 10 steps in a 1-minute run (each requeued
-        # run would spend most of its minute starting 4 ranks: a dozen requeues for 300 steps).
+        # run would spend most of its minute starting its ranks: a dozen requeues for 300 steps).
         at_requeue = _follow_requeues(proc, job_id, lambda: ledger(profiles, "dev")[KEY],
                                       release_after_s=5,  # the ledger entry at each requeue
                                       extend_when=lambda: _signal_checkpoints(profiles))
@@ -148,7 +157,7 @@ def test_time_limit_signal_checkpoints_requeues_and_finishes(slurm_cluster, prof
     assert 1 <= len(signalled) <= len(at_requeue), summary["notes"]
     assert 0 < signalled[0] < steps
     resumed = _noted_steps(summary["notes"], RESUMED)
-    assert signalled[0] in resumed and set(resumed) <= set(signalled) | {100, 200}, resumed
+    assert signalled[0] in resumed and set(resumed) <= set(signalled) | {100, 200, 300}, resumed
 
 
 def test_pp_sweep_writes_a_summary_per_point_and_one_table(slurm_cluster, profiles):
@@ -163,7 +172,7 @@ def test_pp_sweep_writes_a_summary_per_point_and_one_table(slurm_cluster, profil
         (name,) = [n for n in summaries if n.endswith(f"@pp={pp}.json")]
         summary = summaries[name]
         layout = summary["layout"]
-        assert (layout["pp"], layout["tp"], layout["dp"]) == (pp, 1, 4 // pp)
+        assert (layout["pp"], layout["tp"], layout["dp"]) == (pp, 1, 2 // pp)
         assert len(_losses(summary)) == 5 and summary["measured"]["iteration_ms"] > 0
         entry = ledger(profiles, "dev")[f"{KEY}@pp={pp}"]
         assert entry["state"] == "done" and entry["job_id"] == summary["provenance"]["job_id"]

@@ -63,6 +63,14 @@ def check_world_size(mpi_size: int, expected: int) -> None:
                       f"(cluster.nodes * cluster.tasks_per_node)")
 
 
+def cpu_threads(hostnames: list, rank: int) -> int:
+    """Intra-op threads for a CPU rank: the CPUs it may run on, shared by every rank of its
+    host. Oversubscribed threads slow everything down (2 ranks x 2 threads on 2 cores made a
+    step 3x slower); ranks of fake Slurm nodes share one host, so count hosts, not nodes."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (usable or 1) // hostnames.count(hostnames[rank]))
+
+
 def _master_addr(hostnames: list) -> str:
     """Where rank 0's rendezvous listens, reachable from every rank.
 
@@ -133,7 +141,7 @@ def bootstrap(world_size: int, backend: str = "gloo", torch_distributed: bool = 
                    node_name=node_names[rank], node_of_rank=node_of_rank, hostnames=hostnames,
                    job_id=job_id or _job_id(), comm=comm)
     if not torch_distributed:
-        return RankContext(backend="none", device=None, **context)
+        return RankContext(backend="none", device_spec=None, **context)
 
     import torch
     import torch.distributed as dist
@@ -151,11 +159,10 @@ def bootstrap(world_size: int, backend: str = "gloo", torch_distributed: bool = 
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        # Ranks share the node's cores; oversubscribed intra-op threads slow everything down.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+        torch.set_num_threads(cpu_threads(hostnames, rank))
     dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                             timeout=RENDEZVOUS_TIMEOUT)
-    return RankContext(backend=backend, device=device, **context)
+    return RankContext(backend=backend, device_spec=device, **context)
 
 
 def watch_parent() -> None:
@@ -288,11 +295,9 @@ def run_rank(request: StageRequest):
 
 def run_inprocess(request: StageRequest):
     """Run a single-rank stage here, without MPI or torch.distributed (e.g. search)."""
-    import torch
-
     _setup_logging(request, 0)
     ctx = RankContext(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0,
                       num_nodes=1, node_name=_node_name(), node_of_rank=[0],
                       hostnames=[socket.gethostname()], backend="none",
-                      device=torch.device("cpu"), job_id=_job_id())
+                      device_spec="cpu", job_id=_job_id())
     return _run_stage(request, ctx)

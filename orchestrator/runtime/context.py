@@ -36,9 +36,19 @@ class RankContext:
     node_of_rank: List[int]  # node_rank of every global rank (intra/inter-node decisions)
     hostnames: List[str]  # the host of every global rank (provenance, rendezvous)
     backend: str  # gloo | nccl | none (a single in-process rank without torch.distributed)
-    device: Any  # torch.device
+    # torch.device, or a name ("cpu") made one on first read: an in-process stage (search, an
+    # analytic profile) that never reads it does not import torch (1.6 s of every CLI call).
+    device_spec: Any
     job_id: Optional[str] = None
     comm: Any = field(default=None, repr=False)  # mpi4py COMM_WORLD, None in-process
+
+    @property
+    def device(self):
+        if isinstance(self.device_spec, str):
+            import torch
+
+            self.device_spec = torch.device(self.device_spec)
+        return self.device_spec
 
     @property
     def is_root(self) -> bool:

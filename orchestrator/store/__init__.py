@@ -161,27 +161,41 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 
 def library_versions() -> dict:
-    """Versions that change what a measurement means: python, torch, NCCL, MPI."""
+    """Versions that change what a measurement means: python, torch, NCCL, MPI.
+
+    A process that has not imported torch or initialised MPI (the CLI running search or an
+    analytic profile) reads the installed versions instead: importing torch to read its version
+    costs 1.6 s, and MPI reports its library only once initialised."""
     versions = {"python": platform.python_version()}
-    try:
+    if "torch" in sys.modules:
         import torch
 
         versions["torch"] = torch.__version__
         if torch.cuda.is_available():
             versions["cuda"] = torch.version.cuda
             versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-    except ImportError:
-        pass
-    try:
+    else:
+        versions.update(_installed("torch"))
+    if "mpi4py.MPI" in sys.modules:
         from mpi4py import MPI
         import mpi4py
 
         versions["mpi4py"] = mpi4py.__version__
         # Open MPI ends its version string with a NUL
         versions["mpi"] = MPI.Get_library_version().replace("\0", "").strip().splitlines()[0]
-    except ImportError:
-        pass
+    else:
+        versions.update(_installed("mpi4py"))
     return versions
+
+
+def _installed(package: str) -> dict:
+    """{package: its installed version}, or {} when it is not installed."""
+    from importlib import metadata
+
+    try:
+        return {package: metadata.version(package)}
+    except metadata.PackageNotFoundError:
+        return {}
 
 
 def provenance(config: Mapping, config_hash_: str, *, job_id: Optional[str], hosts: list,
