@@ -105,6 +105,23 @@ class OpRecorder(TorchDispatchMode):
         self.tracker = tracker
         self._ranks_of: Dict[str, Sequence[int]] = dict(group_ranks or {})
         self._groups: Dict[str, Dict[str, object]] = {}  # group name -> its record fields
+        # Storages of the weights and of copies made from them (autocast's casts), by address;
+        # held, so that a freed one's address is not reused by an activation (on the meta
+        # device a storage costs nothing).
+        self._weights: Dict[int, object] = {}
+
+    def watch_weights(self, tensors) -> None:
+        """Mark `tensors` (parameters, or their local shards) as weights: a compute record
+        that reads one (or a copy of one) then says `reads_weight: True`. That is how an
+        input gradient (x' = y' W reads the weight) is told from a weight gradient (W' = y'^T x
+        makes one), whatever the shapes: with tokens == hidden both have a weight's shape."""
+        for t in tensors:
+            storage = t.untyped_storage()
+            self._weights[storage._cdata] = storage
+
+    def _reads_weight(self, tensors) -> bool:
+        return bool(self._weights) and any(
+            t.untyped_storage()._cdata in self._weights for t in tensors)
 
     # ----------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -151,14 +168,19 @@ class OpRecorder(TorchDispatchMode):
         flop_fn = flop_registry.get(func.overloadpacket)
         flops = int(flop_fn(*args, **kwargs, out_val=out)) if flop_fn else 0
         first = (ins or outs or [None])[0]
-        self._stamp({
+        record = {
             "kind": "compute", "op": name,
             "shapes": [list(t.shape) for t in ins],
             "out_shapes": [list(t.shape) for t in outs],
             "dtype": DTYPE_NAMES.get(first.dtype, str(first.dtype)) if first is not None else "",
             "flops": flops,
             "bytes": sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs),
-        })
+        }
+        if self._reads_weight(ins):
+            record["reads_weight"] = True
+            if name == "aten._to_copy":  # autocast's copy of a weight is a weight too
+                self.watch_weights(outs)
+        self._stamp(record)
 
     # ----------------------------------------------------------------- communication
     def _ranks(self, group_name: str) -> Sequence[int]:

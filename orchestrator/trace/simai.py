@@ -4,13 +4,19 @@ Format (learned from the public AICB and SimAI sources, not copied):
 - Line 1: `HYBRID_TRANSFORMER_FWD_IN_BCKWD model_parallel_NPU_group: <tp> ep: <ep> pp: <pp>
   vpp: <n> ga: <micro-batches> all_gpus: <ws> checkpoints: 0 checkpoint_initiates: 0
   pp_comm: <bytes>` (aliyun/aicb workload_generator/SimAI_training_workload_generator.py,
-  SIMAI_workload.dump_file; AICB writes the model's layer count after `vpp:`, we do the same).
-  SimAI reads the tokens after each `key:` (aliyun/SimAI astra-sim-alibabacloud/astra-sim/
-  workload/Workload.cc, Workload::initialize_workload) and warns when pp > 1 and pp_comm is 0.
+  SIMAI_workload.dump_file). SimAI reads the tokens after each `key:` (aliyun/SimAI
+  astra-sim-alibabacloud/astra-sim/workload/Workload.cc, Workload::initialize_workload) and warns
+  when pp > 1 and pp_comm is 0. It walks the item list once: AICB writes every micro-batch's
+  items (a loop over ga), and SimAI's analytical report adds a pipeline bubble of
+  (pp - 1) / (ga * vpp) times the items' summed time (Layer.cc, pre_bubble_time), so `vpp:` is
+  the number of model chunks per stage (1 for 1F1B, v interleaved); AICB writes the layers per
+  stage there, which shrinks the bubble by that factor.
 - Line 2: the number of item lines.
 - One tab-separated line per item: name, -1 (dependency placeholder), forward compute, forward
   comm type, forward comm bytes, input-gradient compute, ig comm type, ig bytes, weight-gradient
-  compute, wg comm type, wg bytes, wg update time (AICB's Work_Item field order).
+  compute, wg comm type, wg bytes, wg update time (AICB's Work_Item field order). The
+  analytical build ignores the last column (it only delays a callback of the packet-level
+  simulation), so the optimizer step's time goes in its item's forward compute column.
 - Comm types: ALLREDUCE, ALLGATHER, REDUCESCATTER, ALLTOALL, NONE (+ _EP / _DP_EP suffixes for
   MoE, unused here). Workload.cc maps an un-suffixed type to the TP group in the forward and
   ig columns and to the DP group in the wg column, so the DP gradient collectives go in the wg
@@ -24,7 +30,10 @@ Format (learned from the public AICB and SimAI sources, not copied):
 Items follow AICB's split with sequence parallelism: per block an attention "column" item
 (norm, QKV, attention core: forward all-gather, backward reduce-scatter) and a "row" item (output
 projection: forward reduce-scatter, backward all-gather), the same for the MLP, plus the
-embedding and the final norm + lm_head + loss. Compute times are sums of the records' time_us.
+embedding and the final norm + lm_head + loss, for every micro-batch. Compute times are sums of
+the records' time_us; a backward op is weight-gradient compute when it makes a weight's gradient
+(an mm that reads no weight and gives a weight's shape, the embedding's dense backward) and
+input-gradient compute otherwise (the recorder marks the ops that read a weight).
 """
 from __future__ import annotations
 
@@ -61,7 +70,6 @@ class _Item:
     fwd: _Pass = field(default_factory=_Pass)
     ig: _Pass = field(default_factory=_Pass)
     wg: _Pass = field(default_factory=_Pass)
-    update_us: float = 0.0
 
 
 def _item_name(module: str) -> Optional[str]:
@@ -105,11 +113,12 @@ def _weight_shapes(forward: List[dict]) -> Dict[str, set]:
 
 
 def _is_weight_grad(record: dict, item: str, weights: Dict[str, set]) -> bool:
-    """A backward op producing a weight's gradient: an mm whose output is one of the item's
-    weight shapes (or the embedding's dense backward); everything else is input gradient."""
+    """A backward op producing a weight's gradient: an mm that reads no weight (an input
+    gradient reads one) and gives one of the item's weight shapes, or the embedding's dense
+    backward; everything else is input gradient."""
     if record["op"] in _WEIGHT_GRAD_OPS:
         return True
-    if record["op"] != "aten.mm" or not record.get("out_shapes"):
+    if record["op"] != "aten.mm" or not record.get("out_shapes") or record.get("reads_weight"):
         return False
     return tuple(record["out_shapes"][0]) in weights.get(item, ())
 
@@ -137,9 +146,9 @@ def _stream_items(stream: List[dict], backward: bool) -> List[Tuple[str, dict]]:
     return [(name or first, r) for name, r in zip(owner, stream)]
 
 
-def _chunk_items(records: List[dict], chunk: int) -> List[_Item]:
-    """The items of one model chunk from its micro-batch 0, in forward order."""
-    mine = [r for r in records if r.get("chunk") == chunk and r.get("mb") == 0]
+def _chunk_items(records: List[dict], chunk: int, mb: int) -> List[_Item]:
+    """The items of one model chunk for micro-batch `mb`, in forward order."""
+    mine = [r for r in records if r.get("chunk") == chunk and r.get("mb") == mb]
     forward = [r for r in mine if r["phase"] in ("F", "loss")]
     backward = [r for r in mine if r["phase"] == "B"]
     weights = _weight_shapes(forward)
@@ -186,7 +195,7 @@ def _end_items(records: List[dict]) -> Tuple[List[_Item], List[_Item]]:
             # AICB writes the grad-norm all-reduce as a forward ALLREDUCE (optimizer1..4 items).
             optimizer.fwd.add_comm(_comm_type(r), int(r["bytes"]))
         elif r["phase"] == "optimizer" and r["kind"] == "compute":
-            optimizer.update_us += _time_us(r)
+            optimizer.fwd.time_us += _time_us(r)  # SimAI's analytical mode reads no update
     before = [i for i in (norm_item, reduce_item, gather_item)
               if i.ig.comm or i.wg.comm or i.wg.time_us]
     return before, [optimizer]
@@ -208,7 +217,7 @@ def _lines(item: _Item) -> List[str]:
             comm_type, n_bytes = c[k] if k < len(c) else ("NONE", 0)
             cols += [str(_ns(p.time_us) if k == 0 else 0), comm_type,
                      str(n_bytes if comm_type != "NONE" else 0)]
-        cols.append(str(_ns(item.update_us) if k == 0 else 0))
+        cols.append("0")  # the update-time column: the optimizer's time is compute
         rows.append("\t".join(cols))
     return rows
 
@@ -225,11 +234,16 @@ def simai_workload(records: List[dict], spec, model_name: str) -> str:
     del model_name
     lay = spec.layout
     chunks = sorted({r["chunk"] for r in records if r.get("chunk") is not None})
+    micro_batches = sorted({r["mb"] for r in records if r.get("mb") is not None})
+    if len(micro_batches) != lay.num_micro_batches:
+        raise ValueError(f"the records hold micro-batches {micro_batches}, the layout "
+                         f"{lay.num_micro_batches}: SimAI needs every micro-batch's items")
     before, after = _end_items(records)
-    items = before + [i for c in chunks for i in _chunk_items(records, c)] + after
+    items = before + [i for mb in micro_batches for c in chunks
+                      for i in _chunk_items(records, c, mb)] + after
     rows = [row for item in items for row in _lines(item)]
     header = (f"{HEADER_KIND} model_parallel_NPU_group: {lay.tp} ep: 1 pp: {lay.pp} "
-              f"vpp: {sum(lay.layers_per_stage)} ga: {lay.num_micro_batches} "
+              f"vpp: {lay.virtual_stages} ga: {lay.num_micro_batches} "
               f"all_gpus: {lay.world_size} checkpoints: 0 checkpoint_initiates: 0 "
               f"pp_comm: {_pp_comm_bytes(records) if lay.pp > 1 else 0}")
     return "\n".join([header, str(len(rows))] + rows) + "\n"

@@ -382,6 +382,7 @@ class _RankTracer:
 
     def run(self, replay: bool = True) -> List[dict]:
         from torch.distributed.tensor.parallel import loss_parallel
+        from torch.distributed.tensor import DTensor
         from torch.utils.module_tracker import ModuleTracker
 
         from orchestrator.models.gpt import token_loss_sum
@@ -405,6 +406,8 @@ class _RankTracer:
             rank_groups.groups[dim].group_name: ranks
             for dim, ranks in rank_groups.ranks.items()})
         recorder.records = self.records
+        recorder.watch_weights(p.to_local() if isinstance(p, DTensor) else p
+                               for c in chunks for p in c.parameters())
 
         def tokens():
             return torch.zeros((mbs, seq), dtype=torch.int64, device=META)

@@ -1,0 +1,141 @@
+"""What SimAI makes of our trace export, next to our own priced iteration.
+
+  python bench/simai_iteration.py --simai /path/to/SimAI      # its repo root, built (below)
+  python bench/simai_iteration.py --simai ... --keep /tmp/sim --pp 2 --tp 4 --gbs 32
+
+In a scratch folder (analytic profiles, nothing measured): the dgx_h100 hardware profile and
+llama2_7b's model profile, then `stage=trace trace.export=simai` of WS 64 PP 2 TP 4 SP, GBS 32,
+seq 4096 (issue 22's configuration), then SimAI's analytical simulator on each stage's file.
+Prints per stage what SimAI reports (total compute, exposed TP / DP / PP communication, bubble,
+total) next to the trace's own compute sum for that rank, and the planner's iteration for the
+same layout (`search.engine=megatron`, the flavour trace records). Asserts nothing.
+
+SimAI: aliyun/SimAI at f5efb5a9 (its 1.6 release), analytical build:
+  git clone https://github.com/aliyun/SimAI && cd SimAI && git checkout f5efb5a9
+  cd astra-sim-alibabacloud/build/simai_analytical && mkdir -p build && cd build
+  cmake -DUSE_ANALYTICAL=TRUE .. && make -j2     # bin: ./simai_analytical/SimAI_analytical
+(scripts/build.sh -c analytical does the same and links bin/SimAI_analytical.)
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parent.parent
+SITE = ["cluster=dgx_h100", "model=llama2_7b"]
+
+
+def cli(args, cwd: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"python -m orchestrator {' '.join(args)} exited {proc.returncode}:\n"
+                 f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+
+
+def find_binary(simai: Path) -> Path:
+    for candidate in ("bin/SimAI_analytical",
+                      "astra-sim-alibabacloud/build/simai_analytical/build/simai_analytical/"
+                      "SimAI_analytical"):
+        if (simai / candidate).is_file():
+            return simai / candidate
+    sys.exit(f"no SimAI_analytical under {simai}: build it first (see this script's doc)")
+
+
+def run_simai(binary: Path, simai: Path, workload: Path, gpus: int, links) -> dict:
+    """SimAI's EndToEnd summary row for one workload file, as {column: value in us}."""
+    results = simai / "results"
+    results.mkdir(exist_ok=True)  # SimAI writes ./results/<prefix>EndToEnd.csv, cwd-relative
+    prefix = f"orchestrator-{workload.stem}-"
+    cmd = [str(binary), "-w", str(workload), "-g", str(gpus), "-g_p_s", "8",
+           "-nv", str(links["intra_busbw_GBps"]), "-nic", str(links["nic_Gbps"] / 8),
+           "-n_p_s", str(links["nics_per_node"]), "-g_type", "H100", "-r", prefix]
+    proc = subprocess.run(cmd, cwd=simai, capture_output=True, text=True, timeout=600)
+    out = results / f"{prefix}EndToEnd.csv"
+    if proc.returncode != 0 or not out.exists():
+        sys.exit(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-2000:]}"
+                 f"{proc.stderr[-2000:]}")
+    header, values = list(csv.reader(out.open()))[:2]
+    # Each value is "<number> (<share>%)" but the file name; SimAI reports us (ticks / 1000).
+    return {h.strip(): float(v.split("(")[0]) for h, v in zip(header[1:], values[1:])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--simai", type=Path, required=True, help="the built SimAI repo root")
+    parser.add_argument("--keep", type=Path, help="scratch folder to keep (default: a temp one)")
+    parser.add_argument("--world-size", type=int, default=64)
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=4)
+    parser.add_argument("--gbs", type=int, default=32)
+    parser.add_argument("--seq", type=int, default=4096)
+    args = parser.parse_args()
+    binary = find_binary(args.simai)
+    scratch = args.keep or Path(tempfile.mkdtemp(prefix="simai_iteration_"))
+    scratch.mkdir(parents=True, exist_ok=True)
+    profiles = scratch / "profiles"
+    common = [*SITE, f"profiles_dir={profiles}"]
+    cli(["stage=profile_hardware", "profile_hardware.source=analytic", *common], scratch)
+    cli(["stage=profile_model", "profile_model.source=analytic", "profile_model.plot=false",
+         *common], scratch)
+    cli(["stage=trace", f"trace.world_size={args.world_size}", f"trace.pp={args.pp}",
+         f"trace.tp={args.tp}", f"trace.global_batch_size={args.gbs}",
+         f"trace.seq_len={args.seq}", "trace.export=simai", *common], scratch)
+    (folder,) = (profiles / "dgx_h100" / "trace").glob(
+        f"SIM_llama2_7b_*_WS{args.world_size}_PP{args.pp}_TP{args.tp}_*")
+    summary = json.loads((folder / "summary.json").read_text())
+
+    sys.path.insert(0, str(REPO))
+    from orchestrator.layout import ParallelLayout
+    from orchestrator.planner import CostOptions, HardwareModel, ModelCost, evaluate
+    from orchestrator.store import read_profile
+    from orchestrator.store.schema import HardwareProfile, ModelProfile
+
+    hw = read_profile(profiles / "dgx_h100" / "hardware.json", HardwareProfile, "")
+    mp = read_profile(profiles / "dgx_h100" / "model" / "llama2_7b.json", ModelProfile, "")
+    raw = json.loads((profiles / "dgx_h100" / "hardware.json").read_text())
+    links = raw["provenance"]["config"]["cluster"]["links"]
+    layout = ParallelLayout.from_dict(summary["layout"])
+    ours = evaluate(layout, ModelCost.from_profile(mp), HardwareModel.from_profile(hw),
+                    seq_len=args.seq, options=CostOptions(engine="megatron", dtype="bf16",
+                                                         device="cuda"))
+
+    table = Table(title=f"llama2_7b {layout.describe()} seq {args.seq}: SimAI (analytical) "
+                        f"vs the trace and the planner, ms")
+    for column in ("stage", "SimAI total comp", "trace compute", "SimAI exposed TP",
+                   "SimAI exposed DP", "SimAI exposed PP", "SimAI bubble", "SimAI total",
+                   "planner stage", "planner iteration"):
+        table.add_column(column, justify="right")
+    for stage in range(layout.pp):
+        workload = next(folder.glob(f"*-stage{stage}.txt"))
+        simai = run_simai(binary, args.simai, workload, layout.world_size, links)
+        rank = stage * layout.tp * layout.dp
+        records = [json.loads(line) for line in (folder / f"fake_rank_{rank}.jsonl").open()]
+        compute_us = sum(r.get("time_us", 0.0) for r in records if r["kind"] == "compute")
+        table.add_row(str(stage), f"{simai['total comp'] / 1e3:.1f}", f"{compute_us / 1e3:.1f}",
+                      f"{simai['Expose TP comm'] / 1e3:.1f}",
+                      f"{simai['Expose DP comm'] / 1e3:.1f}",
+                      f"{simai['Expose_PP_comm'] / 1e3:.1f}", f"{simai['bubble time'] / 1e3:.1f}",
+                      f"{simai['Total time'] / 1e3:.1f}",
+                      f"{ours.stage_time_us[stage] * layout.num_micro_batches / 1e3:.1f}",
+                      f"{ours.iteration_time_us / 1e3:.1f}")
+    Console(width=200).print(table)
+    print("planner breakdown (ms): " + ", ".join(f"{k} {v / 1e3:.1f}" for k, v in ours.breakdown_us.items()))
+    print(f"files: {folder}")
+    if args.keep is None:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
