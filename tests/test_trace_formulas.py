@@ -1,10 +1,13 @@
 """The traced messages against Megatron's formulas, hand-computed from the model config
 (issue 13, "Cross-checks"): TP all-gather / reduce-scatter s*b*h*bytes per sub-layer with SP,
 p2p activations s*b*h*bytes / (TP if SP), data-parallel gradients = the stage's parameter
-bytes / TP in fp32, and the number of messages of the pipeline schedule.
+bytes / TP in fp32, and the number of messages of the pipeline schedule; and every message of
+every case against the workload model's list (workload/comm.py, engine "megatron"): the one
+definition the trace is checked against.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from functools import lru_cache
 from typing import List
@@ -20,7 +23,7 @@ TINY = ModelConfig(name="tiny", hidden=128, ffn=384, layers=8, heads=4, kv_heads
 BF16_BYTES, FP32_BYTES = 2, 4
 SEQ, MBS, GBS = 256, 1, 16
 
-# name -> ([ws, pp, tp], sequence_parallel, zero, schedule)
+# name -> ([ws, pp, tp], sequence_parallel, zero, schedule[, other TraceSettings fields])
 CASES = {
     "sp_zero0": ([16, 2, 2], True, 0, "1f1b"),
     "sp_zero1": ([16, 2, 2], True, 1, "1f1b"),
@@ -29,16 +32,20 @@ CASES = {
     # DP 3: 4 buckets whose sizes are not all multiples of 3, so padding shows.
     "sp_zero1_dp3": ([12, 2, 2], True, 1, "1f1b"),
     "sp_interleaved": ([32, 4, 2], True, 1, "interleaved"),
+    "sp_full_recompute": ([16, 2, 2], True, 1, "1f1b", {"recompute": "full"}),
+    "no_sp_selective": ([16, 2, 2], False, 0, "1f1b", {"recompute": "selective"}),
+    "sp_zero2_uneven": ([16, 2, 2], True, 2, "1f1b", {"layers_per_stage": (6, 2)}),
+    "pp2_no_tp": ([8, 2, 1], False, 1, "1f1b"),
 }
 
 
 @lru_cache(maxsize=None)
 def traced(case: str):
     """(spec, {representative rank: records}) of one case, traced once per session."""
-    config, sp, zero, schedule = CASES[case]
+    config, sp, zero, schedule, *other = CASES[case]
     settings = TraceSettings(global_batch_size=GBS if config[0] != 12 else 12,
                              micro_batch_size=MBS, seq_len=SEQ, sequence_parallel=sp,
-                             schedule=schedule, zero=zero)
+                             schedule=schedule, zero=zero, **(other[0] if other else {}))
     specs, skipped = plan_configs([config], settings, TINY)
     assert not skipped, skipped
     spec = specs[0]
@@ -228,3 +235,33 @@ def test_dp3_buckets_are_padded():
     buckets = [r for r in records if r["phase"] == "dp" and r.get("group") == "dp"]
     assert sum(r["bytes"] for r in buckets) > FP32_BYTES * 427_136
     assert all(r["bytes"] // FP32_BYTES % 3 == 0 for r in buckets)
+
+
+# ------------------------------------------------------------------ the workload model
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_message_is_the_workload_models(case):
+    """Op, group, bytes, dtype and count of every collective and p2p message of each traced
+    rank equal orchestrator/workload's list for engine "megatron" (bf16)."""
+    from orchestrator.workload.comm import rank_comms
+
+    spec, by_rank = traced(case)
+    layout = spec.layout
+    model = dataclasses.replace(TINY, seq_len=SEQ)
+    for rank, records in by_rank.items():
+        pp_ranks = layout.group_ranks("pp", rank)
+        me = pp_ranks.index(rank)
+        seen, predicted = Counter(), Counter()
+        for r in records:
+            if r["kind"] == "coll":
+                seen[r["op"], r["group"], r["bytes"], r["dtype"]] += 1
+            elif r["kind"] == "p2p":
+                seen[r["op"], r["peer"], r["bytes"], r["dtype"]] += 1
+        for c in rank_comms(model, layout, rank, engine="megatron", dtype="bf16"):
+            if c.op in ("send", "recv"):
+                peer = pp_ranks[(me + (1 if c.peer == "next" else -1)) % layout.pp]
+                predicted[c.op, peer, c.bytes, c.dtype] += c.count
+            else:
+                predicted[c.op, c.group, c.bytes, c.dtype] += c.count
+        assert seen == predicted, (
+            f"{case} rank {rank}:\n traced only {sorted((seen - predicted).items())}\n"
+            f" predicted only {sorted((predicted - seen).items())}")

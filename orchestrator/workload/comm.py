@@ -6,6 +6,15 @@ iteration (the first one also sends shape metadata between pipeline stages), for
 real engine. Sizes follow the recorder's convention (trace/recorder.py): an all-gather counts
 its gathered output, every other op its input.
 
+Engine "megatron" is what `stage=trace` records of a Megatron-style rank (trace/tracer.py),
+checked against it: parameters and the residual stream in the compute dtype (bf16, fp32 main
+gradients), and Megatron's vocab-parallel loss: per micro-batch 3 fp32 all-reduces over TP of
+one value per token (the logits' max, the sum of their exponentials, the target's logit) instead
+of the all-gather of the logits; no loss all-reduce at the step. Its TP runs DTensor's
+collectives as the orchestrator engine does: Megatron-LM proper all-gathers the SP input again in
+the backward for the weight gradient (the planner's megatron TP terms price that, workload/tp.py;
+the trace does not show it).
+
 Tensor parallelism (DTensor, models/parallelize.py), per layer and micro-batch:
 - with sequence parallelism: forward 2 all-gathers (the norm outputs, the residual dtype) and 2
   reduce-scatters (attention and MLP outputs, the compute dtype); backward the reverse of each
@@ -54,6 +63,8 @@ from orchestrator.workload.params import rank_chunks, virtual_stage_ranges
 from orchestrator.workload.tp import tp_counts
 
 RESIDUAL = Dtype.fp32  # the engine keeps fp32 parameters and residual stream (autocast)
+ENGINES = ("orchestrator", "megatron")
+VOCAB_PARALLEL_LOSS_REDUCES = 3  # max, sum of exponentials, target logit: fp32, one per token
 
 
 @dataclass(frozen=True)
@@ -80,18 +91,21 @@ def rank_comms(model: ModelConfig, layout: ParallelLayout, rank: int,
     """Every message `rank` issues in one iteration of `layout` training `model` with the
     given compute dtype and gradient buckets of `bucket_MiB` (train's OptimSettings); see the
     module docstring."""
-    if engine != "orchestrator":
-        raise ValueError(f"engine={engine!r}: the per-rank message list describes the "
-                         f"orchestrator engine only (workload.tp prices megatron's TP)")
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r}: the per-rank message list describes "
+                         f"{' and '.join(ENGINES)}")
     compute = Dtype.parse(dtype)
+    megatron = engine == "megatron"
+    residual = compute if megatron else RESIDUAL
     out: List[Comm] = []
-    out += _tp_comms(model, layout, rank, compute)
-    out += _pp_comms(model, layout, rank)
+    out += _tp_comms(model, layout, rank, compute, residual, vocab_parallel_loss=megatron)
+    out += _pp_comms(model, layout, rank, residual)
     out += _dp_comms(model, layout, rank, bucket_MiB)
     if layout.world_size > 1:
         if not (layout.pp * layout.tp == 1 and layout.zero == 0):
             out.append(Comm("all_reduce", "world", 8, "fp64", "step", 1, "gradient norm"))
-    out.append(Comm("all_reduce", "world", 16, "fp64", "step", 1, "loss and stop flag"))
+    if not megatron:
+        out.append(Comm("all_reduce", "world", 16, "fp64", "step", 1, "loss and stop flag"))
     return [c for c in out if c.count > 0]
 
 
@@ -111,7 +125,8 @@ def _recomputed_blocks(layout: ParallelLayout, rank: int, blocks_in_chunk: int) 
     return min(blocks_in_chunk, k // layout.virtual_stages) if mode == "full" else 0
 
 
-def _tp_comms(model, layout, rank, compute: Dtype) -> List[Comm]:
+def _tp_comms(model, layout, rank, compute: Dtype, residual_dtype: Dtype,
+              vocab_parallel_loss: bool) -> List[Comm]:
     tp, m = layout.tp, layout.num_micro_batches
     if tp == 1:
         return []
@@ -126,9 +141,9 @@ def _tp_comms(model, layout, rank, compute: Dtype) -> List[Comm]:
     counts = tp_counts("orchestrator", layout.sequence_parallel)
     # forward: gathers move norm outputs (residual dtype), reductions matmul outputs (compute
     # dtype); each backward collective moves the gradient of a forward one, in its dtype
-    fwd = {"all_gather": RESIDUAL, "reduce_scatter": compute, "all_reduce": compute}
-    bwd = {"all_gather": compute, "reduce_scatter": RESIDUAL, "all_reduce": RESIDUAL}
-    residual = dict.fromkeys(fwd, RESIDUAL)
+    fwd = {"all_gather": residual_dtype, "reduce_scatter": compute, "all_reduce": compute}
+    bwd = {"all_gather": compute, "reduce_scatter": residual_dtype, "all_reduce": residual_dtype}
+    residual = dict.fromkeys(fwd, residual_dtype)
     out: List[Comm] = []
 
     def add(ops, times, dtypes, phase, what, elements=act):
@@ -145,23 +160,29 @@ def _tp_comms(model, layout, rank, compute: Dtype) -> List[Comm]:
     if last:
         add(counts.head_fwd, m, residual, "fwd", "LM head input")
         add(counts.head_bwd, m, residual, "bwd", "LM head input gradient")
-        add({"all_gather": counts.logits_all_gather}, m, {"all_gather": compute}, "fwd",
-            "logits for the loss", elements=tokens * model.vocab)
+        if vocab_parallel_loss:
+            add({"all_reduce": VOCAB_PARALLEL_LOSS_REDUCES}, m, {"all_reduce": Dtype.fp32},
+                "fwd", "vocab-parallel loss: per-token max, sum, target logit",
+                elements=tokens)
+        else:
+            add({"all_gather": counts.logits_all_gather}, m, {"all_gather": compute}, "fwd",
+                "logits for the loss", elements=tokens * model.vocab)
     if layout.sequence_parallel:
         norms = 2 * layers + (1 if last else 0)
-        out.append(Comm("all_reduce", "tp", model.hidden * RESIDUAL.bytes, RESIDUAL.value,
-                        "bwd", norms, "SP norm weight gradients (partial over TP)"))
+        out.append(Comm("all_reduce", "tp", model.hidden * residual_dtype.bytes,
+                        residual_dtype.value, "bwd", norms,
+                        "SP norm weight gradients (partial over TP)"))
     return out
 
 
-def _pp_comms(model, layout, rank) -> List[Comm]:
+def _pp_comms(model, layout, rank, residual_dtype: Dtype) -> List[Comm]:
     if layout.pp == 1:
         return []
     m = layout.num_micro_batches
-    size = model.seq_len * layout.micro_batch_size * model.hidden * RESIDUAL.bytes
+    size = model.seq_len * layout.micro_batch_size * model.hidden * residual_dtype.bytes
     if layout.sequence_parallel:
         size //= layout.tp
-    rn = RESIDUAL.value
+    rn = residual_dtype.value
     counts: Counter = Counter()
     for _, _, is_first, is_last in _chunk_flags(model, layout, rank):
         if not is_last:
