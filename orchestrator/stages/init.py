@@ -222,7 +222,7 @@ def cluster_yaml(guess: ClusterGuess, written_by: str) -> str:
 # ---------------------------------------------------------------- sheets from conf/
 def gpu_sheets() -> Dict[str, float]:
     """GPU device sheets (the site's and the package's): name -> mem_GiB."""
-    from orchestrator.profiling.model.analytic import device_sheets, load_device_sheet
+    from orchestrator.device import device_sheets, load_device_sheet
 
     sheets = {name: load_device_sheet(name) for name in device_sheets()}
     return {n: float(s["mem_GiB"]) for n, s in sheets.items()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-from orchestrator.choices import Dtype
+from orchestrator.device import op_flops_per_us
 
 
 class ComputePricer:
@@ -34,13 +34,7 @@ class ComputePricer:
 
     def _flops_per_us(self, dtype: str) -> Optional[float]:
         if dtype not in self._peak:
-            try:
-                peak = self.sheet["peak_TFLOPs"].get(str(Dtype.parse(dtype)))
-            except ValueError:
-                peak = None
-            if peak is None:  # integer ops etc.: the sheet's fp32 figure
-                peak = self.sheet["peak_TFLOPs"].get("fp32")
-            self._peak[dtype] = float(peak) * 1e6 * self.efficiency if peak else None
+            self._peak[dtype] = op_flops_per_us(self.sheet, dtype)
         return self._peak[dtype]
 
     def roofline_us(self, record: dict) -> float:
@@ -108,7 +102,7 @@ def make_pricer(cfg, tps) -> ComputePricer:
     TP degree traced, else the device sheet (trace.device, or h100)."""
     from orchestrator.errors import ProfileError
     from orchestrator.planner.profiles import ModelCost
-    from orchestrator.profiling.model.analytic import load_device_sheet
+    from orchestrator.device import load_device_sheet
     from orchestrator.store import model_profile_path, read_profile
     from orchestrator.store.schema import ModelProfile
 

@@ -259,20 +259,18 @@ def _mfu(cfg, target, iteration_ms: float, layout) -> Optional[float]:
     devices' bf16 dense peak (conf/device/<name>.yaml); None on CPUs."""
     if str(getattr(cfg.cluster.backend, "value", cfg.cluster.backend)) != "nccl":
         return None
+    from orchestrator.device import dense_peak_flops, load_device_sheet, model_flops
+    from orchestrator.errors import ConfigError
     from orchestrator.models.config import count_params
-    from orchestrator.profiling.model.analytic import load_device_sheet
 
     model = cfg.model
-    n = count_params(model)
     tokens = layout.global_batch_size * target.seq_len
-    attn = 12 * model.layers * model.hidden * target.seq_len * tokens / 2  # causal
-    flops = 6 * n * tokens + attn
+    flops = model_flops(count_params(model), model.layers, model.hidden, target.seq_len, tokens)
     dtype = str(getattr(cfg.train.dtype, "value", cfg.train.dtype) or "bf16")
     try:
-        peak = float(load_device_sheet(cfg.profile_model.device or "h100")["peak_TFLOPs"][dtype])
-    except (KeyError, ValueError, OSError):  # no sheet for it: no MFU, the rest stands
+        peak = dense_peak_flops(load_device_sheet(cfg.profile_model.device or "h100"), dtype)
+    except (ConfigError, ValueError, OSError):  # no sheet for it: no MFU, the rest stands
         return None
-    peak *= 1e12
     return flops / (iteration_ms / 1e3) / (peak * layout.world_size)
 
 

@@ -17,59 +17,15 @@ import contextlib
 from dataclasses import replace
 from typing import Dict, Optional, Tuple
 
-from orchestrator.errors import ConfigError
 from orchestrator.choices import Dtype
-from orchestrator.config import CONF_DIR, config_dirs, group_options
+# The device sheets and their FLOP/s live in orchestrator/device.py (train's MFU and trace's
+# pricing read them too); re-exported for this module's callers.
+from orchestrator.device import (DEVICE_DIR, device_sheets, flops_to_us,  # noqa: F401
+                                 load_device_sheet, peak_flops)
 from orchestrator.models.config import ModelConfig, count_block_params
 
-DEVICE_DIR = CONF_DIR / "device"  # the package's sheets; a site's device/ folder comes first
 # Causal attention: a flash kernel computes only the blocks on or below the diagonal.
 CAUSAL_ATTENTION_FRACTION = 0.5
-
-
-# ---------------------------------------------------------------- device sheets
-def device_sheets() -> list:
-    """Names of the device sheets in conf/device/ (the site's and the package's)."""
-    return group_options("device", config_dirs())
-
-
-def load_device_sheet(name: str) -> dict:
-    """conf/device/<name>.yaml as a dict (a site's sheet first, as Hydra's groups); ConfigError
-    naming the sheets there if it is missing."""
-    import yaml
-
-    dirs = config_dirs()
-    path = next((d / "device" / f"{name}.yaml" for d in dirs
-                 if (d / "device" / f"{name}.yaml").is_file()), DEVICE_DIR / f"{name}.yaml")
-    if not path.exists():
-        raise ConfigError(f"profile_model.device={name!r}: no sheet {path}; "
-                          f"available: {', '.join(device_sheets())}")
-    with open(path) as f:
-        sheet = yaml.safe_load(f) or {}
-    for key in ("peak_TFLOPs", "efficiency", "type"):
-        if key not in sheet:
-            raise ConfigError(f"device sheet {path} lacks {key!r}")
-    sheet.setdefault("name", name)
-    try:  # one dtype vocabulary: "bfloat16" and "bf16" name the same peak
-        sheet["peak_TFLOPs"] = {str(Dtype.parse(k)): v for k, v in sheet["peak_TFLOPs"].items()}
-    except ValueError as e:
-        raise ConfigError(f"device sheet {path}: peak_TFLOPs: {e}") from None
-    return sheet
-
-
-def peak_flops(sheet: dict, dtype: str) -> float:
-    """Sustained FLOP/s the sheet promises for `dtype`: peak x efficiency."""
-    peaks = sheet["peak_TFLOPs"]
-    dtype = str(Dtype.parse(dtype))
-    if dtype not in peaks:
-        raise ConfigError(f"device sheet {sheet['name']!r} has no peak_TFLOPs for dtype {dtype}; "
-                          f"it lists {sorted(peaks)}")
-    return float(peaks[dtype]) * 1e12 * float(sheet["efficiency"])
-
-
-def flops_to_us(flops: float, sheet: dict, dtype: str) -> float:
-    """Microseconds to execute `flops` on the sheet's device at its efficiency."""
-    return flops / peak_flops(sheet, dtype) * 1e6
 
 
 # ---------------------------------------------------------------- FLOPs
