@@ -11,6 +11,19 @@ from typing import Tuple
 from orchestrator.errors import ConfigError
 
 OPS = ("allreduce", "p2p", "reduce_scatter", "all_gather", "all2all")
+# The workload's and the trace's op names (torch's) -> the benchmark that measured the op in
+# hardware.json (nccl-tests' names, also Galvatron's files'): the one place the two meet.
+BENCHMARK_OF_OP = {"all_reduce": "allreduce", "all_gather": "all_gather",
+                   "reduce_scatter": "reduce_scatter", "all_to_all": "all2all",
+                   "send": "p2p", "recv": "p2p"}
+
+
+def benchmark_of(op: str) -> str:
+    """The hardware profile's benchmark for a workload op (all_reduce -> allreduce)."""
+    if op not in BENCHMARK_OF_OP:
+        raise ConfigError(f"unknown workload op {op!r}; expected one of "
+                          f"{', '.join(BENCHMARK_OF_OP)}")
+    return BENCHMARK_OF_OP[op]
 
 
 def busbw_factor(op: str, n: int) -> float:

@@ -30,6 +30,23 @@ def test_busbw_factors_follow_nccl_tests():
     assert measure.busbw_factor("allreduce", 1) == 0.0
 
 
+def test_every_workload_and_trace_op_names_a_measured_benchmark():
+    """The workload and the trace speak torch's names (all_reduce, all_to_all, send); the
+    hardware profile nccl-tests' (allreduce, all2all, p2p): one table maps them, and every op a
+    layout issues is priced from a benchmark that exists."""
+    from orchestrator.bandwidth import OPS, benchmark_of
+    from orchestrator.errors import ConfigError
+    from orchestrator.trace.recorder import _C10D, _FUNCTIONAL
+
+    recorded = {op for op in (*_FUNCTIONAL.values(), *_C10D.values()) if op != "broadcast"}
+    workload_ops = {"all_reduce", "all_gather", "reduce_scatter", "send", "recv"}  # Comm.op
+    for op in recorded | workload_ops:
+        assert benchmark_of(op) in OPS, op
+    assert benchmark_of("all_reduce") == "allreduce" and benchmark_of("all_to_all") == "all2all"
+    with pytest.raises(ConfigError, match="allreduce"):
+        benchmark_of("allreduce")  # a benchmark name is not an op name
+
+
 def test_algbw_is_bytes_per_time_in_GBps():
     assert measure.algbw_GBps(1e9, 1e6) == pytest.approx(1.0)  # 1 GB in 1 s
     assert measure.busbw_GBps("allreduce", 4, 2.0) == pytest.approx(3.0)

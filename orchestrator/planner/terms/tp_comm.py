@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from orchestrator.bandwidth import benchmark_of
 from orchestrator.planner.profiles import HardwareModel
 from orchestrator.planner.terms import FwdBwd
 from orchestrator.workload.tp import TpCounts, priced_us, tp_counts
@@ -67,10 +68,6 @@ class TpComm:
             return (alpha_us + size * us_per_byte) * (size > 0)  # nothing to move: no latency
 
         ops = ("all_gather", "reduce_scatter") if sequence_parallel else ("all_reduce",)
-        return cls.from_times(counts, {op: op_us(_PROFILE_OP[op], message_bytes) for op in ops},
-                              op_us("all_gather", logits_bytes))
-
-
-# The hardware profile's names for the workload's ops.
-_PROFILE_OP = {"all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
-               "all_reduce": "allreduce"}
+        return cls.from_times(counts, {op: op_us(benchmark_of(op), message_bytes)
+                                       for op in ops},
+                              op_us(benchmark_of("all_gather"), logits_bytes))

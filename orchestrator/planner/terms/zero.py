@@ -28,6 +28,7 @@ from typing import Any, Tuple
 
 import numpy as np
 
+from orchestrator.bandwidth import benchmark_of
 from orchestrator.planner.profiles import HardwareModel
 from orchestrator.planner.terms import FwdBwd, overlap_extra_us
 
@@ -53,9 +54,10 @@ class ZeroSharding:
 
 
 def collective_us(hardware: HardwareModel, op: str, group_size: int, stride: int, size_bytes):
-    """Time (us) of `op` on a group of `group_size` ranks `stride` apart for a per-rank buffer
-    of `size_bytes` (a float or a numpy array); 0 for an empty buffer or a group of one."""
-    alpha_us, us_per_byte = hardware.collective_line(op, group_size, stride)
+    """Time (us) of the workload op `op` (all_reduce, all_gather, reduce_scatter) on a group of
+    `group_size` ranks `stride` apart for a per-rank buffer of `size_bytes` (a float or a numpy
+    array); 0 for an empty buffer or a group of one."""
+    alpha_us, us_per_byte = hardware.collective_line(benchmark_of(op), group_size, stride)
     return (alpha_us + size_bytes * us_per_byte) * (size_bytes > 0)
 
 
@@ -115,7 +117,7 @@ def dp_sync_parts_us(hardware: HardwareModel, zero: int, dp: int, tp: int, grad_
                 np.zeros_like(grad_bytes))
     if dp == 1:
         return np.zeros_like(grad_bytes), np.zeros_like(grad_bytes)
-    op = "allreduce" if zero < 2 else "reduce_scatter"
+    op = "all_reduce" if zero < 2 else "reduce_scatter"
     during = collective_us(hardware, op, dp, tp, grad_bytes)
     after = (collective_us(hardware, "all_gather", dp, tp, param_bytes) if zero in (1, 2)
              else np.zeros_like(grad_bytes))
@@ -131,7 +133,7 @@ def dp_sync_us(hardware: HardwareModel, zero: int, dp: int, tp: int, grad_bytes,
     if dp == 1 or zero >= 3:
         return np.zeros_like(grad_bytes)
     if zero == 0:
-        return collective_us(hardware, "allreduce", dp, tp, grad_bytes)
+        return collective_us(hardware, "all_reduce", dp, tp, grad_bytes)
     gather = collective_us(hardware, "all_gather", dp, tp, param_bytes)
     if zero == 2:
         return gather
