@@ -27,7 +27,6 @@ class ComputePricer:
         self.model_cost = model_cost
         self.profile_source = profile_source
         self.note = note  # why the profile is not used, when it is not
-        self.efficiency = float(sheet.get("efficiency", 1.0))
         hbm = sheet.get("hbm_GBps")
         self.hbm_bytes_per_us = float(hbm) * 1e3 if hbm else None
         self._peak: Dict[str, Optional[float]] = {}
