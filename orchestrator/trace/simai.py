@@ -146,9 +146,9 @@ def _stream_items(stream: List[dict], backward: bool) -> List[Tuple[str, dict]]:
     return [(name or first, r) for name, r in zip(owner, stream)]
 
 
-def _chunk_items(records: List[dict], chunk: int, mb: int) -> List[_Item]:
-    """The items of one model chunk for micro-batch `mb`, in forward order."""
-    mine = [r for r in records if r.get("chunk") == chunk and r.get("mb") == mb]
+def _chunk_items(mine: List[dict]) -> List[_Item]:
+    """The items of one model chunk for one micro-batch (its records, in issue order), in
+    forward order."""
     forward = [r for r in mine if r["phase"] in ("F", "loss")]
     backward = [r for r in mine if r["phase"] == "B"]
     weights = _weight_shapes(forward)
@@ -233,14 +233,18 @@ def simai_workload(records: List[dict], spec, model_name: str) -> str:
     the file name, kept here for a uniform signature."""
     del model_name
     lay = spec.layout
-    chunks = sorted({r["chunk"] for r in records if r.get("chunk") is not None})
-    micro_batches = sorted({r["mb"] for r in records if r.get("mb") is not None})
+    # One pass over the records (a large world's trace holds millions, over hundreds of
+    # micro-batches): each chunk's records per micro-batch, in issue order.
+    parts: Dict[Tuple[int, int], List[dict]] = {}
+    for r in records:
+        if r.get("chunk") is not None and r.get("mb") is not None:
+            parts.setdefault((r["mb"], r["chunk"]), []).append(r)
+    micro_batches = sorted({mb for mb, _ in parts})
     if len(micro_batches) != lay.num_micro_batches:
         raise ValueError(f"the records hold micro-batches {micro_batches}, the layout "
                          f"{lay.num_micro_batches}: SimAI needs every micro-batch's items")
     before, after = _end_items(records)
-    items = before + [i for mb in micro_batches for c in chunks
-                      for i in _chunk_items(records, c, mb)] + after
+    items = before + [i for key in sorted(parts) for i in _chunk_items(parts[key])] + after
     rows = [row for item in items for row in _lines(item)]
     header = (f"{HEADER_KIND} model_parallel_NPU_group: {lay.tp} ep: 1 pp: {lay.pp} "
               f"vpp: {lay.virtual_stages} ga: {lay.num_micro_batches} "
