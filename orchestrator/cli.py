@@ -256,35 +256,67 @@ def run_stages(cfg: Config) -> List[dict]:
                       launcher=launcher.name, run_dir=request.run_dir)
         try:
             handle = launcher.submit(request, after=previous_job)
+        except KeyboardInterrupt:
+            _interrupted(ledger, request)
         except BaseException as e:
             _mark_ended(ledger, plan.key, State.failed, request.todo, f"not launched: {e}")
             raise
-        job = {"job_id": launcher.job_id(handle), "job_folder": launcher.job_folder(handle)}
+        # From here until its end is recorded, a Ctrl-C at any point stops this launch and
+        # records it cancelled: one between two lines must not leave it `running`.
         try:
-            ledger.attach_job(plan.key, request.todo, **job)
-        except BaseException:  # e.g. a full disk: a launch nobody can follow must not run on
-            launcher.stop(handle)
-            raise
-        produced_now.add(plan.stage)
-        if launcher.queued:  # submit the whole chain first (afterok), then wait in order
-            previous_job = job["job_id"]
-            console.print(escape(f"  submitted Slurm job {previous_job}; "
-                                 f"logs: {job['job_folder']}"))
-            pending.append((handle, request))
-            continue
-        rows.append(_finish(ledger, launcher, handle, request))
+            job = {"job_id": launcher.job_id(handle), "job_folder": launcher.job_folder(handle)}
+            try:
+                ledger.attach_job(plan.key, request.todo, **job)
+            except BaseException:  # e.g. a full disk: a launch nobody can follow must not run on
+                launcher.stop(handle)
+                raise
+            produced_now.add(plan.stage)
+            if launcher.queued:  # submit the whole chain first (afterok), then wait in order
+                previous_job = job["job_id"]
+                console.print(escape(f"  submitted Slurm job {previous_job}; "
+                                     f"logs: {job['job_folder']}"))
+                pending.append((handle, request))
+                continue
+            rows.append(_finish(ledger, launcher, handle, request))
+        except KeyboardInterrupt:
+            _stop_interrupted(ledger, launcher, handle, request, pending)
     for handle, request in pending:
         if not cfg.wait:
             rows.append({"stage": request.ledger_key, "state": "submitted",
                          "job_id": launcher.job_id(handle), "log": launcher.job_folder(handle),
                          "outputs": []})
             continue
-        rows.append(_finish(ledger, launcher, handle, request))
+        try:
+            rows.append(_finish(ledger, launcher, handle, request))
+        except KeyboardInterrupt:
+            _stop_interrupted(ledger, launcher, handle, request, pending)
     return rows
 
 
+def _stop_interrupted(ledger, launcher, handle, request: StageRequest, pending) -> NoReturn:
+    """Ctrl-C after a launch: a batch job the ledger follows runs on without us (the user
+    chose Slurm so it would); a local launch is stopped and recorded cancelled."""
+    if pending:
+        jobs = " ".join(launcher.job_id(h) for h, _ in pending)
+        console.print(f"\nSlurm job(s) {jobs} keep running; `stage=status` re-attaches, "
+                      f"`scancel {jobs}` stops them")
+    if any(h is handle for h, _ in pending):
+        raise SystemExit(130)
+    launcher.stop(handle)  # not yet followed by the ledger: it must not run on
+    _interrupted(ledger, request)
+
+
+def _interrupted(ledger, request: StageRequest) -> NoReturn:
+    key = request.ledger_key
+    ledger.mark_ended(key, State.cancelled, request.todo, "interrupted (Ctrl-C)")
+    err_console.print(escape(f"\n{key}: interrupted (Ctrl-C); parts finished before are "
+                             f"kept, rerun the same command to resume"))
+    raise SystemExit(130)
+
+
 def _finish(ledger, launcher, handle, request: StageRequest) -> dict:
-    """Wait for one launch, record how it ended, and raise if it did not finish."""
+    """Wait for one launch, record how it ended, and raise if it did not finish (a Ctrl-C
+    propagates to the caller, which knows whether the launch runs on without us)."""
     key = request.ledger_key
 
     def on_state(state):
@@ -295,15 +327,8 @@ def _finish(ledger, launcher, handle, request: StageRequest) -> dict:
     try:
         outcome = launcher.wait(handle, request, on_state=on_state,
                                 on_output=lambda text: console.out(text, end=""))
-    except KeyboardInterrupt:
-        if launcher.job_folder(handle):  # a batch job runs on without us
-            console.print(f"\njob {launcher.job_id(handle)} keeps running; `stage=status` "
-                          f"re-attaches, `scancel {launcher.job_id(handle)}` stops it")
-            raise SystemExit(130)
-        ledger.mark_ended(key, State.cancelled, request.todo, "interrupted (Ctrl-C)")
-        err_console.print(escape(f"\n{key}: interrupted (Ctrl-C); parts finished before are "
-                                 f"kept, rerun the same command to resume"))
-        raise SystemExit(130)
+    except KeyboardInterrupt:  # not a failure: the caller decides
+        raise
     except BaseException as e:  # an in-process stage raised: an error to act on, or a bug
         _mark_ended(ledger, key, State.failed, request.todo, f"{type(e).__name__}: {e}")
         raise

@@ -155,25 +155,58 @@ elif phase == "planning":  # the stage is planned (inside the Hydra task)
     import orchestrator.pipeline
 
     orchestrator.pipeline.plan_stage = pause
+elif phase == "launched":  # the ranks run and the ledger names them; not yet waited for
+    from orchestrator.store.ledger import Ledger
+
+    attach_job = Ledger.attach_job
+
+    def attach_then_pause(self, *args, **kwargs):
+        attach_job(self, *args, **kwargs)
+        pause()
+
+    Ledger.attach_job = attach_then_pause
 runpy.run_module("orchestrator", run_name="__main__", alter_sys=True)
 """
+
+
+def _start_paused(phase: str, paused: Path, *args) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", _PAUSED_CLI, phase, str(paused), *args],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, preexec_fn=default_sigint)
+    deadline = time.monotonic() + WAIT_S
+    while not paused.exists():
+        if proc.poll() is not None:
+            pytest.fail(f"the CLI ended before pausing while {phase}:\n{proc.stdout.read()}")
+        assert time.monotonic() < deadline, f"the CLI did not reach {phase} in {WAIT_S} s"
+        time.sleep(0.05)
+    return proc
+
+
+def test_ctrl_c_between_the_launch_and_its_wait_stops_the_ranks_and_cancels(profiles, tmp_path):
+    # The window CI once hit: the ledger already says running with a job id, the CLI has not
+    # yet begun to wait; a Ctrl-C there must not leave the entry `running`.
+    proc = _start_paused("launched", tmp_path / "paused", *SLOW_NOOP,
+                         f"profiles_dir={profiles}")
+    try:
+        entry = ledger(profiles)["noop"]
+        assert entry["state"] == "running" and entry["job_id"]
+        mpiexec_pid = int(entry["job_id"].split("-")[1])
+        os.kill(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=WAIT_S)
+    finally:
+        _stop(proc)
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out and "noop: interrupted (Ctrl-C)" in out
+    assert ledger(profiles)["noop"]["state"] == "cancelled"
+    assert not _alive(mpiexec_pid)
 
 
 @pytest.mark.parametrize("phase", ["loading", "composing", "planning"])
 def test_ctrl_c_before_launch_exits_130_without_traceback(profiles, tmp_path, phase):
     # Interrupted while loading, composing or planning (before any launch): 130, one line.
-    paused = tmp_path / "paused"
-    proc = subprocess.Popen([sys.executable, "-c", _PAUSED_CLI, phase, str(paused),
-                             "stage=profile_hardware", f"profiles_dir={profiles}"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, preexec_fn=default_sigint)
+    proc = _start_paused(phase, tmp_path / "paused", "stage=profile_hardware",
+                         f"profiles_dir={profiles}")
     try:
-        deadline = time.monotonic() + WAIT_S
-        while not paused.exists():
-            if proc.poll() is not None:
-                pytest.fail(f"the CLI ended before pausing while {phase}:\n{proc.stdout.read()}")
-            assert time.monotonic() < deadline, f"the CLI did not reach {phase} in {WAIT_S} s"
-            time.sleep(0.05)
         os.kill(proc.pid, signal.SIGINT)
         out, _ = proc.communicate(timeout=WAIT_S)
     finally:
