@@ -47,3 +47,23 @@ def test_reachable_tensors_follow_objects_not_modules_or_functions():
 
     found = reachable_tensors([Holder()])
     assert len(found) == 1 and found[0].shape == (3,)
+
+
+def test_counts_the_temporaries_inside_a_dtensor_op():
+    """DTensor runs some ops as several local ones (loss_parallel's log-softmax: the logits less
+    their max, its exponential, then the output): each temporary counts, as on a GPU."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from orchestrator.profiling.model.analytic import fake_world
+
+    with fake_world(2) as mesh:
+        logits = distribute_tensor(torch.randn(64, 256), mesh, [Shard(1)])
+        targets = torch.randint(0, 256, (64,))
+        local_bytes = 64 * 128 * 4
+        live = LiveTensorBytes("cpu", [logits, targets])
+        with live, loss_parallel():
+            F.cross_entropy(logits, targets)
+    # held logits + (shifted and its exponential) at once: the output alone would be one more
+    assert live.peak_bytes - live.start_bytes >= 2 * local_bytes

@@ -20,6 +20,7 @@ from planner_fixtures import hand_hardware, hand_model
 # s = 1024 tokens, b = 2, h = 4096, bf16: 2sbh = 16 MiB per TP collective.
 S, B, H = 1024, 2, 4096
 MSG = 16 * 2**20
+LOSS_BYTES = S * B * 4  # the vocab-parallel loss all-reduces one fp32 value per token
 
 
 @pytest.fixture(scope="module")
@@ -49,24 +50,25 @@ def test_tp_message_is_2sbh_bytes_in_bf16():
 def test_megatron_with_sequence_parallel_is_2ag_2rs_forward_4ag_2rs_backward(tp_hw):
     ag = 10 + MSG / 100e3  # 177.77216 us
     rs = 12 + MSG / 100e3  # 179.77216 us
-    comm = TpComm.from_hardware(tp_hw, 4, True, MSG, engine="megatron", logits_bytes=10 * MSG)
+    loss_ar = 30 + LOSS_BYTES / 50e3
+    comm = TpComm.from_hardware(tp_hw, 4, True, MSG, engine="megatron", loss_bytes=LOSS_BYTES)
     assert comm.layer.fwd_us == pytest.approx(715.08864) == pytest.approx(2 * ag + 2 * rs)
     assert comm.layer.bwd_us == pytest.approx(1070.63296) == pytest.approx(4 * ag + 2 * rs)
     assert comm.embedding == FwdBwd(pytest.approx(rs), pytest.approx(ag))
-    # vocab-parallel loss: no logits all-gather
-    assert comm.head == FwdBwd(pytest.approx(ag), pytest.approx(rs))
+    # vocab-parallel loss: three small all-reduces, no logits all-gather
+    assert comm.head == FwdBwd(pytest.approx(ag + 3 * loss_ar), pytest.approx(rs))
     assert comm.recompute_us == pytest.approx(2 * ag + 2 * rs)  # the whole forward again
 
 
-def test_our_engine_with_sequence_parallel_gathers_once_and_gathers_the_logits(tp_hw):
+def test_our_engine_with_sequence_parallel_gathers_once_and_reduces_the_loss(tp_hw):
     """stage=train's engine (DTensor) keeps the gathered inputs: 2 AG + 2 RS each way (the
-    counts test_train_engine checks against the real engine), and all-gathers the logits."""
+    counts test_train_engine checks against the real engine); its loss is vocab-parallel."""
     ag = 10 + MSG / 100e3
     rs = 12 + MSG / 100e3
-    logits_ag = 10 + 10 * MSG / 100e3
-    comm = TpComm.from_hardware(tp_hw, 4, True, MSG, logits_bytes=10 * MSG)
+    loss_ar = 30 + LOSS_BYTES / 50e3
+    comm = TpComm.from_hardware(tp_hw, 4, True, MSG, loss_bytes=LOSS_BYTES)
     assert comm.layer == FwdBwd(pytest.approx(2 * ag + 2 * rs), pytest.approx(2 * ag + 2 * rs))
-    assert comm.head == FwdBwd(pytest.approx(ag + logits_ag), pytest.approx(rs))
+    assert comm.head == FwdBwd(pytest.approx(ag + 3 * loss_ar), pytest.approx(rs))
     assert comm.recompute_us == pytest.approx(2 * ag + rs)  # checkpointing stops early
 
 
@@ -86,13 +88,12 @@ def test_tp_of_one_rank_communicates_nothing(tp_hw):
 def test_stage_costs_use_the_tp_term_with_consecutive_ranks(tp_hw):
     model = hand_model(tp=4, hidden=H, heads=8, seq_len=S)
     costs = StageCosts(ConfigKey(4, 4, 1, 1, 0, True, B, 1, "1f1b", 1), model, tp_hw, S)
-    logits_bytes = S * B * model.vocab * model.dtype_bytes
-    assert costs.tp == TpComm.from_hardware(tp_hw, 4, True, MSG, logits_bytes=logits_bytes)
+    assert costs.tp == TpComm.from_hardware(tp_hw, 4, True, MSG, loss_bytes=LOSS_BYTES)
     # One stage holds everything: fwd = n (block + TP) + other + embedding + head (its input's
-    # and the logits' all-gathers).
+    # all-gather and the loss's three all-reduces).
     c = costs.compute
     expected_fwd = (4 * (c.block.fwd_us + 715.08864) + c.other.fwd_us
-                    + (12 + MSG / 100e3) + (10 + MSG / 100e3) + (10 + logits_bytes / 100e3))
+                    + (12 + MSG / 100e3) + (10 + MSG / 100e3) + 3 * (30 + LOSS_BYTES / 50e3))
     assert costs.stage_fwd_us(0, 4) == pytest.approx(expected_fwd)
 
 

@@ -6,11 +6,14 @@
   parameters and keeping the model's parameter names.
 """
 
+import functools
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -31,7 +34,8 @@ def apply_tensor_parallel(
 
     Column-wise: wq, wk, wv, w_gate, w_up (each rank owns whole heads / FFN columns).
     Row-wise: wo, w_down (partial sums reduced: all-reduce, or reduce-scatter with SP).
-    Embedding: row-wise over the vocabulary, tokens replicated. LM head: column-wise over vocab.
+    Embedding: row-wise over the vocabulary, tokens replicated, each rank looking up only its own
+    rows (`VocabParallelEmbedding`, Megatron's). LM head: column-wise over vocab.
     With `sequence_parallel`, the norms run on a sequence shard and the residual stream between
     layers is this rank's (batch, seq / tp, hidden) slice.
     With `loss_parallel`, logits stay vocab-sharded DTensors; forward and backward must then run
@@ -51,7 +55,7 @@ def apply_tensor_parallel(
         model,
         tp_mesh,
         {
-            "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+            "tok_emb": VocabParallelEmbedding(input_layouts=Replicate(), output_layouts=stream),
             **({"norm": SequenceParallel()} if sequence_parallel else {}),
             "lm_head": ColwiseParallel(
                 input_layouts=stream,
@@ -100,6 +104,34 @@ def apply_tensor_parallel(
             }
         parallelize_module(block, tp_mesh, plan)
     return model
+
+
+class VocabParallelEmbedding(RowwiseParallel):
+    """An embedding sharded by vocabulary rows whose lookup touches only this rank's rows:
+    ids outside them give zeros, and the partial sums are reduced as RowwiseParallel does
+    (reduce-scatter to a sequence shard with SP, all-reduce without). Its backward makes the
+    gradient of this rank's rows only; DTensor's own embedding backward makes the whole
+    [vocab, hidden] gradient on every rank and keeps it as the accumulated gradient."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Embedding):
+            raise TypeError(f"VocabParallelEmbedding shards an nn.Embedding, not "
+                            f"{type(module).__name__}")
+        module = super()._apply(module, device_mesh)
+        module.forward = functools.partial(_local_rows_lookup, module)
+        return module
+
+
+def _local_rows_lookup(module: nn.Embedding, ids: DTensor) -> DTensor:
+    weight = module.weight  # Shard(0): rows [first, first + len) of ceil(vocab / tp) each
+    mesh = weight.device_mesh
+    rows = weight.to_local()
+    first = mesh.get_local_rank() * -(-weight.shape[0] // mesh.size())
+    local = ids.to_local() - first
+    outside = (local < 0) | (local >= rows.shape[0])
+    out = F.embedding(local.masked_fill(outside, 0), rows)
+    out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+    return DTensor.from_local(out, mesh, [Partial()], run_check=False)
 
 
 def stage_layer_ranges(layers_per_stage: list[int], layers: int) -> list[range]:

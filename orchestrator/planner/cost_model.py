@@ -57,7 +57,7 @@ from orchestrator.planner.terms.memory import (ActivationBytes, comm_buffer_byte
                                                stage_activation_bytes)
 from orchestrator.planner.terms.pipeline import (boundary_intra_node, boundary_us,
                                                  on_end_stages, p2p_message_bytes, stage_sends)
-from orchestrator.planner.terms.tp_comm import TpComm, tp_message_bytes
+from orchestrator.planner.terms.tp_comm import LOSS_VALUE_BYTES, TpComm, tp_message_bytes
 from orchestrator.planner.terms.zero import ZeroSharding, ZeroTraffic, dp_sync_parts_us
 from orchestrator.workload.memory import BlockActivations, StageMemory
 
@@ -219,9 +219,9 @@ class StageCosts:
         """Time per layer: compute, TP communication, ZeRO 2/3 traffic sticking out of both."""
         key = self.key
         self.compute = LayerCompute.from_model(model, seq_len, key.tp, key.micro_batch_size)
-        logits_bytes = float(seq_len * key.micro_batch_size) * model.vocab * model.dtype_bytes
+        loss_bytes = float(seq_len * key.micro_batch_size) * LOSS_VALUE_BYTES
         self.tp = TpComm.from_hardware(self.hardware, key.tp, key.sequence_parallel, tp_bytes,
-                                       self.engine, logits_bytes)
+                                       self.engine, loss_bytes)
         window = self.compute.block + self.tp.layer
         traffic = ZeroTraffic.from_hardware(self.hardware, key.zero, key.dp, key.tp,
                                             self.block_param_bytes, self.block_grad_bytes,

@@ -21,7 +21,7 @@ from orchestrator.planner.schedule import in_flight_micro_batches
 from orchestrator.planner.terms import FwdBwd, overlap_extra_us
 from orchestrator.planner.terms.memory import ActivationBytes, comm_buffer_bytes
 from orchestrator.planner.terms.pipeline import boundary_intra_node
-from orchestrator.planner.terms.tp_comm import TpComm
+from orchestrator.planner.terms.tp_comm import LOSS_VALUE_BYTES, TpComm
 from orchestrator.planner.terms.zero import ZeroTraffic
 
 @dataclass(frozen=True)
@@ -140,10 +140,10 @@ class MicroBatchCosts:
             self._per_seq = np.concatenate([self._per_seq, rows])
         return self._per_seq[np.asarray(s) - 1]
 
-    def _tp_comm(self, tp_bytes: np.ndarray, logits_bytes: np.ndarray) -> TpComm:
+    def _tp_comm(self, tp_bytes: np.ndarray, loss_bytes: np.ndarray) -> TpComm:
         """TpComm.from_hardware with the message sizes arrays."""
         return TpComm.from_hardware(self.hardware, self.tp, self.layout.sequence_parallel,
-                                    tp_bytes, self.options.engine, logits_bytes)
+                                    tp_bytes, self.options.engine, loss_bytes)
 
     def price(self, b, s, mode_code) -> PricedMicroBatches:
         """Price K micro-batches: b[k] sequences padded to s[k] tokens, recompute
@@ -157,7 +157,7 @@ class MicroBatchCosts:
         m, pp, v, n = self.model, self.pp, self.v, self.n
         tokens = b * s
         tp_bytes = tokens * m.hidden * m.dtype_bytes
-        tpc = self._tp_comm(tp_bytes, tokens * m.vocab * m.dtype_bytes)
+        tpc = self._tp_comm(tp_bytes, tokens * LOSS_VALUE_BYTES)
         window = FwdBwd(b * bf, b * bb) + tpc.layer
         layer = window + self.block_traffic.exposed(window, self.overlap_coe)
         share = self.options.other_time_first_share

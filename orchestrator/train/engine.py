@@ -2,7 +2,10 @@
 (pp, dp, tp) DeviceMesh, torch-native and applied from outside the model.
 
 - Mesh: (pp, dp, tp) in ParallelLayout's rank order (tp fastest, then dp, then pp).
-- TP + sequence parallel: models/parallelize.apply_tensor_parallel on mesh["tp"].
+- TP + sequence parallel: models/parallelize.apply_tensor_parallel on mesh["tp"]; the loss is
+  vocab-parallel (Megatron's): the logits stay sharded over TP and the forward and backward run
+  inside torch's `loss_parallel()`, three all-reduces of one value per token instead of an
+  all-gather of the whole logits (and 1/tp of their memory).
 - Pipeline: torch.distributed.pipelining, 1F1B or interleaved 1F1B with v model chunks per rank
   (chunk c of rank r is virtual stage c * pp + r, Megatron's order); uneven layers per stage.
 - Data parallel: ZeRO 0/1/2 by hand (train/grads.py: bucketed collectives overlapping the
@@ -16,6 +19,7 @@ The model is built on the meta device and only this rank's stages are materialis
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
@@ -117,7 +121,8 @@ class Engine:
         with torch.device("meta"):
             whole = GPT(model, seed)
         if layout.tp > 1:
-            apply_tensor_parallel(whole, self.mesh["tp"], layout.sequence_parallel)
+            apply_tensor_parallel(whole, self.mesh["tp"], layout.sequence_parallel,
+                                  loss_parallel=True)
         parts = split_pipeline(whole, virtual_stage_layers(layout))
         mine = [parts[c * layout.pp + self.pp_rank] for c in range(layout.virtual_stages)]
         autocast = None if self.dtype == Dtype.fp32 else self.dtype.torch
@@ -194,6 +199,15 @@ class Engine:
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return cross_entropy_loss(logits, targets) * self.loss_scale
 
+    def _loss_parallel(self):
+        """The context a forward and backward run in: with TP the logits are vocab-sharded
+        DTensors, whose loss torch computes only inside `loss_parallel()`."""
+        if self.layout.tp == 1:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
     # ------------------------------------------------------------------ step
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, lr: float,
                    grad_clip: float, stop: bool = False) -> StepStats:
@@ -204,7 +218,8 @@ class Engine:
         self.compute_s = 0.0
         self.optim.begin_step(self.layout.num_micro_batches)
         tokens, targets = tokens.to(self.device), targets.to(self.device)
-        losses = self._forward_backward(tokens, targets)
+        with self._loss_parallel():
+            losses = [_local(loss) for loss in self._forward_backward(tokens, targets)]
         local = torch.stack([loss.double() for loss in losses]).mean() if losses else 0.0
         return self._finish_step(start, local, self.layout.dp * self.layout.tp, lr, grad_clip,
                                  stop)
@@ -230,11 +245,13 @@ class Engine:
         self.compute_s = 0.0
         self.optim.begin_step(len(batches), grad_divisor=float(total_tokens))
         batches = [mb.to(self.device) for mb in batches]
-        if self.layout.pp > 1:
-            losses, self.compute_s = self._pipeline_executor().run(batches)
-        else:
-            losses, self.compute_s = run_plain(self.modules[0], batches, self._token_loss,
-                                               self._now)
+        with self._loss_parallel():
+            if self.layout.pp > 1:
+                losses, self.compute_s = self._pipeline_executor().run(batches)
+            else:
+                losses, self.compute_s = run_plain(self.modules[0], batches, self._token_loss,
+                                                   self._now)
+        losses = [_local(loss) for loss in losses]
         self._apply_recompute()
         local = torch.stack([loss.double() for loss in losses]).sum() if losses else 0.0
         return self._finish_step(start, local, self.layout.tp * total_tokens, lr, grad_clip,
@@ -346,6 +363,11 @@ class Engine:
             states[p] = {key: _local_like(state["optim"][f"{name}.{key}"], p)
                          for key in ("exp_avg", "exp_avg_sq")}
         self.optim.load_state_tensors(states, step)
+
+
+def _local(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (a vocab-parallel loss is a DTensor replicated over TP)."""
+    return loss.to_local() if hasattr(loss, "to_local") else loss
 
 
 def _placed_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

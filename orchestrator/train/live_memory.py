@@ -22,6 +22,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # a torch built without distributed
+    _DTensor = None
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -132,6 +138,10 @@ class LiveTensorBytes(TorchDispatchMode):
         return super().__exit__(*args)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _DTensor is not None and any(issubclass(t, _DTensor) for t in types):
+            # Let DTensor run the op: the ops on local tensors it issues (some of them several
+            # with temporaries, e.g. loss_parallel's log-softmax) come back here and count.
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             self._add(t, f"{self.label}:{func.__name__}" if self.detail else "")

@@ -8,9 +8,7 @@ its gathered output, every other op its input.
 
 Engine "megatron" is what `stage=trace` records of a Megatron-style rank (trace/tracer.py),
 checked against it: parameters and the residual stream in the compute dtype (bf16, fp32 main
-gradients), and Megatron's vocab-parallel loss: per micro-batch 3 fp32 all-reduces over TP of
-one value per token (the logits' max, the sum of their exponentials, the target's logit) instead
-of the all-gather of the logits; no loss all-reduce at the step. Its TP runs DTensor's
+gradients), no loss all-reduce at the step. Its TP runs DTensor's
 collectives as the orchestrator engine does: Megatron-LM proper all-gathers the SP input again in
 the backward for the weight gradient (the planner's megatron TP terms price that, workload/tp.py;
 the trace does not show it).
@@ -26,7 +24,9 @@ Tensor parallelism (DTensor, models/parallelize.py), per layer and micro-batch:
   all-gathers and 1 reduce-scatter (the MLP's output is not needed), without SP 1 all-reduce;
 - the embedding reduce-scatters (all-reduces without SP) its output; its backward all-gathers
   (SP only); the LM head all-gathers the final norm's output (SP), and its backward reduce-
-  scatters it (all-reduces it without SP); the logits are all-gathered over TP for the loss;
+  scatters it (all-reduces it without SP); the loss is vocab-parallel (both engines,
+  Megatron's): per micro-batch 3 fp32 all-reduces over TP of one value per token (the logits'
+  max, the sum of their exponentials, the target's logit), the logits never gathered;
 - after the last micro-batch, each sequence-parallel norm weight's partial gradient is
   all-reduced over TP (fp32: the parameters are fp32 masters).
 The residual stream is in the parameters' dtype (fp32: autocast casts only the matmul inputs);
@@ -60,11 +60,10 @@ from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig
 from orchestrator.workload.buckets import plan_buckets
 from orchestrator.workload.params import rank_chunks, virtual_stage_ranges
-from orchestrator.workload.tp import tp_counts
+from orchestrator.workload.tp import VOCAB_PARALLEL_LOSS_REDUCES, tp_counts
 
 RESIDUAL = Dtype.fp32  # the engine keeps fp32 parameters and residual stream (autocast)
 ENGINES = ("orchestrator", "megatron")
-VOCAB_PARALLEL_LOSS_REDUCES = 3  # max, sum of exponentials, target logit: fp32, one per token
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,7 @@ def rank_comms(model: ModelConfig, layout: ParallelLayout, rank: int,
     megatron = engine == "megatron"
     residual = compute if megatron else RESIDUAL
     out: List[Comm] = []
-    out += _tp_comms(model, layout, rank, compute, residual, vocab_parallel_loss=megatron)
+    out += _tp_comms(model, layout, rank, compute, residual)
     out += _pp_comms(model, layout, rank, residual)
     out += _dp_comms(model, layout, rank, bucket_MiB)
     if layout.world_size > 1:
@@ -125,8 +124,7 @@ def _recomputed_blocks(layout: ParallelLayout, rank: int, blocks_in_chunk: int) 
     return min(blocks_in_chunk, k // layout.virtual_stages) if mode == "full" else 0
 
 
-def _tp_comms(model, layout, rank, compute: Dtype, residual_dtype: Dtype,
-              vocab_parallel_loss: bool) -> List[Comm]:
+def _tp_comms(model, layout, rank, compute: Dtype, residual_dtype: Dtype) -> List[Comm]:
     tp, m = layout.tp, layout.num_micro_batches
     if tp == 1:
         return []
@@ -160,13 +158,8 @@ def _tp_comms(model, layout, rank, compute: Dtype, residual_dtype: Dtype,
     if last:
         add(counts.head_fwd, m, residual, "fwd", "LM head input")
         add(counts.head_bwd, m, residual, "bwd", "LM head input gradient")
-        if vocab_parallel_loss:
-            add({"all_reduce": VOCAB_PARALLEL_LOSS_REDUCES}, m, {"all_reduce": Dtype.fp32},
-                "fwd", "vocab-parallel loss: per-token max, sum, target logit",
-                elements=tokens)
-        else:
-            add({"all_gather": counts.logits_all_gather}, m, {"all_gather": compute}, "fwd",
-                "logits for the loss", elements=tokens * model.vocab)
+        add({"all_reduce": counts.loss_all_reduce}, m, {"all_reduce": Dtype.fp32}, "fwd",
+            "vocab-parallel loss: per-token max, sum, target logit", elements=tokens)
     if layout.sequence_parallel:
         norms = 2 * layers + (1 if last else 0)
         out.append(Comm("all_reduce", "tp", model.hidden * residual_dtype.bytes,

@@ -28,8 +28,10 @@ it back in its backward, with what each step holds only while it runs:
   keep fp32 inputs: 2 B more per element) and each matmul casts its fp32 input on its own (wq,
   wk, wv and w_gate, w_up: five bf16 copies where a bf16 model keeps two), and each layer keeps
   the bf16 copies of its weights (autocast's cache) until its backward;
-- the head (final norm, LM head, loss): its inputs, the logits gathered over TP in fp32 and the
-  log-softmax output; the loss backward holds two more logits-sized fp32 tensors;
+- the head (final norm, LM head, loss): its inputs and the log-softmax output of this rank's
+  vocabulary shard in fp32 (the loss is vocab-parallel: the logits are never gathered); the
+  loss backward holds two more such fp32 tensors (three with TP: torch's loss_parallel computes
+  the log-softmax and its backward op by op);
 - a layer's backward: the gradients flowing through it, its recompute (full: the layer's
   activations again; selective: the attention core's), its weights' fresh gradients;
 - gradients: DTensor parameters accumulate .grad over the micro-batches and copy it into the
@@ -325,7 +327,7 @@ def engine_block_bytes(act: BlockActivations, mode: str, model: ModelConfig,
 def _head_bytes(model: ModelConfig, layout: ParallelLayout, dtype: Dtype, tokens: int,
                 fused_norm: bool, vocab_local: int) -> Tuple[float, float, float]:
     """(kept, forward transient, backward transient) of the head and loss per micro-batch."""
-    h, v, t_sp = model.hidden, model.vocab, sp_degree(layout)
+    h, t_sp = model.hidden, sp_degree(layout)
     autocast = dtype != Dtype.fp32
     elem = dtype.bytes if autocast else FP32
     norm = tokens / t_sp * (FP32 * h + FP32 + (0 if fused_norm else FP32 * h))
@@ -333,10 +335,19 @@ def _head_bytes(model: ModelConfig, layout: ParallelLayout, dtype: Dtype, tokens
         head_in = tokens * elem * h + elem * vocab_local * h  # its cast input and weight
     else:
         head_in = tokens * FP32 * h
-    logits = tokens * v * FP32  # gathered over TP, fp32 for the loss
+    logits = tokens * vocab_local * FP32  # this rank's vocabulary shard, fp32 for the loss
     kept = norm + head_in + logits + tokens * INT64  # log-softmax output, the targets
-    forward = logits + tokens * vocab_local * elem  # the local logits while gathered/cast
-    backward = 2 * logits
+    if layout.pp > 1:  # torch.distributed.pipelining keeps a stage's output until its backward
+        kept += tokens * vocab_local * elem
+    if layout.tp == 1:  # torch's fused log-softmax and its backward
+        forward = logits + tokens * vocab_local * elem  # the logits, and their fp32 cast
+        backward = 2 * logits
+    else:
+        # loss_parallel's log-softmax runs op by op: the fp32 logits, less their max, and its
+        # exponential are alive at once (and the compute-dtype logits under autocast); its
+        # backward holds a zero gradient, the exponential of the output and their sum.
+        forward = 2 * logits + (tokens * vocab_local * elem if autocast else 0)
+        backward = 3 * logits
     return kept, forward, backward
 
 
@@ -433,8 +444,8 @@ def rank_memory(model: ModelConfig, layout: ParallelLayout, rank: int, act: Bloc
                                               - kept(part))
             elif part.kind == "head":
                 transient["loss backward"] = head_bwd
-            else:  # the embedding's gradient is made whole on every TP rank, then sliced
-                transient["backward working"] = FP32 * model.vocab * model.hidden
+            else:  # the embedding's backward makes the gradient of this rank's rows
+                transient["backward working"] = FP32 * vocab_local * model.hidden
             if zero == 3:
                 if not gathered_all:  # this unit, the next one prefetched, and the root
                     transient["fsdp gathered params"] = _fsdp_gathered(
@@ -593,7 +604,7 @@ class StageMemory:
         self.emb_kept = np.where(first > 0, embedding_bytes(model, layout, tokens), 0.0)
         self.block_working = _block_working(model, layout, tokens)
         self.end_working = np.maximum(np.where(last > 0, max(head_fwd, head_bwd), 0.0),
-                                      np.where(first > 0, FP32 * vocab * h, 0.0))
+                                      np.where(first > 0, FP32 * vocab_local * h, 0.0))
         # Each stage's distinct backwards (padded with its first: the max is unchanged).
         events = [_b_events(pp, j, m, layout.schedule, v) for j in range(pp)]
         width = max(len(e) for e in events)
@@ -676,7 +687,7 @@ class StageMemory:
                 + (x(fresh_end) if zero < 3 else 0.0) + root)
         start = np.where(x(last_stage), np.maximum(start, loss), start)
         # It ends: one chunk fewer, the gradients it made (ZeRO 2's buckets on the last
-        # micro-batch), the embedding's whole-vocabulary gradient on the first stage.
+        # micro-batch), the embedding's gradient of its vocabulary rows on the first stage.
         if zero == 2 and dp > 1:
             end_accum = np.where(last_mb, x(buckets),
                                  x(bucket_only) if self.tp == 1 else x(accum))
@@ -684,7 +695,7 @@ class StageMemory:
             end_accum = np.where(last_mb, 0.0, x(accum))
         else:
             end_accum = x(accum) + 0.0 * last_mb
-        end_working = np.where(first_stage, FP32 * self.model.vocab * self.model.hidden, block)
+        end_working = np.where(first_stage, FP32 * self.vocab_local * self.model.hidden, block)
         end = ((live - 1) * x(per_chunk) + end_accum + x(end_working)
                + x(np.where(first_stage, fresh_end, fresh)) + x(gathered))
         peak = np.maximum(start, end).max(axis=-1)
@@ -719,7 +730,7 @@ class StageMemory:
                  (0.0 if pp > 1 else FP32 * self.layer_numel))
         fresh_end = FP32 * self.largest_param[:, None] if self.zero < 3 else 0.0
         block = _block_working(self.model, layout, tokens) + recompute + fresh
-        end = np.where(first, FP32 * self.model.vocab * self.model.hidden + fresh_end, 0.0)
+        end = np.where(first, FP32 * self.vocab_local * self.model.hidden + fresh_end, 0.0)
         extra = np.maximum(np.maximum(block, end),
                            np.where(last, head_kept + head_bwd + fresh_end, 0.0))
         numel = n[:, 0] * self.layer_numel + self.other_numel

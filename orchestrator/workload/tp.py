@@ -5,11 +5,14 @@ engine "orchestrator" (stage=train, DTensor; checked against the real engine by
 tests/test_train_engine.py): with sequence parallelism a layer moves 2 all-gathers + 2 reduce-
 scatters forward and the same backward (DTensor keeps the gathered inputs for the weight
 gradients); a layer recomputed in full reruns 2 all-gathers + 1 reduce-scatter (checkpointing
-stops at the last output the backward needs); the LM head's logits are all-gathered for the loss.
+stops at the last output the backward needs).
 
 engine "megatron" (Megatron-LM): backward re-gathers the inputs SP keeps sharded (4 all-gathers
-+ 2 reduce-scatters), full recompute reruns the whole forward, the loss is vocab-parallel (three
-fp32 all-reduces of s*b values per micro-batch, too small to price: no logits all-gather).
++ 2 reduce-scatters), full recompute reruns the whole forward.
+
+Both compute the loss vocab-parallel: the logits stay sharded over TP and three fp32 all-reduces
+of one value per token (the logits' max, the sum of exponentials, the target's logit) replace an
+all-gather of the logits, per micro-batch.
 
 Without SP both move 2 all-reduces forward and 2 backward per layer. The embedding reduce-
 scatters (all-reduces) its output forward and, with SP, all-gathers its gradient backward; the
@@ -21,12 +24,13 @@ from dataclasses import dataclass
 from typing import Dict
 
 ENGINES = ("orchestrator", "megatron")
+VOCAB_PARALLEL_LOSS_REDUCES = 3  # max, sum of exponentials, target logit: fp32, one per token
 
 
 @dataclass(frozen=True)
 class TpCounts:
     """Collectives of one micro-batch by op ("all_gather", "reduce_scatter", "all_reduce"), each
-    moving one layer activation (s * b * h elements), except `logits_all_gather` (s * b * vocab)."""
+    moving one layer activation (s * b * h elements), except `loss_all_reduce` (fp32, s * b)."""
 
     layer_fwd: Dict[str, int]
     layer_bwd: Dict[str, int]
@@ -35,7 +39,7 @@ class TpCounts:
     embedding_bwd: Dict[str, int]
     head_fwd: Dict[str, int]
     head_bwd: Dict[str, int]
-    logits_all_gather: int = 0
+    loss_all_reduce: int = VOCAB_PARALLEL_LOSS_REDUCES
 
 
 def check_engine(engine: str) -> None:
@@ -54,14 +58,12 @@ def tp_counts(engine: str, sequence_parallel: bool) -> TpCounts:
             layer_bwd={"all_gather": 2 if ours else 4, "reduce_scatter": 2},
             recompute={"all_gather": 2, "reduce_scatter": 1} if ours else dict(fwd),
             embedding_fwd={"reduce_scatter": 1}, embedding_bwd={"all_gather": 1},
-            head_fwd={"all_gather": 1}, head_bwd={"reduce_scatter": 1},
-            logits_all_gather=1 if ours else 0)
+            head_fwd={"all_gather": 1}, head_bwd={"reduce_scatter": 1})
     return TpCounts(
         layer_fwd={"all_reduce": 2}, layer_bwd={"all_reduce": 2},
         recompute={"all_reduce": 1 if ours else 2},
         embedding_fwd={"all_reduce": 1}, embedding_bwd={},
-        head_fwd={}, head_bwd={"all_reduce": 1},
-        logits_all_gather=1 if ours else 0)
+        head_fwd={}, head_bwd={"all_reduce": 1})
 
 
 def priced_us(counts: Dict[str, int], op_us: Dict[str, object]):
