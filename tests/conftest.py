@@ -195,11 +195,13 @@ def _rank_main(rank: int, body, world_size: int, store_path: str, out) -> None:
     """One spawned rank: a gloo process group met through a FileStore, body(rank, out), its
     traceback into out."""
     import datetime
+    import faulthandler
     import traceback
 
     import torch
     import torch.distributed as dist
 
+    faulthandler.enable(all_threads=True)  # a rank killed by a signal says where it was
     torch.set_num_threads(1)  # the ranks share the machine's 2 cores
     try:
         timeout = datetime.timedelta(seconds=RANK_TIMEOUT_S)

@@ -112,11 +112,21 @@ def test_kill_one_rank_then_rerun_resumes_the_same_loss_trajectory(tmp_path):
     while not (ckpt / "step_00000004").exists() and time.time() < deadline:
         time.sleep(0.2)
     assert (ckpt / "step_00000004").exists(), cli.stdout.read() if cli.poll() is not None else ""
-    status = run_cli("stage=status", profiles_dir=killed, check=0)
-    assert "step " in status.stdout  # the ledger tells how far the run is
     pids = _rank_pids(killed)
     assert pids, "no rank processes found"
-    os.kill(pids[-1], signal.SIGKILL)
+    # Frozen while the test looks: a loaded machine's `stage=status` can take as long as the
+    # 36 steps left, and a run that finished cannot be killed half-way.
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        status = run_cli("stage=status", profiles_dir=killed, check=0)
+        assert "step " in status.stdout  # the ledger tells how far the run is
+        assert ledger(killed)["train/tiny"]["state"] == "running"
+        os.kill(pids[-1], signal.SIGKILL)
+    finally:
+        for pid in pids:
+            if pid != pids[-1]:
+                os.kill(pid, signal.SIGCONT)
     out, _ = cli.communicate(timeout=120)
     assert cli.returncode == 5, out
     assert "rank" in out and "log" in out.lower()
