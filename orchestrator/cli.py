@@ -257,7 +257,7 @@ def run_stages(cfg: Config) -> List[dict]:
         try:
             handle = launcher.submit(request, after=previous_job)
         except KeyboardInterrupt:
-            _interrupted(ledger, request)
+            _stop_interrupted(ledger, launcher, None, request, pending)
         except BaseException as e:
             _mark_ended(ledger, plan.key, State.failed, request.todo, f"not launched: {e}")
             raise
@@ -280,7 +280,7 @@ def run_stages(cfg: Config) -> List[dict]:
             rows.append(_finish(ledger, launcher, handle, request))
         except KeyboardInterrupt:
             _stop_interrupted(ledger, launcher, handle, request, pending)
-    for handle, request in pending:
+    for i, (handle, request) in enumerate(pending):
         if not cfg.wait:
             rows.append({"stage": request.ledger_key, "state": "submitted",
                          "job_id": launcher.job_id(handle), "log": launcher.job_folder(handle),
@@ -288,21 +288,23 @@ def run_stages(cfg: Config) -> List[dict]:
             continue
         try:
             rows.append(_finish(ledger, launcher, handle, request))
-        except KeyboardInterrupt:
-            _stop_interrupted(ledger, launcher, handle, request, pending)
+        except KeyboardInterrupt:  # the jobs not yet waited for run on
+            _stop_interrupted(ledger, launcher, handle, request, pending[i:])
     return rows
 
 
 def _stop_interrupted(ledger, launcher, handle, request: StageRequest, pending) -> NoReturn:
-    """Ctrl-C after a launch: a batch job the ledger follows runs on without us (the user
-    chose Slurm so it would); a local launch is stopped and recorded cancelled."""
+    """Ctrl-C during or after a launch (`handle` None: its submit): a batch job the ledger
+    follows runs on without us (the user chose Slurm so it would); a local launch, or a job
+    not yet followed, is stopped and recorded cancelled."""
     if pending:
         jobs = " ".join(launcher.job_id(h) for h, _ in pending)
         console.print(f"\nSlurm job(s) {jobs} keep running; `stage=status` re-attaches, "
                       f"`scancel {jobs}` stops them")
     if any(h is handle for h, _ in pending):
         raise SystemExit(130)
-    launcher.stop(handle)  # not yet followed by the ledger: it must not run on
+    if handle is not None:
+        launcher.stop(handle)  # not yet followed by the ledger: it must not run on
     _interrupted(ledger, request)
 
 

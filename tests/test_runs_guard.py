@@ -350,3 +350,30 @@ def test_a_queued_slurm_job_refuses_a_second_run_naming_it(slurm_cluster, profil
                 f"(`scancel {job_id}`)") in second.stderr
     finally:
         subprocess.run(["scancel", job_id], check=True)
+
+
+def test_ctrl_c_while_waiting_on_a_slurm_job_leaves_it_queued_and_says_how_to_stop_it(
+        slurm_cluster, profiles):
+    # The user chose Slurm so the job outlives the terminal: Ctrl-C stops the waiting only.
+    proc = start_cli("stage=noop", "launcher=slurm", "cluster=dev",
+                     "+cluster.sbatch_args.hold=true", profiles_dir=profiles)
+    job_id = None
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not (job_id := ledger(profiles, "dev").get("noop", {}).get("job_id")):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read()
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=WAIT_S)
+        assert proc.returncode == 130, out
+        assert "Traceback" not in out
+        assert f"Slurm job(s) {job_id} keep running" in out and f"`scancel {job_id}`" in out
+        entry = ledger(profiles, "dev")["noop"]
+        assert entry["state"] == "pending" and entry["job_id"] == job_id
+        queued = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"],
+                                capture_output=True, text=True).stdout.strip()
+        assert queued == "PENDING"
+    finally:
+        _stop(proc)
+        if job_id:
+            subprocess.run(["scancel", job_id], check=True)
