@@ -90,9 +90,10 @@ def tp_messages(records: List[dict], phase: str) -> Counter:
 @pytest.mark.parametrize("case", ["sp_zero1", "sp_interleaved"])
 def test_sp_two_all_gathers_and_two_reduce_scatters_per_layer_and_micro_batch(case):
     """Per layer and micro-batch: all-gather before attention and MLP, reduce-scatter after wo
-    and w_down (backward: the reverse), each s*b*h*2 bytes. Plus, per micro-batch, the
+    and w_down (backward: the reverse, and Megatron-LM's second all-gather of each sharded
+    input for the weight gradient: 4 + 2), each s*b*h*2 bytes. Plus, per micro-batch, the
     embedding's reduce-scatter on the first stage and the LM head's input all-gather on the
-    last (and their backward)."""
+    last (and their backward, the head's input gathered again)."""
     spec, traces = traced(case)
     lay = spec.layout
     act, m = activation_bytes(), lay.num_micro_batches
@@ -104,7 +105,7 @@ def test_sp_two_all_gathers_and_two_reduce_scatters_per_layer_and_micro_batch(ca
         assert forward == {("all_gather", act): 2 * layers * m + m * last,
                            ("reduce_scatter", act): 2 * layers * m + m * first}, rank
         assert tp_messages(records, "B") == {
-            ("all_gather", act): 2 * layers * m + m * first,
+            ("all_gather", act): 4 * layers * m + m * first + m * last,
             ("reduce_scatter", act): 2 * layers * m + m * last}, rank
         in_layers = in_blocks(records, "F")
         assert Counter(r["op"] for r in in_layers) == {"all_gather": 2 * layers * m,

@@ -48,7 +48,27 @@ def parse(text):
 
 
 def by_name(items):
-    return {row[0]: row for row in items}
+    """Each item's first line (its compute times; a pass with several collectives adds
+    comm-only lines of the same name, as AICB writes them)."""
+    rows = {}
+    for row in items:
+        rows.setdefault(row[0], row)
+    return rows
+
+
+def comms_of(items, name, column):
+    """{comm type: bytes} of item `name`'s pass at `column` (3 fwd, 6 ig, 9 wg), every line."""
+    return {row[column]: int(row[column + 1]) for row in items
+            if row[0] == name and row[column] != "NONE"}
+
+
+def item_names(items):
+    """The items' names in order, one per item (its comm-only lines folded in)."""
+    out = []
+    for row in items:
+        if not out or out[-1] != row[0]:
+            out.append(row[0])
+    return out
 
 
 def test_header_carries_the_degrees_and_accumulation(spec, traces):
@@ -64,8 +84,8 @@ def test_header_carries_the_degrees_and_accumulation(spec, traces):
 
 
 def test_items_cover_only_the_ranks_layers(spec, traces):
-    names0 = [row[0] for row in parse(simai_workload(traces[0], spec, "tiny"))[3]]
-    names8 = [row[0] for row in parse(simai_workload(traces[8], spec, "tiny"))[3]]
+    names0 = item_names(parse(simai_workload(traces[0], spec, "tiny"))[3])
+    names8 = item_names(parse(simai_workload(traces[8], spec, "tiny"))[3])
     parts = ("attention_column", "attention_row", "mlp_column", "mlp_row")
     ga = 16 // (4 * MBS)
     assert [n for n in names0 if n.startswith("layer")] == [
@@ -80,14 +100,19 @@ def test_items_cover_only_the_ranks_layers(spec, traces):
 
 def test_sequence_parallel_comm_sizes_are_sbh_bytes(spec, traces):
     sbh_bytes = SEQ * MBS * HIDDEN * BF16_BYTES
-    items = by_name(parse(simai_workload(traces[8], spec, "tiny"))[3])
+    items = parse(simai_workload(traces[8], spec, "tiny"))[3]
     for part in ("attention", "mlp"):
-        col, row = items[f"layer2_{part}_column"], items[f"layer2_{part}_row"]
-        assert col[3:5] == ["ALLGATHER", str(sbh_bytes)]  # forward
-        assert col[6:8] == ["REDUCESCATTER", str(sbh_bytes)]  # input gradient
-        assert row[3:5] == ["REDUCESCATTER", str(sbh_bytes)]
-        assert row[6:8] == ["ALLGATHER", str(sbh_bytes)]
-        assert col[9] == row[9] == "NONE"  # DP gradients have items of their own
+        col, row = f"layer2_{part}_column", f"layer2_{part}_row"
+        assert comms_of(items, col, 3) == {"ALLGATHER": sbh_bytes}  # forward
+        # input gradient: Megatron-LM gathers the sharded input again (for the weight
+        # gradient), then reduce-scatters the input's gradient
+        assert comms_of(items, col, 6) == {"ALLGATHER": sbh_bytes, "REDUCESCATTER": sbh_bytes}
+        assert [r[6] for r in items if r[0] == col][:2] == ["ALLGATHER", "REDUCESCATTER"]
+        assert comms_of(items, row, 3) == {"REDUCESCATTER": sbh_bytes}
+        assert comms_of(items, row, 6) == {"ALLGATHER": sbh_bytes}
+        assert comms_of(items, col, 9) == comms_of(items, row, 9) == {}  # DP: own items
+    head = comms_of(items, "final_norm_lm_head", 6)
+    assert head == {"ALLGATHER": sbh_bytes, "REDUCESCATTER": sbh_bytes}
 
 
 def test_weight_gradient_time_is_the_projections_matmuls(spec, traces):
@@ -140,7 +165,7 @@ def test_interleaved_writes_its_chunks_per_stage_after_vpp():
     _, header, _, items = parse(text)
     assert header["vpp"] == "2"
     # Stage 0 holds layers 0 and 2 (one per chunk), every micro-batch, chunk by chunk.
-    layers = [row[0].split("_")[0] for row in items if row[0].startswith("layer")]
+    layers = [name.split("_")[0] for name in item_names(items) if name.startswith("layer")]
     assert layers == ["layer0"] * 4 + ["layer2"] * 4 + (["layer0"] * 4 + ["layer2"] * 4) * 3
 
 

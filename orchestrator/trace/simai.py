@@ -28,9 +28,11 @@ Format (learned from the public AICB and SimAI sources, not copied):
   as microseconds, i.e. one tick is 1 ns.
 
 Items follow AICB's split with sequence parallelism: per block an attention "column" item
-(norm, QKV, attention core: forward all-gather, backward reduce-scatter) and a "row" item (output
-projection: forward reduce-scatter, backward all-gather), the same for the MLP, plus the
-embedding and the final norm + lm_head + loss, for every micro-batch. Compute times are sums of
+(norm, QKV, attention core: forward all-gather; backward Megatron-LM's second all-gather of the
+sharded input for the weight gradient, then the input gradient's reduce-scatter, one line each:
+AICB computes that all-gather, `backward_comm_2`, but leaves it out of its file) and a "row"
+item (output projection: forward reduce-scatter, backward all-gather), the same for the MLP,
+plus the embedding and the final norm + lm_head + loss, for every micro-batch. Compute times are sums of
 the records' time_us; a backward op is weight-gradient compute when it makes a weight's gradient
 (an mm that reads no weight and gives a weight's shape, the embedding's dense backward) and
 input-gradient compute otherwise (the recorder marks the ops that read a weight).

@@ -10,6 +10,11 @@
   fp32 gradient buckets and optimizer masters), attention is the fused kernel a GPU runs (flash
   attention's meta kernels), not the CPU's math fallback, and the loss is vocab-parallel
   (Megatron's: logits stay sharded over TP, three small all-reduces per micro-batch).
+- Tensor parallelism is DTensor's with two of Megatron-LM's habits added: a sequence-parallel
+  linear all-gathers its sharded input again in the backward (for the weight gradient: 4
+  all-gathers + 2 reduce-scatters per layer backward, and one more for the LM head), and a full
+  recompute reruns a layer's whole forward (torch's checkpoint would stop at the last output
+  the backward needs).
 - Every micro-batch of a configuration has the same shape, so each model chunk's forward and
   backward are traced once (twice: the first micro-batch assigns the gradients, the others
   accumulate into them) and repeated by the executor, which issues every micro-batch's p2p
@@ -157,12 +162,40 @@ def build_chunks(spec: TraceSpec, model: ModelConfig, tp_mesh: DeviceMesh,
         # Vocab-parallel loss (Megatron's): the logits stay sharded over the vocabulary.
         apply_tensor_parallel(whole, tp_mesh, layout.sequence_parallel, loss_parallel=True,
                               blocks=blocks)
+        if layout.sequence_parallel:
+            for index in blocks:
+                for sub_layer in (whole.blocks[index].attn, whole.blocks[index].mlp):
+                    sub_layer.register_forward_pre_hook(_gather_again_in_backward)
+            whole.lm_head.register_forward_pre_hook(_gather_again_in_backward)
     parts = split_pipeline(whole, per_virtual)
     chunks = [parts[s] for s in mine]
     mode, _ = layout.recompute[pp_rank]
     for chunk in chunks:
         set_recompute(chunk, mode)
     return chunks
+
+
+def _gather_again_in_backward(module: nn.Module, args: tuple) -> None:
+    """Megatron-LM's sequence-parallel linears keep their input sharded and all-gather it
+    again in the backward, for the weight gradient (DTensor keeps the gathered input): a
+    sub-layer's pre-forward hook, after TP's own gathered it, that issues that second gather
+    when the gathered input's gradient arrives."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    x = args[0] if args else None
+    if not isinstance(x, DTensor) or not x.requires_grad or x.placements != (Replicate(),):
+        return
+    mesh = x.device_mesh
+    shard = list(x.shape)
+    shard[1] //= mesh.size()
+
+    def gather_again(grad):
+        local = torch.empty(shard, dtype=x.dtype, device=META)
+        DTensor.from_local(local, mesh, [Shard(1)], run_check=False).redistribute(
+            mesh, [Replicate()])
+        return None
+
+    x.register_hook(gather_again)
 
 
 class _Replay(torch.autograd.Function):
@@ -328,12 +361,15 @@ def _capture(chunk: nn.Module, x: torch.Tensor, recorder: OpRecorder, tracker,
     the gradients, and a later one, which accumulates into them."""
     from torch.distributed.tensor import DTensor
 
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
     start = time.perf_counter()
     captured: List[dict] = []
     context = recorder.context
     recorder.records, recorder.tracker, recorder.context = captured, tracker, dict
     try:
-        with tracker, recorder:
+        # Megatron's full recompute reruns a layer's whole forward: no early stop.
+        with tracker, recorder, set_checkpoint_early_stop(False):
             out = chunk(x)
             n_forward = len(captured)
             out.backward(torch.empty_like(out))
@@ -383,6 +419,7 @@ class _RankTracer:
     def run(self, replay: bool = True) -> List[dict]:
         from torch.distributed.tensor.parallel import loss_parallel
         from torch.distributed.tensor import DTensor
+        from torch.utils.checkpoint import set_checkpoint_early_stop
         from torch.utils.module_tracker import ModuleTracker
 
         from orchestrator.models.gpt import token_loss_sum
@@ -453,7 +490,7 @@ class _RankTracer:
             batches = [MicroBatchInput(tokens(), tokens(), layout.recompute[pp_rank][0])
                        for _ in range(layout.num_micro_batches)]
         # The loss's forward and backward both run inside loss_parallel (vocab-sharded logits).
-        with gpu_attention(), loss_parallel(), recorder, (
+        with gpu_attention(), loss_parallel(), recorder, set_checkpoint_early_stop(False), (
                 contextlib.nullcontext() if replay else tracker):
             self.state = {"phase": "F", "chunk": 0, "mb": 0}
             if layout.pp > 1:

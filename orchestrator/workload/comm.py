@@ -8,10 +8,10 @@ its gathered output, every other op its input.
 
 Engine "megatron" is what `stage=trace` records of a Megatron-style rank (trace/tracer.py),
 checked against it: parameters and the residual stream in the compute dtype (bf16, fp32 main
-gradients), no loss all-reduce at the step. Its TP runs DTensor's
-collectives as the orchestrator engine does: Megatron-LM proper all-gathers the SP input again in
-the backward for the weight gradient (the planner's megatron TP terms price that, workload/tp.py;
-the trace does not show it).
+gradients), no loss all-reduce at the step, and Megatron-LM's TP (workload/tp.py): with SP each
+linear all-gathers its sharded input again in the backward for the weight gradient (4
+all-gathers + 2 reduce-scatters per layer backward, 2 for the LM head), and a full recompute
+reruns the layer's whole forward (2 all-gathers + 2 reduce-scatters).
 
 Tensor parallelism (DTensor, models/parallelize.py), per layer and micro-batch:
 - with sequence parallelism: forward 2 all-gathers (the norm outputs, the residual dtype) and 2
@@ -97,7 +97,7 @@ def rank_comms(model: ModelConfig, layout: ParallelLayout, rank: int,
     megatron = engine == "megatron"
     residual = compute if megatron else RESIDUAL
     out: List[Comm] = []
-    out += _tp_comms(model, layout, rank, compute, residual)
+    out += _tp_comms(model, layout, rank, compute, residual, engine)
     out += _pp_comms(model, layout, rank, residual)
     out += _dp_comms(model, layout, rank, bucket_MiB)
     if layout.world_size > 1:
@@ -124,7 +124,8 @@ def _recomputed_blocks(layout: ParallelLayout, rank: int, blocks_in_chunk: int) 
     return min(blocks_in_chunk, k // layout.virtual_stages) if mode == "full" else 0
 
 
-def _tp_comms(model, layout, rank, compute: Dtype, residual_dtype: Dtype) -> List[Comm]:
+def _tp_comms(model, layout, rank, compute: Dtype, residual_dtype: Dtype,
+              engine: str) -> List[Comm]:
     tp, m = layout.tp, layout.num_micro_batches
     if tp == 1:
         return []
@@ -136,7 +137,7 @@ def _tp_comms(model, layout, rank, compute: Dtype, residual_dtype: Dtype) -> Lis
         layers += len(blocks)
         recomputed += _recomputed_blocks(layout, rank, len(blocks))
         first, last = first or is_first, last or is_last
-    counts = tp_counts("orchestrator", layout.sequence_parallel)
+    counts = tp_counts(engine, layout.sequence_parallel)
     # forward: gathers move norm outputs (residual dtype), reductions matmul outputs (compute
     # dtype); each backward collective moves the gradient of a forward one, in its dtype
     fwd = {"all_gather": residual_dtype, "reduce_scatter": compute, "all_reduce": compute}

@@ -7,8 +7,9 @@ scatters forward and the same backward (DTensor keeps the gathered inputs for th
 gradients); a layer recomputed in full reruns 2 all-gathers + 1 reduce-scatter (checkpointing
 stops at the last output the backward needs).
 
-engine "megatron" (Megatron-LM): backward re-gathers the inputs SP keeps sharded (4 all-gathers
-+ 2 reduce-scatters), full recompute reruns the whole forward.
+engine "megatron" (Megatron-LM, and what stage=trace records): backward re-gathers the inputs
+SP keeps sharded (4 all-gathers + 2 reduce-scatters; the LM head's too), full recompute reruns
+the whole forward.
 
 Both compute the loss vocab-parallel: the logits stay sharded over TP and three fp32 all-reduces
 of one value per token (the logits' max, the sum of exponentials, the target's logit) replace an
@@ -58,7 +59,8 @@ def tp_counts(engine: str, sequence_parallel: bool) -> TpCounts:
             layer_bwd={"all_gather": 2 if ours else 4, "reduce_scatter": 2},
             recompute={"all_gather": 2, "reduce_scatter": 1} if ours else dict(fwd),
             embedding_fwd={"reduce_scatter": 1}, embedding_bwd={"all_gather": 1},
-            head_fwd={"all_gather": 1}, head_bwd={"reduce_scatter": 1})
+            head_fwd={"all_gather": 1},
+            head_bwd={"reduce_scatter": 1} if ours else {"all_gather": 1, "reduce_scatter": 1})
     return TpCounts(
         layer_fwd={"all_reduce": 2}, layer_bwd={"all_reduce": 2},
         recompute={"all_reduce": 1 if ours else 2},
