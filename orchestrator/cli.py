@@ -267,8 +267,12 @@ def run_stages(cfg: Config) -> List[dict]:
             job = {"job_id": launcher.job_id(handle), "job_folder": launcher.job_folder(handle)}
             try:
                 ledger.attach_job(plan.key, request.todo, **job)
-            except BaseException:  # e.g. a full disk: a launch nobody can follow must not run on
+            except Exception as e:  # e.g. a full disk: a launch nobody can follow must not run on
                 launcher.stop(handle)
+                reason = (f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename
+                          else f"{type(e).__name__}: {e}")
+                _mark_ended(ledger, plan.key, State.failed, request.todo,
+                            f"stopped: its job could not be recorded ({reason})")
                 raise
             produced_now.add(plan.stage)
             if launcher.queued:  # submit the whole chain first (afterok), then wait in order

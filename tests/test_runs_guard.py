@@ -15,7 +15,9 @@ import pytest
 
 from conftest import REPO, default_sigint, ledger, run_cli, start_cli
 
-SLOW_NOOP = ["stage=noop", "noop.sleep_s=60"]
+# Longer than any test waits, so the run cannot finish while a test looks (a loaded machine once
+# let a 60 s one end before the test's Ctrl-C arrived); every test stops it.
+SLOW_NOOP = ["stage=noop", "noop.sleep_s=900"]
 # An upper bound on one CLI step (start, exit after a signal, a rerun), not a synchronisation:
 # generous because a loaded 2-core machine can take a minute to import and exit Python.
 WAIT_S = 240
@@ -165,6 +167,15 @@ elif phase == "launched":  # the ranks run and the ledger names them; not yet wa
         pause()
 
     Ledger.attach_job = attach_then_pause
+elif phase == "unrecorded":  # the ranks run, and the ledger cannot take their job (disk full)
+    import errno
+    from orchestrator.store.ledger import Ledger
+
+    def full_disk(self, *args, **kwargs):
+        paused.touch()
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+
+    Ledger.attach_job = full_disk
 runpy.run_module("orchestrator", run_name="__main__", alter_sys=True)
 """
 
@@ -199,6 +210,23 @@ def test_ctrl_c_between_the_launch_and_its_wait_stops_the_ranks_and_cancels(prof
     assert "Traceback" not in out and "noop: interrupted (Ctrl-C)" in out
     assert ledger(profiles)["noop"]["state"] == "cancelled"
     assert not _alive(mpiexec_pid)
+
+
+def test_a_launch_the_ledger_cannot_record_is_stopped_and_marked_failed(profiles, tmp_path):
+    # A disk that fills between the launch's ledger entry and its job id: the ranks must not
+    # run on unfollowed, and the entry must not stay `running`.
+    proc = _start_paused("unrecorded", tmp_path / "attached", *SLOW_NOOP,
+                         f"profiles_dir={profiles}")
+    try:
+        out, _ = proc.communicate(timeout=WAIT_S)
+    finally:
+        _stop(proc)
+    assert proc.returncode == 2, out
+    assert "ledger.json: No space left on device" in out
+    entry = ledger(profiles)["noop"]
+    assert entry["state"] == "failed", entry
+    assert "could not be recorded" in entry["error"] and "No space left" in entry["error"]
+    assert not _rank_pids(profiles)  # stopped, not left running
 
 
 @pytest.mark.parametrize("phase", ["loading", "composing", "planning"])
@@ -377,3 +405,31 @@ def test_ctrl_c_while_waiting_on_a_slurm_job_leaves_it_queued_and_says_how_to_st
         _stop(proc)
         if job_id:
             subprocess.run(["scancel", job_id], check=True)
+
+
+def test_stopping_a_launch_the_moment_it_starts_ends_its_ranks():
+    """mpiexec loses a SIGTERM sent while it starts and would run its ranks to the end (a
+    loaded CI run saw a Ctrl-C'd 60 s run finish): the stop repeats it, then kills."""
+    import shutil
+    import threading
+
+    from orchestrator.launch.local import terminate
+
+    marker = f"sleep_marker_{os.getpid()}"
+    body = f"import time; time.sleep(600)  # {marker}"
+    proc = subprocess.Popen([shutil.which("mpiexec"), "-n", "2", sys.executable, "-c", body],
+                            start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    stopper = threading.Thread(target=terminate, args=(proc,), daemon=True)
+    stopper.start()  # at once: inside mpiexec's start-up
+    stopper.join(timeout=120)
+    try:
+        assert not stopper.is_alive(), "mpiexec still runs 120 s after the stop began"
+        deadline = time.monotonic() + 30
+        while subprocess.run(["pgrep", "-f", marker], capture_output=True).returncode == 0:
+            assert time.monotonic() < deadline, "ranks outlived their mpiexec"
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        subprocess.run(["pkill", "-9", "-f", marker])

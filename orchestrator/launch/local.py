@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -39,6 +40,28 @@ def mpiexec_command(mpiexec: str, ranks: int, request_path: str | Path, extra_ar
     """The command line that starts `ranks` copies of the rank runtime."""
     return [mpiexec, "-n", str(ranks), *extra_args, sys.executable, "-m", "orchestrator.runtime",
             str(request_path)]
+
+
+# mpiexec loses a SIGTERM that arrives while it starts (its first ~10-50 ms here, seconds on a
+# loaded machine) and then runs its ranks to the end: repeat it this long, then SIGKILL (hydra's
+# proxies end their ranks when mpiexec is gone).
+STOP_GRACE_S = 20.0
+
+
+def terminate(proc: subprocess.Popen) -> None:
+    """Stop a launch's mpiexec (its own process group) and wait for it to end."""
+    deadline = time.monotonic() + STOP_GRACE_S
+    while proc.poll() is None:
+        sig = signal.SIGTERM if time.monotonic() < deadline else signal.SIGKILL
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            pass
+    proc.wait()
 
 
 def _die_with_parent() -> None:
@@ -81,8 +104,7 @@ class LocalLauncher:
 
     def stop(self, handle: LocalHandle) -> None:
         if handle.proc is not None and handle.proc.poll() is None:
-            os.killpg(handle.proc.pid, signal.SIGTERM)
-            handle.proc.wait()  # mpiexec's last words come before the caller's error line
+            terminate(handle.proc)  # mpiexec's last words come before the caller's error line
 
     def refresh(self, ledger, key: str, entry: LedgerEntry) -> None:
         """A local launch ends with the command that started it: one whose command is gone
@@ -100,8 +122,7 @@ class LocalLauncher:
         try:
             rc = handle.proc.wait()
         except KeyboardInterrupt:  # the caller records the cancel and exits 130
-            os.killpg(handle.proc.pid, signal.SIGTERM)
-            handle.proc.wait()
+            terminate(handle.proc)
             raise
         rank0 = read_rank0_result(request.run_dir)
         if rc == 0 and rank0 and rank0.get("ok"):

@@ -50,17 +50,22 @@ def _node_name() -> str:
 
 
 def check_world_size(mpi_size: int, expected: int) -> None:
-    """Fail with the fix when MPI's world is not the one the stage asked for."""
+    """Fail with the fix when MPI's world is not the one the stage asked for. Every task finds
+    it on its own, before any communication, so any task may record it (`every_rank`): srun
+    stops the others when the first one exits, task 0 too when it is the slowest."""
     if mpi_size == expected:
         return
     ntasks = int(os.environ.get("SLURM_NTASKS", "0") or 0)
     if mpi_size == 1 and ntasks > 1:
-        raise LaunchError(
+        error = LaunchError(
             f"MPI sees COMM_WORLD.size == 1 but Slurm started {ntasks} tasks: srun lacks a PMI "
             f"flag, so every task is its own MPI world. Set cluster.mpi_flag='--mpi=pmi2' "
             f"(what the mpich wheel speaks) or your site's PMI flag.")
-    raise LaunchError(f"MPI world size {mpi_size} != the {expected} ranks the stage needs "
-                      f"(cluster.nodes * cluster.tasks_per_node)")
+    else:
+        error = LaunchError(f"MPI world size {mpi_size} != the {expected} ranks the stage "
+                            f"needs (cluster.nodes * cluster.tasks_per_node)")
+    error.every_rank = True
+    raise error
 
 
 def cpu_threads(hostnames: list, rank: int) -> int:
@@ -281,7 +286,7 @@ def run_rank(request: StageRequest):
         msg = f"rank {rank}: {type(error).__name__}: {error}"
         log.error("%s\n%s", msg, traceback.format_exc())
         print(msg, file=sys.stderr, flush=True)
-        if rank == 0:
+        if rank == 0 or getattr(error, "every_rank", False):  # the same line from any task
             try:
                 record_failure(request, msg, error,
                                disk_full=getattr(e, "errno", None) in DISK_FULL)
