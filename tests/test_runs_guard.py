@@ -112,14 +112,24 @@ def test_kill_9_then_an_immediate_rerun_runs(profiles):
     assert ledger(profiles)["noop"]["state"] == "done"
 
 
-def test_ctrl_c_exits_130_then_rerun_resumes(profiles):
-    proc = start_cli(*SLOW_NOOP, profiles_dir=profiles)
+def _ctrl_c(proc) -> str:
+    """SIGINT to the CLI (what a terminal's Ctrl-C sends it); its output once it ended."""
     try:
-        _wait_until_running(proc, profiles)
         os.kill(proc.pid, signal.SIGINT)
         out, _ = proc.communicate(timeout=WAIT_S)
     finally:
         _stop(proc)
+    return out
+
+
+def test_ctrl_c_exits_130_then_rerun_resumes(profiles):
+    proc = start_cli(*SLOW_NOOP, profiles_dir=profiles)
+    try:
+        _wait_until_running(proc, profiles)
+    except BaseException:
+        _stop(proc)
+        raise
+    out = _ctrl_c(proc)
     assert proc.returncode == 130, out
     assert "Traceback" not in out and "interrupted" in out
     assert ledger(profiles)["noop"]["state"] == "cancelled"
@@ -198,14 +208,10 @@ def test_ctrl_c_between_the_launch_and_its_wait_stops_the_ranks_and_cancels(prof
     # yet begun to wait; a Ctrl-C there must not leave the entry `running`.
     proc = _start_paused("launched", tmp_path / "paused", *SLOW_NOOP,
                          f"profiles_dir={profiles}")
-    try:
-        entry = ledger(profiles)["noop"]
-        assert entry["state"] == "running" and entry["job_id"]
-        mpiexec_pid = int(entry["job_id"].split("-")[1])
-        os.kill(proc.pid, signal.SIGINT)
-        out, _ = proc.communicate(timeout=WAIT_S)
-    finally:
-        _stop(proc)
+    entry = ledger(profiles)["noop"]
+    out = _ctrl_c(proc)
+    assert entry["state"] == "running" and entry["job_id"]
+    mpiexec_pid = int(entry["job_id"].split("-")[1])
     assert proc.returncode == 130, out
     assert "Traceback" not in out and "noop: interrupted (Ctrl-C)" in out
     assert ledger(profiles)["noop"]["state"] == "cancelled"
@@ -234,11 +240,7 @@ def test_ctrl_c_before_launch_exits_130_without_traceback(profiles, tmp_path, ph
     # Interrupted while loading, composing or planning (before any launch): 130, one line.
     proc = _start_paused(phase, tmp_path / "paused", "stage=profile_hardware",
                          f"profiles_dir={profiles}")
-    try:
-        os.kill(proc.pid, signal.SIGINT)
-        out, _ = proc.communicate(timeout=WAIT_S)
-    finally:
-        _stop(proc)
+    out = _ctrl_c(proc)
     assert proc.returncode == 130, out
     assert "Traceback" not in out and "interrupted (Ctrl-C)" in out.strip().splitlines()[-1]
     assert not ledger(profiles)  # nothing was launched
