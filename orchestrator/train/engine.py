@@ -37,7 +37,7 @@ from orchestrator.models.gpt import GPT, cross_entropy_loss, token_loss_sum
 from orchestrator.models.parallelize import apply_tensor_parallel, split_pipeline
 from orchestrator.train.executor import (MicroBatchInput, PipelineExecutor, run_plain,
                                          set_recompute)
-from orchestrator.train.grads import FsdpAdamW, ShardedAdamW
+from orchestrator.train.grads import FsdpAdamW, ShardedAdamW, local_tensor
 
 
 @dataclass(frozen=True)
@@ -219,7 +219,8 @@ class Engine:
         self.optim.begin_step(self.layout.num_micro_batches)
         tokens, targets = tokens.to(self.device), targets.to(self.device)
         with self._loss_parallel():
-            losses = [_local(loss) for loss in self._forward_backward(tokens, targets)]
+            # a vocab-parallel loss is a DTensor, replicated over TP
+            losses = [local_tensor(loss) for loss in self._forward_backward(tokens, targets)]
         local = torch.stack([loss.double() for loss in losses]).mean() if losses else 0.0
         return self._finish_step(start, local, self.layout.dp * self.layout.tp, lr, grad_clip,
                                  stop)
@@ -251,7 +252,7 @@ class Engine:
             else:
                 losses, self.compute_s = run_plain(self.modules[0], batches, self._token_loss,
                                                    self._now)
-        losses = [_local(loss) for loss in losses]
+        losses = [local_tensor(loss) for loss in losses]
         self._apply_recompute()
         local = torch.stack([loss.double() for loss in losses]).sum() if losses else 0.0
         return self._finish_step(start, local, self.layout.tp * total_tokens, lr, grad_clip,
@@ -363,11 +364,6 @@ class Engine:
             states[p] = {key: _local_like(state["optim"][f"{name}.{key}"], p)
                          for key in ("exp_avg", "exp_avg_sq")}
         self.optim.load_state_tensors(states, step)
-
-
-def _local(loss: torch.Tensor) -> torch.Tensor:
-    """A loss as a plain tensor (a vocab-parallel loss is a DTensor replicated over TP)."""
-    return loss.to_local() if hasattr(loss, "to_local") else loss
 
 
 def _placed_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
