@@ -153,7 +153,7 @@ def test_profiler_pieces_compose_to_the_whole_forward():
 def test_the_vocab_parallel_embedding_looks_up_and_differentiates_only_its_rows(vocab):
     """Each TP rank's gradient is its own rows' (1/tp of the table, not the whole [vocab, hidden]
     DTensor's RowwiseParallel makes), and the partial lookups add up to the whole one."""
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
     from torch.distributed.tensor.parallel import parallelize_module
 
     from orchestrator.models.parallelize import VocabParallelEmbedding
@@ -164,15 +164,21 @@ def test_the_vocab_parallel_embedding_looks_up_and_differentiates_only_its_rows(
     with fake_world(2) as mesh:  # rank 0 of 2; the fake group's reduction is the identity
         emb = torch.nn.Embedding(vocab, 8)
         emb.load_state_dict(whole.state_dict())
+        # Each rank cuts its rows from its own copy (src_data_rank=None: no scatter, which the
+        # fake group fills with garbage on older torch, the GPU image's 2.11).
         parallelize_module(emb, mesh, VocabParallelEmbedding(input_layouts=Replicate(),
-                                                             output_layouts=Replicate()))
-        out = emb(ids)
-        out.sum().backward()
+                                                             output_layouts=Replicate()),
+                           src_data_rank=None)
+        # The lookup before RowwiseParallel's reduction (which the fake group cannot do): this
+        # rank's rows, zeros elsewhere.
+        partial = emb.forward(DTensor.from_local(ids, mesh, [Replicate()], run_check=False))
+        assert tuple(partial.placements) == (Partial(),)
+        emb(ids).sum().backward()
         grad = emb.weight.grad
         rows = -(-vocab // 2)  # rank 0 owns rows [0, ceil(vocab / 2))
         assert tuple(grad.placements) == (Shard(0),)
         assert tuple(grad.to_local().shape) == (rows, 8)
         assert grad.to_local().untyped_storage().nbytes() == rows * 8 * 4
     mine = ids < rows
-    assert torch.equal(out, whole(ids) * mine.unsqueeze(-1))  # others' rows: their partial sums
+    assert torch.equal(partial.to_local(), whole(ids) * mine.unsqueeze(-1))
     assert torch.equal(grad.to_local().sum(1), torch.bincount(ids[mine], minlength=rows) * 8.0)

@@ -113,6 +113,20 @@ def _expected_tiny_block_bytes(cfg: ModelConfig, s: int) -> dict:
     return {"none": 4 * elems, "selective": 4 * (elems - lse), "full": 4 * s * h}
 
 
+@pytest.mark.parametrize("kernel", ["flash_attention_for_cpu", "flash_attention",
+                                    "efficient_attention", "cudnn_attention"])
+def test_gqa_attention_flops_count_every_query_head_on_every_kernel(kernel):
+    """4 query heads over 1 K/V head cost what 4 full heads cost: 2 matmuls of b*hq*sq*sk*d
+    forward, 2.5x that backward (the GPU image's torch 2.11 asserted on these shapes)."""
+    b, hq, hkv, s, d = 2, 4, 1, 64, 16
+    q, kv = (b, hq, s, d), (b, hkv, s, d)
+    mapping = an._flop_mapping()
+    fwd = mapping[getattr(torch.ops.aten, f"_scaled_dot_product_{kernel}")]
+    bwd = mapping[getattr(torch.ops.aten, f"_scaled_dot_product_{kernel}_backward")]
+    assert fwd(q, kv, kv) == 2 * (2 * b * hq * s * s * d)
+    assert bwd(q, q, kv, kv) == 5 * (2 * b * hq * s * s * d)
+
+
 def test_saved_tensor_count_of_a_tiny_block_matches_its_tensors():
     cfg = ModelConfig()
     s = 64
@@ -255,3 +269,37 @@ def test_point_estimate_counts_fp32_activations_at_4_bytes():
     h, g, f = 64, 2 / 4, 128 / 64
     per_elem = 64 * h * (24 + 4 * g + 8 * f) / 2 + 64 * 4 * h
     assert diff == pytest.approx(per_elem * (4 - 2))
+
+
+def test_kernel_bytes_count_reads_and_writes_of_plain_in_place_and_foreach_ops():
+    from orchestrator.profiling.model.timing import KernelBytes
+
+    a, b = torch.ones(1000), torch.ones(1000)
+    with KernelBytes() as plain:
+        torch.add(a, b)  # reads 2, writes 1
+    with KernelBytes() as in_place:
+        a.mul_(2.0)  # reads 1, writes it back
+    with KernelBytes() as foreach:
+        torch._foreach_mul_([a, b], 2.0)  # returns nothing: reads 2, writes 2
+    assert (plain.bytes, in_place.bytes, foreach.bytes) == (12000, 8000, 16000)
+
+
+def test_analytic_optimizer_step_is_its_bytes_at_the_sheets_hbm_bandwidth():
+    """A GPU sheet with hbm_GBps prices each part's step from its own parameters; a sheet
+    without (cpu) prices none, as before."""
+    from orchestrator.profiling.model.timing import local_numel, optimizer_step_bytes_per_element
+
+    us = {}
+    for device in ("h100", "cpu"):
+        cfg = _compose(["profile_model.source=analytic", "profile_model.seq_lens=[64,128]",
+                        "profile_model.max_tp=1", f"profile_model.device={device}"])
+        plan = plan_profile(cfg)
+        runner = point_runner(None, cfg, plan, plan.tps)
+        with runner.for_tp(1, 128):
+            us[device] = runner.point(128, 1)
+            pm = runner._pm
+            numel = (local_numel(pm.block.parameters()), local_numel(pm.other_params()))
+    per_us = optimizer_step_bytes_per_element(True) / (3350 * 1e3)  # h100: 3350 GB/s
+    assert us["h100"]["block_optim_us"] == pytest.approx(numel[0] * per_us, rel=1e-12)
+    assert us["h100"]["other_optim_us"] == pytest.approx(numel[1] * per_us, rel=1e-12)
+    assert "block_optim_us" not in us["cpu"]

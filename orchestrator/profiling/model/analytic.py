@@ -30,20 +30,35 @@ CAUSAL_ATTENTION_FRACTION = 0.5
 
 # ---------------------------------------------------------------- FLOPs
 def _flop_mapping() -> dict:
-    """Flop formulas for the CPU flash-attention ops FlopCounterMode does not know."""
+    """Flop formulas for the attention kernels (the CPU flash op FlopCounterMode does not know)."""
     import torch
     from torch.utils import flop_counter as fc
 
     aten = torch.ops.aten
 
+    def as_query_heads(query_shape, shape):
+        # GQA: every query head attends once, so the FLOPs are those of K/V repeated to the
+        # query's heads (torch 2.13 counts it so; older torch, the GPU image's 2.11, asserts
+        # equal head counts).
+        return (*shape[:-3], query_shape[-3], *shape[-2:])
+
     def fwd(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs):
-        return fc.sdpa_flop_count(query_shape, key_shape, value_shape)
+        return fc.sdpa_flop_count(query_shape, as_query_heads(query_shape, key_shape),
+                                  as_query_heads(query_shape, value_shape))
 
     def bwd(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs):
-        return fc.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+        return fc.sdpa_backward_flop_count(grad_out_shape, query_shape,
+                                           as_query_heads(query_shape, key_shape),
+                                           as_query_heads(query_shape, value_shape))
 
-    return {aten._scaled_dot_product_flash_attention_for_cpu: fwd,
-            aten._scaled_dot_product_flash_attention_for_cpu_backward: bwd}
+    # The CUDA kernels too: torch knows them, but older torch asserts on GQA shapes.
+    kernels = ("flash_attention_for_cpu", "flash_attention", "efficient_attention",
+               "cudnn_attention")
+    mapping = {}
+    for kernel in kernels:
+        mapping[getattr(aten, f"_scaled_dot_product_{kernel}")] = fwd
+        mapping[getattr(aten, f"_scaled_dot_product_{kernel}_backward")] = bwd
+    return mapping
 
 
 def _split_counts(counter) -> Tuple[float, float]:

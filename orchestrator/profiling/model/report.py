@@ -156,7 +156,8 @@ def print_report(profile: Mapping, console: Optional[Console] = None) -> None:
         sheet = profile.get("method", {}).get("device_sheet", {})
         console.print(f"[yellow]analytic[/]: times from FLOPs on device sheet "
                       f"{sheet.get('name', '?')} (efficiency {sheet.get('efficiency', '?')}), "
-                      f"TP collectives not included; memory exact from shapes")
+                      f"TP collectives not included; optimizer step from its bytes at "
+                      f"{sheet.get('hbm_GBps') or 'no'} GB/s HBM; memory exact from shapes")
 
 
 def _time_panel(ax, profile: Mapping, by_tp: Dict[int, List[Mapping]], colours) -> None:

@@ -18,6 +18,7 @@ from orchestrator.profiling.model import memory as mem
 from orchestrator.profiling.model.plan import ProfilePlan
 from orchestrator.profiling.model.timing import (build_point_model, combine_ranks,
                                                  fastest_and_median, local_numel, memory_point,
+                                                 optimizer_step_bytes_per_element,
                                                  time_optimizer_step_us, time_point)
 
 
@@ -106,14 +107,24 @@ class AnalyticTiming:
         return self.fake
 
     def times_us(self, pm, seq: int, tp: int, flops: Dict[str, float]) -> dict:
-        """Schema times (us) of one TP rank from the tp=1 FLOPs."""
-        return an.analytic_times_us(flops, tp, self.sheet, self.dtype)
+        """Schema times (us) of one TP rank from the tp=1 FLOPs; the optimizer steps from the
+        bytes they move at the sheet's HBM bandwidth (none without `hbm_GBps`)."""
+        times = an.analytic_times_us(flops, tp, self.sheet, self.dtype)
+        hbm_GBps = self.sheet.get("hbm_GBps")
+        if hbm_GBps:
+            per_element = optimizer_step_bytes_per_element(self.gpu_kernels)
+            us_per_element = per_element / (float(hbm_GBps) * 1e3)
+            times["block_optim_us"] = local_numel(pm.block.parameters()) * us_per_element
+            times["other_optim_us"] = local_numel(pm.other_params()) * us_per_element
+        return times
 
     def method(self, plan: ProfilePlan) -> dict:
         """The profile's "method": how times and memory were obtained."""
         return {"source": "analytic", "why": plan.reason, "device_sheet": self.sheet,
                 "timing": "FLOPs (FlopCounterMode, causal attention halved) / (peak x "
-                          "efficiency); TP collectives excluded",
+                          "efficiency); TP collectives excluded; *_optim_us: the bytes the "
+                          "optimizer step moves (norm, clip, AdamW, copy) / hbm_GBps"
+                          + ("" if self.sheet.get("hbm_GBps") else " (not on this sheet: 0)"),
                 "activations": "saved tensors under FakeTensorMode"
                                + (", CUDA RMSNorm kernel emulated" if self.gpu_kernels else ""),
                 "states": mem.BYTES_PER_PARAM_NOTE}

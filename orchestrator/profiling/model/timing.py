@@ -15,11 +15,13 @@ The same builder runs under FakeTensorMode for analytic points (no data, shapes 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional
 
 import torch
+import torch.utils._python_dispatch
 
 from orchestrator.models.config import ModelConfig
 from orchestrator.profiling.measure import Stopwatch, is_cuda, median_of_group_max, summarize
@@ -266,33 +268,98 @@ def local_numel(params) -> int:
     return sum(getattr(p, "_local_tensor", p).numel() for p in params)
 
 
+# Bytes per element of one fused AdamW kernel (what train runs on a GPU, train/grads.py): reads
+# the master, its gradient and both moments, writes the master and the moments, all fp32.
+FUSED_ADAMW_BYTES = 7 * 4
+
+
+def _adamw(master: torch.Tensor) -> torch.optim.AdamW:
+    # Fused on GPUs, foreach elsewhere: the kernels train's optimizer uses (train/grads.py).
+    kernel = {"fused": True} if master.device.type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW([master], lr=1e-4, weight_decay=0.1, **kernel)
+
+
+def optimizer_step(master: torch.Tensor, weight: torch.Tensor, param: torch.Tensor,
+                   optim: torch.optim.Optimizer, adamw: bool = True) -> torch.Tensor:
+    """What train's optimizer phase does for these fp32 elements (train/grads.py): the weighted
+    gradient norm in float64, clipping to 1, AdamW on the flat master, the copy into the
+    parameters. The clip factor stays on the device (works on meta tensors too); returns the
+    norm. `adamw=False` leaves the AdamW step out (priced on its own for fused kernels)."""
+    norm = (master.grad.double().square() * weight).sum().sqrt()
+    master.grad.mul_((1.0 / (norm + 1e-6)).clamp(max=1.0))
+    if adamw:
+        optim.step()
+    with torch.no_grad():
+        param.copy_(master)
+    return norm
+
+
 def time_optimizer_step_us(numel: int, device: torch.device, warmup_iters: int,
                            iters: int) -> List[float]:
-    """Samples (us) of what train's optimizer phase does (train/grads.py) for `numel` fp32
-    elements: the weighted gradient norm (float64), clipping, an AdamW step (foreach) on a flat
-    master and the copy back into the parameters. Timed on at least OPTIM_MIN_NUMEL elements and
-    scaled to `numel`: train steps a whole stage's flat master at once, which a block's slice
-    alone (in cache) would under-read."""
+    """Samples (us) of `optimizer_step` for `numel` fp32 elements. Timed on at least
+    OPTIM_MIN_NUMEL elements and scaled to `numel`: train steps a whole stage's flat master at
+    once, which a block's slice alone (in cache) would under-read."""
     size = max(int(numel), OPTIM_MIN_NUMEL)
     clock = Stopwatch(device)
     master = torch.zeros(size, dtype=torch.float32, device=device, requires_grad=True)
     weight = torch.ones_like(master, requires_grad=False)  # replication weight of each element
     param = torch.zeros_like(weight)
-    optim = torch.optim.AdamW([master], lr=1e-4, weight_decay=0.1, foreach=True)
+    optim = _adamw(master)
     out = []
     for i in range(warmup_iters + iters):
         master.grad = torch.full_like(weight, 1e-3)
         clock.sync()
         t0 = clock.mark()
-        norm = float((master.grad.double().square() * weight).sum().sqrt())
-        master.grad.mul_(min(1.0, 1.0 / (norm + 1e-6)))
-        optim.step()
-        with torch.no_grad():
-            param.copy_(master)
+        optimizer_step(master, weight, param, optim)
         t1 = clock.mark()
         if i >= warmup_iters:
             out.append(clock.elapsed_us(t0, t1) * numel / size)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def optimizer_step_bytes_per_element(fused_adamw: bool) -> float:
+    """Bytes `optimizer_step` reads and writes per fp32 element (what an HBM roofline prices):
+    every kernel's inputs and outputs, counted on meta tensors after a first step has made
+    AdamW's moments; with `fused_adamw` (GPUs) the AdamW step is one kernel of
+    FUSED_ADAMW_BYTES."""
+    n = 1 << 20
+    master = torch.zeros(n, device="meta", requires_grad=True)
+    weight, param = torch.ones_like(master), torch.zeros_like(master)
+    optim = torch.optim.AdamW([master], lr=1e-4, weight_decay=0.1, foreach=True)
+    master.grad = torch.ones_like(weight)
+    optimizer_step(master, weight, param, optim)
+    master.grad = torch.ones_like(weight)
+    with KernelBytes() as counted:
+        optimizer_step(master, weight, param, optim, adamw=not fused_adamw)
+    return counted.bytes / n + (FUSED_ADAMW_BYTES if fused_adamw else 0.0)
+
+
+class KernelBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Sums the bytes every dispatched op reads (its tensor inputs) and writes (its outputs and
+    the inputs it mutates); ops that only make views move none."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_flatten
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not func.is_view:
+            def size(tree):
+                return sum(t.numel() * t.element_size() for t in tree_flatten(tree)[0]
+                           if isinstance(t, torch.Tensor))
+            written = [a for a, spec in zip(args, func._schema.arguments)
+                       if spec.alias_info is not None and spec.alias_info.is_write]
+            self.bytes += size((args, kwargs)) + size(out if func._schema.returns else ())
+            # In-place ops return their input (counted as read): count the write once more,
+            # unless the op returns nothing (foreach_*_), when the write is counted here.
+            if written and not func._schema.returns:
+                self.bytes += size(written)
+        return out
 
 
 def memory_point(pm: PointModel, seq_len: int, gpu_kernels: bool = False,
