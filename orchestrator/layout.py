@@ -5,9 +5,11 @@ torchtitan's ParallelDims it validates itself on construction and its messages p
 (`dp(2) * tp(4) * pp(2) != world_size(8)`), so a bad layout fails where it is written, not deep
 inside a launch.
 
-Rank order is Megatron's (tp fastest, then dp, then pp): global rank = tp_rank + tp * dp_rank +
-tp * dp * pp_rank. Tensor-parallel groups are consecutive ranks, data-parallel groups have stride
-tp, pipeline neighbours are tp * dp ranks apart.
+Rank order is Megatron's (tp fastest, then cp, then dp, then pp): global rank = tp_rank +
+tp * cp_rank + tp * cp * dp_rank + tp * cp * dp * pp_rank. Tensor-parallel groups are consecutive
+ranks, context-parallel groups have stride tp, data-parallel groups stride tp * cp (gradients are
+reduced, and ZeRO shards, over the dp x cp ranks of stride tp that hold the same weights),
+pipeline neighbours are tp * cp * dp ranks apart.
 """
 from __future__ import annotations
 
@@ -20,6 +22,9 @@ from orchestrator.errors import ConfigError
 SCHEDULES = tuple(Schedule)
 RECOMPUTE_MODES = tuple(Recompute)
 ZERO_STAGES = (0, 1, 2, 3)
+# How context-parallel attention moves keys and values (Megatron's --cp-comm-type): a ring of
+# p2p sends overlapped with the attention of the chunk held.
+CP_COMMS = ("p2p",)
 
 # (mode, k_layers): how many layers of the stage use `mode`; the others keep all activations.
 # "none" has k == 0, "selective" covers every layer of the stage (Megatron cannot do part of a
@@ -35,7 +40,9 @@ class LayoutError(ConfigError, ValueError):
 class ParallelLayout:
     """How one training job is split: degrees, batch, schedule, pipeline partition, recompute.
 
-    - world_size = dp * tp * pp.
+    - world_size = dp * tp * cp * pp; cp > 1 splits every sequence over cp ranks (context
+      parallelism, models/context_parallel.py; `cp_comm` how attention reaches the other ranks'
+      keys and values, CP_COMMS).
     - zero: 0 (plain data parallel), 1 (optimizer states sharded over dp), 2 (+ gradients),
       3 (+ parameters). `distributed_optimizer` is Megatron's name for sharded optimizer states:
       it is True exactly when zero >= 1 (left as None it is derived from zero).
@@ -60,6 +67,8 @@ class ParallelLayout:
     num_micro_batches: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
+    cp: int = 1
+    cp_comm: str = "p2p"
 
     def __post_init__(self) -> None:
         # Normalise containers first so that lists from JSON or callers compare and hash.
@@ -73,14 +82,17 @@ class ParallelLayout:
 
     # ---------------------------------------------------------------- validation
     def _validate(self) -> None:
-        for name in ("world_size", "pp", "tp", "dp", "micro_batch_size", "num_micro_batches",
-                     "virtual_stages"):
+        for name in ("world_size", "pp", "tp", "dp", "cp", "micro_batch_size",
+                     "num_micro_batches", "virtual_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.dp * self.tp * self.pp != self.world_size:
-            raise LayoutError(f"dp({self.dp}) * tp({self.tp}) * pp({self.pp}) != "
+        if self.dp * self.tp * self.cp * self.pp != self.world_size:
+            cp = f" * cp({self.cp})" if self.cp > 1 else ""
+            raise LayoutError(f"dp({self.dp}) * tp({self.tp}){cp} * pp({self.pp}) != "
                               f"world_size({self.world_size})")
+        if self.cp_comm not in CP_COMMS:
+            raise LayoutError(f"cp_comm must be one of {CP_COMMS}, got {self.cp_comm!r}")
         if self.zero not in ZERO_STAGES:
             raise LayoutError(f"zero must be one of {ZERO_STAGES}, got {self.zero!r}")
         if bool(self.distributed_optimizer) != (self.zero >= 1):
@@ -135,6 +147,14 @@ class ParallelLayout:
                     raise LayoutError(f"recompute[{stage}]=('full', {k}) % virtual_stages({v}) "
                                       f"!= 0: each model chunk recomputes the same layers")
 
+    def check_sequence(self, seq_len: int) -> None:
+        """Raise LayoutError unless context parallelism can cut `seq_len`: 2 * cp chunks of equal
+        length (the causal load balance), each split evenly over tp."""
+        if self.cp > 1 and seq_len % (2 * self.cp * self.tp):
+            raise LayoutError(f"seq_len({seq_len}) % (2 * cp({self.cp}) * tp({self.tp})) != 0: "
+                              f"context parallelism cuts a sequence into 2 * cp equal chunks, "
+                              f"each split over tp")
+
     def check_model_layers(self, layers: int, model_name: str = "model") -> None:
         """Raise LayoutError unless the stages hold exactly the model's `layers` blocks."""
         if self.num_layers != layers:
@@ -153,28 +173,33 @@ class ParallelLayout:
         return self.dp * self.micro_batch_size * self.num_micro_batches
 
     # ---------------------------------------------------------------- rank order
+    def _size_stride(self, dim: str):
+        """(group size, stride between its ranks) of `dim` in the rank order tp, cp, dp, pp;
+        "dp_cp" is the dp x cp ranks that hold the same weights (gradient reduction, ZeRO)."""
+        tp, cp, dp = self.tp, self.cp, self.dp
+        return {"tp": (tp, 1), "cp": (cp, tp), "dp": (dp, tp * cp), "dp_cp": (dp * cp, tp),
+                "pp": (self.pp, tp * cp * dp)}.get(dim, (None, None))
+
     def coordinate(self, rank: int, dim: str) -> int:
-        """`rank`'s index along `dim` ("tp", "dp" or "pp") in the rank order tp, dp, pp."""
+        """`rank`'s index along `dim` ("tp", "cp", "dp", "dp_cp" or "pp") in the rank order tp,
+        cp, dp, pp."""
         self._check_rank(rank)
-        if dim == "tp":
-            return rank % self.tp
-        if dim == "dp":
-            return rank // self.tp % self.dp
-        if dim == "pp":
-            return rank // (self.tp * self.dp)
-        raise LayoutError(f"dim must be 'tp', 'dp' or 'pp', got {dim!r}")
+        size, stride = self._size_stride(dim)
+        if size is None:
+            raise LayoutError(f"dim must be 'tp', 'cp', 'dp', 'dp_cp' or 'pp', got {dim!r}")
+        return rank // stride % size
 
     def group_ranks(self, dim: str, rank: int) -> range:
-        """The global ranks of `rank`'s `dim` group ("tp", "dp", "pp" or "world"), in group-rank
-        order (the group a (pp, dp, tp) DeviceMesh gives `rank`), as a range: the same cost at
-        any world size."""
+        """The global ranks of `rank`'s `dim` group ("tp", "cp", "dp", "dp_cp", "pp" or "world"),
+        in group-rank order (the group a (pp, dp, cp, tp) DeviceMesh gives `rank`), as a range:
+        the same cost at any world size."""
         if dim == "world":
             self._check_rank(rank)
             return range(self.world_size)
-        size, stride = {"tp": (self.tp, 1), "dp": (self.dp, self.tp),
-                        "pp": (self.pp, self.tp * self.dp)}.get(dim, (None, None))
+        size, stride = self._size_stride(dim)
         if size is None:
-            raise LayoutError(f"dim must be 'tp', 'dp', 'pp' or 'world', got {dim!r}")
+            raise LayoutError(f"dim must be 'tp', 'cp', 'dp', 'dp_cp', 'pp' or 'world', "
+                              f"got {dim!r}")
         first = rank - self.coordinate(rank, dim) * stride
         return range(first, first + size * stride, stride)
 
@@ -187,7 +212,8 @@ class ParallelLayout:
         rc = ",".join(mode if mode != "full" else f"full{k}" for mode, k in self.recompute)
         sched = (self.schedule if self.virtual_stages == 1
                  else f"{self.schedule}(v{self.virtual_stages})")
-        return (f"tp{self.tp} pp{self.pp} dp{self.dp} zero{self.zero}"
+        cp = "" if self.cp == 1 else f" cp{self.cp}"
+        return (f"tp{self.tp}{cp} pp{self.pp} dp{self.dp} zero{self.zero}"
                 f"{' sp' if self.sequence_parallel else ''} mbs{self.micro_batch_size}"
                 f" x{self.num_micro_batches} {sched} "
                 f"[{','.join(map(str, self.layers_per_stage))}] rc[{rc}]")
@@ -196,11 +222,14 @@ class ParallelLayout:
     @classmethod
     def uniform(cls, world_size: int, tp: int, pp: int, layers: int, *,
                 recompute: StageRecompute | str = "none", **kwargs: Any) -> "ParallelLayout":
-        """A layout with dp = world_size / (tp * pp), layers split as evenly as possible (the
+        """A layout with dp = world_size / (tp * cp * pp), layers split as evenly as possible (the
         first stages take the remainder) and the same recompute on every stage ("none",
         "selective", "full" for the whole stage, or an explicit (mode, k_layers))."""
-        if tp < 1 or pp < 1 or world_size % (tp * pp):
-            raise LayoutError(f"tp({tp}) * pp({pp}) does not divide world_size({world_size})")
+        cp = kwargs.get("cp", 1)
+        if tp < 1 or pp < 1 or cp < 1 or world_size % (tp * cp * pp):
+            cp_text = f" * cp({cp})" if cp != 1 else ""
+            raise LayoutError(f"tp({tp}){cp_text} * pp({pp}) does not divide "
+                              f"world_size({world_size})")
         v = kwargs.get("virtual_stages", 1)
         chunks = layers // v
         base, extra = divmod(chunks, pp)
@@ -209,13 +238,15 @@ class ParallelLayout:
             per_stage = tuple((recompute, 0 if recompute == "none" else n) for n in stages)
         else:
             per_stage = tuple(recompute for _ in stages)
-        return cls(world_size=world_size, pp=pp, tp=tp, dp=world_size // (tp * pp),
+        return cls(world_size=world_size, pp=pp, tp=tp, dp=world_size // (tp * cp * pp),
                    layers_per_stage=stages, recompute=per_stage, **kwargs)
 
     def to_dict(self) -> Dict[str, Any]:
-        """Plain JSON-ready dict (lists for tuples); from_dict(to_dict()) == self."""
+        """Plain JSON-ready dict (lists for tuples); from_dict(to_dict()) == self. cp and
+        cp_comm appear only with context parallelism (files written before it read as cp 1)."""
+        cp = {} if self.cp == 1 else {"cp": self.cp, "cp_comm": self.cp_comm}
         return {
-            "world_size": self.world_size, "pp": self.pp, "tp": self.tp, "dp": self.dp,
+            "world_size": self.world_size, "pp": self.pp, "tp": self.tp, "dp": self.dp, **cp,
             "zero": self.zero, "distributed_optimizer": bool(self.distributed_optimizer),
             "sequence_parallel": self.sequence_parallel,
             "micro_batch_size": self.micro_batch_size,

@@ -90,3 +90,31 @@ def test_uniform_splits_layers_and_sets_recompute():
 def test_uniform_rejects_degrees_that_do_not_divide_world():
     with pytest.raises(LayoutError, match=r"tp\(2\) \* pp\(3\) does not divide world_size\(16\)"):
         ParallelLayout.uniform(16, 2, 3, 10)
+
+
+def test_context_parallel_ranks_sit_between_tp_and_dp():
+    """Megatron's order tp-cp-dp-pp: cp groups have stride tp, dp groups stride tp * cp, and
+    the weights' replicas (dp x cp) stride tp."""
+    layout = ParallelLayout.uniform(32, 2, 2, 8, cp=2)  # dp 4
+    assert layout.dp == 4 and layout.describe().startswith("tp2 cp2 pp2 dp4")
+    rank = 2 * 1 + 4 * 3 + 16 * 1 + 1  # tp 1, cp 1, dp 3, pp 1
+    assert [layout.coordinate(rank, d) for d in ("tp", "cp", "dp", "pp")] == [1, 1, 3, 1]
+    assert list(layout.group_ranks("cp", rank)) == [rank - 2, rank]
+    assert list(layout.group_ranks("dp", rank)) == [rank - 12, rank - 8, rank - 4, rank]
+    assert list(layout.group_ranks("dp_cp", rank)) == list(range(17, 32, 2))
+    assert list(layout.group_ranks("pp", rank)) == [rank - 16, rank]
+    assert ParallelLayout.from_dict(layout.to_dict()) == layout
+    plain = ParallelLayout.uniform(8, 2, 1, 8)
+    assert "cp" not in plain.to_dict() and plain.coordinate(5, "cp") == 0
+
+
+def test_context_parallel_needs_a_sequence_of_2cp_chunks_over_tp():
+    layout = ParallelLayout.uniform(16, 2, 1, 8, cp=4)
+    layout.check_sequence(4096)
+    with pytest.raises(LayoutError, match=r"seq_len\(4100\) % \(2 \* cp\(4\) \* tp\(2\)\) != 0"):
+        layout.check_sequence(4100)
+    with pytest.raises(LayoutError, match=r"dp\(2\) \* tp\(2\) \* cp\(4\) \* pp\(1\) != "
+                                          r"world_size\(8\)"):
+        ParallelLayout(world_size=8, pp=1, tp=2, dp=2, cp=4, layers_per_stage=(8,))
+    with pytest.raises(LayoutError, match="cp_comm must be one of"):
+        ParallelLayout.uniform(8, 2, 1, 8, cp=2, cp_comm="ring")

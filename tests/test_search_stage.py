@@ -24,8 +24,8 @@ def test_all_runs_the_chain_then_skips_it(chain):
     prediction = strategy["prediction"]
     assert top_times[0] == prediction["iteration_time_us"]
     breakdown = prediction["breakdown_us"]
-    assert set(breakdown) == {"compute", "tp_comm", "pp_comm", "bubble", "dp_sync_exposed",
-                              "recompute"}
+    assert set(breakdown) == {"compute", "tp_comm", "cp_comm", "pp_comm", "bubble",
+                              "dp_sync_exposed", "recompute"}
     assert sum(breakdown.values()) == pytest.approx(prediction["iteration_time_us"], rel=1e-6)
     assert {p.rsplit("/", 1)[-1] for p in strategy["inputs"]} == {"hardware.json", "tiny.json"}
     args = (profiles / "local" / "strategy" / "tiny.megatron.args").read_text()

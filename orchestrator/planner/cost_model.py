@@ -19,8 +19,9 @@ to ~2% under it. `evaluate(..., simulate=True)` reports both. It is the objectiv
 minimises exactly: a sum plus a max of per-stage terms, which a dynamic programme over pipeline
 partitions can optimise.
 
-Each term lives in planner/terms/ with its Megatron formula: compute.py (per-layer compute),
-tp_comm.py (TP/SP collectives), zero.py (ZeRO sharding, per-layer ZeRO 2/3 traffic, gradient
+Each term lives in planner/terms/ with its Megatron formula: compute.py (per-layer compute, / cp
+with context parallelism), tp_comm.py (TP/SP collectives), cp_comm.py (the context-parallel ring's
+exposed sends; Megatron engine only), zero.py (ZeRO sharding, per-layer ZeRO 2/3 traffic, gradient
 sync), pipeline.py (p2p sends), memory.py (activations, buffers); schedule.py has alpha, beta
 and the in-flight micro-batches. Overlap: communication C beside compute W slows both by
 `overlap_coe` (c >= 1), the pair taking max(W, C) + min(W, C) (c - 1); a stage's gradient sync
@@ -53,6 +54,7 @@ from orchestrator.planner.schedule import (in_flight_micro_batches, schedule_coe
                                            simulate as simulate_schedule)
 from orchestrator.planner.terms import MODE_CODES, FwdBwd, overlap_extra_us
 from orchestrator.planner.terms.compute import LayerCompute
+from orchestrator.planner.terms.cp_comm import CpComm, cp_group_intra_node, cp_kv_message_bytes
 from orchestrator.planner.terms.memory import (ActivationBytes, comm_buffer_bytes,
                                                stage_activation_bytes)
 from orchestrator.planner.terms.pipeline import (boundary_intra_node, boundary_us,
@@ -63,7 +65,8 @@ from orchestrator.workload.memory import BlockActivations, StageMemory
 
 GiB = float(1 << 30)
 MEMORY_KINDS = ("params", "grads", "optim", "activations", "comm_buffers", "reserve")
-BREAKDOWN_KINDS = ("compute", "tp_comm", "pp_comm", "bubble", "dp_sync_exposed", "recompute")
+BREAKDOWN_KINDS = ("compute", "tp_comm", "cp_comm", "pp_comm", "bubble", "dp_sync_exposed",
+                   "recompute")
 
 
 @dataclass(frozen=True)
@@ -132,20 +135,28 @@ class ConfigKey:
     num_micro_batches: int
     schedule: str
     virtual_stages: int
+    cp: int = 1
+    cp_comm: str = "p2p"
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same weights (dp x cp): gradients are reduced, ZeRO shards over
+        them."""
+        return self.dp * self.cp
 
     @classmethod
     def of(cls, layout: ParallelLayout) -> "ConfigKey":
         return cls(layout.world_size, layout.tp, layout.pp, layout.dp, layout.zero,
                    layout.sequence_parallel, layout.micro_batch_size, layout.num_micro_batches,
-                   layout.schedule, layout.virtual_stages)
+                   layout.schedule, layout.virtual_stages, layout.cp, layout.cp_comm)
 
     def layout(self, layers_per_stage, recompute) -> ParallelLayout:
         return ParallelLayout(world_size=self.world_size, pp=self.pp, tp=self.tp, dp=self.dp,
                               zero=self.zero, sequence_parallel=self.sequence_parallel,
                               micro_batch_size=self.micro_batch_size,
                               num_micro_batches=self.num_micro_batches, schedule=self.schedule,
-                              virtual_stages=self.virtual_stages,
-                              layers_per_stage=tuple(layers_per_stage),
+                              virtual_stages=self.virtual_stages, cp=self.cp,
+                              cp_comm=self.cp_comm, layers_per_stage=tuple(layers_per_stage),
                               recompute=tuple(recompute))
 
 
@@ -165,11 +176,16 @@ class StageCosts:
         self.key = key
         self.hardware = hardware
         self.engine = options.engine
-        self.tokens = float(seq_len * key.micro_batch_size)
+        if key.cp > 1 and self.engine != "megatron":
+            raise LayoutError(f"cp({key.cp}): the {self.engine} engine does not run context "
+                              f"parallelism yet; Megatron-LM's is priced with "
+                              f"search.engine=megatron")
+        # A CP rank holds s / cp of each sequence (its tokens), a 1 / cp share of every layer.
+        self.tokens = float(seq_len * key.micro_batch_size) / key.cp
         self.overlap_coe = hardware.overlap_coe
         block, other = model.memory(key.tp)
         tp_bytes = tp_message_bytes(seq_len, key.micro_batch_size, model.hidden,
-                                    model.dtype_bytes)
+                                    model.dtype_bytes) / key.cp
         self.block_param_bytes = block.param_bytes
         self.block_grad_bytes = block.grad_bytes
         # "Other" bytes per stage, unsharded (what ZeRO traffic and the dp sync move): the
@@ -188,15 +204,15 @@ class StageCosts:
             self.block_param_bytes = self.block_grad_bytes = 4.0 * self.engine_memory.layer_numel
             self.other_param_bytes = self.other_grad_bytes = 4.0 * self.engine_memory.other_numel
         block_optim_us, other_optim_us = model.optimizer_us(key.tp)
-        # ZeRO >= 1: each data-parallel rank steps 1/dp of the masters.
-        optim_shard = key.dp if key.zero >= 1 else 1
+        # ZeRO >= 1: each data-parallel rank steps 1/dp of the masters (1/(dp x cp) with CP).
+        optim_shard = key.replicas if key.zero >= 1 else 1
         self.block_optim_us = block_optim_us / optim_shard
         self.other_optim_us = other_optim_us * share / optim_shard
 
         self._price_layer(model, seq_len, tp_bytes)
         self._price_other(options.other_time_first_share)
         self._price_sends(model)
-        sharding = ZeroSharding.of(key.zero, key.dp)
+        sharding = ZeroSharding.of(key.zero, key.replicas)
         self.layer_static = sharding.shard(block.param_bytes, block.grad_bytes, block.optim_bytes)
         self.other_static = sharding.shard(self.other_param_bytes, self.other_grad_bytes,
                                            other_optim_bytes)
@@ -206,7 +222,7 @@ class StageCosts:
             0.0, self.tokens * other.act_bytes_per_token_at("none", seq_len), key.pp)
         self.in_flight = in_flight_micro_batches(key.schedule, key.pp, key.num_micro_batches,
                                                  key.virtual_stages)
-        self.comm_buffers = np.full(key.pp, comm_buffer_bytes(key.zero, key.dp, key.tp,
+        self.comm_buffers = np.full(key.pp, comm_buffer_bytes(key.zero, key.replicas, key.tp,
                                                               block.param_bytes, tp_bytes))
         self.reserve = float(options.reserve_bytes)
         if self.engine_memory is not None:
@@ -218,19 +234,27 @@ class StageCosts:
     def _price_layer(self, model: ModelCost, seq_len: int, tp_bytes: float) -> None:
         """Time per layer: compute, TP communication, ZeRO 2/3 traffic sticking out of both."""
         key = self.key
-        self.compute = LayerCompute.from_model(model, seq_len, key.tp, key.micro_batch_size)
-        loss_bytes = float(seq_len * key.micro_batch_size) * LOSS_VALUE_BYTES
+        self.compute = LayerCompute.from_model(model, seq_len, key.tp, key.micro_batch_size,
+                                               key.cp)
+        loss_bytes = self.tokens * LOSS_VALUE_BYTES
         self.tp = TpComm.from_hardware(self.hardware, key.tp, key.sequence_parallel, tp_bytes,
                                        self.engine, loss_bytes)
-        window = self.compute.block + self.tp.layer
-        traffic = ZeroTraffic.from_hardware(self.hardware, key.zero, key.dp, key.tp,
+        self.cp = CpComm.from_hardware(
+            self.hardware, key.cp,
+            cp_kv_message_bytes(self.tokens * key.cp, model.kv_heads, model.hidden // model.heads,
+                                key.tp, key.cp, model.dtype_bytes),
+            self.compute.selective_recompute_us,
+            cp_group_intra_node(key.tp, key.cp, self.hardware.tasks_per_node), self.overlap_coe)
+        window = self.compute.block + self.tp.layer + self.cp.layer
+        traffic = ZeroTraffic.from_hardware(self.hardware, key.zero, key.replicas, key.tp,
                                             self.block_param_bytes, self.block_grad_bytes,
                                             self.engine, key.pp, key.num_micro_batches)
         exposed = traffic.exposed(window, self.overlap_coe)
         self.zero_layer = FwdBwd(float(exposed.fwd_us), float(exposed.bwd_us))
         self.layer = window + self.zero_layer
-        # reruns the forward and the TP collectives the engine repeats (workload.tp)
-        self.full_recompute_us = self.compute.block.fwd_us + self.tp.recompute_us
+        # reruns the forward, the TP collectives the engine repeats (workload.tp) and the ring
+        self.full_recompute_us = (self.compute.block.fwd_us + self.tp.recompute_us
+                                  + self.cp.layer.fwd_us)
 
     def _price_other(self, time_first_share: float) -> None:
         """Time per stage of "other": compute split between the first and the last stage, the
@@ -242,7 +266,7 @@ class StageCosts:
             on_end_stages(time_first_share * c.bwd_us, (1.0 - time_first_share) * c.bwd_us, pp))
         self.other_tp = FwdBwd(on_end_stages(self.tp.embedding.fwd_us, self.tp.head.fwd_us, pp),
                                on_end_stages(self.tp.embedding.bwd_us, self.tp.head.bwd_us, pp))
-        traffic = ZeroTraffic.from_hardware(self.hardware, self.key.zero, self.key.dp,
+        traffic = ZeroTraffic.from_hardware(self.hardware, self.key.zero, self.key.replicas,
                                             self.key.tp, self.other_param_bytes,
                                             self.other_grad_bytes, self.engine, self.key.pp,
                                             self.key.num_micro_batches)
@@ -255,7 +279,8 @@ class StageCosts:
         key = self.key
         p2p_bytes = p2p_message_bytes(self.tokens, model.hidden, model.dtype_bytes, key.tp,
                                       key.sequence_parallel)
-        intra = boundary_intra_node(key.pp, key.tp * key.dp, self.hardware.tasks_per_node)
+        intra = boundary_intra_node(key.pp, key.tp * key.cp * key.dp,
+                                    self.hardware.tasks_per_node)
         self.boundary_us = boundary_us(self.hardware, p2p_bytes, intra)
         self.sends = stage_sends(self.boundary_us, key.virtual_stages)
 
@@ -325,7 +350,7 @@ class StageCosts:
         after the optimizer step) (terms/zero.py: dp_sync_parts_us, by engine)."""
         n = np.asarray(n, dtype=float)
         key = self.key
-        return dp_sync_parts_us(self.hardware, key.zero, key.dp, key.tp,
+        return dp_sync_parts_us(self.hardware, key.zero, key.replicas, key.tp,
                                 n * self.block_grad_bytes + self.other_grad_bytes[j],
                                 n * self.block_param_bytes + self.other_param_bytes[j],
                                 self.engine)
@@ -422,12 +447,13 @@ def _breakdown_us(costs: StageCosts, layout: ParallelLayout, t: np.ndarray,
                    + float(costs.other_compute.bwd_us[k])) + o0_us
     tp_comm = m * (n_k * costs.tp.layer.total_us + float(costs.other_tp.fwd_us[k])
                    + float(costs.other_tp.bwd_us[k]))
+    cp_comm = m * n_k * costs.cp.layer.total_us
     recompute = m * float(recompute_us[k])
     pp_comm = m * (float(costs.sends.fwd_us[k]) + float(costs.sends.bwd_us[k]))
     dp_exposed = e0_us + m * (n_k * costs.zero_layer.total_us
                               + float(costs.other_zero.fwd_us[k])
                               + float(costs.other_zero.bwd_us[k]))
-    breakdown = {"compute": compute, "tp_comm": tp_comm, "pp_comm": pp_comm,
+    breakdown = {"compute": compute, "tp_comm": tp_comm, "cp_comm": cp_comm, "pp_comm": pp_comm,
                  "dp_sync_exposed": dp_exposed, "recompute": recompute}
     bubble = iteration_us - sum(breakdown.values())
     # No fill/drain (one stage): what is left is rounding.
@@ -462,6 +488,7 @@ def evaluate(layout: ParallelLayout, model_cost: ModelCost, hardware: HardwareMo
     seq_len = int(seq_len or model_cost.seq_len)
     if seq_len < 1:
         raise LayoutError(f"seq_len must be >= 1, got {seq_len}")
+    layout.check_sequence(seq_len)
     key = ConfigKey.of(layout)
     costs = _costs if _costs is not None else StageCosts(key, model_cost, hardware, seq_len,
                                                          options)

@@ -41,6 +41,8 @@ def megatron_args(layout: ParallelLayout, strict: bool = True) -> List[str]:
             "--num-layers", str(layout.num_layers),
             "--micro-batch-size", str(layout.micro_batch_size),
             "--global-batch-size", str(layout.global_batch_size)]
+    if layout.cp > 1:
+        args += ["--context-parallel-size", str(layout.cp), "--cp-comm-type", layout.cp_comm]
     if layout.sequence_parallel:
         args.append("--sequence-parallel")
     if layout.zero == 1:
@@ -118,6 +120,9 @@ def galvatron_strategy(layout: ParallelLayout, strict: bool = True) -> Dict[str,
     checkpointing of those layers and zero2, with a warning. Everything else comes back
     unchanged through orchestrator.interop.galvatron.strategy.read_strategy."""
     L = layout.num_layers
+    if layout.cp > 1:  # not approximated: a layout without it needs cp times the activations
+        raise ExportError(f"cp({layout.cp}): Galvatron has no ring context parallelism (its "
+                          f"use_sp is Ulysses all-to-all)")
     if layout.schedule != "1f1b":
         _problem(strict, "Galvatron has no interleaved pipeline schedule; it would run "
                          "pipedream_flush (1F1B)")

@@ -64,6 +64,9 @@ class SearchSpace:
     options: CostOptions = CostOptions()
     pp: Optional[int] = None  # fixed degrees (None: searched); a fixed one ignores max_pp/max_tp
     tp: Optional[int] = None
+    # Context parallelism up to max_cp (powers of the world's divisors), where the engine runs
+    # it (options.engine: Megatron-LM's only, so far).
+    max_cp: int = 1
 
     def __post_init__(self) -> None:
         for name in ("zero_stages", "recompute", "micro_batch_sizes", "schedules",
@@ -152,6 +155,7 @@ def enumerate_configs(model: ModelCost, hardware: HardwareModel, space: SearchSp
 
     W, L = space.world_size, model.layers
     schedules = space.schedules[:1] if space.fast_mode else space.schedules
+    max_cp = space.max_cp if space.options.engine == "megatron" else 1
     configs = []
     for tp in _divisors(W):
         if not _degree_allowed(tp, space.tp, space.max_tp):
@@ -166,39 +170,53 @@ def enumerate_configs(model: ModelCost, hardware: HardwareModel, space: SearchSp
         if model.heads % tp or model.kv_heads % tp:
             reject("tp_splits_heads")
             continue
-        for pp in _divisors(W // tp):
-            if not _degree_allowed(pp, space.pp, space.max_pp):
+        for cp in _divisors(W // tp):
+            if cp > max_cp:
                 continue
-            if pp > L:
-                reject("pp_exceeds_layers")
+            if cp > 1 and space.seq_len % (2 * cp * tp):
+                reject("cp_splits_sequence")
                 continue
-            dp = W // (tp * pp)
-            if space.global_batch_size % dp:
-                reject("batch_not_divisible")
-                continue
-            per_replica = space.global_batch_size // dp
-            for mbs in space.micro_batch_sizes:
-                if per_replica % mbs:
-                    reject("batch_not_divisible")
+            for pp in _divisors(W // (tp * cp)):
+                if not _degree_allowed(pp, space.pp, space.max_pp):
                     continue
-                m = per_replica // mbs
-                scheds = []
-                for sched in schedules:
-                    if sched == "1f1b":
-                        scheds.append(("1f1b", 1))
-                        continue
-                    for v in space.virtual_stages:
-                        if v < 2 or pp < 2 or m % pp or L % v or pp * v > L:
-                            reject("interleave_not_divisible")
-                            continue
-                        scheds.append(("interleaved", v))
-                for sp in space.sequence_parallel:
-                    if sp and tp == 1:
-                        continue
-                    zeros = space.zero_stages if dp > 1 else (0,)
-                    for zero in dict.fromkeys(zeros):
-                        for sched, v in scheds:
-                            configs.append(ConfigKey(W, tp, pp, dp, zero, sp, mbs, m, sched, v))
+                if pp > L:
+                    reject("pp_exceeds_layers")
+                    continue
+                configs += _batch_configs(space, schedules, L, W, tp, cp, pp, reject)
+    return configs
+
+
+def _batch_configs(space: SearchSpace, schedules, L: int, W: int, tp: int, cp: int, pp: int,
+                   reject) -> List[ConfigKey]:
+    """The configs of one (tp, cp, pp): micro-batching, schedule, SP and ZeRO."""
+    configs = []
+    dp = W // (tp * cp * pp)
+    if space.global_batch_size % dp:
+        reject("batch_not_divisible")
+        return configs
+    per_replica = space.global_batch_size // dp
+    for mbs in space.micro_batch_sizes:
+        if per_replica % mbs:
+            reject("batch_not_divisible")
+            continue
+        m = per_replica // mbs
+        scheds = []
+        for sched in schedules:
+            if sched == "1f1b":
+                scheds.append(("1f1b", 1))
+                continue
+            for v in space.virtual_stages:
+                if v < 2 or pp < 2 or m % pp or L % v or pp * v > L:
+                    reject("interleave_not_divisible")
+                    continue
+                scheds.append(("interleaved", v))
+        for sp in space.sequence_parallel:
+            if sp and tp == 1:
+                continue
+            zeros = space.zero_stages if dp * cp > 1 else (0,)
+            for zero in dict.fromkeys(zeros):
+                for sched, v in scheds:
+                    configs.append(ConfigKey(W, tp, pp, dp, zero, sp, mbs, m, sched, v, cp))
     return configs
 
 

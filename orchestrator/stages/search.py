@@ -109,6 +109,7 @@ def search_space(cfg):
         world_size=s.world_size or cluster_world_size(cfg.cluster),
         memory_budget_bytes=memory_GiB * GiB, global_batch_size=s.global_batch_size,
         seq_len=s.seq_len or cfg.model.seq_len, max_tp=s.max_tp, max_pp=s.max_pp,
+        max_cp=s.max_cp,
         tp_within_node=s.tp_within_node, zero_stages=tuple(s.zero_stages),
         recompute=tuple(s.recompute), micro_batch_sizes=tuple(s.micro_batch_sizes),
         schedules=tuple(s.schedules), virtual_stages=tuple(s.virtual_stages),
@@ -169,7 +170,7 @@ def _strategy(cfg, result, space, inputs, notes, prov: Provenance) -> StrategyPr
                            global_batch_size=space.global_batch_size, seq_len=space.seq_len,
                            fast_mode=space.fast_mode, reserve_fraction=cfg.search.reserve_fraction,
                            reserve_GiB=cfg.search.reserve_GiB, reserve_total_GiB=reserve_GiB,
-                           engine=space.options.engine),
+                           engine=space.options.engine, max_cp=space.max_cp),
         headroom=Headroom(free_GiB=(space.memory_budget_bytes
                                     - result.prediction.peak_memory_bytes) / GiB,
                           reserve_GiB=reserve_GiB),
@@ -316,7 +317,7 @@ def _check_memory(cfg) -> None:
 def _check_degrees(cfg) -> None:
     """Bounds >= 1; fixed pp/tp that tile the world, split the heads and fit the layers."""
     s, model = cfg.search, cfg.model
-    for key in ("max_tp", "max_pp", "pp", "tp"):
+    for key in ("max_tp", "max_pp", "max_cp", "pp", "tp"):
         value = getattr(s, key)
         if value is not None and value < 1:
             raise ConfigError(f"search.{key}({value}) must be >= 1")

@@ -182,6 +182,10 @@ def check_target(cfg, target: TrainTarget, world: int) -> None:
                           f"{cfg.cluster.name} has {world} (nodes x tasks_per_node); search "
                           f"again for it ({rerun_command('search')}) or give train.pp/train.tp")
     layout.check_model_layers(model.layers, model.name)
+    if layout.cp > 1:
+        raise LayoutError(f"cp({layout.cp}): stage=train does not run context parallelism yet; "
+                          f"Megatron-LM does (the strategy's megatron_args), or search without "
+                          f"it (search.engine=orchestrator)")
     for field, value in (("heads", model.heads), ("kv_heads", model.kv_heads)):
         if value % layout.tp:
             raise LayoutError(f"tp({layout.tp}) does not divide model.{field}({value})")

@@ -23,9 +23,11 @@ class LayerCompute:
 
     @classmethod
     def from_model(cls, model: ModelCost, seq_len: int, tp: int,
-                   micro_batch_size: int) -> "LayerCompute":
-        """Read the profile's per-sequence fits at `seq_len` and scale by the micro-batch."""
-        b = micro_batch_size
+                   micro_batch_size: int, cp: int = 1) -> "LayerCompute":
+        """Read the profile's per-sequence fits at `seq_len` and scale by the micro-batch; with
+        context parallelism a rank does 1 / cp of it (its tokens' linear work, and its
+        balanced half-early, half-late share of the causal attention)."""
+        b = micro_batch_size / cp
         return cls(block=FwdBwd(b * model.block_fwd_us(seq_len, tp),
                                 b * model.block_bwd_us(seq_len, tp)),
                    selective_recompute_us=b * model.attention_core_fwd_us(seq_len, tp),

@@ -32,6 +32,8 @@ class SpaceSummary(Record):
     engine: Optional[str] = doc("search.engine: whose communication and memory were priced, "
                                 "orchestrator (stage=train) or megatron (the Megatron export)",
                                 default=None)
+    max_cp: Optional[int] = doc("search.max_cp: the largest context-parallel degree searched",
+                                default=None)
 
 
 @dataclass(kw_only=True)

@@ -1,0 +1,136 @@
+"""Long context: what context parallelism buys the search at 128K tokens, and published layouts
+priced by our cost model.
+
+    python bench/long_context.py
+
+Profiles are the project's analytic ones (written once by the CLI into a temporary folder):
+`cluster=dgx_h100` hardware for the case's node count, the model on the h100 sheet. The search
+prices Megatron-LM's engine (`search.engine=megatron`: stage=train does not run CP yet), its
+default reserve (10% + 1 GiB of 80 GiB), and is run with `max_cp` 1 (today's pick) and 16.
+Published layouts to hold it against:
+- Llama 3 405B at 128K on 16384 H100s: TP8 CP16 PP16 DP8, 16M-token batches (128 sequences),
+  380 TFLOP/s per GPU ("The Llama 3 Herd of Models", Table 4); one layer fewer on the first and
+  the last stage.
+- NeMo: Llama2-7B at 128K on 128 H100s, TP4 CP4 PP1 DP8: 1.31x the throughput of the same run
+  without CP (TP4 PP1 DP32 and full recompute, NeMo's long-sequence table).
+MFU = the model FLOPs (orchestrator.device.model_flops: 6 N per token + causal attention) per
+second per GPU over the H100's 989.4 TFLOP/s bf16 dense peak.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from orchestrator.device import model_flops  # noqa: E402
+from orchestrator.layout import ParallelLayout  # noqa: E402
+from orchestrator.models.config import ModelConfig, count_params  # noqa: E402
+from orchestrator.planner import (CostOptions, HardwareModel, ModelCost, SearchSpace,  # noqa: E402
+                                  evaluate, search)
+from orchestrator.planner.cost_model import memory_reserve_GiB  # noqa: E402
+
+GiB = 2**30
+PEAK_TFLOPs = 989.4
+SEQ = 131072
+BUDGET_GiB = 80
+
+
+def profiles(model: str, nodes: int, folder: str, overrides=()):
+    """(HardwareModel, ModelCost) of the analytic dgx_h100 profiles, via the CLI."""
+    base = ["cluster=dgx_h100", f"cluster.nodes={nodes}", f"model={model}",
+            f"profiles_dir={folder}", *overrides]
+    for stage in ("profile_hardware", "profile_model"):
+        subprocess.run([sys.executable, "-m", "orchestrator", f"stage={stage}",
+                        f"{stage}.source=analytic", f"{stage}.plot=false", *base],
+                       cwd=REPO, check=True, capture_output=True)
+    root = Path(folder) / "dgx_h100"
+    return (HardwareModel.from_dict(json.loads((root / "hardware.json").read_text())),
+            ModelCost.from_dict(json.loads((root / "model" / f"{model}.json").read_text())))
+
+
+def model_config(model: ModelCost) -> ModelConfig:
+    return ModelConfig(name=model.name, hidden=model.hidden, ffn=model.ffn, layers=model.layers,
+                       heads=model.heads, kv_heads=model.kv_heads, vocab=model.vocab,
+                       seq_len=SEQ, dtype=model.dtype)
+
+
+def options() -> CostOptions:
+    return CostOptions(engine="megatron",
+                       reserve_bytes=memory_reserve_GiB(BUDGET_GiB, 0.10, 1.0) * GiB)
+
+
+def line(label: str, layout: ParallelLayout, pred, model: ModelCost, extra: str = "") -> dict:
+    """Print one priced layout: iteration, tokens/s, TFLOP/s per GPU and MFU, recompute."""
+    tokens = layout.global_batch_size * SEQ
+    cfg = model_config(model)
+    seconds = pred.iteration_time_us / 1e6
+    tflops = model_flops(count_params(cfg), cfg.layers, cfg.hidden, SEQ, tokens) / seconds \
+        / layout.world_size / 1e12
+    recomputed = sum(k for mode, k in layout.recompute if mode == "full")
+    b = {k: v / 1e3 for k, v in pred.breakdown_us.items()}
+    fits = "" if pred.feasible else "  DOES NOT FIT"
+    print(f"  {label:<22} {layout.describe()}")
+    print(f"  {'':<22} {seconds:8.2f} s/iter  {tokens / seconds:>12,.0f} tok/s  "
+          f"{tflops:5.0f} TFLOP/s/GPU  MFU {100 * tflops / PEAK_TFLOPs:4.1f}%  "
+          f"full recompute {recomputed} layers  peak {pred.peak_memory_bytes / GiB:.1f} GiB"
+          f"{fits}{extra}")
+    print(f"  {'':<22} ms: " + ", ".join(f"{k} {v:,.0f}" for k, v in b.items()))
+    return {"tokens_per_s": tokens / seconds, "tflops": tflops}
+
+
+def searched(model, hw, world: int, gbs: int, max_cp: int, label: str) -> dict:
+    space = SearchSpace(world_size=world, memory_budget_bytes=BUDGET_GiB * GiB,
+                        global_batch_size=gbs, seq_len=SEQ, max_cp=max_cp, options=options())
+    t0 = time.perf_counter()
+    result = search(model, hw, space)
+    elapsed = time.perf_counter() - t0
+    return line(label, result.best, result.prediction, model,
+                f"  (search {elapsed:.2f} s, {result.considered} configs)")
+
+
+def priced(model, hw, layout: ParallelLayout, label: str) -> dict:
+    pred = evaluate(layout, model, hw, SEQ, memory_budget_bytes=BUDGET_GiB * GiB,
+                    options=options())
+    return line(label, layout, pred, model)
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        print("qwen_100b, 128K, 8192 H100s, global batch 512")
+        hw, model = profiles("qwen_100b", 1024, folder + "/q")
+        today = searched(model, hw, 8192, 512, 1, "pick without CP")
+        with_cp = searched(model, hw, 8192, 512, 16, "pick, max_cp 16")
+        print(f"  tokens/s with CP / without: {with_cp['tokens_per_s'] / today['tokens_per_s']:.2f}x")
+
+        print("\nllama3_405b, 128K, 16384 H100s, global batch 128 (16M tokens)")
+        hw, model = profiles("llama3_405b", 2048, folder + "/l")
+        published = ParallelLayout(world_size=16384, tp=8, cp=16, pp=16, dp=8, zero=1,
+                                   sequence_parallel=True, micro_batch_size=1,
+                                   num_micro_batches=16,
+                                   layers_per_stage=(7,) + (8,) * 14 + (7,))
+        got = priced(model, hw, published, "published (Llama 3)")
+        print(f"  {'':<22} published 380 TFLOP/s per GPU; ours {got['tflops']:.0f} "
+              f"({100 * (got['tflops'] / 380 - 1):+.0f}%)")
+        searched(model, hw, 16384, 128, 1, "pick without CP")
+        searched(model, hw, 16384, 128, 16, "pick, max_cp 16")
+
+        print("\nllama2_7b, 128K, 128 H100s, global batch 32 (NeMo's layouts)")
+        hw, model = profiles("llama2_7b", 16, folder + "/n", ["model.seq_len=131072"])
+        cp = priced(model, hw, ParallelLayout.uniform(128, 4, 1, 32, cp=4, sequence_parallel=True,
+                                                       num_micro_batches=4), "NeMo TP4 CP4 DP8")
+        nocp = priced(model, hw, ParallelLayout.uniform(128, 4, 1, 32, sequence_parallel=True,
+                                                         recompute="full"),
+                      "TP4 DP32, full recompute")
+        print(f"  {'':<22} CP / no CP: {cp['tokens_per_s'] / nocp['tokens_per_s']:.2f}x "
+              f"(NeMo measured 1.31x)")
+        searched(model, hw, 128, 32, 16, "pick, max_cp 16")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""Context parallelism's pieces: the load-balanced split and attention over an all-gathered
+sequence, against one process's causal attention on real gloo ranks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orchestrator.models.context_parallel import chunk_positions
+from conftest import spawn_ranks
+
+SEQ, BATCH, HEADS, KV_HEADS, HEAD_DIM = 32, 2, 4, 2, 8
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_the_split_covers_every_token_once_and_balances_the_causal_work(cp):
+    per_rank = [chunk_positions(SEQ, cp, r) for r in range(cp)]
+    assert sorted(torch.cat(per_rank).tolist()) == list(range(SEQ))
+    assert all(len(p) == SEQ // cp for p in per_rank)
+    # A query at position i attends to i + 1 keys: every rank gets the same number of pairs.
+    work = {int((p + 1).sum()) for p in per_rank}
+    assert len(work) == 1
+
+
+def test_a_sequence_that_does_not_cut_into_2cp_chunks_is_refused():
+    with pytest.raises(ValueError, match=r"seq_len\(30\) % \(2 \* cp\(4\)\) != 0"):
+        chunk_positions(30, 4, 0)
+
+
+def _whole_sequence():
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(BATCH, HEADS, SEQ, HEAD_DIM, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(BATCH, KV_HEADS, SEQ, HEAD_DIM, generator=gen, dtype=torch.float64)
+            for _ in range(2))
+    grad_out = torch.randn(BATCH, HEADS, SEQ, HEAD_DIM, generator=gen, dtype=torch.float64)
+    return q, k, v, grad_out
+
+
+def _cp_attention_rank(rank, out):
+    import torch.distributed as dist
+
+    from orchestrator.models.context_parallel import ContextParallel
+
+    context = ContextParallel.of(dist.group.WORLD, SEQ)
+    q, k, v, grad_out = _whole_sequence()
+    mine = [context.split(t, dim=2).detach().requires_grad_() for t in (q, k, v)]
+    y = context.attention(*mine)
+    y.backward(context.split(grad_out, dim=2))
+    out[rank] = {"positions": context.positions, "y": y.detach(),
+                 "grads": [t.grad for t in mine]}
+
+
+def test_attention_over_the_gathered_sequence_equals_one_process_causal_attention():
+    """4 CP ranks, GQA heads: each rank's output and its q, k, v gradients are the
+    one-process attention's at its positions (float64, to 1e-12)."""
+    q, k, v, grad_out = _whole_sequence()
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    y = torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=True,
+                                                         enable_gqa=True)
+    y.backward(grad_out)
+    result = spawn_ranks(_cp_attention_rank, 4)
+    for rank in range(4):
+        got = result[rank]
+        index = got["positions"]
+        assert torch.allclose(got["y"], y.detach().index_select(2, index), rtol=0, atol=1e-12)
+        for name, mine, ref in zip("qkv", got["grads"], whole):
+            assert torch.allclose(mine, ref.grad.index_select(2, index), rtol=0,
+                                  atol=1e-12), f"d{name} on rank {rank}"
+
+
+# ---------------------------------------------------------------- planner (Megatron-LM's CP)
+def _planner_inputs():
+    from planner_fixtures import synthetic_hardware, synthetic_model
+
+    from orchestrator.planner.profiles import HardwareModel, ModelCost
+
+    model = ModelCost.from_dict(synthetic_model(layers=8, seq_len=8192, tps=(1, 2)))
+    return model, HardwareModel.from_dict(synthetic_hardware(2, 8))
+
+
+def _options():
+    from orchestrator.planner.cost_model import CostOptions
+
+    return CostOptions(engine="megatron")
+
+
+def test_cp_splits_each_rank_compute_and_activations_and_prices_its_ring():
+    """cp2 x dp4 against dp8 on the same 8 ranks and batch: each rank computes as much (half
+    of each of twice the micro-batches), holds half the activations of one micro-batch, and
+    pays a ring the dp layout does not."""
+    from orchestrator.layout import ParallelLayout
+    from orchestrator.planner.cost_model import evaluate
+
+    model, hw = _planner_inputs()
+    dp8 = ParallelLayout.uniform(8, 1, 1, 8, num_micro_batches=2)
+    cp2 = ParallelLayout.uniform(8, 1, 1, 8, cp=2, num_micro_batches=4)
+    assert dp8.global_batch_size == cp2.global_batch_size == 16
+    a, b = (evaluate(lay, model, hw, 8192, options=_options()) for lay in (dp8, cp2))
+    assert b.breakdown_us["compute"] == pytest.approx(a.breakdown_us["compute"], rel=1e-12)
+    assert a.breakdown_us["cp_comm"] == 0 and b.breakdown_us["cp_comm"] > 0
+    assert b.memory_bytes[0]["activations"] == pytest.approx(
+        a.memory_bytes[0]["activations"] / 2, rel=1e-12)
+    assert sum(b.breakdown_us.values()) == pytest.approx(b.iteration_time_us, rel=1e-9)
+
+
+def test_the_ring_hides_under_attention_until_its_sends_take_longer():
+    from orchestrator.planner.terms.cp_comm import ATTENTION_BWD_OVER_FWD, CpComm
+
+    _, hw = _planner_inputs()
+    hop = hw.p2p_time_us(1 << 20, True, 2)
+    slow = CpComm.from_hardware(hw, 4, 1 << 20, attention_fwd_us=0.0, intra_node=True,
+                                overlap_coe=1.0)
+    assert (slow.layer.fwd_us, slow.layer.bwd_us) == pytest.approx((3 * hop, 6 * hop))
+    hidden = CpComm.from_hardware(hw, 4, 1 << 20, attention_fwd_us=1e6, intra_node=True,
+                                  overlap_coe=1.0)
+    assert (hidden.layer.fwd_us, hidden.layer.bwd_us) == (0.0, 0.0)
+    # across nodes the same message takes the inter-node link
+    far = CpComm.from_hardware(hw, 4, 1 << 20, 0.0, intra_node=False, overlap_coe=1.0)
+    assert far.hop_us > slow.hop_us
+    assert ATTENTION_BWD_OVER_FWD > 1
+
+
+def test_gradients_reduce_and_zero_shards_over_dp_times_cp():
+    """cp2 x dp2 holds 4 replicas of the weights, as dp4 does: the same states per rank under
+    ZeRO-1 and the same gradient sync."""
+    from orchestrator.layout import ParallelLayout
+    from orchestrator.planner.cost_model import ConfigKey, StageCosts
+
+    model, hw = _planner_inputs()
+    dp4 = ParallelLayout.uniform(4, 1, 1, 8, zero=1, num_micro_batches=2)
+    cp2 = ParallelLayout.uniform(4, 1, 1, 8, zero=1, cp=2, num_micro_batches=4)
+    a, b = (StageCosts(ConfigKey.of(lay), model, hw, 8192, _options()) for lay in (dp4, cp2))
+    assert b.static_bytes(0, 8) == pytest.approx(a.static_bytes(0, 8))
+    assert b.dp_sync_us(0, 8) == pytest.approx(a.dp_sync_us(0, 8))
+
+
+def test_engines_and_sequences_that_cannot_take_cp_are_refused():
+    from orchestrator.layout import LayoutError, ParallelLayout
+    from orchestrator.planner.cost_model import evaluate
+
+    model, hw = _planner_inputs()
+    cp2 = ParallelLayout.uniform(8, 1, 1, 8, cp=2, num_micro_batches=4)
+    with pytest.raises(LayoutError, match=r"cp\(2\): the orchestrator engine does not run "
+                                          r"context parallelism yet.*search.engine=megatron"):
+        evaluate(cp2, model, hw, 8192)
+    with pytest.raises(LayoutError, match=r"seq_len\(8190\) % \(2 \* cp\(2\) \* tp\(1\)\)"):
+        evaluate(cp2, model, hw, 8190, options=_options())
+
+
+def test_search_splits_a_long_sequence_over_cp_where_the_engine_runs_it():
+    """A long sequence on a tight budget: without CP only recompute fits; with max_cp the
+    Megatron engine's pick uses CP and is faster; the orchestrator engine never offers it."""
+    import dataclasses
+
+    from orchestrator.planner.search import SearchSpace, search
+
+    model, hw = _planner_inputs()
+    space = SearchSpace(world_size=16, memory_budget_bytes=2 * (1 << 30), global_batch_size=4,
+                        seq_len=65536, options=_options(), max_tp=2)
+    without = search(model, hw, space)
+    with_cp = search(model, hw, dataclasses.replace(space, max_cp=8))
+    assert without.best.cp == 1
+    assert with_cp.best.cp > 1
+    assert with_cp.prediction.iteration_time_us < without.prediction.iteration_time_us
+    ours = search(model, hw, dataclasses.replace(space, max_cp=8, options=dataclasses.replace(
+        _options(), engine="orchestrator")))
+    assert ours.best.cp == 1
+
+
+def test_megatron_args_carry_cp_and_galvatron_refuses_it():
+    from orchestrator.layout import ParallelLayout
+    from orchestrator.planner.exports import ExportError, galvatron_strategy, megatron_args
+
+    cp4 = ParallelLayout.uniform(16, 2, 1, 8, cp=4)
+    args = megatron_args(cp4)
+    assert args[args.index("--context-parallel-size") + 1] == "4"
+    assert args[args.index("--cp-comm-type") + 1] == "p2p"
+    assert "--context-parallel-size" not in megatron_args(ParallelLayout.uniform(16, 2, 1, 8))
+    with pytest.raises(ExportError, match=r"cp\(4\)"):
+        galvatron_strategy(cp4, strict=False)
