@@ -262,6 +262,7 @@ class SearchConfig:
     # Context parallelism (each sequence split over cp ranks) up to max_cp, with
     # engine=megatron: stage=train does not run it yet, so the default searches none.
     max_cp: int = 1  # >= 1
+    cp_comms: List[str] = field(default_factory=lambda: ["p2p", "a2a"])  # flavours of cp > 1
     tp_within_node: bool = True
     zero_stages: List[int] = field(default_factory=lambda: [0, 1, 2, 3])
     recompute: List[Recompute] = field(default_factory=lambda: list(Recompute))

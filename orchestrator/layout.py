@@ -22,9 +22,11 @@ from orchestrator.errors import ConfigError
 SCHEDULES = tuple(Schedule)
 RECOMPUTE_MODES = tuple(Recompute)
 ZERO_STAGES = (0, 1, 2, 3)
-# How context-parallel attention moves keys and values (Megatron's --cp-comm-type): a ring of
-# p2p sends overlapped with the attention of the chunk held.
-CP_COMMS = ("p2p",)
+# How context-parallel attention reaches the other ranks' tokens (Megatron's --cp-comm-type):
+# "p2p", a ring of K/V sends overlapped with the attention of the chunk held; "a2a" (DeepSpeed's
+# Ulysses), all-to-alls that trade the sequence split for a head split around the attention
+# core (heads and KV heads must divide over tp x cp).
+CP_COMMS = ("p2p", "a2a")
 
 # (mode, k_layers): how many layers of the stage use `mode`; the others keep all activations.
 # "none" has k == 0, "selective" covers every layer of the stage (Megatron cannot do part of a
@@ -155,6 +157,16 @@ class ParallelLayout:
                               f"context parallelism cuts a sequence into 2 * cp equal chunks, "
                               f"each split over tp")
 
+    def check_heads(self, heads: int, kv_heads: int, model_name: str = "model") -> None:
+        """Raise LayoutError unless tp splits the heads and KV heads (and, for the all-to-all
+        flavour of CP, tp x cp does)."""
+        split = self.tp * self.cp if self.cp > 1 and self.cp_comm == "a2a" else self.tp
+        what = f"tp({self.tp}) * cp({self.cp}) (cp_comm a2a)" if split != self.tp \
+            else f"tp({self.tp})"
+        if heads % split or kv_heads % split:
+            raise LayoutError(f"{what} must divide heads({heads}) and kv_heads({kv_heads}) of "
+                              f"{model_name}")
+
     def check_model_layers(self, layers: int, model_name: str = "model") -> None:
         """Raise LayoutError unless the stages hold exactly the model's `layers` blocks."""
         if self.num_layers != layers:
@@ -212,7 +224,8 @@ class ParallelLayout:
         rc = ",".join(mode if mode != "full" else f"full{k}" for mode, k in self.recompute)
         sched = (self.schedule if self.virtual_stages == 1
                  else f"{self.schedule}(v{self.virtual_stages})")
-        cp = "" if self.cp == 1 else f" cp{self.cp}"
+        cp = "" if self.cp == 1 else f" cp{self.cp}" + ("" if self.cp_comm == "p2p"
+                                                          else f"({self.cp_comm})")
         return (f"tp{self.tp}{cp} pp{self.pp} dp{self.dp} zero{self.zero}"
                 f"{' sp' if self.sequence_parallel else ''} mbs{self.micro_batch_size}"
                 f" x{self.num_micro_batches} {sched} "

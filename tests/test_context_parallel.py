@@ -177,3 +177,41 @@ def test_megatron_args_carry_cp_and_galvatron_refuses_it():
     assert "--context-parallel-size" not in megatron_args(ParallelLayout.uniform(16, 2, 1, 8))
     with pytest.raises(ExportError, match=r"cp\(4\)"):
         galvatron_strategy(cp4, strict=False)
+
+
+def test_ulysses_all_to_alls_price_four_each_way_and_need_the_heads_to_split():
+    """a2a: Q, K, V and the output through an all-to-all over the CP group (stride tp) forward
+    and again backward, none hidden; kv_heads must divide over tp x cp."""
+    from orchestrator.layout import LayoutError, ParallelLayout
+    from orchestrator.planner.cost_model import ConfigKey, StageCosts, evaluate
+
+    model, hw = _planner_inputs()  # 8 heads, 8 KV heads, hidden 256
+    a2a = ParallelLayout.uniform(8, 2, 1, 8, cp=4, cp_comm="a2a", num_micro_batches=4)
+    costs = StageCosts(ConfigKey.of(a2a), model, hw, 8192, _options())
+    tokens = 8192 / 4
+    q = hw.collective_time_us("all2all", 4, 2, tokens * 8 / 2 * 32 * 2)  # bf16, head_dim 32
+    assert costs.cp.layer.fwd_us == pytest.approx(4 * q)  # K, V as big as Q (no GQA here)
+    assert costs.cp.layer.bwd_us == costs.cp.layer.fwd_us
+    assert "cp4(a2a)" in a2a.describe()
+    too_many = ParallelLayout.uniform(32, 2, 1, 8, cp=8, cp_comm="a2a", num_micro_batches=8)
+    with pytest.raises(LayoutError, match=r"tp\(2\) \* cp\(8\) \(cp_comm a2a\) must divide "
+                                          r"heads\(8\) and kv_heads\(8\)"):
+        evaluate(too_many, model, hw, 8192, options=_options())
+
+
+def test_search_offers_a2a_only_where_the_heads_split():
+    import dataclasses
+
+    from orchestrator.planner.search import SearchSpace, enumerate_configs
+
+    model, hw = _planner_inputs()
+    space = SearchSpace(world_size=16, memory_budget_bytes=2 * (1 << 30), global_batch_size=4,
+                        seq_len=65536, options=_options(), max_tp=2, max_cp=16)
+    rejected = {}
+    configs = enumerate_configs(model, hw, space, rejected)
+    flavours = {(c.tp, c.cp, c.cp_comm) for c in configs}
+    assert (1, 8, "a2a") in flavours and (2, 4, "a2a") in flavours
+    assert (2, 8, "p2p") in flavours and (2, 8, "a2a") not in flavours  # 16 > 8 heads
+    assert rejected["cp_a2a_splits_heads"] >= 1
+    only_ring = enumerate_configs(model, hw, dataclasses.replace(space, cp_comms=("p2p",)), {})
+    assert {c.cp_comm for c in only_ring} == {"p2p"}

@@ -239,12 +239,18 @@ class StageCosts:
         loss_bytes = self.tokens * LOSS_VALUE_BYTES
         self.tp = TpComm.from_hardware(self.hardware, key.tp, key.sequence_parallel, tp_bytes,
                                        self.engine, loss_bytes)
-        self.cp = CpComm.from_hardware(
-            self.hardware, key.cp,
-            cp_kv_message_bytes(self.tokens * key.cp, model.kv_heads, model.hidden // model.heads,
-                                key.tp, key.cp, model.dtype_bytes),
-            self.compute.selective_recompute_us,
-            cp_group_intra_node(key.tp, key.cp, self.hardware.tasks_per_node), self.overlap_coe)
+        head_dim = model.hidden // model.heads
+        if key.cp_comm == "a2a":
+            self.cp = CpComm.all_to_all(self.hardware, key.cp, key.tp, self.tokens,
+                                        model.heads, model.kv_heads, head_dim, model.dtype_bytes)
+        else:
+            self.cp = CpComm.from_hardware(
+                self.hardware, key.cp,
+                cp_kv_message_bytes(self.tokens * key.cp, model.kv_heads, head_dim, key.tp,
+                                    key.cp, model.dtype_bytes),
+                self.compute.selective_recompute_us,
+                cp_group_intra_node(key.tp, key.cp, self.hardware.tasks_per_node),
+                self.overlap_coe)
         window = self.compute.block + self.tp.layer + self.cp.layer
         traffic = ZeroTraffic.from_hardware(self.hardware, key.zero, key.replicas, key.tp,
                                             self.block_param_bytes, self.block_grad_bytes,
@@ -429,9 +435,7 @@ class Prediction:
 def check_layout_for_model(layout: ParallelLayout, model: ModelCost) -> None:
     """Raise LayoutError when the layout cannot hold this model (layer count, head split)."""
     layout.check_model_layers(model.layers, model.name)
-    if model.heads % layout.tp or model.kv_heads % layout.tp:
-        raise LayoutError(f"tp({layout.tp}) must divide heads({model.heads}) and "
-                          f"kv_heads({model.kv_heads}) of {model.name}")
+    layout.check_heads(model.heads, model.kv_heads, model.name)
 
 
 def _breakdown_us(costs: StageCosts, layout: ParallelLayout, t: np.ndarray,

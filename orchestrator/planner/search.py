@@ -32,7 +32,7 @@ import numpy as np
 
 from orchestrator import errors
 from orchestrator.choices import Recompute, Schedule
-from orchestrator.layout import SCHEDULES, ParallelLayout
+from orchestrator.layout import CP_COMMS, SCHEDULES, ParallelLayout
 from orchestrator.planner.cost_model import (GiB, ConfigKey, CostOptions, Prediction, StageCosts,
                                              evaluate)
 from orchestrator.planner.profiles import HardwareModel, ModelCost
@@ -67,10 +67,11 @@ class SearchSpace:
     # Context parallelism up to max_cp (powers of the world's divisors), where the engine runs
     # it (options.engine: Megatron-LM's only, so far).
     max_cp: int = 1
+    cp_comms: Tuple[str, ...] = CP_COMMS  # the flavours of cp > 1 tried
 
     def __post_init__(self) -> None:
         for name in ("zero_stages", "recompute", "micro_batch_sizes", "schedules",
-                     "virtual_stages", "sequence_parallel"):
+                     "virtual_stages", "sequence_parallel", "cp_comms"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.world_size < 1 or self.global_batch_size < 1 or self.seq_len < 1:
             raise errors.ConfigError(
@@ -83,6 +84,10 @@ class SearchSpace:
         if bad or not self.recompute:
             raise errors.ConfigError(f"recompute modes must be a non-empty subset of "
                                      f"{MODE_NAMES}, got {self.recompute}")
+        bad = [c for c in self.cp_comms if c not in CP_COMMS]
+        if bad or not self.cp_comms:
+            raise errors.ConfigError(f"cp_comms must be a non-empty subset of {CP_COMMS}, got "
+                                     f"{self.cp_comms}")
         bad = [s for s in self.schedules if s not in SCHEDULES]
         if bad or not self.schedules:
             raise errors.ConfigError(f"schedules must be a non-empty subset of ('1f1b', "
@@ -176,19 +181,28 @@ def enumerate_configs(model: ModelCost, hardware: HardwareModel, space: SearchSp
             if cp > 1 and space.seq_len % (2 * cp * tp):
                 reject("cp_splits_sequence")
                 continue
-            for pp in _divisors(W // (tp * cp)):
-                if not _degree_allowed(pp, space.pp, space.max_pp):
+            for cp_comm in (space.cp_comms if cp > 1 else ("p2p",)):
+                if cp_comm == "a2a" and (model.heads % (tp * cp) or model.kv_heads % (tp * cp)):
+                    reject("cp_a2a_splits_heads")
                     continue
-                if pp > L:
-                    reject("pp_exceeds_layers")
+                if cp_comm == "a2a" and not any(op == "all2all" for op, _ in hardware.measured):
+                    reject("cp_a2a_not_profiled")
                     continue
-                configs += _batch_configs(space, schedules, L, W, tp, cp, pp, reject)
+                for pp in _divisors(W // (tp * cp)):
+                    if not _degree_allowed(pp, space.pp, space.max_pp):
+                        continue
+                    if pp > L:
+                        reject("pp_exceeds_layers")
+                        continue
+                    configs += _batch_configs(space, schedules, L, W, tp, (cp, cp_comm), pp,
+                                              reject)
     return configs
 
 
-def _batch_configs(space: SearchSpace, schedules, L: int, W: int, tp: int, cp: int, pp: int,
+def _batch_configs(space: SearchSpace, schedules, L: int, W: int, tp: int, context, pp: int,
                    reject) -> List[ConfigKey]:
-    """The configs of one (tp, cp, pp): micro-batching, schedule, SP and ZeRO."""
+    """The configs of one (tp, (cp, cp_comm), pp): micro-batching, schedule, SP and ZeRO."""
+    cp, cp_comm = context
     configs = []
     dp = W // (tp * cp * pp)
     if space.global_batch_size % dp:
@@ -216,7 +230,8 @@ def _batch_configs(space: SearchSpace, schedules, L: int, W: int, tp: int, cp: i
             zeros = space.zero_stages if dp * cp > 1 else (0,)
             for zero in dict.fromkeys(zeros):
                 for sched, v in scheds:
-                    configs.append(ConfigKey(W, tp, pp, dp, zero, sp, mbs, m, sched, v, cp))
+                    configs.append(ConfigKey(W, tp, pp, dp, zero, sp, mbs, m, sched, v, cp,
+                                             cp_comm))
     return configs
 
 

@@ -1,4 +1,7 @@
-"""Context parallelism's ring (Megatron-Core's `--cp-comm-type p2p`), per layer and micro-batch.
+"""Context parallelism's communication per layer and micro-batch, by flavour (Megatron-Core's
+`--cp-comm-type`).
+
+p2p, the ring:
 
 A CP rank holds s / cp tokens (2 balanced chunks, models/context_parallel.py) and computes
 1 / cp of the layer; its attention walks a ring of cp steps, each computing on the keys and
@@ -7,6 +10,13 @@ the rank's K and V: 2 x b x (s / cp) x (kv_heads / tp) x head_dim x dtype_bytes;
 K and V and their gradients, twice that. The cp - 1 sends of a pass run beside the attention of
 the steps after the first; what they do not hide (the hardware profile's overlap rule) is
 exposed. A hop crosses nodes when the CP group (stride tp) spans more than one.
+
+a2a (DeepSpeed's Ulysses): before the attention core an all-to-all over the CP group turns each
+of Q, K and V from s / cp tokens x all of the rank's heads into all s tokens x 1 / cp of them, and
+one after it turns the output back: 4 per layer forward (Q and the output of b x s / cp x h / tp
+elements, K and V of b x s / cp x kv_heads / tp x head_dim), 4 more for their gradients backward,
+priced from the hardware profile's all2all fit for the group (cp ranks, stride tp), not
+overlapped (the attention needs them first).
 """
 from __future__ import annotations
 
@@ -52,3 +62,17 @@ class CpComm:
         bwd = overlap_extra_us(ATTENTION_BWD_OVER_FWD * attention_fwd_us * hidden_steps,
                                (cp - 1) * 2.0 * hop_us, overlap_coe)
         return cls(FwdBwd(float(fwd), float(bwd)), float(hop_us))
+
+    @classmethod
+    def all_to_all(cls, hardware: HardwareModel, cp: int, tp: int, tokens: float, heads: int,
+                   kv_heads: int, head_dim: int, dtype_bytes: int) -> "CpComm":
+        """Ulysses' four all-to-alls each way; `tokens`: this rank's (b x s / cp)."""
+        if cp == 1:
+            return cls(FwdBwd(0.0, 0.0), 0.0)
+        q_bytes = tokens * heads / tp * head_dim * dtype_bytes
+        kv_bytes = tokens * kv_heads / tp * head_dim * dtype_bytes
+
+        def a2a_us(size):
+            return hardware.collective_time_us("all2all", cp, tp, size)
+        one_way = 2 * a2a_us(q_bytes) + 2 * a2a_us(kv_bytes)
+        return cls(FwdBwd(one_way, one_way), a2a_us(q_bytes))
