@@ -260,7 +260,8 @@ class SearchConfig:
     max_tp: int = 8  # >= 1
     max_pp: int = 64  # >= 1
     # Context parallelism (each sequence split over cp ranks) up to max_cp, with
-    # engine=megatron: stage=train does not run it yet, so the default searches none.
+    # engine=megatron: the orchestrator engine's (train.cp) is not priced yet, so the default
+    # searches none.
     max_cp: int = 1  # >= 1
     cp_comms: List[str] = field(default_factory=lambda: ["p2p", "a2a"])  # flavours of cp > 1
     tp_within_node: bool = True
@@ -300,6 +301,9 @@ class TrainConfig:
     steps: int = 30
     pp: Optional[int] = None
     tp: Optional[int] = None
+    # Context parallelism: each sequence split over cp ranks (K/V all-gathered for attention);
+    # seq_len must cut into 2 * cp * tp equal pieces.
+    cp: Optional[int] = None
     zero: Optional[int] = None  # 0: DDP-style, 1/2: sharded optimizer (and grads), 3: FSDP2
     sequence_parallel: Optional[bool] = None  # None: on when tp > 1
     micro_batch_size: Optional[int] = None  # None: 1

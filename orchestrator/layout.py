@@ -25,8 +25,10 @@ ZERO_STAGES = (0, 1, 2, 3)
 # How context-parallel attention reaches the other ranks' tokens (Megatron's --cp-comm-type):
 # "p2p", a ring of K/V sends overlapped with the attention of the chunk held; "a2a" (DeepSpeed's
 # Ulysses), all-to-alls that trade the sequence split for a head split around the attention
-# core (heads and KV heads must divide over tp x cp).
-CP_COMMS = ("p2p", "a2a")
+# core (heads and KV heads must divide over tp x cp); "allgather", K and V of the whole sequence
+# gathered before the attention core, their gradients reduce-scattered after (Llama 3's; what
+# stage=train runs, models/context_parallel.py).
+CP_COMMS = ("p2p", "a2a", "allgather")
 
 # (mode, k_layers): how many layers of the stage use `mode`; the others keep all activations.
 # "none" has k == 0, "selective" covers every layer of the stage (Megatron cannot do part of a
@@ -80,6 +82,10 @@ class ParallelLayout:
                            tuple((str(mode), int(k)) for mode, k in recompute))
         if self.distributed_optimizer is None:
             object.__setattr__(self, "distributed_optimizer", self.zero >= 1)
+        if self.cp_comm not in CP_COMMS:
+            raise LayoutError(f"cp_comm must be one of {CP_COMMS}, got {self.cp_comm!r}")
+        if self.cp == 1:  # no context parallelism, no flavour: one layout, one equality
+            object.__setattr__(self, "cp_comm", CP_COMMS[0])
         self._validate()
 
     # ---------------------------------------------------------------- validation

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from orchestrator.models.context_parallel import chunk_positions
-from conftest import spawn_ranks
+from conftest import one_error_line, run_cli, spawn_ranks
 
 SEQ, BATCH, HEADS, KV_HEADS, HEAD_DIM = 32, 2, 4, 2, 8
 
@@ -40,12 +40,12 @@ def _cp_attention_rank(rank, out):
 
     from orchestrator.models.context_parallel import ContextParallel
 
-    context = ContextParallel.of(dist.group.WORLD, SEQ)
+    context = ContextParallel(dist.group.WORLD)
     q, k, v, grad_out = _whole_sequence()
     mine = [context.split(t, dim=2).detach().requires_grad_() for t in (q, k, v)]
     y = context.attention(*mine)
     y.backward(context.split(grad_out, dim=2))
-    out[rank] = {"positions": context.positions, "y": y.detach(),
+    out[rank] = {"positions": context.positions(SEQ), "y": y.detach(),
                  "grads": [t.grad for t in mine]}
 
 
@@ -139,8 +139,8 @@ def test_engines_and_sequences_that_cannot_take_cp_are_refused():
 
     model, hw = _planner_inputs()
     cp2 = ParallelLayout.uniform(8, 1, 1, 8, cp=2, num_micro_batches=4)
-    with pytest.raises(LayoutError, match=r"cp\(2\): the orchestrator engine does not run "
-                                          r"context parallelism yet.*search.engine=megatron"):
+    with pytest.raises(LayoutError, match=r"cp\(2\): the orchestrator engine's context "
+                                          r"parallelism is not priced yet.*search.engine=megatron"):
         evaluate(cp2, model, hw, 8192)
     with pytest.raises(LayoutError, match=r"seq_len\(8190\) % \(2 \* cp\(2\) \* tp\(1\)\)"):
         evaluate(cp2, model, hw, 8190, options=_options())
@@ -199,6 +199,20 @@ def test_ulysses_all_to_alls_price_four_each_way_and_need_the_heads_to_split():
         evaluate(too_many, model, hw, 8192, options=_options())
 
 
+def test_the_all_gather_flavour_gathers_k_v_forward_and_reduce_scatters_their_gradients():
+    from orchestrator.layout import ParallelLayout
+    from orchestrator.planner.cost_model import ConfigKey, StageCosts
+
+    model, hw = _planner_inputs()
+    layout = ParallelLayout.uniform(8, 2, 1, 8, cp=4, cp_comm="allgather", num_micro_batches=4)
+    costs = StageCosts(ConfigKey.of(layout), model, hw, 8192, _options())
+    gathered = 2 * 8192 * 8 / 2 * 32 * 2  # K and V of the whole sequence, 8 KV heads / tp, bf16
+    assert costs.cp.layer.fwd_us == pytest.approx(
+        hw.collective_time_us("all_gather", 4, 2, gathered))
+    assert costs.cp.layer.bwd_us == pytest.approx(
+        hw.collective_time_us("reduce_scatter", 4, 2, gathered))
+
+
 def test_search_offers_a2a_only_where_the_heads_split():
     import dataclasses
 
@@ -215,3 +229,71 @@ def test_search_offers_a2a_only_where_the_heads_split():
     assert rejected["cp_a2a_splits_heads"] >= 1
     only_ring = enumerate_configs(model, hw, dataclasses.replace(space, cp_comms=("p2p",)), {})
     assert {c.cp_comm for c in only_ring} == {"p2p"}
+
+
+# ---------------------------------------------------------------- the engine
+ENGINE_MODEL = dict(hidden=64, ffn=128, layers=4, heads=4, kv_heads=2, vocab=128, seq_len=32)
+CP_LAYOUTS = [  # (tp, cp, extra): on 4 ranks, against dp4
+    (1, 2, {}), (1, 4, {}), (2, 2, {}), (1, 2, {"zero": 1}), (1, 2, {"zero": 3}),
+    (1, 2, {"recompute": "selective"}), (1, 2, {"recompute": "full"}),
+]
+CP_STEPS = 4
+
+
+def _engine_losses(rank, out):
+    from orchestrator.layout import ParallelLayout
+    from orchestrator.models.config import ModelConfig
+    from orchestrator.train.data import make_data
+    from orchestrator.train.engine import Engine
+    from orchestrator.train.lr import lr_at
+
+    model = ModelConfig(**ENGINE_MODEL)
+    data = make_data(None, model.vocab, model.seq_len, seed=0)
+    for tp, cp, extra in [(1, 1, {})] + CP_LAYOUTS:
+        extra = dict(extra)
+        recompute = extra.pop("recompute", "none")
+        dp = 4 // (tp * cp)
+        layout = ParallelLayout.uniform(4, tp, 1, 4, cp=cp, cp_comm="allgather", micro_batch_size=1,
+                                        num_micro_batches=4 // dp, sequence_parallel=tp > 1,
+                                        recompute=recompute, **extra)
+        engine = Engine(layout, model, torch.device("cpu"), seed=1)
+        losses = []
+        for step in range(CP_STEPS):
+            tokens, targets = data.rank_batch(step, engine.dp_rank, layout.dp, 4 // layout.dp)
+            losses.append(engine.train_step(tokens, targets, lr_at(step, 5e-3, 2, CP_STEPS),
+                                            1.0).loss)
+        if rank == 0:
+            out[layout.describe()] = losses
+
+
+def test_every_cp_layout_trains_with_dp4s_losses():
+    """Each sequence split over cp ranks (with TP+SP, ZeRO 1 and 3, recompute): the same losses
+    as dp4, step by step, to 1e-4."""
+    result = spawn_ranks(_engine_losses, 4)
+    reference = next(v for k, v in result.items() if k.startswith("tp1 pp1 dp4"))
+    cp_runs = {k: v for k, v in result.items() if " cp" in k}
+    assert len(cp_runs) == len(CP_LAYOUTS)
+    for name, losses in cp_runs.items():
+        assert losses == pytest.approx(reference, abs=1e-4), name
+
+
+def test_train_cp_runs_from_the_cli_checkpoints_and_resumes(tmp_path):
+    """stage=train train.cp=2 train.tp=2 (TP+SP inside each CP rank) on the 4 local ranks,
+    then a rerun with more steps resumes from its checkpoint; a cp that does not tile the ranks
+    is refused in one line before launch."""
+    import json
+
+    common = ("stage=train", "train.cp=2", "train.tp=2", "train.checkpoint_every=1",
+              "train.plot=false")
+    run_cli(*common, "train.steps=2", profiles_dir=tmp_path, check=0)
+    again = run_cli(*common, "train.steps=3", profiles_dir=tmp_path, check=0)
+    assert "resumed from" in again.stdout and "(step 2)" in again.stdout
+    summary = json.loads((tmp_path / "local" / "train" / "tiny" /
+                          "pp1-tp2-cp2-dp1-zero0-sp-mbs1x8-1f1b.json").read_text())
+    assert summary["layout"]["cp"] == 2 and summary["layout"]["cp_comm"] == "allgather"
+    assert sorted(summary["losses"], key=int) == ["1", "2", "3"]
+    bad = run_cli("stage=train", "train.cp=3", profiles_dir=tmp_path)
+    assert "train.cp(3)" in one_error_line(bad, 2)
+    dynamic = run_cli("stage=train", "train.cp=2", "train.microbatching=dynamic",
+                      profiles_dir=tmp_path)
+    assert "variable-length micro-batches are not split" in one_error_line(dynamic, 2)

@@ -106,6 +106,7 @@ def test_context_parallel_ranks_sit_between_tp_and_dp():
     assert ParallelLayout.from_dict(layout.to_dict()) == layout
     plain = ParallelLayout.uniform(8, 2, 1, 8)
     assert "cp" not in plain.to_dict() and plain.coordinate(5, "cp") == 0
+    assert ParallelLayout.uniform(8, 2, 1, 8, cp_comm="allgather") == plain  # no CP, no flavour
 
 
 def test_context_parallel_needs_a_sequence_of_2cp_chunks_over_tp():

@@ -14,8 +14,6 @@ forward and sends as much of their gradients backward.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
@@ -33,40 +31,51 @@ def chunk_positions(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(first, first + size), torch.arange(second, second + size)])
 
 
-@dataclass
 class ContextParallel:
-    """This rank's share of a context-parallel sequence: its CP group, and the global positions
-    of its tokens and of the gathered sequence's (every rank's chunks, in CP-rank order)."""
+    """This rank's share of context-parallel sequences: its CP group, and for a sequence of
+    `seq_len` tokens the global positions of its tokens and of the all-gathered sequence's (every
+    rank's chunks, in CP-rank order)."""
 
-    group: object  # the CP process group
-    cp: int
-    cp_rank: int
-    positions: torch.Tensor  # (seq_len / cp,) this rank's tokens
-    gathered_positions: torch.Tensor  # (seq_len,) the all-gathered K/V's tokens, in order
-
-    @classmethod
-    def of(cls, group, seq_len: int) -> "ContextParallel":
+    def __init__(self, group):
         import torch.distributed as dist
 
-        cp, cp_rank = dist.get_world_size(group), dist.get_rank(group)
-        gathered = torch.cat([chunk_positions(seq_len, cp, r) for r in range(cp)])
-        return cls(group, cp, cp_rank, chunk_positions(seq_len, cp, cp_rank), gathered)
+        self.group = group
+        self.cp, self.cp_rank = dist.get_world_size(group), dist.get_rank(group)
+        self._positions = {}
+
+    def positions(self, seq_len: int) -> torch.Tensor:
+        """(seq_len / cp,) the global positions of this rank's tokens."""
+        return self._both(seq_len)[0]
+
+    def gathered_positions(self, seq_len: int) -> torch.Tensor:
+        """(seq_len,) the global positions of the all-gathered tokens, in gathered order."""
+        return self._both(seq_len)[1]
+
+    def _both(self, seq_len: int):
+        if seq_len not in self._positions:
+            gathered = torch.cat([chunk_positions(seq_len, self.cp, r) for r in range(self.cp)])
+            self._positions[seq_len] = (chunk_positions(seq_len, self.cp, self.cp_rank), gathered)
+        return self._positions[seq_len]
 
     def split(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's tokens of a whole-sequence tensor (tokens, targets, a full activation)."""
-        return x.index_select(dim, self.positions.to(x.device))
+        return x.index_select(dim, self.positions(x.shape[dim]).to(x.device))
 
-    def rotary(self, cos: torch.Tensor, sin: torch.Tensor):
-        """The rotary tables at this rank's tokens' positions."""
-        index = self.positions.to(cos.device)
+    def rotary(self, cos: torch.Tensor, sin: torch.Tensor, local_len: int):
+        """The rotary tables at the positions of this rank's `local_len` tokens."""
+        index = self.positions(local_len * self.cp).to(cos.device)
         return cos.index_select(0, index), sin.index_select(0, index)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of this rank's queries over the whole sequence's keys and values:
         q, k, v (batch, heads, local seq, head_dim), K/V heads may be fewer (GQA)."""
-        from torch.distributed._functional_collectives import all_gather_tensor_autograd
+        from torch.distributed import _functional_collectives as funcol
 
-        k_all, v_all = (all_gather_tensor_autograd(t.contiguous(), gather_dim=2, group=self.group)
-                        for t in (k, v))
-        mask = (self.positions[:, None] >= self.gathered_positions[None, :]).to(q.device)
+        # torch 2.13's name; the GPU image's 2.11 has only the older one
+        gather = getattr(funcol, "all_gather_single_autograd", None) or \
+            funcol.all_gather_tensor_autograd
+        seq_len = q.shape[2] * self.cp
+        k_all, v_all = (gather(t.contiguous(), gather_dim=2, group=self.group) for t in (k, v))
+        mask = (self.positions(seq_len)[:, None]
+                >= self.gathered_positions(seq_len)[None, :]).to(q.device)
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)

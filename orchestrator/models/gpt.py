@@ -82,6 +82,9 @@ class Attention(nn.Module):
         # Selective recompute (set from outside, train): the attention core's activations are
         # not kept; backward reruns it (Megatron's --recompute-granularity selective).
         self.recompute_core = False
+        # Context parallelism (set from outside, train): this rank holds some of each
+        # sequence's tokens (models/context_parallel.ContextParallel), attends to all of them.
+        self.context = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -89,12 +92,15 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if self.context is not None:
+            cos, sin = self.context.rotary(cos, sin, seq)  # at this rank's tokens' positions
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
+        core = _attention_core if self.context is None else self.context.attention
         if self.recompute_core and torch.is_grad_enabled():
-            out = checkpoint(_attention_core, q, k, v, use_reentrant=False)
+            out = checkpoint(core, q, k, v, use_reentrant=False)
         else:
-            out = _attention_core(q, k, v)
+            out = core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 

@@ -177,9 +177,9 @@ class StageCosts:
         self.hardware = hardware
         self.engine = options.engine
         if key.cp > 1 and self.engine != "megatron":
-            raise LayoutError(f"cp({key.cp}): the {self.engine} engine does not run context "
-                              f"parallelism yet; Megatron-LM's is priced with "
-                              f"search.engine=megatron")
+            raise LayoutError(f"cp({key.cp}): the {self.engine} engine's context parallelism "
+                              f"is not priced yet (its workload model has no CP); Megatron-LM's "
+                              f"is, with search.engine=megatron")
         # A CP rank holds s / cp of each sequence (its tokens), a 1 / cp share of every layer.
         self.tokens = float(seq_len * key.micro_batch_size) / key.cp
         self.overlap_coe = hardware.overlap_coe
@@ -240,7 +240,10 @@ class StageCosts:
         self.tp = TpComm.from_hardware(self.hardware, key.tp, key.sequence_parallel, tp_bytes,
                                        self.engine, loss_bytes)
         head_dim = model.hidden // model.heads
-        if key.cp_comm == "a2a":
+        if key.cp_comm == "allgather":
+            self.cp = CpComm.all_gather(self.hardware, key.cp, key.tp, self.tokens,
+                                        model.kv_heads, head_dim, model.dtype_bytes)
+        elif key.cp_comm == "a2a":
             self.cp = CpComm.all_to_all(self.hardware, key.cp, key.tp, self.tokens,
                                         model.heads, model.kv_heads, head_dim, model.dtype_bytes)
         else:

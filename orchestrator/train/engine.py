@@ -33,7 +33,8 @@ import torch.distributed as dist
 from orchestrator.choices import Dtype
 from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig
-from orchestrator.models.gpt import GPT, cross_entropy_loss, token_loss_sum
+from orchestrator.models.context_parallel import ContextParallel
+from orchestrator.models.gpt import GPT, Attention, cross_entropy_loss, token_loss_sum
 from orchestrator.models.parallelize import apply_tensor_parallel, split_pipeline
 from orchestrator.train.executor import (MicroBatchInput, PipelineExecutor, run_plain,
                                          set_recompute)
@@ -87,10 +88,24 @@ class Engine:
             raise ValueError(f"layout world_size({layout.world_size}) != the "
                              f"{dist.get_world_size()} ranks running")
         self.layout, self.device, self.dtype = layout, device, Dtype.parse(dtype)
-        self.mesh = init_device_mesh(_device_type(device), (layout.pp, layout.dp, layout.tp),
-                                     mesh_dim_names=("pp", "dp", "tp"))
+        if layout.cp > 1 and layout.cp_comm != "allgather":
+            raise ValueError(f"cp_comm {layout.cp_comm}: the engine's context parallelism "
+                             f"all-gathers K/V (cp_comm allgather)")
+        if layout.cp > 1:
+            # Rank order tp-cp-dp-pp; the dp x cp ranks hold the same weights: gradients are
+            # reduced, and ZeRO shards, over them (one flattened group).
+            self.mesh = init_device_mesh(_device_type(device),
+                                         (layout.pp, layout.dp, layout.cp, layout.tp),
+                                         mesh_dim_names=("pp", "dp", "cp", "tp"))
+            self.replicas_mesh = self.mesh["dp", "cp"]._flatten("dp_cp")
+        else:
+            self.mesh = init_device_mesh(_device_type(device), (layout.pp, layout.dp, layout.tp),
+                                         mesh_dim_names=("pp", "dp", "tp"))
+            self.replicas_mesh = self.mesh["dp"]
         self.pp_rank = self.mesh.get_local_rank("pp")
         self.dp_rank = self.mesh.get_local_rank("dp")
+        self.context = (ContextParallel(self.mesh["cp"].get_group()) if layout.cp > 1
+                        else None)
         self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == layout.pp - 1
         self.modules = self._build(dataclasses.replace(model, dtype=Dtype.fp32), seed)
         self._apply_recompute()
@@ -102,8 +117,8 @@ class Engine:
                                    weight_decay=optim.weight_decay, betas=optim.betas,
                                    eps=optim.eps)
         else:
-            self.optim = ShardedAdamW(params, layout.zero, self.mesh["dp"].get_group(),
-                                      layout.dp, layout.num_micro_batches,
+            self.optim = ShardedAdamW(params, layout.zero, self.replicas_mesh.get_group(),
+                                      layout.dp * layout.cp, layout.num_micro_batches,
                                       bucket_MiB=optim.bucket_MiB,
                                       weight_decay=optim.weight_decay, betas=optim.betas,
                                       eps=optim.eps, replicas_only=layout.pp * layout.tp == 1)
@@ -130,6 +145,9 @@ class Engine:
             mod.to_empty(device=self.device)
             mod.init_weights(seed)
             mod.autocast_dtype = autocast
+            for sub in mod.modules():
+                if isinstance(sub, Attention):
+                    sub.context = self.context
         return mine
 
     def _apply_recompute(self) -> None:
@@ -153,8 +171,8 @@ class Engine:
         reshard = self.layout.pp == 1
         for mod in self.modules:
             for block in mod.blocks.values():
-                fully_shard(block, mesh=self.mesh["dp"], reshard_after_forward=reshard)
-            fully_shard(mod, mesh=self.mesh["dp"], reshard_after_forward=reshard)
+                fully_shard(block, mesh=self.replicas_mesh, reshard_after_forward=reshard)
+            fully_shard(mod, mesh=self.replicas_mesh, reshard_after_forward=reshard)
 
     def _make_schedule(self):
         from torch.distributed.pipelining import PipelineStage
@@ -218,12 +236,14 @@ class Engine:
         self.compute_s = 0.0
         self.optim.begin_step(self.layout.num_micro_batches)
         tokens, targets = tokens.to(self.device), targets.to(self.device)
+        if self.context is not None:  # this rank's tokens of each sequence
+            tokens, targets = self.context.split(tokens), self.context.split(targets)
         with self._loss_parallel():
             # a vocab-parallel loss is a DTensor, replicated over TP
             losses = [local_tensor(loss) for loss in self._forward_backward(tokens, targets)]
         local = torch.stack([loss.double() for loss in losses]).mean() if losses else 0.0
-        return self._finish_step(start, local, self.layout.dp * self.layout.tp, lr, grad_clip,
-                                 stop)
+        return self._finish_step(start, local, self.layout.dp * self.layout.tp * self.layout.cp,
+                                 lr, grad_clip, stop)
 
     def train_step_micro_batches(self, batches: Sequence[MicroBatchInput], lr: float,
                                  grad_clip: float, total_tokens: int,
@@ -388,4 +408,6 @@ def _local_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 def _is_fsdp(p: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
-    return isinstance(p, DTensor) and "dp" in (p.device_mesh.mesh_dim_names or ())
+    # FSDP's mesh is the dp group, or the flattened dp x cp one with context parallelism
+    return isinstance(p, DTensor) and any(
+        name in ("dp", "dp_cp") for name in (p.device_mesh.mesh_dim_names or ()))

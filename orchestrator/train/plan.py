@@ -41,9 +41,11 @@ def train_dir(cfg) -> Path:
 
 
 def layout_tag(layout: ParallelLayout) -> str:
-    """A file-name-safe tag of a layout: `pp2-tp2-dp1-zero0-sp-mbs1x8-1f1b`, with the schedule's
-    chunks, an uneven split and recompute appended when they are not the defaults."""
-    tag = (f"pp{layout.pp}-tp{layout.tp}-dp{layout.dp}-zero{layout.zero}"
+    """A file-name-safe tag of a layout: `pp2-tp2-dp1-zero0-sp-mbs1x8-1f1b` (`-cp2` after tp
+    with context parallelism), with the schedule's chunks, an uneven split and recompute
+    appended when they are not the defaults."""
+    cp = f"-cp{layout.cp}" if layout.cp > 1 else ""
+    tag = (f"pp{layout.pp}-tp{layout.tp}{cp}-dp{layout.dp}-zero{layout.zero}"
            f"{'-sp' if layout.sequence_parallel else ''}"
            f"-mbs{layout.micro_batch_size}x{layout.num_micro_batches}-{layout.schedule}")
     if layout.virtual_stages > 1:
@@ -82,13 +84,15 @@ def _global_batch(cfg, default: int) -> int:
 
 
 def explicit_layout(cfg, world: int) -> ParallelLayout:
-    """train.pp / train.tp given: dp derived, the rest from train.* or the defaults."""
+    """train.pp / train.tp / train.cp given: dp derived, the rest from train.* or the
+    defaults."""
     t, layers = cfg.train, cfg.model.layers
-    pp, tp = t.pp or 1, t.tp or 1
-    if world % (pp * tp):
-        raise LayoutError(f"train.pp({pp}) * train.tp({tp}) = {pp * tp} does not divide the "
+    pp, tp, cp = t.pp or 1, t.tp or 1, t.cp or 1
+    if world % (pp * tp * cp):
+        degrees = f"train.pp({pp}) * train.tp({tp})" + (f" * train.cp({cp})" if cp > 1 else "")
+        raise LayoutError(f"{degrees} = {pp * tp * cp} does not divide the "
                           f"{world} ranks of cluster {cfg.cluster.name}")
-    dp = world // (pp * tp)
+    dp = world // (pp * tp * cp)
     mbs = t.micro_batch_size or 1
     gbs = _global_batch(cfg, cfg.search.global_batch_size)
     if t.num_micro_batches is None and gbs % (dp * mbs):
@@ -98,7 +102,8 @@ def explicit_layout(cfg, world: int) -> ParallelLayout:
     m = t.num_micro_batches or gbs // (dp * mbs)
     schedule = str(getattr(t.schedule, "value", t.schedule) or "1f1b")
     v = t.virtual_stages or (2 if schedule == "interleaved" else 1)
-    kwargs = dict(zero=t.zero or 0, micro_batch_size=mbs, num_micro_batches=m,
+    kwargs = dict(zero=t.zero or 0, micro_batch_size=mbs, num_micro_batches=m, cp=cp,
+                  cp_comm=TRAIN_CP_COMM,
                   schedule=schedule, virtual_stages=v,
                   sequence_parallel=tp > 1 if t.sequence_parallel is None
                   else bool(t.sequence_parallel))
@@ -109,6 +114,10 @@ def explicit_layout(cfg, world: int) -> ParallelLayout:
         return ParallelLayout(world_size=world, pp=pp, tp=tp, dp=dp, layers_per_stage=stages,
                               recompute=per_stage, **kwargs)
     return ParallelLayout.uniform(world, tp, pp, layers, recompute=recompute, **kwargs)
+
+
+# The context-parallel flavour the engine runs (models/context_parallel.py).
+TRAIN_CP_COMM = "allgather"
 
 
 def strategy_layout(cfg) -> tuple:
@@ -159,7 +168,7 @@ def resolve(cfg) -> TrainTarget:
     world = cluster_world_size(cfg.cluster)
     t = cfg.train
     try:
-        if t.pp is not None or t.tp is not None:
+        if t.pp is not None or t.tp is not None or t.cp is not None:
             layout = explicit_layout(cfg, world)
             target = TrainTarget(layout, t.seq_len or cfg.model.seq_len, "explicit", None)
         else:
@@ -182,10 +191,16 @@ def check_target(cfg, target: TrainTarget, world: int) -> None:
                           f"{cfg.cluster.name} has {world} (nodes x tasks_per_node); search "
                           f"again for it ({rerun_command('search')}) or give train.pp/train.tp")
     layout.check_model_layers(model.layers, model.name)
-    if layout.cp > 1:
-        raise LayoutError(f"cp({layout.cp}): stage=train does not run context parallelism yet; "
-                          f"Megatron-LM does (the strategy's megatron_args), or search without "
-                          f"it (search.engine=orchestrator)")
+    if layout.cp > 1 and layout.cp_comm != TRAIN_CP_COMM:
+        raise LayoutError(f"cp({layout.cp}) with cp_comm {layout.cp_comm}: stage=train runs "
+                          f"context parallelism as cp_comm {TRAIN_CP_COMM} (K/V all-gathered); "
+                          f"Megatron-LM runs this one (the strategy's megatron_args), or give "
+                          f"train.cp={layout.cp}")
+    if layout.cp > 1 and str(cfg.train.microbatching) != "fixed":
+        raise LayoutError(f"train.microbatching={cfg.train.microbatching} with cp({layout.cp}): "
+                          f"variable-length micro-batches are not split over context-parallel "
+                          f"ranks; use train.microbatching=fixed")
+    layout.check_sequence(target.seq_len)
     for field, value in (("heads", model.heads), ("kv_heads", model.kv_heads)):
         if value % layout.tp:
             raise LayoutError(f"tp({layout.tp}) does not divide model.{field}({value})")

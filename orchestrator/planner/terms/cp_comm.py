@@ -11,6 +11,11 @@ K and V and their gradients, twice that. The cp - 1 sends of a pass run beside t
 the steps after the first; what they do not hide (the hardware profile's overlap rule) is
 exposed. A hop crosses nodes when the CP group (stride tp) spans more than one.
 
+allgather (Llama 3's, stage=train's): the whole sequence's K and V all-gathered over the CP
+group before the attention core (2 x b x s x kv_heads / tp x head_dim elements), their gradients
+reduce-scattered in the backward, priced from the profile's all_gather / reduce_scatter fits for
+the group, not overlapped.
+
 a2a (DeepSpeed's Ulysses): before the attention core an all-to-all over the CP group turns each
 of Q, K and V from s / cp tokens x all of the rank's heads into all s tokens x 1 / cp of them, and
 one after it turns the output back: 4 per layer forward (Q and the output of b x s / cp x h / tp
@@ -76,3 +81,15 @@ class CpComm:
             return hardware.collective_time_us("all2all", cp, tp, size)
         one_way = 2 * a2a_us(q_bytes) + 2 * a2a_us(kv_bytes)
         return cls(FwdBwd(one_way, one_way), a2a_us(q_bytes))
+
+    @classmethod
+    def all_gather(cls, hardware: HardwareModel, cp: int, tp: int, tokens: float,
+                   kv_heads: int, head_dim: int, dtype_bytes: int) -> "CpComm":
+        """K and V gathered forward, their gradients reduce-scattered backward; `tokens`: this
+        rank's (b x s / cp)."""
+        if cp == 1:
+            return cls(FwdBwd(0.0, 0.0), 0.0)
+        gathered = 2.0 * tokens * cp * kv_heads / tp * head_dim * dtype_bytes
+        fwd = hardware.collective_time_us("all_gather", cp, tp, gathered)
+        bwd = hardware.collective_time_us("reduce_scatter", cp, tp, gathered)
+        return cls(FwdBwd(fwd, bwd), fwd)
