@@ -49,7 +49,18 @@ def _cp_attention_rank(rank, out):
                  "grads": [t.grad for t in mine]}
 
 
-def test_attention_over_the_gathered_sequence_equals_one_process_causal_attention():
+def _cp_ranks(rank, out):
+    """One launch of 4 gloo ranks for the attention check and the engine's layouts."""
+    _cp_attention_rank(rank, out)
+    _engine_losses(rank, out)
+
+
+@pytest.fixture(scope="module")
+def cp_ranks():
+    return spawn_ranks(_cp_ranks, 4)
+
+
+def test_attention_over_the_gathered_sequence_equals_one_process_causal_attention(cp_ranks):
     """4 CP ranks, GQA heads: each rank's output and its q, k, v gradients are the
     one-process attention's at its positions (float64, to 1e-12)."""
     q, k, v, grad_out = _whole_sequence()
@@ -57,9 +68,8 @@ def test_attention_over_the_gathered_sequence_equals_one_process_causal_attentio
     y = torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=True,
                                                          enable_gqa=True)
     y.backward(grad_out)
-    result = spawn_ranks(_cp_attention_rank, 4)
     for rank in range(4):
-        got = result[rank]
+        got = cp_ranks[rank]
         index = got["positions"]
         assert torch.allclose(got["y"], y.detach().index_select(2, index), rtol=0, atol=1e-12)
         for name, mine, ref in zip("qkv", got["grads"], whole):
@@ -234,13 +244,15 @@ def test_search_offers_a2a_only_where_the_heads_split():
 # ---------------------------------------------------------------- the engine
 ENGINE_MODEL = dict(hidden=64, ffn=128, layers=4, heads=4, kv_heads=2, vocab=128, seq_len=32)
 CP_LAYOUTS = [  # (tp, cp, extra): on 4 ranks, against dp4
-    (1, 2, {}), (1, 4, {}), (2, 2, {}), (1, 2, {"zero": 1}), (1, 2, {"zero": 3}),
-    (1, 2, {"recompute": "selective"}), (1, 2, {"recompute": "full"}),
+    (1, 2, {}), (1, 4, {}), (2, 2, {}), (1, 2, {"pp": 2}), (1, 2, {"zero": 1}),
+    (1, 2, {"zero": 3}), (1, 2, {"recompute": "selective"}), (1, 2, {"recompute": "full"}),
 ]
 CP_STEPS = 4
 
 
 def _engine_losses(rank, out):
+    import torch.distributed as dist
+
     from orchestrator.layout import ParallelLayout
     from orchestrator.models.config import ModelConfig
     from orchestrator.train.data import make_data
@@ -251,11 +263,11 @@ def _engine_losses(rank, out):
     data = make_data(None, model.vocab, model.seq_len, seed=0)
     for tp, cp, extra in [(1, 1, {})] + CP_LAYOUTS:
         extra = dict(extra)
-        recompute = extra.pop("recompute", "none")
-        dp = 4 // (tp * cp)
-        layout = ParallelLayout.uniform(4, tp, 1, 4, cp=cp, cp_comm="allgather", micro_batch_size=1,
-                                        num_micro_batches=4 // dp, sequence_parallel=tp > 1,
-                                        recompute=recompute, **extra)
+        recompute, pp = extra.pop("recompute", "none"), extra.pop("pp", 1)
+        dp = 4 // (tp * cp * pp)
+        layout = ParallelLayout.uniform(4, tp, pp, 4, cp=cp, cp_comm="allgather",
+                                        micro_batch_size=1, num_micro_batches=4 // dp,
+                                        sequence_parallel=tp > 1, recompute=recompute, **extra)
         engine = Engine(layout, model, torch.device("cpu"), seed=1)
         losses = []
         for step in range(CP_STEPS):
@@ -264,14 +276,16 @@ def _engine_losses(rank, out):
                                             1.0).loss)
         if rank == 0:
             out[layout.describe()] = losses
+        del engine
+        dist.barrier()
 
 
-def test_every_cp_layout_trains_with_dp4s_losses():
-    """Each sequence split over cp ranks (with TP+SP, ZeRO 1 and 3, recompute): the same losses
-    as dp4, step by step, to 1e-4."""
-    result = spawn_ranks(_engine_losses, 4)
-    reference = next(v for k, v in result.items() if k.startswith("tp1 pp1 dp4"))
-    cp_runs = {k: v for k, v in result.items() if " cp" in k}
+def test_every_cp_layout_trains_with_dp4s_losses(cp_ranks):
+    """Each sequence split over cp ranks (with TP+SP, a pipeline, ZeRO 1 and 3, recompute): the
+    same losses as dp4, step by step, to 1e-4."""
+    runs = {k: v for k, v in cp_ranks.items() if isinstance(k, str)}  # the others: attention
+    reference = next(v for k, v in runs.items() if k.startswith("tp1 pp1 dp4"))
+    cp_runs = {k: v for k, v in runs.items() if " cp" in k}
     assert len(cp_runs) == len(CP_LAYOUTS)
     for name, losses in cp_runs.items():
         assert losses == pytest.approx(reference, abs=1e-4), name
@@ -283,7 +297,7 @@ def test_train_cp_runs_from_the_cli_checkpoints_and_resumes(tmp_path):
     is refused in one line before launch."""
     import json
 
-    common = ("stage=train", "train.cp=2", "train.tp=2", "train.checkpoint_every=1",
+    common = ("stage=train", "train.cp=2", "train.tp=2", "train.checkpoint_every=2",
               "train.plot=false")
     run_cli(*common, "train.steps=2", profiles_dir=tmp_path, check=0)
     again = run_cli(*common, "train.steps=3", profiles_dir=tmp_path, check=0)
