@@ -106,7 +106,8 @@ def main() -> None:
         hw, model = profiles("qwen_100b", 1024, folder + "/q")
         today = searched(model, hw, 8192, 512, 1, "pick without CP")
         with_cp = searched(model, hw, 8192, 512, 16, "pick, max_cp 16")
-        print(f"  tokens/s with CP / without: {with_cp['tokens_per_s'] / today['tokens_per_s']:.2f}x")
+        gain = with_cp["tokens_per_s"] / today["tokens_per_s"]
+        print(f"  tokens/s with CP / without: {gain:.2f}x")
 
         print("\nllama3_405b, 128K, 16384 H100s, global batch 128 (16M tokens)")
         hw, model = profiles("llama3_405b", 2048, folder + "/l")

@@ -29,6 +29,8 @@ ZERO_STAGES = (0, 1, 2, 3)
 # gathered before the attention core, their gradients reduce-scattered after (Llama 3's; what
 # stage=train runs, models/context_parallel.py).
 CP_COMMS = ("p2p", "a2a", "allgather")
+# The flavour stage=train's engine runs (models/context_parallel.py).
+ENGINE_CP_COMM = "allgather"
 
 # (mode, k_layers): how many layers of the stage use `mode`; the others keep all activations.
 # "none" has k == 0, "selective" covers every layer of the stage (Megatron cannot do part of a
@@ -99,8 +101,6 @@ class ParallelLayout:
             cp = f" * cp({self.cp})" if self.cp > 1 else ""
             raise LayoutError(f"dp({self.dp}) * tp({self.tp}){cp} * pp({self.pp}) != "
                               f"world_size({self.world_size})")
-        if self.cp_comm not in CP_COMMS:
-            raise LayoutError(f"cp_comm must be one of {CP_COMMS}, got {self.cp_comm!r}")
         if self.zero not in ZERO_STAGES:
             raise LayoutError(f"zero must be one of {ZERO_STAGES}, got {self.zero!r}")
         if bool(self.distributed_optimizer) != (self.zero >= 1):

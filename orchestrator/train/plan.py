@@ -13,7 +13,7 @@ from orchestrator.choices import Backend, Dtype
 from orchestrator.commands import rerun_command
 from orchestrator.config import cluster_world_size
 from orchestrator.errors import ConfigError, InfeasibleError, InvalidLayout, ProfileError
-from orchestrator.layout import LayoutError, ParallelLayout
+from orchestrator.layout import ENGINE_CP_COMM, LayoutError, ParallelLayout
 from orchestrator.store import cluster_dir, hardware_path, model_profile_path, strategy_path
 
 GiB = 2**30
@@ -103,7 +103,7 @@ def explicit_layout(cfg, world: int) -> ParallelLayout:
     schedule = str(getattr(t.schedule, "value", t.schedule) or "1f1b")
     v = t.virtual_stages or (2 if schedule == "interleaved" else 1)
     kwargs = dict(zero=t.zero or 0, micro_batch_size=mbs, num_micro_batches=m, cp=cp,
-                  cp_comm=TRAIN_CP_COMM,
+                  cp_comm=ENGINE_CP_COMM,
                   schedule=schedule, virtual_stages=v,
                   sequence_parallel=tp > 1 if t.sequence_parallel is None
                   else bool(t.sequence_parallel))
@@ -115,9 +115,6 @@ def explicit_layout(cfg, world: int) -> ParallelLayout:
                               recompute=per_stage, **kwargs)
     return ParallelLayout.uniform(world, tp, pp, layers, recompute=recompute, **kwargs)
 
-
-# The context-parallel flavour the engine runs (models/context_parallel.py).
-TRAIN_CP_COMM = "allgather"
 
 
 def strategy_layout(cfg) -> tuple:
@@ -191,9 +188,9 @@ def check_target(cfg, target: TrainTarget, world: int) -> None:
                           f"{cfg.cluster.name} has {world} (nodes x tasks_per_node); search "
                           f"again for it ({rerun_command('search')}) or give train.pp/train.tp")
     layout.check_model_layers(model.layers, model.name)
-    if layout.cp > 1 and layout.cp_comm != TRAIN_CP_COMM:
+    if layout.cp > 1 and layout.cp_comm != ENGINE_CP_COMM:
         raise LayoutError(f"cp({layout.cp}) with cp_comm {layout.cp_comm}: stage=train runs "
-                          f"context parallelism as cp_comm {TRAIN_CP_COMM} (K/V all-gathered); "
+                          f"context parallelism as cp_comm {ENGINE_CP_COMM} (K/V gathered); "
                           f"Megatron-LM runs this one (the strategy's megatron_args), or give "
                           f"train.cp={layout.cp}")
     if layout.cp > 1 and str(cfg.train.microbatching) != "fixed":
