@@ -20,8 +20,8 @@ minimises exactly: a sum plus a max of per-stage terms, which a dynamic programm
 partitions can optimise.
 
 Each term lives in planner/terms/ with its Megatron formula: compute.py (per-layer compute, / cp
-with context parallelism), tp_comm.py (TP/SP collectives), cp_comm.py (the context-parallel ring's
-exposed sends; Megatron engine only), zero.py (ZeRO sharding, per-layer ZeRO 2/3 traffic, gradient
+with context parallelism), tp_comm.py (TP/SP collectives), cp_comm.py (context parallelism's
+exposed communication by flavour: ring, Ulysses, all-gather; Megatron engine only), zero.py (ZeRO sharding, per-layer ZeRO 2/3 traffic, gradient
 sync), pipeline.py (p2p sends), memory.py (activations, buffers); schedule.py has alpha, beta
 and the in-flight micro-batches. Overlap: communication C beside compute W slows both by
 `overlap_coe` (c >= 1), the pair taking max(W, C) + min(W, C) (c - 1); a stage's gradient sync
@@ -249,8 +249,8 @@ class StageCosts:
         else:
             self.cp = CpComm.from_hardware(
                 self.hardware, key.cp,
-                cp_kv_message_bytes(self.tokens * key.cp, model.kv_heads, head_dim, key.tp,
-                                    key.cp, model.dtype_bytes),
+                cp_kv_message_bytes(self.tokens, model.kv_heads, head_dim, key.tp,
+                                    model.dtype_bytes),
                 self.compute.selective_recompute_us,
                 cp_group_intra_node(key.tp, key.cp, self.hardware.tasks_per_node),
                 self.overlap_coe)

@@ -121,8 +121,9 @@ def galvatron_strategy(layout: ParallelLayout, strict: bool = True) -> Dict[str,
     unchanged through orchestrator.interop.galvatron.strategy.read_strategy."""
     L = layout.num_layers
     if layout.cp > 1:  # not approximated: a layout without it needs cp times the activations
-        raise ExportError(f"cp({layout.cp}): Galvatron has no ring context parallelism (its "
-                          f"use_sp is Ulysses all-to-all)")
+        raise ExportError(f"cp({layout.cp}) with cp_comm {layout.cp_comm}: not written for "
+                          f"Galvatron, which has no context parallelism (its use_sp is Ulysses "
+                          f"in place of TP)")
     if layout.schedule != "1f1b":
         _problem(strict, "Galvatron has no interleaved pipeline schedule; it would run "
                          "pipedream_flush (1F1B)")

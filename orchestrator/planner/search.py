@@ -64,10 +64,11 @@ class SearchSpace:
     options: CostOptions = CostOptions()
     pp: Optional[int] = None  # fixed degrees (None: searched); a fixed one ignores max_pp/max_tp
     tp: Optional[int] = None
-    # Context parallelism up to max_cp (powers of the world's divisors), where the engine runs
-    # it (options.engine: Megatron-LM's only, so far).
+    # Context parallelism: cp up to max_cp (divisors of the world / tp), in the flavours
+    # cp_comms (search.* keys, same defaults), where the engine is priced for it
+    # (options.engine: Megatron-LM's only, so far).
     max_cp: int = 1
-    cp_comms: Tuple[str, ...] = CP_COMMS  # the flavours of cp > 1 tried
+    cp_comms: Tuple[str, ...] = ("p2p", "a2a")
 
     def __post_init__(self) -> None:
         for name in ("zero_stages", "recompute", "micro_batch_sizes", "schedules",
@@ -161,6 +162,7 @@ def enumerate_configs(model: ModelCost, hardware: HardwareModel, space: SearchSp
     W, L = space.world_size, model.layers
     schedules = space.schedules[:1] if space.fast_mode else space.schedules
     max_cp = space.max_cp if space.options.engine == "megatron" else 1
+    all2all_profiled = any(op == "all2all" for op, _ in hardware.measured)
     configs = []
     for tp in _divisors(W):
         if not _degree_allowed(tp, space.tp, space.max_tp):
@@ -185,7 +187,7 @@ def enumerate_configs(model: ModelCost, hardware: HardwareModel, space: SearchSp
                 if cp_comm == "a2a" and (model.heads % (tp * cp) or model.kv_heads % (tp * cp)):
                     reject("cp_a2a_splits_heads")
                     continue
-                if cp_comm == "a2a" and not any(op == "all2all" for op, _ in hardware.measured):
+                if cp_comm == "a2a" and not all2all_profiled:
                     reject("cp_a2a_not_profiled")
                     continue
                 for pp in _divisors(W // (tp * cp)):

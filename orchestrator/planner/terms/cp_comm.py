@@ -34,10 +34,10 @@ from orchestrator.planner.terms import FwdBwd, overlap_extra_us
 ATTENTION_BWD_OVER_FWD = 2.5
 
 
-def cp_kv_message_bytes(tokens: float, kv_heads: int, head_dim: int, tp: int, cp: int,
+def cp_kv_message_bytes(tokens: float, kv_heads: int, head_dim: int, tp: int,
                         dtype_bytes: int) -> float:
-    """One ring step's forward message: this rank's K and V (tokens = b x s of a micro-batch)."""
-    return 2.0 * tokens / cp * (kv_heads / tp) * head_dim * dtype_bytes
+    """One ring step's forward message: this rank's K and V (`tokens`: its b x s / cp)."""
+    return 2.0 * tokens * (kv_heads / tp) * head_dim * dtype_bytes
 
 
 def cp_group_intra_node(tp: int, cp: int, tasks_per_node: int) -> bool:
@@ -47,8 +47,9 @@ def cp_group_intra_node(tp: int, cp: int, tasks_per_node: int) -> bool:
 
 @dataclass(frozen=True)
 class CpComm:
-    """Exposed ring time (us per micro-batch) of one layer, forward and backward; zero for
-    cp = 1. `hop_us`: one forward send (the backward's is twice as long)."""
+    """Exposed context-parallel communication (us per micro-batch) of one layer, forward and
+    backward, for one flavour; zero for cp = 1. `hop_us`: one forward message (a ring step, the
+    first all-to-all, the all-gather)."""
 
     layer: FwdBwd
     hop_us: float

@@ -352,13 +352,10 @@ class KernelBytes(torch.utils._python_dispatch.TorchDispatchMode):
             def size(tree):
                 return sum(t.numel() * t.element_size() for t in tree_flatten(tree)[0]
                            if isinstance(t, torch.Tensor))
-            written = [a for a, spec in zip(args, func._schema.arguments)
-                       if spec.alias_info is not None and spec.alias_info.is_write]
-            self.bytes += size((args, kwargs)) + size(out if func._schema.returns else ())
-            # In-place ops return their input (counted as read): count the write once more,
-            # unless the op returns nothing (foreach_*_), when the write is counted here.
-            if written and not func._schema.returns:
-                self.bytes += size(written)
+            self.bytes += size((args, kwargs)) + size(out)  # reads, then what comes back
+            if not func._schema.returns:  # foreach_*_: the inputs it writes come back as None
+                self.bytes += size([a for a, spec in zip(args, func._schema.arguments)
+                                    if spec.alias_info is not None and spec.alias_info.is_write])
         return out
 
 
