@@ -5,8 +5,9 @@ priced by our cost model.
 
 Profiles are the project's analytic ones (written once by the CLI into a temporary folder):
 `cluster=dgx_h100` hardware for the case's node count, the model on the h100 sheet. The search
-prices Megatron-LM's engine (`search.engine=megatron`: stage=train does not run CP yet), its
-default reserve (10% + 1 GiB of 80 GiB), and is run with `max_cp` 1 (today's pick) and 16.
+prices Megatron-LM's engine (`search.engine=megatron`, what the export runs) and, for qwen_100b,
+stage=train's too (its ring attention and every byte it holds, workload/memory.py), at the
+default reserve (10% + 1 GiB of 80 GiB), with `max_cp` 1 (no CP) and 16.
 Published layouts to hold it against:
 - Llama 3 405B at 128K on 16384 H100s: TP8 CP16 PP16 DP8, 16M-token batches (128 sequences),
   380 TFLOP/s per GPU ("The Llama 3 Herd of Models", Table 4); one layer fewer on the first and
@@ -60,8 +61,8 @@ def model_config(model: ModelCost) -> ModelConfig:
                        seq_len=SEQ, dtype=model.dtype)
 
 
-def options() -> CostOptions:
-    return CostOptions(engine="megatron",
+def options(engine: str = "megatron") -> CostOptions:
+    return CostOptions(engine=engine,
                        reserve_bytes=memory_reserve_GiB(BUDGET_GiB, 0.10, 1.0) * GiB)
 
 
@@ -84,9 +85,11 @@ def line(label: str, layout: ParallelLayout, pred, model: ModelCost, extra: str 
     return {"tokens_per_s": tokens / seconds, "tflops": tflops}
 
 
-def searched(model, hw, world: int, gbs: int, max_cp: int, label: str) -> dict:
+def searched(model, hw, world: int, gbs: int, max_cp: int, label: str,
+             engine: str = "megatron") -> dict:
     space = SearchSpace(world_size=world, memory_budget_bytes=BUDGET_GiB * GiB,
-                        global_batch_size=gbs, seq_len=SEQ, max_cp=max_cp, options=options())
+                        global_batch_size=gbs, seq_len=SEQ, max_cp=max_cp,
+                        options=options(engine))
     t0 = time.perf_counter()
     result = search(model, hw, space)
     elapsed = time.perf_counter() - t0
@@ -108,6 +111,11 @@ def main() -> None:
         with_cp = searched(model, hw, 8192, 512, 16, "pick, max_cp 16")
         gain = with_cp["tokens_per_s"] / today["tokens_per_s"]
         print(f"  tokens/s with CP / without: {gain:.2f}x")
+        # stage=train's engine: its ring (or all-gather) and every byte it holds
+        ours = searched(model, hw, 8192, 512, 16, "stage=train's, cp 16", "orchestrator")
+        ours_today = searched(model, hw, 8192, 512, 1, "stage=train's, no CP", "orchestrator")
+        print(f"  stage=train's engine, tokens/s with CP / without: "
+              f"{ours['tokens_per_s'] / ours_today['tokens_per_s']:.2f}x")
 
         print("\nllama3_405b, 128K, 16384 H100s, global batch 128 (16M tokens)")
         hw, model = profiles("llama3_405b", 2048, folder + "/l")

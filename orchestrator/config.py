@@ -259,10 +259,10 @@ class SearchConfig:
     tp: Optional[int] = None
     max_tp: int = 8  # >= 1
     max_pp: int = 64  # >= 1
-    # Context parallelism (each sequence split over cp ranks) up to max_cp, with
-    # engine=megatron: the orchestrator engine's (train.cp) is not priced yet, so the default
-    # searches none.
-    max_cp: int = 1  # >= 1
+    # Context parallelism (each sequence split over cp ranks) up to max_cp (None: seq_len //
+    # 8192, each rank keeping at least 8K tokens; so none up to 16K), in the flavours of
+    # cp_comms the engine runs (orchestrator: p2p, allgather; megatron: all three).
+    max_cp: Optional[int] = None  # >= 1
     cp_comms: List[str] = field(default_factory=lambda: ["p2p", "a2a"])  # flavours of cp > 1
     tp_within_node: bool = True
     zero_stages: List[int] = field(default_factory=lambda: [0, 1, 2, 3])
@@ -301,9 +301,11 @@ class TrainConfig:
     steps: int = 30
     pp: Optional[int] = None
     tp: Optional[int] = None
-    # Context parallelism: each sequence split over cp ranks (K/V all-gathered for attention);
-    # seq_len must cut into 2 * cp * tp equal pieces.
+    # Context parallelism: each sequence split over cp ranks; seq_len must cut into 2 * cp * tp
+    # equal pieces. cp_comm: how attention reaches the other ranks' K/V, p2p (a ring of sends,
+    # the default) or allgather (models/context_parallel.py); None: the strategy's, else p2p.
     cp: Optional[int] = None
+    cp_comm: Optional[str] = None
     zero: Optional[int] = None  # 0: DDP-style, 1/2: sharded optimizer (and grads), 3: FSDP2
     sequence_parallel: Optional[bool] = None  # None: on when tp > 1
     micro_batch_size: Optional[int] = None  # None: 1

@@ -26,11 +26,11 @@ ZERO_STAGES = (0, 1, 2, 3)
 # "p2p", a ring of K/V sends overlapped with the attention of the chunk held; "a2a" (DeepSpeed's
 # Ulysses), all-to-alls that trade the sequence split for a head split around the attention
 # core (heads and KV heads must divide over tp x cp); "allgather", K and V of the whole sequence
-# gathered before the attention core, their gradients reduce-scattered after (Llama 3's; what
-# stage=train runs, models/context_parallel.py).
+# gathered before the attention core, their gradients reduce-scattered after (Llama 3's).
 CP_COMMS = ("p2p", "a2a", "allgather")
-# The flavour stage=train's engine runs (models/context_parallel.py).
-ENGINE_CP_COMM = "allgather"
+# The flavours stage=train's engine runs (models/context_parallel.py), its default first.
+ENGINE_CP_COMMS = ("p2p", "allgather")
+ENGINE_CP_COMM = ENGINE_CP_COMMS[0]
 
 # (mode, k_layers): how many layers of the stage use `mode`; the others keep all activations.
 # "none" has k == 0, "selective" covers every layer of the stage (Megatron cannot do part of a

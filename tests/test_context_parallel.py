@@ -1,5 +1,7 @@
-"""Context parallelism's pieces: the load-balanced split and attention over an all-gathered
-sequence, against one process's causal attention on real gloo ranks."""
+"""Context parallelism's pieces: the load-balanced split, attention over the ring and over an
+all-gathered sequence against one process's causal attention on real gloo ranks, the planner's
+pricing (both engines), search, exports and stage=train. The engine's CP layouts train in
+test_train_engine's matrix (losses, messages and memory against the workload model)."""
 from __future__ import annotations
 
 import pytest
@@ -35,24 +37,24 @@ def _whole_sequence():
     return q, k, v, grad_out
 
 
-def _cp_attention_rank(rank, out):
+# (flavour, bytes of one score tile): the ring in one tile per block and a row per tile
+FLAVOURS = [("p2p", 1 << 26), ("p2p", 1), ("allgather", 1 << 26)]
+
+
+def _cp_ranks(rank, out):
+    """One launch of 4 gloo ranks: each flavour's attention on this rank's share."""
     import torch.distributed as dist
 
     from orchestrator.models.context_parallel import ContextParallel
 
-    context = ContextParallel(dist.group.WORLD)
-    q, k, v, grad_out = _whole_sequence()
-    mine = [context.split(t, dim=2).detach().requires_grad_() for t in (q, k, v)]
-    y = context.attention(*mine)
-    y.backward(context.split(grad_out, dim=2))
-    out[rank] = {"positions": context.positions(SEQ), "y": y.detach(),
-                 "grads": [t.grad for t in mine]}
-
-
-def _cp_ranks(rank, out):
-    """One launch of 4 gloo ranks for the attention check and the engine's layouts."""
-    _cp_attention_rank(rank, out)
-    _engine_losses(rank, out)
+    for comm, tile_bytes in FLAVOURS:
+        context = ContextParallel(dist.group.WORLD, comm, score_tile_bytes=tile_bytes)
+        q, k, v, grad_out = _whole_sequence()
+        mine = [context.split(t, dim=2).detach().requires_grad_() for t in (q, k, v)]
+        y = context.attention(*mine)
+        y.backward(context.split(grad_out, dim=2))
+        out[comm, tile_bytes, rank] = {"positions": context.positions(SEQ), "y": y.detach(),
+                                       "grads": [t.grad for t in mine]}
 
 
 @pytest.fixture(scope="module")
@@ -60,16 +62,18 @@ def cp_ranks():
     return spawn_ranks(_cp_ranks, 4)
 
 
-def test_attention_over_the_gathered_sequence_equals_one_process_causal_attention(cp_ranks):
+@pytest.mark.parametrize("comm,tile_bytes", FLAVOURS)
+def test_cp_attention_equals_one_process_causal_attention(cp_ranks, comm, tile_bytes):
     """4 CP ranks, GQA heads: each rank's output and its q, k, v gradients are the
-    one-process attention's at its positions (float64, to 1e-12)."""
+    one-process attention's at its positions (float64, to 1e-12), around the ring (its blocks
+    merged by log-sum-exp, whole or a query row at a time) and over the gathered sequence."""
     q, k, v, grad_out = _whole_sequence()
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
     y = torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=True,
                                                          enable_gqa=True)
     y.backward(grad_out)
     for rank in range(4):
-        got = cp_ranks[rank]
+        got = cp_ranks[comm, tile_bytes, rank]
         index = got["positions"]
         assert torch.allclose(got["y"], y.detach().index_select(2, index), rtol=0, atol=1e-12)
         for name, mine, ref in zip("qkv", got["grads"], whole):
@@ -149,16 +153,19 @@ def test_engines_and_sequences_that_cannot_take_cp_are_refused():
 
     model, hw = _planner_inputs()
     cp2 = ParallelLayout.uniform(8, 1, 1, 8, cp=2, num_micro_batches=4)
-    with pytest.raises(LayoutError, match=r"cp\(2\): the orchestrator engine's context "
-                                          r"parallelism is not priced yet.*search.engine=megatron"):
-        evaluate(cp2, model, hw, 8192)
+    ulysses = ParallelLayout.uniform(8, 1, 1, 8, cp=2, cp_comm="a2a", num_micro_batches=4)
+    with pytest.raises(LayoutError, match=r"cp\(2\) with cp_comm a2a: the orchestrator engine "
+                                          r"runs context parallelism as cp_comm p2p or "
+                                          r"allgather.*search.engine=megatron"):
+        evaluate(ulysses, model, hw, 8192)
     with pytest.raises(LayoutError, match=r"seq_len\(8190\) % \(2 \* cp\(2\) \* tp\(1\)\)"):
         evaluate(cp2, model, hw, 8190, options=_options())
 
 
-def test_search_splits_a_long_sequence_over_cp_where_the_engine_runs_it():
-    """A long sequence on a tight budget: without CP only recompute fits; with max_cp the
-    Megatron engine's pick uses CP and is faster; the orchestrator engine never offers it."""
+def test_search_splits_a_long_sequence_over_cp_in_the_flavours_the_engine_runs():
+    """A long sequence on a tight budget: without CP only recompute fits; with max_cp both
+    engines' picks use CP and are faster; the orchestrator engine's in a flavour it runs (its
+    ring's memory is workload/memory.py's, checked against real steps in test_train_engine)."""
     import dataclasses
 
     from orchestrator.planner.search import SearchSpace, search
@@ -171,12 +178,16 @@ def test_search_splits_a_long_sequence_over_cp_where_the_engine_runs_it():
     assert without.best.cp == 1
     assert with_cp.best.cp > 1
     assert with_cp.prediction.iteration_time_us < without.prediction.iteration_time_us
-    ours = search(model, hw, dataclasses.replace(space, max_cp=8, options=dataclasses.replace(
-        _options(), engine="orchestrator")))
-    assert ours.best.cp == 1
+    orchestrator = dataclasses.replace(_options(), engine="orchestrator")
+    ours_without = search(model, hw, dataclasses.replace(space, options=orchestrator))
+    ours = search(model, hw, dataclasses.replace(space, max_cp=8, options=orchestrator))
+    assert ours_without.best.cp == 1
+    assert ours.best.cp > 1 and ours.best.cp_comm in ("p2p", "allgather")
+    assert ours.prediction.iteration_time_us < ours_without.prediction.iteration_time_us
+    assert ours.rejected["cp_comm_not_in_engine"] >= 1  # a2a: Megatron-LM's only
 
 
-def test_megatron_args_carry_cp_and_galvatron_refuses_it():
+def test_megatron_args_carry_cp_and_galvatron_takes_only_ulysses_without_tp():
     from orchestrator.layout import ParallelLayout
     from orchestrator.planner.exports import ExportError, galvatron_strategy, megatron_args
 
@@ -185,8 +196,12 @@ def test_megatron_args_carry_cp_and_galvatron_refuses_it():
     assert args[args.index("--context-parallel-size") + 1] == "4"
     assert args[args.index("--cp-comm-type") + 1] == "p2p"
     assert "--context-parallel-size" not in megatron_args(ParallelLayout.uniform(16, 2, 1, 8))
-    with pytest.raises(ExportError, match=r"cp\(4\)"):
+    with pytest.raises(ExportError, match=r"cp\(4\) with cp_comm p2p.*no ring or all-gather"):
         galvatron_strategy(cp4, strict=False)
+    with pytest.raises(ExportError, match=r"use_sp\) replaces TP.*tp\(2\)"):
+        galvatron_strategy(ParallelLayout.uniform(16, 2, 1, 8, cp=4, cp_comm="a2a"))
+    ulysses = galvatron_strategy(ParallelLayout.uniform(16, 1, 1, 8, cp=4, cp_comm="a2a"))
+    assert ulysses["use_sp"] == ",".join(["1"] * 8) and ulysses["tp_sizes_enc"].startswith("4,")
 
 
 def test_ulysses_all_to_alls_price_four_each_way_and_need_the_heads_to_split():
@@ -242,72 +257,27 @@ def test_search_offers_a2a_only_where_the_heads_split():
 
 
 # ---------------------------------------------------------------- the engine
-ENGINE_MODEL = dict(hidden=64, ffn=128, layers=4, heads=4, kv_heads=2, vocab=128, seq_len=32)
-CP_LAYOUTS = [  # (tp, cp, extra): on 4 ranks, against dp4
-    (1, 2, {}), (1, 4, {}), (2, 2, {}), (1, 2, {"pp": 2}), (1, 2, {"zero": 1}),
-    (1, 2, {"zero": 3}), (1, 2, {"recompute": "selective"}), (1, 2, {"recompute": "full"}),
-]
-CP_STEPS = 4
-
-
-def _engine_losses(rank, out):
-    import torch.distributed as dist
-
-    from orchestrator.layout import ParallelLayout
-    from orchestrator.models.config import ModelConfig
-    from orchestrator.train.data import make_data
-    from orchestrator.train.engine import Engine
-    from orchestrator.train.lr import lr_at
-
-    model = ModelConfig(**ENGINE_MODEL)
-    data = make_data(None, model.vocab, model.seq_len, seed=0)
-    for tp, cp, extra in [(1, 1, {})] + CP_LAYOUTS:
-        extra = dict(extra)
-        recompute, pp = extra.pop("recompute", "none"), extra.pop("pp", 1)
-        dp = 4 // (tp * cp * pp)
-        layout = ParallelLayout.uniform(4, tp, pp, 4, cp=cp, cp_comm="allgather",
-                                        micro_batch_size=1, num_micro_batches=4 // dp,
-                                        sequence_parallel=tp > 1, recompute=recompute, **extra)
-        engine = Engine(layout, model, torch.device("cpu"), seed=1)
-        losses = []
-        for step in range(CP_STEPS):
-            tokens, targets = data.rank_batch(step, engine.dp_rank, layout.dp, 4 // layout.dp)
-            losses.append(engine.train_step(tokens, targets, lr_at(step, 5e-3, 2, CP_STEPS),
-                                            1.0).loss)
-        if rank == 0:
-            out[layout.describe()] = losses
-        del engine
-        dist.barrier()
-
-
-def test_every_cp_layout_trains_with_dp4s_losses(cp_ranks):
-    """Each sequence split over cp ranks (with TP+SP, a pipeline, ZeRO 1 and 3, recompute): the
-    same losses as dp4, step by step, to 1e-4."""
-    runs = {k: v for k, v in cp_ranks.items() if isinstance(k, str)}  # the others: attention
-    reference = next(v for k, v in runs.items() if k.startswith("tp1 pp1 dp4"))
-    cp_runs = {k: v for k, v in runs.items() if " cp" in k}
-    assert len(cp_runs) == len(CP_LAYOUTS)
-    for name, losses in cp_runs.items():
-        assert losses == pytest.approx(reference, abs=1e-4), name
-
-
-def test_train_cp_runs_from_the_cli_checkpoints_and_resumes(tmp_path):
-    """stage=train train.cp=2 train.tp=2 (TP+SP inside each CP rank) on the 4 local ranks,
-    then a rerun with more steps resumes from its checkpoint; a cp that does not tile the ranks
-    is refused in one line before launch."""
+def test_train_cp_runs_from_the_cli_predicted_checkpoints_and_resumes(chain):
+    """stage=train train.cp=2 train.tp=2 (TP+SP inside each CP rank, the ring) on the 4 local
+    ranks, predicted from the cluster's profiles, then a rerun with more steps resumes from its
+    checkpoint; a cp that does not tile the ranks, a flavour the engine does not run and
+    variable-length micro-batches are refused in one line before launch."""
     import json
 
     common = ("stage=train", "train.cp=2", "train.tp=2", "train.checkpoint_every=2",
               "train.plot=false")
-    run_cli(*common, "train.steps=2", profiles_dir=tmp_path, check=0)
-    again = run_cli(*common, "train.steps=3", profiles_dir=tmp_path, check=0)
+    run_cli(*common, "train.steps=2", profiles_dir=chain, check=0)
+    again = run_cli(*common, "train.steps=3", profiles_dir=chain, check=0)
     assert "resumed from" in again.stdout and "(step 2)" in again.stdout
-    summary = json.loads((tmp_path / "local" / "train" / "tiny" /
+    summary = json.loads((chain / "local" / "train" / "tiny" /
                           "pp1-tp2-cp2-dp1-zero0-sp-mbs1x8-1f1b.json").read_text())
-    assert summary["layout"]["cp"] == 2 and summary["layout"]["cp_comm"] == "allgather"
+    assert summary["layout"]["cp"] == 2 and summary["layout"]["cp_comm"] == "p2p"
     assert sorted(summary["losses"], key=int) == ["1", "2", "3"]
-    bad = run_cli("stage=train", "train.cp=3", profiles_dir=tmp_path)
+    assert summary["predicted"]["iteration_ms"] > 0
+    bad = run_cli("stage=train", "train.cp=3", profiles_dir=chain)
     assert "train.cp(3)" in one_error_line(bad, 2)
+    ulysses = run_cli("stage=train", "train.cp=2", "train.cp_comm=a2a", profiles_dir=chain)
+    assert "train.cp_comm=p2p" in one_error_line(ulysses, 2)
     dynamic = run_cli("stage=train", "train.cp=2", "train.microbatching=dynamic",
-                      profiles_dir=tmp_path)
+                      profiles_dir=chain)
     assert "variable-length micro-batches are not split" in one_error_line(dynamic, 2)

@@ -109,9 +109,24 @@ def test_ulysses_strided_tp_vocab_and_unknown_fields_are_listed():
     fields = [n.split(":")[0] for n in notes]
     assert fields == ["extra_field", "use_sp", "tp_consecutive_flags", "vsp", "embed_sdp",
                       "sequence_parallel"]
-    assert "layers 6-7 use Ulysses" in notes[1]
+    assert "use_sp1 on layers 6-7" in notes[1] and "take use_sp0" in notes[1]
     assert "layers 0 put TP over strided ranks" in notes[2]
     assert "ZeRO-3 in Galvatron; priced at the layers' ZeRO-2" in notes[4]
+
+
+def test_ulysses_layers_are_context_parallel_in_the_a2a_flavour_both_ways():
+    """use_sp = 1 on every layer of degree 2: each sequence over 2 ranks by all-to-alls, weights
+    replicated, which is our cp2 (a2a) with tp 1; written back the same way, read back equal."""
+    raw = _strategy(use_sp=_enc([1] * 8), vsp=1)
+    layout, notes = read_strategy(raw, world_size=16, num_layers=8, sequence_parallel=True)
+    assert (layout.tp, layout.cp, layout.cp_comm, layout.dp) == (1, 2, "a2a", 4)
+    assert not layout.sequence_parallel  # Megatron-style SP needs TP
+    assert [n.split(":")[0] for n in notes] == ["use_sp"]
+    assert "priced as context parallelism cp2 in the a2a flavour" in notes[0]
+    written = galvatron_strategy(layout)
+    assert written["use_sp"] == _enc([1] * 8) and written["tp_sizes_enc"] == _enc([2] * 8)
+    assert (written["vtp"], written["vsp"]) == (2, 1)
+    assert read_strategy(written, world_size=16, num_layers=8)[0] == layout
 
 
 def test_chunks_that_do_not_divide_follow_torch_chunk():

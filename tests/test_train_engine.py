@@ -1,6 +1,6 @@
 """The training engine on 4 real CPU processes over gloo: every layout of the issue trains the
 same model on the same data, gives the same losses as plain data parallelism (fp32), and its
-loss falls over its 10 steps; the collectives and messages each rank issues in a step are exactly
+loss falls over its 10 steps (context-parallel layouts: 4, each equal to dp4's); the collectives and messages each rank issues in a step are exactly
 the workload model's list (orchestrator/workload/comm.py), in fp32 and under bf16 autocast; and
 every live tensor byte of a step, counted, is the workload model's memory (workload/memory.py:
 states to the byte, the peak within 5%). One launch for all layouts (a launch costs seconds)."""
@@ -15,6 +15,7 @@ from conftest import spawn_ranks
 
 WORLD_SIZE = 4
 STEPS = 10  # each layout trains this many steps, every one of them equal to dp4's
+CP_STEPS = 4  # context-parallel layouts: their losses equal dp4's first ones (which fall)
 PEAK_LR = 5e-3
 LOSS_DROP = 0.5  # the mean of the last 5 losses under the first by this much (0.95 seen)
 GBS = 4
@@ -39,12 +40,26 @@ LAYOUTS = [
     (1, 2, {"sequence_parallel": False}),
     (2, 2, {"recompute": ("full", 1)}),
     (1, 2, {"zero": 2, "recompute": "selective"}),
+    # context parallelism (each sequence split over cp ranks): the ring (p2p) alone, over 4
+    # ranks, with TP+SP, a pipeline, ZeRO-3 and each recompute; K/V all-gathered with ZeRO-1
+    # and with TP and selective recompute
+    (1, 1, {"cp": 2}),
+    (1, 1, {"cp": 4}),
+    (1, 2, {"cp": 2}),
+    (2, 1, {"cp": 2}),
+    (1, 1, {"cp": 2, "zero": 3}),
+    (1, 1, {"cp": 2, "recompute": "selective"}),
+    (2, 1, {"cp": 2, "recompute": "full"}),
+    (1, 1, {"cp": 2, "cp_comm": "allgather", "zero": 1}),
+    (1, 2, {"cp": 2, "cp_comm": "allgather", "recompute": "selective"}),
 ]
 # Traced once each under bf16 autocast (not trained): the dtype of every message.
 BF16_LAYOUTS = [
     (2, 2, {}),
     (1, 2, {"sequence_parallel": False, "zero": 1}),
     (2, 2, {"sequence_parallel": False, "recompute": ("full", 1)}),
+    (1, 2, {"cp": 2}),
+    (1, 1, {"cp": 2, "cp_comm": "allgather"}),
 ]
 RECORDED_STEP = 1  # the first step also sends the pipeline's shape metadata
 MEMORY_STEP = 2  # after the optimizer's first step made its states
@@ -56,7 +71,7 @@ def _layout(pp, tp, extra):
 
     extra = dict(extra)
     recompute = extra.pop("recompute", "none")
-    dp = WORLD_SIZE // (pp * tp)
+    dp = WORLD_SIZE // (pp * tp * extra.get("cp", 1))
     common = dict(micro_batch_size=1, num_micro_batches=GBS // dp,
                   sequence_parallel=extra.pop("sequence_parallel", tp > 1))
     stages = extra.pop("layers_per_stage", None)
@@ -93,9 +108,9 @@ def _predicted(layout, rank: int, dtype: str) -> list:
     seen = Counter()
     for c in rank_comms(ModelConfig(**MODEL), layout, rank, dtype=dtype):
         if c.op in ("send", "recv"):
-            pp_ranks = layout.group_ranks("pp", rank)
-            me = pp_ranks.index(rank)
-            peer = pp_ranks[(me + (1 if c.peer == "next" else -1)) % layout.pp]
+            ring = layout.group_ranks(c.group, rank)  # the pipeline's or the CP ring's
+            me = ring.index(rank)
+            peer = ring[(me + (1 if c.peer == "next" else -1)) % len(ring)]
             seen[(c.op, 2, peer, None, c.bytes, c.dtype)] += c.count
         else:
             g = layout.group_ranks(c.group, rank)
@@ -148,7 +163,7 @@ def _worker(rank: int, out: dict) -> None:
         engine = Engine(layout, model, torch.device("cpu"), seed=1)
         per_rank = GBS // layout.dp
         losses = []
-        for step in range(STEPS):
+        for step in range(STEPS if layout.cp == 1 else CP_STEPS):
             lr = lr_at(step, PEAK_LR, 3, STEPS)
             if step == RECORDED_STEP:
                 stats, out[f"comms fp32 {layout.describe()} rank {rank}"] = _record_step(
@@ -191,7 +206,8 @@ def test_every_layout_trains(losses_by_layout):
         sorted(_layout(*layout).describe() for layout in LAYOUTS)
 
 
-@pytest.mark.parametrize("index", range(len(LAYOUTS)))
+@pytest.mark.parametrize("index", [i for i, (_, _, extra) in enumerate(LAYOUTS)
+                                   if "cp" not in extra])
 def test_loss_falls_over_its_steps(losses_by_layout, index):
     describe = _layout(*LAYOUTS[index]).describe()
     losses = losses_by_layout[describe]
@@ -203,8 +219,10 @@ def test_loss_falls_over_its_steps(losses_by_layout, index):
 def test_same_losses_as_data_parallel(losses_by_layout, index):
     """fp32, same seed, same data: the split changes where the arithmetic runs, not its result."""
     reference = losses_by_layout[_layout(*LAYOUTS[0]).describe()]
-    describe = _layout(*LAYOUTS[index]).describe()
-    assert len(reference) == len(losses_by_layout[describe]) == STEPS
+    layout = _layout(*LAYOUTS[index])
+    describe = layout.describe()
+    steps = STEPS if layout.cp == 1 else CP_STEPS
+    assert len(reference) == STEPS and len(losses_by_layout[describe]) == steps
     for step, (want, got) in enumerate(zip(reference, losses_by_layout[describe])):
         assert abs(got - want) <= 1e-4 * abs(want), f"{describe} step {step + 1}: {got} != {want}"
 
@@ -227,7 +245,8 @@ def test_every_message_of_a_step_is_the_workload_models(losses_by_layout, dtype,
 @pytest.fixture(scope="module")
 def block_activations():
     """What profile_model counts for one layer of MODEL at the test's micro-batch, per TP
-    degree (its memory_point on a fake process group: the analytic profile's own path)."""
+    degree and the tokens a rank holds of a sequence (all, or 1 / cp of them): its memory_point
+    on a fake process group, the analytic profile's own path."""
     from orchestrator.models.config import ModelConfig
     from orchestrator.profiling.model.analytic import fake_world
     from orchestrator.profiling.model.timing import build_point_model, memory_point
@@ -236,11 +255,13 @@ def block_activations():
     model = ModelConfig(**MODEL)
     out = {}
     for tp in (1, 2):
-        with fake_world(tp) as mesh:
-            counted = memory_point(build_point_model(model, model.seq_len, tp, mesh, "cpu"),
-                                   model.seq_len)["block_act_bytes"]
-        out[tp] = BlockActivations(counted["none"], counted["selective"], counted["full"],
-                                   elem_bytes=4)
+        for cp in (1, 2, 4):
+            seq = model.seq_len // cp
+            with fake_world(tp) as mesh:
+                counted = memory_point(build_point_model(model, seq, tp, mesh, "cpu"),
+                                       seq)["block_act_bytes"]
+            out[tp, cp] = BlockActivations(counted["none"], counted["selective"],
+                                           counted["full"], elem_bytes=4)
     return out
 
 
@@ -258,7 +279,8 @@ def test_memory_of_a_step_is_the_workload_models(losses_by_layout, block_activat
     layout = _layout(*(LAYOUTS if dtype == "fp32" else BF16_LAYOUTS)[index])
     for rank in range(WORLD_SIZE):
         start, peak, where = losses_by_layout[f"memory {dtype} {layout.describe()} rank {rank}"]
-        predicted = rank_memory(model, layout, rank, block_activations[layout.tp], dtype=dtype)
+        predicted = rank_memory(model, layout, rank, block_activations[layout.tp, layout.cp],
+                                dtype=dtype)
         assert abs(start - predicted.states.total) <= 512, (
             f"{layout.describe()} {dtype} rank {rank}: {start} B held between steps, predicted "
             f"{predicted.states.as_dict()}")

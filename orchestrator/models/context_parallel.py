@@ -5,17 +5,29 @@ chunks and CP rank r keeps chunks r and 2cp - 1 - r, so that every rank holds as
 (cheap) as late (expensive) queries. Everything but attention is per token and runs on the
 rank's own tokens unchanged; rotary embeddings take the tokens' global positions.
 
-Attention, flavour "allgather" (Megatron's `--cp-comm-type allgather`, what Llama 3 trained
-with): the keys and values of the whole sequence are all-gathered over the CP group before the
-attention core (its backward reduce-scatters their gradients), and each rank's queries attend to
-them under the causal mask of their global positions. Per layer and micro-batch a rank receives
-(cp - 1) / cp of the sequence's K and V (2 x b x s x kv_heads/tp x head_dim elements in all)
-forward and sends as much of their gradients backward.
+Attention reaches the other ranks' keys and values in one of two flavours (Megatron's
+`--cp-comm-type`); per layer and micro-batch, with kv = 2 x b x (s / cp) x kv_heads/tp x head_dim
+elements (this rank's K and V, in their dtype):
+- "p2p", the ring (the default): cp steps; at step i a rank computes its queries against the K/V
+  block of CP rank r - i while it sends that block on to rank r + 1 and receives the next
+  (cp - 1 sends of kv forward). The backward walks the ring again: each block's K/V (cp - 1
+  sends) and the gradient accumulated for it (cp sends: the last one brings the block's gradient
+  home). Blocks are merged by their log-sum-exp (flash attention's rule); a rank keeps for the
+  backward only what one-rank attention keeps (its q, k, v, the output and the log-sum-exp).
+- "allgather" (what Llama 3 trained with): the keys and values of the whole sequence are
+  all-gathered over the CP group (2 all-gathers of cp x kv / 2) before the attention core, and
+  the core's backward reduce-scatters their gradients; the gathered K/V stay alive until the
+  layer's backward.
+A query attends to a key when the key's global position is not after its own: masks of seq / cp
+x seq booleans in all per sequence length (one per ring block, or one for the gathered
+sequence), made once and kept with the rotary tables at this rank's positions.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from orchestrator.workload.cp import SCORE_TILE_BYTES, score_tile_rows
 
 
 def chunk_positions(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
@@ -31,17 +43,27 @@ def chunk_positions(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(first, first + size), torch.arange(second, second + size)])
 
 
-class ContextParallel:
-    """This rank's share of context-parallel sequences: its CP group, and for a sequence of
-    `seq_len` tokens the global positions of its tokens and of the all-gathered sequence's (every
-    rank's chunks, in CP-rank order)."""
+FLAVOURS = ("p2p", "allgather")  # what this module runs (layout.CP_COMMS: Megatron's)
 
-    def __init__(self, group):
+
+class ContextParallel:
+    """This rank's share of context-parallel sequences: its CP group and flavour (FLAVOURS), and
+    for a sequence of `seq_len` tokens the global positions of its tokens and of the
+    all-gathered sequence's (every rank's chunks, in CP-rank order)."""
+
+    def __init__(self, group, comm: str = "p2p", score_tile_bytes: int = SCORE_TILE_BYTES):
         import torch.distributed as dist
 
-        self.group = group
+        if comm not in FLAVOURS:
+            raise ValueError(f"cp_comm {comm!r}: the engine's context parallelism runs "
+                             f"{' or '.join(FLAVOURS)}")
+        self.group, self.comm, self.score_tile_bytes = group, comm, score_tile_bytes
         self.cp, self.cp_rank = dist.get_world_size(group), dist.get_rank(group)
+        ranks = dist.get_process_group_ranks(group)
+        self.next_rank = ranks[(self.cp_rank + 1) % self.cp]  # global ranks of the ring
+        self.prev_rank = ranks[(self.cp_rank - 1) % self.cp]
         self._positions = {}
+        self._cache = {}  # masks and rotary tables, per sequence length and device
 
     def positions(self, seq_len: int) -> torch.Tensor:
         """(seq_len / cp,) the global positions of this rank's tokens."""
@@ -62,20 +84,189 @@ class ContextParallel:
         return x.index_select(dim, self.positions(x.shape[dim]).to(x.device))
 
     def rotary(self, cos: torch.Tensor, sin: torch.Tensor, local_len: int):
-        """The rotary tables at the positions of this rank's `local_len` tokens."""
-        index = self.positions(local_len * self.cp).to(cos.device)
-        return cos.index_select(0, index), sin.index_select(0, index)
+        """The rotary tables at the positions of this rank's `local_len` tokens (made once per
+        length and device: every layer uses them)."""
+        key = ("rotary", local_len, str(cos.device))
+        if key not in self._cache:
+            index = self.positions(local_len * self.cp).to(cos.device)
+            self._cache[key] = (cos.index_select(0, index), sin.index_select(0, index))
+        return self._cache[key]
+
+    def block_mask(self, seq_len: int, source, device) -> torch.Tensor:
+        """(seq / cp, seq / cp) bool: which keys of CP rank `source`'s tokens this rank's
+        queries attend to; source "all": (seq / cp, seq), the all-gathered sequence's. Made once
+        per sequence length and device."""
+        key = (seq_len, source, str(device))
+        if key not in self._cache:
+            mine = self.positions(seq_len)
+            theirs = (self.gathered_positions(seq_len) if source == "all"
+                      else chunk_positions(seq_len, self.cp, source))
+            self._cache[key] = (mine[:, None] >= theirs[None, :]).to(device)
+        return self._cache[key]
+
+    def shift(self, t: torch.Tensor):
+        """Send `t` to the next rank of the ring and receive the previous rank's tensor of the
+        same shape: (requests to wait for, the receive buffer)."""
+        import torch.distributed as dist
+
+        received = torch.empty_like(t)
+        requests = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, t, self.next_rank, self.group),
+            dist.P2POp(dist.irecv, received, self.prev_rank, self.group)])
+        return requests, received
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of this rank's queries over the whole sequence's keys and values:
         q, k, v (batch, heads, local seq, head_dim), K/V heads may be fewer (GQA)."""
-        from torch.distributed import _functional_collectives as funcol
+        if self.comm == "p2p":
+            return _RingAttention.apply(q, k, v, self)
+        return self._gathered_attention(q, k, v)
 
-        # torch 2.13's name; the GPU image's 2.11 has only the older one
-        gather = getattr(funcol, "all_gather_single_autograd", None) or \
-            funcol.all_gather_tensor_autograd
+    def _gathered_attention(self, q, k, v):
         seq_len = q.shape[2] * self.cp
-        k_all, v_all = (gather(t.contiguous(), gather_dim=2, group=self.group) for t in (k, v))
-        mask = (self.positions(seq_len)[:, None]
-                >= self.gathered_positions(seq_len)[None, :]).to(q.device)
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)
+        k_all, v_all = (_GatherSequence.apply(t, self) for t in (k, v))
+        return F.scaled_dot_product_attention(q, k_all, v_all, enable_gqa=True,
+                                              attn_mask=self.block_mask(seq_len, "all", q.device))
+
+
+class _GatherSequence(torch.autograd.Function):
+    """K or V (batch, heads, seq / cp, dim) all-gathered over the CP group along the sequence
+    (CP-rank order), its gradient reduce-scattered back, by blocking c10d collectives like the
+    rest of the engine's (torch's functional all-gather, whose backward reduce-scatters
+    asynchronously, crashed gloo ranks twice in ~15 runs of the test layouts on a loaded
+    machine: free(): invalid size, a segfault)."""
+
+    @staticmethod
+    def forward(ctx, t, context):
+        import torch.distributed as dist
+
+        ctx.context = context
+        mine = t.permute(2, 0, 1, 3).contiguous()  # the sequence first: the gathered dim
+        gathered = mine.new_empty((context.cp * mine.shape[0],) + mine.shape[1:])
+        dist.all_gather_into_tensor(gathered, mine, group=context.group)
+        return gathered.permute(1, 2, 0, 3)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        context = ctx.context
+        whole = grad.permute(2, 0, 1, 3).contiguous()
+        mine = whole.new_empty((whole.shape[0] // context.cp,) + whole.shape[1:])
+        dist.reduce_scatter_tensor(mine, whole, group=context.group)
+        return mine.permute(1, 2, 0, 3), None
+
+
+def _wait(requests) -> None:
+    for request in requests:
+        request.wait()
+
+
+def _math_dtype(t: torch.Tensor) -> torch.dtype:
+    """fp32 for bf16/fp16/fp32 inputs (flash attention's accumulation), fp64 for fp64."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """K or V (batch, kv_heads, seq, dim) in the math dtype for every query head (GQA's
+    grouping)."""
+    return t.to(_math_dtype(t)).repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _fold(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """A gradient for every query head summed back onto its K/V head."""
+    b, h, s, d = t.shape
+    return t.view(b, kv_heads, h // kv_heads, s, d).sum(2)
+
+
+class _RingAttention(torch.autograd.Function):
+    """The ring (module docstring): fp32 math on each block (fp64 for fp64 inputs), merged by
+    log-sum-exp, a tile of query rows at a time (ContextParallel.score_tile_bytes of scores)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, context):
+        with torch.autocast(q.device.type, enabled=False):
+            batch, heads, rows, _ = q.shape
+            seq_len, scale = rows * context.cp, q.shape[-1] ** -0.5
+            tile = score_tile_rows(batch, heads, rows, rows, context.score_tile_bytes)
+            math = _math_dtype(q)
+            qf = q.to(math)
+            top = torch.full((batch, heads, rows, 1), float("-inf"), dtype=math, device=q.device)
+            total = torch.zeros_like(top)
+            acc = torch.zeros_like(qf)
+            kv = torch.stack([k, v])
+            for step in range(context.cp):
+                if step < context.cp - 1:  # the next block travels while this one computes
+                    requests, incoming = context.shift(kv)
+                mask = context.block_mask(seq_len, (context.cp_rank - step) % context.cp,
+                                          q.device)
+                keys, values = _expand(kv[0], heads), _expand(kv[1], heads)
+                for r in range(0, rows, tile):
+                    rs = slice(r, r + tile)
+                    scores = (qf[:, :, rs] @ keys.transpose(-1, -2)) * scale
+                    scores.masked_fill_(~mask[rs], float("-inf"))
+                    # the own block (step 0) holds every query's diagonal: `top` is finite
+                    # after it, and a row a later block hides entirely adds exp(-inf) = 0
+                    new_top = torch.maximum(top[:, :, rs], scores.amax(-1, keepdim=True))
+                    weights = torch.exp(scores.sub_(new_top))
+                    rescale = torch.exp(top[:, :, rs] - new_top)
+                    total[:, :, rs] = total[:, :, rs] * rescale + weights.sum(-1, keepdim=True)
+                    acc[:, :, rs] = acc[:, :, rs] * rescale + weights @ values
+                    top[:, :, rs] = new_top
+                    del scores, weights
+                del keys, values
+                if step < context.cp - 1:
+                    _wait(requests)
+                    kv = incoming
+            out = (acc / total).to(q.dtype)
+            lse = (top + torch.log(total)).squeeze(-1)
+        ctx.context = context
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        context = ctx.context
+        q, k, v, out, lse = ctx.saved_tensors
+        with torch.autocast(q.device.type, enabled=False):
+            batch, heads, rows, _ = q.shape
+            kv_heads, seq_len, scale = k.shape[1], rows * context.cp, q.shape[-1] ** -0.5
+            tile = score_tile_rows(batch, heads, rows, rows, context.score_tile_bytes)
+            math = _math_dtype(q)
+            qf, dout = q.to(math), grad_out.to(math)
+            delta = (dout * out.to(math)).sum(-1, keepdim=True)
+            lse = lse.unsqueeze(-1)
+            dq = torch.zeros_like(qf)
+            kv, dkv = torch.stack([k, v]), None
+            for step in range(context.cp):
+                if step < context.cp - 1:
+                    requests, incoming = context.shift(kv)
+                mask = context.block_mask(seq_len, (context.cp_rank - step) % context.cp,
+                                          q.device)
+                keys, values = _expand(kv[0], heads), _expand(kv[1], heads)
+                dk, dv = torch.zeros_like(keys), torch.zeros_like(values)
+                for r in range(0, rows, tile):
+                    rs = slice(r, r + tile)
+                    scores = (qf[:, :, rs] @ keys.transpose(-1, -2)) * scale
+                    scores.masked_fill_(~mask[rs], float("-inf"))
+                    probs = torch.exp(scores.sub_(lse[:, :, rs]))
+                    del scores
+                    dv += probs.transpose(-1, -2) @ dout[:, :, rs]
+                    dscores = (dout[:, :, rs] @ values.transpose(-1, -2)).sub_(delta[:, :, rs])
+                    dscores.mul_(probs)
+                    del probs
+                    dq[:, :, rs] += (dscores @ keys) * scale
+                    dk += (dscores.transpose(-1, -2) @ qf[:, :, rs]) * scale
+                    del dscores
+                mine = torch.stack([_fold(dk, kv_heads), _fold(dv, kv_heads)])
+                del keys, values, dk, dv
+                # the gradient so far of the block held travels on with it: after cp steps
+                # each block's is back with its owner, whole
+                dkv = (mine if dkv is None else dkv.to(math) + mine).to(k.dtype)
+                grad_requests, grad_incoming = context.shift(dkv)
+                if step < context.cp - 1:
+                    _wait(requests)
+                    kv = incoming
+                _wait(grad_requests)
+                dkv = grad_incoming
+        return dq.to(q.dtype), dkv[0], dkv[1], None

@@ -47,7 +47,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from orchestrator.layout import LayoutError, ParallelLayout
+from orchestrator.layout import ENGINE_CP_COMMS, LayoutError, ParallelLayout
 from orchestrator.models.config import ModelConfig
 from orchestrator.planner.profiles import HardwareModel, ModelCost
 from orchestrator.planner.schedule import (in_flight_micro_batches, schedule_coefficients,
@@ -98,8 +98,9 @@ def _engine_memory(key: "ConfigKey", model: ModelCost, block, seq_len: int,
                    options: CostOptions) -> StageMemory:
     """workload/memory.py's closed form for this config, fed the model profile's activations
     (per token at `seq_len`, counted in the profile's dtype)."""
-    tokens = float(seq_len * key.micro_batch_size)
-    act = BlockActivations(*(block.act_bytes_per_token_at(mode, seq_len) * tokens
+    local = seq_len // key.cp  # a rank's tokens of each sequence
+    tokens = float(local * key.micro_batch_size)
+    act = BlockActivations(*(block.act_bytes_per_token_at(mode, local) * tokens
                              for mode in ("none", "selective", "full")),
                            elem_bytes=model.dtype_bytes)
     config = ModelConfig(name=model.name, hidden=model.hidden, ffn=model.ffn, layers=model.layers,
@@ -176,10 +177,11 @@ class StageCosts:
         self.key = key
         self.hardware = hardware
         self.engine = options.engine
-        if key.cp > 1 and self.engine != "megatron":
-            raise LayoutError(f"cp({key.cp}): the {self.engine} engine's context parallelism "
-                              f"is not priced yet (its workload model has no CP); Megatron-LM's "
-                              f"is, with search.engine=megatron")
+        if key.cp > 1 and self.engine != "megatron" and key.cp_comm not in ENGINE_CP_COMMS:
+            raise LayoutError(f"cp({key.cp}) with cp_comm {key.cp_comm}: the {self.engine} "
+                              f"engine runs context parallelism as cp_comm "
+                              f"{' or '.join(ENGINE_CP_COMMS)}; Megatron-LM's {key.cp_comm} is "
+                              f"priced with search.engine=megatron")
         # A CP rank holds s / cp of each sequence (its tokens), a 1 / cp share of every layer.
         self.tokens = float(seq_len * key.micro_batch_size) / key.cp
         self.overlap_coe = hardware.overlap_coe

@@ -114,16 +114,23 @@ def galvatron_strategy(layout: ParallelLayout, strict: bool = True) -> Dict[str,
     the vocabulary's vtp / vsp / embed_sdp.
 
     Megatron-style sequence parallelism is Galvatron's global `--sequence-parallel` training
-    argument (`--sequence_parallel` of its search), not a JSON field (its per-layer `use_sp` is
-    Ulysses, written as 0). Galvatron has no interleaved schedule, no selective recompute and
+    argument (`--sequence_parallel` of its search), not a JSON field; its per-layer `use_sp` is
+    Ulysses, written for context parallelism in the a2a flavour without TP (cp as the layers'
+    degree; other CP: ExportError). Galvatron has no interleaved schedule, no selective recompute and
     no ZeRO-1: ExportError (strict) or, with strict=False, 1F1B (pipedream_flush), full
     checkpointing of those layers and zero2, with a warning. Everything else comes back
     unchanged through orchestrator.interop.galvatron.strategy.read_strategy."""
     L = layout.num_layers
-    if layout.cp > 1:  # not approximated: a layout without it needs cp times the activations
+    # Galvatron's per-layer use_sp is Ulysses in place of TP: our a2a flavour without TP. The
+    # others are not approximated: a layout without CP needs cp times the activations.
+    ulysses = layout.cp > 1 and layout.cp_comm == "a2a" and layout.tp == 1
+    if layout.cp > 1 and not ulysses:
+        why = ("Galvatron has no ring or all-gather context parallelism" if layout.cp_comm != "a2a"
+               else f"Galvatron's Ulysses (use_sp) replaces TP, it does not combine with "
+                    f"tp({layout.tp})")
         raise ExportError(f"cp({layout.cp}) with cp_comm {layout.cp_comm}: not written for "
-                          f"Galvatron, which has no context parallelism (its use_sp is Ulysses "
-                          f"in place of TP)")
+                          f"Galvatron: {why}")
+    degree = layout.cp if ulysses else layout.tp
     if layout.schedule != "1f1b":
         _problem(strict, "Galvatron has no interleaved pipeline schedule; it would run "
                          "pipedream_flush (1F1B)")
@@ -151,17 +158,17 @@ def galvatron_strategy(layout: ParallelLayout, strict: bool = True) -> Dict[str,
 
     return {
         "pp_deg": layout.pp,
-        "tp_sizes_enc": enc([layout.tp] * L),
+        "tp_sizes_enc": enc([degree] * L),
         "tp_consecutive_flags": enc([1] * L),
         "dp_types_enc": enc([1 if zero3 else 0] * L),
-        "use_sp": enc([0] * L),
+        "use_sp": enc([int(ulysses)] * L),
         "checkpoint": enc(checkpoint),
         "global_bsz": layout.global_batch_size,
         "chunks": layout.num_micro_batches,
         "pp_division": enc(layout.layers_per_stage),
         "pipeline_type": "pipedream_flush",
         "default_dp_type": "ddp" if layout.zero == 0 else "zero2",
-        "vtp": layout.tp,
-        "vsp": 0,
+        "vtp": degree,
+        "vsp": int(ulysses),
         "embed_sdp": 1 if zero3 else 0,
     }

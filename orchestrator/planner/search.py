@@ -32,7 +32,7 @@ import numpy as np
 
 from orchestrator import errors
 from orchestrator.choices import Recompute, Schedule
-from orchestrator.layout import CP_COMMS, SCHEDULES, ParallelLayout
+from orchestrator.layout import CP_COMMS, ENGINE_CP_COMMS, SCHEDULES, ParallelLayout
 from orchestrator.planner.cost_model import (GiB, ConfigKey, CostOptions, Prediction, StageCosts,
                                              evaluate)
 from orchestrator.planner.profiles import HardwareModel, ModelCost
@@ -65,8 +65,8 @@ class SearchSpace:
     pp: Optional[int] = None  # fixed degrees (None: searched); a fixed one ignores max_pp/max_tp
     tp: Optional[int] = None
     # Context parallelism: cp up to max_cp (divisors of the world / tp), in the flavours
-    # cp_comms (search.* keys, same defaults), where the engine is priced for it
-    # (options.engine: Megatron-LM's only, so far).
+    # cp_comms the engine runs (options.engine: Megatron-LM's p2p, a2a and allgather; stage=
+    # train's p2p and allgather). search.max_cp's default is auto_max_cp(seq_len).
     max_cp: int = 1
     cp_comms: Tuple[str, ...] = ("p2p", "a2a")
 
@@ -152,6 +152,16 @@ def _degree_allowed(degree: int, fixed: Optional[int], bound: int) -> bool:
     return degree == fixed if fixed is not None else degree <= bound
 
 
+# Auto max_cp: each CP rank keeps at least this many tokens of a sequence (Llama 3 ran 128K at
+# CP16, 8K per rank; shorter shares leave the ring's sends little attention to hide behind).
+MIN_CP_TOKENS = 8192
+
+
+def auto_max_cp(seq_len: int) -> int:
+    """search.max_cp when not given: seq_len // MIN_CP_TOKENS, at least 1 (no CP up to 16K)."""
+    return max(1, seq_len // MIN_CP_TOKENS)
+
+
 def enumerate_configs(model: ModelCost, hardware: HardwareModel, space: SearchSpace,
                       rejected: Dict[str, int]) -> List[ConfigKey]:
     """All configs of the space that pass the divisibility rules; counts the others in
@@ -161,7 +171,7 @@ def enumerate_configs(model: ModelCost, hardware: HardwareModel, space: SearchSp
 
     W, L = space.world_size, model.layers
     schedules = space.schedules[:1] if space.fast_mode else space.schedules
-    max_cp = space.max_cp if space.options.engine == "megatron" else 1
+    megatron = space.options.engine == "megatron"
     all2all_profiled = any(op == "all2all" for op, _ in hardware.measured)
     configs = []
     for tp in _divisors(W):
@@ -178,12 +188,15 @@ def enumerate_configs(model: ModelCost, hardware: HardwareModel, space: SearchSp
             reject("tp_splits_heads")
             continue
         for cp in _divisors(W // tp):
-            if cp > max_cp:
+            if cp > space.max_cp:
                 continue
             if cp > 1 and space.seq_len % (2 * cp * tp):
                 reject("cp_splits_sequence")
                 continue
             for cp_comm in (space.cp_comms if cp > 1 else ("p2p",)):
+                if cp > 1 and not megatron and cp_comm not in ENGINE_CP_COMMS:
+                    reject("cp_comm_not_in_engine")
+                    continue
                 if cp_comm == "a2a" and (model.heads % (tp * cp) or model.kv_heads % (tp * cp)):
                     reject("cp_a2a_splits_heads")
                     continue

@@ -101,6 +101,7 @@ def read_inputs(cfg, plan) -> SearchInputs:
 def search_space(cfg):
     """The planner's SearchSpace from the `search` config section (and the cluster's defaults)."""
     from orchestrator.planner import SearchSpace
+    from orchestrator.planner.search import auto_max_cp
     from orchestrator.train.plan import engine_options
 
     s = cfg.search
@@ -109,7 +110,8 @@ def search_space(cfg):
         world_size=s.world_size or cluster_world_size(cfg.cluster),
         memory_budget_bytes=memory_GiB * GiB, global_batch_size=s.global_batch_size,
         seq_len=s.seq_len or cfg.model.seq_len, max_tp=s.max_tp, max_pp=s.max_pp,
-        max_cp=s.max_cp, cp_comms=tuple(s.cp_comms),
+        max_cp=s.max_cp or auto_max_cp(s.seq_len or cfg.model.seq_len),
+        cp_comms=tuple(s.cp_comms),
         tp_within_node=s.tp_within_node, zero_stages=tuple(s.zero_stages),
         recompute=tuple(s.recompute), micro_batch_sizes=tuple(s.micro_batch_sizes),
         schedules=tuple(s.schedules), virtual_stages=tuple(s.virtual_stages),

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from orchestrator.choices import Dtype
-from orchestrator.layout import ENGINE_CP_COMM, ParallelLayout
+from orchestrator.layout import ENGINE_CP_COMMS, ParallelLayout
 from orchestrator.models.config import ModelConfig
 from orchestrator.models.context_parallel import ContextParallel
 from orchestrator.models.gpt import GPT, Attention, cross_entropy_loss, token_loss_sum
@@ -88,9 +88,9 @@ class Engine:
             raise ValueError(f"layout world_size({layout.world_size}) != the "
                              f"{dist.get_world_size()} ranks running")
         self.layout, self.device, self.dtype = layout, device, Dtype.parse(dtype)
-        if layout.cp > 1 and layout.cp_comm != ENGINE_CP_COMM:
-            raise ValueError(f"cp_comm {layout.cp_comm}: the engine's context parallelism "
-                             f"all-gathers K/V (cp_comm {ENGINE_CP_COMM})")
+        if layout.cp > 1 and layout.cp_comm not in ENGINE_CP_COMMS:
+            raise ValueError(f"cp_comm {layout.cp_comm}: the engine's context parallelism runs "
+                             f"{' or '.join(ENGINE_CP_COMMS)}")
         if layout.cp > 1:
             # Rank order tp-cp-dp-pp; the dp x cp ranks hold the same weights: gradients are
             # reduced, and ZeRO shards, over them (one flattened group).
@@ -104,8 +104,8 @@ class Engine:
             self.replicas_mesh = self.mesh["dp"]
         self.pp_rank = self.mesh.get_local_rank("pp")
         self.dp_rank = self.mesh.get_local_rank("dp")
-        self.context = (ContextParallel(self.mesh["cp"].get_group()) if layout.cp > 1
-                        else None)
+        self.context = (ContextParallel(self.mesh["cp"].get_group(), layout.cp_comm)
+                         if layout.cp > 1 else None)
         self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == layout.pp - 1
         self.modules = self._build(dataclasses.replace(model, dtype=Dtype.fp32), seed)
         self._apply_recompute()

@@ -13,13 +13,13 @@ from orchestrator.choices import Backend, Dtype
 from orchestrator.commands import rerun_command
 from orchestrator.config import cluster_world_size
 from orchestrator.errors import ConfigError, InfeasibleError, InvalidLayout, ProfileError
-from orchestrator.layout import ENGINE_CP_COMM, LayoutError, ParallelLayout
+from orchestrator.layout import ENGINE_CP_COMM, ENGINE_CP_COMMS, LayoutError, ParallelLayout
 from orchestrator.store import cluster_dir, hardware_path, model_profile_path, strategy_path
 
 GiB = 2**30
 # Fields of a layout a `train.*` key changes (same name in TrainConfig and ParallelLayout).
 LAYOUT_FIELDS = ("zero", "sequence_parallel", "micro_batch_size", "num_micro_batches",
-                 "schedule", "virtual_stages", "layers_per_stage")
+                 "schedule", "virtual_stages", "layers_per_stage", "cp_comm")
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,11 @@ def train_dir(cfg) -> Path:
 
 def layout_tag(layout: ParallelLayout) -> str:
     """A file-name-safe tag of a layout: `pp2-tp2-dp1-zero0-sp-mbs1x8-1f1b` (`-cp2` after tp
-    with context parallelism), with the schedule's chunks, an uneven split and recompute
-    appended when they are not the defaults."""
-    cp = f"-cp{layout.cp}" if layout.cp > 1 else ""
+    with context parallelism, `-cp2allgather` in that flavour), with the schedule's chunks, an
+    uneven split and recompute appended when they are not the defaults."""
+    cp = ""
+    if layout.cp > 1:
+        cp = f"-cp{layout.cp}" + ("" if layout.cp_comm == ENGINE_CP_COMM else layout.cp_comm)
     tag = (f"pp{layout.pp}-tp{layout.tp}{cp}-dp{layout.dp}-zero{layout.zero}"
            f"{'-sp' if layout.sequence_parallel else ''}"
            f"-mbs{layout.micro_batch_size}x{layout.num_micro_batches}-{layout.schedule}")
@@ -103,7 +105,7 @@ def explicit_layout(cfg, world: int) -> ParallelLayout:
     schedule = str(getattr(t.schedule, "value", t.schedule) or "1f1b")
     v = t.virtual_stages or (2 if schedule == "interleaved" else 1)
     kwargs = dict(zero=t.zero or 0, micro_batch_size=mbs, num_micro_batches=m, cp=cp,
-                  cp_comm=ENGINE_CP_COMM,
+                  cp_comm=t.cp_comm or ENGINE_CP_COMM,
                   schedule=schedule, virtual_stages=v,
                   sequence_parallel=tp > 1 if t.sequence_parallel is None
                   else bool(t.sequence_parallel))
@@ -188,11 +190,11 @@ def check_target(cfg, target: TrainTarget, world: int) -> None:
                           f"{cfg.cluster.name} has {world} (nodes x tasks_per_node); search "
                           f"again for it ({rerun_command('search')}) or give train.pp/train.tp")
     layout.check_model_layers(model.layers, model.name)
-    if layout.cp > 1 and layout.cp_comm != ENGINE_CP_COMM:
+    if layout.cp > 1 and layout.cp_comm not in ENGINE_CP_COMMS:
         raise LayoutError(f"cp({layout.cp}) with cp_comm {layout.cp_comm}: stage=train runs "
-                          f"context parallelism as cp_comm {ENGINE_CP_COMM} (K/V gathered); "
+                          f"context parallelism as cp_comm {' or '.join(ENGINE_CP_COMMS)}; "
                           f"Megatron-LM runs this one (the strategy's megatron_args), or give "
-                          f"train.cp={layout.cp}")
+                          f"train.cp_comm={ENGINE_CP_COMM}")
     if layout.cp > 1 and str(cfg.train.microbatching) != "fixed":
         raise LayoutError(f"train.microbatching={cfg.train.microbatching} with cp({layout.cp}): "
                           f"variable-length micro-batches are not split over context-parallel "

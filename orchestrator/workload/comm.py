@@ -45,6 +45,17 @@ and again in backward for every micro-batch without a pipeline (resharded after 
 per iteration with one (kept gathered, torchtitan's choice), and reduce-scatters its gradients
 once, after the last micro-batch.
 
+Context parallelism (models/context_parallel.py; cp > 1): every per-token message above moves
+the rank's s / cp tokens, and the data-parallel ones run over the dp x cp ranks holding the same
+weights (group "dp_cp"). Per layer and micro-batch, with kv this rank's K and V (2 x b x s / cp x
+kv_heads / tp x head_dim elements, the compute dtype):
+- p2p (the ring): forward cp - 1 sends of kv to the next CP rank and as many receives from the
+  previous; backward cp - 1 of kv again and cp of its gradient (same size and dtype);
+- allgather: forward 2 all-gathers (K, V: cp x kv / 2 each gathered), backward 2
+  reduce-scatters of their gradients;
+- recompute (full, or selective: the attention core) reruns the forward's messages in the
+  backward.
+
 Every iteration ends with one all-reduce over all ranks of the global gradient norm (fp64; none
 when pp = tp = 1 with ZeRO 0, where every rank holds the whole gradient) and one of the loss and
 the stop flag (2 x fp64).
@@ -60,7 +71,7 @@ from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig
 from orchestrator.workload.buckets import plan_buckets
 from orchestrator.workload.params import rank_chunks, virtual_stage_ranges
-from orchestrator.workload.tp import VOCAB_PARALLEL_LOSS_REDUCES, tp_counts
+from orchestrator.workload.tp import tp_counts
 
 RESIDUAL = Dtype.fp32  # the engine keeps fp32 parameters and residual stream (autocast)
 ENGINES = ("orchestrator", "megatron")
@@ -71,13 +82,13 @@ class Comm:
     """One kind of message a rank issues, `count` times per iteration."""
 
     op: str  # all_reduce | all_gather | reduce_scatter | send | recv
-    group: str  # tp | dp | pp | world
+    group: str  # tp | cp | dp (dp_cp with context parallelism) | pp | world
     bytes: int  # per message (all_gather: the gathered output; others: the input)
     dtype: str  # fp32 | bf16 | fp16 | fp64
     phase: str  # fwd | bwd | step (after the backward)
     count: int
     what: str  # what it moves, for people
-    peer: str = ""  # send/recv: "next" or "prev" pipeline rank
+    peer: str = ""  # send/recv: "next" or "prev" rank of the group (pipeline, CP ring)
 
     def key(self) -> Tuple:
         """What the recorder can tell apart (phase and `what` it cannot see)."""
@@ -97,7 +108,10 @@ def rank_comms(model: ModelConfig, layout: ParallelLayout, rank: int,
     megatron = engine == "megatron"
     residual = compute if megatron else RESIDUAL
     out: List[Comm] = []
+    if layout.cp > 1 and megatron:
+        raise ValueError(f"cp({layout.cp}): the Megatron-style trace has no context parallelism")
     out += _tp_comms(model, layout, rank, compute, residual, engine)
+    out += _cp_comms(model, layout, rank, compute)
     out += _pp_comms(model, layout, rank, residual)
     out += _dp_comms(model, layout, rank, bucket_MiB)
     if layout.world_size > 1:
@@ -106,6 +120,46 @@ def rank_comms(model: ModelConfig, layout: ParallelLayout, rank: int,
     if not megatron:
         out.append(Comm("all_reduce", "world", 16, "fp64", "step", 1, "loss and stop flag"))
     return [c for c in out if c.count > 0]
+
+
+def rank_tokens(model: ModelConfig, layout: ParallelLayout) -> int:
+    """Tokens of one micro-batch a rank holds: b x s, s / cp of each sequence under CP."""
+    return layout.micro_batch_size * model.seq_len // layout.cp
+
+
+def _layers(model, layout, rank) -> Tuple[int, int]:
+    """(layers this rank holds, how many of them rerun their forward in the backward)."""
+    layers = recomputed = 0
+    for _, blocks, _, _ in _chunk_flags(model, layout, rank):
+        layers += len(blocks)
+        recomputed += _recomputed_blocks(layout, rank, len(blocks))
+    return layers, recomputed
+
+
+def _cp_comms(model, layout, rank, compute: Dtype) -> List[Comm]:
+    cp, m = layout.cp, layout.num_micro_batches
+    if cp == 1:
+        return []
+    layers, recomputed = _layers(model, layout, rank)
+    mode = layout.recompute[layout.coordinate(rank, "pp")][0]
+    reruns = layers if mode == "selective" else recomputed  # the core's forward, again
+    kv = (2 * rank_tokens(model, layout) * (model.kv_heads // layout.tp)
+          * (model.hidden // model.heads) * compute.bytes)
+    dt = compute.value
+    if layout.cp_comm == "allgather":
+        gathered = kv // 2 * cp
+        return [Comm("all_gather", "cp", gathered, dt, "fwd", 2 * layers * m, "K, V"),
+                Comm("all_gather", "cp", gathered, dt, "bwd", 2 * reruns * m,
+                     "K, V, recomputed"),
+                Comm("reduce_scatter", "cp", gathered, dt, "bwd", 2 * layers * m,
+                     "K, V gradients")]
+    out = []
+    for phase, sends, what in (("fwd", (cp - 1) * layers, "K/V block"),
+                               ("bwd", (cp - 1) * (layers + reruns), "K/V block, again"),
+                               ("bwd", cp * layers, "K/V block gradient")):
+        out += [Comm("send", "cp", kv, dt, phase, sends * m, what, "next"),
+                Comm("recv", "cp", kv, dt, phase, sends * m, what, "prev")]
+    return out
 
 
 def _chunk_flags(model: ModelConfig, layout: ParallelLayout, rank: int):
@@ -129,7 +183,7 @@ def _tp_comms(model, layout, rank, compute: Dtype, residual_dtype: Dtype,
     tp, m = layout.tp, layout.num_micro_batches
     if tp == 1:
         return []
-    tokens = model.seq_len * layout.micro_batch_size
+    tokens = rank_tokens(model, layout)
     act = tokens * model.hidden  # elements of one layer activation of a micro-batch
     layers = recomputed = 0
     first = last = False
@@ -173,7 +227,7 @@ def _pp_comms(model, layout, rank, residual_dtype: Dtype) -> List[Comm]:
     if layout.pp == 1:
         return []
     m = layout.num_micro_batches
-    size = model.seq_len * layout.micro_batch_size * model.hidden * residual_dtype.bytes
+    size = rank_tokens(model, layout) * model.hidden * residual_dtype.bytes
     if layout.sequence_parallel:
         size //= layout.tp
     rn = residual_dtype.value
@@ -190,8 +244,13 @@ def _pp_comms(model, layout, rank, residual_dtype: Dtype) -> List[Comm]:
             for (op, peer, phase), n in sorted(counts.items())]
 
 
+def replica_group(layout: ParallelLayout) -> str:
+    """The group whose ranks hold the same weights: "dp", or "dp_cp" under CP."""
+    return "dp_cp" if layout.cp > 1 else "dp"
+
+
 def _dp_comms(model, layout, rank, bucket_MiB: float) -> List[Comm]:
-    dp = layout.dp
+    dp = layout.dp * layout.cp  # the replicas: gradients reduced, ZeRO sharded over them
     if dp == 1:
         return []
     chunks = rank_chunks(model, layout, rank)
@@ -199,17 +258,18 @@ def _dp_comms(model, layout, rank, bucket_MiB: float) -> List[Comm]:
         return _fsdp_comms(chunks, layout)
     params = [p for chunk in chunks for p in chunk]
     out = []
+    group = replica_group(layout)
     for plan in plan_buckets([p.local_numel for p in params], dp, bucket_MiB):
         grad_op = "reduce_scatter" if layout.zero == 2 else "all_reduce"
-        out.append(Comm(grad_op, "dp", plan.bytes, "fp32", "bwd", 1, "gradient bucket"))
+        out.append(Comm(grad_op, group, plan.bytes, "fp32", "bwd", 1, "gradient bucket"))
         if layout.zero >= 1:
-            out.append(Comm("all_gather", "dp", plan.bytes, "fp32", "step", 1,
+            out.append(Comm("all_gather", group, plan.bytes, "fp32", "step", 1,
                             "updated parameters (ZeRO-1/2)"))
     return _merge(out)
 
 
 def _fsdp_comms(chunks, layout) -> List[Comm]:
-    dp, m = layout.dp, layout.num_micro_batches
+    dp, m, group = layout.dp * layout.cp, layout.num_micro_batches, replica_group(layout)
     gathers = 1 if layout.pp > 1 else 2 * m  # kept gathered under a pipeline
     out = []
     for chunk in chunks:
@@ -220,9 +280,9 @@ def _fsdp_comms(chunks, layout) -> List[Comm]:
             row_numel = p.local_numel // max(1, p.local_shape[0])
             units[p.unit] = units.get(p.unit, 0) + rows * row_numel
         for unit, numel in units.items():
-            out += [Comm("all_gather", "dp", numel * 4, "fp32", "fwd", gathers,
+            out += [Comm("all_gather", group, numel * 4, "fp32", "fwd", gathers,
                          f"ZeRO-3 parameters of {'a block' if unit != 'root' else 'the rest'}"),
-                    Comm("reduce_scatter", "dp", numel * 4, "fp32", "bwd", 1,
+                    Comm("reduce_scatter", group, numel * 4, "fp32", "bwd", 1,
                          "ZeRO-3 gradients")]
     return _merge(out)
 

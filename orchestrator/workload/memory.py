@@ -47,6 +47,7 @@ it back in its backward, with what each step holds only while it runs:
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 from typing import Dict, List, Mapping, Optional, Tuple
 
@@ -56,6 +57,7 @@ from orchestrator.choices import Dtype
 from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig
 from orchestrator.workload.buckets import plan_buckets
+from orchestrator.workload.cp import SCORE_TILE_BYTES
 from orchestrator.workload.order import stage_order
 from orchestrator.workload.params import Param, block_parameters, chunk_size, rank_chunks
 
@@ -108,8 +110,13 @@ def replicated_over_tp(p: Param, layout: ParallelLayout) -> bool:
     return is_dtensor(p, layout) and not p.tp_sharded
 
 
+def replicas(layout) -> int:
+    """Ranks holding the same weights (dp x cp): gradients are reduced, ZeRO shards, over them."""
+    return layout.dp * layout.cp
+
+
 def _bucket_states(params: List[Param], layout: ParallelLayout, bucket_MiB: float) -> dict:
-    dp, zero = layout.dp, layout.zero
+    dp, zero = replicas(layout), layout.zero
     out = dict(params=0, master=0, grads=0, optim=0, norm_index=0)
     plans = plan_buckets([p.local_numel for p in params], dp, bucket_MiB)
     for plan in plans:
@@ -142,7 +149,7 @@ def fsdp_shard_numel(p: Param, dp: int, dp_rank: int) -> int:
 
 
 def _fsdp_states(params: List[Param], layout: ParallelLayout, dp_rank: int) -> dict:
-    shard = sum(fsdp_shard_numel(p, layout.dp, dp_rank) for p in params)
+    shard = sum(fsdp_shard_numel(p, replicas(layout), dp_rank) for p in params)
     return dict(params=FP32 * shard, master=0, grads=0,
                 optim=2 * FP32 * shard + STEP_COUNTER_BYTES * len(params), norm_index=0)
 
@@ -153,8 +160,9 @@ def sp_degree(layout) -> int:
 
 
 def sequence_shard(seq_len: int, layout: ParallelLayout) -> int:
-    """Tokens of a sequence one rank's residual stream holds between layers."""
-    return seq_len // sp_degree(layout)
+    """Tokens of a sequence one rank's residual stream holds between layers (1 / cp of them
+    under context parallelism, 1 / tp of those under SP)."""
+    return seq_len // layout.cp // sp_degree(layout)
 
 
 # Bytes per token and hidden unit (of a 2-byte dtype) a layer keeps whole without SP that SP
@@ -183,10 +191,26 @@ def stage_buffer_bytes(model: ModelConfig, layout, pp_rank: int, seq_len: int) -
 
 
 def input_bytes(model: ModelConfig, layout, seq_len: int) -> int:
-    """The rotary tables, the device mesh and a rank's tokens and targets."""
+    """The rotary tables, the device mesh and a rank's tokens and targets; under context
+    parallelism also what models/context_parallel.py keeps per sequence length: its tokens'
+    positions and the gathered sequence's, the masks (seq / cp x seq booleans in all) and the
+    rotary tables at its positions."""
     samples = layout.micro_batch_size * layout.num_micro_batches
-    return (2 * model.seq_len * (model.hidden // model.heads // 2) * FP32
-            + INT32 * layout.world_size + 2 * samples * seq_len * INT64)
+    half_dim = model.hidden // model.heads // 2
+    out = (2 * model.seq_len * half_dim * FP32 + INT32 * layout.world_size
+           + 2 * samples * seq_len * INT64)
+    if layout.cp > 1:
+        local = seq_len // layout.cp
+        out += (local + seq_len) * INT64 + local * seq_len + 2 * local * half_dim * FP32
+    return out
+
+
+def cp_split_input_bytes(layout, seq_len: int) -> int:
+    """This rank's tokens and targets of the step's sequences under context parallelism (made
+    by the step, alive through it)."""
+    if layout.cp == 1:
+        return 0
+    return 2 * layout.micro_batch_size * layout.num_micro_batches * (seq_len // layout.cp) * INT64
 
 
 def embedding_bytes(model: ModelConfig, layout, tokens):
@@ -205,7 +229,7 @@ def rank_states(model: ModelConfig, layout: ParallelLayout, rank: int,
     seq_len = seq_len or model.seq_len
     params = rank_parameters(model, layout, rank)
     if layout.zero == 3:
-        kinds = _fsdp_states(params, layout, layout.coordinate(rank, "dp"))
+        kinds = _fsdp_states(params, layout, layout.coordinate(rank, "dp_cp"))
     else:
         kinds = _bucket_states(params, layout, bucket_MiB)
     buffers = stage_buffer_bytes(model, layout, layout.coordinate(rank, "pp"), seq_len)
@@ -313,6 +337,7 @@ def engine_block_bytes(act: BlockActivations, mode: str, model: ModelConfig,
     autocast = dtype != Dtype.fp32
     elem = dtype.bytes if autocast else FP32
     kept = act.at(mode) * (elem / act.elem_bytes)
+    kept += cp_attention_bytes(model, layout, tokens, dtype)[2] if mode != "full" else 0.0
     if t > 1 and not layout.sequence_parallel:  # the tokens SP would shard, whole
         kept += no_sp_extra_bytes_per_token(mode, t, h, elem) * tokens
     if autocast:
@@ -351,10 +376,43 @@ def _head_bytes(model: ModelConfig, layout: ParallelLayout, dtype: Dtype, tokens
     return kept, forward, backward
 
 
-def _block_working(model: ModelConfig, layout: ParallelLayout, tokens: int) -> float:
+def _block_working(model: ModelConfig, layout: ParallelLayout, tokens: int,
+                   dtype: Dtype = Dtype.fp32) -> float:
     """A layer's backward, beyond its kept activations: the gradients flowing through it (the
-    residual's and the MLP's intermediate ones) while its weights' gradients are made."""
-    return FP32 * tokens * (2 * model.hidden / sp_degree(layout) + 2 * model.ffn / layout.tp)
+    residual's and the MLP's intermediate ones) while its weights' gradients are made, and
+    context-parallel attention's own (cp_attention_bytes)."""
+    return (FP32 * tokens * (2 * model.hidden / sp_degree(layout) + 2 * model.ffn / layout.tp)
+            + cp_attention_bytes(model, layout, tokens, dtype)[1])
+
+
+def cp_attention_bytes(model: ModelConfig, layout, tokens, dtype: Dtype = Dtype.fp32):
+    """(forward working, backward working, kept beyond one-rank attention) bytes of one layer's
+    context-parallel attention for a micro-batch of `tokens` of this rank's (0 without CP).
+
+    The ring (p2p) computes in fp32 (workload/cp.py): a tile of a block's scores (query rows x
+    seq / cp keys per head) and its exponential; forward the output's running sum and the
+    block's K and V expanded to every query head, the block held and the one arriving; backward
+    the tile's probabilities and their gradient, expanded K and V, the gradients of q, k and v,
+    the block, its gradient and the two arriving; under autocast fp32 copies of q (and of the
+    output's gradient). allgather keeps the gathered K and V (cp blocks where one-rank attention
+    keeps one) and its backward holds their gradients whole."""
+    cp = layout.cp
+    if cp == 1:
+        return 0.0, 0.0, 0.0
+    autocast = Dtype.parse(dtype) != Dtype.fp32
+    elem = Dtype.parse(dtype).bytes if autocast else FP32
+    head_dim = model.hidden // model.heads
+    kv = 2.0 * tokens * (model.kv_heads // layout.tp) * head_dim * elem  # one ring message
+    if layout.cp_comm == "allgather":
+        return 0.0, cp * kv, (cp - 1) * kv
+    b, heads = layout.micro_batch_size, model.heads // layout.tp
+    rows = np.asarray(tokens, dtype=float) / b  # a sequence's tokens on this rank: seq / cp
+    tile = np.maximum(1.0, np.minimum(rows, SCORE_TILE_BYTES // (FP32 * b * heads * rows)))
+    scores = FP32 * b * heads * tile * rows
+    one = FP32 * tokens * heads * head_dim  # a query-sized fp32 tensor
+    copies = one if autocast else 0.0
+    return (2 * scores + 3 * one + copies + 2 * kv, 2 * scores + 5 * one + 2 * copies + 4 * kv,
+            0.0)
 
 
 def _bucket_of(plans) -> Dict[int, int]:
@@ -378,11 +436,12 @@ def rank_memory(model: ModelConfig, layout: ParallelLayout, rank: int, act: Bloc
     states = rank_states(model, layout, rank, seq_len, bucket_MiB)
     params = rank_parameters(model, layout, rank)
     numel = [p.local_numel for p in params]
-    pp_rank, dp_rank = layout.coordinate(rank, "pp"), layout.coordinate(rank, "dp")
-    dp, zero, m = layout.dp, layout.zero, layout.num_micro_batches
-    tokens = layout.micro_batch_size * seq_len
+    pp_rank, dp_rank = layout.coordinate(rank, "pp"), layout.coordinate(rank, "dp_cp")
+    dp, zero, m = replicas(layout), layout.zero, layout.num_micro_batches
+    tokens = layout.micro_batch_size * seq_len // layout.cp  # this rank's
     vocab_local = chunk_size(model.vocab, layout.tp, layout.coordinate(rank, "tp"))
     head_kept, head_fwd, head_bwd = _head_bytes(model, layout, dtype, tokens, cuda, vocab_local)
+    attention_fwd = cp_attention_bytes(model, layout, tokens, dtype)[0]
 
     # Chunks and their parts, with what each keeps per micro-batch.
     chunks, parts, offset = rank_chunks(model, layout, rank), [], 0
@@ -415,6 +474,7 @@ def rank_memory(model: ModelConfig, layout: ParallelLayout, rank: int, act: Bloc
     gathered_all = zero == 3 and layout.pp > 1  # kept gathered between forward and backward
 
     live = _Live()
+    live.add("inputs", cp_split_input_bytes(layout, seq_len))
     if gathered_all:
         live.add("fsdp gathered params", FP32 * sum(fsdp_units.values()))
     done_backward: Dict[Tuple[int, int], int] = {}  # (chunk, part) -> backwards done
@@ -432,13 +492,15 @@ def rank_memory(model: ModelConfig, layout: ParallelLayout, rank: int, act: Bloc
                 elif part.kind == "block" and part.mode != "none":
                     # A recomputed layer's forward holds what it does not keep while it runs.
                     transient["recompute"] = kept(_Part("block", "none", part.params)) - kept(part)
+                if part.kind == "block":
+                    transient["attention working"] = attention_fwd
                 live.add("activations", kept(part))
                 live.check(tag, transient)
             continue
         for j, part in reversed(list(enumerate(parts[c]))):
             transient = {}
             if part.kind == "block":
-                transient["backward working"] = _block_working(model, layout, tokens)
+                transient["backward working"] = _block_working(model, layout, tokens, dtype)
                 if part.mode != "none":
                     transient["recompute"] = (kept(_Part("block", "none", part.params))
                                               - kept(part))
@@ -505,7 +567,7 @@ def _fsdp_gathered(part, unit_of_part, fsdp_units, prefetch: bool = False) -> fl
 def _gradients(part, count, m, params, numel, layout, plans, bucket_of, viewable, owned,
                allocated, fsdp_units, unit_of_part, live) -> None:
     """What the backward of `part` (its `count`-th of m this iteration) leaves allocated."""
-    zero, dp = layout.zero, layout.dp
+    zero, dp = layout.zero, replicas(layout)
     size = FP32 * sum(numel[i] for i in part.params)
     if zero == 3:
         if count == 1 and m > 1:
@@ -551,6 +613,23 @@ def _b_events(pp: int, stage: int, m: int, schedule: str, v: int) -> List[Tuple[
     return seen
 
 
+@functools.lru_cache(maxsize=4096)
+def _stage_events(pp: int, m: int, schedule: str, v: int):
+    """Every stage's distinct backwards (_b_events) as arrays [pp, events] of chunks in flight,
+    gradients accumulated before, last micro-batch, padded with each stage's first (the max is
+    unchanged); the same for every config of this schedule shape (cached: the search builds a
+    StageMemory per config)."""
+    events = [_b_events(pp, j, m, schedule, v) for j in range(pp)]
+    width = max(len(e) for e in events)
+    padded = [e + [e[0]] * (width - len(e)) for e in events]
+    arrays = (np.array([[live for live, _, _ in e] for e in padded], dtype=float),
+              np.array([[done for _, done, _ in e] for e in padded], dtype=bool),
+              np.array([[last for _, _, last in e] for e in padded], dtype=bool))
+    for a in arrays:
+        a.flags.writeable = False  # shared between configs
+    return arrays
+
+
 class StageMemory:
     """rank_memory's peak in closed form, for every stage size at once (numpy arrays over the
     layers n, recompute code 0/1/2 = none/selective/full and k full layers): what the planner's
@@ -563,11 +642,11 @@ class StageMemory:
                  dtype: Dtype | str, device: str, seq_len: int, bucket_MiB: float = 25.0):
         self.model, self.layout = model, layout
         dtype = Dtype.parse(dtype)
-        tp, pp, dp, zero = layout.tp, layout.pp, layout.dp, layout.zero
+        tp, pp, dp, zero = layout.tp, layout.pp, replicas(layout), layout.zero
         m, v = layout.num_micro_batches, layout.virtual_stages
         cuda = device.startswith("cuda")
         h, vocab = model.hidden, model.vocab
-        tokens = layout.micro_batch_size * seq_len
+        tokens = layout.micro_batch_size * seq_len // layout.cp  # a rank's
         block = [p.local_numel for p in _block_params(model, tp)]
         self.layer_numel = layer = float(sum(block))
         vocab_local = chunk_size(vocab, tp, 0)
@@ -592,8 +671,9 @@ class StageMemory:
         sp_norms = tp > 1 and layout.sequence_parallel and zero < 3
         self.norm_index_per_elem = (INT64 + FP64) / owned_div if sp_norms else 0.0
         self.buffers = np.array([stage_buffer_bytes(model, layout, j, seq_len)
-                                 for j in range(pp)], dtype=float) + input_bytes(
-                                     model, layout, seq_len)
+                                 for j in range(pp)], dtype=float) + (
+                                     input_bytes(model, layout, seq_len)
+                                     + cp_split_input_bytes(layout, seq_len))
 
         # Activations per micro-batch.
         self.act = np.array([engine_block_bytes(act, mode, model, layout, dtype, tokens, layer)
@@ -602,16 +682,11 @@ class StageMemory:
                                                     vocab_local)
         self.head_kept = np.where(last > 0, head_kept, 0.0)
         self.emb_kept = np.where(first > 0, embedding_bytes(model, layout, tokens), 0.0)
-        self.block_working = _block_working(model, layout, tokens)
+        self.block_working = _block_working(model, layout, tokens, dtype)
         self.end_working = np.maximum(np.where(last > 0, max(head_fwd, head_bwd), 0.0),
                                       np.where(first > 0, FP32 * vocab_local * h, 0.0))
         # Each stage's distinct backwards (padded with its first: the max is unchanged).
-        events = [_b_events(pp, j, m, layout.schedule, v) for j in range(pp)]
-        width = max(len(e) for e in events)
-        padded = [e + [e[0]] * (width - len(e)) for e in events]
-        self.ev_live = np.array([[live for live, _, _ in e] for e in padded], dtype=float)
-        self.ev_done = np.array([[done for _, done, _ in e] for e in padded], dtype=bool)
-        self.ev_last = np.array([[last for _, _, last in e] for e in padded], dtype=bool)
+        self.ev_live, self.ev_done, self.ev_last = _stage_events(pp, m, layout.schedule, v)
         self.v, self.m, self.zero, self.dp, self.tp, self.cuda = v, m, zero, dp, tp, cuda
         self.dtype, self.profile_elem, self.vocab_local = dtype, act.elem_bytes, vocab_local
         self.bucket_limit = bucket_MiB * 2**20 / FP32  # elements (workload/buckets.py)

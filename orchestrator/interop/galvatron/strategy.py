@@ -13,6 +13,9 @@ What the fields mean (Galvatron 2.4's runtime, core/runtime/hybrid_parallel_conf
   the default) or pipedream_flush (1F1B).
 Megatron-style sequence parallelism is Galvatron's --sequence-parallel training argument
 (--sequence_parallel of its search), not a field of the file: the caller says what to assume.
+Layers with use_sp = 1 split each sequence over their degree's ranks with Ulysses' all-to-alls,
+parameters replicated: our context parallelism of that degree in the a2a flavour (cp = degree,
+tp = 1; gradients over dp x cp as Galvatron reduces them over its SP group too).
 """
 from __future__ import annotations
 
@@ -58,23 +61,30 @@ def read_strategy(source: Union[str, Path, Mapping[str, Any]], *, world_size: in
     default_zero = ZERO_OF_DP_TYPE[_choice(name, raw, "default_dp_type", ZERO_OF_DP_TYPE, notes)]
     zeros = [3 if t else default_zero for t in flags["dp_types_enc"]]
     zero = _most_common(zeros, "zero", "dp_types_enc", notes)
+    ulysses = _most_common([u for d, u in zip(degrees, flags["use_sp"]) if d == tp] or [0],
+                           "use_sp", "use_sp", notes) == 1 and tp > 1
     pipeline_type = _choice(name, raw, "pipeline_type", PIPELINE_TYPES, notes if pp > 1 else [])
-    notes += _unsupported_notes(raw, flags, tp=tp, zero=zero, default_zero=default_zero)
+    notes += _unsupported_notes(raw, flags, tp=tp, zero=zero, default_zero=default_zero,
+                                ulysses=ulysses)
     if pp > 1 and pipeline_type == "gpipe":
         notes.append("pipeline_type: gpipe runs all forwards, then all backwards; priced as 1F1B "
                      "(pipedream_flush): the same bubble, but GPipe holds every micro-batch's "
                      "activations, so memory is under-priced")
-    sp = bool(sequence_parallel) and tp > 1
-    if tp > 1:
+    sp = bool(sequence_parallel) and tp > 1 and not ulysses
+    if tp > 1 and not ulysses:
         notes.append(f"sequence_parallel: Megatron-style sequence parallelism is Galvatron's "
                      f"--sequence-parallel training argument, not in the file; taken as "
                      f"{'on' if sp else 'off'}")
     dp = world_size // (pp * tp)
     mbs, micro_batches = _micro_batches(name, _positive_int(name, raw, "global_bsz"),
                                         _positive_int(name, raw, "chunks"), dp, notes)
+    cp = 1
+    if ulysses:  # the degree splits sequences (Ulysses), not the layers' weights
+        tp, cp = 1, tp
     try:
         layout = ParallelLayout(
-            world_size=world_size, pp=pp, tp=tp, dp=dp, zero=zero, sequence_parallel=sp,
+            world_size=world_size, pp=pp, tp=tp, dp=dp, cp=cp, cp_comm="a2a",
+            zero=zero, sequence_parallel=sp,
             micro_batch_size=mbs, num_micro_batches=micro_batches, layers_per_stage=stages,
             recompute=_recompute(flags["checkpoint"], stages, notes))
     except LayoutError as e:
@@ -237,14 +247,13 @@ def _micro_batches(name: str, global_bsz: int, chunks: int, dp: int,
 
 
 def _unsupported_notes(raw: Mapping[str, Any], flags: Dict[str, List[int]], *, tp: int,
-                       zero: int, default_zero: int) -> List[str]:
+                       zero: int, default_zero: int, ulysses: bool) -> List[str]:
     """One line per setting we have no way to express, with what is priced instead."""
     notes = []
-    ulysses = flags["use_sp"]
-    if any(ulysses):
-        notes.append(f"use_sp: layers {_ranges(ulysses, 1)} use Ulysses sequence parallelism "
-                     f"(all-to-all, parameters replicated); we have none: priced as tensor "
-                     f"parallelism of the same degree")
+    if ulysses:
+        notes.append(f"use_sp: Ulysses sequence parallelism of degree {tp} (all-to-alls, "
+                     f"parameters replicated): priced as context parallelism cp{tp} in the a2a "
+                     f"flavour, tp 1")
     if not all(flags["tp_consecutive_flags"]):
         notes.append(f"tp_consecutive_flags: layers {_ranges(flags['tp_consecutive_flags'], 0)}"
                      f" put TP over strided ranks; we price TP over consecutive ranks and DP "
@@ -253,9 +262,9 @@ def _unsupported_notes(raw: Mapping[str, Any], flags: Dict[str, List[int]], *, t
     if vtp != tp:
         notes.append(f"vtp: Galvatron splits the embedding and LM head {vtp!r} ways; we "
                      f"split them over tp({tp}) like the layers")
-    if raw.get("vsp", 0):
-        notes.append("vsp: Ulysses sequence parallelism on the embedding and LM head; priced "
-                     "as tensor parallelism")
+    if bool(raw.get("vsp", 0)) != ulysses:
+        notes.append(f"vsp: the embedding and LM head {'use' if raw.get('vsp', 0) else 'do not use'}"
+                     f" Ulysses sequence parallelism; priced like the layers")
     embed_zero = 3 if raw.get("embed_sdp", 0) else default_zero
     if embed_zero != zero:
         notes.append(f"embed_sdp: the embedding and LM head are ZeRO-{embed_zero} in Galvatron; "
