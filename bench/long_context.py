@@ -7,7 +7,8 @@ Profiles are the project's analytic ones (written once by the CLI into a tempora
 `cluster=dgx_h100` hardware for the case's node count, the model on the h100 sheet. The search
 prices Megatron-LM's engine (`search.engine=megatron`, what the export runs) and, for qwen_100b,
 stage=train's too (its ring attention and every byte it holds, workload/memory.py), at the
-default reserve (10% + 1 GiB of 80 GiB), with `max_cp` 1 (no CP) and 16.
+default reserve (10% + 1 GiB of 80 GiB), with `max_cp` 1 (no CP), 16 (Llama 3's degree) and,
+for qwen_100b, search.max_cp's default (seq_len // 4096 = 32).
 Published layouts to hold it against:
 - Llama 3 405B at 128K on 16384 H100s: TP8 CP16 PP16 DP8, 16M-token batches (128 sequences),
   380 TFLOP/s per GPU ("The Llama 3 Herd of Models", Table 4); one layer fewer on the first and
@@ -35,6 +36,7 @@ from orchestrator.models.config import ModelConfig, count_params  # noqa: E402
 from orchestrator.planner import (CostOptions, HardwareModel, ModelCost, SearchSpace,  # noqa: E402
                                   evaluate, search)
 from orchestrator.planner.cost_model import memory_reserve_GiB  # noqa: E402
+from orchestrator.planner.search import auto_max_cp  # noqa: E402
 
 GiB = 2**30
 PEAK_TFLOPs = 989.4
@@ -111,10 +113,13 @@ def main() -> None:
         with_cp = searched(model, hw, 8192, 512, 16, "pick, max_cp 16")
         gain = with_cp["tokens_per_s"] / today["tokens_per_s"]
         print(f"  tokens/s with CP / without: {gain:.2f}x")
+        auto = auto_max_cp(SEQ)  # search.max_cp's default
+        searched(model, hw, 8192, 512, auto, f"pick, max_cp {auto}")
         # stage=train's engine: its ring (or all-gather) and every byte it holds
-        ours = searched(model, hw, 8192, 512, 16, "stage=train's, cp 16", "orchestrator")
         ours_today = searched(model, hw, 8192, 512, 1, "stage=train's, no CP", "orchestrator")
-        print(f"  stage=train's engine, tokens/s with CP / without: "
+        searched(model, hw, 8192, 512, 16, "stage=train's, cp 16", "orchestrator")
+        ours = searched(model, hw, 8192, 512, auto, f"stage=train's, cp {auto}", "orchestrator")
+        print(f"  stage=train's engine, tokens/s with CP (max_cp {auto}) / without: "
               f"{ours['tokens_per_s'] / ours_today['tokens_per_s']:.2f}x")
 
         print("\nllama3_405b, 128K, 16384 H100s, global batch 128 (16M tokens)")

@@ -260,7 +260,7 @@ class SearchConfig:
     max_tp: int = 8  # >= 1
     max_pp: int = 64  # >= 1
     # Context parallelism (each sequence split over cp ranks) up to max_cp (None: seq_len //
-    # 8192, each rank keeping at least 8K tokens; so none up to 16K), in the flavours of
+    # 4096, each rank keeping at least 4K tokens; so none below 8K), in the flavours of
     # cp_comms the engine runs (orchestrator: p2p, allgather; megatron: all three).
     max_cp: Optional[int] = None  # >= 1
     cp_comms: List[str] = field(default_factory=lambda: ["p2p", "a2a"])  # flavours of cp > 1

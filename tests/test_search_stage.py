@@ -70,9 +70,9 @@ def test_qwen_100b_on_8192_gpus_from_a_laptop(profiles):
     assert strategy["source"] == "analytic" and "(analytic profiles;" in proc.stdout
     assert [i["source"] for i in strategy["inputs"].values()] == ["analytic", "analytic"]
     layout = strategy["layout"]
-    # 128K tokens: the default max_cp (seq_len // 8192 = 16) lets the search split sequences
+    # 128K tokens: the default max_cp (seq_len // 4096 = 32) lets the search split sequences
     cp = layout.get("cp", 1)
-    assert strategy["space"]["max_cp"] == 16 and cp > 1
+    assert strategy["space"]["max_cp"] == 32 and cp > 1
     assert layout["world_size"] == 8192 and layout["pp"] * layout["tp"] * cp * layout["dp"] == 8192
     assert strategy["prediction"]["peak_memory_bytes"] <= 80 * 2**30
     # Its speed is bench/search_speed.py's figure: a bound here failed a loaded run (29.3 s).
@@ -104,7 +104,7 @@ def test_uneven_middle_stages_write_the_strategy_and_record_megatron_approximati
     write_json(profiles / "local" / "model" / "tiny.json",
                synthetic_model("tiny", layers=9, hidden=256, ffn=1024, vocab=1000, seq_len=8192))
     proc = run_cli("stage=search", "search.seq_len=8192", "search.memory_GiB=0.625",
-                   "search.max_tp=1", "search.schedules=[1f1b]", "search.recompute=[none]",
+                   "search.max_cp=1", "search.max_tp=1", "search.schedules=[1f1b]", "search.recompute=[none]",
                    "search.zero_stages=[0]", "search.micro_batch_sizes=[1]", "search.reserve_GiB=0",
                    "search.reserve_fraction=0",
                    "search.plot=false", "search.engine=megatron",  # priced as what it exports

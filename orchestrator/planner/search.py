@@ -153,12 +153,14 @@ def _degree_allowed(degree: int, fixed: Optional[int], bound: int) -> bool:
 
 
 # Auto max_cp: each CP rank keeps at least this many tokens of a sequence (Llama 3 ran 128K at
-# CP16, 8K per rank; shorter shares leave the ring's sends little attention to hide behind).
-MIN_CP_TOKENS = 8192
+# CP16, 8K per rank; at 128K, cp32 (4K) still prices faster for qwen_100b, with a third of the
+# recompute: bench/long_context.py; shorter shares leave the ring little attention to hide
+# its sends behind).
+MIN_CP_TOKENS = 4096
 
 
 def auto_max_cp(seq_len: int) -> int:
-    """search.max_cp when not given: seq_len // MIN_CP_TOKENS, at least 1 (no CP up to 16K)."""
+    """search.max_cp when not given: seq_len // MIN_CP_TOKENS, at least 1 (no CP below 8K)."""
     return max(1, seq_len // MIN_CP_TOKENS)
 
 
