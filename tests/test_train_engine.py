@@ -1,7 +1,7 @@
 """The training engine on 4 real CPU processes over gloo: every layout of the issue trains the
 same model on the same data, gives the same losses as plain data parallelism (fp32), and its
-loss falls over its 10 steps (context-parallel layouts: 3, each equal to dp4's); the collectives and messages each rank issues in a step are exactly
-the workload model's list (orchestrator/workload/comm.py), in fp32 and under bf16 autocast; and
+loss falls over its 10 steps (context-parallel layouts: 3, each equal to dp4's); the
+collectives and messages each rank issues in a step are exactly the workload model's list (orchestrator/workload/comm.py), in fp32 and under bf16 autocast; and
 every live tensor byte of a step, counted, is the workload model's memory (workload/memory.py:
 states to the byte, the peak within 5%). One launch for all layouts (a launch costs seconds)."""
 from __future__ import annotations

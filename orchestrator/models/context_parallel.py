@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from orchestrator.layout import ENGINE_CP_COMMS
 from orchestrator.workload.cp import SCORE_TILE_BYTES, score_tile_rows
 
 
@@ -43,20 +44,17 @@ def chunk_positions(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(first, first + size), torch.arange(second, second + size)])
 
 
-FLAVOURS = ("p2p", "allgather")  # what this module runs (layout.CP_COMMS: Megatron's)
-
-
 class ContextParallel:
-    """This rank's share of context-parallel sequences: its CP group and flavour (FLAVOURS), and
-    for a sequence of `seq_len` tokens the global positions of its tokens and of the
-    all-gathered sequence's (every rank's chunks, in CP-rank order)."""
+    """This rank's share of context-parallel sequences: its CP group and flavour (one of
+    layout.ENGINE_CP_COMMS), and for a sequence of `seq_len` tokens the global positions of its
+    tokens and of the all-gathered sequence's (every rank's chunks, in CP-rank order)."""
 
     def __init__(self, group, comm: str = "p2p", score_tile_bytes: int = SCORE_TILE_BYTES):
         import torch.distributed as dist
 
-        if comm not in FLAVOURS:
+        if comm not in ENGINE_CP_COMMS:
             raise ValueError(f"cp_comm {comm!r}: the engine's context parallelism runs "
-                             f"{' or '.join(FLAVOURS)}")
+                             f"{' or '.join(ENGINE_CP_COMMS)}")
         self.group, self.comm, self.score_tile_bytes = group, comm, score_tile_bytes
         self.cp, self.cp_rank = dist.get_world_size(group), dist.get_rank(group)
         ranks = dist.get_process_group_ranks(group)

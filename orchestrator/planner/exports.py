@@ -116,8 +116,8 @@ def galvatron_strategy(layout: ParallelLayout, strict: bool = True) -> Dict[str,
     Megatron-style sequence parallelism is Galvatron's global `--sequence-parallel` training
     argument (`--sequence_parallel` of its search), not a JSON field; its per-layer `use_sp` is
     Ulysses, written for context parallelism in the a2a flavour without TP (cp as the layers'
-    degree; other CP: ExportError). Galvatron has no interleaved schedule, no selective recompute and
-    no ZeRO-1: ExportError (strict) or, with strict=False, 1F1B (pipedream_flush), full
+    degree; other CP: ExportError). Galvatron has no interleaved schedule, no selective
+    recompute and no ZeRO-1: ExportError (strict) or, with strict=False, 1F1B (pipedream_flush), full
     checkpointing of those layers and zero2, with a warning. Everything else comes back
     unchanged through orchestrator.interop.galvatron.strategy.read_strategy."""
     L = layout.num_layers

@@ -57,7 +57,7 @@ from orchestrator.choices import Dtype
 from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig
 from orchestrator.workload.buckets import plan_buckets
-from orchestrator.workload.cp import SCORE_TILE_BYTES
+from orchestrator.workload.cp import score_tile_rows
 from orchestrator.workload.order import stage_order
 from orchestrator.workload.params import Param, block_parameters, chunk_size, rank_chunks
 
@@ -406,9 +406,8 @@ def cp_attention_bytes(model: ModelConfig, layout, tokens, dtype: Dtype = Dtype.
     if layout.cp_comm == "allgather":
         return 0.0, cp * kv, (cp - 1) * kv
     b, heads = layout.micro_batch_size, model.heads // layout.tp
-    rows = np.asarray(tokens, dtype=float) / b  # a sequence's tokens on this rank: seq / cp
-    tile = np.maximum(1.0, np.minimum(rows, SCORE_TILE_BYTES // (FP32 * b * heads * rows)))
-    scores = FP32 * b * heads * tile * rows
+    rows = int(tokens) // b  # a sequence's tokens on this rank: seq / cp
+    scores = FP32 * b * heads * score_tile_rows(b, heads, rows, rows) * rows
     one = FP32 * tokens * heads * head_dim  # a query-sized fp32 tensor
     copies = one if autocast else 0.0
     return (2 * scores + 3 * one + copies + 2 * kv, 2 * scores + 5 * one + 2 * copies + 4 * kv,

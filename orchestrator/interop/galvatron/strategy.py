@@ -263,8 +263,9 @@ def _unsupported_notes(raw: Mapping[str, Any], flags: Dict[str, List[int]], *, t
         notes.append(f"vtp: Galvatron splits the embedding and LM head {vtp!r} ways; we "
                      f"split them over tp({tp}) like the layers")
     if bool(raw.get("vsp", 0)) != ulysses:
-        notes.append(f"vsp: the embedding and LM head {'use' if raw.get('vsp', 0) else 'do not use'}"
-                     f" Ulysses sequence parallelism; priced like the layers")
+        uses = "use" if raw.get("vsp", 0) else "do not use"
+        notes.append(f"vsp: the embedding and LM head {uses} Ulysses sequence parallelism; "
+                     f"priced like the layers")
     embed_zero = 3 if raw.get("embed_sdp", 0) else default_zero
     if embed_zero != zero:
         notes.append(f"embed_sdp: the embedding and LM head are ZeRO-{embed_zero} in Galvatron; "
