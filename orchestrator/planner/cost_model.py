@@ -21,9 +21,10 @@ partitions can optimise.
 
 Each term lives in planner/terms/ with its Megatron formula: compute.py (per-layer compute, / cp
 with context parallelism), tp_comm.py (TP/SP collectives), cp_comm.py (context parallelism's
-exposed communication by flavour: ring, Ulysses, all-gather; Megatron engine only), zero.py (ZeRO sharding, per-layer ZeRO 2/3 traffic, gradient
-sync), pipeline.py (p2p sends), memory.py (activations, buffers); schedule.py has alpha, beta
-and the in-flight micro-batches. Overlap: communication C beside compute W slows both by
+exposed communication by flavour: ring, Ulysses, all-gather; stage=train's engine runs the
+ring and the all-gather), zero.py (ZeRO sharding, per-layer ZeRO 2/3 traffic, gradient sync),
+pipeline.py (p2p sends), memory.py (activations, buffers); schedule.py has alpha, beta and the
+in-flight micro-batches. Overlap: communication C beside compute W slows both by
 `overlap_coe` (c >= 1), the pair taking max(W, C) + min(W, C) (c - 1); a stage's gradient sync
 overlaps with the backward of its last micro-batch (recompute excluded), per-layer ZeRO 2/3
 traffic with the layer's own compute (prefetch).

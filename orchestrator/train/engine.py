@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from orchestrator.choices import Dtype
-from orchestrator.layout import ENGINE_CP_COMMS, ParallelLayout
+from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig
 from orchestrator.models.context_parallel import ContextParallel
 from orchestrator.models.gpt import GPT, Attention, cross_entropy_loss, token_loss_sum
@@ -88,9 +88,6 @@ class Engine:
             raise ValueError(f"layout world_size({layout.world_size}) != the "
                              f"{dist.get_world_size()} ranks running")
         self.layout, self.device, self.dtype = layout, device, Dtype.parse(dtype)
-        if layout.cp > 1 and layout.cp_comm not in ENGINE_CP_COMMS:
-            raise ValueError(f"cp_comm {layout.cp_comm}: the engine's context parallelism runs "
-                             f"{' or '.join(ENGINE_CP_COMMS)}")
         if layout.cp > 1:
             # Rank order tp-cp-dp-pp; the dp x cp ranks hold the same weights: gradients are
             # reduced, and ZeRO shards, over them (one flattened group).

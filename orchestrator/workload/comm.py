@@ -185,12 +185,9 @@ def _tp_comms(model, layout, rank, compute: Dtype, residual_dtype: Dtype,
         return []
     tokens = rank_tokens(model, layout)
     act = tokens * model.hidden  # elements of one layer activation of a micro-batch
-    layers = recomputed = 0
-    first = last = False
-    for _, blocks, is_first, is_last in _chunk_flags(model, layout, rank):
-        layers += len(blocks)
-        recomputed += _recomputed_blocks(layout, rank, len(blocks))
-        first, last = first or is_first, last or is_last
+    layers, recomputed = _layers(model, layout, rank)
+    flags = [(is_first, is_last) for _, _, is_first, is_last in _chunk_flags(model, layout, rank)]
+    first, last = any(f for f, _ in flags), any(la for _, la in flags)
     counts = tp_counts(engine, layout.sequence_parallel)
     # forward: gathers move norm outputs (residual dtype), reductions matmul outputs (compute
     # dtype); each backward collective moves the gradient of a forward one, in its dtype
