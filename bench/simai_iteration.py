@@ -2,6 +2,7 @@
 
   python bench/simai_iteration.py --simai /path/to/SimAI      # its repo root, built (below)
   python bench/simai_iteration.py --simai ... --keep /tmp/sim --pp 2 --tp 4 --gbs 32
+  python bench/simai_iteration.py --simai ... --cp 2 --seq 16384   # context parallelism (ring)
 
 In a scratch folder (analytic profiles, nothing measured): the dgx_h100 hardware profile and
 llama2_7b's model profile, then `stage=trace trace.export=simai` of WS 64 PP 2 TP 4 SP, GBS 32,
@@ -80,6 +81,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--gbs", type=int, default=32)
     parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--cp-comm", default="p2p")
     args = parser.parse_args()
     binary = find_binary(args.simai)
     scratch = args.keep or Path(tempfile.mkdtemp(prefix="simai_iteration_"))
@@ -91,7 +94,8 @@ def main() -> None:
          *common], scratch)
     cli(["stage=trace", f"trace.world_size={args.world_size}", f"trace.pp={args.pp}",
          f"trace.tp={args.tp}", f"trace.global_batch_size={args.gbs}",
-         f"trace.seq_len={args.seq}", "trace.export=simai", *common], scratch)
+         f"trace.seq_len={args.seq}", f"trace.cp={args.cp}", f"trace.cp_comm={args.cp_comm}",
+         "trace.export=simai", *common], scratch)
     (folder,) = (profiles / "dgx_h100" / "trace").glob(
         f"SIM_llama2_7b_*_WS{args.world_size}_PP{args.pp}_TP{args.tp}_*")
     summary = json.loads((folder / "summary.json").read_text())
@@ -114,18 +118,20 @@ def main() -> None:
     table = Table(title=f"llama2_7b {layout.describe()} seq {args.seq}: SimAI (analytical) "
                         f"vs the trace and the planner, ms")
     for column in ("stage", "SimAI total comp", "trace compute", "SimAI exposed TP",
-                   "SimAI exposed DP", "SimAI exposed PP", "SimAI bubble", "SimAI total",
+                   "SimAI exposed DP", "SimAI exposed EP (CP)", "SimAI exposed PP",
+                   "SimAI bubble", "SimAI total",
                    "planner stage", "planner iteration"):
         table.add_column(column, justify="right")
     for stage in range(layout.pp):
         workload = next(folder.glob(f"*-stage{stage}.txt"))
         simai = run_simai(binary, args.simai, workload, layout.world_size, links)
-        rank = stage * layout.tp * layout.dp
+        rank = stage * layout.tp * layout.cp * layout.dp
         records = [json.loads(line) for line in (folder / f"fake_rank_{rank}.jsonl").open()]
         compute_us = sum(r.get("time_us", 0.0) for r in records if r["kind"] == "compute")
         table.add_row(str(stage), f"{simai['total comp'] / 1e3:.1f}", f"{compute_us / 1e3:.1f}",
                       f"{simai['Expose TP comm'] / 1e3:.1f}",
                       f"{simai['Expose DP comm'] / 1e3:.1f}",
+                      f"{simai['Expose_EP_comm'] / 1e3:.1f}",
                       f"{simai['Expose_PP_comm'] / 1e3:.1f}", f"{simai['bubble time'] / 1e3:.1f}",
                       f"{simai['Total time'] / 1e3:.1f}",
                       f"{ours.stage_time_us[stage] * layout.num_micro_batches / 1e3:.1f}",

@@ -261,7 +261,7 @@ class SearchConfig:
     max_pp: int = 64  # >= 1
     # Context parallelism (each sequence split over cp ranks) up to max_cp (None: seq_len //
     # 4096, each rank keeping at least 4K tokens; so none below 8K), in the flavours of
-    # cp_comms the engine runs (orchestrator: p2p, allgather; megatron: all three).
+    # cp_comms (p2p, a2a, allgather: both engines run each).
     max_cp: Optional[int] = None  # >= 1
     cp_comms: List[str] = field(default_factory=lambda: ["p2p", "a2a"])  # flavours of cp > 1
     tp_within_node: bool = True
@@ -361,8 +361,9 @@ class ExportConfig:
 class TraceConfig:
     """`stage=trace`: one iteration's workload per rank at a fake world size (orchestrator/trace).
 
-    Configurations are [WORLD_SIZE, PP, TP] (DP = WORLD_SIZE / (PP * TP)), as a list in
-    `configs` or as one in world_size/pp/tp (which `-m` can sweep); the rest is shared.
+    Configurations are [WORLD_SIZE, PP, TP] or [WORLD_SIZE, PP, TP, CP] (DP = WORLD_SIZE /
+    (PP * TP * CP)), as a list in `configs` or as one in world_size/pp/tp (+ cp; which `-m`
+    can sweep); the rest is shared.
     """
 
     configs: Optional[List[List[int]]] = None
@@ -373,6 +374,11 @@ class TraceConfig:
     micro_batch_size: int = 1
     seq_len: Optional[int] = None  # None: model.seq_len
     sequence_parallel: bool = True  # with tp > 1
+    # Context parallelism of a configuration given as [WS, PP, TP] (a 4th entry overrides it),
+    # and how attention reaches the other CP ranks' tokens (Megatron's --cp-comm-type):
+    # p2p (ring), allgather, a2a (Ulysses).
+    cp: int = 1
+    cp_comm: str = "p2p"
     schedule: Schedule = Schedule["1f1b"]
     virtual_stages: int = 2  # interleaved only
     zero: int = 0  # 0: all-reduce gradients; 1: + parameter all-gather; 2: reduce-scatter

@@ -29,7 +29,7 @@ ZERO_STAGES = (0, 1, 2, 3)
 # gathered before the attention core, their gradients reduce-scattered after (Llama 3's).
 CP_COMMS = ("p2p", "a2a", "allgather")
 # The flavours stage=train's engine runs (models/context_parallel.py), its default first.
-ENGINE_CP_COMMS = ("p2p", "allgather")
+ENGINE_CP_COMMS = ("p2p", "allgather", "a2a")
 ENGINE_CP_COMM = ENGINE_CP_COMMS[0]
 
 # (mode, k_layers): how many layers of the stage use `mode`; the others keep all activations.

@@ -37,8 +37,9 @@ def _whole_sequence():
     return q, k, v, grad_out
 
 
-# (flavour, bytes of one score tile): the ring in one tile per block and a row per tile
-FLAVOURS = [("p2p", 1 << 26), ("p2p", 1), ("allgather", 1 << 26)]
+# (flavour, bytes of one score tile): the ring in one tile per block and a row per tile; a2a
+# (Ulysses) over CP groups of 2 (ranks 0, 1 and 2, 3): tp x cp must divide the 2 KV heads
+FLAVOURS = [("p2p", 1 << 26), ("p2p", 1), ("allgather", 1 << 26), ("a2a", 1 << 26)]
 
 
 def _cp_ranks(rank, out):
@@ -47,8 +48,10 @@ def _cp_ranks(rank, out):
 
     from orchestrator.models.context_parallel import ContextParallel
 
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     for comm, tile_bytes in FLAVOURS:
-        context = ContextParallel(dist.group.WORLD, comm, score_tile_bytes=tile_bytes)
+        group = pairs[rank // 2] if comm == "a2a" else dist.group.WORLD
+        context = ContextParallel(group, comm, score_tile_bytes=tile_bytes)
         q, k, v, grad_out = _whole_sequence()
         mine = [context.split(t, dim=2).detach().requires_grad_() for t in (q, k, v)]
         y = context.attention(*mine)
@@ -64,9 +67,10 @@ def cp_ranks():
 
 @pytest.mark.parametrize("comm,tile_bytes", FLAVOURS)
 def test_cp_attention_equals_one_process_causal_attention(cp_ranks, comm, tile_bytes):
-    """4 CP ranks, GQA heads: each rank's output and its q, k, v gradients are the
+    """4 CP ranks (2 for a2a), GQA heads: each rank's output and its q, k, v gradients are the
     one-process attention's at its positions (float64, to 1e-12), around the ring (its blocks
-    merged by log-sum-exp, whole or a query row at a time) and over the gathered sequence."""
+    merged by log-sum-exp, whole or a query row at a time), over the gathered sequence and over
+    the whole sequence with a share of the heads (Ulysses)."""
     q, k, v, grad_out = _whole_sequence()
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
     y = torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=True,
@@ -154,10 +158,9 @@ def test_engines_and_sequences_that_cannot_take_cp_are_refused():
     model, hw = _planner_inputs()
     cp2 = ParallelLayout.uniform(8, 1, 1, 8, cp=2, num_micro_batches=4)
     ulysses = ParallelLayout.uniform(8, 1, 1, 8, cp=2, cp_comm="a2a", num_micro_batches=4)
-    with pytest.raises(LayoutError, match=r"cp\(2\) with cp_comm a2a: the orchestrator engine "
-                                          r"runs context parallelism as cp_comm p2p or "
-                                          r"allgather.*search.engine=megatron"):
-        evaluate(ulysses, model, hw, 8192)
+    # every flavour runs in both engines (models/context_parallel.py: the ring, the all-gather
+    # and Ulysses' all-to-alls)
+    assert evaluate(ulysses, model, hw, 8192).breakdown_us["cp_comm"] > 0
     with pytest.raises(LayoutError, match=r"seq_len\(8190\) % \(2 \* cp\(2\) \* tp\(1\)\)"):
         evaluate(cp2, model, hw, 8190, options=_options())
 
@@ -182,9 +185,9 @@ def test_search_splits_a_long_sequence_over_cp_in_the_flavours_the_engine_runs()
     ours_without = search(model, hw, dataclasses.replace(space, options=orchestrator))
     ours = search(model, hw, dataclasses.replace(space, max_cp=8, options=orchestrator))
     assert ours_without.best.cp == 1
-    assert ours.best.cp > 1 and ours.best.cp_comm in ("p2p", "allgather")
+    assert ours.best.cp > 1 and ours.best.cp_comm in ("p2p", "a2a")
     assert ours.prediction.iteration_time_us < ours_without.prediction.iteration_time_us
-    assert ours.rejected["cp_comm_not_in_engine"] >= 1  # a2a: Megatron-LM's only
+    assert "cp_comm_not_in_engine" not in ours.rejected  # the engine runs every flavour
 
 
 def test_megatron_args_carry_cp_and_galvatron_takes_only_ulysses_without_tp():
@@ -261,8 +264,8 @@ def test_train_cp_runs_from_the_cli_predicted_checkpoints_and_resumes(chain):
     """stage=train train.cp=2 train.tp=2 (TP+SP inside each CP rank, the ring) on the 4 local
     ranks, predicted from the cluster's profiles, then a rerun with more steps resumes from its
     checkpoint, which also reloads into a layout without CP; a cp that does not tile the ranks,
-    a flavour the engine does not run and variable-length micro-batches are refused in one line
-    before launch."""
+    Ulysses where tp x cp does not split the heads and variable-length micro-batches are refused
+    in one line before launch."""
     import json
 
     common = ("stage=train", "train.cp=2", "train.tp=2", "train.checkpoint_every=2",
@@ -285,8 +288,10 @@ def test_train_cp_runs_from_the_cli_predicted_checkpoints_and_resumes(chain):
     assert resharded["losses"]["3"] == pytest.approx(summary["losses"]["3"], rel=1e-4)
     bad = run_cli("stage=train", "train.cp=3", profiles_dir=chain)
     assert "train.cp(3)" in one_error_line(bad, 2)
-    ulysses = run_cli("stage=train", "train.cp=2", "train.cp_comm=a2a", profiles_dir=chain)
-    assert "train.cp_comm=p2p" in one_error_line(ulysses, 2)
+    ulysses = run_cli("stage=train", "train.cp=2", "train.tp=2", "train.cp_comm=a2a",
+                      profiles_dir=chain)
+    assert "train.cp_comm=a2a: tp(2) * cp(2) (cp_comm a2a) must divide heads(4) and " \
+        "kv_heads(2)" in one_error_line(ulysses, 2)
     dynamic = run_cli("stage=train", "train.cp=2", "train.microbatching=dynamic",
                       profiles_dir=chain)
     assert "variable-length micro-batches are not split" in one_error_line(dynamic, 2)

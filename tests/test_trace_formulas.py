@@ -36,6 +36,12 @@ CASES = {
     "no_sp_selective": ([16, 2, 2], False, 0, "1f1b", {"recompute": "selective"}),
     "sp_zero2_uneven": ([16, 2, 2], True, 2, "1f1b", {"layers_per_stage": (6, 2)}),
     "pp2_no_tp": ([8, 2, 1], False, 1, "1f1b"),
+    # context parallelism ([ws, pp, tp, cp]): the ring, all-gather and Ulysses flavours
+    "cp2_ring": ([16, 2, 2, 2], True, 1, "1f1b"),
+    "cp4_ring_full_recompute": ([16, 2, 1, 4], False, 2, "1f1b", {"recompute": "full"}),
+    "cp2_allgather_selective": ([16, 2, 2, 2], True, 1, "1f1b",
+                                {"cp_comm": "allgather", "recompute": "selective"}),
+    "cp2_a2a_interleaved": ([8, 2, 1, 2], False, 0, "interleaved", {"cp_comm": "a2a"}),
 }
 
 
@@ -238,6 +244,63 @@ def test_dp3_buckets_are_padded():
     assert all(r["bytes"] // FP32_BYTES % 3 == 0 for r in buckets)
 
 
+# ------------------------------------------------------------------ context parallelism
+def kv_bytes(spec: TraceSpec) -> int:
+    """One ring message: this rank's K and V, 2 x b x s / cp x kv_heads / tp x head_dim, bf16."""
+    lay = spec.layout
+    return (2 * MBS * SEQ // lay.cp * TINY.kv_heads // lay.tp * (TINY.hidden // TINY.heads)
+            * BF16_BYTES)
+
+
+@pytest.mark.parametrize("case", ["cp2_ring", "cp4_ring_full_recompute"])
+def test_ring_sends_kv_cp_minus_1_times_forward_and_its_gradient_cp_times_backward(case):
+    """Per layer and micro-batch, to the next CP rank: cp - 1 K/V blocks forward; backward
+    cp - 1 again (2 (cp - 1) when the layer's forward reruns) and cp of their gradients."""
+    spec, traces = traced(case)
+    lay = spec.layout
+    m, cp = lay.num_micro_batches, lay.cp
+    reruns = lay.recompute[0][0] == "full"
+    for rank, records in traces.items():
+        layers = lay.layers_per_stage[spec.stage_of(rank)]
+        ring = [r for r in records if r["kind"] == "p2p" and r["group"] == "cp"]
+        cp_ranks = lay.group_ranks("cp", rank)
+        after = cp_ranks[(cp_ranks.index(rank) + 1) % cp]
+        assert {(r["op"], r["peer"]) for r in ring if r["op"] == "send"} == {("send", after)}
+        assert {r["bytes"] for r in ring} == {kv_bytes(spec)}
+        sends = Counter((r["phase"], r["mb"]) for r in ring if r["op"] == "send")
+        assert sends == {**{("F", mb): (cp - 1) * layers for mb in range(m)},
+                         **{("B", mb): ((cp - 1) * (1 + reruns) + cp) * layers
+                            for mb in range(m)}}, rank
+
+
+def test_allgather_and_a2a_flavours_per_layer():
+    """allgather: 2 all-gathers of the whole sequence's K or V forward (+2 when selective
+    recompute reruns the core), 2 reduce-scatters backward. a2a: Q, K, V and the output, 4
+    all-to-alls each way; Q and the output b x s / cp x h / tp, K and V kv_heads / h of it."""
+    spec, traces = traced("cp2_allgather_selective")
+    lay = spec.layout
+    m = lay.num_micro_batches
+    for rank, records in traces.items():
+        layers = lay.layers_per_stage[spec.stage_of(rank)]
+        cp_colls = Counter((r["op"], r["phase"], r["bytes"]) for r in records
+                           if r["kind"] == "coll" and r["group"] == "cp")
+        whole = kv_bytes(spec) // 2 * lay.cp
+        assert cp_colls == {("all_gather", "F", whole): 2 * layers * m,
+                            ("all_gather", "B", whole): 2 * layers * m,
+                            ("reduce_scatter", "B", whole): 2 * layers * m}, rank
+    spec, traces = traced("cp2_a2a_interleaved")
+    lay = spec.layout
+    m = lay.num_micro_batches
+    q_bytes = MBS * SEQ // lay.cp * TINY.hidden // lay.tp * BF16_BYTES
+    for rank, records in traces.items():
+        layers = lay.layers_per_stage[spec.stage_of(rank)]
+        cp_colls = Counter((r["op"], r["phase"], r["bytes"]) for r in records
+                           if r["kind"] == "coll" and r["group"] == "cp")
+        assert cp_colls == {
+            ("all_to_all", phase, size): 2 * layers * m
+            for phase in "FB" for size in (q_bytes, kv_bytes(spec) // 2)}, rank
+
+
 # ------------------------------------------------------------------ the workload model
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_every_message_is_the_workload_models(case):
@@ -249,8 +312,8 @@ def test_every_message_is_the_workload_models(case):
     layout = spec.layout
     model = dataclasses.replace(TINY, seq_len=SEQ)
     for rank, records in by_rank.items():
-        pp_ranks = layout.group_ranks("pp", rank)
-        me = pp_ranks.index(rank)
+        neighbours = {dim: (layout.group_ranks(dim, rank), layout.coordinate(rank, dim))
+                      for dim in ("pp", "cp")}
         seen, predicted = Counter(), Counter()
         for r in records:
             if r["kind"] == "coll":
@@ -259,7 +322,8 @@ def test_every_message_is_the_workload_models(case):
                 seen[r["op"], r["peer"], r["bytes"], r["dtype"]] += 1
         for c in rank_comms(model, layout, rank, engine="megatron", dtype="bf16"):
             if c.op in ("send", "recv"):
-                peer = pp_ranks[(me + (1 if c.peer == "next" else -1)) % layout.pp]
+                ranks, me = neighbours[c.group]
+                peer = ranks[(me + (1 if c.peer == "next" else -1)) % len(ranks)]
                 predicted[c.op, peer, c.bytes, c.dtype] += c.count
             else:
                 predicted[c.op, c.group, c.bytes, c.dtype] += c.count

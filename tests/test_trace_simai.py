@@ -8,7 +8,8 @@ import pytest
 
 from orchestrator.models.config import ModelConfig
 from orchestrator.trace.configs import TraceSettings, plan_configs
-from orchestrator.trace.simai import COMM_TYPES, simai_file_name, simai_workload, write_simai
+from orchestrator.trace.simai import (COMM_TYPES, CP_COMM_TYPES, simai_file_name,
+                                      simai_workload, write_simai)
 from orchestrator.trace.tracer import trace_rank
 
 MODEL = ModelConfig(name="tiny", hidden=128, ffn=384, layers=4, heads=4, kv_heads=2, vocab=512,
@@ -203,3 +204,66 @@ def test_write_simai_writes_the_text_under_aicb_name(spec, traces, tmp_path):
     path = write_simai(tmp_path / name, traces[8], spec, "tiny")
     assert path.read_text() == simai_workload(traces[8], spec, "tiny")
     assert [p.name for p in tmp_path.iterdir()] == [name]  # no temp file left
+
+
+# ------------------------------------------------------------------ context parallelism
+def _cp_export(cp_comm: str):
+    settings = TraceSettings(global_batch_size=16, micro_batch_size=MBS, seq_len=SEQ,
+                             sequence_parallel=True, cp_comm=cp_comm)
+    (cp_spec,), skipped = plan_configs([[16, 2, 2, 2]], settings, MODEL)
+    assert not skipped
+    return cp_spec, parse(simai_workload(_priced(cp_spec, MODEL, 8), cp_spec, "tiny"))
+
+
+def test_cp_ring_is_written_as_the_all_gather_moving_its_bytes_over_the_ep_group():
+    """SimAI has no CP group: `ep: <cp>` makes its EP group the CP group (ranks of stride tp),
+    and each layer's ring sends become ALLGATHER_EP of sends x cp / (cp - 1) K/V blocks: cp
+    blocks forward (cp - 1 sends), (2 cp - 1) x cp / (cp - 1) backward (K/V again, and their
+    gradients)."""
+    cp_spec, (_, header, _, items) = _cp_export("p2p")
+    lay = cp_spec.layout
+    cp = lay.cp
+    assert (header["ep"], header["model_parallel_NPU_group"], header["all_gpus"]) == (
+        "2", "2", "16")
+    # tokens per rank s / cp; the p2p activation message is the pipeline's, not the ring's
+    assert header["pp_comm"] == str(SEQ // cp * MBS * HIDDEN * BF16_BYTES // 2)
+    kv = 2 * MBS * SEQ // cp * (MODEL.kv_heads // lay.tp) * (HIDDEN // MODEL.heads) * BF16_BYTES
+    col = "layer2_attention_column"
+    assert comms_of(items, col, 3)["ALLGATHER_EP"] == (cp - 1) * kv * cp // (cp - 1)
+    assert comms_of(items, col, 6)["ALLGATHER_EP"] == (2 * cp - 1) * kv * cp // (cp - 1)
+    # the rest of the layer is the TP layer's, at s / cp tokens
+    assert comms_of(items, col, 3)["ALLGATHER"] == SEQ // cp * MBS * HIDDEN * BF16_BYTES
+    assert all(comms_of(items, f"layer2_{p}", 3).keys() <= {"ALLGATHER", "REDUCESCATTER"}
+               for p in ("attention_row", "mlp_column", "mlp_row"))
+    # gradients over the dp x cp replicas: SimAI's DP group (wg column)
+    assert by_name(items)["grad_param_comm"][9] == "ALLREDUCE"
+    assert by_name(items)["grad_gather"][9] == "ALLGATHER"
+
+
+def test_cp_all_gather_and_a2a_flavours_keep_their_collectives_on_the_ep_group():
+    lay_spec, (_, header, _, items) = _cp_export("allgather")
+    lay = lay_spec.layout
+    whole = MBS * SEQ * (MODEL.kv_heads // lay.tp) * (HIDDEN // MODEL.heads) * BF16_BYTES
+    col = "layer2_attention_column"
+    assert comms_of(items, col, 3)["ALLGATHER_EP"] == 2 * whole  # K and V
+    assert comms_of(items, col, 6)["REDUCESCATTER_EP"] == 2 * whole
+    for row in items:
+        assert {row[3], row[6], row[9]} <= set(COMM_TYPES) | set(CP_COMM_TYPES)
+    # Ulysses needs tp x cp to divide the KV heads: TP 1 here
+    settings = TraceSettings(global_batch_size=16, micro_batch_size=MBS, seq_len=SEQ,
+                             sequence_parallel=False, cp_comm="a2a")
+    (a2a,), skipped = plan_configs([[8, 2, 1, 2]], settings, MODEL)
+    assert not skipped
+    a2a_items = parse(simai_workload(_priced(a2a, MODEL, 4), a2a, "tiny"))[3]
+    q = MBS * SEQ // 2 * HIDDEN * BF16_BYTES
+    assert comms_of(a2a_items, col, 3) == {"ALLTOALL_EP": 2 * q + 2 * (q // 2)}  # Q, out; K, V
+    assert comms_of(a2a_items, col, 6) == {"ALLTOALL_EP": 2 * q + 2 * (q // 2)}
+
+
+def test_cp_heads_that_do_not_split_are_skipped_with_the_reason():
+    settings = TraceSettings(global_batch_size=16, micro_batch_size=MBS, seq_len=SEQ,
+                             sequence_parallel=True, cp_comm="a2a")
+    specs, skipped = plan_configs([[16, 2, 2, 2], [16, 2, 1, 3]], settings, MODEL)
+    assert specs == [] and [s.index for s in skipped] == [0, 1]
+    assert "tp(2) * cp(2) (cp_comm a2a) must divide heads(4) and kv_heads(2)" in skipped[0].reason
+    assert "WORLD_SIZE(16) % (PP(2) * TP(1) * CP(3)) != 0" in skipped[1].reason

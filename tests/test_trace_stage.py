@@ -64,6 +64,15 @@ def test_single_configuration_keys_and_bad_input(profiles):
     bad = run_cli("stage=trace", "trace.world_size=16", "trace.pp=2", "trace.tp=3",
                   profiles_dir=profiles, check=2)
     assert "no configuration can be traced" in bad.stdout + bad.stderr
+    cp = run_cli("stage=trace", "trace.world_size=16", "trace.pp=2", "trace.tp=2", "trace.cp=2",
+                 "trace.cp_comm=allgather", "trace.global_batch_size=8", "model.layers=2",
+                 "trace.export=simai", profiles_dir=profiles, check=0)
+    assert "traced SIM_tiny_Config0_WS16_PP2_TP2_CP2_DP2_nMICROB4" in cp.stdout
+    folder = next(profiles.glob("*/trace/SIM_tiny_Config0_WS16_PP2_TP2_CP2_DP2_*"))
+    assert "ALLGATHER_EP" in next(folder.glob("*-tp2-cp2-pp2-*-stage0.txt")).read_text()
+    bad_cp = run_cli("stage=trace", "trace.world_size=16", "trace.pp=2", "trace.tp=2",
+                     "trace.cp_comm=ring", profiles_dir=profiles, check=2)
+    assert "trace.cp_comm='ring'; allowed: p2p, a2a, allgather" in bad_cp.stdout + bad_cp.stderr
     moe = run_cli("stage=trace", "trace.world_size=16", "trace.pp=2", "trace.tp=2",
                   "+model.num_experts=8", profiles_dir=profiles)
     assert moe.returncode != 0 and "mixture-of-experts" in moe.stdout + moe.stderr

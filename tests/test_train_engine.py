@@ -42,7 +42,7 @@ LAYOUTS = [
     (1, 2, {"zero": 2, "recompute": "selective"}),
     # context parallelism (each sequence split over cp ranks): the ring (p2p) over 4 ranks,
     # with TP+SP, a pipeline, ZeRO-3 and each recompute; K/V all-gathered with ZeRO-1 and with
-    # TP and selective recompute
+    # TP and selective recompute; Ulysses with ZeRO-2 and with a pipeline and full recompute
     (1, 1, {"cp": 4}),
     (1, 2, {"cp": 2}),
     (2, 1, {"cp": 2}),
@@ -51,6 +51,9 @@ LAYOUTS = [
     (2, 1, {"cp": 2, "recompute": "full"}),
     (1, 1, {"cp": 2, "cp_comm": "allgather", "zero": 1}),
     (1, 2, {"cp": 2, "cp_comm": "allgather", "recompute": "selective"}),
+    # Ulysses (a2a): tp x cp must divide the 2 KV heads
+    (1, 1, {"cp": 2, "cp_comm": "a2a", "zero": 2}),
+    (2, 1, {"cp": 2, "cp_comm": "a2a", "recompute": "full"}),
 ]
 # Traced once each under bf16 autocast (not trained): the dtype of every message.
 BF16_LAYOUTS = [
@@ -59,6 +62,7 @@ BF16_LAYOUTS = [
     (2, 2, {"sequence_parallel": False, "recompute": ("full", 1)}),
     (1, 2, {"cp": 2}),
     (1, 1, {"cp": 2, "cp_comm": "allgather"}),
+    (1, 1, {"cp": 2, "cp_comm": "a2a", "recompute": "selective"}),
 ]
 RECORDED_STEP = 1  # the first step also sends the pipeline's shape metadata
 MEMORY_STEP = 2  # after the optimizer's first step made its states

@@ -18,9 +18,15 @@ elements (this rank's K and V, in their dtype):
   all-gathered over the CP group (2 all-gathers of cp x kv / 2) before the attention core, and
   the core's backward reduce-scatters their gradients; the gathered K/V stay alive until the
   layer's backward.
+- "a2a" (DeepSpeed's Ulysses, Megatron's a2a): an all-to-all each for Q, K and V trades the
+  sequence split for a head split (all s tokens, heads / cp of the rank's: tp x cp must divide
+  the heads and the KV heads), the attention core runs on the whole sequence, and one
+  all-to-all brings the output back to the sequence split; the backward the same four for the
+  gradients. What stays for the backward is as large as one-rank attention's.
 A query attends to a key when the key's global position is not after its own: masks of seq / cp
 x seq booleans in all per sequence length (one per ring block, or one for the gathered
-sequence), made once and kept with the rotary tables at this rank's positions.
+sequence; seq x seq for a2a), made once and kept with the rotary tables at this rank's
+positions.
 """
 from __future__ import annotations
 
@@ -92,12 +98,14 @@ class ContextParallel:
 
     def block_mask(self, seq_len: int, source, device) -> torch.Tensor:
         """(seq / cp, seq / cp) bool: which keys of CP rank `source`'s tokens this rank's
-        queries attend to; source "all": (seq / cp, seq), the all-gathered sequence's. Made once
-        per sequence length and device."""
+        queries attend to; source "all": (seq / cp, seq), the all-gathered sequence's; "whole":
+        (seq, seq), the gathered sequence's queries against its keys (a2a). Made once per
+        sequence length and device."""
         key = (seq_len, source, str(device))
         if key not in self._cache:
-            mine = self.positions(seq_len)
-            theirs = (self.gathered_positions(seq_len) if source == "all"
+            mine = (self.gathered_positions(seq_len) if source == "whole"
+                    else self.positions(seq_len))
+            theirs = (self.gathered_positions(seq_len) if source in ("all", "whole")
                       else chunk_positions(seq_len, self.cp, source))
             self._cache[key] = (mine[:, None] >= theirs[None, :]).to(device)
         return self._cache[key]
@@ -118,7 +126,16 @@ class ContextParallel:
         q, k, v (batch, heads, local seq, head_dim), K/V heads may be fewer (GQA)."""
         if self.comm == "p2p":
             return _RingAttention.apply(q, k, v, self)
+        if self.comm == "a2a":
+            return self._ulysses_attention(q, k, v)
         return self._gathered_attention(q, k, v)
+
+    def _ulysses_attention(self, q, k, v):
+        seq_len = q.shape[2] * self.cp
+        hq, hk, hv = (_SwapSplit.apply(t, self, True) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(hq, hk, hv, enable_gqa=True,
+                                             attn_mask=self.block_mask(seq_len, "whole", q.device))
+        return _SwapSplit.apply(out, self, False)
 
     def _gathered_attention(self, q, k, v):
         seq_len = q.shape[2] * self.cp
@@ -153,6 +170,39 @@ class _GatherSequence(torch.autograd.Function):
         mine = whole.new_empty((whole.shape[0] // context.cp,) + whole.shape[1:])
         dist.reduce_scatter_tensor(mine, whole, group=context.group)
         return mine.permute(1, 2, 0, 3), None
+
+
+def all_to_all_heads(t: torch.Tensor, group, cp: int, to_heads: bool) -> torch.Tensor:
+    """Ulysses' exchange over a CP group of `cp` ranks, by a blocking all-to-all: (b, h, s / cp,
+    d) -> (b, h / cp, s, d) when `to_heads` (head group j to CP rank j; every rank's tokens of
+    ours back, in CP-rank order: the gathered sequence), else the reverse."""
+    import torch.distributed as dist
+
+    b, h, s, d = t.shape
+    if to_heads:
+        send = t.reshape(b, cp, h // cp, s, d).permute(1, 0, 2, 3, 4).contiguous()
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=group)
+        return received.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
+    send = t.reshape(b, h, cp, s // cp, d).permute(2, 0, 1, 3, 4).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return received.permute(1, 0, 2, 3, 4).reshape(b, cp * h, s // cp, d)
+
+
+class _SwapSplit(torch.autograd.Function):
+    """Sequence split -> head split (`to_heads`) or back (all_to_all_heads); the gradient comes
+    back the other way."""
+
+    @staticmethod
+    def forward(ctx, t, context, to_heads: bool):
+        ctx.context, ctx.to_heads = context, to_heads
+        return all_to_all_heads(t, context.group, context.cp, to_heads)
+
+    @staticmethod
+    def backward(ctx, grad):
+        c = ctx.context
+        return all_to_all_heads(grad.contiguous(), c.group, c.cp, not ctx.to_heads), None, None
 
 
 def _wait(requests) -> None:

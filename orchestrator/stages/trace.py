@@ -17,6 +17,7 @@ from typing import List, Tuple
 
 from orchestrator.choices import Ranks
 from orchestrator.errors import ConfigError
+from orchestrator.layout import CP_COMMS
 from orchestrator.stages import Stage
 from orchestrator.store import cluster_dir
 from orchestrator.trace.configs import (Skipped, TraceSettings, TraceSpec, parse_configs,
@@ -40,15 +41,16 @@ def _configs(cfg) -> List[Tuple[int, ...]]:
     single = (t.world_size, t.pp, t.tp)
     if t.configs:
         if any(v is not None for v in single):
-            raise ConfigError("give trace.configs=[[WS,PP,TP],...] or trace.world_size/pp/tp, "
-                              "not both")
+            raise ConfigError("give trace.configs=[[WS,PP,TP(,CP)],...] or "
+                              "trace.world_size/pp/tp, not both")
         try:
             return parse_configs([list(c) for c in t.configs])
         except (TypeError, ValueError) as e:
             raise ConfigError(str(e)) from None
     if any(v is None for v in single):
         raise ConfigError("stage=trace needs trace.configs='[[8192,16,8],...]' ([WORLD_SIZE, "
-                          "PP, TP] each) or trace.world_size=.. trace.pp=.. trace.tp=..")
+                          "PP, TP] or [WORLD_SIZE, PP, TP, CP] each) or trace.world_size=.. "
+                          "trace.pp=.. trace.tp=..")
     return [tuple(int(v) for v in single)]
 
 
@@ -59,6 +61,10 @@ def settings(cfg) -> TraceSettings:
     for name in ("global_batch_size", "micro_batch_size", "virtual_stages"):
         if getattr(t, name) < 1:
             raise ConfigError(f"trace.{name}({getattr(t, name)}) must be >= 1")
+    if t.cp < 1:
+        raise ConfigError(f"trace.cp({t.cp}) must be >= 1")
+    if t.cp_comm not in CP_COMMS:
+        raise ConfigError(f"trace.cp_comm={t.cp_comm!r}; allowed: {', '.join(CP_COMMS)}")
     if t.zero not in (0, 1, 2):
         raise ConfigError(f"trace.zero={t.zero}: trace follows train's ZeRO 0/1/2 (ZeRO-3's "
                           f"FSDP gathers are not traced yet)")
@@ -67,7 +73,8 @@ def settings(cfg) -> TraceSettings:
         seq_len=t.seq_len or cfg.model.seq_len, sequence_parallel=t.sequence_parallel,
         schedule=str(getattr(t.schedule, "value", t.schedule)), virtual_stages=t.virtual_stages,
         zero=t.zero, recompute=str(getattr(t.recompute, "value", t.recompute)),
-        layers_per_stage=tuple(t.layers_per_stage) if t.layers_per_stage else None)
+        layers_per_stage=tuple(t.layers_per_stage) if t.layers_per_stage else None,
+        cp=t.cp, cp_comm=t.cp_comm)
 
 
 def run_trace(ctx, run) -> dict:
@@ -97,7 +104,7 @@ def run_trace(ctx, run) -> dict:
     for spec in plan.specs:
         name = spec.dir_name(model_name)
         if spec not in specs:
-            entries[name] = {"config": [spec.world_size, spec.layout.pp, spec.layout.tp],
+            entries[name] = {"config": spec.config(),
                              "index": spec.index, "state": "done", "path": str(out / name)}
             continue
         try:
@@ -115,7 +122,7 @@ def run_trace(ctx, run) -> dict:
                 write_index(index_path, index)  # inside the sub-part: done only once written
         except Exception as e:  # reported; the other configurations still run
             failed.append(f"{spec.subpart()}: {type(e).__name__}: {e}")
-            entries[name] = {"config": [spec.world_size, spec.layout.pp, spec.layout.tp],
+            entries[name] = {"config": spec.config(),
                              "index": spec.index, "state": "failed",
                              "error": f"{type(e).__name__}: {e}"}
             console.print(f"[red]failed[/] {name}: {type(e).__name__}: {e}")

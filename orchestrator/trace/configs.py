@@ -1,7 +1,8 @@
 """Which configurations a trace covers, checked before anything is traced (pure, no torch).
 
-A configuration is [WORLD_SIZE, PP, TP]; DP = WORLD_SIZE / (PP * TP). Everything else (batch,
-micro-batch, sequence length, sequence parallelism, schedule, ZeRO) is shared by the batch of
+A configuration is [WORLD_SIZE, PP, TP] or [WORLD_SIZE, PP, TP, CP] (CP: context parallelism,
+trace.cp when not given); DP = WORLD_SIZE / (PP * TP * CP). Everything else (batch, micro-batch,
+sequence length, sequence parallelism, the CP flavour, schedule, ZeRO) is shared by the batch of
 configurations. An invalid configuration is reported with its reason and skipped; the others run.
 """
 from __future__ import annotations
@@ -28,7 +29,9 @@ class TraceSpec:
         return self.layout.world_size
 
     def representative_ranks(self) -> List[int]:
-        """TP rank 0 and DP rank 0 of every pipeline stage: rank 0's pipeline group."""
+        """TP rank 0, CP rank 0 and DP rank 0 of every pipeline stage: rank 0's pipeline group.
+        (The ranks of a stage issue the same ops, to their own groups' ranks; CP ranks the same
+        kernels and messages in a rank-dependent order, trace/cp.py.)"""
         return list(self.layout.group_ranks("pp", 0))
 
     def all_ranks(self) -> List[int]:
@@ -40,14 +43,21 @@ class TraceSpec:
     def dir_name(self, model: str) -> str:
         """The seed tracer's folder name for this configuration."""
         lay = self.layout
-        return (f"SIM_{model}_Config{self.index}_WS{lay.world_size}_PP{lay.pp}_TP{lay.tp}"
+        cp = f"_CP{lay.cp}" if lay.cp > 1 else ""
+        return (f"SIM_{model}_Config{self.index}_WS{lay.world_size}_PP{lay.pp}_TP{lay.tp}{cp}"
                 f"_DP{lay.dp}_nMICROB{lay.num_micro_batches}_MICROB_SIZE"
                 f"{lay.micro_batch_size}_GLOBAL_BATCH{lay.global_batch_size}")
 
     def subpart(self) -> str:
         """The ledger sub-part naming this configuration."""
         lay = self.layout
-        return f"config{self.index}_ws{lay.world_size}_pp{lay.pp}_tp{lay.tp}"
+        cp = f"_cp{lay.cp}" if lay.cp > 1 else ""
+        return f"config{self.index}_ws{lay.world_size}_pp{lay.pp}_tp{lay.tp}{cp}"
+
+    def config(self) -> List[int]:
+        """The configuration as the user gives it: [WS, PP, TP], + CP when > 1."""
+        lay = self.layout
+        return [lay.world_size, lay.pp, lay.tp] + ([lay.cp] if lay.cp > 1 else [])
 
 
 @dataclass(frozen=True)
@@ -70,29 +80,34 @@ class TraceSettings:
     zero: int = 1
     recompute: str = "none"
     layers_per_stage: Optional[Tuple[int, ...]] = None
+    cp: int = 1  # context parallelism of a configuration that gives none
+    cp_comm: str = "p2p"  # Megatron's --cp-comm-type: p2p | allgather | a2a
 
 
 def parse_configs(configs) -> List[Tuple[int, ...]]:
-    """[[ws, pp, tp], ...] from the config (a list of triples); ValueError on a malformed one."""
+    """[[ws, pp, tp(, cp)], ...] from the config; ValueError on a malformed one."""
     out = []
     for i, c in enumerate(configs or []):
         items = list(c) if isinstance(c, (list, tuple)) else None
-        if items is None or len(items) != 3 or not all(
+        if items is None or len(items) not in (3, 4) or not all(
                 isinstance(x, int) and not isinstance(x, bool) for x in items):
             raise ValueError(f"trace.configs[{i}]={c!r}: each configuration is "
-                             f"[WORLD_SIZE, PP, TP] (three integers)")
+                             f"[WORLD_SIZE, PP, TP] or [WORLD_SIZE, PP, TP, CP] (integers)")
         out.append(tuple(items))
     return out
 
 
 def check_config(index: int, config: Sequence[int], settings: TraceSettings, model) -> TraceSpec:
-    """The TraceSpec of one [ws, pp, tp], or ValueError saying why it cannot be traced."""
-    ws, pp, tp = config
-    if min(ws, pp, tp) < 1:
-        raise ValueError(f"WORLD_SIZE, PP and TP must be >= 1, got {list(config)}")
-    if ws % (pp * tp):
-        raise ValueError(f"WORLD_SIZE({ws}) % (PP({pp}) * TP({tp})) != 0")
-    dp = ws // (pp * tp)
+    """The TraceSpec of one [ws, pp, tp(, cp)], or ValueError saying why it cannot be traced."""
+    ws, pp, tp = config[:3]
+    cp = config[3] if len(config) > 3 else settings.cp
+    if min(ws, pp, tp, cp) < 1:
+        raise ValueError(f"WORLD_SIZE, PP, TP and CP must be >= 1, got {list(config)}"
+                         + (f" with trace.cp={cp}" if len(config) == 3 else ""))
+    cp_text = f" * CP({cp})" if cp > 1 else ""
+    if ws % (pp * tp * cp):
+        raise ValueError(f"WORLD_SIZE({ws}) % (PP({pp}) * TP({tp}){cp_text}) != 0")
+    dp = ws // (pp * tp * cp)
     # Heads, KV heads, FFN, vocabulary and sequence over TP: the checks the TP sharding itself
     # makes (apply_tensor_parallel), here before tracing so the configuration is skipped.
     validate_model(dataclasses.replace(model, seq_len=settings.seq_len), tp=tp)
@@ -118,7 +133,9 @@ def check_config(index: int, config: Sequence[int], settings: TraceSettings, mod
             world_size=ws, pp=pp, tp=tp, dp=dp, layers_per_stage=layers, recompute=recompute,
             zero=settings.zero, sequence_parallel=settings.sequence_parallel and tp > 1,
             micro_batch_size=mbs, num_micro_batches=gbs // (dp * mbs), schedule=schedule,
-            virtual_stages=v)
+            virtual_stages=v, cp=cp, cp_comm=settings.cp_comm)
+        layout.check_sequence(settings.seq_len)
+        layout.check_heads(model.heads, model.kv_heads, model.name)
     except LayoutError as e:
         raise ValueError(str(e)) from None
     return TraceSpec(index=index, layout=layout, seq_len=settings.seq_len)

@@ -1,7 +1,8 @@
 """A dispatch hook that writes down every operation one rank issues, in issue order.
 
 Every aten op that reaches the dispatcher while `OpRecorder` is active is one record: compute
-(op, shapes, dtype, FLOPs from torch's FLOP formulas, bytes read + written), collectives (from
+(op, shapes, dtype, FLOPs from torch's FLOP formulas (a causal flash kernel's halved: it skips
+the masked tiles), bytes read + written), collectives (from
 DTensor's functional collectives and from torch.distributed's c10d ops: op, group, bytes) and
 point-to-point messages (peer, bytes, send/recv). Ops that only make views (reshape, transpose,
 slicing) launch no kernel and are left out. The tensors are on the meta device and the process
@@ -167,6 +168,8 @@ class OpRecorder(TorchDispatchMode):
             return  # bookkeeping on real CPU tensors (DeviceMesh coordinates), not the workload
         flop_fn = flop_registry.get(func.overloadpacket)
         flops = int(flop_fn(*args, **kwargs, out_val=out)) if flop_fn else 0
+        if name in _FLASH_OPS:
+            flops = int(flops * _causal_share(func, args, kwargs))
         first = (ins or outs or [None])[0]
         record = {
             "kind": "compute", "op": name,
@@ -226,7 +229,7 @@ class OpRecorder(TorchDispatchMode):
             local_peer = int(next((bound[k] for k in keys if k in bound), -1))
             ranks = self._ranks(pg.group_name)
             t = tensors[0]
-            self._stamp({"kind": "p2p", "op": op,
+            self._stamp({"kind": "p2p", "op": op, "group": self._group(pg.group_name)["group"],
                          "peer": ranks[local_peer] if local_peer >= 0 else -1,
                          "bytes": _nbytes(t), "tag": int(bound.get("tag", 0)),
                          "dtype": DTYPE_NAMES.get(t.dtype, str(t.dtype)),
@@ -235,12 +238,27 @@ class OpRecorder(TorchDispatchMode):
         # c10d ops pass (output, input) for the *_base_ forms; count as the functional ones do
         if op == "all_gather":
             size = _nbytes(tensors[0])
-        elif op == "reduce_scatter" and len(tensors) > 1:
+        elif op in ("reduce_scatter", "all_to_all") and len(tensors) > 1:
             size = _nbytes(tensors[1])
         else:
             size = sum(_nbytes(t) for t in tensors)
         self._stamp({"kind": "coll", "op": op, **self._group(pg.group_name), "bytes": size,
                      "dtype": DTYPE_NAMES.get(tensors[0].dtype, str(tensors[0].dtype))})
+
+
+_FLASH_OPS = {"aten._scaled_dot_product_flash_attention",
+              "aten._scaled_dot_product_flash_attention_backward"}
+
+
+def _causal_share(func, args, kwargs) -> float:
+    """The share of a flash kernel's score tiles a causal mask leaves to compute (torch's FLOP
+    formula counts them all): 1 - s_q / (2 s_k) with the mask aligned to the last key
+    (flash-attention's rule for s_q <= s_k; 1/2 for self-attention); 1 without a mask."""
+    bound = dict(zip([a.name for a in func._schema.arguments], args)) | kwargs
+    if not bound.get("is_causal"):
+        return 1.0
+    q_len, k_len = bound["query"].shape[-2], bound["key"].shape[-2]
+    return 1.0 - min(q_len, k_len) / (2.0 * k_len)
 
 
 def _innermost(parents) -> str:

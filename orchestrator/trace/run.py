@@ -60,7 +60,7 @@ def trace_configuration(spec: TraceSpec, model, pricer: ComputePricer, folder: P
     for stage_totals in per_stage.values():
         _merge(totals, stage_totals)
     summary = {
-        "config": [lay.world_size, lay.pp, lay.tp], "index": spec.index,
+        "config": spec.config(), "index": spec.index,
         "layout": lay.to_dict(), "layout_text": lay.describe(), "seq_len": spec.seq_len,
         "ranks_traced": len(ranks), "ranks_total": lay.world_size,
         "representatives_only": not all_ranks,

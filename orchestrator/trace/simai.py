@@ -27,6 +27,17 @@ Format (learned from the public AICB and SimAI sources, not copied):
   reads the columns as `Tick`s, and its clock reports `Sys::boostedTick() / FREQ` with FREQ 1000
   as microseconds, i.e. one tick is 1 ns.
 
+Context parallelism (cp > 1): SimAI's workload knows no CP group (its groups are TP, DP, EP and
+DP_EP; a maintainer's word in aliyun/SimAI#45: "We are recently planning to adapt to CP"), so
+the header says `ep: <cp>` (SimAI's EP group of rank r is the ranks of stride tp in its block of
+tp x ep: the CP group in the order tp-cp-dp-pp) and the CP collectives take the `_EP` suffix
+(ALLGATHER_EP, REDUCESCATTER_EP, ALLTOALL_EP). The ring's sends, which SimAI cannot express
+(no point-to-point item), are written as the ring all-gather that moves the same bytes over the
+same links: a pass's n sends of one K/V block become ALLGATHER_EP of n x cp / (cp - 1) blocks
+(each rank of a ring all-gather sends (cp - 1) / cp of it). SimAI then exposes them; the real
+ring runs beside the attention's compute. The gradient collectives over dp x cp go in the wg
+columns as before (SimAI's DP group).
+
 Items follow AICB's split with sequence parallelism: per block an attention "column" item
 (norm, QKV, attention core: forward all-gather; backward Megatron-LM's second all-gather of the
 sharded input for the weight gradient, then the input gradient's reduce-scatter, one line each:
@@ -47,6 +58,10 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 COMM_TYPES = ("NONE", "ALLREDUCE", "ALLGATHER", "REDUCESCATTER", "ALLTOALL")
+# Context parallelism's collectives: SimAI has no CP group; its EP group is (MockNcclGroup.cc)
+# ep ranks of stride tp inside blocks of tp x ep, which in Megatron's rank order tp-cp-dp-pp is
+# the CP group when the header says `ep: <cp>`.
+CP_COMM_TYPES = tuple(f"{t}_EP" for t in COMM_TYPES[1:])
 _COMM_OF_OP = {"all_reduce": "ALLREDUCE", "all_gather": "ALLGATHER",
                "reduce_scatter": "REDUCESCATTER", "all_to_all": "ALLTOALL"}
 HEADER_KIND = "HYBRID_TRANSFORMER_FWD_IN_BCKWD"
@@ -60,9 +75,9 @@ class _Pass:
     """One pass (forward, input-gradient or weight-gradient) of an item."""
 
     time_us: float = 0.0
-    comm: Dict[str, int] = field(default_factory=dict)  # SimAI type -> bytes, issue order
+    comm: Dict[str, float] = field(default_factory=dict)  # SimAI type -> bytes, issue order
 
-    def add_comm(self, comm_type: str, n_bytes: int) -> None:
+    def add_comm(self, comm_type: str, n_bytes: float) -> None:
         self.comm[comm_type] = self.comm.get(comm_type, 0) + n_bytes
 
 
@@ -100,7 +115,7 @@ def _comm_type(record: dict) -> str:
     if op not in _COMM_OF_OP:
         raise ValueError(f"collective {op!r} (record {record.get('i')}) has no SimAI workload "
                          f"type; SimAI knows {sorted(_COMM_OF_OP)}")
-    return _COMM_OF_OP[op]
+    return _COMM_OF_OP[op] + ("_EP" if record.get("group") == "cp" else "")
 
 
 def _weight_shapes(forward: List[dict]) -> Dict[str, set]:
@@ -148,28 +163,31 @@ def _stream_items(stream: List[dict], backward: bool) -> List[Tuple[str, dict]]:
     return [(name or first, r) for name, r in zip(owner, stream)]
 
 
-def _chunk_items(mine: List[dict]) -> List[_Item]:
+def _chunk_items(mine: List[dict], cp: int) -> List[_Item]:
     """The items of one model chunk for one micro-batch (its records, in issue order), in
-    forward order."""
+    forward order; `cp` is the layout's (the ring's sends as its all-gather)."""
     forward = [r for r in mine if r["phase"] in ("F", "loss")]
     backward = [r for r in mine if r["phase"] == "B"]
     weights = _weight_shapes(forward)
     items: Dict[str, _Item] = {}
     for name, r in _stream_items(forward, backward=False):
         item = items.setdefault(name, _Item(name))
-        _add(item.fwd, r)
+        _add(item.fwd, r, cp)
     for name, r in _stream_items(backward, backward=True):
         item = items.setdefault(name, _Item(name))
         wg = r["kind"] == "compute" and _is_weight_grad(r, name, weights)
-        _add(item.wg if wg else item.ig, r)
+        _add(item.wg if wg else item.ig, r, cp)
     return list(items.values())
 
 
-def _add(target: _Pass, record: dict) -> None:
+def _add(target: _Pass, record: dict, cp: int = 1) -> None:
     if record["kind"] == "compute":
         target.time_us += _time_us(record)
     elif record["kind"] == "coll":
         target.add_comm(_comm_type(record), int(record["bytes"]))
+    elif record["kind"] == "p2p" and record.get("group") == "cp" and record["op"] == "send":
+        # one ring step's send: its share of the ring all-gather moving the same bytes
+        target.add_comm("ALLGATHER_EP", int(record["bytes"]) * cp / (cp - 1))
 
 
 def _time_us(record: dict) -> float:
@@ -191,7 +209,8 @@ def _end_items(records: List[dict]) -> Tuple[List[_Item], List[_Item]]:
             norm_item.ig.add_comm(_comm_type(r), int(r["bytes"]))
         elif r["phase"] == "dp":
             _add(reduce_item.wg, r)
-        elif r["phase"] == "optimizer" and r["kind"] == "coll" and r.get("group") == "dp":
+        elif r["phase"] == "optimizer" and r["kind"] == "coll" \
+                and r.get("group") in ("dp", "dp_cp"):
             gather_item.wg.add_comm(_comm_type(r), int(r["bytes"]))
         elif r["phase"] == "optimizer" and r["kind"] == "coll":
             # AICB writes the grad-norm all-reduce as a forward ALLREDUCE (optimizer1..4 items).
@@ -218,7 +237,7 @@ def _lines(item: _Item) -> List[str]:
         for p, c in zip(passes, comms):
             comm_type, n_bytes = c[k] if k < len(c) else ("NONE", 0)
             cols += [str(_ns(p.time_us) if k == 0 else 0), comm_type,
-                     str(n_bytes if comm_type != "NONE" else 0)]
+                     str(int(round(n_bytes)) if comm_type != "NONE" else 0)]
         cols.append("0")  # the update-time column: the optimizer's time is compute
         rows.append("\t".join(cols))
     return rows
@@ -226,7 +245,8 @@ def _lines(item: _Item) -> List[str]:
 
 def _pp_comm_bytes(records: List[dict]) -> int:
     """The activation message a stage sends or receives (0 with one stage)."""
-    return max((int(r["bytes"]) for r in records if r["kind"] == "p2p"), default=0)
+    return max((int(r["bytes"]) for r in records
+                if r["kind"] == "p2p" and r.get("group") != "cp"), default=0)
 
 
 def simai_workload(records: List[dict], spec, model_name: str) -> str:
@@ -246,9 +266,10 @@ def simai_workload(records: List[dict], spec, model_name: str) -> str:
         raise ValueError(f"the records hold micro-batches {micro_batches}, the layout "
                          f"{lay.num_micro_batches}: SimAI needs every micro-batch's items")
     before, after = _end_items(records)
-    items = before + [i for key in sorted(parts) for i in _chunk_items(parts[key])] + after
+    items = before + [i for key in sorted(parts) for i in _chunk_items(parts[key], lay.cp)] \
+        + after
     rows = [row for item in items for row in _lines(item)]
-    header = (f"{HEADER_KIND} model_parallel_NPU_group: {lay.tp} ep: 1 pp: {lay.pp} "
+    header = (f"{HEADER_KIND} model_parallel_NPU_group: {lay.tp} ep: {lay.cp} pp: {lay.pp} "
               f"vpp: {lay.virtual_stages} ga: {lay.num_micro_batches} "
               f"all_gpus: {lay.world_size} checkpoints: 0 checkpoint_initiates: 0 "
               f"pp_comm: {_pp_comm_bytes(records) if lay.pp > 1 else 0}")
@@ -260,7 +281,8 @@ def simai_file_name(spec, model_name: str, stage: Optional[int] = None) -> str:
     plus `-stage<s>` when one file per pipeline stage is written."""
     lay = spec.layout
     suffix = "" if stage is None else f"-stage{stage}"
-    return (f"{model_name}-world_size{lay.world_size}-tp{lay.tp}-pp{lay.pp}-ep1"
+    cp = f"-cp{lay.cp}" if lay.cp > 1 else ""
+    return (f"{model_name}-world_size{lay.world_size}-tp{lay.tp}{cp}-pp{lay.pp}-ep1"
             f"-gbs{lay.global_batch_size}-mbs{lay.micro_batch_size}-seq{spec.seq_len}"
             f"-MOE-False-GEMM-False-flash_attn-True{suffix}.txt")
 

@@ -52,7 +52,9 @@ class ComputePricer:
         cost = self.model_cost
         if cost is None:
             return None
-        seq, mbs = spec.seq_len, spec.layout.micro_batch_size
+        # a CP rank does 1 / cp of each sequence's work (its tokens, its balanced share of the
+        # causal attention: planner/terms/compute.py's rule)
+        seq, mbs = spec.seq_len, spec.layout.micro_batch_size / spec.layout.cp
         fwd = layers * cost.block_fwd_us(seq, tp)
         bwd = layers * cost.block_bwd_us(seq, tp)
         if recompute == "full":

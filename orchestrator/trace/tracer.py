@@ -111,7 +111,8 @@ def gpu_attention():
 
 @dataclass(frozen=True)
 class RankGroups:
-    """One rank's process groups in its fake world, by dimension ("tp", "dp", "pp", "world"):
+    """One rank's process groups in its fake world, by dimension ("tp", "dp", "pp", "world";
+    "cp" and "dp_cp" with context parallelism):
     the group and its global ranks (a range, from the layout); and the 1-D DeviceMesh over its
     TP group that its DTensors are placed on."""
 
@@ -121,11 +122,12 @@ class RankGroups:
 
 
 def make_rank_groups(layout: ParallelLayout, rank: int) -> RankGroups:
-    """`rank`'s TP, DP and PP groups (the default group where one spans the world, as
+    """`rank`'s TP, DP and PP groups, and CP + DP x CP under context parallelism (the default
+    group where one spans the world, as
     init_device_mesh does) and a 1-D TP DeviceMesh over its TP group, in this process's fake
     process group.
 
-    init_device_mesh((pp, dp, tp)) would make every group of the world, because a real backend
+    init_device_mesh((pp, dp, cp, tp)) would make every group of the world, because a real backend
     needs every rank to join each new_group: world/tp + world/dp + world/pp groups, and a mesh of
     world_size ranks that DTensor compares rank by rank (seconds a rank at 1,000,000 ranks). The
     fake backend needs only this rank's three, the same work at any world size."""
@@ -133,7 +135,9 @@ def make_rank_groups(layout: ParallelLayout, rank: int) -> RankGroups:
 
     world = dist.group.WORLD
     groups, ranks = {"world": world}, {"world": layout.group_ranks("world", rank)}
-    for dim in ("pp", "dp", "tp"):
+    # With context parallelism also its CP group and the dp x cp replicas (gradients, ZeRO).
+    dims = ("pp", "dp", "dp_cp", "cp", "tp") if layout.cp > 1 else ("pp", "dp", "tp")
+    for dim in dims:
         ranks[dim] = layout.group_ranks(dim, rank)
         groups[dim] = world if len(ranks[dim]) == layout.world_size \
             else dist.new_group(list(ranks[dim]))
@@ -142,9 +146,10 @@ def make_rank_groups(layout: ParallelLayout, rank: int) -> RankGroups:
 
 
 def build_chunks(spec: TraceSpec, model: ModelConfig, tp_mesh: DeviceMesh,
-                 pp_rank: int) -> List[nn.Module]:
+                 pp_rank: int, cp_group=None) -> List[nn.Module]:
     """This rank's model chunks (virtual stage c * pp + pp_rank), TP/SP-sharded over `tp_mesh`
-    (1-D), on meta."""
+    (1-D), attention context-parallel over `cp_group` (the layout's cp_comm) when given, on
+    meta."""
     from orchestrator.models.gpt import GPT
     from orchestrator.models.parallelize import (apply_tensor_parallel, split_pipeline,
                                                  stage_layer_ranges)
@@ -169,6 +174,15 @@ def build_chunks(spec: TraceSpec, model: ModelConfig, tp_mesh: DeviceMesh,
             whole.lm_head.register_forward_pre_hook(_gather_again_in_backward)
     parts = split_pipeline(whole, per_virtual)
     chunks = [parts[s] for s in mine]
+    if cp_group is not None:
+        from orchestrator.models.gpt import Attention
+        from orchestrator.trace.cp import MegatronContextParallel
+
+        context = MegatronContextParallel(cp_group, layout.cp_comm)
+        for chunk in chunks:
+            for sub in chunk.modules():
+                if isinstance(sub, Attention):
+                    sub.context = context
     mode, _ = layout.recompute[pp_rank]
     for chunk in chunks:
         set_recompute(chunk, mode)
@@ -295,7 +309,8 @@ class Captured:
     partial_grads: Dict[str, tuple]
     first_block: int
     tp_first: int
-    reusable: bool  # every collective in it is a TP one (renamable)
+    rank: int  # the rank that traced it
+    reusable: bool  # every message in it is a TP or CP one (renamable)
     seconds: float  # to capture it
 
     def new_output(self, tp_mesh) -> torch.Tensor:
@@ -310,12 +325,13 @@ class Captured:
         return DTensor.from_local(local, tp_mesh, placements, run_check=False, shape=shape,
                                   stride=stride)
 
-    def for_rank(self, first_block: int, tp_first: int):
+    def for_rank(self, first_block: int, tp_first: int, rank: int):
         """(forward_ops, backward_ops, partial_grads) for a chunk whose first block is
-        `first_block` and whose TP group starts at rank `tp_first`."""
-        if (first_block, tp_first) == (self.first_block, self.tp_first):
+        `first_block`, on `rank` (same CP coordinate as the rank that traced it) whose TP group
+        starts at rank `tp_first`: its CP group is the tracer's moved by the ranks' distance."""
+        if (first_block, tp_first, rank) == (self.first_block, self.tp_first, self.rank):
             return self.forward_ops, self.backward_ops, self.partial_grads
-        shift = first_block - self.first_block
+        shift, moved = first_block - self.first_block, rank - self.rank
 
         def rename(ops: List[dict]) -> List[dict]:
             out = []
@@ -323,6 +339,11 @@ class Captured:
                 r = dict(r)
                 if r.get("group") == "tp":
                     r["group_first"] = tp_first
+                elif r.get("group") == "cp":
+                    if r["kind"] == "p2p":
+                        r["peer"] += moved
+                    else:
+                        r["group_first"] += moved
                 r["module"] = _shift_block(r["module"], shift)
                 out.append(r)
             return out
@@ -346,17 +367,18 @@ def _first_block(chunk: nn.Module) -> int:
 
 
 def _capture_key(spec: TraceSpec, model: ModelConfig, chunk: nn.Module, stage: int, last: bool,
-                 pp_rank: int, dtype: torch.dtype) -> tuple:
-    """What a chunk's ops depend on: the model, the micro-batch shape, TP/SP, recompute, and
-    the chunk's shape (how many blocks; embedding first, head last)."""
+                 pp_rank: int, dtype: torch.dtype, rank: int) -> tuple:
+    """What a chunk's ops depend on: the model, the micro-batch shape, TP/SP, CP (its flavour,
+    and the CP rank: the order of its ring's half blocks), recompute, and the chunk's shape (how
+    many blocks; embedding first, head last)."""
     layout = spec.layout
     return (repr(model), spec.seq_len, layout.micro_batch_size, layout.tp,
-            layout.sequence_parallel, layout.recompute[pp_rank], str(dtype), len(chunk.blocks),
-            stage == 0, last)
+            layout.sequence_parallel, layout.cp, layout.cp_comm, layout.coordinate(rank, "cp"),
+            layout.recompute[pp_rank], str(dtype), len(chunk.blocks), stage == 0, last)
 
 
 def _capture(chunk: nn.Module, x: torch.Tensor, recorder: OpRecorder, tracker,
-             tp_first: int) -> Captured:
+             tp_first: int, rank: int) -> Captured:
     """Run `chunk` forward and backward twice under the recorder: micro-batch 0, which assigns
     the gradients, and a later one, which accumulates into them."""
     from torch.distributed.tensor import DTensor
@@ -386,7 +408,7 @@ def _capture(chunk: nn.Module, x: torch.Tensor, recorder: OpRecorder, tracker,
                      and tuple(p.grad.placements) != tuple(p.placements)}
     for p in chunk.parameters():
         p.grad = None
-    reusable = all(r.get("group") == "tp" for r in captured if r["kind"] != "compute")
+    reusable = all(r.get("group") in ("tp", "cp") for r in captured if r["kind"] != "compute")
     local, out_dtensor = out, None
     if isinstance(out, DTensor):
         local = out.to_local()
@@ -396,7 +418,7 @@ def _capture(chunk: nn.Module, x: torch.Tensor, recorder: OpRecorder, tracker,
                     out_shape=local.shape, out_dtype=local.dtype, out_dtensor=out_dtensor,
                     partial_grads=partial_grads,
                     first_block=_first_block(chunk),
-                    tp_first=tp_first, reusable=reusable,
+                    tp_first=tp_first, rank=rank, reusable=reusable,
                     seconds=time.perf_counter() - start)
 
 
@@ -431,11 +453,13 @@ class _RankTracer:
         tp_mesh = rank_groups.tp_mesh
         # A group is named by its ranks; where two coincide (a degree of 1, or one spanning the
         # world) the later name wins.
-        names = {rank_groups.ranks[dim]: dim for dim in ("world", "pp", "dp", "tp")}
+        names = {rank_groups.ranks[dim]: dim
+                 for dim in ("world", "pp", "dp", "dp_cp", "cp", "tp") if dim in rank_groups.ranks}
         pp_rank = layout.coordinate(self.rank, "pp")
-        chunks = build_chunks(spec, self.model, tp_mesh, pp_rank)
+        chunks = build_chunks(spec, self.model, tp_mesh, pp_rank, rank_groups.groups.get("cp"))
         dtype = next(p.dtype for c in chunks for p in c.parameters())
-        mbs, seq = layout.micro_batch_size, spec.seq_len
+        # a CP rank holds s / cp of each sequence
+        mbs, seq = layout.micro_batch_size, spec.seq_len // layout.cp
         seq_divisor = layout.tp if layout.sequence_parallel else 1
         num_virtual = layout.pp * layout.virtual_stages
         tracker = ModuleTracker()
@@ -458,7 +482,8 @@ class _RankTracer:
                 for c, chunk in enumerate(chunks):
                     stage = c * layout.pp + pp_rank
                     last = stage == num_virtual - 1
-                    key = _capture_key(spec, self.model, chunk, stage, last, pp_rank, dtype)
+                    key = _capture_key(spec, self.model, chunk, stage, last, pp_rank, dtype,
+                                       self.rank)
                     captured = self.captures.get(key)
                     if captured is not None:
                         self.reused_seconds += captured.seconds
@@ -466,11 +491,11 @@ class _RankTracer:
                         x = tokens() if stage == 0 else torch.empty(
                             (mbs, seq // seq_divisor, self.model.hidden), dtype=dtype,
                             device=META, requires_grad=True)
-                        captured = _capture(chunk, x, recorder, tracker, tp_first)
+                        captured = _capture(chunk, x, recorder, tracker, tp_first, self.rank)
                         if captured.reusable:
                             self.captures[key] = captured
                     forward_ops, backward_ops, partial = captured.for_rank(
-                        _first_block(chunk), tp_first)
+                        _first_block(chunk), tp_first, self.rank)
                     partial_grads.append((chunk, partial))
                     modules.append(ReplayChunk(
                         c, last, forward_ops, backward_ops,
@@ -482,8 +507,10 @@ class _RankTracer:
                 recorder.tracker = tracker
             # Made outside the recorder: building the buckets is set-up, not the iteration.
             params = [p for chunk in chunks for p in chunk.parameters()]
-            optim = ShardedAdamW(params, layout.zero, rank_groups.groups["dp"], layout.dp,
-                                 layout.num_micro_batches, bucket_MiB=self.bucket_MiB)
+            replicas = "dp_cp" if layout.cp > 1 else "dp"  # ranks holding the same weights
+            optim = ShardedAdamW(params, layout.zero, rank_groups.groups[replicas],
+                                 layout.dp * layout.cp, layout.num_micro_batches,
+                                 bucket_MiB=self.bucket_MiB)
             # No gradient reaches a parameter during a replayed run, and the buckets' collectives
             # are issued after the last backward (finish_backward), in bucket order.
             optim.begin_step(10**9)
@@ -540,7 +567,7 @@ def _fix_p2p(records: List[dict], pp: int, num_virtual: int) -> None:
     """Stamp p2p messages with the phase, micro-batch and this rank's model chunk that their
     tag encodes (train/executor.message_tag: the receiver's virtual stage)."""
     for r in records:
-        if r["kind"] == "p2p" and r.get("tag", 0) >= 0:
+        if r["kind"] == "p2p" and r.get("group") != "cp" and r.get("tag", 0) >= 0:
             rest, backward = divmod(r["tag"], 2)
             mb, receiver = divmod(rest, num_virtual)
             own = receiver if r["op"] == "recv" else receiver + (1 if backward else -1)

@@ -195,6 +195,12 @@ def check_target(cfg, target: TrainTarget, world: int) -> None:
                           f"context parallelism as cp_comm {' or '.join(ENGINE_CP_COMMS)}; "
                           f"Megatron-LM runs this one (the strategy's megatron_args), or give "
                           f"train.cp_comm={ENGINE_CP_COMM}")
+    if layout.cp > 1 and layout.cp_comm == "a2a":
+        try:
+            layout.check_heads(model.heads, model.kv_heads, model.name)
+        except LayoutError as e:
+            raise LayoutError(f"train.cp_comm=a2a: {e} (Ulysses splits the heads over the CP "
+                              f"ranks); use train.cp_comm=p2p or allgather") from None
     if layout.cp > 1 and str(cfg.train.microbatching) != "fixed":
         raise LayoutError(f"train.microbatching={cfg.train.microbatching} with cp({layout.cp}): "
                           f"variable-length micro-batches are not split over context-parallel "

@@ -6,8 +6,8 @@ iteration (the first one also sends shape metadata between pipeline stages), for
 real engine. Sizes follow the recorder's convention (trace/recorder.py): an all-gather counts
 its gathered output, every other op its input.
 
-Engine "megatron" is what `stage=trace` records of a Megatron-style rank (trace/tracer.py),
-checked against it: parameters and the residual stream in the compute dtype (bf16, fp32 main
+Engine "megatron" is what `stage=trace` records of a Megatron-style rank (trace/tracer.py,
+trace/cp.py), checked against it: parameters and the residual stream in the compute dtype (bf16, fp32 main
 gradients), no loss all-reduce at the step, and Megatron-LM's TP (workload/tp.py): with SP each
 linear all-gathers its sharded input again in the backward for the weight gradient (4
 all-gathers + 2 reduce-scatters per layer backward, 2 for the LM head), and a full recompute
@@ -53,6 +53,10 @@ kv_heads / tp x head_dim elements, the compute dtype):
   previous; backward cp - 1 of kv again and cp of its gradient (same size and dtype);
 - allgather: forward 2 all-gathers (K, V: cp x kv / 2 each gathered), backward 2
   reduce-scatters of their gradients;
+- a2a (Ulysses): forward an all-to-all each for Q, K, V (to a head split) and one for the output
+  (back to the sequence split): 2 of q = b x s / cp x heads / tp x head_dim elements, 2 of kv / 2;
+  backward the same four for the gradients (a selective rerun of the core: Q, K, V's again, not
+  the output's, where torch's checkpoint stops; Megatron's reruns all four);
 - recompute (full, or selective: the attention core) reruns the forward's messages in the
   backward.
 
@@ -108,10 +112,8 @@ def rank_comms(model: ModelConfig, layout: ParallelLayout, rank: int,
     megatron = engine == "megatron"
     residual = compute if megatron else RESIDUAL
     out: List[Comm] = []
-    if layout.cp > 1 and megatron:
-        raise ValueError(f"cp({layout.cp}): the Megatron-style trace has no context parallelism")
     out += _tp_comms(model, layout, rank, compute, residual, engine)
-    out += _cp_comms(model, layout, rank, compute)
+    out += _cp_comms(model, layout, rank, compute, engine)
     out += _pp_comms(model, layout, rank, residual)
     out += _dp_comms(model, layout, rank, bucket_MiB)
     if layout.world_size > 1:
@@ -136,16 +138,30 @@ def _layers(model, layout, rank) -> Tuple[int, int]:
     return layers, recomputed
 
 
-def _cp_comms(model, layout, rank, compute: Dtype) -> List[Comm]:
+def _cp_comms(model, layout, rank, compute: Dtype, engine: str = "orchestrator") -> List[Comm]:
     cp, m = layout.cp, layout.num_micro_batches
     if cp == 1:
         return []
     layers, recomputed = _layers(model, layout, rank)
     mode = layout.recompute[layout.coordinate(rank, "pp")][0]
     reruns = layers if mode == "selective" else recomputed  # the core's forward, again
-    kv = (2 * rank_tokens(model, layout) * (model.kv_heads // layout.tp)
-          * (model.hidden // model.heads) * compute.bytes)
+    head_bytes = rank_tokens(model, layout) * (model.hidden // model.heads) * compute.bytes
+    kv = 2 * head_bytes * (model.kv_heads // layout.tp)
     dt = compute.value
+    if layout.cp_comm == "a2a":
+        q = head_bytes * (model.heads // layout.tp)  # Q or the output
+        # torch's checkpoint stops a selective rerun once the core's saved tensors are back:
+        # the output's all-to-all back is not rerun (Megatron reruns all four)
+        out_reruns = recomputed + (reruns - recomputed) * (engine == "megatron")
+        out = []
+        for size, what, again in ((q, "Q, output", reruns + out_reruns),
+                                  (kv // 2, "K, V", 2 * reruns)):
+            out += [Comm("all_to_all", "cp", size, dt, "fwd", 2 * layers * m, what),
+                    Comm("all_to_all", "cp", size, dt, "bwd", again * m,
+                         f"{what}, recomputed"),
+                    Comm("all_to_all", "cp", size, dt, "bwd", 2 * layers * m,
+                         f"{what} gradients")]
+        return out
     if layout.cp_comm == "allgather":
         gathered = kv // 2 * cp
         return [Comm("all_gather", "cp", gathered, dt, "fwd", 2 * layers * m, "K, V"),

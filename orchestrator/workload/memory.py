@@ -193,15 +193,16 @@ def stage_buffer_bytes(model: ModelConfig, layout, pp_rank: int, seq_len: int) -
 def input_bytes(model: ModelConfig, layout, seq_len: int) -> int:
     """The rotary tables, the device mesh and a rank's tokens and targets; under context
     parallelism also what models/context_parallel.py keeps per sequence length: its tokens'
-    positions and the gathered sequence's, the masks (seq / cp x seq booleans in all) and the
-    rotary tables at its positions."""
+    positions and the gathered sequence's, the masks (seq / cp x seq booleans in all, seq x seq
+    for a2a) and the rotary tables at its positions."""
     samples = layout.micro_batch_size * layout.num_micro_batches
     half_dim = model.hidden // model.heads // 2
     out = (2 * model.seq_len * half_dim * FP32 + INT32 * layout.world_size
            + 2 * samples * seq_len * INT64)
     if layout.cp > 1:
         local = seq_len // layout.cp
-        out += (local + seq_len) * INT64 + local * seq_len + 2 * local * half_dim * FP32
+        queries = seq_len if layout.cp_comm == "a2a" else local  # a2a: the whole sequence's
+        out += (local + seq_len) * INT64 + queries * seq_len + 2 * local * half_dim * FP32
     return out
 
 
@@ -395,7 +396,9 @@ def cp_attention_bytes(model: ModelConfig, layout, tokens, dtype: Dtype = Dtype.
     the tile's probabilities and their gradient, expanded K and V, the gradients of q, k and v,
     the block, its gradient and the two arriving; under autocast fp32 copies of q (and of the
     output's gradient). allgather keeps the gathered K and V (cp blocks where one-rank attention
-    keeps one) and its backward holds their gradients whole."""
+    keeps one) and its backward holds their gradients whole. a2a (Ulysses) keeps what one-rank
+    attention keeps (a head split of the whole sequence is as large as all heads of s / cp);
+    its all-to-alls' buffers are working memory."""
     cp = layout.cp
     if cp == 1:
         return 0.0, 0.0, 0.0
@@ -406,6 +409,11 @@ def cp_attention_bytes(model: ModelConfig, layout, tokens, dtype: Dtype = Dtype.
     if layout.cp_comm == "allgather":
         return 0.0, cp * kv, (cp - 1) * kv
     b, heads = layout.micro_batch_size, model.heads // layout.tp
+    if layout.cp_comm == "a2a":
+        # an all-to-all's contiguous send buffer and its receive buffer, then the head-split
+        # copy: 3 of the tensor at once (Q the largest); the backward the same for the gradient
+        q = float(tokens) * heads * head_dim * elem
+        return 2 * q, 2 * q, 0.0
     rows = int(tokens) // b  # a sequence's tokens on this rank: seq / cp
     scores = FP32 * b * heads * score_tile_rows(b, heads, rows, rows) * rows
     one = FP32 * tokens * heads * head_dim  # a query-sized fp32 tensor
