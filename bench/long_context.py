@@ -8,7 +8,9 @@ Profiles are the project's analytic ones (written once by the CLI into a tempora
 prices Megatron-LM's engine (`search.engine=megatron`, what the export runs) and, for qwen_100b,
 stage=train's too (its ring attention and every byte it holds, workload/memory.py), at the
 default reserve (10% + 1 GiB of 80 GiB), with `max_cp` 1 (no CP), 16 (Llama 3's degree) and,
-for qwen_100b, search.max_cp's default (seq_len // 4096 = 32).
+for qwen_100b, search.max_cp's default (seq_len // 4096 = 32); the flavours of search.cp_comms'
+default (p2p, a2a), and for Megatron-LM every flavour (allgather and the hierarchical a2a+p2p
+too).
 Published layouts to hold it against:
 - Llama 3 405B at 128K on 16384 H100s: TP8 CP16 PP16 DP8, 16M-token batches (128 sequences),
   380 TFLOP/s per GPU ("The Llama 3 Herd of Models", Table 4); one layer fewer on the first and
@@ -31,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from orchestrator.device import model_flops  # noqa: E402
-from orchestrator.layout import ParallelLayout  # noqa: E402
+from orchestrator.layout import CP_COMMS, ParallelLayout  # noqa: E402
 from orchestrator.models.config import ModelConfig, count_params  # noqa: E402
 from orchestrator.planner import (CostOptions, HardwareModel, ModelCost, SearchSpace,  # noqa: E402
                                   evaluate, search)
@@ -88,10 +90,10 @@ def line(label: str, layout: ParallelLayout, pred, model: ModelCost, extra: str 
 
 
 def searched(model, hw, world: int, gbs: int, max_cp: int, label: str,
-             engine: str = "megatron") -> dict:
+             engine: str = "megatron", cp_comms=("p2p", "a2a")) -> dict:
     space = SearchSpace(world_size=world, memory_budget_bytes=BUDGET_GiB * GiB,
                         global_batch_size=gbs, seq_len=SEQ, max_cp=max_cp,
-                        options=options(engine))
+                        options=options(engine), cp_comms=tuple(cp_comms))
     t0 = time.perf_counter()
     result = search(model, hw, space)
     elapsed = time.perf_counter() - t0
@@ -115,6 +117,7 @@ def main() -> None:
         print(f"  tokens/s with CP / without: {gain:.2f}x")
         auto = auto_max_cp(SEQ)  # search.max_cp's default
         searched(model, hw, 8192, 512, auto, f"pick, max_cp {auto}")
+        searched(model, hw, 8192, 512, auto, "every flavour", cp_comms=CP_COMMS)
         # stage=train's engine: its ring (or all-gather) and every byte it holds
         ours_today = searched(model, hw, 8192, 512, 1, "stage=train's, no CP", "orchestrator")
         searched(model, hw, 8192, 512, 16, "stage=train's, cp 16", "orchestrator")
@@ -133,6 +136,7 @@ def main() -> None:
               f"({100 * (got['tflops'] / 380 - 1):+.0f}%)")
         searched(model, hw, 16384, 128, 1, "pick without CP")
         searched(model, hw, 16384, 128, 16, "pick, max_cp 16")
+        searched(model, hw, 16384, 128, 16, "every flavour", cp_comms=CP_COMMS)
 
         print("\nllama2_7b, 128K, 128 H100s, global batch 32 (NeMo's layouts)")
         hw, model = profiles("llama2_7b", 16, folder + "/n", ["model.seq_len=131072"])
@@ -144,6 +148,7 @@ def main() -> None:
         print(f"  {'':<22} CP / no CP: {cp['tokens_per_s'] / nocp['tokens_per_s']:.2f}x "
               f"(NeMo measured 1.31x)")
         searched(model, hw, 128, 32, 16, "pick, max_cp 16")
+        searched(model, hw, 128, 32, 16, "every flavour", cp_comms=CP_COMMS)
 
 
 if __name__ == "__main__":

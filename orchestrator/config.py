@@ -303,7 +303,8 @@ class TrainConfig:
     tp: Optional[int] = None
     # Context parallelism: each sequence split over cp ranks; seq_len must cut into 2 * cp * tp
     # equal pieces. cp_comm: how attention reaches the other ranks' K/V, p2p (a ring of sends,
-    # the default) or allgather (models/context_parallel.py); None: the strategy's, else p2p.
+    # the default), allgather or a2a (Ulysses; models/context_parallel.py); None: the
+    # strategy's, else p2p.
     cp: Optional[int] = None
     cp_comm: Optional[str] = None
     zero: Optional[int] = None  # 0: DDP-style, 1/2: sharded optimizer (and grads), 3: FSDP2
@@ -376,9 +377,10 @@ class TraceConfig:
     sequence_parallel: bool = True  # with tp > 1
     # Context parallelism of a configuration given as [WS, PP, TP] (a 4th entry overrides it),
     # and how attention reaches the other CP ranks' tokens (Megatron's --cp-comm-type):
-    # p2p (ring), allgather, a2a (Ulysses).
+    # p2p (ring), allgather, a2a (Ulysses), a2a+p2p (hierarchical).
     cp: int = 1
     cp_comm: str = "p2p"
+    cp_a2a: int = 1  # a2a+p2p: the all-to-all degree inside the CP group (the ring over cp/it)
     schedule: Schedule = Schedule["1f1b"]
     virtual_stages: int = 2  # interleaved only
     zero: int = 0  # 0: all-reduce gradients; 1: + parameter all-gather; 2: reduce-scatter

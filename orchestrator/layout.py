@@ -26,8 +26,11 @@ ZERO_STAGES = (0, 1, 2, 3)
 # "p2p", a ring of K/V sends overlapped with the attention of the chunk held; "a2a" (DeepSpeed's
 # Ulysses), all-to-alls that trade the sequence split for a head split around the attention
 # core (heads and KV heads must divide over tp x cp); "allgather", K and V of the whole sequence
-# gathered before the attention core, their gradients reduce-scattered after (Llama 3's).
-CP_COMMS = ("p2p", "a2a", "allgather")
+# gathered before the attention core, their gradients reduce-scattered after (Llama 3's);
+# "a2a+p2p" (hierarchical) Ulysses inside groups of `cp_a2a` CP ranks (a node's, typically) and
+# the ring across those groups (Megatron's --hierarchical-context-parallel-sizes cp_a2a
+# cp/cp_a2a).
+CP_COMMS = ("p2p", "a2a", "allgather", "a2a+p2p")
 # The flavours stage=train's engine runs (models/context_parallel.py), its default first.
 ENGINE_CP_COMMS = ("p2p", "allgather", "a2a")
 ENGINE_CP_COMM = ENGINE_CP_COMMS[0]
@@ -48,7 +51,8 @@ class ParallelLayout:
 
     - world_size = dp * tp * cp * pp; cp > 1 splits every sequence over cp ranks (context
       parallelism, models/context_parallel.py; `cp_comm` how attention reaches the other ranks'
-      keys and values, CP_COMMS).
+      keys and values, CP_COMMS; `cp_a2a` the all-to-all degree of "a2a+p2p", 1 < cp_a2a < cp
+      dividing it, 1 otherwise).
     - zero: 0 (plain data parallel), 1 (optimizer states sharded over dp), 2 (+ gradients),
       3 (+ parameters). `distributed_optimizer` is Megatron's name for sharded optimizer states:
       it is True exactly when zero >= 1 (left as None it is derived from zero).
@@ -75,6 +79,7 @@ class ParallelLayout:
     virtual_stages: int = 1
     cp: int = 1
     cp_comm: str = "p2p"
+    cp_a2a: int = 1
 
     def __post_init__(self) -> None:
         # Normalise containers first so that lists from JSON or callers compare and hash.
@@ -88,11 +93,12 @@ class ParallelLayout:
             raise LayoutError(f"cp_comm must be one of {CP_COMMS}, got {self.cp_comm!r}")
         if self.cp == 1:  # no context parallelism, no flavour: one layout, one equality
             object.__setattr__(self, "cp_comm", CP_COMMS[0])
+            object.__setattr__(self, "cp_a2a", 1)
         self._validate()
 
     # ---------------------------------------------------------------- validation
     def _validate(self) -> None:
-        for name in ("world_size", "pp", "tp", "dp", "cp", "micro_batch_size",
+        for name in ("world_size", "pp", "tp", "dp", "cp", "cp_a2a", "micro_batch_size",
                      "num_micro_batches", "virtual_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -101,6 +107,14 @@ class ParallelLayout:
             cp = f" * cp({self.cp})" if self.cp > 1 else ""
             raise LayoutError(f"dp({self.dp}) * tp({self.tp}){cp} * pp({self.pp}) != "
                               f"world_size({self.world_size})")
+        if self.cp_comm == "a2a+p2p" and not (1 < self.cp_a2a < self.cp
+                                               and self.cp % self.cp_a2a == 0):
+            raise LayoutError(f"cp_comm a2a+p2p needs cp_a2a (the all-to-all degree inside the "
+                              f"CP group, Megatron's --hierarchical-context-parallel-sizes) with "
+                              f"1 < cp_a2a({self.cp_a2a}) < cp({self.cp}), dividing it")
+        if self.cp_comm != "a2a+p2p" and self.cp_a2a != 1:
+            raise LayoutError(f"cp_a2a({self.cp_a2a}) is the all-to-all degree of cp_comm "
+                              f"a2a+p2p, not of cp_comm {self.cp_comm}")
         if self.zero not in ZERO_STAGES:
             raise LayoutError(f"zero must be one of {ZERO_STAGES}, got {self.zero!r}")
         if bool(self.distributed_optimizer) != (self.zero >= 1):
@@ -165,10 +179,13 @@ class ParallelLayout:
 
     def check_heads(self, heads: int, kv_heads: int, model_name: str = "model") -> None:
         """Raise LayoutError unless tp splits the heads and KV heads (and, for the all-to-all
-        flavour of CP, tp x cp does)."""
-        split = self.tp * self.cp if self.cp > 1 and self.cp_comm == "a2a" else self.tp
-        what = f"tp({self.tp}) * cp({self.cp}) (cp_comm a2a)" if split != self.tp \
-            else f"tp({self.tp})"
+        flavour of CP, tp x cp does; tp x cp_a2a for the hierarchical one)."""
+        split, what = self.tp, f"tp({self.tp})"
+        if self.cp > 1 and self.cp_comm == "a2a":
+            split, what = self.tp * self.cp, f"tp({self.tp}) * cp({self.cp}) (cp_comm a2a)"
+        elif self.cp_comm == "a2a+p2p":
+            split = self.tp * self.cp_a2a
+            what = f"tp({self.tp}) * cp_a2a({self.cp_a2a}) (cp_comm a2a+p2p)"
         if heads % split or kv_heads % split:
             raise LayoutError(f"{what} must divide heads({heads}) and kv_heads({kv_heads}) of "
                               f"{model_name}")
@@ -193,18 +210,22 @@ class ParallelLayout:
     # ---------------------------------------------------------------- rank order
     def _size_stride(self, dim: str):
         """(group size, stride between its ranks) of `dim` in the rank order tp, cp, dp, pp;
-        "dp_cp" is the dp x cp ranks that hold the same weights (gradient reduction, ZeRO)."""
-        tp, cp, dp = self.tp, self.cp, self.dp
+        "dp_cp" is the dp x cp ranks that hold the same weights (gradient reduction, ZeRO);
+        "cp_a2a" and "cp_ring" split a CP group for a2a+p2p: cp_a2a consecutive CP ranks, and
+        the ring over those groups (Megatron's hierarchical CP groups)."""
+        tp, cp, dp, a = self.tp, self.cp, self.dp, self.cp_a2a
         return {"tp": (tp, 1), "cp": (cp, tp), "dp": (dp, tp * cp), "dp_cp": (dp * cp, tp),
-                "pp": (self.pp, tp * cp * dp)}.get(dim, (None, None))
+                "pp": (self.pp, tp * cp * dp), "cp_a2a": (a, tp),
+                "cp_ring": (cp // a, tp * a)}.get(dim, (None, None))
 
     def coordinate(self, rank: int, dim: str) -> int:
-        """`rank`'s index along `dim` ("tp", "cp", "dp", "dp_cp" or "pp") in the rank order tp,
-        cp, dp, pp."""
+        """`rank`'s index along `dim` ("tp", "cp", "dp", "dp_cp", "pp", "cp_a2a" or "cp_ring")
+        in the rank order tp, cp, dp, pp."""
         self._check_rank(rank)
         size, stride = self._size_stride(dim)
         if size is None:
-            raise LayoutError(f"dim must be 'tp', 'cp', 'dp', 'dp_cp' or 'pp', got {dim!r}")
+            raise LayoutError(f"dim must be 'tp', 'cp', 'dp', 'dp_cp', 'pp', 'cp_a2a' or "
+                              f"'cp_ring', got {dim!r}")
         return rank // stride % size
 
     def group_ranks(self, dim: str, rank: int) -> range:
@@ -216,8 +237,8 @@ class ParallelLayout:
             return range(self.world_size)
         size, stride = self._size_stride(dim)
         if size is None:
-            raise LayoutError(f"dim must be 'tp', 'cp', 'dp', 'dp_cp', 'pp' or 'world', "
-                              f"got {dim!r}")
+            raise LayoutError(f"dim must be 'tp', 'cp', 'dp', 'dp_cp', 'pp', 'cp_a2a', "
+                              f"'cp_ring' or 'world', got {dim!r}")
         first = rank - self.coordinate(rank, dim) * stride
         return range(first, first + size * stride, stride)
 
@@ -230,8 +251,8 @@ class ParallelLayout:
         rc = ",".join(mode if mode != "full" else f"full{k}" for mode, k in self.recompute)
         sched = (self.schedule if self.virtual_stages == 1
                  else f"{self.schedule}(v{self.virtual_stages})")
-        cp = "" if self.cp == 1 else f" cp{self.cp}" + ("" if self.cp_comm == "p2p"
-                                                          else f"({self.cp_comm})")
+        comm = f"a2a{self.cp_a2a}+p2p" if self.cp_comm == "a2a+p2p" else self.cp_comm
+        cp = "" if self.cp == 1 else f" cp{self.cp}" + ("" if comm == "p2p" else f"({comm})")
         return (f"tp{self.tp}{cp} pp{self.pp} dp{self.dp} zero{self.zero}"
                 f"{' sp' if self.sequence_parallel else ''} mbs{self.micro_batch_size}"
                 f" x{self.num_micro_batches} {sched} "
@@ -262,8 +283,11 @@ class ParallelLayout:
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain JSON-ready dict (lists for tuples); from_dict(to_dict()) == self. cp and
-        cp_comm appear only with context parallelism (files written before it read as cp 1)."""
+        cp_comm appear only with context parallelism (files written before it read as cp 1),
+        cp_a2a only with a2a+p2p."""
         cp = {} if self.cp == 1 else {"cp": self.cp, "cp_comm": self.cp_comm}
+        if self.cp_comm == "a2a+p2p":
+            cp["cp_a2a"] = self.cp_a2a
         return {
             "world_size": self.world_size, "pp": self.pp, "tp": self.tp, "dp": self.dp, **cp,
             "zero": self.zero, "distributed_optimizer": bool(self.distributed_optimizer),

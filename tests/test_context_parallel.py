@@ -199,7 +199,7 @@ def test_megatron_args_carry_cp_and_galvatron_takes_only_ulysses_without_tp():
     assert args[args.index("--context-parallel-size") + 1] == "4"
     assert args[args.index("--cp-comm-type") + 1] == "p2p"
     assert "--context-parallel-size" not in megatron_args(ParallelLayout.uniform(16, 2, 1, 8))
-    with pytest.raises(ExportError, match=r"cp\(4\) with cp_comm p2p.*no ring or all-gather"):
+    with pytest.raises(ExportError, match=r"cp\(4\) with cp_comm p2p.*no ring, all-gather"):
         galvatron_strategy(cp4, strict=False)
     with pytest.raises(ExportError, match=r"use_sp\) replaces TP.*tp\(2\)"):
         galvatron_strategy(ParallelLayout.uniform(16, 2, 1, 8, cp=4, cp_comm="a2a"))
@@ -259,13 +259,70 @@ def test_search_offers_a2a_only_where_the_heads_split():
     assert {c.cp_comm for c in only_ring} == {"p2p"}
 
 
+def test_hierarchical_a2a_inside_ring_across_is_validated_priced_searched_and_exported():
+    """a2a+p2p (Megatron's --hierarchical-context-parallel-sizes a cp/a): Ulysses over a
+    consecutive CP ranks (stride tp), the ring over cp / a of those groups (stride tp x a);
+    priced as the two added; searched at every all-to-all degree where tp x a splits the
+    heads, in Megatron-LM's engine only; exported to Megatron, refused by Galvatron."""
+    import dataclasses
+
+    from orchestrator.layout import LayoutError, ParallelLayout
+    from orchestrator.planner.cost_model import ConfigKey, StageCosts, evaluate
+    from orchestrator.planner.exports import ExportError, galvatron_strategy, megatron_args
+    from orchestrator.planner.search import SearchSpace, enumerate_configs
+    from orchestrator.planner.terms.cp_comm import CpComm, cp_kv_message_bytes
+
+    model, hw = _planner_inputs()  # 8 heads, 8 KV heads, hidden 256: head_dim 32, bf16
+    layout = ParallelLayout.uniform(32, 2, 1, 8, cp=8, cp_comm="a2a+p2p", cp_a2a=2,
+                                    num_micro_batches=4)
+    assert "cp8(a2a2+p2p)" in layout.describe()
+    assert ParallelLayout.from_dict(layout.to_dict()) == layout
+    assert layout.group_ranks("cp_a2a", 2) == range(0, 4, 2)  # stride tp
+    assert layout.group_ranks("cp_ring", 2) == range(2, 16, 4)  # stride tp x a
+    for bad, match in (({"cp_a2a": 3}, r"1 < cp_a2a\(3\) < cp\(8\), dividing it"),
+                       ({"cp_a2a": 8}, r"1 < cp_a2a\(8\) < cp\(8\)"),
+                       ({"cp_comm": "p2p"}, r"cp_a2a\(2\) is the all-to-all degree of cp_comm "
+                                            r"a2a\+p2p, not of cp_comm p2p")):
+        with pytest.raises(LayoutError, match=match):
+            dataclasses.replace(layout, **bad)
+    costs = StageCosts(ConfigKey.of(layout), model, hw, 8192, _options())
+    tokens = 8192 / 8
+    inner = CpComm.all_to_all(hw, 2, 2, tokens, 8, 8, 32, 2)
+    ring = CpComm.from_hardware(hw, 4, cp_kv_message_bytes(tokens, 8, 32, 2, 2),
+                                costs.compute.selective_recompute_us, False, hw.overlap_coe)
+    assert costs.cp.layer.fwd_us == pytest.approx(inner.layer.fwd_us + ring.layer.fwd_us)
+    assert costs.cp.layer.bwd_us == pytest.approx(inner.layer.bwd_us + ring.layer.bwd_us)
+    assert inner.layer.fwd_us > 0 and ring.layer.bwd_us > 0
+    with pytest.raises(LayoutError, match=r"orchestrator engine runs context parallelism"):
+        evaluate(layout, model, hw, 8192)  # stage=train's engine does not run it
+    args = megatron_args(layout)
+    assert args[args.index("--cp-comm-type") + 1] == "a2a+p2p"
+    assert args[args.index("--hierarchical-context-parallel-sizes") + 1:][:2] == ["2", "4"]
+    with pytest.raises(ExportError, match="hierarchical"):
+        galvatron_strategy(layout)
+    space = SearchSpace(world_size=32, memory_budget_bytes=2 * (1 << 30), global_batch_size=4,
+                        seq_len=65536, options=_options(), max_tp=2, max_cp=16,
+                        cp_comms=("a2a+p2p",))
+    rejected = {}
+    flavours = {(c.tp, c.cp, c.cp_a2a) for c in enumerate_configs(model, hw, space, rejected)
+                if c.cp > 1}
+    assert flavours == {(1, 4, 2), (1, 8, 2), (1, 8, 4), (1, 16, 2), (1, 16, 4), (1, 16, 8),
+                        (2, 4, 2), (2, 8, 2), (2, 8, 4), (2, 16, 2), (2, 16, 4)}
+    assert rejected["cp_a2a_splits_heads"] >= 1  # tp2 cp16 a8: 16 > 8 heads
+    ours = dataclasses.replace(space, options=dataclasses.replace(_options(),
+                                                                  engine="orchestrator"))
+    rejected = {}
+    assert not [c for c in enumerate_configs(model, hw, ours, rejected) if c.cp > 1]
+    assert rejected["cp_comm_not_in_engine"] >= 1
+
+
 # ---------------------------------------------------------------- the engine
 def test_train_cp_runs_from_the_cli_predicted_checkpoints_and_resumes(chain):
     """stage=train train.cp=2 train.tp=2 (TP+SP inside each CP rank, the ring) on the 4 local
     ranks, predicted from the cluster's profiles, then a rerun with more steps resumes from its
     checkpoint, which also reloads into a layout without CP; a cp that does not tile the ranks,
-    Ulysses where tp x cp does not split the heads and variable-length micro-batches are refused
-    in one line before launch."""
+    Ulysses where tp x cp does not split the heads, the hierarchical flavour (Megatron-LM's
+    only) and variable-length micro-batches are refused in one line before launch."""
     import json
 
     common = ("stage=train", "train.cp=2", "train.tp=2", "train.checkpoint_every=2",
@@ -292,6 +349,10 @@ def test_train_cp_runs_from_the_cli_predicted_checkpoints_and_resumes(chain):
                       profiles_dir=chain)
     assert "train.cp_comm=a2a: tp(2) * cp(2) (cp_comm a2a) must divide heads(4) and " \
         "kv_heads(2)" in one_error_line(ulysses, 2)
+    hierarchical = run_cli("stage=train", "train.cp=4", "train.cp_comm=a2a+p2p",
+                           profiles_dir=chain)
+    assert "train.cp_comm=a2a+p2p: stage=train runs context parallelism as cp_comm p2p, " \
+        "allgather, a2a; Megatron-LM runs a2a+p2p" in one_error_line(hierarchical, 2)
     dynamic = run_cli("stage=train", "train.cp=2", "train.microbatching=dynamic",
                       profiles_dir=chain)
     assert "variable-length micro-batches are not split" in one_error_line(dynamic, 2)

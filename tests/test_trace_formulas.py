@@ -42,6 +42,9 @@ CASES = {
     "cp2_allgather_selective": ([16, 2, 2, 2], True, 1, "1f1b",
                                 {"cp_comm": "allgather", "recompute": "selective"}),
     "cp2_a2a_interleaved": ([8, 2, 1, 2], False, 0, "interleaved", {"cp_comm": "a2a"}),
+    # hierarchical: Ulysses over pairs of CP ranks, the ring over the two pairs
+    "cp4_a2a2_ring_selective": ([16, 2, 1, 4], False, 1, "1f1b",
+                                {"cp_comm": "a2a+p2p", "cp_a2a": 2, "recompute": "selective"}),
 }
 
 
@@ -312,8 +315,6 @@ def test_every_message_is_the_workload_models(case):
     layout = spec.layout
     model = dataclasses.replace(TINY, seq_len=SEQ)
     for rank, records in by_rank.items():
-        neighbours = {dim: (layout.group_ranks(dim, rank), layout.coordinate(rank, dim))
-                      for dim in ("pp", "cp")}
         seen, predicted = Counter(), Counter()
         for r in records:
             if r["kind"] == "coll":
@@ -322,7 +323,8 @@ def test_every_message_is_the_workload_models(case):
                 seen[r["op"], r["peer"], r["bytes"], r["dtype"]] += 1
         for c in rank_comms(model, layout, rank, engine="megatron", dtype="bf16"):
             if c.op in ("send", "recv"):
-                ranks, me = neighbours[c.group]
+                ranks = layout.group_ranks(c.group, rank)  # pp, cp, cp_ring
+                me = ranks.index(rank)
                 peer = ranks[(me + (1 if c.peer == "next" else -1)) % len(ranks)]
                 predicted[c.op, peer, c.bytes, c.dtype] += c.count
             else:

@@ -72,7 +72,13 @@ def test_single_configuration_keys_and_bad_input(profiles):
     assert "ALLGATHER_EP" in next(folder.glob("*-tp2-cp2-pp2-*-stage0.txt")).read_text()
     bad_cp = run_cli("stage=trace", "trace.world_size=16", "trace.pp=2", "trace.tp=2",
                      "trace.cp_comm=ring", profiles_dir=profiles, check=2)
-    assert "trace.cp_comm='ring'; allowed: p2p, a2a, allgather" in bad_cp.stdout + bad_cp.stderr
+    assert "trace.cp_comm='ring'; allowed: p2p, a2a, allgather, a2a+p2p" in \
+        bad_cp.stdout + bad_cp.stderr
+    hierarchical = run_cli("stage=trace", "trace.world_size=16", "trace.pp=2", "trace.tp=1",
+                           "trace.cp=4", "trace.cp_comm=a2a+p2p", "trace.cp_a2a=2",
+                           "trace.export=simai", profiles_dir=profiles, check=2)
+    assert "SimAI has one group that can stand for CP" in \
+        hierarchical.stdout + hierarchical.stderr
     moe = run_cli("stage=trace", "trace.world_size=16", "trace.pp=2", "trace.tp=2",
                   "+model.num_experts=8", profiles_dir=profiles)
     assert moe.returncode != 0 and "mixture-of-experts" in moe.stdout + moe.stderr

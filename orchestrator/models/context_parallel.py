@@ -132,10 +132,10 @@ class ContextParallel:
 
     def _ulysses_attention(self, q, k, v):
         seq_len = q.shape[2] * self.cp
-        hq, hk, hv = (_SwapSplit.apply(t, self, True) for t in (q, k, v))
+        hq, hk, hv = (SwapSplit.apply(t, self, True) for t in (q, k, v))
         out = F.scaled_dot_product_attention(hq, hk, hv, enable_gqa=True,
                                              attn_mask=self.block_mask(seq_len, "whole", q.device))
-        return _SwapSplit.apply(out, self, False)
+        return SwapSplit.apply(out, self, False)
 
     def _gathered_attention(self, q, k, v):
         seq_len = q.shape[2] * self.cp
@@ -190,7 +190,7 @@ def all_to_all_heads(t: torch.Tensor, group, cp: int, to_heads: bool) -> torch.T
     return received.permute(1, 0, 2, 3, 4).reshape(b, cp * h, s // cp, d)
 
 
-class _SwapSplit(torch.autograd.Function):
+class SwapSplit(torch.autograd.Function):
     """Sequence split -> head split (`to_heads`) or back (all_to_all_heads); the gradient comes
     back the other way."""
 

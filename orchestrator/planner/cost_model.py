@@ -139,6 +139,7 @@ class ConfigKey:
     virtual_stages: int
     cp: int = 1
     cp_comm: str = "p2p"
+    cp_a2a: int = 1
 
     @property
     def replicas(self) -> int:
@@ -150,7 +151,8 @@ class ConfigKey:
     def of(cls, layout: ParallelLayout) -> "ConfigKey":
         return cls(layout.world_size, layout.tp, layout.pp, layout.dp, layout.zero,
                    layout.sequence_parallel, layout.micro_batch_size, layout.num_micro_batches,
-                   layout.schedule, layout.virtual_stages, layout.cp, layout.cp_comm)
+                   layout.schedule, layout.virtual_stages, layout.cp, layout.cp_comm,
+                   layout.cp_a2a)
 
     def layout(self, layers_per_stage, recompute) -> ParallelLayout:
         return ParallelLayout(world_size=self.world_size, pp=self.pp, tp=self.tp, dp=self.dp,
@@ -158,7 +160,8 @@ class ConfigKey:
                               micro_batch_size=self.micro_batch_size,
                               num_micro_batches=self.num_micro_batches, schedule=self.schedule,
                               virtual_stages=self.virtual_stages, cp=self.cp,
-                              cp_comm=self.cp_comm, layers_per_stage=tuple(layers_per_stage),
+                              cp_comm=self.cp_comm, cp_a2a=self.cp_a2a,
+                              layers_per_stage=tuple(layers_per_stage),
                               recompute=tuple(recompute))
 
 
@@ -249,6 +252,11 @@ class StageCosts:
         elif key.cp_comm == "a2a":
             self.cp = CpComm.all_to_all(self.hardware, key.cp, key.tp, self.tokens,
                                         model.heads, model.kv_heads, head_dim, model.dtype_bytes)
+        elif key.cp_comm == "a2a+p2p":
+            self.cp = CpComm.hierarchical(
+                self.hardware, key.cp, key.cp_a2a, key.tp, self.tokens, model.heads,
+                model.kv_heads, head_dim, model.dtype_bytes, self.compute.selective_recompute_us,
+                self.overlap_coe)
         else:
             self.cp = CpComm.from_hardware(
                 self.hardware, key.cp,

@@ -43,6 +43,9 @@ def megatron_args(layout: ParallelLayout, strict: bool = True) -> List[str]:
             "--global-batch-size", str(layout.global_batch_size)]
     if layout.cp > 1:
         args += ["--context-parallel-size", str(layout.cp), "--cp-comm-type", layout.cp_comm]
+    if layout.cp_comm == "a2a+p2p":  # the all-to-all inside, the ring across
+        args += ["--hierarchical-context-parallel-sizes", str(layout.cp_a2a),
+                 str(layout.cp // layout.cp_a2a)]
     if layout.sequence_parallel:
         args.append("--sequence-parallel")
     if layout.zero == 1:
@@ -125,7 +128,8 @@ def galvatron_strategy(layout: ParallelLayout, strict: bool = True) -> Dict[str,
     # others are not approximated: a layout without CP needs cp times the activations.
     ulysses = layout.cp > 1 and layout.cp_comm == "a2a" and layout.tp == 1
     if layout.cp > 1 and not ulysses:
-        why = ("Galvatron has no ring or all-gather context parallelism" if layout.cp_comm != "a2a"
+        why = ("Galvatron has no ring, all-gather or hierarchical context parallelism"
+               if layout.cp_comm != "a2a"
                else f"Galvatron's Ulysses (use_sp) replaces TP, it does not combine with "
                     f"tp({layout.tp})")
         raise ExportError(f"cp({layout.cp}) with cp_comm {layout.cp_comm}: not written for "

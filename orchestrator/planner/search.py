@@ -65,8 +65,9 @@ class SearchSpace:
     pp: Optional[int] = None  # fixed degrees (None: searched); a fixed one ignores max_pp/max_tp
     tp: Optional[int] = None
     # Context parallelism: cp up to max_cp (divisors of the world / tp), in the flavours
-    # cp_comms the engine runs (options.engine: Megatron-LM's p2p, a2a and allgather; stage=
-    # train's p2p and allgather). search.max_cp's default is auto_max_cp(seq_len).
+    # cp_comms the engine runs (options.engine: Megatron-LM's all four; stage=train's p2p,
+    # allgather and a2a; a2a+p2p at every all-to-all degree). search.max_cp's default is
+    # auto_max_cp(seq_len).
     max_cp: int = 1
     cp_comms: Tuple[str, ...] = ("p2p", "a2a")
 
@@ -195,14 +196,15 @@ def enumerate_configs(model: ModelCost, hardware: HardwareModel, space: SearchSp
             if cp > 1 and space.seq_len % (2 * cp * tp):
                 reject("cp_splits_sequence")
                 continue
-            for cp_comm in (space.cp_comms if cp > 1 else ("p2p",)):
+            for cp_comm, a2a in _cp_flavours(space.cp_comms if cp > 1 else ("p2p",), cp):
                 if cp > 1 and not megatron and cp_comm not in ENGINE_CP_COMMS:
                     reject("cp_comm_not_in_engine")
                     continue
-                if cp_comm == "a2a" and (model.heads % (tp * cp) or model.kv_heads % (tp * cp)):
+                split = {"a2a": cp, "a2a+p2p": a2a}.get(cp_comm, 1)  # Ulysses' share of heads
+                if model.heads % (tp * split) or model.kv_heads % (tp * split):
                     reject("cp_a2a_splits_heads")
                     continue
-                if cp_comm == "a2a" and not all2all_profiled:
+                if split > 1 and not all2all_profiled:
                     reject("cp_a2a_not_profiled")
                     continue
                 for pp in _divisors(W // (tp * cp)):
@@ -211,15 +213,26 @@ def enumerate_configs(model: ModelCost, hardware: HardwareModel, space: SearchSp
                     if pp > L:
                         reject("pp_exceeds_layers")
                         continue
-                    configs += _batch_configs(space, schedules, L, W, tp, (cp, cp_comm), pp,
-                                              reject)
+                    configs += _batch_configs(space, schedules, L, W, tp, (cp, cp_comm, a2a),
+                                              pp, reject)
     return configs
+
+
+def _cp_flavours(cp_comms, cp: int):
+    """(cp_comm, cp_a2a) of each flavour for `cp` ranks: a2a+p2p once per all-to-all degree a,
+    1 < a < cp dividing cp (none for cp < 4); the others with cp_a2a 1."""
+    for cp_comm in cp_comms:
+        if cp_comm == "a2a+p2p":
+            yield from ((cp_comm, a) for a in _divisors(cp) if 1 < a < cp)
+        else:
+            yield cp_comm, 1
 
 
 def _batch_configs(space: SearchSpace, schedules, L: int, W: int, tp: int, context, pp: int,
                    reject) -> List[ConfigKey]:
-    """The configs of one (tp, (cp, cp_comm), pp): micro-batching, schedule, SP and ZeRO."""
-    cp, cp_comm = context
+    """The configs of one (tp, (cp, cp_comm, cp_a2a), pp): micro-batching, schedule, SP and
+    ZeRO."""
+    cp, cp_comm, a2a = context
     configs = []
     dp = W // (tp * cp * pp)
     if space.global_batch_size % dp:
@@ -248,7 +261,7 @@ def _batch_configs(space: SearchSpace, schedules, L: int, W: int, tp: int, conte
             for zero in dict.fromkeys(zeros):
                 for sched, v in scheds:
                     configs.append(ConfigKey(W, tp, pp, dp, zero, sp, mbs, m, sched, v, cp,
-                                             cp_comm))
+                                             cp_comm, a2a))
     return configs
 
 

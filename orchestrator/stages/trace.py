@@ -65,6 +65,10 @@ def settings(cfg) -> TraceSettings:
         raise ConfigError(f"trace.cp({t.cp}) must be >= 1")
     if t.cp_comm not in CP_COMMS:
         raise ConfigError(f"trace.cp_comm={t.cp_comm!r}; allowed: {', '.join(CP_COMMS)}")
+    if t.cp_comm == "a2a+p2p" and t.export == "simai":
+        raise ConfigError("trace.export=simai with trace.cp_comm=a2a+p2p: SimAI has one group "
+                          "that can stand for CP (its EP group), the hierarchical flavour needs "
+                          "two; trace without the export (the trace's files hold every message)")
     if t.zero not in (0, 1, 2):
         raise ConfigError(f"trace.zero={t.zero}: trace follows train's ZeRO 0/1/2 (ZeRO-3's "
                           f"FSDP gathers are not traced yet)")
@@ -74,7 +78,7 @@ def settings(cfg) -> TraceSettings:
         schedule=str(getattr(t.schedule, "value", t.schedule)), virtual_stages=t.virtual_stages,
         zero=t.zero, recompute=str(getattr(t.recompute, "value", t.recompute)),
         layers_per_stage=tuple(t.layers_per_stage) if t.layers_per_stage else None,
-        cp=t.cp, cp_comm=t.cp_comm)
+        cp=t.cp, cp_comm=t.cp_comm, cp_a2a=t.cp_a2a)
 
 
 def run_trace(ctx, run) -> dict:

@@ -81,7 +81,8 @@ class TraceSettings:
     recompute: str = "none"
     layers_per_stage: Optional[Tuple[int, ...]] = None
     cp: int = 1  # context parallelism of a configuration that gives none
-    cp_comm: str = "p2p"  # Megatron's --cp-comm-type: p2p | allgather | a2a
+    cp_comm: str = "p2p"  # Megatron's --cp-comm-type: p2p | allgather | a2a | a2a+p2p
+    cp_a2a: int = 1  # a2a+p2p: the all-to-all degree inside the CP group
 
 
 def parse_configs(configs) -> List[Tuple[int, ...]]:
@@ -133,7 +134,8 @@ def check_config(index: int, config: Sequence[int], settings: TraceSettings, mod
             world_size=ws, pp=pp, tp=tp, dp=dp, layers_per_stage=layers, recompute=recompute,
             zero=settings.zero, sequence_parallel=settings.sequence_parallel and tp > 1,
             micro_batch_size=mbs, num_micro_batches=gbs // (dp * mbs), schedule=schedule,
-            virtual_stages=v, cp=cp, cp_comm=settings.cp_comm)
+            virtual_stages=v, cp=cp, cp_comm=settings.cp_comm,
+            cp_a2a=settings.cp_a2a if settings.cp_comm == "a2a+p2p" and cp > 1 else 1)
         layout.check_sequence(settings.seq_len)
         layout.check_heads(model.heads, model.kv_heads, model.name)
     except LayoutError as e:

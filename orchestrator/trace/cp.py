@@ -20,6 +20,9 @@ Per layer and micro-batch, by `--cp-comm-type`:
   the sequence split for a head split (all s tokens, heads / (tp x cp)), causal attention over
   the whole sequence, one all-to-all brings the output back; the backward the same four for the
   gradients.
+- a2a+p2p (hierarchical, Megatron's --hierarchical-context-parallel-sizes a cp/a): Ulysses'
+  all-to-alls over the `a` consecutive CP ranks of group cp_a2a (a head split of their tokens),
+  and the ring above over the cp / a ranks of group cp_ring on those tensors.
 Grouped-query K/V heads are repeated to the query heads before a kernel, as the trace's attention
 without CP does (tracer._flash_attention), and their gradients summed back.
 
@@ -32,7 +35,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from orchestrator.models.context_parallel import all_to_all_heads
+from types import SimpleNamespace
+
+from orchestrator.models.context_parallel import SwapSplit, all_to_all_heads
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention
 _FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_backward
@@ -65,10 +70,15 @@ def _flash_backward(grad, q, k, v, out, lse, saved, causal: bool):
 
 class MegatronContextParallel:
     """This rank's CP group in the fake world and Megatron's attention over it (module doc);
-    set as `Attention.context` of the traced model, like models/context_parallel's in train."""
+    set as `Attention.context` of the traced model, like models/context_parallel's in train.
+    a2a+p2p: `levels` is (the cp_a2a group, the cp_ring group)."""
 
-    def __init__(self, group, comm: str):
+    def __init__(self, group, comm: str, levels=None):
         self.group, self.comm = group, comm
+        if comm == "a2a+p2p":
+            inner, ring = levels
+            self.inner = SimpleNamespace(group=inner, cp=dist.get_world_size(inner))
+            self.ring = MegatronContextParallel(ring, "p2p")
         self.cp, self.cp_rank = dist.get_world_size(group), dist.get_rank(group)
         ranks = dist.get_process_group_ranks(group)
         self.next_rank = ranks[(self.cp_rank + 1) % self.cp]
@@ -83,6 +93,9 @@ class MegatronContextParallel:
             return _Ring.apply(q, k, v, self)
         if self.comm == "allgather":
             return _AllGather.apply(q, k, v, self)
+        if self.comm == "a2a+p2p":
+            hq, hk, hv = (SwapSplit.apply(t, self.inner, True) for t in (q, k, v))
+            return SwapSplit.apply(_Ring.apply(hq, hk, hv, self.ring), self.inner, False)
         return _AllToAll.apply(q, k, v, self)
 
     def shift(self, t: torch.Tensor):

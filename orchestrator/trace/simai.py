@@ -255,6 +255,9 @@ def simai_workload(records: List[dict], spec, model_name: str) -> str:
     the file name, kept here for a uniform signature."""
     del model_name
     lay = spec.layout
+    if lay.cp_comm == "a2a+p2p":
+        raise ValueError("cp_comm a2a+p2p has no SimAI workload: SimAI has one group that can "
+                         "stand for CP (EP), the hierarchical flavour needs two")
     # One pass over the records (a large world's trace holds millions, over hundreds of
     # micro-batches): each chunk's records per micro-batch, in issue order.
     parts: Dict[Tuple[int, int], List[dict]] = {}

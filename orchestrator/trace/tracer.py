@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 META = torch.device("meta")
+CP_GROUPS = ("cp", "cp_a2a", "cp_ring")  # context parallelism's groups (a2a+p2p: two levels)
 
 
 @dataclass
@@ -137,6 +138,8 @@ def make_rank_groups(layout: ParallelLayout, rank: int) -> RankGroups:
     groups, ranks = {"world": world}, {"world": layout.group_ranks("world", rank)}
     # With context parallelism also its CP group and the dp x cp replicas (gradients, ZeRO).
     dims = ("pp", "dp", "dp_cp", "cp", "tp") if layout.cp > 1 else ("pp", "dp", "tp")
+    if layout.cp_comm == "a2a+p2p":  # its all-to-all and ring levels
+        dims += ("cp_a2a", "cp_ring")
     for dim in dims:
         ranks[dim] = layout.group_ranks(dim, rank)
         groups[dim] = world if len(ranks[dim]) == layout.world_size \
@@ -146,7 +149,7 @@ def make_rank_groups(layout: ParallelLayout, rank: int) -> RankGroups:
 
 
 def build_chunks(spec: TraceSpec, model: ModelConfig, tp_mesh: DeviceMesh,
-                 pp_rank: int, cp_group=None) -> List[nn.Module]:
+                 pp_rank: int, cp_group=None, cp_levels=None) -> List[nn.Module]:
     """This rank's model chunks (virtual stage c * pp + pp_rank), TP/SP-sharded over `tp_mesh`
     (1-D), attention context-parallel over `cp_group` (the layout's cp_comm) when given, on
     meta."""
@@ -178,7 +181,7 @@ def build_chunks(spec: TraceSpec, model: ModelConfig, tp_mesh: DeviceMesh,
         from orchestrator.models.gpt import Attention
         from orchestrator.trace.cp import MegatronContextParallel
 
-        context = MegatronContextParallel(cp_group, layout.cp_comm)
+        context = MegatronContextParallel(cp_group, layout.cp_comm, cp_levels)
         for chunk in chunks:
             for sub in chunk.modules():
                 if isinstance(sub, Attention):
@@ -339,7 +342,7 @@ class Captured:
                 r = dict(r)
                 if r.get("group") == "tp":
                     r["group_first"] = tp_first
-                elif r.get("group") == "cp":
+                elif r.get("group") in CP_GROUPS:
                     if r["kind"] == "p2p":
                         r["peer"] += moved
                     else:
@@ -373,7 +376,8 @@ def _capture_key(spec: TraceSpec, model: ModelConfig, chunk: nn.Module, stage: i
     many blocks; embedding first, head last)."""
     layout = spec.layout
     return (repr(model), spec.seq_len, layout.micro_batch_size, layout.tp,
-            layout.sequence_parallel, layout.cp, layout.cp_comm, layout.coordinate(rank, "cp"),
+            layout.sequence_parallel, layout.cp, layout.cp_comm, layout.cp_a2a,
+            layout.coordinate(rank, "cp"),
             layout.recompute[pp_rank], str(dtype), len(chunk.blocks), stage == 0, last)
 
 
@@ -408,7 +412,8 @@ def _capture(chunk: nn.Module, x: torch.Tensor, recorder: OpRecorder, tracker,
                      and tuple(p.grad.placements) != tuple(p.placements)}
     for p in chunk.parameters():
         p.grad = None
-    reusable = all(r.get("group") in ("tp", "cp") for r in captured if r["kind"] != "compute")
+    reusable = all(r.get("group") in ("tp",) + CP_GROUPS
+                   for r in captured if r["kind"] != "compute")
     local, out_dtensor = out, None
     if isinstance(out, DTensor):
         local = out.to_local()
@@ -454,9 +459,11 @@ class _RankTracer:
         # A group is named by its ranks; where two coincide (a degree of 1, or one spanning the
         # world) the later name wins.
         names = {rank_groups.ranks[dim]: dim
-                 for dim in ("world", "pp", "dp", "dp_cp", "cp", "tp") if dim in rank_groups.ranks}
+                 for dim in ("world", "pp", "dp", "dp_cp", "cp", "cp_a2a", "cp_ring", "tp")
+                 if dim in rank_groups.ranks}
         pp_rank = layout.coordinate(self.rank, "pp")
-        chunks = build_chunks(spec, self.model, tp_mesh, pp_rank, rank_groups.groups.get("cp"))
+        chunks = build_chunks(spec, self.model, tp_mesh, pp_rank, rank_groups.groups.get("cp"),
+                              (rank_groups.groups.get("cp_a2a"), rank_groups.groups.get("cp_ring")))
         dtype = next(p.dtype for c in chunks for p in c.parameters())
         # a CP rank holds s / cp of each sequence
         mbs, seq = layout.micro_batch_size, spec.seq_len // layout.cp
@@ -567,7 +574,7 @@ def _fix_p2p(records: List[dict], pp: int, num_virtual: int) -> None:
     """Stamp p2p messages with the phase, micro-batch and this rank's model chunk that their
     tag encodes (train/executor.message_tag: the receiver's virtual stage)."""
     for r in records:
-        if r["kind"] == "p2p" and r.get("group") != "cp" and r.get("tag", 0) >= 0:
+        if r["kind"] == "p2p" and r.get("group") not in CP_GROUPS and r.get("tag", 0) >= 0:
             rest, backward = divmod(r["tag"], 2)
             mb, receiver = divmod(rest, num_virtual)
             own = receiver if r["op"] == "recv" else receiver + (1 if backward else -1)

@@ -90,6 +90,10 @@ def explicit_layout(cfg, world: int) -> ParallelLayout:
     defaults."""
     t, layers = cfg.train, cfg.model.layers
     pp, tp, cp = t.pp or 1, t.tp or 1, t.cp or 1
+    if t.cp_comm is not None and t.cp_comm not in ENGINE_CP_COMMS:
+        raise LayoutError(f"train.cp_comm={t.cp_comm}: stage=train runs context parallelism as "
+                          f"cp_comm {', '.join(ENGINE_CP_COMMS)}; Megatron-LM runs "
+                          f"{t.cp_comm} (a strategy's megatron_args)")
     if world % (pp * tp * cp):
         degrees = f"train.pp({pp}) * train.tp({tp})" + (f" * train.cp({cp})" if cp > 1 else "")
         raise LayoutError(f"{degrees} = {pp * tp * cp} does not divide the "
@@ -149,6 +153,8 @@ def _override(layout: ParallelLayout, cfg) -> ParallelLayout:
         changes["layers_per_stage"] = tuple(int(n) for n in changes["layers_per_stage"])
     if "zero" in changes:
         changes["distributed_optimizer"] = None
+    if changes.get("cp_comm", "a2a+p2p") != "a2a+p2p":
+        changes["cp_a2a"] = 1  # the all-to-all degree belongs to the hierarchical flavour
     stages = changes.get("layers_per_stage", layout.layers_per_stage)
     if t.recompute is not None:
         mode = str(getattr(t.recompute, "value", t.recompute))

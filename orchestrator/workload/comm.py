@@ -57,6 +57,9 @@ kv_heads / tp x head_dim elements, the compute dtype):
   (back to the sequence split): 2 of q = b x s / cp x heads / tp x head_dim elements, 2 of kv / 2;
   backward the same four for the gradients (a selective rerun of the core: Q, K, V's again, not
   the output's, where torch's checkpoint stops; Megatron's reruns all four);
+- a2a+p2p (Megatron's hierarchical): a2a's messages over the cp_a2a ranks of group "cp_a2a",
+  then p2p's over the cp / cp_a2a ranks of group "cp_ring" (each K/V message cp_a2a x the
+  tokens and 1 / cp_a2a of the KV heads: kv bytes, as the plain ring's);
 - recompute (full, or selective: the attention core) reruns the forward's messages in the
   backward.
 
@@ -86,7 +89,7 @@ class Comm:
     """One kind of message a rank issues, `count` times per iteration."""
 
     op: str  # all_reduce | all_gather | reduce_scatter | send | recv
-    group: str  # tp | cp | dp (dp_cp with context parallelism) | pp | world
+    group: str  # tp | cp (cp_a2a, cp_ring: a2a+p2p) | dp (dp_cp with CP) | pp | world
     bytes: int  # per message (all_gather: the gathered output; others: the input)
     dtype: str  # fp32 | bf16 | fp16 | fp64
     phase: str  # fwd | bwd | step (after the backward)
@@ -139,16 +142,29 @@ def _layers(model, layout, rank) -> Tuple[int, int]:
 
 
 def _cp_comms(model, layout, rank, compute: Dtype, engine: str = "orchestrator") -> List[Comm]:
-    cp, m = layout.cp, layout.num_micro_batches
-    if cp == 1:
+    if layout.cp == 1:
         return []
+    if layout.cp_comm == "a2a+p2p":  # Ulysses over cp_a2a ranks, then the ring over the rest
+        a = layout.cp_a2a
+        return (_cp_messages(model, layout, rank, compute, engine, "a2a", a, "cp_a2a")
+                + _cp_messages(model, layout, rank, compute, engine, "p2p", layout.cp // a,
+                               "cp_ring"))
+    return _cp_messages(model, layout, rank, compute, engine, layout.cp_comm, layout.cp, "cp")
+
+
+def _cp_messages(model, layout, rank, compute: Dtype, engine: str, comm: str, cp: int,
+                 group: str) -> List[Comm]:
+    """The messages of one CP flavour `comm` over a group of `cp` ranks named `group`; sizes
+    from the rank's tokens of the layout (the ring of a2a+p2p moves cp_a2a x the tokens and
+    1 / cp_a2a of the KV heads: the same bytes)."""
+    m = layout.num_micro_batches
     layers, recomputed = _layers(model, layout, rank)
     mode = layout.recompute[layout.coordinate(rank, "pp")][0]
     reruns = layers if mode == "selective" else recomputed  # the core's forward, again
     head_bytes = rank_tokens(model, layout) * (model.hidden // model.heads) * compute.bytes
     kv = 2 * head_bytes * (model.kv_heads // layout.tp)
     dt = compute.value
-    if layout.cp_comm == "a2a":
+    if comm == "a2a":
         q = head_bytes * (model.heads // layout.tp)  # Q or the output
         # torch's checkpoint stops a selective rerun once the core's saved tensors are back:
         # the output's all-to-all back is not rerun (Megatron reruns all four)
@@ -156,25 +172,25 @@ def _cp_comms(model, layout, rank, compute: Dtype, engine: str = "orchestrator")
         out = []
         for size, what, again in ((q, "Q, output", reruns + out_reruns),
                                   (kv // 2, "K, V", 2 * reruns)):
-            out += [Comm("all_to_all", "cp", size, dt, "fwd", 2 * layers * m, what),
-                    Comm("all_to_all", "cp", size, dt, "bwd", again * m,
+            out += [Comm("all_to_all", group, size, dt, "fwd", 2 * layers * m, what),
+                    Comm("all_to_all", group, size, dt, "bwd", again * m,
                          f"{what}, recomputed"),
-                    Comm("all_to_all", "cp", size, dt, "bwd", 2 * layers * m,
+                    Comm("all_to_all", group, size, dt, "bwd", 2 * layers * m,
                          f"{what} gradients")]
         return out
-    if layout.cp_comm == "allgather":
+    if comm == "allgather":
         gathered = kv // 2 * cp
-        return [Comm("all_gather", "cp", gathered, dt, "fwd", 2 * layers * m, "K, V"),
-                Comm("all_gather", "cp", gathered, dt, "bwd", 2 * reruns * m,
+        return [Comm("all_gather", group, gathered, dt, "fwd", 2 * layers * m, "K, V"),
+                Comm("all_gather", group, gathered, dt, "bwd", 2 * reruns * m,
                      "K, V, recomputed"),
-                Comm("reduce_scatter", "cp", gathered, dt, "bwd", 2 * layers * m,
+                Comm("reduce_scatter", group, gathered, dt, "bwd", 2 * layers * m,
                      "K, V gradients")]
     out = []
     for phase, sends, what in (("fwd", (cp - 1) * layers, "K/V block"),
                                ("bwd", (cp - 1) * (layers + reruns), "K/V block, again"),
                                ("bwd", cp * layers, "K/V block gradient")):
-        out += [Comm("send", "cp", kv, dt, phase, sends * m, what, "next"),
-                Comm("recv", "cp", kv, dt, phase, sends * m, what, "prev")]
+        out += [Comm("send", group, kv, dt, phase, sends * m, what, "next"),
+                Comm("recv", group, kv, dt, phase, sends * m, what, "prev")]
     return out
 
 

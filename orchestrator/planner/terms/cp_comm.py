@@ -22,6 +22,13 @@ one after it turns the output back: 4 per layer forward (Q and the output of b x
 elements, K and V of b x s / cp x kv_heads / tp x head_dim), 4 more for their gradients backward,
 priced from the hardware profile's all2all fit for the group (cp ranks, stride tp), not
 overlapped (the attention needs them first).
+
+a2a+p2p (hierarchical, Megatron's --hierarchical-context-parallel-sizes a cp/a): Ulysses'
+all-to-alls inside groups of a consecutive CP ranks (stride tp, a node's when tp x a fits one:
+the same four messages each way over a ranks), then the ring over the cp / a groups (stride
+tp x a): cp / a steps, each message the rank's K/V of a x s / cp tokens and kv_heads / (tp x a)
+heads, as large as the plain ring's; it crosses nodes when the CP group does. Heads and KV heads
+must divide over tp x a.
 """
 from __future__ import annotations
 
@@ -82,6 +89,19 @@ class CpComm:
             return hardware.collective_time_us("all2all", cp, tp, size)
         one_way = 2 * a2a_us(q_bytes) + 2 * a2a_us(kv_bytes)
         return cls(FwdBwd(one_way, one_way), a2a_us(q_bytes))
+
+    @classmethod
+    def hierarchical(cls, hardware: HardwareModel, cp: int, a2a: int, tp: int, tokens: float,
+                     heads: int, kv_heads: int, head_dim: int, dtype_bytes: int,
+                     attention_fwd_us: float, overlap_coe: float) -> "CpComm":
+        """a2a+p2p: Ulysses over `a2a` ranks, the ring over cp / a2a (module doc); `tokens` and
+        `attention_fwd_us` this rank's, as for the ring."""
+        inner = cls.all_to_all(hardware, a2a, tp, tokens, heads, kv_heads, head_dim,
+                               dtype_bytes)
+        ring = cls.from_hardware(
+            hardware, cp // a2a, cp_kv_message_bytes(tokens, kv_heads, head_dim, tp, dtype_bytes),
+            attention_fwd_us, cp_group_intra_node(tp, cp, hardware.tasks_per_node), overlap_coe)
+        return cls(inner.layer + ring.layer, ring.hop_us)
 
     @classmethod
     def all_gather(cls, hardware: HardwareModel, cp: int, tp: int, tokens: float,
