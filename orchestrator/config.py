@@ -303,10 +303,11 @@ class TrainConfig:
     tp: Optional[int] = None
     # Context parallelism: each sequence split over cp ranks; seq_len must cut into 2 * cp * tp
     # equal pieces. cp_comm: how attention reaches the other ranks' K/V, p2p (a ring of sends,
-    # the default), allgather or a2a (Ulysses; models/context_parallel.py); None: the
-    # strategy's, else p2p.
+    # the default), allgather, a2a (Ulysses) or a2a+p2p (Ulysses over cp_a2a ranks, the ring
+    # across; models/context_parallel.py); None: the strategy's, else p2p.
     cp: Optional[int] = None
     cp_comm: Optional[str] = None
+    cp_a2a: Optional[int] = None  # a2a+p2p: the all-to-all degree inside the CP group
     zero: Optional[int] = None  # 0: DDP-style, 1/2: sharded optimizer (and grads), 3: FSDP2
     sequence_parallel: Optional[bool] = None  # None: on when tp > 1
     micro_batch_size: Optional[int] = None  # None: 1

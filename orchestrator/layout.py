@@ -32,7 +32,7 @@ ZERO_STAGES = (0, 1, 2, 3)
 # cp/cp_a2a).
 CP_COMMS = ("p2p", "a2a", "allgather", "a2a+p2p")
 # The flavours stage=train's engine runs (models/context_parallel.py), its default first.
-ENGINE_CP_COMMS = ("p2p", "allgather", "a2a")
+ENGINE_CP_COMMS = ("p2p", "allgather", "a2a", "a2a+p2p")
 ENGINE_CP_COMM = ENGINE_CP_COMMS[0]
 
 # (mode, k_layers): how many layers of the stage use `mode`; the others keep all activations.

@@ -38,8 +38,10 @@ def _whole_sequence():
 
 
 # (flavour, bytes of one score tile): the ring in one tile per block and a row per tile; a2a
-# (Ulysses) over CP groups of 2 (ranks 0, 1 and 2, 3): tp x cp must divide the 2 KV heads
-FLAVOURS = [("p2p", 1 << 26), ("p2p", 1), ("allgather", 1 << 26), ("a2a", 1 << 26)]
+# (Ulysses) over CP groups of 2 (ranks 0, 1 and 2, 3): tp x cp must divide the 2 KV heads;
+# a2a+p2p over all 4: Ulysses inside those pairs, the ring over them (ranks 0, 2 and 1, 3)
+FLAVOURS = [("p2p", 1 << 26), ("p2p", 1), ("allgather", 1 << 26), ("a2a", 1 << 26),
+            ("a2a+p2p", 1)]
 
 
 def _cp_ranks(rank, out):
@@ -49,9 +51,11 @@ def _cp_ranks(rank, out):
     from orchestrator.models.context_parallel import ContextParallel
 
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    rings = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     for comm, tile_bytes in FLAVOURS:
         group = pairs[rank // 2] if comm == "a2a" else dist.group.WORLD
-        context = ContextParallel(group, comm, score_tile_bytes=tile_bytes)
+        context = ContextParallel(group, comm, score_tile_bytes=tile_bytes,
+                                  levels=(pairs[rank // 2], rings[rank % 2]))
         q, k, v, grad_out = _whole_sequence()
         mine = [context.split(t, dim=2).detach().requires_grad_() for t in (q, k, v)]
         y = context.attention(*mine)
@@ -70,7 +74,8 @@ def test_cp_attention_equals_one_process_causal_attention(cp_ranks, comm, tile_b
     """4 CP ranks (2 for a2a), GQA heads: each rank's output and its q, k, v gradients are the
     one-process attention's at its positions (float64, to 1e-12), around the ring (its blocks
     merged by log-sum-exp, whole or a query row at a time), over the gathered sequence and over
-    the whole sequence with a share of the heads (Ulysses)."""
+    the whole sequence with a share of the heads (Ulysses), and both (Ulysses inside pairs of
+    ranks, the ring over the pairs)."""
     q, k, v, grad_out = _whole_sequence()
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
     y = torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=True,
@@ -263,7 +268,7 @@ def test_hierarchical_a2a_inside_ring_across_is_validated_priced_searched_and_ex
     """a2a+p2p (Megatron's --hierarchical-context-parallel-sizes a cp/a): Ulysses over a
     consecutive CP ranks (stride tp), the ring over cp / a of those groups (stride tp x a);
     priced as the two added; searched at every all-to-all degree where tp x a splits the
-    heads, in Megatron-LM's engine only; exported to Megatron, refused by Galvatron."""
+    heads, in both engines; exported to Megatron, refused by Galvatron."""
     import dataclasses
 
     from orchestrator.layout import LayoutError, ParallelLayout
@@ -293,8 +298,8 @@ def test_hierarchical_a2a_inside_ring_across_is_validated_priced_searched_and_ex
     assert costs.cp.layer.fwd_us == pytest.approx(inner.layer.fwd_us + ring.layer.fwd_us)
     assert costs.cp.layer.bwd_us == pytest.approx(inner.layer.bwd_us + ring.layer.bwd_us)
     assert inner.layer.fwd_us > 0 and ring.layer.bwd_us > 0
-    with pytest.raises(LayoutError, match=r"orchestrator engine runs context parallelism"):
-        evaluate(layout, model, hw, 8192)  # stage=train's engine does not run it
+    # stage=train's engine runs it too (models/context_parallel.py)
+    assert evaluate(layout, model, hw, 8192).breakdown_us["cp_comm"] > 0
     args = megatron_args(layout)
     assert args[args.index("--cp-comm-type") + 1] == "a2a+p2p"
     assert args[args.index("--hierarchical-context-parallel-sizes") + 1:][:2] == ["2", "4"]
@@ -311,9 +316,8 @@ def test_hierarchical_a2a_inside_ring_across_is_validated_priced_searched_and_ex
     assert rejected["cp_a2a_splits_heads"] >= 1  # tp2 cp16 a8: 16 > 8 heads
     ours = dataclasses.replace(space, options=dataclasses.replace(_options(),
                                                                   engine="orchestrator"))
-    rejected = {}
-    assert not [c for c in enumerate_configs(model, hw, ours, rejected) if c.cp > 1]
-    assert rejected["cp_comm_not_in_engine"] >= 1
+    assert flavours == {(c.tp, c.cp, c.cp_a2a) for c in enumerate_configs(model, hw, ours, {})
+                        if c.cp > 1}
 
 
 # ---------------------------------------------------------------- the engine
@@ -321,8 +325,9 @@ def test_train_cp_runs_from_the_cli_predicted_checkpoints_and_resumes(chain):
     """stage=train train.cp=2 train.tp=2 (TP+SP inside each CP rank, the ring) on the 4 local
     ranks, predicted from the cluster's profiles, then a rerun with more steps resumes from its
     checkpoint, which also reloads into a layout without CP; a cp that does not tile the ranks,
-    Ulysses where tp x cp does not split the heads, the hierarchical flavour (Megatron-LM's
-    only) and variable-length micro-batches are refused in one line before launch."""
+    Ulysses where tp x cp does not split the heads, the hierarchical flavour without its
+    all-to-all degree and variable-length micro-batches are refused in one line before
+    launch."""
     import json
 
     common = ("stage=train", "train.cp=2", "train.tp=2", "train.checkpoint_every=2",
@@ -351,8 +356,7 @@ def test_train_cp_runs_from_the_cli_predicted_checkpoints_and_resumes(chain):
         "kv_heads(2)" in one_error_line(ulysses, 2)
     hierarchical = run_cli("stage=train", "train.cp=4", "train.cp_comm=a2a+p2p",
                            profiles_dir=chain)
-    assert "train.cp_comm=a2a+p2p: stage=train runs context parallelism as cp_comm p2p, " \
-        "allgather, a2a; Megatron-LM runs a2a+p2p" in one_error_line(hierarchical, 2)
+    assert "train.cp_comm=a2a+p2p needs train.cp_a2a" in one_error_line(hierarchical, 2)
     dynamic = run_cli("stage=train", "train.cp=2", "train.microbatching=dynamic",
                       profiles_dir=chain)
     assert "variable-length micro-batches are not split" in one_error_line(dynamic, 2)

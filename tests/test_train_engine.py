@@ -42,7 +42,8 @@ LAYOUTS = [
     (1, 2, {"zero": 2, "recompute": "selective"}),
     # context parallelism (each sequence split over cp ranks): the ring (p2p) over 4 ranks,
     # with TP+SP, a pipeline, ZeRO-3 and each recompute; K/V all-gathered with ZeRO-1 and with
-    # TP and selective recompute; Ulysses with ZeRO-2 and with a pipeline and full recompute
+    # TP and selective recompute; Ulysses with ZeRO-2 and with a pipeline and full recompute;
+    # the hierarchical flavour with ZeRO-1
     (1, 1, {"cp": 4}),
     (1, 2, {"cp": 2}),
     (2, 1, {"cp": 2}),
@@ -54,6 +55,8 @@ LAYOUTS = [
     # Ulysses (a2a): tp x cp must divide the 2 KV heads
     (1, 1, {"cp": 2, "cp_comm": "a2a", "zero": 2}),
     (2, 1, {"cp": 2, "cp_comm": "a2a", "recompute": "full"}),
+    # hierarchical: Ulysses over pairs of CP ranks, the ring over the two pairs
+    (1, 1, {"cp": 4, "cp_comm": "a2a+p2p", "cp_a2a": 2, "zero": 1}),
 ]
 # Traced once each under bf16 autocast (not trained): the dtype of every message.
 BF16_LAYOUTS = [
@@ -63,6 +66,7 @@ BF16_LAYOUTS = [
     (1, 2, {"cp": 2}),
     (1, 1, {"cp": 2, "cp_comm": "allgather"}),
     (1, 1, {"cp": 2, "cp_comm": "a2a", "recompute": "selective"}),
+    (1, 1, {"cp": 4, "cp_comm": "a2a+p2p", "cp_a2a": 2, "recompute": "selective"}),
 ]
 RECORDED_STEP = 1  # the first step also sends the pipeline's shape metadata
 MEMORY_STEP = 2  # after the optimizer's first step made its states

@@ -23,12 +23,18 @@ elements (this rank's K and V, in their dtype):
   the heads and the KV heads), the attention core runs on the whole sequence, and one
   all-to-all brings the output back to the sequence split; the backward the same four for the
   gradients. What stays for the backward is as large as one-rank attention's.
+- "a2a+p2p" (Megatron's hierarchical): Ulysses over groups of `cp_a2a` consecutive CP ranks, then
+  the ring above over the cp / cp_a2a groups on the head-split tensors: each ring member holds
+  its group's tokens (cp_a2a x s / cp of each sequence, 1 / cp_a2a of the rank's heads), so its
+  ring messages are as large as the plain ring's, cp / cp_a2a - 1 of them per pass.
 A query attends to a key when the key's global position is not after its own: masks of seq / cp
 x seq booleans in all per sequence length (one per ring block, or one for the gathered
 sequence; seq x seq for a2a), made once and kept with the rotary tables at this rank's
 positions.
 """
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +61,9 @@ class ContextParallel:
     layout.ENGINE_CP_COMMS), and for a sequence of `seq_len` tokens the global positions of its
     tokens and of the all-gathered sequence's (every rank's chunks, in CP-rank order)."""
 
-    def __init__(self, group, comm: str = "p2p", score_tile_bytes: int = SCORE_TILE_BYTES):
+    def __init__(self, group, comm: str = "p2p", score_tile_bytes: int = SCORE_TILE_BYTES,
+                 levels=None):
+        """`levels`: for a2a+p2p, (this rank's group of cp_a2a CP ranks, its ring group)."""
         import torch.distributed as dist
 
         if comm not in ENGINE_CP_COMMS:
@@ -68,6 +76,10 @@ class ContextParallel:
         self.prev_rank = ranks[(self.cp_rank - 1) % self.cp]
         self._positions = {}
         self._cache = {}  # masks and rotary tables, per sequence length and device
+        if comm == "a2a+p2p":
+            inner, ring = levels
+            self.inner = SimpleNamespace(group=inner, cp=dist.get_world_size(inner))
+            self.ring = _RingLevel(self, ring, self.inner.cp)
 
     def positions(self, seq_len: int) -> torch.Tensor:
         """(seq_len / cp,) the global positions of this rank's tokens."""
@@ -128,6 +140,10 @@ class ContextParallel:
             return _RingAttention.apply(q, k, v, self)
         if self.comm == "a2a":
             return self._ulysses_attention(q, k, v)
+        if self.comm == "a2a+p2p":
+            hq, hk, hv = (SwapSplit.apply(t, self.inner, True) for t in (q, k, v))
+            return SwapSplit.apply(_RingAttention.apply(hq, hk, hv, self.ring), self.inner,
+                                   False)
         return self._gathered_attention(q, k, v)
 
     def _ulysses_attention(self, q, k, v):
@@ -170,6 +186,41 @@ class _GatherSequence(torch.autograd.Function):
         mine = whole.new_empty((whole.shape[0] // context.cp,) + whole.shape[1:])
         dist.reduce_scatter_tensor(mine, whole, group=context.group)
         return mine.permute(1, 2, 0, 3), None
+
+
+class _RingLevel:
+    """The ring of a2a+p2p, over the cp / a groups of a consecutive CP ranks (`group`: this
+    rank's ring); after the all-to-all a member holds its group's tokens, its CP ranks' chunks
+    in CP-rank order. What _RingAttention asks of a context: cp, cp_rank, score_tile_bytes,
+    block_mask, shift."""
+
+    def __init__(self, context: ContextParallel, group, a: int):
+        import torch.distributed as dist
+
+        self.context, self.a, self.group = context, a, group
+        self.score_tile_bytes = context.score_tile_bytes
+        self.cp, self.cp_rank = dist.get_world_size(group), dist.get_rank(group)
+        ranks = dist.get_process_group_ranks(group)
+        self.next_rank = ranks[(self.cp_rank + 1) % self.cp]
+        self.prev_rank = ranks[(self.cp_rank - 1) % self.cp]
+        self._cache = {}
+
+    def _positions(self, seq_len: int, member: int) -> torch.Tensor:
+        cp = self.context.cp
+        return torch.cat([chunk_positions(seq_len, cp, member * self.a + j)
+                          for j in range(self.a)])
+
+    def block_mask(self, seq_len: int, source: int, device) -> torch.Tensor:
+        """(a x seq / cp, a x seq / cp) bool: which keys of ring member `source` this member's
+        queries attend to. Made once per sequence length and device."""
+        key = (seq_len, source, str(device))
+        if key not in self._cache:
+            mine = self._positions(seq_len, self.cp_rank)
+            theirs = self._positions(seq_len, source)
+            self._cache[key] = (mine[:, None] >= theirs[None, :]).to(device)
+        return self._cache[key]
+
+    shift = ContextParallel.shift
 
 
 def all_to_all_heads(t: torch.Tensor, group, cp: int, to_heads: bool) -> torch.Tensor:

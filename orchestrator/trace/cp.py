@@ -73,7 +73,7 @@ class MegatronContextParallel:
     set as `Attention.context` of the traced model, like models/context_parallel's in train.
     a2a+p2p: `levels` is (the cp_a2a group, the cp_ring group)."""
 
-    def __init__(self, group, comm: str, levels=None):
+    def __init__(self, group, comm: str, levels=None):  # as models/context_parallel's
         self.group, self.comm = group, comm
         if comm == "a2a+p2p":
             inner, ring = levels

@@ -88,7 +88,18 @@ class Engine:
             raise ValueError(f"layout world_size({layout.world_size}) != the "
                              f"{dist.get_world_size()} ranks running")
         self.layout, self.device, self.dtype = layout, device, Dtype.parse(dtype)
-        if layout.cp > 1:
+        levels = None
+        if layout.cp_comm == "a2a+p2p":
+            # The CP dimension as its ring over groups of cp_a2a consecutive CP ranks (Megatron's
+            # hierarchical groups); flattened back into the CP group and dp x cp.
+            a = layout.cp_a2a
+            self.mesh = init_device_mesh(
+                _device_type(device), (layout.pp, layout.dp, layout.cp // a, a, layout.tp),
+                mesh_dim_names=("pp", "dp", "cp_ring", "cp_a2a", "tp"))
+            self.mesh["cp_ring", "cp_a2a"]._flatten("cp")
+            self.replicas_mesh = self.mesh["dp", "cp_ring", "cp_a2a"]._flatten("dp_cp")
+            levels = (self.mesh["cp_a2a"].get_group(), self.mesh["cp_ring"].get_group())
+        elif layout.cp > 1:
             # Rank order tp-cp-dp-pp; the dp x cp ranks hold the same weights: gradients are
             # reduced, and ZeRO shards, over them (one flattened group).
             self.mesh = init_device_mesh(_device_type(device),
@@ -101,8 +112,9 @@ class Engine:
             self.replicas_mesh = self.mesh["dp"]
         self.pp_rank = self.mesh.get_local_rank("pp")
         self.dp_rank = self.mesh.get_local_rank("dp")
-        self.context = (ContextParallel(self.mesh["cp"].get_group(), layout.cp_comm)
-                         if layout.cp > 1 else None)
+        self.context = (ContextParallel(self.mesh["cp"].get_group(), layout.cp_comm,
+                                        levels=levels)
+                        if layout.cp > 1 else None)
         self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == layout.pp - 1
         self.modules = self._build(dataclasses.replace(model, dtype=Dtype.fp32), seed)
         self._apply_recompute()

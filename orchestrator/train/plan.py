@@ -19,7 +19,7 @@ from orchestrator.store import cluster_dir, hardware_path, model_profile_path, s
 GiB = 2**30
 # Fields of a layout a `train.*` key changes (same name in TrainConfig and ParallelLayout).
 LAYOUT_FIELDS = ("zero", "sequence_parallel", "micro_batch_size", "num_micro_batches",
-                 "schedule", "virtual_stages", "layers_per_stage", "cp_comm")
+                 "schedule", "virtual_stages", "layers_per_stage", "cp_comm", "cp_a2a")
 
 
 @dataclass(frozen=True)
@@ -42,11 +42,13 @@ def train_dir(cfg) -> Path:
 
 def layout_tag(layout: ParallelLayout) -> str:
     """A file-name-safe tag of a layout: `pp2-tp2-dp1-zero0-sp-mbs1x8-1f1b` (`-cp2` after tp
-    with context parallelism, `-cp2allgather` in that flavour), with the schedule's chunks, an
+    with context parallelism, `-cp2allgather` in that flavour, `-cp4a2a2+p2p` hierarchical), with
+    the schedule's chunks, an
     uneven split and recompute appended when they are not the defaults."""
     cp = ""
     if layout.cp > 1:
-        cp = f"-cp{layout.cp}" + ("" if layout.cp_comm == ENGINE_CP_COMM else layout.cp_comm)
+        comm = (f"a2a{layout.cp_a2a}+p2p" if layout.cp_comm == "a2a+p2p" else layout.cp_comm)
+        cp = f"-cp{layout.cp}" + ("" if comm == ENGINE_CP_COMM else comm)
     tag = (f"pp{layout.pp}-tp{layout.tp}{cp}-dp{layout.dp}-zero{layout.zero}"
            f"{'-sp' if layout.sequence_parallel else ''}"
            f"-mbs{layout.micro_batch_size}x{layout.num_micro_batches}-{layout.schedule}")
@@ -90,10 +92,10 @@ def explicit_layout(cfg, world: int) -> ParallelLayout:
     defaults."""
     t, layers = cfg.train, cfg.model.layers
     pp, tp, cp = t.pp or 1, t.tp or 1, t.cp or 1
-    if t.cp_comm is not None and t.cp_comm not in ENGINE_CP_COMMS:
-        raise LayoutError(f"train.cp_comm={t.cp_comm}: stage=train runs context parallelism as "
-                          f"cp_comm {', '.join(ENGINE_CP_COMMS)}; Megatron-LM runs "
-                          f"{t.cp_comm} (a strategy's megatron_args)")
+    if t.cp_comm == "a2a+p2p" and not t.cp_a2a:
+        raise LayoutError(f"train.cp_comm=a2a+p2p needs train.cp_a2a: the all-to-all degree "
+                          f"inside the CP group (1 < it < train.cp({cp}), dividing it; the ring "
+                          f"runs over train.cp / it groups)")
     if world % (pp * tp * cp):
         degrees = f"train.pp({pp}) * train.tp({tp})" + (f" * train.cp({cp})" if cp > 1 else "")
         raise LayoutError(f"{degrees} = {pp * tp * cp} does not divide the "
@@ -109,7 +111,7 @@ def explicit_layout(cfg, world: int) -> ParallelLayout:
     schedule = str(getattr(t.schedule, "value", t.schedule) or "1f1b")
     v = t.virtual_stages or (2 if schedule == "interleaved" else 1)
     kwargs = dict(zero=t.zero or 0, micro_batch_size=mbs, num_micro_batches=m, cp=cp,
-                  cp_comm=t.cp_comm or ENGINE_CP_COMM,
+                  cp_comm=t.cp_comm or ENGINE_CP_COMM, cp_a2a=t.cp_a2a or 1,
                   schedule=schedule, virtual_stages=v,
                   sequence_parallel=tp > 1 if t.sequence_parallel is None
                   else bool(t.sequence_parallel))
@@ -201,12 +203,12 @@ def check_target(cfg, target: TrainTarget, world: int) -> None:
                           f"context parallelism as cp_comm {' or '.join(ENGINE_CP_COMMS)}; "
                           f"Megatron-LM runs this one (the strategy's megatron_args), or give "
                           f"train.cp_comm={ENGINE_CP_COMM}")
-    if layout.cp > 1 and layout.cp_comm == "a2a":
+    if layout.cp > 1 and layout.cp_comm in ("a2a", "a2a+p2p"):
         try:
             layout.check_heads(model.heads, model.kv_heads, model.name)
         except LayoutError as e:
-            raise LayoutError(f"train.cp_comm=a2a: {e} (Ulysses splits the heads over the CP "
-                              f"ranks); use train.cp_comm=p2p or allgather") from None
+            raise LayoutError(f"train.cp_comm={layout.cp_comm}: {e} (Ulysses splits the heads "
+                              f"over the CP ranks); use train.cp_comm=p2p or allgather") from None
     if layout.cp > 1 and str(cfg.train.microbatching) != "fixed":
         raise LayoutError(f"train.microbatching={cfg.train.microbatching} with cp({layout.cp}): "
                           f"variable-length micro-batches are not split over context-parallel "

@@ -201,7 +201,8 @@ def input_bytes(model: ModelConfig, layout, seq_len: int) -> int:
            + 2 * samples * seq_len * INT64)
     if layout.cp > 1:
         local = seq_len // layout.cp
-        queries = seq_len if layout.cp_comm == "a2a" else local  # a2a: the whole sequence's
+        # a2a: the whole sequence's queries; a2a+p2p: its ring member's (a x its own)
+        queries = {"a2a": seq_len, "a2a+p2p": local * layout.cp_a2a}.get(layout.cp_comm, local)
         out += (local + seq_len) * INT64 + queries * seq_len + 2 * local * half_dim * FP32
     return out
 
@@ -398,7 +399,8 @@ def cp_attention_bytes(model: ModelConfig, layout, tokens, dtype: Dtype = Dtype.
     output's gradient). allgather keeps the gathered K and V (cp blocks where one-rank attention
     keeps one) and its backward holds their gradients whole. a2a (Ulysses) keeps what one-rank
     attention keeps (a head split of the whole sequence is as large as all heads of s / cp);
-    its all-to-alls' buffers are working memory."""
+    its all-to-alls' buffers are working memory. a2a+p2p: the ring's, on the head-split
+    tensors, or the all-to-alls' where larger."""
     cp = layout.cp
     if cp == 1:
         return 0.0, 0.0, 0.0
@@ -409,17 +411,22 @@ def cp_attention_bytes(model: ModelConfig, layout, tokens, dtype: Dtype = Dtype.
     if layout.cp_comm == "allgather":
         return 0.0, cp * kv, (cp - 1) * kv
     b, heads = layout.micro_batch_size, model.heads // layout.tp
+    # an all-to-all's contiguous send buffer and its receive buffer, then the head-split copy:
+    # 3 of the tensor at once (Q the largest); the backward the same for the gradient
+    swap = 2.0 * tokens * heads * head_dim * elem
     if layout.cp_comm == "a2a":
-        # an all-to-all's contiguous send buffer and its receive buffer, then the head-split
-        # copy: 3 of the tensor at once (Q the largest); the backward the same for the gradient
-        q = float(tokens) * heads * head_dim * elem
-        return 2 * q, 2 * q, 0.0
-    rows = int(tokens) // b  # a sequence's tokens on this rank: seq / cp
-    scores = FP32 * b * heads * score_tile_rows(b, heads, rows, rows) * rows
+        return swap, swap, 0.0
+    # the ring: over every CP rank, or (a2a+p2p) over groups of a, each member holding its
+    # group's a x seq / cp tokens of 1 / a of the heads
+    a = layout.cp_a2a if layout.cp_comm == "a2a+p2p" else 1
+    rows = int(tokens) // b * a  # a sequence's tokens on a ring member
+    scores = FP32 * b * (heads // a) * score_tile_rows(b, heads // a, rows, rows) * rows
     one = FP32 * tokens * heads * head_dim  # a query-sized fp32 tensor
     copies = one if autocast else 0.0
-    return (2 * scores + 3 * one + copies + 2 * kv, 2 * scores + 5 * one + 2 * copies + 4 * kv,
-            0.0)
+    ring = (2 * scores + 3 * one + copies + 2 * kv, 2 * scores + 5 * one + 2 * copies + 4 * kv)
+    if a > 1:  # the all-to-alls come before and after the ring, not beside it
+        return max(swap, ring[0]), max(swap, ring[1]), 0.0
+    return ring[0], ring[1], 0.0
 
 
 def _bucket_of(plans) -> Dict[int, int]:
