@@ -41,7 +41,7 @@ LAYOUTS = [
     (2, 2, {"recompute": ("full", 1)}),
     (1, 2, {"zero": 2, "recompute": "selective"}),
     # context parallelism (each sequence split over cp ranks): the ring (p2p) over 4 ranks,
-    # with TP+SP, a pipeline, ZeRO-3 and each recompute; K/V all-gathered with ZeRO-1 and with
+    # with TP+SP, a pipeline (1F1B and interleaved), ZeRO-3 and each recompute; K/V all-gathered with ZeRO-1 and with
     # TP and selective recompute; Ulysses with ZeRO-2 and with a pipeline and full recompute;
     # the hierarchical flavour with ZeRO-1
     (1, 1, {"cp": 4}),
@@ -50,6 +50,7 @@ LAYOUTS = [
     (1, 1, {"cp": 2, "zero": 3}),
     (1, 1, {"cp": 2, "recompute": "selective"}),
     (2, 1, {"cp": 2, "recompute": "full"}),
+    (2, 1, {"cp": 2, "schedule": "interleaved", "virtual_stages": 2}),
     (1, 1, {"cp": 2, "cp_comm": "allgather", "zero": 1}),
     (1, 2, {"cp": 2, "cp_comm": "allgather", "recompute": "selective"}),
     # Ulysses (a2a): tp x cp must divide the 2 KV heads
