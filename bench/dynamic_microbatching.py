@@ -13,7 +13,7 @@ Memory budget: cluster.device_mem_GiB minus the search's reserve (memory_reserve
 search.reserve_fraction / reserve_GiB defaults). Targets (issue 12): <= 100 ms normal and <= 20 ms
 fast for 64 sequences; dynamic never slower than the better baseline; fast loss <= 2%.
 
-    python bench/dynamic_microbatching.py [--iterations 20] [--quick] [--no-measure]
+    python bench/dynamic_microbatching.py [--iterations 20] [--quick] [--no-measure] [--exhaustive]
                                           [--analytic-model]
 """
 from __future__ import annotations
@@ -106,7 +106,33 @@ def fallback_ranks(dyn, pad, pack) -> int:
                for r, mbs in enumerate(dyn.micro_batches))
 
 
-def run_batch(layout, model, hw, costs, budget, lengths_per_rank, max_len) -> dict:
+EXHAUSTIVE_MAX_MBS = 7  # every order of a rank's micro-batches: 7! = 5040 simulations
+
+
+def best_order_us(plan, costs, budget) -> float:
+    """The plan's iteration time with each rank's micro-batches (recompute kept) in the best of
+    all their orders that fits the budget: the reference for the planner's order search (nan
+    when a rank has more than EXHAUSTIVE_MAX_MBS micro-batches)."""
+    import itertools
+
+    from orchestrator.planner.dynamic import price_plan
+
+    worst = 0.0
+    for mbs, rows in zip(plan.micro_batches, plan.packed_rows):
+        if len(mbs) > EXHAUSTIVE_MAX_MBS:
+            return float("nan")
+        best = float("inf")
+        for perm in itertools.permutations(range(len(mbs))):
+            priced = price_plan([[mbs[i] for i in perm]], costs, budget,
+                                packed_rows=[[rows[i] for i in perm]])
+            if priced.feasible:
+                best = min(best, priced.iteration_time_us)
+        worst = max(worst, best)
+    return worst
+
+
+def run_batch(layout, model, hw, costs, budget, lengths_per_rank, max_len,
+              exhaustive: bool = False) -> dict:
     """Plans of one iteration: timings (ms) and predicted iteration times (us)."""
     kw = dict(max_seq_len=max_len, costs=costs)
     t0 = time.perf_counter()
@@ -118,7 +144,8 @@ def run_batch(layout, model, hw, costs, budget, lengths_per_rank, max_len) -> di
     t2 = time.perf_counter()
     pad = padded_plan(lengths_per_rank, layout, model, hw, budget, **kw)
     pack = packed_plan(lengths_per_rank, layout, model, hw, budget, **kw)
-    return {"normal_ms": (t1 - t0) * 1e3, "fast_ms": (t2 - t1) * 1e3,
+    best_us = best_order_us(dyn, costs, budget) if exhaustive else float("nan")
+    return {"normal_ms": (t1 - t0) * 1e3, "fast_ms": (t2 - t1) * 1e3, "best_us": best_us,
             "dyn_us": dyn.iteration_time_us, "fast_us": fast.iteration_time_us,
             "pad_us": pad.iteration_time_us, "pack_us": pack.iteration_time_us,
             "pad_ok": pad.feasible, "pack_ok": pack.feasible, "dyn_ok": dyn.feasible,
@@ -134,7 +161,8 @@ def baseline_best_us(row: dict) -> float:
     return min(fits, default=float("inf"))
 
 
-def case(label, layout, model, hw, budget, mean_len, max_len, sizes, iterations) -> None:
+def case(label, layout, model, hw, budget, mean_len, max_len, sizes, iterations,
+         exhaustive: bool = False) -> None:
     costs = MicroBatchCosts(layout, model, hw)
     table = Table(title=f"{label}: pp{layout.pp} tp{layout.tp} dp{layout.dp}"
                         f"{' sp' if layout.sequence_parallel else ''}, budget "
@@ -142,13 +170,14 @@ def case(label, layout, model, hw, budget, mean_len, max_len, sizes, iterations)
                         f"median of {iterations}")
     for col in ("seqs/rank", "plan ms normal", "plan ms fast", "dynamic ms", "fast ms",
                 "padded ms", "packed ms", "gain vs better (min)", "fast loss", "packed mbs",
-                "fallback ranks", "skipped"):
+                "fallback ranks", "skipped", "over best order (max)"):
         table.add_column(col, justify="right")
     for n in sizes:
         rng = np.random.default_rng(n)
         rows = [run_batch(layout, model, hw, costs, budget,
                           [lognormal_lengths(rng, n, mean_len, max_len) for _ in range(layout.dp)],
-                          max_len) for _ in range(iterations)]
+                          max_len, exhaustive) for _ in range(iterations)]
+        over_best = [r["dyn_us"] / r["best_us"] - 1 for r in rows if r["best_us"] == r["best_us"]]
 
         def med(key):
             return statistics.median(r[key] for r in rows)
@@ -165,7 +194,9 @@ def case(label, layout, model, hw, budget, mean_len, max_len, sizes, iterations)
             f"{gain:.2f}x ({worst_gain:.2f}x)", f"{loss * 100:.2f}%",
             f"{sum(r['packed_mbs'] for r in rows)}/{sum(r['mbs'] for r in rows)}",
             f"{sum(r['fallback'] for r in rows)}/{sum(r['ranks'] for r in rows)}",
-            str(sum(r["skipped"] for r in rows)))
+            str(sum(r["skipped"] for r in rows)),
+            f"{100 * statistics.median(over_best):.2f}% ({100 * max(over_best):.2f}%), "
+            f"{len(over_best)} of {len(rows)}" if over_best else "-")
     console.print(table)
 
 
@@ -175,7 +206,7 @@ def _over(rows, key: str) -> str:
     return f" ({over} over)" if over else ""
 
 
-def llama_case(sizes, iterations) -> None:
+def llama_case(sizes, iterations, exhaustive: bool = False) -> None:
     t0 = time.perf_counter()
     cfg = compose_cfg(["stage=profile_model", "cluster=dgx_h100", "cluster.nodes=4",
                        "model=llama2_7b", "model.seq_len=8192", "profile_model.source=analytic"])
@@ -185,7 +216,11 @@ def llama_case(sizes, iterations) -> None:
                   f"{time.perf_counter() - t0:.1f} s")
     layout = ParallelLayout.uniform(32, 8, 4, model.layers, sequence_parallel=True,
                                     micro_batch_size=1)
-    case("llama2_7b", layout, model, hw, budget_bytes(cfg), 512, 8192, sizes, iterations)
+    case("llama2_7b", layout, model, hw, budget_bytes(cfg), 512, 8192, sizes, iterations,
+         exhaustive)
+    # DynaPipe's side-by-side mix (issue 24): mean 1024, capped at 4096
+    case("llama2_7b", layout, model, hw, budget_bytes(cfg), 1024, 4096, sizes, iterations,
+         exhaustive)
 
 
 def tiny_profiles(cfg):
@@ -267,11 +302,15 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=None,
                         help="iterations per batch size (default 20, 5 with --quick)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 8 and 64 sequences")
+    parser.add_argument("--exhaustive", action="store_true",
+                        help=f"also every order of each rank's micro-batches where it has at "
+                             f"most {EXHAUSTIVE_MAX_MBS} (the gap of the planner's order to "
+                             f"the best; seconds per batch)")
     args = parser.parse_args()
     sizes = (8, 64) if args.quick else (8, 16, 64, 256)
     iterations = args.iterations or (5 if args.quick else 20)
     t0 = time.perf_counter()
-    llama_case(sizes, iterations)
+    llama_case(sizes, iterations, args.exhaustive)
     tiny_case(sizes, iterations)
     if not args.no_measure:
         measured_case(args.measure_steps, not args.analytic_model)

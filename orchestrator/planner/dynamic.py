@@ -18,6 +18,7 @@ the memory the plan reports (and keeps under the budget).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
@@ -63,12 +64,19 @@ class MicroBatch:
 @dataclass(frozen=True)
 class PlanOptions:
     """pad_multiple: padded lengths are rounded up to it (and to tp under sequence parallelism);
-    normal_adjustments / fast_adjustments: most recompute changes tried per rank; fast_splits:
-    fast mode splits the sorted batch only at this many + 1 evenly spread positions."""
+    normal_adjustments / fast_adjustments: most recompute changes tried per rank;
+    normal_order_sims / fast_order_sims: most simulations spent improving the best candidate
+    order (_RankSearch.improve: DynaPipe's group orders, then moves of one micro-batch);
+    exhaustive_orders: normal mode simulates every order of a rank's m micro-batches instead
+    when m! is at most this (m <= 5); fast_splits: fast mode splits the sorted batch only at
+    this many + 1 evenly spread positions."""
 
     pad_multiple: int = 1
     normal_adjustments: int = 64
     fast_adjustments: int = 4
+    normal_order_sims: int = 64
+    fast_order_sims: int = 16
+    exhaustive_orders: int = 120
     fast_splits: int = 96  # fast-mode quality loss <= 2% at 256 sequences (the bench)
 
 
@@ -359,6 +367,60 @@ class _RankSearch:
                 time_us, mem, modes = t_try, mem_try, trial
         return time_us, mem, modes
 
+    def _time_of(self, r: int, modes: Sequence[int]) -> float:
+        """Run r's forward + backward on its slowest stage, in its recompute mode."""
+        column = modes[r] * self.m + r
+        return float((self.all_modes.fwd_us[:, column] + self.all_modes.bwd_us[:, column]).max())
+
+    def _key(self, time_us: float, mem: np.ndarray) -> Tuple[float, float]:
+        """What an order is judged by: its excess over the budget first, then its time."""
+        return max(0.0, float((mem - self.budget).max())), time_us
+
+    def improve(self, order: List[int], modes: List[int], time_us: float, mem: np.ndarray,
+                sims: int, exhaustive: int = 0):
+        """A better order of the same runs (recompute kept per run): every order when there are
+        at most max(sims, exhaustive) of them, else DynaPipe's group orders and then a
+        first-improvement local search moving one run to another place (which covers swapping
+        neighbours), until no move helps or `sims` simulations are spent; the memory check
+        stays exact for every order tried. Returns (order, time_us, mem)."""
+        best = (self._key(time_us, mem), list(order), time_us, mem)
+        if math.factorial(self.m) <= max(sims, exhaustive):
+            for trial in itertools.permutations(range(self.m)):
+                t, mm = self.run(trial, modes)
+                if self._key(t, mm) < best[0]:
+                    best = (self._key(t, mm), list(trial), t, mm)
+            return best[1:]
+        # DynaPipe's seeds: the runs in 3 groups by time (short, middle, long), every order of
+        # the groups, each group ascending or descending
+        by_time = sorted(range(self.m), key=lambda r: self._time_of(r, modes))
+        cut = [len(by_time) * k // 3 for k in range(4)]
+        groups = [by_time[cut[k]:cut[k + 1]] for k in range(3)]
+        for perm in itertools.permutations(range(3)):
+            for direction in (1, -1):
+                trial = [r for g in perm for r in groups[g][::direction]]
+                if sims <= 0:
+                    break
+                t, mm = self.run(trial, modes)
+                sims -= 1
+                if self._key(t, mm) < best[0]:
+                    best = (self._key(t, mm), trial, t, mm)
+        improved = True
+        while improved and sims > 0:
+            improved = False
+            current = best[1]
+            for i, j in itertools.product(range(self.m), repeat=2):
+                if j in (i, i - 1) or sims <= 0:  # no move, or a swap the pair (j, i) makes
+                    continue
+                trial = current[:i] + current[i + 1:]
+                trial.insert(j, current[i])
+                t, mm = self.run(trial, modes)
+                sims -= 1
+                if self._key(t, mm) < best[0]:
+                    best = (self._key(t, mm), trial, t, mm)
+                    improved = True
+                    break
+        return best[1:]
+
 
 # ====================================================================== plan_iteration
 def _fast_mode(fast_mode: Optional[bool]) -> bool:
@@ -432,6 +494,10 @@ def _plan_rank(costs: MicroBatchCosts, lengths: np.ndarray, indices: np.ndarray,
             if best is None or (time_us, mem.max() > budget) < (best[0], best[1].max() > budget):
                 best = (time_us, mem, modes, order)
         time_us, mem, modes, order = best
+        order, time_us, mem = search.improve(
+            order, modes, time_us, mem,
+            options.fast_order_sims if fast else options.normal_order_sims,
+            0 if fast else options.exhaustive_orders)
         if (mem <= budget).all():
             break
         dp_budget -= float((mem - budget).max())
