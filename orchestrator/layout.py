@@ -31,9 +31,8 @@ ZERO_STAGES = (0, 1, 2, 3)
 # the ring across those groups (Megatron's --hierarchical-context-parallel-sizes cp_a2a
 # cp/cp_a2a).
 CP_COMMS = ("p2p", "a2a", "allgather", "a2a+p2p")
-# The flavours stage=train's engine runs (models/context_parallel.py), its default first.
-ENGINE_CP_COMMS = ("p2p", "allgather", "a2a", "a2a+p2p")
-ENGINE_CP_COMM = ENGINE_CP_COMMS[0]
+# stage=train's engine runs every flavour (models/context_parallel.py); its default:
+ENGINE_CP_COMM = "p2p"
 
 # (mode, k_layers): how many layers of the stage use `mode`; the others keep all activations.
 # "none" has k == 0, "selective" covers every layer of the stage (Megatron cannot do part of a

@@ -176,7 +176,7 @@ def test_search_splits_a_long_sequence_over_cp_in_the_flavours_the_engine_runs()
     ring's memory is workload/memory.py's, checked against real steps in test_train_engine)."""
     import dataclasses
 
-    from orchestrator.planner.search import SearchSpace, search
+    from orchestrator.planner.search import SearchSpace, enumerate_configs, search
 
     model, hw = _planner_inputs()
     space = SearchSpace(world_size=16, memory_budget_bytes=2 * (1 << 30), global_batch_size=4,
@@ -192,7 +192,10 @@ def test_search_splits_a_long_sequence_over_cp_in_the_flavours_the_engine_runs()
     assert ours_without.best.cp == 1
     assert ours.best.cp > 1 and ours.best.cp_comm in ("p2p", "a2a")
     assert ours.prediction.iteration_time_us < ours_without.prediction.iteration_time_us
-    assert "cp_comm_not_in_engine" not in ours.rejected  # the engine runs every flavour
+    # the engine runs every flavour: Ulysses is offered to it as to Megatron-LM
+    offered = {c.cp_comm for c in enumerate_configs(
+        model, hw, dataclasses.replace(space, max_cp=8, options=orchestrator), {})}
+    assert offered == {"p2p", "a2a"}
 
 
 def test_megatron_args_carry_cp_and_galvatron_takes_only_ulysses_without_tp():

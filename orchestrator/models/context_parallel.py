@@ -39,7 +39,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from orchestrator.layout import ENGINE_CP_COMMS
+from orchestrator.layout import CP_COMMS
 from orchestrator.workload.cp import SCORE_TILE_BYTES, score_tile_rows
 
 
@@ -56,9 +56,19 @@ def chunk_positions(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(first, first + size), torch.arange(second, second + size)])
 
 
+def ring_of(group):
+    """(size, this rank's index, the next rank's and the previous rank's global rank) of a ring
+    over the ranks of `group`, in group order."""
+    import torch.distributed as dist
+
+    size, index = dist.get_world_size(group), dist.get_rank(group)
+    ranks = dist.get_process_group_ranks(group)
+    return size, index, ranks[(index + 1) % size], ranks[(index - 1) % size]
+
+
 class ContextParallel:
     """This rank's share of context-parallel sequences: its CP group and flavour (one of
-    layout.ENGINE_CP_COMMS), and for a sequence of `seq_len` tokens the global positions of its
+    layout.CP_COMMS), and for a sequence of `seq_len` tokens the global positions of its
     tokens and of the all-gathered sequence's (every rank's chunks, in CP-rank order)."""
 
     def __init__(self, group, comm: str = "p2p", score_tile_bytes: int = SCORE_TILE_BYTES,
@@ -66,14 +76,11 @@ class ContextParallel:
         """`levels`: for a2a+p2p, (this rank's group of cp_a2a CP ranks, its ring group)."""
         import torch.distributed as dist
 
-        if comm not in ENGINE_CP_COMMS:
-            raise ValueError(f"cp_comm {comm!r}: the engine's context parallelism runs "
-                             f"{' or '.join(ENGINE_CP_COMMS)}")
+        if comm not in CP_COMMS:
+            raise ValueError(f"cp_comm {comm!r}: context parallelism runs "
+                             f"{' or '.join(CP_COMMS)}")
         self.group, self.comm, self.score_tile_bytes = group, comm, score_tile_bytes
-        self.cp, self.cp_rank = dist.get_world_size(group), dist.get_rank(group)
-        ranks = dist.get_process_group_ranks(group)
-        self.next_rank = ranks[(self.cp_rank + 1) % self.cp]  # global ranks of the ring
-        self.prev_rank = ranks[(self.cp_rank - 1) % self.cp]
+        self.cp, self.cp_rank, self.next_rank, self.prev_rank = ring_of(group)
         self._positions = {}
         self._cache = {}  # masks and rotary tables, per sequence length and device
         if comm == "a2a+p2p":
@@ -195,14 +202,9 @@ class _RingLevel:
     block_mask, shift."""
 
     def __init__(self, context: ContextParallel, group, a: int):
-        import torch.distributed as dist
-
         self.context, self.a, self.group = context, a, group
         self.score_tile_bytes = context.score_tile_bytes
-        self.cp, self.cp_rank = dist.get_world_size(group), dist.get_rank(group)
-        ranks = dist.get_process_group_ranks(group)
-        self.next_rank = ranks[(self.cp_rank + 1) % self.cp]
-        self.prev_rank = ranks[(self.cp_rank - 1) % self.cp]
+        self.cp, self.cp_rank, self.next_rank, self.prev_rank = ring_of(group)
         self._cache = {}
 
     def _positions(self, seq_len: int, member: int) -> torch.Tensor:

@@ -48,7 +48,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from orchestrator.layout import ENGINE_CP_COMMS, LayoutError, ParallelLayout
+from orchestrator.layout import LayoutError, ParallelLayout
 from orchestrator.models.config import ModelConfig
 from orchestrator.planner.profiles import HardwareModel, ModelCost
 from orchestrator.planner.schedule import (in_flight_micro_batches, schedule_coefficients,
@@ -181,11 +181,6 @@ class StageCosts:
         self.key = key
         self.hardware = hardware
         self.engine = options.engine
-        if key.cp > 1 and self.engine != "megatron" and key.cp_comm not in ENGINE_CP_COMMS:
-            raise LayoutError(f"cp({key.cp}) with cp_comm {key.cp_comm}: the {self.engine} "
-                              f"engine runs context parallelism as cp_comm "
-                              f"{' or '.join(ENGINE_CP_COMMS)}; Megatron-LM's {key.cp_comm} is "
-                              f"priced with search.engine=megatron")
         # A CP rank holds s / cp of each sequence (its tokens), a 1 / cp share of every layer.
         self.tokens = float(seq_len * key.micro_batch_size) / key.cp
         self.overlap_coe = hardware.overlap_coe

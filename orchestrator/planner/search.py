@@ -32,7 +32,7 @@ import numpy as np
 
 from orchestrator import errors
 from orchestrator.choices import Recompute, Schedule
-from orchestrator.layout import CP_COMMS, ENGINE_CP_COMMS, SCHEDULES, ParallelLayout
+from orchestrator.layout import CP_COMMS, SCHEDULES, ParallelLayout
 from orchestrator.planner.cost_model import (GiB, ConfigKey, CostOptions, Prediction, StageCosts,
                                              evaluate)
 from orchestrator.planner.profiles import HardwareModel, ModelCost
@@ -174,7 +174,6 @@ def enumerate_configs(model: ModelCost, hardware: HardwareModel, space: SearchSp
 
     W, L = space.world_size, model.layers
     schedules = space.schedules[:1] if space.fast_mode else space.schedules
-    megatron = space.options.engine == "megatron"
     all2all_profiled = any(op == "all2all" for op, _ in hardware.measured)
     configs = []
     for tp in _divisors(W):
@@ -197,9 +196,6 @@ def enumerate_configs(model: ModelCost, hardware: HardwareModel, space: SearchSp
                 reject("cp_splits_sequence")
                 continue
             for cp_comm, a2a in _cp_flavours(space.cp_comms if cp > 1 else ("p2p",), cp):
-                if cp > 1 and not megatron and cp_comm not in ENGINE_CP_COMMS:
-                    reject("cp_comm_not_in_engine")
-                    continue
                 split = {"a2a": cp, "a2a+p2p": a2a}.get(cp_comm, 1)  # Ulysses' share of heads
                 if model.heads % (tp * split) or model.kv_heads % (tp * split):
                     reject("cp_a2a_splits_heads")

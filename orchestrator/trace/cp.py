@@ -32,12 +32,12 @@ the trace's representative rank of a stage is CP rank 0.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.distributed as dist
 
-from types import SimpleNamespace
-
-from orchestrator.models.context_parallel import SwapSplit, all_to_all_heads
+from orchestrator.models.context_parallel import SwapSplit, ring_of
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention
 _FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_backward
@@ -79,10 +79,7 @@ class MegatronContextParallel:
             inner, ring = levels
             self.inner = SimpleNamespace(group=inner, cp=dist.get_world_size(inner))
             self.ring = MegatronContextParallel(ring, "p2p")
-        self.cp, self.cp_rank = dist.get_world_size(group), dist.get_rank(group)
-        ranks = dist.get_process_group_ranks(group)
-        self.next_rank = ranks[(self.cp_rank + 1) % self.cp]
-        self.prev_rank = ranks[(self.cp_rank - 1) % self.cp]
+        self.cp, self.cp_rank, self.next_rank, self.prev_rank = ring_of(group)
 
     def rotary(self, cos: torch.Tensor, sin: torch.Tensor, local_len: int):
         # The positions' values do not matter on meta: the tables' shape does (a view).
@@ -94,9 +91,9 @@ class MegatronContextParallel:
         if self.comm == "allgather":
             return _AllGather.apply(q, k, v, self)
         if self.comm == "a2a+p2p":
-            hq, hk, hv = (SwapSplit.apply(t, self.inner, True) for t in (q, k, v))
-            return SwapSplit.apply(_Ring.apply(hq, hk, hv, self.ring), self.inner, False)
-        return _AllToAll.apply(q, k, v, self)
+            return _head_split(q, k, v, self.inner,
+                               lambda *qkv: _Ring.apply(*qkv, self.ring))
+        return _head_split(q, k, v, self, lambda *qkv: _flash(*qkv, True)[0])
 
     def shift(self, t: torch.Tensor):
         """Send `t` to the next CP rank, receive the previous one's: (works, received)."""
@@ -246,23 +243,8 @@ def _scatter(t: torch.Tensor, context) -> torch.Tensor:
     return mine.permute(1, 2, 0, 3)
 
 
-def _all_to_all(t: torch.Tensor, context, to_heads: bool) -> torch.Tensor:
-    return all_to_all_heads(t, context.group, context.cp, to_heads)
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, context):
-        hq, hk, hv = (_all_to_all(t, context, True) for t in (q, k, v))
-        out, lse, rest = _flash(hq, hk, hv, True)
-        ctx.context, ctx.rest = context, rest
-        ctx.save_for_backward(hq, hk, hv, out, lse)
-        return _all_to_all(out, context, False)
-
-    @staticmethod
-    def backward(ctx, grad):
-        context = ctx.context
-        hq, hk, hv, out, lse = ctx.saved_tensors
-        dq, dk, dv = _flash_backward(_all_to_all(grad, context, True), hq, hk, hv, out, lse,
-                                     ctx.rest, True)
-        return tuple(_all_to_all(t, context, False) for t in (dq, dk, dv)) + (None,)
+def _head_split(q, k, v, level, core):
+    """Ulysses over `level` (its group and size): Q, K, V to a head split of its ranks' tokens,
+    `core` on them (autograd: its backward kernels are recorded), the output back."""
+    hq, hk, hv = (SwapSplit.apply(t, level, True) for t in (q, k, v))
+    return SwapSplit.apply(core(hq, hk, hv), level, False)

@@ -13,7 +13,7 @@ from orchestrator.choices import Backend, Dtype
 from orchestrator.commands import rerun_command
 from orchestrator.config import cluster_world_size
 from orchestrator.errors import ConfigError, InfeasibleError, InvalidLayout, ProfileError
-from orchestrator.layout import ENGINE_CP_COMM, ENGINE_CP_COMMS, LayoutError, ParallelLayout
+from orchestrator.layout import ENGINE_CP_COMM, LayoutError, ParallelLayout
 from orchestrator.store import cluster_dir, hardware_path, model_profile_path, strategy_path
 
 GiB = 2**30
@@ -198,11 +198,6 @@ def check_target(cfg, target: TrainTarget, world: int) -> None:
                           f"{cfg.cluster.name} has {world} (nodes x tasks_per_node); search "
                           f"again for it ({rerun_command('search')}) or give train.pp/train.tp")
     layout.check_model_layers(model.layers, model.name)
-    if layout.cp > 1 and layout.cp_comm not in ENGINE_CP_COMMS:
-        raise LayoutError(f"cp({layout.cp}) with cp_comm {layout.cp_comm}: stage=train runs "
-                          f"context parallelism as cp_comm {' or '.join(ENGINE_CP_COMMS)}; "
-                          f"Megatron-LM runs this one (the strategy's megatron_args), or give "
-                          f"train.cp_comm={ENGINE_CP_COMM}")
     if layout.cp > 1 and layout.cp_comm in ("a2a", "a2a+p2p"):
         try:
             layout.check_heads(model.heads, model.kv_heads, model.name)
