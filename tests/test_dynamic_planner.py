@@ -184,6 +184,21 @@ def test_dynamic_packs_many_short_samples_and_beats_both_baselines():
         assert plan.iteration_time_us <= other.iteration_time_us
 
 
+
+def test_one_stage_needs_no_p2p_fit():
+    """A one-GPU profile has no p2p fit (one rank sends to nobody); one pipeline stage sends
+    nothing, so plans price without it (a one-GPU dynamic run failed at once on this)."""
+    profile = synthetic_hardware(1, 1)
+    del profile["benchmarks"]["p2p"]
+    hw = HardwareModel.from_dict(profile)
+    lay = ParallelLayout.uniform(1, 1, 1, MODEL.layers)
+    lengths = [[30, 200, 75, 512, 9]]
+    plan = plan_iteration(lengths, lay, MODEL, hw, 1e12, max_seq_len=512)
+    check_valid(plan, lengths)
+    with_p2p = plan_iteration(lengths, lay, MODEL, HardwareModel.from_dict(
+        synthetic_hardware(1, 1)), 1e12, max_seq_len=512)
+    assert plan.iteration_time_us == with_p2p.iteration_time_us
+
 # ------------------------------------------------------------------ the order search
 def _long_tailed(rng, count: int, cap: int = 2048) -> list:
     return np.minimum(rng.lognormal(5.5, 1.0, count).astype(int) + 1, cap).tolist()

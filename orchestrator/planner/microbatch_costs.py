@@ -111,7 +111,9 @@ class MicroBatchCosts:
                            else per_stage + np.reshape(other.gather_bwd_us, (-1, 1))))
             if other.active else other)
         intra = boundary_intra_node(layout.pp, layout.tp * layout.dp, hardware.tasks_per_node)
-        self.p2p_lines = np.array([_p2p_line(hardware, x, layout.pp) for x in intra])
+        # One stage sends nothing: a one-rank profile has no p2p fit to read.
+        self.p2p_lines = (np.array([_p2p_line(hardware, x, layout.pp) for x in intra])
+                          if layout.pp > 1 else np.zeros((len(intra), 2)))
         # Row s - 1: one sequence of s tokens (see _per_sequence); grown on demand.
         self._per_seq = np.zeros((0, 12))
 

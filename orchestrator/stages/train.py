@@ -252,6 +252,11 @@ def _variable_length_planner(cfg, layout, seq_len: int, data):
     kind = Microbatching.parse(t.microbatching)
     if kind == Microbatching.fixed:
         return None
+    # Shapes change every micro-batch: cuDNN's attention (torch's first choice on H100) builds
+    # a graph per new shape, 110-190 ms each (docs/gpu.md); flash attention has no such cost.
+    import torch
+
+    torch.backends.cuda.enable_cudnn_sdp(False)
     model_cost, hardware = planner_profiles(cfg)
     mean = t.length_mean or max(1, seq_len // 4)
     distribution = LengthDistribution(mean_len=float(mean), max_len=seq_len)
