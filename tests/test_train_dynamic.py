@@ -24,6 +24,8 @@ LENGTHS = LengthDistribution(mean_len=12, max_len=SEQ_LEN, min_len=2)
 # lengths (the longest sample, rounded up to even for sequence parallelism) and recompute modes.
 UNEQUAL_1F1B = [[((0, 1), "none"), ((2, 3), "full")],
                 [((0,), "selective"), ((1, 2), "none"), ((3,), "full")]]
+# pp4 dp1: one pipeline over the 4 samples, for eager 1F1B (more warm-up forwards)
+UNEQUAL_PP4 = [[((0,), "none"), ((1,), "full"), ((2,), "selective"), ((3,), "none")]]
 UNEQUAL_INTERLEAVED = [[((0, 1), "selective"), ((2, 3), "none")],
                        [((0,), "none"), ((1,), "full"), ((2,), "none"), ((3,), "selective")]]
 
@@ -124,8 +126,9 @@ def _equal_shapes(rank, out, pp, tp):
     out[(f"equal pp{pp} tp{tp}", rank)] = (loss0, loss1, norm0, norm1, _max_diff(p0, p1))
 
 
-def _unequal(rank, out, name, layout, plan_by_dp, pad_to_max=False):
-    """The executor on this dp rank's plan against the whole-batch reference."""
+def _unequal(rank, out, name, layout, plan_by_dp, pad_to_max=False, extra_warmup=0):
+    """The executor on this dp rank's plan (eager 1F1B with extra_warmup) against the
+    whole-batch reference."""
     from orchestrator.train.engine import Engine
 
     data = make_data(None, 128, SEQ_LEN, seed=0)
@@ -133,7 +136,8 @@ def _unequal(rank, out, name, layout, plan_by_dp, pad_to_max=False):
     engine = Engine(layout, _model(), torch.device("cpu"), seed=1)
     mine = windows[4 * engine.dp_rank:4 * engine.dp_rank + 4]
     batches = _micro_batches(mine, plan_by_dp[engine.dp_rank], pad_to_max)
-    stats = engine.train_step_micro_batches(batches, LR, 0.0, _real_tokens(windows))
+    stats = engine.train_step_micro_batches(batches, LR, 0.0, _real_tokens(windows),
+                                            extra_warmup=extra_warmup)
     loss, norm, params, clear = _reference(windows, plan_by_dp)
     mine_params = _params(engine)
     diff = _max_diff(mine_params, {k: params[k] for k in mine_params}, clear)
@@ -145,6 +149,8 @@ def _worker(rank: int, out: dict) -> None:
     _equal_shapes(rank, out, pp=2, tp=2)
     _unequal(rank, out, "1f1b", _layout(2, 1, m=2), UNEQUAL_1F1B)
     _unequal(rank, out, "1f1b padded", _layout(2, 1, m=2), UNEQUAL_1F1B, pad_to_max=True)
+    _unequal(rank, out, "eager 1f1b pp2", _layout(2, 1, m=2), UNEQUAL_1F1B, extra_warmup=1)
+    _unequal(rank, out, "eager 1f1b pp4", _layout(4, 1, m=4), UNEQUAL_PP4, extra_warmup=2)
     _unequal(rank, out, "interleaved",
              _layout(2, 1, m=2, schedule="interleaved", virtual_stages=2),
              UNEQUAL_INTERLEAVED)
@@ -166,10 +172,12 @@ def test_executor_matches_train_step_on_equal_micro_batches(results, case):
         assert param_diff < 1e-5, (case, rank, param_diff)
 
 
-@pytest.mark.parametrize("case", ["1f1b", "interleaved", "dp4 zero2"])
+@pytest.mark.parametrize("case", ["1f1b", "interleaved", "dp4 zero2", "eager 1f1b pp2",
+                                  "eager 1f1b pp4"])
 def test_unequal_micro_batches_give_the_whole_batch_token_mean(results, case):
     """Different micro-batch counts per dp rank (2 vs 3, 2 vs 4): loss, gradient norm and the
-    updated parameters are those of one process on the whole batch, padding ignored."""
+    updated parameters are those of one process on the whole batch, padding ignored; also
+    under eager 1F1B's op order (the planner's extra warm-up forwards)."""
     for rank in range(WORLD_SIZE):
         loss, want_loss, norm, want_norm, param_diff = results[(case, rank)]
         assert loss == pytest.approx(want_loss, rel=1e-5), (case, rank)

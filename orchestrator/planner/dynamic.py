@@ -14,7 +14,9 @@ t_i <= tau, plus c tau), thresholds refined until no gap between them can win (f
 spread thresholds). A micro-batch is allowed when, with the stage's worst-case in-flight count
 of copies of it, every stage fits the budget; it takes the fastest recompute that does. Then
 order candidates and recompute adjustments go through the simulation, whose in-flight peak is
-the memory the plan reports (and keeps under the budget).
+the memory the plan reports (and keeps under the budget); the order is searched
+(_RankSearch.improve) under plain 1F1B and eager 1F1B (more warm-up forwards where memory
+allows), and for a few micro-batches made exact by branch and bound (planner/order_search.py).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from orchestrator.planner.microbatch_costs import (Candidates, MicroBatchCosts,
                                                    PricedMicroBatches, pack_rows, padded_length,
                                                    price_candidates)
 from orchestrator.planner.profiles import HardwareModel, ModelCost
+from orchestrator.planner.order_search import OrderResult, best_order, problem_of
 from orchestrator.planner.schedule import simulate
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -68,15 +71,22 @@ class PlanOptions:
     normal_order_sims / fast_order_sims: most simulations spent improving the best candidate
     order (_RankSearch.improve: DynaPipe's group orders, then moves of one micro-batch);
     exhaustive_orders: normal mode simulates every order of a rank's m micro-batches instead
-    when m! is at most this (m <= 5); fast_splits: fast mode splits the sorted batch only at
-    this many + 1 evenly spread positions."""
+    when m! is at most this (m <= 5); exact_orders / exact_nodes: under 1F1B normal mode finds
+    the best order of up to this many micro-batches by branch and bound, simulating at most
+    exact_nodes prefixes (the local search goes on from the best found if that runs out);
+    fast_splits: fast mode splits the sorted batch only at this many + 1 evenly spread
+    positions; fast_min_samples: a rank with fewer samples is planned as in normal mode but
+    without the branch and bound (fast there already)."""
 
     pad_multiple: int = 1
     normal_adjustments: int = 64
     fast_adjustments: int = 4
     normal_order_sims: int = 64
-    fast_order_sims: int = 16
+    fast_order_sims: int = 32
     exhaustive_orders: int = 120
+    exact_orders: int = 8
+    exact_nodes: int = 6000
+    fast_min_samples: int = 64
     fast_splits: int = 96  # fast-mode quality loss <= 2% at 256 sequences (the bench)
 
 
@@ -90,7 +100,8 @@ class ExecutionPlan:
     (rank, index, length, reason) of each sample left out; packed_rows[r][i]: micro-batch i's
     rows as tuples of sample indices, each row one sequence of padded_len tokens (the samples
     concatenated, then padding; attention over the whole row), or () when each sample is its
-    own row (padded)."""
+    own row (padded); extra_warmup[r]: dp rank r's pipeline runs eager 1F1B with that many
+    more warm-up forwards per stage (workload.order.stage_order; () or 0: plain 1F1B)."""
 
     micro_batches: Tuple[Tuple[MicroBatch, ...], ...]
     schedule: str
@@ -103,6 +114,11 @@ class ExecutionPlan:
     planning_ms: float = 0.0
     skipped: Tuple[Tuple[int, int, int, str], ...] = ()
     packed_rows: Tuple[Tuple[Tuple[Tuple[int, ...], ...], ...], ...] = ()
+    extra_warmup: Tuple[int, ...] = ()
+
+    def extra_warmup_of(self, rank: int) -> int:
+        """dp rank `rank`'s extra warm-up forwards (0 for plain 1F1B or interleaved)."""
+        return self.extra_warmup[rank] if self.extra_warmup else 0
 
     @property
     def feasible(self) -> bool:
@@ -122,28 +138,34 @@ class ExecutionPlan:
             "skipped": [list(x) for x in self.skipped],
             "packed_rows": [[[list(row) for row in mb] for mb in rank]
                             for rank in self.packed_rows],
+            "extra_warmup": list(self.extra_warmup),
         }
 
 
 @dataclass(frozen=True)
 class _RankResult:
-    """One rank's micro-batches priced and simulated: time (us), peak bytes per stage."""
+    """One rank's micro-batches priced and simulated: time (us), peak bytes per stage, and the
+    eager 1F1B warm-up it was simulated with."""
 
     micro_batches: Tuple[MicroBatch, ...]
     time_us: float
     stage_bytes: np.ndarray
     packed_rows: Tuple[Tuple[Tuple[int, ...], ...], ...]
+    extra_warmup: int = 0
 
 
-def simulate_rank(costs: MicroBatchCosts, priced: PricedMicroBatches) -> Tuple[float, np.ndarray]:
-    """(time_us, stage_bytes[p]) of one rank running the priced micro-batches in column order:
-    the simulated makespan plus each stage's tail after its own finish, and each stage's static
-    bytes + simulated in-flight peak + the largest extra. With no micro-batch the simulation
-    takes 0 us and the tail is the whole gradient sync plus the optimizer step."""
+def simulate_rank(costs: MicroBatchCosts, priced: PricedMicroBatches,
+                  extra_warmup: int = 0) -> Tuple[float, np.ndarray]:
+    """(time_us, stage_bytes[p]) of one rank running the priced micro-batches in column order
+    (eager 1F1B with extra_warmup > 0): the simulated makespan plus each stage's tail after its
+    own finish, and each stage's static bytes + simulated in-flight peak + the largest extra.
+    With no micro-batch the simulation takes 0 us and the tail is the whole gradient sync plus
+    the optimizer step."""
     layout = costs.layout
     m = priced.fwd_us.shape[1]
     sim = simulate(priced.fwd_us, priced.bwd_us, m, layout.schedule, layout.virtual_stages,
-                   priced.boundary_us if layout.pp > 1 else 0.0, priced.stored_bytes)
+                   priced.boundary_us if layout.pp > 1 else 0.0, priced.stored_bytes,
+                   extra_warmup)
     # The last backward on every stage is the last micro-batch's (chunk 0 under interleaving).
     window = priced.sync_window_us[:, -1] if m else np.zeros(layout.pp)
     time_us = float(np.max(np.array(sim.stage_finish_us) + costs.tail_us(window)))
@@ -165,33 +187,38 @@ def _make_plan(costs: MicroBatchCosts, results: Sequence[_RankResult], budget: f
                mode: str, t0: float, skipped=()) -> ExecutionPlan:
     times = tuple(r.time_us for r in results)
     peak = np.max(np.array([r.stage_bytes for r in results]), axis=0)
+    extra = tuple(r.extra_warmup for r in results)
     return ExecutionPlan(micro_batches=tuple(r.micro_batches for r in results),
                          schedule=costs.layout.schedule, iteration_time_us=max(times),
                          rank_time_us=times, stage_peak_memory_bytes=tuple(peak.tolist()),
                          memory_budget_bytes=float(budget), kind=kind, mode=mode,
                          planning_ms=(time.perf_counter() - t0) * 1e3, skipped=tuple(skipped),
-                         packed_rows=tuple(r.packed_rows for r in results))
+                         packed_rows=tuple(r.packed_rows for r in results),
+                         extra_warmup=extra if any(extra) else ())
 
 
 def price_plan(micro_batches_per_rank: Sequence[Sequence[MicroBatch]], costs: MicroBatchCosts,
                memory_budget_bytes: float, kind: str = "dynamic",
-               packed_rows: Optional[Sequence[Sequence[Tuple]]] = None) -> ExecutionPlan:
+               packed_rows: Optional[Sequence[Sequence[Tuple]]] = None,
+               extra_warmup: Optional[Sequence[int]] = None) -> ExecutionPlan:
     """The ExecutionPlan of given micro-batches (in execution order, per dp rank; packed_rows
-    as ExecutionPlan's, default every sample its own row), priced and simulated as
-    plan_iteration prices its own."""
+    and extra_warmup as ExecutionPlan's, default every sample its own row and plain 1F1B),
+    priced and simulated as plan_iteration prices its own."""
     t0 = time.perf_counter()
     if packed_rows is None:
         packed_rows = [[()] * len(mbs) for mbs in micro_batches_per_rank]
-    results = _price_ranks(costs, micro_batches_per_rank, packed_rows)
+    results = _price_ranks(costs, micro_batches_per_rank, packed_rows, extra_warmup)
     return _make_plan(costs, results, memory_budget_bytes, kind, "normal", t0)
 
 
-def _price_ranks(costs: MicroBatchCosts, micro_batches_per_rank, packed_rows) -> List[_RankResult]:
+def _price_ranks(costs: MicroBatchCosts, micro_batches_per_rank, packed_rows,
+                 extra_warmup: Optional[Sequence[int]] = None) -> List[_RankResult]:
     """Each rank's micro-batches (and rows) priced and simulated."""
     results = []
-    for mbs, rows in zip(micro_batches_per_rank, packed_rows):
-        t, mem = simulate_rank(costs, _price_micro_batches(costs, mbs, rows))
-        results.append(_RankResult(tuple(mbs), t, mem, tuple(tuple(r) for r in rows)))
+    extra_warmup = list(extra_warmup or [0] * len(micro_batches_per_rank))
+    for mbs, rows, extra in zip(micro_batches_per_rank, packed_rows, extra_warmup):
+        t, mem = simulate_rank(costs, _price_micro_batches(costs, mbs, rows), extra)
+        results.append(_RankResult(tuple(mbs), t, mem, tuple(tuple(r) for r in rows), extra))
     return results
 
 
@@ -321,7 +348,7 @@ def order_candidates(runs: Sequence[Tuple[int, int]]) -> List[List[int]]:
 class _RankSearch:
     """Order and recompute of one rank's runs (rows[r] rows of row_len[r] tokens) through the
     simulation. The three recompute modes of every run are priced once; a candidate is
-    (order, modes)."""
+    (order, modes), simulated with the schedule's extra warm-up `self.extra` (eager 1F1B)."""
 
     def __init__(self, costs: MicroBatchCosts, rows: np.ndarray, row_len: np.ndarray,
                  budget: float):
@@ -330,10 +357,11 @@ class _RankSearch:
         self.all_modes = costs.price(np.tile(rows, 3), np.tile(row_len, 3),
                                      np.repeat(np.arange(3), m))
         self.m = m
+        self.extra = 0
 
     def run(self, order: Sequence[int], modes: Sequence[int]) -> Tuple[float, np.ndarray]:
         columns = [mode * self.m + r for r, mode in zip(order, (modes[r] for r in order))]
-        return simulate_rank(self.costs, self.all_modes.take(columns))
+        return simulate_rank(self.costs, self.all_modes.take(columns), self.extra)
 
     def adjust(self, order, modes: List[int], steps: int):
         """Add recompute while a stage is over the budget (the run with the most stored bytes
@@ -372,23 +400,61 @@ class _RankSearch:
         column = modes[r] * self.m + r
         return float((self.all_modes.fwd_us[:, column] + self.all_modes.bwd_us[:, column]).max())
 
-    def _key(self, time_us: float, mem: np.ndarray) -> Tuple[float, float]:
+    def key(self, time_us: float, mem: np.ndarray) -> Tuple[float, float]:
         """What an order is judged by: its excess over the budget first, then its time."""
         return max(0.0, float((mem - self.budget).max())), time_us
 
+    def exact(self, order: List[int], modes: List[int], key: Tuple[float, float],
+              node_limit: int, extras: Sequence[int]) -> OrderResult:
+        """The best order of the runs under 1F1B with each of `extras` (the first: self.extra,
+        of `order` whose key is `key`) by branch and bound (planner/order_search.py)."""
+        priced = self.all_modes.take([modes[r] * self.m + r for r in range(self.m)])
+        costs = self.costs
+        common = dict(stored_bytes=priced.stored_bytes,
+                      tail_us=np.array([costs.tail_us(priced.sync_window_us[:, c])
+                                        for c in range(self.m)]),
+                      static_bytes=costs.static_bytes, extra_bytes=priced.extra_bytes.max(axis=1),
+                      tail_bytes=costs.tail_bytes, budget_bytes=self.budget)
+        problems = [problem_of(priced.fwd_us, priced.bwd_us,
+                               priced.boundary_us if costs.layout.pp > 1 else None,
+                               extra_warmup=extra, **common) for extra in extras]
+        return best_order(problems, order, key, node_limit)
+
     def improve(self, order: List[int], modes: List[int], time_us: float, mem: np.ndarray,
-                sims: int, exhaustive: int = 0):
+                sims: int, exhaustive: int = 0, exact: int = 0, exact_nodes: int = 0):
         """A better order of the same runs (recompute kept per run): every order when there are
-        at most max(sims, exhaustive) of them, else DynaPipe's group orders and then a
+        at most max(sims, exhaustive) of them; else DynaPipe's group orders and then a
         first-improvement local search moving one run to another place (which covers swapping
-        neighbours), until no move helps or `sims` simulations are spent; the memory check
-        stays exact for every order tried. Returns (order, time_us, mem)."""
-        best = (self._key(time_us, mem), list(order), time_us, mem)
+        neighbours), until no move helps or `sims` simulations are spent; then, under 1F1B
+        with at most `exact` runs, a branch and bound from the best found over every order
+        under plain 1F1B and every eager warm-up (exact unless it runs out of its exact_nodes
+        prefixes; self.extra becomes the best one's). The memory check stays exact for every
+        order tried. Returns (order, time_us, mem)."""
+        order, time_us, mem = self._local_search(order, modes, time_us, mem, sims, exhaustive)
+        best = (self.key(time_us, mem), list(order), time_us, mem)
+        if (self.costs.layout.schedule == "1f1b" and 1 < self.m <= exact
+                and math.factorial(self.m) > max(sims, exhaustive)):
+            # every extra warm-up, the current one first (its order is the incumbent)
+            extras = [self.extra] + [e for e in [0, *_extra_warmups(self.costs.layout, self.m)]
+                                     if e != self.extra]
+            found = self.exact(list(order), modes, best[0], exact_nodes, extras)
+            extra, self.extra = self.extra, extras[found.problem]
+            t, mm = self.run(found.order, modes)
+            if self.key(t, mm) < best[0]:
+                best = (self.key(t, mm), list(found.order), t, mm)
+            else:
+                self.extra = extra
+        return best[1:]
+
+    def _local_search(self, order: List[int], modes: List[int], time_us: float,
+                      mem: np.ndarray, sims: int, exhaustive: int):
+        """improve() without the branch and bound."""
+        best = (self.key(time_us, mem), list(order), time_us, mem)
         if math.factorial(self.m) <= max(sims, exhaustive):
             for trial in itertools.permutations(range(self.m)):
                 t, mm = self.run(trial, modes)
-                if self._key(t, mm) < best[0]:
-                    best = (self._key(t, mm), list(trial), t, mm)
+                if self.key(t, mm) < best[0]:
+                    best = (self.key(t, mm), list(trial), t, mm)
             return best[1:]
         # DynaPipe's seeds: the runs in 3 groups by time (short, middle, long), every order of
         # the groups, each group ascending or descending
@@ -402,8 +468,8 @@ class _RankSearch:
                     break
                 t, mm = self.run(trial, modes)
                 sims -= 1
-                if self._key(t, mm) < best[0]:
-                    best = (self._key(t, mm), trial, t, mm)
+                if self.key(t, mm) < best[0]:
+                    best = (self.key(t, mm), trial, t, mm)
         improved = True
         while improved and sims > 0:
             improved = False
@@ -415,8 +481,8 @@ class _RankSearch:
                 trial.insert(j, current[i])
                 t, mm = self.run(trial, modes)
                 sims -= 1
-                if self._key(t, mm) < best[0]:
-                    best = (self._key(t, mm), trial, t, mm)
+                if self.key(t, mm) < best[0]:
+                    best = (self.key(t, mm), trial, t, mm)
                     improved = True
                     break
         return best[1:]
@@ -467,6 +533,8 @@ def _plan_rank(costs: MicroBatchCosts, lengths: np.ndarray, indices: np.ndarray,
     largest extras and stored bytes come from different runs: the partition is then redone
     under a budget lowered by the excess (up to 8 times)."""
     layout = costs.layout
+    exact = not fast  # fast mode skips the branch and bound at any size
+    fast = fast and len(indices) >= options.fast_min_samples
     sort = np.argsort(lengths[indices], kind="stable")
     ordered = indices[sort]
     padded = padded_length(lengths[ordered], multiple, max_seq_len)
@@ -493,11 +561,37 @@ def _plan_rank(costs: MicroBatchCosts, lengths: np.ndarray, indices: np.ndarray,
             time_us, mem, modes = search.adjust(order, modes, steps)
             if best is None or (time_us, mem.max() > budget) < (best[0], best[1].max() > budget):
                 best = (time_us, mem, modes, order)
-        time_us, mem, modes, order = best
-        order, time_us, mem = search.improve(
-            order, modes, time_us, mem,
-            options.fast_order_sims if fast else options.normal_order_sims,
-            0 if fast else options.exhaustive_orders)
+        # Eager 1F1B: more micro-batches in flight where memory allows; each extra warm-up
+        # from the best candidate's order, recompute re-adjusted to its memory. Plain 1F1B's
+        # best is improved too, so the plan is never worse than without the eager schedules.
+        eager = None
+        for extra in _extra_warmups(layout, len(runs)):
+            search.extra = extra
+            found = search.adjust(best[3], list(best[2]), steps)
+            if eager is None or search.key(*found[:2]) < search.key(*eager[:2]):
+                eager = found + (best[3], extra)
+        sims = options.fast_order_sims if fast else options.normal_order_sims
+        exhaustive = 0 if fast else options.exhaustive_orders
+        starts = [best + (0,)] + ([eager] if eager is not None else [])
+        if fast:  # only the better schedule's order is searched
+            starts = [min(starts, key=lambda x: search.key(x[0], x[1]))]
+        found = None
+        for time_us, mem, modes, order, extra in starts:
+            search.extra = extra
+            result = search.improve(order, modes, time_us, mem, sims, exhaustive)
+            if found is None or search.key(*result[1:]) < search.key(*found[0][1:]):
+                found = (result, modes, extra)
+        (order, time_us, mem), modes, search.extra = found
+        if exact:  # the better schedule's order: exact where few (branch and bound)
+            order, time_us, mem = search.improve(order, modes, time_us, mem, 0, 0,
+                                                 options.exact_orders, options.exact_nodes)
+        if search.extra:  # plain 1F1B where the extra warm-up gains nothing
+            extra, search.extra = search.extra, 0
+            plain = search.run(order, modes)
+            if search.key(*plain) > search.key(time_us, mem):
+                search.extra = extra
+            else:
+                time_us, mem = plain
         if (mem <= budget).all():
             break
         dp_budget -= float((mem - budget).max())
@@ -508,7 +602,15 @@ def _plan_rank(costs: MicroBatchCosts, lengths: np.ndarray, indices: np.ndarray,
         row_len = int(cands.row_len[a, c])
         mbs.append(MicroBatch(samples, row_len, RECOMPUTE_MODES[modes[r]]))
         packed.append(_rows_of(samples, lengths, row_len) if cands.rows[a, c] < j - i else ())
-    return _RankResult(tuple(mbs), time_us, mem, tuple(packed))
+    return _RankResult(tuple(mbs), time_us, mem, tuple(packed), search.extra)
+
+
+def _extra_warmups(layout: ParallelLayout, m: int) -> range:
+    """The eager 1F1B warm-ups worth simulating beside plain 1F1B: 1 .. min(p - 1, m - 1)
+    (stage 0 can hold at most m in flight); none for one stage or the interleaved schedule."""
+    if layout.schedule != "1f1b":
+        return range(0)
+    return range(1, min(layout.pp - 1, m - 1) + 1)
 
 
 def _rows_of(samples: Tuple[int, ...], lengths: np.ndarray,

@@ -88,7 +88,8 @@ def _boundaries(p2p_us, p: int, m: int) -> np.ndarray:
 
 
 def simulate(fwd_us, bwd_us, num_micro_batches: int, schedule: str = "1f1b",
-             virtual_stages: int = 1, p2p_us=0.0, act_bytes=None) -> ScheduleResult:
+             virtual_stages: int = 1, p2p_us=0.0, act_bytes=None,
+             extra_warmup: int = 0) -> ScheduleResult:
     """Simulate one iteration; returns times in us (and peak in-flight bytes per stage).
 
     fwd_us, bwd_us: stage j's forward and backward time for one micro-batch over all its layers
@@ -99,7 +100,8 @@ def simulate(fwd_us, bwd_us, num_micro_batches: int, schedule: str = "1f1b",
     boundary), or [boundary][micro_batch]. A send occupies the sending stage right after the
     operation. act_bytes [stage][micro_batch]: bytes a micro-batch's forward leaves stored on
     the stage until its backward (each chunk holds 1/v); the result then has
-    stage_peak_act_bytes. With no micro-batches every time is 0."""
+    stage_peak_act_bytes. extra_warmup: eager 1F1B's extra warm-up forwards (stage_order).
+    With no micro-batches every time is 0."""
     p = len(fwd_us)
     if len(bwd_us) != p or p < 1:
         raise ValueError(f"need one forward and one backward time per stage, got "
@@ -120,7 +122,7 @@ def simulate(fwd_us, bwd_us, num_micro_batches: int, schedule: str = "1f1b",
             return base + boundary[(stage - 1) % p][mb]  # send back to stage - 1 (or wrap)
         return base
 
-    orders = [stage_order(p, s, m, schedule, v) for s in range(p)]
+    orders = [stage_order(p, s, m, schedule, v, extra_warmup) for s in range(p)]
     end = {}  # (kind, virtual stage, micro_batch) -> end time
     free = [0.0] * p
     busy = [0.0] * p

@@ -187,7 +187,10 @@ def train(ctx, run):
         steps_log.warn(w)
     stop = StopFlag()  # until the summary is written: a signal after the last step is ignored
     samples_per_rank = layout.micro_batch_size * layout.num_micro_batches
-    ahead = planner.submit(start) if planner is not None and start < t.steps else None
+    # Rank 0 plans one step ahead on a background thread and broadcasts each plan: planning
+    # costs one rank's CPU, not every rank's (on a small host the ranks share its cores).
+    planning = planner is not None and ctx.is_root
+    ahead = planner.submit(start) if planning and start < t.steps else None
     try:
         for step in range(start, t.steps):
             lr = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
@@ -198,9 +201,9 @@ def train(ctx, run):
                     stats = engine.train_step(tokens, targets, lr, t.grad_clip,
                                               stop=stop.signum is not None)
             else:
-                iteration = ahead.result()
+                iteration = _shared_plan(ctx, ahead)
                 # The next plan is made while this step trains.
-                ahead = planner.submit(step + 1) if step + 1 < t.steps else None
+                ahead = planner.submit(step + 1) if planning and step + 1 < t.steps else None
                 stats = _planned_step(engine, planner, iteration, data, lr, t.grad_clip,
                                       stop.signum is not None, steps_log)
                 if stats is None:
@@ -266,6 +269,21 @@ def _variable_length_planner(cfg, layout, seq_len: int, data):
                             seq_len, with_fast_mode(kind, s.fast_mode))
 
 
+def _shared_plan(ctx, ahead):
+    """Rank 0's plan of this step (its background future) on every rank, over MPI; a planning
+    error on rank 0 is raised on every rank (none waits for a plan that never comes)."""
+    found = None
+    if ctx.is_root:
+        try:
+            found = ahead.result()
+        except Exception as exc:  # noqa: BLE001 (re-raised below, on every rank)
+            found = exc
+    found = ctx.bcast(found)
+    if isinstance(found, Exception):
+        raise found
+    return found
+
+
 def _planned_step(engine, planner, iteration, data, lr: float, grad_clip: float, stop: bool,
                   steps_log):
     """One step of a planned iteration on this rank; every rank skips an iteration in which
@@ -279,8 +297,9 @@ def _planned_step(engine, planner, iteration, data, lr: float, grad_clip: float,
                        f"fits (skipped: {record['skipped']}); the iteration is skipped")
         return None
     inputs = rank_inputs(iteration, data, engine.dp_rank, planner.samples_per_rank)
-    stats = engine.train_step_micro_batches(inputs, lr, grad_clip, iteration.total_tokens,
-                                            stop=stop)
+    stats = engine.train_step_micro_batches(
+        inputs, lr, grad_clip, iteration.total_tokens, stop=stop,
+        extra_warmup=iteration.plan.extra_warmup_of(engine.dp_rank))
     steps_log.planned(record, stats)
     return stats
 

@@ -255,11 +255,11 @@ class Engine:
                                  lr, grad_clip, stop)
 
     def train_step_micro_batches(self, batches: Sequence[MicroBatchInput], lr: float,
-                                 grad_clip: float, total_tokens: int,
-                                 stop: bool = False) -> StepStats:
+                                 grad_clip: float, total_tokens: int, stop: bool = False,
+                                 extra_warmup: int = 0) -> StepStats:
         """One iteration over this data-parallel rank's planned micro-batches, each of its own
-        shape and recompute mode, run in order (pp > 1: the planner's 1F1B or interleaved op
-        order). `total_tokens`: the real (non-padded) targets of the whole global batch, over
+        shape and recompute mode, run in order (pp > 1: the planner's 1F1B, eager 1F1B with
+        `extra_warmup` more warm-up forwards per stage, or interleaved op order). `total_tokens`: the real (non-padded) targets of the whole global batch, over
         every dp rank; the loss and the gradients are the mean over exactly those tokens.
         StepStats as train_step (loss in nats per real token)."""
         if not batches or total_tokens < 1:
@@ -277,7 +277,7 @@ class Engine:
         batches = [mb.to(self.device) for mb in batches]
         with self._loss_parallel():
             if self.layout.pp > 1:
-                losses, self.compute_s = self._pipeline_executor().run(batches)
+                losses, self.compute_s = self._pipeline_executor().run(batches, extra_warmup)
             else:
                 losses, self.compute_s = run_plain(self.modules[0], batches, self._token_loss,
                                                    self._now)

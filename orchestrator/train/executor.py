@@ -5,7 +5,8 @@ planner/dynamic.py gives each micro-batch its own size, padded length and recomp
 runs such a plan:
 - pp = 1: a plain loop, forward and backward per micro-batch.
 - pp > 1: each rank walks workload.order.stage_order (the op order the planner's simulation
-  prices; 1F1B or interleaved, chunk c of rank r is virtual stage c * pp + r) and moves
+  prices; 1F1B, eager 1F1B with the plan's extra warm-up, or interleaved; chunk c of rank r is
+  virtual stage c * pp + r) and moves
   activations forward and gradients backward with isend/irecv. Receive buffers take their shape
   from the micro-batch (batch, padded_len, or padded_len / tp under sequence parallelism), so no
   shape messages travel. Sends never block; a rank waits only on the receive it needs next, so
@@ -85,12 +86,14 @@ class PipelineExecutor:
         self.loss_fn, self.now = loss_fn, now
         self.peer = [dist.get_global_rank(group, r) for r in range(pp)]
 
-    def run(self, batches: Sequence[MicroBatchInput]) -> Tuple[List[torch.Tensor], float]:
+    def run(self, batches: Sequence[MicroBatchInput],
+            extra_warmup: int = 0) -> Tuple[List[torch.Tensor], float]:
         for mb in batches:
             if mb.tokens.shape[1] % self.seq_divisor:
                 raise ValueError(f"padded_len({mb.tokens.shape[1]}) must divide by tp"
                                  f"({self.seq_divisor}) under sequence parallelism")
-        order = stage_order(self.pp, self.pp_rank, len(batches), self.schedule, self.v)
+        order = stage_order(self.pp, self.pp_rank, len(batches), self.schedule, self.v,
+                            extra_warmup)
         in_flight: Dict[Tuple[int, int], _InFlight] = {}
         sends: List[Tuple[object, torch.Tensor]] = []
         losses: List[torch.Tensor] = []

@@ -35,7 +35,8 @@ class Iteration:
 
     def record(self) -> Dict[str, Any]:
         """What the run summary keeps of the plan (predicted_ms; measured_ms is added later):
-        per dp rank its micro-batches as [sequences, padded_len, recompute, packed rows]."""
+        per dp rank its micro-batches as [sequences, padded_len, recompute, packed rows] and its
+        extra warm-up."""
         plan = self.plan
         micro_batches = [[[mb.size, mb.padded_len, mb.recompute, len(rows)]
                           for mb, rows in zip(rank, _rows(plan, r))]
@@ -50,6 +51,8 @@ class Iteration:
                 "padded_tokens": sum((rows or size) * padded for rank in micro_batches
                                      for size, padded, _, rows in rank),
                 "micro_batches": micro_batches,
+                # eager 1F1B's extra warm-up forwards per dp rank (0: plain 1F1B)
+                "extra_warmup": [plan.extra_warmup_of(r) for r in range(len(micro_batches))],
                 "skipped": [list(x) for x in plan.skipped]}
 
 

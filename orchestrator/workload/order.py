@@ -10,18 +10,25 @@ from orchestrator.layout import SCHEDULES
 
 
 def stage_order(pp: int, stage: int, num_micro_batches: int, schedule: str = "1f1b",
-                virtual_stages: int = 1) -> List[Tuple[str, int, int]]:
+                virtual_stages: int = 1, extra_warmup: int = 0) -> List[Tuple[str, int, int]]:
     """The operations of `stage` in execution order: ("F" | "B", chunk, micro_batch).
 
     1F1B: min(p - stage - 1, m) warm-up forwards, then forward/backward pairs, then the
-    remaining backwards. Interleaved (Megatron): micro-batches go in groups of p through chunk
-    0, 1, ..., v-1 (backwards through v-1, ..., 0), with (p - stage - 1) * 2 + (v - 1) * p
-    warm-up forwards."""
+    remaining backwards. extra_warmup e (1F1B only; the dynamic planner's eager 1F1B): stage s
+    runs min(e, p - s - 1) more warm-up forwards, so up to p - s + e micro-batches are in flight
+    and a long micro-batch's backward waits less on the stages after it; e = p - 1 is the order
+    of DynaPipe's cyclic schedule. The warm-up never grows along the pipeline, so every stage's
+    next operation eventually has its input (no deadlock). Interleaved (Megatron):
+    micro-batches go in groups of p through chunk 0, 1, ..., v-1 (backwards through v-1, ...,
+    0), with (p - stage - 1) * 2 + (v - 1) * p warm-up forwards."""
     m, v, p = num_micro_batches, virtual_stages, pp
+    if extra_warmup < 0 or (extra_warmup and schedule != "1f1b"):
+        raise ValueError(f"extra_warmup must be >= 0, and 0 unless schedule=1f1b, got "
+                         f"{extra_warmup} with {schedule}")
     if schedule == "1f1b":
         if v != 1:
             raise ValueError(f"1f1b has virtual_stages 1, got {v}")
-        warmup = min(p - stage - 1, m)
+        warmup = min(p - stage - 1 + min(extra_warmup, p - stage - 1), m)
         fwd = [("F", 0, i) for i in range(m)]
         bwd = [("B", 0, i) for i in range(m)]
     elif schedule == "interleaved":
