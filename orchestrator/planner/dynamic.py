@@ -76,7 +76,9 @@ class PlanOptions:
     exact_nodes prefixes (the local search goes on from the best found if that runs out);
     fast_splits: fast mode splits the sorted batch only at this many + 1 evenly spread
     positions; fast_min_samples: a rank with fewer samples is planned as in normal mode but
-    without the branch and bound (fast there already)."""
+    without the branch and bound (fast there already), and partitions with more, smaller
+    micro-batches (_halved: up to small_partition_splits runs halved, or the largest cut in up
+    to small_partition_splits + 1 pieces) are searched beside the partition's own."""
 
     pad_multiple: int = 1
     normal_adjustments: int = 64
@@ -87,6 +89,7 @@ class PlanOptions:
     exact_orders: int = 8
     exact_nodes: int = 6000
     fast_min_samples: int = 64
+    small_partition_splits: int = 3
     fast_splits: int = 96  # fast-mode quality loss <= 2% at 256 sequences (the bench)
 
 
@@ -542,46 +545,37 @@ def _plan_rank(costs: MicroBatchCosts, lengths: np.ndarray, indices: np.ndarray,
     fill_drain = (layout.pp - 1) / layout.virtual_stages
     steps = options.fast_adjustments if fast else options.normal_adjustments
     dp_budget = budget
+    # Few samples: the partition's objective (sum + fill/drain x max) is a rough guide to the
+    # simulated time (the fill and drain are those of the first and last micro-batches, which
+    # can be small), so the partition with its largest runs halved is searched too, and the
+    # simulation picks.
+    splits = options.small_partition_splits if len(indices) < options.fast_min_samples else 0
     for attempt in range(8):
         if attempt:  # over the budget: fast mode's adjustment bound gives way to the budget
             steps = options.normal_adjustments
         cands = price_candidates(costs, lengths[ordered], padded, dp_budget, max_seq_len,
                                  _token_splits(padded, options.fast_splits) if fast else None)
-        objective, grid_runs = partition(cands, fill_drain, groups, fast=fast)
-        if not np.isfinite(objective):
+        best, seen = None, set()
+        objective, first = partition(cands, fill_drain, groups, fast=fast)
+        variants = [first] if np.isfinite(objective) else []
+        if variants and groups == 1:
+            variants += _halved(cands, first, splits)
+        for index, grid_runs in enumerate(variants):
+            if tuple(grid_runs) in seen:
+                continue
+            seen.add(tuple(grid_runs))
+            # the variants get fast mode's order search (the branch and bound below still
+            # makes the winner's order exact where it is short)
+            found = _order_and_recompute(costs, cands, grid_runs, budget, steps,
+                                         fast or index > 0, options)
+            if best is None or found[0].key(*found[1][1:]) < best[0].key(*best[1][1:]):
+                best = found + (grid_runs,)
+        if best is None:
             raise ConfigError(f"no micro-batch split of {len(ordered)} samples fits "
                               f"{layout.schedule} with pp={layout.pp} (interleaved needs a "
                               f"multiple of pp micro-batches): use schedule=1f1b or more samples")
+        search, (order, time_us, mem), modes, grid_runs = best
         runs = [(int(cands.bounds[a]), int(cands.bounds[c])) for a, c in grid_runs]
-        search = _RankSearch(costs, np.array([cands.rows[a, c] for a, c in grid_runs]),
-                             np.array([cands.row_len[a, c] for a, c in grid_runs]), budget)
-        best = None
-        for order in order_candidates(runs):
-            modes = [int(cands.mode[a, c]) for a, c in grid_runs]
-            time_us, mem, modes = search.adjust(order, modes, steps)
-            if best is None or (time_us, mem.max() > budget) < (best[0], best[1].max() > budget):
-                best = (time_us, mem, modes, order)
-        # Eager 1F1B: more micro-batches in flight where memory allows; each extra warm-up
-        # from the best candidate's order, recompute re-adjusted to its memory. Plain 1F1B's
-        # best is improved too, so the plan is never worse than without the eager schedules.
-        eager = None
-        for extra in _extra_warmups(layout, len(runs)):
-            search.extra = extra
-            found = search.adjust(best[3], list(best[2]), steps)
-            if eager is None or search.key(*found[:2]) < search.key(*eager[:2]):
-                eager = found + (best[3], extra)
-        sims = options.fast_order_sims if fast else options.normal_order_sims
-        exhaustive = 0 if fast else options.exhaustive_orders
-        starts = [best + (0,)] + ([eager] if eager is not None else [])
-        if fast:  # only the better schedule's order is searched
-            starts = [min(starts, key=lambda x: search.key(x[0], x[1]))]
-        found = None
-        for time_us, mem, modes, order, extra in starts:
-            search.extra = extra
-            result = search.improve(order, modes, time_us, mem, sims, exhaustive)
-            if found is None or search.key(*result[1:]) < search.key(*found[0][1:]):
-                found = (result, modes, extra)
-        (order, time_us, mem), modes, search.extra = found
         if exact:  # the better schedule's order: exact where few (branch and bound)
             order, time_us, mem = search.improve(order, modes, time_us, mem, 0, 0,
                                                  options.exact_orders, options.exact_nodes)
@@ -603,6 +597,70 @@ def _plan_rank(costs: MicroBatchCosts, lengths: np.ndarray, indices: np.ndarray,
         mbs.append(MicroBatch(samples, row_len, RECOMPUTE_MODES[modes[r]]))
         packed.append(_rows_of(samples, lengths, row_len) if cands.rows[a, c] < j - i else ())
     return _RankResult(tuple(mbs), time_us, mem, tuple(packed), search.extra)
+
+
+def _halved(cands, grid_runs, count: int) -> List[List[Tuple[int, int]]]:
+    """Partitions with more, smaller micro-batches, where every piece fits the budget: the k
+    runs of the most samples each cut in two (k = 1 .. count), and the run of the most samples
+    cut in 3 .. count + 1 pieces of about equal sample counts."""
+    if not grid_runs:
+        return []
+    bounds = cands.bounds
+    size = [int(bounds[c] - bounds[a]) for a, c in grid_runs]
+    largest = sorted(range(len(grid_runs)), key=lambda r: -size[r])
+
+    def pieces(a: int, c: int, k: int) -> List[Tuple[int, int]]:
+        cuts = sorted({a, c, *np.linspace(a, c, k + 1).round().astype(int).tolist()})
+        return list(zip(cuts, cuts[1:]))
+
+    wanted = [{r: 2 for r in largest[:k]} for k in range(1, count + 1)]
+    wanted += [{largest[0]: k} for k in range(3, count + 2)]
+    out = []
+    for cut_into in wanted:
+        runs = []
+        for r, (a, c) in enumerate(grid_runs):
+            runs += pieces(a, c, min(cut_into.get(r, 1), c - a))
+        if len(runs) > len(grid_runs) and all(np.isfinite(cands.t_us[a, c]) for a, c in runs):
+            out.append(runs)
+    return out
+
+
+def _order_and_recompute(costs: MicroBatchCosts, cands, grid_runs, budget: float, steps: int,
+                         fast: bool, options: PlanOptions):
+    """The order, recompute and schedule (plain or eager 1F1B) of one partition's runs:
+    (search, (order, time_us, mem), modes), search.extra the warm-up chosen."""
+    layout = costs.layout
+    search = _RankSearch(costs, np.array([cands.rows[a, c] for a, c in grid_runs]),
+                         np.array([cands.row_len[a, c] for a, c in grid_runs]), budget)
+    runs = [(int(cands.bounds[a]), int(cands.bounds[c])) for a, c in grid_runs]
+    best = None
+    for order in order_candidates(runs):
+        modes = [int(cands.mode[a, c]) for a, c in grid_runs]
+        time_us, mem, modes = search.adjust(order, modes, steps)
+        if best is None or (time_us, mem.max() > budget) < (best[0], best[1].max() > budget):
+            best = (time_us, mem, modes, order)
+    # Eager 1F1B: more micro-batches in flight where memory allows; each extra warm-up from
+    # the best candidate's order, recompute re-adjusted to its memory. Plain 1F1B's best is
+    # improved too, so the plan is never worse than without the eager schedules.
+    eager = None
+    for extra in _extra_warmups(layout, len(runs)):
+        search.extra = extra
+        found = search.adjust(best[3], list(best[2]), steps)
+        if eager is None or search.key(*found[:2]) < search.key(*eager[:2]):
+            eager = found + (best[3], extra)
+    sims = options.fast_order_sims if fast else options.normal_order_sims
+    exhaustive = 0 if fast else options.exhaustive_orders
+    starts = [best + (0,)] + ([eager] if eager is not None else [])
+    if fast:  # only the better schedule's order is searched
+        starts = [min(starts, key=lambda x: search.key(x[0], x[1]))]
+    found = None
+    for time_us, mem, modes, order, extra in starts:
+        search.extra = extra
+        result = search.improve(order, modes, time_us, mem, sims, exhaustive)
+        if found is None or search.key(*result[1:]) < search.key(*found[0][1:]):
+            found = (result, modes, extra)
+    result, modes, search.extra = found
+    return search, result, modes
 
 
 def _extra_warmups(layout: ParallelLayout, m: int) -> range:
