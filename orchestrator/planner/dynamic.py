@@ -547,8 +547,8 @@ def _plan_rank(costs: MicroBatchCosts, lengths: np.ndarray, indices: np.ndarray,
     dp_budget = budget
     # Few samples: the partition's objective (sum + fill/drain x max) is a rough guide to the
     # simulated time (the fill and drain are those of the first and last micro-batches, which
-    # can be small), so the partition with its largest runs halved is searched too, and the
-    # simulation picks.
+    # can be small), so partitions with more, smaller micro-batches (_halved) are searched
+    # too, and the simulation picks.
     splits = options.small_partition_splits if len(indices) < options.fast_min_samples else 0
     for attempt in range(8):
         if attempt:  # over the budget: fast mode's adjustment bound gives way to the budget
