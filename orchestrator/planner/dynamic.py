@@ -87,7 +87,7 @@ class PlanOptions:
     fast_order_sims: int = 32
     exhaustive_orders: int = 120
     exact_orders: int = 8
-    exact_nodes: int = 6000
+    exact_nodes: int = 3000
     fast_min_samples: int = 64
     small_partition_splits: int = 3
     fast_splits: int = 96  # fast-mode quality loss <= 2% at 256 sequences (the bench)

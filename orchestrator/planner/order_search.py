@@ -66,7 +66,8 @@ class OrderResult:
 
 class _Search:
     """The depth-first search's state: per stage the next operation, when it is free, the
-    live and peak in-flight bytes; per (stage, position) the forward's and backward's end."""
+    live and peak in-flight bytes and the time of the operations run so far; per (stage,
+    position) the forward's and backward's end."""
 
     def __init__(self, problem: OrderProblem, node_limit: int):
         self.pr = problem
@@ -84,7 +85,7 @@ class _Search:
         self.end_b = [[0.0] * m for _ in range(p)]
         self.fwd, self.bwd = problem.fwd_us.tolist(), problem.bwd_us.tolist()
         self.stored = problem.stored_bytes.tolist()
-        self.work = (problem.fwd_us + problem.bwd_us).tolist()  # [p][m]
+        self.total = (problem.fwd_us + problem.bwd_us).sum(axis=1).tolist()  # [p]
         self.tails = problem.tail_us.tolist()  # [m][p]
         self.cols: List[int] = [0] * m
         self.node_limit, self.nodes = node_limit, 0
@@ -96,8 +97,8 @@ class _Search:
 
     def advance(self, k: int, state):
         """Run every operation the first k placed positions determine; state is (nxt, free,
-        live, peak) per stage, changed in place."""
-        nxt, free, live, peak = state
+        live, peak, done) per stage, changed in place."""
+        nxt, free, live, peak, done = state
         p, ops, cols = self.p, self.ops, self.cols
         progress = True
         while progress:
@@ -114,6 +115,7 @@ class _Search:
                             break
                         ready = self.end_f[s - 1][pos] if s else 0.0
                         end = max(free[s], ready) + self.fwd[s][c]
+                        done[s] += self.fwd[s][c]
                         self.end_f[s][pos] = end
                         live[s] += self.stored[s][c]
                         peak[s] = max(peak[s], live[s])
@@ -125,6 +127,7 @@ class _Search:
                         else:
                             ready = self.end_f[s][pos]
                         end = max(free[s], ready) + self.bwd[s][c]
+                        done[s] += self.bwd[s][c]
                         self.end_b[s][pos] = end
                         live[s] -= self.stored[s][c]
                     free[s] = end
@@ -137,16 +140,10 @@ class _Search:
         ends + its own backward of the last micro-batch (which needs the next stage's): for
         the last micro-batch c (one of the unplaced), the larger of the two down the stages,
         plus c's tail; the least over c."""
-        nxt, free, _, peak = state
+        _, free, _, peak, done = state
         p = self.p
-        own = [0.0] * p
-        for s in range(p):
-            rest = sum(self.work[s][c] for c in unplaced)
-            for kind, _, pos in self.ops[s][nxt[s]:]:
-                if pos < k:
-                    c = self.cols[pos]
-                    rest += self.fwd[s][c] if kind == "F" else self.bwd[s][c]
-            own[s] = free[s] + rest
+        # every operation not run yet, placed or not: all of them less those run
+        own = [free[s] + self.total[s] - done[s] for s in range(p)]
         lower = float("inf")
         for c in unplaced or [self.cols[self.m - 1]]:
             tails = self.tails[c]
@@ -161,14 +158,15 @@ class _Search:
     def run(self, incumbent: Sequence[int], incumbent_key: Tuple[float, float]):
         """(key, order) of the best order, exact: no node limit cut the search."""
         self.best = (tuple(incumbent_key), tuple(incumbent))
-        start = ([0] * self.p, [0.0] * self.p, [0.0] * self.p, [0.0] * self.p)
+        start = ([0] * self.p, [0.0] * self.p, [0.0] * self.p, [0.0] * self.p,
+                 [0.0] * self.p)
         self.exact = True
         self._dfs(0, start, list(incumbent), set())
         return self.best, self.exact
 
     def _dfs(self, k: int, state, preferred: List[int], placed: set) -> None:
         if k == self.m:
-            nxt, free, _, peak = state
+            _, free, _, peak, _ = state
             t = max(free[s] + self.tails[self.cols[-1]][s] for s in range(self.p))
             key = (self.pr.excess(peak), t)
             if key < self.best[0]:
