@@ -177,6 +177,10 @@ def train(ctx, run):
                     seed=t.seed, optim=OptimSettings(weight_decay=t.weight_decay))
     data = make_data(t.data, cfg.model.vocab, target.seq_len, t.seed)
     planner = _variable_length_planner(cfg, layout, target.seq_len, data)
+    if planner is not None:
+        # Shapes change every micro-batch: cuDNN's attention (torch's first choice on H100)
+        # builds a graph per new shape, 110-190 ms each (docs/gpu.md); flash has no such cost.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     out = summary_path(cfg, layout, run.plan.detail)
     ckpt_dir = out.with_suffix(".ckpt")
     steps_log = StepLog(ctx, run, layout, target.seq_len, t)
@@ -255,11 +259,6 @@ def _variable_length_planner(cfg, layout, seq_len: int, data):
     kind = Microbatching.parse(t.microbatching)
     if kind == Microbatching.fixed:
         return None
-    # Shapes change every micro-batch: cuDNN's attention (torch's first choice on H100) builds
-    # a graph per new shape, 110-190 ms each (docs/gpu.md); flash attention has no such cost.
-    import torch
-
-    torch.backends.cuda.enable_cudnn_sdp(False)
     model_cost, hardware = planner_profiles(cfg)
     mean = t.length_mean or max(1, seq_len // 4)
     distribution = LengthDistribution(mean_len=float(mean), max_len=seq_len)
