@@ -36,7 +36,7 @@ from orchestrator.planner.microbatch_costs import (Candidates, MicroBatchCosts,
                                                    PricedMicroBatches, pack_rows, padded_length,
                                                    price_candidates)
 from orchestrator.planner.profiles import HardwareModel, ModelCost
-from orchestrator.planner.order_search import OrderResult, best_order, problem_of
+from orchestrator.planner.order_search import best_order, problem_of
 from orchestrator.planner.schedule import simulate
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -407,10 +407,18 @@ class _RankSearch:
         """What an order is judged by: its excess over the budget first, then its time."""
         return max(0.0, float((mem - self.budget).max())), time_us
 
-    def exact(self, order: List[int], modes: List[int], key: Tuple[float, float],
-              node_limit: int, extras: Sequence[int]) -> OrderResult:
-        """The best order of the runs under 1F1B with each of `extras` (the first: self.extra,
-        of `order` whose key is `key`) by branch and bound (planner/order_search.py)."""
+    def exact(self, order: List[int], modes: List[int], time_us: float, mem: np.ndarray,
+              max_runs: int, node_limit: int):
+        """Under 1F1B with at most max_runs runs, the best order of the runs (recompute kept)
+        over plain 1F1B and every eager warm-up, by branch and bound (planner/order_search.py)
+        from `order` under self.extra (exact unless it runs out of its node_limit prefixes);
+        self.extra becomes the best one's. Returns (order, time_us, mem)."""
+        if self.costs.layout.schedule != "1f1b" or not 1 < self.m <= max_runs:
+            return order, time_us, mem
+        key = self.key(time_us, mem)
+        # every extra warm-up, the current one first (its order is the incumbent)
+        extras = [self.extra] + [e for e in [0, *_extra_warmups(self.costs.layout, self.m)]
+                                 if e != self.extra]
         priced = self.all_modes.take([modes[r] * self.m + r for r in range(self.m)])
         costs = self.costs
         common = dict(stored_bytes=priced.stored_bytes,
@@ -421,37 +429,21 @@ class _RankSearch:
         problems = [problem_of(priced.fwd_us, priced.bwd_us,
                                priced.boundary_us if costs.layout.pp > 1 else None,
                                extra_warmup=extra, **common) for extra in extras]
-        return best_order(problems, order, key, node_limit)
+        found = best_order(problems, list(order), key, node_limit)
+        extra, self.extra = self.extra, extras[found.problem]
+        t, mm = self.run(found.order, modes)
+        if self.key(t, mm) < key:
+            return list(found.order), t, mm
+        self.extra = extra
+        return order, time_us, mem
 
     def improve(self, order: List[int], modes: List[int], time_us: float, mem: np.ndarray,
-                sims: int, exhaustive: int = 0, exact: int = 0, exact_nodes: int = 0):
+                sims: int, exhaustive: int = 0):
         """A better order of the same runs (recompute kept per run): every order when there are
-        at most max(sims, exhaustive) of them; else DynaPipe's group orders and then a
+        at most max(sims, exhaustive) of them, else DynaPipe's group orders and then a
         first-improvement local search moving one run to another place (which covers swapping
-        neighbours), until no move helps or `sims` simulations are spent; then, under 1F1B
-        with at most `exact` runs, a branch and bound from the best found over every order
-        under plain 1F1B and every eager warm-up (exact unless it runs out of its exact_nodes
-        prefixes; self.extra becomes the best one's). The memory check stays exact for every
-        order tried. Returns (order, time_us, mem)."""
-        order, time_us, mem = self._local_search(order, modes, time_us, mem, sims, exhaustive)
-        best = (self.key(time_us, mem), list(order), time_us, mem)
-        if (self.costs.layout.schedule == "1f1b" and 1 < self.m <= exact
-                and math.factorial(self.m) > max(sims, exhaustive)):
-            # every extra warm-up, the current one first (its order is the incumbent)
-            extras = [self.extra] + [e for e in [0, *_extra_warmups(self.costs.layout, self.m)]
-                                     if e != self.extra]
-            found = self.exact(list(order), modes, best[0], exact_nodes, extras)
-            extra, self.extra = self.extra, extras[found.problem]
-            t, mm = self.run(found.order, modes)
-            if self.key(t, mm) < best[0]:
-                best = (self.key(t, mm), list(found.order), t, mm)
-            else:
-                self.extra = extra
-        return best[1:]
-
-    def _local_search(self, order: List[int], modes: List[int], time_us: float,
-                      mem: np.ndarray, sims: int, exhaustive: int):
-        """improve() without the branch and bound."""
+        neighbours), until no move helps or `sims` simulations are spent; the memory check
+        stays exact for every order tried. Returns (order, time_us, mem)."""
         best = (self.key(time_us, mem), list(order), time_us, mem)
         if math.factorial(self.m) <= max(sims, exhaustive):
             for trial in itertools.permutations(range(self.m)):
@@ -577,8 +569,8 @@ def _plan_rank(costs: MicroBatchCosts, lengths: np.ndarray, indices: np.ndarray,
         search, (order, time_us, mem), modes, grid_runs = best
         runs = [(int(cands.bounds[a]), int(cands.bounds[c])) for a, c in grid_runs]
         if exact:  # the better schedule's order: exact where few (branch and bound)
-            order, time_us, mem = search.improve(order, modes, time_us, mem, 0, 0,
-                                                 options.exact_orders, options.exact_nodes)
+            order, time_us, mem = search.exact(order, modes, time_us, mem,
+                                               options.exact_orders, options.exact_nodes)
         if search.extra:  # plain 1F1B where the extra warm-up gains nothing
             extra, search.extra = search.extra, 0
             plain = search.run(order, modes)
