@@ -215,15 +215,17 @@ def _launch_line(plan: StagePlan, todo, launcher) -> str:
             f"launcher={launcher.name}{escape(parts)}")
 
 
-def run_stages(cfg: Config) -> List[dict]:
-    """Plan every named stage, then launch what is not done; returns one report row per stage."""
+def run_stages(cfg: Config, plans: Optional[List[StagePlan]] = None) -> List[dict]:
+    """Plan every named stage (or take `plans`, made by a caller such as stage=tune), then
+    launch what is not done; returns one report row per stage."""
     validate_cluster(cfg)
     if os.environ.get("ORCHESTRATOR_FAST_MODE", "") not in ("", "0"):
         cfg.search.fast_mode = True  # in the config, so its hash tells fast results apart
-    names = stages_for(cfg.stage.name)
     ledger = ledger_for(cfg)
-    cache: dict = {}
-    plans = [plan_stage(name, cfg, cache) for name in names]  # every stage valid before any runs
+    if plans is None:
+        cache: dict = {}
+        # every stage valid before any runs
+        plans = [plan_stage(name, cfg, cache) for name in stages_for(cfg.stage.name)]
     for plan in plans:
         check_launchable(plan, cfg)
     launcher = make_launcher(cfg)
@@ -248,7 +250,7 @@ def run_stages(cfg: Config) -> List[dict]:
         _check_inputs(plan, cfg, produced_now)
         request = StageRequest(plan=plan, config=cfg, todo=list(decision.todo),
                                ledger_dir=str(ledger.path.parent),
-                               run_dir=str(_run_dir(cfg, run_base, plan.stage, len(names),
+                               run_dir=str(_run_dir(cfg, run_base, plan.stage, len(plans),
                                                     sources)),
                                launcher=launcher.name, config_sources=sources)
         console.print(_launch_line(plan, request.todo, launcher))
@@ -409,6 +411,7 @@ def print_status(cfg) -> List[dict]:
     if entries:
         console.print(table)
         print_train_table(cfg)
+        print_calibrations(cfg)
     else:
         console.print(escape(f"nothing has run for cluster {cfg.cluster.name!r} yet "
                              f"({ledger.path} does not exist); start with: "
@@ -442,6 +445,31 @@ def print_train_table(cfg) -> None:
     console.print(table)
 
 
+def print_calibrations(cfg) -> None:
+    """One line per model stage=tune calibrated on this cluster: its factors, its runs, the
+    pick, and whether the profiles still match it."""
+    import dataclasses as dc
+
+    from orchestrator.train.plan import current_calibration
+
+    folder = cluster_dir(cfg.profiles_dir, cfg.cluster.name) / "calibration"
+    for path in sorted(folder.glob("*.json")):
+        try:
+            rec = read_json(path)
+            model_cfg = dc.replace(cfg, model=dc.replace(cfg.model, name=path.stem))
+            calibration, used, note = current_calibration(model_cfg)
+            factors = ", ".join(f"{k} x{v:.2f}" for k, v in rec["factors"].items())
+            state = ("stale: " + note if note else
+                     "current" if used is not None else "unused")
+            console.print(escape(f"calibration {path.stem}: {rec['runs']} runs of "
+                                 f"{len(rec['candidates'])} ({factors}); "
+                                 f"{rec.get('why_not') or 'fitted'}; pick "
+                                 f"{rec.get('pick_describe') or 'none'}; {state}"),
+                          highlight=False)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            console.print(escape(f"calibration {path}: unreadable ({e})"))
+
+
 # ---------------------------------------------------------------- entry points
 def orchestrate(composed: DictConfig):
     """The Hydra task: one stage (or `all`, `status`, `init`) for one composed config."""
@@ -455,6 +483,10 @@ def orchestrate(composed: DictConfig):
             from orchestrator.stages.init import init_cluster
 
             return init_cluster(cfg, run_stages, console)
+        if cfg.stage.name == "tune":  # launches train once per candidate, then fits
+            from orchestrator.stages.tune import tune
+
+            return tune(cfg, run_stages, console)
         return run_stages(cfg)
     except OrchestratorError as e:
         return _failed(e, cfg)

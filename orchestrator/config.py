@@ -317,6 +317,9 @@ class TrainConfig:
     virtual_stages: Optional[int] = None  # None: 2 for interleaved
     recompute: Optional[Recompute] = None  # the same on every stage; full: the whole stage
     layers_per_stage: Optional[List[int]] = None  # uneven pipeline split
+    # A layout file ({"layout": ..., "seq_len": ...}, the form of strategy/<model>.layout.json)
+    # to train instead of the strategy's; train.* fields still change it.
+    layout: Optional[str] = None
     seq_len: Optional[int] = None  # None: the strategy's, else model.seq_len
     dtype: Optional[Dtype] = None  # None: fp32 on gloo, bf16 on nccl (fp16 adds a loss scale)
     data: Optional[str] = None  # a text file or folder (byte-level tokens); None: synthetic
@@ -394,6 +397,20 @@ class TraceConfig:
 
 
 @dataclass
+class TuneConfig:
+    """`stage=tune`: after search, train its `top_k` best layouts and (controls) the best pure-dp,
+    tp-heavy and pp-heavy layouts for a few steps each, fit the cluster's calibration to what
+    they measured, and make the measured fastest the layout stage=train trains."""
+
+    top_k: int = 3  # the predicted best layouts to run (>= 1)
+    controls: bool = True  # also the best of each other family (pure dp, tp-heavy, pp-heavy)
+    steps: int = 10  # train steps per candidate
+    timing_warmup_steps: int = 3  # of them, left out of the measured time
+    min_runs: int = 3  # successful runs needed to fit the factors (else uncalibrated)
+    plot: bool = True
+
+
+@dataclass
 class NoopConfig:
     sleep_s: float = 0.0  # hold every rank this long (tests of a run in progress)
 
@@ -430,6 +447,7 @@ class Config:
     search: SearchConfig = field(default_factory=SearchConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     noop: NoopConfig = field(default_factory=NoopConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)
     init: InitConfig = field(default_factory=InitConfig)
     import_: ImportConfig = field(default_factory=ImportConfig)  # `import.` on the command line
     export: ExportConfig = field(default_factory=ExportConfig)

@@ -216,7 +216,9 @@ def test_a_few_micro_batches_get_the_best_of_every_order(schedule):
     # room for about one long sample at a time: several micro-batches per rank
     budget = 1.2 * float(costs.alone_bytes(costs.price([1], [2048], [0])).max())
     checked = 0
-    for trial in range(8):
+    for trial in range(24):
+        if checked == 4:
+            break
         lengths = [np.minimum(rng.lognormal(6.5, 1.0, 8).astype(int) + 1, 2048).tolist()]
         plan = plan_iteration(lengths, lay, MODEL, HW, budget, max_seq_len=2048, costs=costs)
         mbs, rows = plan.micro_batches[0], plan.packed_rows[0]

@@ -88,7 +88,7 @@ def test_planner_plans_eager_1f1b_where_it_pays_and_prices_it_exactly():
     costs = MicroBatchCosts(lay, MODEL, HW)
     rng = np.random.default_rng(5)
     eager = 0
-    for _ in range(6):
+    for _ in range(12):
         lengths = [np.minimum(rng.lognormal(6.5, 1.0, 16).astype(int) + 1, 2048).tolist()
                    for _ in range(2)]
         budget = float(costs.alone_bytes(costs.price([4], [2048], [0])).max())
@@ -99,10 +99,12 @@ def test_planner_plans_eager_1f1b_where_it_pays_and_prices_it_exactly():
                            extra_warmup=[plan.extra_warmup_of(r) for r in range(2)])
         assert again.iteration_time_us == pytest.approx(plan.iteration_time_us, rel=1e-9)
         if plan.extra_warmup:
-            eager += 1
+            # per dp rank, eager only where it shortens that rank; the iteration is the slowest
             plain = price_plan(plan.micro_batches, costs, budget, packed_rows=plan.packed_rows)
-            assert plan.iteration_time_us < plain.iteration_time_us or not plain.feasible
-    assert eager >= 3  # of 6 (4 when written)
+            assert (plan.iteration_time_us <= plain.iteration_time_us * (1 + 1e-12)
+                    or not plain.feasible)
+            eager += plan.iteration_time_us < plain.iteration_time_us or not plain.feasible
+    assert eager >= 3  # 5 of 12 faster by it
 
 
 def test_small_batches_also_try_more_smaller_micro_batches():
@@ -117,7 +119,7 @@ def test_small_batches_also_try_more_smaller_micro_batches():
     costs = MicroBatchCosts(lay, MODEL, HW)
     rng = np.random.default_rng(11)
     faster = 0
-    for _ in range(8):
+    for _ in range(24):
         lengths = [np.minimum(rng.lognormal(5.5, 1.2, 8).astype(int) + 1, 2048).tolist()]
         kw = dict(max_seq_len=2048, costs=costs)
         plan = plan_iteration(lengths, lay, MODEL, HW, 1e12, **kw)
@@ -134,4 +136,4 @@ def test_small_batches_also_try_more_smaller_micro_batches():
             assert all(a < c and c == a2 for (a, c), (a2, _) in zip(variant, variant[1:]))
             assert all(np.isfinite(cands.t_us[a, c]) for a, c in variant)
             assert len(variant) > len(runs)
-    assert faster >= 1  # 1 of 8 here; on the llama2_7b bench 2-6% at 8-16 sequences
+    assert faster >= 1  # 2 of 24 here; on the llama2_7b bench 2-6% at 8-16 sequences

@@ -34,12 +34,15 @@ def tp_hw():
 
 # ------------------------------------------------------------------ compute
 def test_layer_compute_reads_the_fits_times_the_micro_batch():
-    # block fwd 10 + 0.5 s + 0.001 s^2 at s = 100: 70 us per sequence, 140 for b = 2
+    # block fwd 10 + 0.5 s + 0.001 s^2 at s = 100: 70 us per sequence; a micro-batch of b = 2
+    # is one call: the constant once, the rest twice, 10 + 2 x 60 = 130
     model = hand_model()
     c = LayerCompute.from_model(model, seq_len=100, tp=1, micro_batch_size=2)
-    assert c.block == FwdBwd(pytest.approx(140.0), pytest.approx(290.0))  # bwd 20 + 100 + 25
+    assert c.block == FwdBwd(pytest.approx(130.0), pytest.approx(270.0))  # bwd 20 + 2 x 125
     assert c.selective_recompute_us == pytest.approx(20.0)  # the s^2 term: 0.001 * 100^2 * 2
-    assert c.other == FwdBwd(pytest.approx(30.0), pytest.approx(60.0))  # (5 + 10), (10 + 20)
+    assert c.other == FwdBwd(pytest.approx(25.0), pytest.approx(50.0))  # 5 + 2 x 10, 10 + 2 x 20
+    one = LayerCompute.from_model(model, seq_len=100, tp=1, micro_batch_size=1)
+    assert one.block == FwdBwd(pytest.approx(70.0), pytest.approx(145.0))
 
 
 # ------------------------------------------------------------------ tensor parallel

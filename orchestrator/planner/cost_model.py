@@ -50,6 +50,7 @@ import numpy as np
 
 from orchestrator.layout import LayoutError, ParallelLayout
 from orchestrator.models.config import ModelConfig
+from orchestrator.planner.calibration import Calibration, contention_factor
 from orchestrator.planner.profiles import HardwareModel, ModelCost
 from orchestrator.planner.schedule import (in_flight_micro_batches, schedule_coefficients,
                                            simulate as simulate_schedule)
@@ -85,6 +86,8 @@ class CostOptions:
     dtype: the compute dtype training runs in ("" = the model profile's); device: "cuda" (fused
       AdamW and RMSNorm kernels) or "cpu" (foreach AdamW's temporary, CPU norms keep more):
       the orchestrator engine's memory depends on both.
+    calibration: per-cluster factors on the terms (planner/calibration.py, `stage=tune`);
+      the identity by default.
     """
 
     other_time_first_share: float = 0.05
@@ -93,6 +96,7 @@ class CostOptions:
     engine: str = "orchestrator"  # what runs the layout: orchestrator (stage=train) | megatron
     dtype: str = ""
     device: str = "cuda"
+    calibration: Calibration = Calibration()
 
 
 def _engine_memory(key: "ConfigKey", model: ModelCost, block, seq_len: int,
@@ -207,8 +211,13 @@ class StageCosts:
         block_optim_us, other_optim_us = model.optimizer_us(key.tp)
         # ZeRO >= 1: each data-parallel rank steps 1/dp of the masters (1/(dp x cp) with CP).
         optim_shard = key.replicas if key.zero >= 1 else 1
-        self.block_optim_us = block_optim_us / optim_shard
-        self.other_optim_us = other_optim_us * share / optim_shard
+        self.calibration = cal = options.calibration
+        self.block_optim_us = block_optim_us / optim_shard * cal.optimizer
+        self.other_optim_us = other_optim_us * share / optim_shard * cal.optimizer
+        # How much slower (or faster) compute runs with this schedule's ranks busy at once than
+        # in the profile (planner/calibration.py), times the cluster's calibrated factor.
+        self.contention = contention_factor(model.concurrency, key.pp, key.num_micro_batches,
+                                            key.virtual_stages)
 
         self._price_layer(model, seq_len, tp_bytes)
         self._price_other(options.other_time_first_share)
@@ -235,11 +244,13 @@ class StageCosts:
     def _price_layer(self, model: ModelCost, seq_len: int, tp_bytes: float) -> None:
         """Time per layer: compute, TP communication, ZeRO 2/3 traffic sticking out of both."""
         key = self.key
+        cal = self.calibration
         self.compute = LayerCompute.from_model(model, seq_len, key.tp, key.micro_batch_size,
-                                               key.cp)
+                                               key.cp).scaled(self.contention * cal.compute)
         loss_bytes = self.tokens * LOSS_VALUE_BYTES
         self.tp = TpComm.from_hardware(self.hardware, key.tp, key.sequence_parallel, tp_bytes,
-                                       self.engine, loss_bytes)
+                                       self.engine, loss_bytes, cal.tp_latency,
+                                       cal.tp_bandwidth)
         head_dim = model.hidden // model.heads
         if key.cp_comm == "allgather":
             self.cp = CpComm.all_gather(self.hardware, key.cp, key.tp, self.tokens,
@@ -265,7 +276,8 @@ class StageCosts:
                                             self.block_param_bytes, self.block_grad_bytes,
                                             self.engine, key.pp, key.num_micro_batches)
         exposed = traffic.exposed(window, self.overlap_coe)
-        self.zero_layer = FwdBwd(float(exposed.fwd_us), float(exposed.bwd_us))
+        dp = self.calibration.dp_sync
+        self.zero_layer = FwdBwd(float(exposed.fwd_us) * dp, float(exposed.bwd_us) * dp)
         self.layer = window + self.zero_layer
         # reruns the forward, the TP collectives the engine repeats (workload.tp) and the ring
         self.full_recompute_us = (self.compute.block.fwd_us + self.tp.recompute_us
@@ -286,7 +298,9 @@ class StageCosts:
                                             self.other_grad_bytes, self.engine, self.key.pp,
                                             self.key.num_micro_batches)
         window = self.other_compute + self.other_tp
-        self.other_zero = traffic.exposed(window, self.overlap_coe)
+        exposed = traffic.exposed(window, self.overlap_coe)
+        dp = self.calibration.dp_sync
+        self.other_zero = FwdBwd(exposed.fwd_us * dp, exposed.bwd_us * dp)
         self.other = window + self.other_zero
 
     def _price_sends(self, model: ModelCost) -> None:
@@ -296,7 +310,7 @@ class StageCosts:
                                       key.sequence_parallel)
         intra = boundary_intra_node(key.pp, key.tp * key.cp * key.dp,
                                     self.hardware.tasks_per_node)
-        self.boundary_us = boundary_us(self.hardware, p2p_bytes, intra)
+        self.boundary_us = boundary_us(self.hardware, p2p_bytes, intra) * self.calibration.p2p
         self.sends = stage_sends(self.boundary_us, key.virtual_stages)
 
     # ------------------------------------------------------------------ per stage, vectorised
@@ -306,8 +320,9 @@ class StageCosts:
         n = np.asarray(n, dtype=float)
         k = np.asarray(k, dtype=float)
         mode_code = np.asarray(mode_code)
-        return np.where(mode_code == 1, n * self.compute.selective_recompute_us,
-                        np.where(mode_code == 2, k * self.full_recompute_us, 0.0))
+        return self.calibration.recompute * np.where(
+            mode_code == 1, n * self.compute.selective_recompute_us,
+            np.where(mode_code == 2, k * self.full_recompute_us, 0.0))
 
     def stage_fwd_us(self, j: int, n):
         """Forward time (us per micro-batch) of stage j holding n layers, sends included."""
@@ -365,10 +380,11 @@ class StageCosts:
         after the optimizer step) (terms/zero.py: dp_sync_parts_us, by engine)."""
         n = np.asarray(n, dtype=float)
         key = self.key
-        return dp_sync_parts_us(self.hardware, key.zero, key.replicas, key.tp,
-                                n * self.block_grad_bytes + self.other_grad_bytes[j],
-                                n * self.block_param_bytes + self.other_param_bytes[j],
-                                self.engine)
+        during, after = dp_sync_parts_us(self.hardware, key.zero, key.replicas, key.tp,
+                                         n * self.block_grad_bytes + self.other_grad_bytes[j],
+                                         n * self.block_param_bytes + self.other_param_bytes[j],
+                                         self.engine)
+        return during * self.calibration.dp_sync, after * self.calibration.dp_sync
 
     def dp_sync_us(self, j: int, n):
         """Data-parallel sync time (us) of stage j with n layers at the end of the iteration,
@@ -545,3 +561,26 @@ def evaluate(layout: ParallelLayout, model_cost: ModelCost, hardware: HardwareMo
                       stage_time_us=tuple(times), breakdown_us=breakdown,
                       memory_bytes=tuple(memory), peak_memory_bytes=peak, feasible=not reason,
                       reason=reason, simulated_iteration_time_us=simulated)
+
+
+def run_parts_ms(layout: ParallelLayout, model_cost: ModelCost, hardware: HardwareModel,
+                 seq_len: int, options: CostOptions = CostOptions()) -> Dict[str, float]:
+    """The parts of an iteration stage=train measures, as this model predicts them (ms):
+    "iteration", "compute/<j>" (stage j's forward/backward work over all micro-batches, TP
+    collectives in, pipeline sends out), and the first stage's "dp_sync_exposed" (the gradient
+    sync left after its last backward) and "optimizer" (its step and the ZeRO parameter
+    all-gather after it, as train times them); planner/calibration.py fits factors to them."""
+    costs = StageCosts(ConfigKey.of(layout), model_cost, hardware, int(seq_len), options)
+    pred = evaluate(layout, model_cost, hardware, seq_len=seq_len, options=options, _costs=costs)
+    m = layout.num_micro_batches
+    n0 = layout.layers_per_stage[0]
+    # train times the ZeRO all-gather of the stepped parameters with the optimizer step
+    _, after = costs.dp_sync_parts_us(0, n0)
+    exposed = float(costs.dp_exposed_us(0, n0))
+    parts = {"iteration": pred.iteration_time_us / 1e3,
+             "dp_sync_exposed": (exposed - float(after)) / 1e3,
+             "optimizer": (float(costs.optimizer_us(0, n0)) + float(after)) / 1e3}
+    for j, t in enumerate(pred.stage_time_us):
+        sends = float(costs.sends.fwd_us[j] + costs.sends.bwd_us[j])
+        parts[f"compute/{j}"] = m * (t - sends) / 1e3
+    return parts

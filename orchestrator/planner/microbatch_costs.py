@@ -144,8 +144,10 @@ class MicroBatchCosts:
 
     def _tp_comm(self, tp_bytes: np.ndarray, loss_bytes: np.ndarray) -> TpComm:
         """TpComm.from_hardware with the message sizes arrays."""
+        cal = self.options.calibration
         return TpComm.from_hardware(self.hardware, self.tp, self.layout.sequence_parallel,
-                                    tp_bytes, self.options.engine, loss_bytes)
+                                    tp_bytes, self.options.engine, loss_bytes, cal.tp_latency,
+                                    cal.tp_bandwidth)
 
     def price(self, b, s, mode_code) -> PricedMicroBatches:
         """Price K micro-batches: b[k] sequences padded to s[k] tokens, recompute
@@ -154,22 +156,26 @@ class MicroBatchCosts:
         b = np.asarray(b, dtype=float)
         s = np.asarray(s, dtype=np.int64)
         code = np.asarray(mode_code)[None, :]
-        (bf, bb, attn, of, ob, a_none, a_sel, a_full, a_head,
+        (_, _, attn, _, _, a_none, a_sel, a_full, a_head,
          *profile_per_token) = self._per_sequence(s).T
         m, pp, v, n = self.model, self.pp, self.v, self.n
         tokens = b * s
         tp_bytes = tokens * m.hidden * m.dtype_bytes
         tpc = self._tp_comm(tp_bytes, tokens * LOSS_VALUE_BYTES)
-        window = FwdBwd(b * bf, b * bb) + tpc.layer
+        # A micro-batch is one call: the fits' constant once, the rest per sequence (ModelCost).
+        tp = self.tp
+        bf, bb = m.block_fwd_us(s, tp, b), m.block_bwd_us(s, tp, b)
+        of, ob = m.other_fwd_us(s, tp, b), m.other_bwd_us(s, tp, b)
+        window = FwdBwd(bf, bb) + tpc.layer
         layer = window + self.block_traffic.exposed(window, self.overlap_coe)
         share = self.options.other_time_first_share
         k = len(b)
-        other_window = (FwdBwd(_ends(share * b * of, (1 - share) * b * of, pp, k),
-                               _ends(share * b * ob, (1 - share) * b * ob, pp, k))
+        other_window = (FwdBwd(_ends(share * of, (1 - share) * of, pp, k),
+                               _ends(share * ob, (1 - share) * ob, pp, k))
                         + FwdBwd(_ends(tpc.embedding.fwd_us, tpc.head.fwd_us, pp, k),
                                  _ends(tpc.embedding.bwd_us, tpc.head.bwd_us, pp, k)))
         other_t = other_window + self.other_traffic.exposed(other_window, self.overlap_coe)
-        full_us = n * (b * bf + tpc.recompute_us)  # the forward and the TP it repeats
+        full_us = n * (bf + tpc.recompute_us)  # the forward and the TP it repeats
         recompute = np.where(code == 1, n * (b * attn), np.where(code == 2, full_us, 0.0))
         fwd = n * layer.fwd_us + other_t.fwd_us
         bwd = n * layer.bwd_us + recompute + other_t.bwd_us

@@ -18,6 +18,7 @@ from orchestrator.bandwidth import busbw_factor, half_allreduce_line
 from orchestrator.choices import Dtype
 from orchestrator.commands import rerun_command
 from orchestrator.errors import ProfileError
+from orchestrator.planner.calibration import Concurrency
 from orchestrator.store import parse_profile
 from orchestrator.store.schema import HardwareProfile, MemoryPart, ModelProfile
 
@@ -292,9 +293,12 @@ class TpFit:
     other_optim_us: float = 0.0  # of the other parts' (0: not profiled, e.g. analytic)
 
 
-def _poly(coeffs: Tuple[float, ...], s):
-    """The polynomial at s (a float or a numpy array), never below 0."""
-    value = np.maximum(0.0, sum(c * s ** i for i, c in enumerate(coeffs)))
+def _poly(coeffs: Tuple[float, ...], s, batch=1.0):
+    """The polynomial at s (a float or a numpy array), never below 0; for a call on `batch`
+    sequences at once, its constant once (a call's own cost: kernel launches, the host's
+    Python) and the rest `batch` times."""
+    value = np.maximum(0.0, coeffs[0] + batch * sum(c * s ** i for i, c in enumerate(coeffs)
+                                                    if i > 0))
     return float(value) if np.ndim(value) == 0 else value
 
 
@@ -324,8 +328,11 @@ class ModelCost:
 
     def __init__(self, name: str, hidden: int, ffn: int, layers: int, heads: int, kv_heads: int,
                  vocab: int, seq_len: int, dtype: str, fits: Mapping[int, TpFit],
-                 memory: Mapping[int, Tuple[PartMemory, PartMemory]]):
+                 memory: Mapping[int, Tuple[PartMemory, PartMemory]],
+                 concurrency: Optional[Concurrency] = None):
         self.name = name
+        # How many ranks computed at once when the times were taken (the contention term).
+        self.concurrency = concurrency
         self.hidden = int(hidden)
         self.ffn = int(ffn)
         self.layers = int(layers)
@@ -354,7 +361,8 @@ class ModelCost:
                   for tp, mem in profile.memory.items()}
         return cls(name=m.name, hidden=m.hidden, ffn=m.ffn, layers=m.layers, heads=m.heads,
                    kv_heads=m.kv_heads, vocab=m.vocab, seq_len=m.seq_len, dtype=m.dtype,
-                   fits=fits, memory=memory)
+                   fits=fits, memory=memory,
+                   concurrency=Concurrency.from_method(profile.method))
 
     @classmethod
     def from_dict(cls, model_profile: Mapping[str, Any]) -> "ModelCost":
@@ -369,26 +377,28 @@ class ModelCost:
                                f"`{rerun_command('profile_model', f'profile_model.max_tp={tp}')}`")
         return fit
 
-    def block_fwd_us(self, seq_len: float, tp: int) -> float:
-        """Forward time (us) of one transformer block for one sequence of `seq_len` tokens."""
-        return _poly(self._fit(tp).block_fwd, seq_len)
+    def block_fwd_us(self, seq_len: float, tp: int, batch=1.0) -> float:
+        """Forward time (us) of one transformer block for a micro-batch of `batch` sequences of
+        `seq_len` tokens (the fit's constant once per call: _poly)."""
+        return _poly(self._fit(tp).block_fwd, seq_len, batch)
 
-    def block_bwd_us(self, seq_len: float, tp: int) -> float:
-        """Backward time (us) of one block for one sequence (no recompute)."""
-        return _poly(self._fit(tp).block_bwd, seq_len)
+    def block_bwd_us(self, seq_len: float, tp: int, batch=1.0) -> float:
+        """Backward time (us) of one block for `batch` sequences (no recompute)."""
+        return _poly(self._fit(tp).block_bwd, seq_len, batch)
 
     def attention_core_fwd_us(self, seq_len: float, tp: int) -> float:
         """The quadratic (s^2) term of the block forward fit in us: the attention score/softmax/
         value product that selective recompute reruns."""
         return max(0.0, self._fit(tp).block_fwd[2]) * seq_len ** 2
 
-    def other_fwd_us(self, seq_len: float, tp: int) -> float:
-        """Forward time (us) of embedding + final norm + LM head + loss for one sequence."""
-        return _poly(self._fit(tp).other_fwd, seq_len)
+    def other_fwd_us(self, seq_len: float, tp: int, batch=1.0) -> float:
+        """Forward time (us) of embedding + final norm + LM head + loss for `batch`
+        sequences."""
+        return _poly(self._fit(tp).other_fwd, seq_len, batch)
 
-    def other_bwd_us(self, seq_len: float, tp: int) -> float:
-        """Backward time (us) of "other" for one sequence."""
-        return _poly(self._fit(tp).other_bwd, seq_len)
+    def other_bwd_us(self, seq_len: float, tp: int, batch=1.0) -> float:
+        """Backward time (us) of "other" for `batch` sequences."""
+        return _poly(self._fit(tp).other_bwd, seq_len, batch)
 
     def optimizer_us(self, tp: int) -> Tuple[float, float]:
         """(block, other): one optimizer step (us: norm, clipping, AdamW, parameter copy) of the

@@ -123,3 +123,46 @@ def plot_strategy(strategy: StrategyProfile, path) -> Path:
     path = save_figure(fig, path)
     plt.close(fig)
     return path
+
+
+def build_tune_figure(calibration):
+    """The matplotlib Figure of a tune record (store.schema.CalibrationProfile): predicted
+    against measured iteration time per candidate, as profiled and calibrated (axes labelled
+    "before" and "after"), the diagonal marking a right prediction, the pick circled."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [c for c in calibration.candidates if c.state == "measured"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.4), layout="constrained", sharey=True)
+    top = max([c.measured_ms["iteration"] for c in done]
+              + [max(c.predicted_ms["iteration"], c.calibrated_ms["iteration"]) for c in done])
+    for ax, key, label in ((axes[0], "predicted_ms", "before"),
+                           (axes[1], "calibrated_ms", "after")):
+        ax.set_label(label)
+        ax.plot([0, top * 1.1], [0, top * 1.1], color="grey", lw=0.8)
+        for c in done:
+            x, y = c.measured_ms["iteration"], getattr(c, key)["iteration"]
+            pick = c.describe == calibration.pick_describe
+            ax.scatter([x], [y], s=60 if pick else 30, edgecolors="black" if pick else "none")
+            ax.annotate(c.role, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.set_xlabel("measured iteration (ms)")
+        error = (calibration.mean_error_before if label == "before"
+                 else calibration.mean_error_after) or 0.0
+        ax.set_title(f"{'as profiled' if label == 'before' else 'calibrated'} "
+                     f"(mean |error| {error:.1%})")
+        ax.set_xlim(0, top * 1.1)
+        ax.set_ylim(0, top * 1.1)
+    axes[0].set_ylabel("predicted iteration (ms)")
+    return fig
+
+
+def plot_tune(calibration, path) -> Path:
+    """PNG at `path` of build_tune_figure(calibration). Returns the path."""
+    import matplotlib.pyplot as plt
+
+    fig = build_tune_figure(calibration)
+    path = save_figure(fig, path)
+    plt.close(fig)
+    return path

@@ -240,6 +240,9 @@ def _batch_configs(space: SearchSpace, schedules, L: int, W: int, tp: int, conte
             reject("batch_not_divisible")
             continue
         m = per_replica // mbs
+        if 1 < pp and m < pp and space.options.engine == "orchestrator":
+            reject("fewer_micro_batches_than_stages")  # torch's pipeline schedules refuse it
+            continue
         scheds = []
         for sched in schedules:
             if sched == "1f1b":

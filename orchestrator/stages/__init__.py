@@ -24,7 +24,7 @@ from orchestrator.errors import ConfigError
 PIPELINE = ("profile_hardware", "profile_model", "search", "train")
 # Stages a user can name (plus `all` and `status`, which the CLI handles itself). `init` runs in
 # the CLI's process too (it writes a cluster file, then launches its check job itself).
-STAGES = PIPELINE + ("import", "export", "trace", "noop", "init")
+STAGES = PIPELINE + ("import", "export", "trace", "noop", "init", "tune")
 
 
 @dataclass(frozen=True)

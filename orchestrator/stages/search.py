@@ -32,10 +32,19 @@ GiB = 2**30
 
 
 def _inputs(cfg):
-    return [StageInput(hardware_path(cfg.profiles_dir, cfg.cluster.name), HardwareProfile,
-                       "profile_hardware"),
-            StageInput(model_profile_path(cfg.profiles_dir, cfg.cluster.name, cfg.model.name),
-                       ModelProfile, "profile_model")]
+    """The two profiles, and the cluster's calibration when one fits them (stage=tune): a new
+    or refitted calibration makes the strategy stale, so the next search uses it."""
+    from orchestrator.store.schema import CalibrationProfile
+    from orchestrator.train.plan import current_calibration
+
+    inputs = [StageInput(hardware_path(cfg.profiles_dir, cfg.cluster.name), HardwareProfile,
+                         "profile_hardware"),
+              StageInput(model_profile_path(cfg.profiles_dir, cfg.cluster.name, cfg.model.name),
+                         ModelProfile, "profile_model")]
+    _, calibration, _ = current_calibration(cfg)
+    if calibration is not None:
+        inputs.append(StageInput(calibration, CalibrationProfile, "tune"))
+    return inputs
 
 
 # What changes a block's time and memory; not `layers` (the planner multiplies by it).
@@ -90,7 +99,7 @@ def _check_hardware(cfg, path: Path, made, world_size: int) -> List[str]:
 def read_inputs(cfg, plan) -> SearchInputs:
     """The search's input profiles, checked against the model and cluster it is asked about:
     ProfileError (exit 4) naming the difference and the command that rebuilds the input."""
-    hw_in, model_in = plan.inputs
+    hw_in, model_in = plan.inputs[:2]
     hw = read_profile(hw_in.path, hw_in.profile, hw_in.rebuild())
     mp = read_profile(model_in.path, model_in.profile, model_in.rebuild())
     _check_model(cfg, model_in.path, mp.model)
@@ -188,19 +197,32 @@ def run_search(ctx, run):
     from orchestrator.planner import HardwareModel, ModelCost, search
 
     cfg, space = run.cfg, run.plan.detail
-    hw_in, model_in = run.plan.inputs
+    hw_in, model_in = run.plan.inputs[:2]
     read = read_inputs(cfg, run.plan)
     hw, mp = read.hardware, read.model
     result = search(ModelCost.from_profile(mp), HardwareModel.from_profile(hw), space)
     (out,) = run.plan.outputs
-    strategy = _strategy(cfg, result, space, [(hw_in.path, hw), (model_in.path, mp)],
-                         read.notes, Provenance.from_dict(run.provenance()))
+    inputs = [(hw_in.path, hw), (model_in.path, mp)]
+    notes = list(read.notes)
+    for extra in run.plan.inputs[2:]:  # the calibration its costs were scaled by
+        inputs.append((extra.path, read_profile(extra.path, extra.profile, extra.rebuild())))
+        folder = cluster_dir(cfg.profiles_dir, cfg.cluster.name)
+        notes.append(f"cost model {space.options.calibration.describe()} "
+                     f"({extra.path.relative_to(folder)})")
+    trained = _trained_layout(inputs[2:], space, result, notes)
+    strategy = _strategy(cfg, result, space, inputs, notes,
+                         Provenance.from_dict(run.provenance()))
     write_profile(out, strategy)  # first: an export that fails must not cost the answer
     write_json(out.with_suffix(".layout.json"),
-               {"model": cfg.model.name, "seq_len": space.seq_len, "layout": result.best.to_dict()})
+               {"model": cfg.model.name, "seq_len": space.seq_len, "layout": trained.to_dict()})
     _export(strategy, out)
     write_profile(out, strategy)
     _report(result, strategy, cfg)
+    if notes[len(read.notes):]:  # the calibration used, the pick trained
+        from orchestrator.console import stage_console
+
+        for note in notes[len(read.notes):]:
+            stage_console().print(f"search: {note}", markup=False, highlight=False)
     if cfg.search.compare:
         _compare(cfg, space, result, ModelCost.from_profile(mp), HardwareModel.from_profile(hw))
     summary = {"path": str(out), "layout": result.best.describe(),
@@ -212,6 +234,21 @@ def run_search(ctx, run):
 
         summary["plot"] = str(plot_strategy(strategy, out.with_suffix(".png")))
     return summary
+
+
+def _trained_layout(calibration_inputs, space, result, notes: List[str]):
+    """What stage=train trains: stage=tune's measured fastest when the calibration read has one
+    for this space (same devices, batch and length), else the predicted best."""
+    for _, calibration in calibration_inputs:
+        pick = calibration.pick
+        if (pick is not None and pick.world_size == space.world_size
+                and pick.global_batch_size == space.global_batch_size
+                and calibration.seq_len == space.seq_len):
+            if pick != result.best:
+                notes.append(f"stage=train trains stage=tune's measured fastest "
+                             f"({calibration.pick_describe}), not the predicted best")
+            return pick
+    return result.best
 
 
 def _compare(cfg, space, result, model_cost, hardware) -> None:

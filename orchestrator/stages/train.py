@@ -57,7 +57,8 @@ class Train(Stage):
         from orchestrator.sweep import point_label
 
         inputs, outputs, target = [], [], None
-        explicit = cfg.train.pp is not None or cfg.train.tp is not None
+        explicit = (cfg.train.pp is not None or cfg.train.tp is not None
+                    or cfg.train.cp is not None or cfg.train.layout is not None)
         if not explicit:
             inputs.append(StageInput(layout_file(cfg), StrategyLayout, "search"))
         if str(cfg.train.microbatching) != "fixed":  # the per-iteration planner prices with them

@@ -52,6 +52,10 @@ def strategy_path(profiles_dir, cluster_name, model_name) -> Path:
     return cluster_dir(profiles_dir, cluster_name) / "strategy" / f"{model_name}.json"
 
 
+def calibration_path(profiles_dir, cluster_name, model_name) -> Path:
+    return cluster_dir(profiles_dir, cluster_name) / "calibration" / f"{model_name}.json"
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], binary: bool = False) -> Path:
     """Write a file atomically: `write(f)` fills a temp file in the same folder, then fsync and
     rename. A reader never sees a half-written file; a crash leaves the previous version intact.

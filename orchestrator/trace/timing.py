@@ -54,17 +54,18 @@ class ComputePricer:
             return None
         # a CP rank does 1 / cp of each sequence's work (its tokens, its balanced share of the
         # causal attention: planner/terms/compute.py's rule)
+        # (a fit's constant once per call, the rest per sequence: ModelCost)
         seq, mbs = spec.seq_len, spec.layout.micro_batch_size / spec.layout.cp
-        fwd = layers * cost.block_fwd_us(seq, tp)
-        bwd = layers * cost.block_bwd_us(seq, tp)
+        fwd = layers * cost.block_fwd_us(seq, tp, mbs)
+        bwd = layers * cost.block_bwd_us(seq, tp, mbs)
         if recompute == "full":
             bwd += fwd
         elif recompute == "selective":
-            bwd += layers * cost.attention_core_fwd_us(seq, tp)
+            bwd += layers * mbs * cost.attention_core_fwd_us(seq, tp)
         if last:
-            fwd += cost.other_fwd_us(seq, tp)
-            bwd += cost.other_bwd_us(seq, tp)
-        return fwd * mbs, bwd * mbs
+            fwd += cost.other_fwd_us(seq, tp, mbs)
+            bwd += cost.other_bwd_us(seq, tp, mbs)
+        return fwd, bwd
 
     def price(self, records: List[dict], spec, pp_rank: int) -> None:
         """Set time_us and time_source on every compute record of one rank's trace."""

@@ -74,13 +74,39 @@ def train_device(cfg) -> str:
     return "cuda" if cfg.cluster.backend == Backend.nccl else "cpu"
 
 
+def current_calibration(cfg):
+    """(Calibration, path or None, note): the cluster's calibration of this model (stage=tune)
+    when it was fitted to the profiles on disk now; the identity, with why, when there is none,
+    it is unreadable, or a profile changed since (then it is stale: rerun stage=tune)."""
+    from orchestrator.planner.calibration import Calibration
+    from orchestrator.store import calibration_path, file_sha256, read_json
+
+    path = calibration_path(cfg.profiles_dir, cfg.cluster.name, cfg.model.name)
+    if not path.exists():
+        return Calibration(), None, ""
+    try:
+        raw = read_json(path)
+        folder = cluster_dir(cfg.profiles_dir, cfg.cluster.name)
+        for name, recorded in raw["inputs"].items():
+            if not (folder / name).exists() or file_sha256(folder / name) != recorded["sha256"]:
+                return Calibration(), None, (f"calibration {path} is stale ({folder / name} "
+                                             f"changed since); not used: rerun "
+                                             f"{rerun_command('tune')}")
+        runs = int(raw["runs"]) if not raw.get("why_not") else 0
+        return Calibration.of(raw["factors"], runs), path, ""
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return Calibration(), None, f"calibration {path} unreadable ({e}); not used"
+
+
 def engine_options(cfg, reserve_bytes: float = 0.0, engine: Optional[str] = None):
     """The cost model's options for a layout trained with train's dtype and device: the
-    engine given (default search.engine) and the reserve given."""
+    engine given (default search.engine), the reserve given, and the cluster's calibration
+    (current_calibration)."""
     from orchestrator.planner import CostOptions
 
     return CostOptions(reserve_bytes=reserve_bytes, engine=engine or str(cfg.search.engine),
-                       dtype=str(train_dtype(cfg)), device=train_device(cfg))
+                       dtype=str(train_dtype(cfg)), device=train_device(cfg),
+                       calibration=current_calibration(cfg)[0])
 
 
 def _global_batch(cfg, default: int) -> int:
@@ -125,11 +151,19 @@ def explicit_layout(cfg, world: int) -> ParallelLayout:
 
 
 
+def chosen_layout_file(cfg) -> Path:
+    """The layout file train reads: train.layout when given, else the strategy's."""
+    return Path(cfg.train.layout) if cfg.train.layout else layout_file(cfg)
+
+
 def strategy_layout(cfg) -> tuple:
-    """(layout, seq_len) of the strategy search wrote; ProfileError naming the command that
-    writes it when there is none (or it is unreadable)."""
-    path = layout_file(cfg)
+    """(layout, seq_len) of the strategy search wrote (or of train.layout); ProfileError naming
+    the command that writes it when there is none (or it is unreadable)."""
+    path = chosen_layout_file(cfg)
     fix = rerun_command("search")
+    if cfg.train.layout and not path.exists():
+        raise ProfileError(f"train.layout={cfg.train.layout}: no such file; give a layout file "
+                           f"(the form of {layout_file(cfg)}) or leave train.layout unset")
     if not path.exists():
         raise ProfileError(f"no strategy for model {cfg.model.name} on cluster "
                            f"{cfg.cluster.name} yet ({path} missing): write one with {fix}, "
@@ -180,8 +214,8 @@ def resolve(cfg) -> TrainTarget:
             target = TrainTarget(layout, t.seq_len or cfg.model.seq_len, "explicit", None)
         else:
             layout, seq_len = strategy_layout(cfg)
-            target = TrainTarget(_override(layout, cfg), t.seq_len or seq_len, "strategy",
-                                 layout_file(cfg))
+            target = TrainTarget(_override(layout, cfg), t.seq_len or seq_len,
+                                 "file" if t.layout else "strategy", chosen_layout_file(cfg))
         check_target(cfg, target, world)
     except LayoutError as e:
         raise InvalidLayout(f"train: {e}") from None
@@ -209,6 +243,10 @@ def check_target(cfg, target: TrainTarget, world: int) -> None:
                           f"variable-length micro-batches are not split over context-parallel "
                           f"ranks; use train.microbatching=fixed")
     layout.check_sequence(target.seq_len)
+    if 1 < layout.pp and layout.num_micro_batches < layout.pp:
+        raise LayoutError(f"num_micro_batches({layout.num_micro_batches}) < pp({layout.pp}): "
+                          f"the pipeline schedules need a micro-batch per stage at least; "
+                          f"raise train.global_batch_size or lower train.micro_batch_size")
     for field, value in (("heads", model.heads), ("kv_heads", model.kv_heads)):
         if value % layout.tp:
             raise LayoutError(f"tp({layout.tp}) does not divide model.{field}({value})")

@@ -188,8 +188,10 @@ def relative_inputs(cfg, target) -> dict:
     if target.strategy_file is None:
         return {}
     folder = cluster_dir(cfg.profiles_dir, cfg.cluster.name)
-    return {str(target.strategy_file.relative_to(folder)):
-            {"sha256": file_sha256(target.strategy_file), "source": None}}
+    path = target.strategy_file
+    name = path.resolve().relative_to(folder.resolve()) if path.resolve().is_relative_to(
+        folder.resolve()) else path.resolve()  # train.layout may name a file anywhere
+    return {str(name): {"sha256": file_sha256(path), "source": None}}
 
 
 def write_summary(run, cfg, target, prediction, note, per_rank, steps_log: StepLog, out: Path,
@@ -343,3 +345,14 @@ def plot_summary(summary: dict, path: Path) -> Path:
     plt.close(fig)
     return out
 
+
+
+def measured_run_parts(measured: Dict[str, Any]) -> Dict[str, float]:
+    """A summary's `measured` as the parts calibration fits (planner.cost_model.run_parts_ms):
+    iteration, each stage's compute, the first stage's exposed sync and optimizer step (ms)."""
+    stages = measured["stages"]
+    parts = {"iteration": float(measured["iteration_ms"]),
+             "dp_sync_exposed": float(stages[0]["dp_sync_exposed_ms"]),
+             "optimizer": float(stages[0]["optimizer_ms"])}
+    parts.update({f"compute/{j}": float(s["compute_ms"]) for j, s in enumerate(stages)})
+    return parts

@@ -58,16 +58,19 @@ class TpComm:
     @classmethod
     def from_hardware(cls, hardware: HardwareModel, tp: int, sequence_parallel: bool,
                       message_bytes, engine: str = "orchestrator",
-                      loss_bytes=0.0) -> "TpComm":
+                      loss_bytes=0.0, latency_factor: float = 1.0,
+                      bandwidth_factor: float = 1.0) -> "TpComm":
         """Price `engine`'s collectives on a group of `tp` consecutive ranks (Megatron rank
         order) for layer messages of `message_bytes` and loss all-reduces of `loss_bytes` (fp32,
-        one value per token; floats or numpy arrays)."""
+        one value per token; floats or numpy arrays); a collective's latency and its time per
+        byte times the cluster's calibrated factors."""
         counts = tp_counts(engine, sequence_parallel)
         if tp == 1:
             return cls.zero(message_bytes)
 
         def op_us(op: str, size):
             alpha_us, us_per_byte = hardware.collective_line(op, tp, 1)
+            alpha_us, us_per_byte = alpha_us * latency_factor, us_per_byte * bandwidth_factor
             return (alpha_us + size * us_per_byte) * (size > 0)  # nothing to move: no latency
 
         ops = ("all_gather", "reduce_scatter") if sequence_parallel else ("all_reduce",)

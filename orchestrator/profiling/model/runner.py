@@ -35,6 +35,7 @@ class MeasuredTiming:
         self.device = ctx.device
         self.warmup_iters = int(cfg.profile_model.warmup_iters)
         self.iters = int(cfg.profile_model.iters)
+        self.layers = int(cfg.model.layers)
         self.allocator = self.device.type == "cuda"  # the allocator's figures on a GPU
         self.gpu_kernels = False  # the kernels that run are the ones counted
         self.meshes = {tp: init_device_mesh(self.device.type, (ctx.world_size // tp, tp),
@@ -57,15 +58,32 @@ class MeasuredTiming:
         group = self.meshes[tp].get_group() if tp > 1 else None
         barrier = (lambda: dist.barrier(group=group)) if group is not None else (lambda: None)
         samples = time_point(pm, seq, self.warmup_iters, self.iters, barrier)
-        for key, params in (("block_optim_us", pm.block.parameters()),
-                            ("other_optim_us", pm.other_params())):
-            samples[key] = time_optimizer_step_us(local_numel(params), self.device,
-                                                  self.warmup_iters, self.iters)
+        block_numel = local_numel(pm.block.parameters())
+        other_numel = local_numel(pm.other_params())
+        model_numel = self.layers * block_numel + other_numel  # the most a stage steps
+        for key, numel in (("block_optim_us", block_numel), ("other_optim_us", other_numel)):
+            samples[key] = time_optimizer_step_us(numel, self.device, self.warmup_iters,
+                                                  self.iters, model_numel)
         per_rank = self.ctx.gather(fastest_and_median(samples))
         if not self.ctx.is_root:
             return None
         return {**combine_ranks(per_rank, tp), "iters": self.iters,
                 "groups": len(per_rank) // tp}
+
+    def concurrency(self) -> dict:
+        """How busy the host was while the times were taken (the cost model's contention term,
+        planner/calibration.py): every rank of the job on this host times at once, each with
+        torch's intra-op threads, on the CPUs it may use (CPU ranks; a GPU rank's host CPUs do
+        not compute)."""
+        import os
+
+        import torch
+
+        hosts = self.ctx.hostnames
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return {"ranks_busy": hosts.count(hosts[self.ctx.rank]),
+                "threads": torch.get_num_threads(),
+                "cpus": cpus if self.device.type == "cpu" else None}
 
     def method(self, plan: ProfilePlan) -> dict:
         """The profile's "method": how times and memory were obtained."""
@@ -75,6 +93,7 @@ class MeasuredTiming:
 
             device = torch.cuda.get_device_name(self.device)
         return {"source": "measured", "why": plan.reason, "device": device,
+                "concurrency": self.concurrency(),
                 "timing": "median of `iters` iterations per rank (fastest kept as *_fastest_us); "
                           "a TP group is its slowest rank, groups summarised by their median; "
                           "*_us exclude TP collectives (kept as *_comm_us), *_total_us include "

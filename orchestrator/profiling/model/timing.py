@@ -295,11 +295,14 @@ def optimizer_step(master: torch.Tensor, weight: torch.Tensor, param: torch.Tens
 
 
 def time_optimizer_step_us(numel: int, device: torch.device, warmup_iters: int,
-                           iters: int) -> List[float]:
+                           iters: int, model_numel: Optional[int] = None) -> List[float]:
     """Samples (us) of `optimizer_step` for `numel` fp32 elements. Timed on at least
-    OPTIM_MIN_NUMEL elements and scaled to `numel`: train steps a whole stage's flat master at
-    once, which a block's slice alone (in cache) would under-read."""
-    size = max(int(numel), OPTIM_MIN_NUMEL)
+    OPTIM_MIN_NUMEL elements, or the whole model's `model_numel` when smaller, and scaled to
+    `numel`: train steps a whole stage's flat master at once, which a block's slice alone (in
+    cache) would under-read; a model whose whole master fits in cache is stepped in cache (a
+    4M-element floor read a tiny model's step 15x too slow)."""
+    floor = OPTIM_MIN_NUMEL if model_numel is None else min(OPTIM_MIN_NUMEL, int(model_numel))
+    size = max(int(numel), floor)
     clock = Stopwatch(device)
     master = torch.zeros(size, dtype=torch.float32, device=device, requires_grad=True)
     weight = torch.ones_like(master, requires_grad=False)  # replication weight of each element

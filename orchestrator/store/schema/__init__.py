@@ -5,6 +5,7 @@ from `orchestrator.store.read_profile`; JSON dicts stay at the file edge. docs/p
 is generated from these classes (`python -m orchestrator.store.schema --markdown`).
 """
 from orchestrator.choices import LinkLayout, Op, Recompute, Source
+from orchestrator.store.schema.calibration import CalibrationProfile, TunedCandidate
 from orchestrator.store.schema.hardware import (AlphaBetaFit, BenchPoint, Benchmark,
                                                 ClusterSummary, HardwareBenchmarks,
                                                 HardwareProfile, Inventory, InventoryRank, Overlap)
@@ -16,10 +17,11 @@ from orchestrator.store.schema.record import FieldError, Record
 from orchestrator.store.schema.strategy import (Alternative, Exports, PredictionRecord,
                                                 SpaceSummary, StrategyInput, StrategyProfile)
 
-__all__ = ["AlphaBetaFit", "Alternative", "BenchPoint", "Benchmark", "ClusterSummary", "Exports",
+__all__ = ["AlphaBetaFit", "Alternative", "BenchPoint", "Benchmark", "CalibrationProfile",
+           "ClusterSummary", "Exports",
            "FieldError", "HardwareBenchmarks", "HardwareProfile", "ImportRecord", "Inventory",
            "InventoryRank",
            "LinkLayout", "MemoryPart", "ModelPoint", "ModelProfile", "ModelSummary", "Op",
            "Overlap", "PartMade", "PredictionRecord", "Profile", "Provenance",
            "Recompute", "Record", "SCHEMA_VERSION", "Source", "SpaceSummary",
-           "StrategyInput", "StrategyProfile", "TpFits", "TpMemory"]
+           "StrategyInput", "StrategyProfile", "TpFits", "TpMemory", "TunedCandidate"]

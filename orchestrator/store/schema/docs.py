@@ -7,6 +7,7 @@ import inspect
 import typing
 from typing import Iterator, List
 
+from orchestrator.store.schema.calibration import CalibrationProfile
 from orchestrator.store.schema.hardware import HardwareProfile
 from orchestrator.store.schema.header import Profile, Provenance
 from orchestrator.store.schema.model import ModelProfile
@@ -67,6 +68,14 @@ PROSE = {
   and no file, one that approximates lists what it changed in `exports.<name>_approximations`.
   Next to it: `<model>.megatron.args`, `<model>.galvatron.json`, `<model>.layout.json`.
 """,
+    CalibrationProfile: """- Written by `stage=tune` (docs/stages/tune.md). Parts are ms per iteration, as `stage=train`
+  measures them: `iteration`, `compute/<stage>` (its forward/backward work over all
+  micro-batches, TP collectives in, pipeline sends out), the first stage's `dp_sync_exposed` and
+  `optimizer`. `factors` multiply the cost model's terms (planner/calibration.py); search and
+  train use them while `inputs` match the profiles on disk.
+- The measured fastest candidate (`pick`) is written as `strategy/<model>.layout.json`; a later
+  search keeps it there while this file is current (its strategy's notes say so).
+""",
 }
 
 
@@ -102,7 +111,7 @@ def _table(cls: type, header_fields: bool) -> str:
 def markdown() -> str:
     """The whole of docs/profile-schema.md."""
     parts = [INTRO, "## Every file\n", _table(Profile, True), _table(Provenance, True)]
-    for profile in (HardwareProfile, ModelProfile, StrategyProfile):
+    for profile in (HardwareProfile, ModelProfile, StrategyProfile, CalibrationProfile):
         parts.append(f"## {profile.__name__}: {inspect.cleandoc(profile.__doc__)}\n")
         parts.append(PROSE[profile])
         seen: List[type] = []
