@@ -115,14 +115,14 @@ class MicroBatchCosts:
         self.p2p_lines = (np.array([_p2p_line(hardware, x, layout.pp) for x in intra])
                           if layout.pp > 1 else np.zeros((len(intra), 2)))
         # Row s - 1: one sequence of s tokens (see _per_sequence); grown on demand.
-        self._per_seq = np.zeros((0, 12))
+        self._per_seq = np.zeros((0, 8))
 
     def _per_sequence(self, s: np.ndarray) -> np.ndarray:
-        """[len(s), 12] for sequences of s tokens: block fwd, bwd, attention core, other fwd,
-        bwd (us); stored bytes per token of a layer for none, selective, full; the LM head's
-        per token; the profile's own per-token bytes of a layer for none, selective, full (what
-        the engine's memory model starts from). Computed for every length up to max(s) at
-        once, then looked up."""
+        """[len(s), 8] for sequences of s tokens: the attention core (us); stored bytes per
+        token of a layer for none, selective, full; the LM head's per token; the profile's own
+        per-token bytes of a layer for none, selective, full (what the engine's memory model
+        starts from). Computed for every length up to max(s) at once, then looked up. (Block
+        and "other" times are priced per micro-batch in price: a call's constant once.)"""
         longest = int(np.max(s, initial=0))
         have = len(self._per_seq)
         if longest > have:
@@ -131,9 +131,7 @@ class MicroBatchCosts:
             new = np.arange(have + 1, max(longest, 2 * have) + 1)
             act = ActivationBytes.from_block(block, new, tp, self.layout.sequence_parallel,
                                              m.hidden, m.dtype_bytes)
-            columns = (m.block_fwd_us(new, tp), m.block_bwd_us(new, tp),
-                       m.attention_core_fwd_us(new, tp), m.other_fwd_us(new, tp),
-                       m.other_bwd_us(new, tp), act.none, act.selective, act.full,
+            columns = (m.attention_core_fwd_us(new, tp), act.none, act.selective, act.full,
                        other.act_bytes_per_token_at("none", new),
                        *(block.act_bytes_per_token_at(mode, new)
                          for mode in ("none", "selective", "full")))
@@ -156,7 +154,7 @@ class MicroBatchCosts:
         b = np.asarray(b, dtype=float)
         s = np.asarray(s, dtype=np.int64)
         code = np.asarray(mode_code)[None, :]
-        (_, _, attn, _, _, a_none, a_sel, a_full, a_head,
+        (attn, a_none, a_sel, a_full, a_head,
          *profile_per_token) = self._per_sequence(s).T
         m, pp, v, n = self.model, self.pp, self.v, self.n
         tokens = b * s

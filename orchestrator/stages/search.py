@@ -204,9 +204,9 @@ def run_search(ctx, run):
     (out,) = run.plan.outputs
     inputs = [(hw_in.path, hw), (model_in.path, mp)]
     notes = list(read.notes)
+    folder = cluster_dir(cfg.profiles_dir, cfg.cluster.name)
     for extra in run.plan.inputs[2:]:  # the calibration its costs were scaled by
         inputs.append((extra.path, read_profile(extra.path, extra.profile, extra.rebuild())))
-        folder = cluster_dir(cfg.profiles_dir, cfg.cluster.name)
         notes.append(f"cost model {space.options.calibration.describe()} "
                      f"({extra.path.relative_to(folder)})")
     trained = _trained_layout(inputs[2:], space, result, notes)

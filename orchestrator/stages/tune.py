@@ -38,7 +38,7 @@ FAMILIES = ("pure dp", "tp-heavy", "pp-heavy")
 class Candidate:
     role: str  # "top 1", ..., or a family
     layout: ParallelLayout
-    predicted_ms: float  # search's prediction (current calibration, if any)
+    predicted_ms: float  # search's prediction, the cost model as profiled
 
 
 def _divisors_desc(n: int, bound: int) -> List[int]:
@@ -202,12 +202,12 @@ def tune(cfg, run_stages: Callable, console) -> List[dict]:
     observations, measured = [], {}
     for cand, summary, why in ran:
         if summary is not None:
-            s = read_json(summary)
-            measured[cand.role] = s
+            measured[cand.role] = read_json(summary)
             observations.append(Observation(cand.role, cand.layout,
-                                            measured_run_parts(s["measured"])))
+                                            measured_run_parts(measured[cand.role]["measured"])))
     fit = fit_calibration(observations, price, min_runs=cfg.tune.min_runs)
     cal = fit.calibration
+    parts = {o.name: o.parts_ms for o in observations}
     records = []
     for cand, summary, why in ran:
         s = measured.get(cand.role)
@@ -218,7 +218,7 @@ def tune(cfg, run_stages: Callable, console) -> List[dict]:
                                 predicted_ms=price(cand.layout, Calibration()),
                                 calibrated_ms=price(cand.layout, cal))
         if s:
-            record.measured_ms = measured_run_parts(s["measured"])
+            record.measured_ms = dict(parts[cand.role])
             record.peak_memory_MiB = max(s["measured"]["peak_memory_MiB"])
             if s.get("predicted"):
                 record.predicted_memory_MiB = s["predicted"]["peak_memory_MiB"]

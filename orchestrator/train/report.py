@@ -188,9 +188,9 @@ def relative_inputs(cfg, target) -> dict:
     if target.strategy_file is None:
         return {}
     folder = cluster_dir(cfg.profiles_dir, cfg.cluster.name)
-    path = target.strategy_file
-    name = path.resolve().relative_to(folder.resolve()) if path.resolve().is_relative_to(
-        folder.resolve()) else path.resolve()  # train.layout may name a file anywhere
+    path, root = target.strategy_file.resolve(), folder.resolve()
+    # train.layout may name a file anywhere: relative to the cluster's folder where it is in it
+    name = path.relative_to(root) if path.is_relative_to(root) else path
     return {str(name): {"sha256": file_sha256(path), "source": None}}
 
 
@@ -344,7 +344,6 @@ def plot_summary(summary: dict, path: Path) -> Path:
     out = save_figure(fig, path)
     plt.close(fig)
     return out
-
 
 
 def measured_run_parts(measured: Dict[str, Any]) -> Dict[str, float]:
