@@ -10,6 +10,14 @@ tp * cp_rank + tp * cp * dp_rank + tp * cp * dp * pp_rank. Tensor-parallel group
 ranks, context-parallel groups have stride tp, data-parallel groups stride tp * cp (gradients are
 reduced, and ZeRO shards, over the dp x cp ranks of stride tp that hold the same weights),
 pipeline neighbours are tp * cp * dp ranks apart.
+
+Experts (mixture-of-experts models, models/moe.py) have their own grid over the same ranks of a
+pipeline stage, Megatron's "MoE parallel folding": etp x ep x edp = tp x cp x dp, in the order
+etp fastest, then ep, then edp (expert data parallel), then pp. An expert-parallel group holds
+different experts on each of its ep ranks (`experts / ep` each) and exchanges tokens by
+all-to-all; an expert-tensor-parallel group splits each expert's FFN columns over etp ranks;
+expert weights are replicated, and their gradients reduced, over the edp ranks of stride
+etp * ep only (the dense weights over dp x cp). EP may span the attention's TP, CP and DP ranks.
 """
 from __future__ import annotations
 
@@ -79,6 +87,8 @@ class ParallelLayout:
     cp: int = 1
     cp_comm: str = "p2p"
     cp_a2a: int = 1
+    ep: int = 1
+    etp: int = 1
 
     def __post_init__(self) -> None:
         # Normalise containers first so that lists from JSON or callers compare and hash.
@@ -97,8 +107,8 @@ class ParallelLayout:
 
     # ---------------------------------------------------------------- validation
     def _validate(self) -> None:
-        for name in ("world_size", "pp", "tp", "dp", "cp", "cp_a2a", "micro_batch_size",
-                     "num_micro_batches", "virtual_stages"):
+        for name in ("world_size", "pp", "tp", "dp", "cp", "cp_a2a", "ep", "etp",
+                     "micro_batch_size", "num_micro_batches", "virtual_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"{name} must be an integer >= 1, got {value!r}")
@@ -114,6 +124,15 @@ class ParallelLayout:
         if self.cp_comm != "a2a+p2p" and self.cp_a2a != 1:
             raise LayoutError(f"cp_a2a({self.cp_a2a}) is the all-to-all degree of cp_comm "
                               f"a2a+p2p, not of cp_comm {self.cp_comm}")
+        stage_ranks = self.tp * self.cp * self.dp
+        if stage_ranks % (self.ep * self.etp):
+            raise LayoutError(f"ep({self.ep}) * etp({self.etp}) must divide the tp({self.tp}) * "
+                              f"cp({self.cp}) * dp({self.dp}) = {stage_ranks} ranks of a pipeline "
+                              f"stage (the expert grid folds onto them)")
+        if self.tp > 1 and self.ep * self.etp > 1 and not self.sequence_parallel:
+            raise LayoutError(f"expert parallelism (ep({self.ep}), etp({self.etp})) with tp"
+                              f"({self.tp}) needs sequence_parallel: each TP rank routes its own "
+                              f"sequence shard's tokens (Megatron's rule)")
         if self.zero not in ZERO_STAGES:
             raise LayoutError(f"zero must be one of {ZERO_STAGES}, got {self.zero!r}")
         if bool(self.distributed_optimizer) != (self.zero >= 1):
@@ -189,6 +208,21 @@ class ParallelLayout:
             raise LayoutError(f"{what} must divide heads({heads}) and kv_heads({kv_heads}) of "
                               f"{model_name}")
 
+    def check_experts(self, experts: int, expert_ffn: int, model_name: str = "model") -> None:
+        """Raise LayoutError unless ep splits the `experts` (0: a dense model, which needs
+        ep = etp = 1) and etp the expert FFN width."""
+        if not experts:
+            if self.ep * self.etp > 1:
+                raise LayoutError(f"ep({self.ep}) / etp({self.etp}) need a mixture-of-experts "
+                                  f"model; {model_name} is dense (model.experts 0)")
+            return
+        if experts % self.ep:
+            raise LayoutError(f"experts({experts}) of {model_name} is not divisible by "
+                              f"ep({self.ep}): each EP rank holds experts / ep of them")
+        if expert_ffn % self.etp:
+            raise LayoutError(f"expert FFN width({expert_ffn}) of {model_name} is not divisible "
+                              f"by etp({self.etp})")
+
     def check_model_layers(self, layers: int, model_name: str = "model") -> None:
         """Raise LayoutError unless the stages hold exactly the model's `layers` blocks."""
         if self.num_layers != layers:
@@ -202,6 +236,11 @@ class ParallelLayout:
         return sum(self.layers_per_stage)
 
     @property
+    def edp(self) -> int:
+        """Expert data parallel: ranks of a stage holding the same experts' shard."""
+        return self.tp * self.cp * self.dp // (self.ep * self.etp)
+
+    @property
     def global_batch_size(self) -> int:
         """Sequences per iteration: dp * micro_batch_size * num_micro_batches."""
         return self.dp * self.micro_batch_size * self.num_micro_batches
@@ -211,24 +250,27 @@ class ParallelLayout:
         """(group size, stride between its ranks) of `dim` in the rank order tp, cp, dp, pp;
         "dp_cp" is the dp x cp ranks that hold the same weights (gradient reduction, ZeRO);
         "cp_a2a" and "cp_ring" split a CP group for a2a+p2p: cp_a2a consecutive CP ranks, and
-        the ring over those groups (Megatron's hierarchical CP groups)."""
+        the ring over those groups (Megatron's hierarchical CP groups); "etp", "ep" and "edp"
+        are the expert grid's (etp, ep, edp, pp order over the same ranks)."""
         tp, cp, dp, a = self.tp, self.cp, self.dp, self.cp_a2a
         return {"tp": (tp, 1), "cp": (cp, tp), "dp": (dp, tp * cp), "dp_cp": (dp * cp, tp),
                 "pp": (self.pp, tp * cp * dp), "cp_a2a": (a, tp),
-                "cp_ring": (cp // a, tp * a)}.get(dim, (None, None))
+                "cp_ring": (cp // a, tp * a), "etp": (self.etp, 1), "ep": (self.ep, self.etp),
+                "edp": (self.edp, self.etp * self.ep)}.get(dim, (None, None))
 
     def coordinate(self, rank: int, dim: str) -> int:
-        """`rank`'s index along `dim` ("tp", "cp", "dp", "dp_cp", "pp", "cp_a2a" or "cp_ring")
-        in the rank order tp, cp, dp, pp."""
+        """`rank`'s index along `dim` ("tp", "cp", "dp", "dp_cp", "pp", "cp_a2a", "cp_ring",
+        "etp", "ep" or "edp") in the rank order tp, cp, dp, pp (etp, ep, edp, pp)."""
         self._check_rank(rank)
         size, stride = self._size_stride(dim)
         if size is None:
-            raise LayoutError(f"dim must be 'tp', 'cp', 'dp', 'dp_cp', 'pp', 'cp_a2a' or "
-                              f"'cp_ring', got {dim!r}")
+            raise LayoutError(f"dim must be 'tp', 'cp', 'dp', 'dp_cp', 'pp', 'cp_a2a', "
+                              f"'cp_ring', 'etp', 'ep' or 'edp', got {dim!r}")
         return rank // stride % size
 
     def group_ranks(self, dim: str, rank: int) -> range:
-        """The global ranks of `rank`'s `dim` group ("tp", "cp", "dp", "dp_cp", "pp" or "world"),
+        """The global ranks of `rank`'s `dim` group ("tp", "cp", "dp", "dp_cp", "pp", "cp_a2a",
+        "cp_ring", "etp", "ep", "edp" or "world"),
         in group-rank order (the group a (pp, dp, cp, tp) DeviceMesh gives `rank`), as a range:
         the same cost at any world size."""
         if dim == "world":
@@ -237,7 +279,7 @@ class ParallelLayout:
         size, stride = self._size_stride(dim)
         if size is None:
             raise LayoutError(f"dim must be 'tp', 'cp', 'dp', 'dp_cp', 'pp', 'cp_a2a', "
-                              f"'cp_ring' or 'world', got {dim!r}")
+                              f"'cp_ring', 'etp', 'ep', 'edp' or 'world', got {dim!r}")
         first = rank - self.coordinate(rank, dim) * stride
         return range(first, first + size * stride, stride)
 
@@ -252,7 +294,8 @@ class ParallelLayout:
                  else f"{self.schedule}(v{self.virtual_stages})")
         comm = f"a2a{self.cp_a2a}+p2p" if self.cp_comm == "a2a+p2p" else self.cp_comm
         cp = "" if self.cp == 1 else f" cp{self.cp}" + ("" if comm == "p2p" else f"({comm})")
-        return (f"tp{self.tp}{cp} pp{self.pp} dp{self.dp} zero{self.zero}"
+        ep = (f" ep{self.ep}" if self.ep > 1 else "") + (f" etp{self.etp}" if self.etp > 1 else "")
+        return (f"tp{self.tp}{cp} pp{self.pp} dp{self.dp}{ep} zero{self.zero}"
                 f"{' sp' if self.sequence_parallel else ''} mbs{self.micro_batch_size}"
                 f" x{self.num_micro_batches} {sched} "
                 f"[{','.join(map(str, self.layers_per_stage))}] rc[{rc}]")
@@ -283,10 +326,12 @@ class ParallelLayout:
     def to_dict(self) -> Dict[str, Any]:
         """Plain JSON-ready dict (lists for tuples); from_dict(to_dict()) == self. cp and
         cp_comm appear only with context parallelism (files written before it read as cp 1),
-        cp_a2a only with a2a+p2p."""
+        cp_a2a only with a2a+p2p, ep and etp only with expert parallelism."""
         cp = {} if self.cp == 1 else {"cp": self.cp, "cp_comm": self.cp_comm}
         if self.cp_comm == "a2a+p2p":
             cp["cp_a2a"] = self.cp_a2a
+        if self.ep * self.etp > 1:
+            cp.update(ep=self.ep, etp=self.etp)
         return {
             "world_size": self.world_size, "pp": self.pp, "tp": self.tp, "dp": self.dp, **cp,
             "zero": self.zero, "distributed_optimizer": bool(self.distributed_optimizer),

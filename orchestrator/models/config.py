@@ -4,6 +4,7 @@ Kept free of torch so the CLI and the planner can import it cheaply.
 """
 
 from dataclasses import dataclass
+from typing import Optional
 
 from orchestrator.choices import Dtype
 
@@ -14,6 +15,14 @@ class ModelConfig:
 
     Defaults are the tiny model that runs anywhere in seconds. Code reading a config accepts this
     dataclass or an OmegaConf DictConfig of it, so it uses fields only (no properties).
+
+    Mixture of experts (models/moe.py) when `experts` > 0: every block after the first
+    `dense_layers` replaces its FFN by `experts` SwiGLU experts of width `expert_ffn`, each token
+    sent to its `top_k` highest-scoring ones (softmax router, the k weights renormalised), plus
+    a shared expert of width `shared_expert_ffn` every token goes through (0: none). The dense
+    blocks keep `ffn`. `capacity_factor` None is dropless; a number c caps each expert at
+    ceil(tokens x top_k / experts x c) of a routing group's tokens (the rest dropped, as
+    Megatron's). `aux_loss_coef` weighs the sequence-wise load-balancing loss (DeepSeek-V3's).
     """
 
     name: str = "tiny"
@@ -27,6 +36,13 @@ class ModelConfig:
     dtype: Dtype = Dtype.fp32
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    experts: int = 0  # 0: a dense model
+    top_k: int = 2
+    expert_ffn: int = 0  # 0: ffn
+    shared_expert_ffn: int = 0
+    dense_layers: int = 0  # the first blocks keep a dense FFN (DeepSeek-V3: 3)
+    capacity_factor: Optional[float] = None  # None: dropless
+    aux_loss_coef: float = 0.01
 
     def __post_init__(self) -> None:
         try:  # "bfloat16" and "bf16" name one dtype
@@ -65,6 +81,7 @@ def validate_model(cfg: ModelConfig, tp: int = 1) -> None:
         raise ValueError(
             f"model.heads({cfg.heads}) is not divisible by model.kv_heads({cfg.kv_heads})"
         )
+    validate_moe(cfg)
     # Each TP rank holds whole heads: its share of query heads, KV heads, FFN columns and vocab rows.
     splits = (
         ("heads", cfg.heads, "query heads"),
@@ -73,20 +90,95 @@ def validate_model(cfg: ModelConfig, tp: int = 1) -> None:
         ("vocab", cfg.vocab, "vocab-parallel embedding and LM head"),
         ("seq_len", cfg.seq_len, "sequence parallelism"),
     )
+    if cfg.shared_expert_ffn:
+        splits += (("shared_expert_ffn", cfg.shared_expert_ffn, "the shared expert's columns"),)
     for field, value, why in splits:
         if value % tp:
             raise ValueError(f"model.{field}({value}) is not divisible by tp({tp}); needed for {why}")
 
 
-def count_block_params(cfg: ModelConfig) -> int:
-    """Parameters in one transformer block (no biases)."""
+def validate_moe(cfg: ModelConfig) -> None:
+    """Raise ValueError naming the numbers if the mixture-of-experts fields are inconsistent."""
+    if not isinstance(cfg.experts, int) or cfg.experts < 0:
+        raise ValueError(f"model.experts({cfg.experts}) must be an integer >= 0 (0: dense)")
+    if not cfg.experts:
+        return
+    if not isinstance(cfg.top_k, int) or not 1 <= cfg.top_k <= cfg.experts:
+        raise ValueError(f"model.top_k({cfg.top_k}) must be in 1..model.experts({cfg.experts})")
+    for field in ("expert_ffn", "shared_expert_ffn", "dense_layers"):
+        value = getattr(cfg, field)
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"model.{field}({value}) must be an integer >= 0")
+    if cfg.dense_layers >= cfg.layers:
+        raise ValueError(f"model.dense_layers({cfg.dense_layers}) must be < model.layers"
+                         f"({cfg.layers}): a MoE model needs at least one MoE block")
+    if cfg.capacity_factor is not None and not cfg.capacity_factor > 0:
+        raise ValueError(f"model.capacity_factor({cfg.capacity_factor}) must be > 0 "
+                         f"(null: dropless)")
+    if not cfg.aux_loss_coef >= 0:
+        raise ValueError(f"model.aux_loss_coef({cfg.aux_loss_coef}) must be >= 0")
+
+
+def is_moe(cfg: ModelConfig) -> bool:
+    """Whether the model has experts."""
+    return bool(getattr(cfg, "experts", 0))
+
+
+def is_moe_block(cfg: ModelConfig, index: int) -> bool:
+    """Whether block `index` holds experts (every block after the first `dense_layers`)."""
+    return is_moe(cfg) and index >= cfg.dense_layers
+
+
+def moe_block_count(cfg: ModelConfig) -> int:
+    """Blocks with experts."""
+    return cfg.layers - cfg.dense_layers if is_moe(cfg) else 0
+
+
+def expert_width(cfg: ModelConfig) -> int:
+    """One routed expert's FFN width."""
+    return cfg.expert_ffn or cfg.ffn
+
+
+def count_attention_params(cfg: ModelConfig) -> int:
+    """A block's attention and its two norms (no biases)."""
     kv_dim = cfg.kv_heads * (cfg.hidden // cfg.heads)
-    attention = cfg.hidden * cfg.hidden * 2 + cfg.hidden * kv_dim * 2  # wq, wo, wk, wv
-    mlp = 3 * cfg.hidden * cfg.ffn  # w_gate, w_up, w_down
-    norms = 2 * cfg.hidden
-    return attention + mlp + norms
+    return cfg.hidden * cfg.hidden * 2 + cfg.hidden * kv_dim * 2 + 2 * cfg.hidden
+
+
+def count_expert_params(cfg: ModelConfig) -> int:
+    """One routed expert (w_gate, w_up, w_down)."""
+    return 3 * cfg.hidden * expert_width(cfg)
+
+
+def count_moe_dense_params(cfg: ModelConfig) -> int:
+    """A MoE block's parameters outside the routed experts: router and shared expert."""
+    return cfg.hidden * cfg.experts + 3 * cfg.hidden * cfg.shared_expert_ffn
+
+
+def count_block_params(cfg: ModelConfig, index: int = 0) -> int:
+    """Parameters in transformer block `index` (no biases); all its experts for a MoE block."""
+    if is_moe_block(cfg, index):
+        return (count_attention_params(cfg) + count_moe_dense_params(cfg)
+                + cfg.experts * count_expert_params(cfg))
+    return count_attention_params(cfg) + 3 * cfg.hidden * cfg.ffn  # w_gate, w_up, w_down
+
+
+def count_active_block_params(cfg: ModelConfig, index: int = 0) -> int:
+    """Parameters one token goes through in block `index` (top_k experts of a MoE block): what
+    its FLOPs scale with."""
+    if is_moe_block(cfg, index):
+        return (count_attention_params(cfg) + count_moe_dense_params(cfg)
+                + cfg.top_k * count_expert_params(cfg))
+    return count_block_params(cfg, index)
 
 
 def count_params(cfg: ModelConfig) -> int:
     """Parameters in the whole model: embedding, blocks, final norm, untied LM head."""
-    return cfg.vocab * cfg.hidden * 2 + cfg.layers * count_block_params(cfg) + cfg.hidden
+    return (cfg.vocab * cfg.hidden * 2 + cfg.hidden
+            + sum(count_block_params(cfg, i) for i in range(cfg.layers)))
+
+
+def count_active_params(cfg: ModelConfig) -> int:
+    """Parameters a token goes through (the "A3B" of Qwen3-30B-A3B), embedding included."""
+    return (cfg.vocab * cfg.hidden * 2 + cfg.hidden
+            + sum(count_active_block_params(cfg, i) for i in range(cfg.layers)))
