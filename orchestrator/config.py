@@ -308,6 +308,11 @@ class TrainConfig:
     cp: Optional[int] = None
     cp_comm: Optional[str] = None
     cp_a2a: Optional[int] = None  # a2a+p2p: the all-to-all degree inside the CP group
+    # Mixture-of-experts models: experts split over ep ranks (all-to-all token dispatch), each
+    # expert's width over etp; the expert grid folds onto the tp x dp ranks of a stage
+    # (ParallelLayout). None: the strategy's, else 1.
+    ep: Optional[int] = None
+    etp: Optional[int] = None
     zero: Optional[int] = None  # 0: DDP-style, 1/2: sharded optimizer (and grads), 3: FSDP2
     sequence_parallel: Optional[bool] = None  # None: on when tp > 1
     micro_batch_size: Optional[int] = None  # None: 1
@@ -637,10 +642,6 @@ def unknown_key_message(dotted_key: str) -> str:
     """'unknown key <key>; did you mean <closest known key>?' (or where to list the keys)."""
     import difflib
 
-    leaf = dotted_key.rsplit(".", 1)[-1].lower()
-    if dotted_key.startswith("model.") and ("expert" in leaf or "moe" in leaf):
-        return (f"unknown key {dotted_key}: mixture-of-experts models are not supported yet "
-                f"(profile_model, search, train and trace model dense transformers only)")
     close = difflib.get_close_matches(dotted_key, schema_keys(), n=1, cutoff=0.6)
     hint = (f"did you mean {close[0]}?" if close
             else "`python -m orchestrator --cfg job` lists the keys")

@@ -210,12 +210,16 @@ class ParallelLayout:
 
     def check_experts(self, experts: int, expert_ffn: int, model_name: str = "model") -> None:
         """Raise LayoutError unless ep splits the `experts` (0: a dense model, which needs
-        ep = etp = 1) and etp the expert FFN width."""
+        ep = etp = 1) and etp the expert FFN width, and tp > 1 comes with sequence parallelism."""
         if not experts:
             if self.ep * self.etp > 1:
                 raise LayoutError(f"ep({self.ep}) / etp({self.etp}) need a mixture-of-experts "
                                   f"model; {model_name} is dense (model.experts 0)")
             return
+        if self.tp > 1 and not self.sequence_parallel:
+            raise LayoutError(f"a mixture-of-experts model with tp({self.tp}) needs "
+                              f"sequence_parallel: each TP rank routes its own sequence shard's "
+                              f"tokens (Megatron's rule)")
         if experts % self.ep:
             raise LayoutError(f"experts({experts}) of {model_name} is not divisible by "
                               f"ep({self.ep}): each EP rank holds experts / ep of them")

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from orchestrator.choices import Dtype
-from orchestrator.models.config import ModelConfig, validate_model
+from orchestrator.models.config import ModelConfig, is_moe_block, validate_model
 
 # A target that counts in no loss: padding of variable-length samples (F.cross_entropy's default).
 IGNORE_INDEX = -100
@@ -118,14 +118,17 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm transformer layer. forward(x, cos, sin) -> x of the same shape."""
+    """One pre-norm transformer layer. forward(x, cos, sin) -> x of the same shape. Block
+    `index` of a mixture-of-experts model has a MoE FFN (models/moe.py) in place of the MLP."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
+        from orchestrator.models.moe import MoE
+
         self.attn_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if is_moe_block(cfg, index) else MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -163,7 +166,7 @@ class GPT(nn.Module):
         torch.set_default_dtype(dtype)
         try:
             self.tok_emb = nn.Embedding(cfg.vocab, cfg.hidden)
-            self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+            self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.layers))
             self.norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
             self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         finally:
@@ -212,7 +215,7 @@ def init_parameters(module: nn.Module, cfg: ModelConfig, seed: int = 0) -> None:
         if "norm" in name:
             full = torch.ones(param.shape)
         else:
-            output_proj = name.endswith(("wo.weight", "w_down.weight"))
+            output_proj = name.endswith(("wo.weight", "w_down.weight", "experts.w_down"))
             std = 0.02 / math.sqrt(2 * cfg.layers) if output_proj else 0.02
             key = seed * 1_000_003 + zlib.crc32(name.encode())
             generator = torch.Generator().manual_seed(key)

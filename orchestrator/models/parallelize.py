@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import (
 
 from orchestrator.models.config import validate_model
 from orchestrator.models.gpt import GPT, Rotary, init_parameters
+from orchestrator.models.moe import MoE, ExpertParallel
 
 
 def apply_tensor_parallel(
@@ -102,7 +103,64 @@ def apply_tensor_parallel(
                     input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)
                 ),
             }
+        if isinstance(block.mlp, MoE):
+            plan = {key: style for key, style in plan.items()
+                    if key != "mlp" and not key.startswith("mlp.")}
+            plan |= _moe_plan(block.mlp, sequence_parallel)
+            block.mlp.sequence_group, block.mlp.sequence_parts = tp_mesh.get_group(), tp
         parallelize_module(block, tp_mesh, plan)
+    return model
+
+
+def _moe_plan(moe: MoE, sequence_parallel: bool) -> dict:
+    """The FFN part of a MoE block's TP plan (sequence parallelism required,
+    ParallelLayout.check_experts; the attention's is a dense block's): the MoE FFN takes this
+    rank's sequence shard as a plain tensor (the residual stream's local shard, as it returns)
+    and routes it (router weights replicated over TP, their gradient summed over it as the SP
+    norms'); the experts are not TP-sharded (expert parallelism is apply_expert_parallel's);
+    the shared expert is a TP-sharded MLP (all-gather in, reduce-scatter out)."""
+    if not sequence_parallel:
+        raise ValueError("a MoE block under tensor parallelism needs sequence_parallel")
+    plan = {
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                                  use_local_output=True),
+        "mlp.router": SequenceParallel(use_local_output=True),
+    }
+    if moe.shared is not None:
+        plan |= {
+            "mlp.shared": PrepareModuleInput(input_layouts=(Shard(1),),
+                                             desired_input_layouts=(Replicate(),)),
+            "mlp.shared.w_gate": ColwiseParallel(),
+            "mlp.shared.w_up": ColwiseParallel(),
+            "mlp.shared.w_down": RowwiseParallel(output_layouts=Shard(1), use_local_output=True),
+        }
+    return plan
+
+
+def apply_expert_parallel(model: nn.Module, expert_mesh, ep: int, etp: int, ep_group=None,
+                          etp_group=None, blocks=None) -> nn.Module:
+    """Shard the routed experts of every MoE block of `model` (a GPT or a pipeline stage) over
+    the expert grid, in place: each rank keeps experts / ep consecutive experts (dim 0) and
+    1/etp of their width (w_gate, w_up columns; w_down rows), as DTensors on `expert_mesh`
+    (1-D "ep" or "etp", or 2-D ("ep", "etp")), and tokens reach them by all-to-all
+    (models/moe.ExpertParallel over `ep_group` / `etp_group`). ep = etp = 1 changes nothing.
+    `blocks`: the block indices to shard (None: all)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if ep * etp == 1:
+        return model
+    named = model.blocks.items() if isinstance(model.blocks, nn.ModuleDict) else \
+        enumerate(model.blocks)
+    for index, block in named:
+        if not isinstance(block.mlp, MoE) or (blocks is not None and int(index) not in blocks):
+            continue
+        experts = block.mlp.experts
+        for name, width_dim in (("w_gate", 2), ("w_up", 2), ("w_down", 1)):
+            placements = ([Shard(0)] if ep > 1 else []) + ([Shard(width_dim)] if etp > 1 else [])
+            param = getattr(experts, name)
+            sharded = distribute_tensor(param.data, expert_mesh, placements, src_data_rank=None)
+            setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        block.mlp.dispatch = ExpertParallel(ep_group, ep, etp_group, etp)
     return model
 
 

@@ -25,7 +25,7 @@ import inspect
 import math
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,11 +34,15 @@ from orchestrator.choices import Dtype
 from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig
 from orchestrator.models.context_parallel import ContextParallel
+from orchestrator.models.config import expert_width, is_moe
 from orchestrator.models.gpt import GPT, Attention, cross_entropy_loss, token_loss_sum
-from orchestrator.models.parallelize import apply_tensor_parallel, split_pipeline
+from orchestrator.models.moe import MoE
+from orchestrator.models.parallelize import (apply_expert_parallel, apply_tensor_parallel,
+                                             split_pipeline)
 from orchestrator.train.executor import (MicroBatchInput, PipelineExecutor, run_plain,
                                          set_recompute)
-from orchestrator.train.grads import FsdpAdamW, ShardedAdamW, local_tensor
+from orchestrator.train.grads import (ExpertAdamW, FsdpAdamW, ShardedAdamW, is_expert_param,
+                                     local_tensor)
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,10 @@ class StepStats:
     optimizer_s: float  # clipping, AdamW, parameter all-gather
     skipped: bool = False  # fp16 overflow: no update
     stop: bool = False  # some rank was asked to stop (a signal): every rank knows it
+    # mixture of experts: the mean load-balancing loss (times its coefficient) over MoE layers
+    # and micro-batches, and the tokens routed to each expert summed over MoE layers (global)
+    aux_loss: Optional[float] = None
+    tokens_per_expert: Optional[List[int]] = None
 
 
 def virtual_stage_layers(layout: ParallelLayout) -> List[int]:
@@ -115,13 +123,36 @@ class Engine:
         self.context = (ContextParallel(self.mesh["cp"].get_group(), layout.cp_comm,
                                         levels=levels)
                         if layout.cp > 1 else None)
+        self.moe = is_moe(model)
+        self.layout_experts = model.experts
+        if self.moe:
+            layout.check_experts(model.experts, expert_width(model), model.name)
+            if layout.cp > 1 or layout.zero == 3:
+                raise ValueError(f"a mixture-of-experts model trains with cp 1 and ZeRO 0-2, "
+                                 f"got cp({layout.cp}) zero({layout.zero})")
+            # The expert grid (etp fastest, then ep, then edp) over the same ranks of a stage.
+            self.expert_mesh = init_device_mesh(
+                _device_type(device), (layout.pp, layout.edp, layout.ep, layout.etp),
+                mesh_dim_names=("pp", "edp", "ep", "etp"))
         self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == layout.pp - 1
         self.modules = self._build(dataclasses.replace(model, dtype=Dtype.fp32), seed)
         self._apply_recompute()
         if layout.zero == 3:
             self._apply_fsdp()
         params = [p for mod in self.modules for p in mod.parameters()]
-        if layout.zero == 3:
+        if self.moe:
+            named = [(n, p) for mod in self.modules for n, p in mod.named_parameters()]
+            kwargs = dict(bucket_MiB=optim.bucket_MiB, weight_decay=optim.weight_decay,
+                          betas=optim.betas, eps=optim.eps)
+            dense = ShardedAdamW([p for n, p in named if not is_expert_param(n)], layout.zero,
+                                 self.replicas_mesh.get_group(), layout.dp * layout.cp,
+                                 layout.num_micro_batches, **kwargs)
+            experts = ShardedAdamW([p for n, p in named if is_expert_param(n)], layout.zero,
+                                   self.expert_mesh["edp"].get_group(), layout.edp,
+                                   layout.num_micro_batches, mean_over=layout.dp * layout.cp,
+                                   **kwargs)
+            self.optim = ExpertAdamW(dense, experts)
+        elif layout.zero == 3:
             self.optim = FsdpAdamW(params, layout.num_micro_batches,
                                    weight_decay=optim.weight_decay, betas=optim.betas,
                                    eps=optim.eps)
@@ -147,6 +178,11 @@ class Engine:
         if layout.tp > 1:
             apply_tensor_parallel(whole, self.mesh["tp"], layout.sequence_parallel,
                                   loss_parallel=True)
+        if self.moe and layout.ep * layout.etp > 1:
+            dims = tuple(d for d, n in (("ep", layout.ep), ("etp", layout.etp)) if n > 1)
+            apply_expert_parallel(whole, self.expert_mesh[dims], layout.ep, layout.etp,
+                                  self.expert_mesh["ep"].get_group(),
+                                  self.expert_mesh["etp"].get_group())
         parts = split_pipeline(whole, virtual_stage_layers(layout))
         mine = [parts[c * layout.pp + self.pp_rank] for c in range(layout.virtual_stages)]
         autocast = None if self.dtype == Dtype.fp32 else self.dtype.torch
@@ -243,6 +279,7 @@ class Engine:
         `stop` (this rank was signalled) comes back agreed over all ranks."""
         start = self._now()
         self.compute_s = 0.0
+        self._begin_moe_step()
         self.optim.begin_step(self.layout.num_micro_batches)
         tokens, targets = tokens.to(self.device), targets.to(self.device)
         if self.context is not None:  # this rank's tokens of each sequence
@@ -271,6 +308,9 @@ class Engine:
             raise NotImplementedError("variable-length micro-batches with ZeRO-3 are not "
                                       "supported (dp ranks run different micro-batch counts): "
                                       "use zero<=2")
+        if self.moe:
+            raise NotImplementedError("variable-length micro-batches with a mixture-of-experts "
+                                      "model are not supported: use train.microbatching=fixed")
         start = self._now()
         self.compute_s = 0.0
         self.optim.begin_step(len(batches), grad_divisor=float(total_tokens))
@@ -317,10 +357,38 @@ class Engine:
         self._update_loss_scale(skipped)
         end = self._now()
         loss, stop = self._global_loss(local_loss, stop)
+        aux_loss, tokens_per_expert = self._moe_stats()
         return StepStats(loss=loss / loss_divisor * inv_scale, grad_norm=norm, step_s=end - start,
                          fwd_bwd_s=fwd_bwd_end - start, compute_s=self.compute_s,
                          sync_wait_s=sync_end - fwd_bwd_end, norm_s=norm_end - sync_end,
-                         optimizer_s=end - norm_end, skipped=skipped, stop=stop)
+                         optimizer_s=end - norm_end, skipped=skipped, stop=stop,
+                         aux_loss=aux_loss, tokens_per_expert=tokens_per_expert)
+
+    def _moe_layers(self) -> List[MoE]:
+        return [sub for mod in self.modules for sub in mod.modules() if isinstance(sub, MoE)]
+
+    def _begin_moe_step(self) -> None:
+        for moe in self._moe_layers():
+            moe.reset_stats()
+            moe.aux_grad_scale = self.loss_scale
+
+    def _moe_stats(self):
+        """(mean aux loss, tokens per expert summed over MoE layers) over every rank: one
+        all-reduce (after the step's own, off its timed parts); (None, None) for a dense model."""
+        if not self.moe:
+            return None, None
+        layers = self._moe_layers()
+        experts = self.layout_experts
+        local = torch.zeros(2 + experts, dtype=torch.float64)
+        for moe in layers:
+            local[0] += moe.aux_loss_sum
+            local[1] += moe.aux_calls
+            local[2:] += moe.tokens_per_expert.double()
+        local = local.to(self.device)
+        dist.all_reduce(local)
+        local = local.cpu()
+        aux = float(local[0] / local[1]) if local[1] > 0 else 0.0
+        return aux, [int(n) for n in local[2:].tolist()]
 
     def _forward_backward(self, tokens, targets) -> List[torch.Tensor]:
         layout = self.layout

@@ -127,10 +127,13 @@ class ShardedAdamW:
     def __init__(self, params: List[nn.Parameter], zero: int, dp_group, dp: int,
                  num_micro_batches: int, world_group=None, bucket_MiB: float = 25.0,
                  weight_decay: float = 0.1, betas=(0.9, 0.95), eps: float = 1e-8,
-                 replicas_only: bool = False):
+                 replicas_only: bool = False, mean_over: Optional[int] = None):
         if zero not in (0, 1, 2):
             raise ValueError(f"ShardedAdamW handles zero 0/1/2, got {zero}")
         self.zero, self.dp, self.dp_group = zero, dp, dp_group
+        # The ranks whose losses the gradients average over (default the dp group's): experts
+        # reduce over their own group (edp) but average over the dense replicas (dp x cp).
+        self.mean_over = mean_over or dp
         self.dp_rank = dist.get_rank(dp_group) if dp > 1 else 0
         self.world_group = world_group
         # No pipeline or tensor parallelism: with ZeRO-0 every rank holds the whole reduced
@@ -157,7 +160,7 @@ class ShardedAdamW:
         if num_micro_batches < 1:
             raise ValueError(f"num_micro_batches({num_micro_batches}) must be >= 1")
         self.m = num_micro_batches
-        self.grad_divisor = grad_divisor or float(self.dp * num_micro_batches)
+        self.grad_divisor = grad_divisor or float(self.mean_over * num_micro_batches)
 
     # ------------------------------------------------------------------ buckets
     def _make_buckets(self, bucket_MiB: float) -> List[Bucket]:
@@ -294,16 +297,22 @@ class ShardedAdamW:
 
     def grad_norm(self) -> float:
         """The global gradient norm: every element once, over data, tensor and pipeline ranks."""
-        sumsq = torch.zeros((), dtype=torch.float64, device=self.buckets[0].master.device)
-        for b in self.buckets:
-            sumsq += _weighted_sumsq(b.shard_grad, b.rep_index, b.rep_weight)
+        sumsq = self.local_sumsq()
         if self.local_norm:
             return math.sqrt(float(sumsq))
-        if self.zero == 0 and self.dp > 1:
-            sumsq /= self.dp  # every replica holds (and counts) the whole reduced gradient
         if dist.is_initialized() and dist.get_world_size(self.world_group) > 1:
             dist.all_reduce(sumsq, group=self.world_group)
         return math.sqrt(float(sumsq))
+
+    def local_sumsq(self) -> torch.Tensor:
+        """This rank's share of the squared global norm (float64): summed over all ranks it
+        counts every element once."""
+        sumsq = torch.zeros((), dtype=torch.float64, device=self.buckets[0].master.device)
+        for b in self.buckets:
+            sumsq += _weighted_sumsq(b.shard_grad, b.rep_index, b.rep_weight)
+        if self.zero == 0 and self.dp > 1 and not self.local_norm:
+            sumsq /= self.dp  # every replica holds (and counts) the whole reduced gradient
+        return sumsq
 
     def step(self, lr: float, grad_clip: float, inv_scale: float = 1.0,
              norm: Optional[float] = None) -> None:
@@ -394,6 +403,55 @@ class ShardedAdamW:
                     if s < e:
                         b.master[s - lo:e - lo] = loc[s - off:e - off]
             self.optim.state[b.master] = {"step": torch.tensor(float(step)), **per_key}
+
+
+def is_expert_param(name: str) -> bool:
+    """A routed expert's weight (models/moe.Experts): reduced over the expert-data-parallel
+    ranks, not the dense replicas."""
+    return ".mlp.experts." in name
+
+
+class ExpertAdamW:
+    """ZeRO 0/1/2 for a mixture-of-experts model: the dense parameters' ShardedAdamW over the
+    dense replicas (dp x cp) and the routed experts' over the expert-data-parallel group (edp
+    ranks holding the same experts); both average over the dense replicas' losses. One global
+    norm (one all-reduce) and one clipping factor for both."""
+
+    def __init__(self, dense: ShardedAdamW, experts: ShardedAdamW):
+        self.parts = (dense, experts)
+        for part in self.parts:
+            part.local_norm = False
+
+    def begin_step(self, num_micro_batches: int, grad_divisor: Optional[float] = None) -> None:
+        for part in self.parts:
+            part.begin_step(num_micro_batches, grad_divisor)
+
+    def finish_backward(self) -> None:
+        for part in self.parts:
+            part.finish_backward()
+
+    def grad_norm(self) -> float:
+        sumsq = self.parts[0].local_sumsq() + self.parts[1].local_sumsq()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(sumsq)
+        return math.sqrt(float(sumsq))
+
+    def step(self, lr: float, grad_clip: float, inv_scale: float = 1.0,
+             norm: Optional[float] = None) -> None:
+        norm = self.grad_norm() * inv_scale if norm is None else norm
+        for part in self.parts:
+            part.step(lr, grad_clip, inv_scale, norm)
+
+    def zero_grads(self) -> None:
+        for part in self.parts:
+            part.zero_grads()
+
+    def state_tensors(self) -> Dict[nn.Parameter, Dict[str, torch.Tensor]]:
+        return {**self.parts[0].state_tensors(), **self.parts[1].state_tensors()}
+
+    def load_state_tensors(self, states, step: int) -> None:
+        for part in self.parts:
+            part.load_state_tensors({p: states[p] for p in part.params}, step)
 
 
 class FsdpAdamW:

@@ -19,7 +19,8 @@ from orchestrator.store import cluster_dir, hardware_path, model_profile_path, s
 GiB = 2**30
 # Fields of a layout a `train.*` key changes (same name in TrainConfig and ParallelLayout).
 LAYOUT_FIELDS = ("zero", "sequence_parallel", "micro_batch_size", "num_micro_batches",
-                 "schedule", "virtual_stages", "layers_per_stage", "cp_comm", "cp_a2a")
+                 "schedule", "virtual_stages", "layers_per_stage", "cp_comm", "cp_a2a",
+                 "ep", "etp")
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,7 @@ def explicit_layout(cfg, world: int) -> ParallelLayout:
     v = t.virtual_stages or (2 if schedule == "interleaved" else 1)
     kwargs = dict(zero=t.zero or 0, micro_batch_size=mbs, num_micro_batches=m, cp=cp,
                   cp_comm=t.cp_comm or ENGINE_CP_COMM, cp_a2a=t.cp_a2a or 1,
+                  ep=t.ep or 1, etp=t.etp or 1,
                   schedule=schedule, virtual_stages=v,
                   sequence_parallel=tp > 1 if t.sequence_parallel is None
                   else bool(t.sequence_parallel))
@@ -243,6 +245,7 @@ def check_target(cfg, target: TrainTarget, world: int) -> None:
                           f"variable-length micro-batches are not split over context-parallel "
                           f"ranks; use train.microbatching=fixed")
     layout.check_sequence(target.seq_len)
+    check_moe(cfg, layout)
     if 1 < layout.pp and layout.num_micro_batches < layout.pp:
         raise LayoutError(f"num_micro_batches({layout.num_micro_batches}) < pp({layout.pp}): "
                           f"the pipeline schedules need a micro-batch per stage at least; "
@@ -267,6 +270,29 @@ def check_target(cfg, target: TrainTarget, world: int) -> None:
     if backend != Backend.nccl and train_dtype(cfg) != Dtype.fp32:
         raise LayoutError(f"train.dtype={train_dtype(cfg).value} needs GPUs (cluster.backend="
                           f"nccl); CPU ranks train in fp32")
+
+
+def check_moe(cfg, layout: ParallelLayout) -> None:
+    """LayoutError when the engine cannot train this layout of a mixture-of-experts model (or
+    ep/etp are set for a dense one)."""
+    from orchestrator.models.config import expert_width, is_moe
+
+    model = cfg.model
+    layout.check_experts(model.experts, expert_width(model) if is_moe(model) else 1, model.name)
+    if not is_moe(model):
+        return
+    if layout.cp > 1:
+        raise LayoutError(f"cp({layout.cp}) with the mixture-of-experts model {model.name}: "
+                          f"stage=train does not split MoE sequences over context-parallel "
+                          f"ranks yet (search prices it for Megatron-LM); use train.cp=1")
+    if layout.zero == 3:
+        raise LayoutError(f"zero 3 with the mixture-of-experts model {model.name}: stage=train "
+                          f"shards experts with ZeRO 0-2 only (FSDP would shard them over the "
+                          f"dense replicas, not the expert-data-parallel ones); set train.zero=2")
+    if str(cfg.train.microbatching) != "fixed":
+        raise LayoutError(f"train.microbatching={cfg.train.microbatching} with the "
+                          f"mixture-of-experts model {model.name}: the dynamic planner prices "
+                          f"dense blocks only; use train.microbatching=fixed")
 
 
 def _model_config(model):
