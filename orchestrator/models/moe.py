@@ -106,6 +106,8 @@ class MoE(nn.Module):
         self.dispatch: Optional["ExpertParallel"] = None
         self.sequence_group = None
         self.sequence_parts = 1
+        # Off while a pipeline stage infers its shapes with a forward of empty tensors (train).
+        self.record_stats = True
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -181,7 +183,8 @@ class MoE(nn.Module):
     def _record(self, aux, counts: torch.Tensor, dropped: int) -> None:
         # A recomputation in backward (full recompute) routes the same tokens again, and a
         # pipeline stage's first forward without gradients infers shapes: count training ones.
-        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+        if (not self.record_stats or not torch.is_grad_enabled()
+                or torch._C._current_graph_task_id() != -1):
             return
         if aux is not None:
             self.aux_loss_sum += float(aux.detach())

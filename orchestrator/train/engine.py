@@ -242,15 +242,23 @@ class Engine:
         return cls(arg, n_microbatches=layout.num_micro_batches, loss_fn=self._loss, **kwargs)
 
     def _time_chunks(self, stage) -> None:
-        """Count the wall time of the stage's forward/backward chunks into `compute_s`."""
+        """Count the wall time of the stage's forward/backward chunks into `compute_s`; MoE
+        layers log their routing only inside them."""
+        moe_layers = [m for m in stage.submod.modules() if isinstance(m, MoE)]
+        for moe in moe_layers:  # torch's first-step shape inference runs forwards of its own
+            moe.record_stats = False
         for name in ("forward_one_chunk", "backward_one_chunk"):
             original = getattr(stage, name)
 
             def timed(*args, _original=original, **kwargs):
                 start = self._now()
+                for moe in moe_layers:
+                    moe.record_stats = True
                 try:
                     return _original(*args, **kwargs)
                 finally:
+                    for moe in moe_layers:
+                        moe.record_stats = False
                     self.compute_s += self._now() - start
             setattr(stage, name, timed)
 

@@ -43,14 +43,17 @@ def train_dir(cfg) -> Path:
 
 def layout_tag(layout: ParallelLayout) -> str:
     """A file-name-safe tag of a layout: `pp2-tp2-dp1-zero0-sp-mbs1x8-1f1b` (`-cp2` after tp
-    with context parallelism, `-cp2allgather` in that flavour, `-cp4a2a2+p2p` hierarchical), with
+    with context parallelism, `-cp2allgather` in that flavour, `-cp4a2a2+p2p` hierarchical;
+    `-ep4`, `-etp2` after dp with expert parallelism), with
     the schedule's chunks, an
     uneven split and recompute appended when they are not the defaults."""
     cp = ""
     if layout.cp > 1:
         comm = (f"a2a{layout.cp_a2a}+p2p" if layout.cp_comm == "a2a+p2p" else layout.cp_comm)
         cp = f"-cp{layout.cp}" + ("" if comm == ENGINE_CP_COMM else comm)
-    tag = (f"pp{layout.pp}-tp{layout.tp}{cp}-dp{layout.dp}-zero{layout.zero}"
+    ep = (f"-ep{layout.ep}" if layout.ep > 1 else "") + (f"-etp{layout.etp}" if layout.etp > 1
+                                                          else "")
+    tag = (f"pp{layout.pp}-tp{layout.tp}{cp}-dp{layout.dp}{ep}-zero{layout.zero}"
            f"{'-sp' if layout.sequence_parallel else ''}"
            f"-mbs{layout.micro_batch_size}x{layout.num_micro_batches}-{layout.schedule}")
     if layout.virtual_stages > 1:

@@ -80,6 +80,14 @@ class StepLog:
     def record(self, step: int, lr: float, stats) -> None:
         row = {"step": step, "loss": stats.loss, "lr": lr, "grad_norm": stats.grad_norm,
                "skipped": stats.skipped, **{k: getattr(stats, k) for k in TIME_PARTS}}
+        moe = ""
+        if getattr(stats, "tokens_per_expert", None) is not None:
+            # mixture of experts: the balance loss and the load (summed over MoE layers)
+            counts = stats.tokens_per_expert
+            row |= {"aux_loss": stats.aux_loss, "tokens_per_expert": counts,
+                    "expert_load_max_over_mean": _max_over_mean(counts)}
+            moe = (f"  aux {stats.aux_loss:.4f}  expert load max/mean "
+                   f"{row['expert_load_max_over_mean']:.2f}")
         self.steps.append(row)
         self.losses[step] = stats.loss
         tokens = self._step_tokens or self.tokens_per_step
@@ -89,7 +97,7 @@ class StepLog:
         tokens_per_s = tokens / stats.step_s if stats.step_s > 0 else 0.0
         line = (f"step {step}/{self.t.steps}  loss {stats.loss:.4f}  lr {lr:.2e}  "
                 f"grad {stats.grad_norm:.3f}  {stats.step_s * 1e3:.1f} ms  "
-                f"{tokens_per_s:,.0f} tok/s  mem {_memory_MiB(self.ctx.device):.0f} MiB")
+                f"{tokens_per_s:,.0f} tok/s  mem {_memory_MiB(self.ctx.device):.0f} MiB{moe}")
         log.info("%s", line)
         if step % max(1, self.t.log_every) == 0 or step == self.t.steps:
             self.console.print(line, markup=False, highlight=False)
@@ -228,7 +236,7 @@ def write_summary(run, cfg, target, prediction, note, per_rank, steps_log: StepL
         iteration_time_error=error, mfu=mfu, notes=steps_log.notes,
         checkpoints=steps_log.checkpoints,
         step_times_ms={str(r["rank"]): [s * 1e3 for s in r["step_s"]] for r in per_rank},
-        microbatching=microbatching)
+        microbatching=microbatching, moe=_moe_section(steps_log))
     write_json(out, summary)
     if cfg.train.plot:
         from orchestrator.train.monitor import plot_memory
@@ -243,6 +251,18 @@ def write_summary(run, cfg, target, prediction, note, per_rank, steps_log: StepL
             "predicted_ms": predicted["iteration_ms"] if predicted else None,
             "error": error, "tokens_per_s": measured["tokens_per_s"],
             "first_loss": summary["first_loss"], "last_loss": summary["last_loss"]}
+
+
+def _moe_section(steps_log: StepLog) -> Optional[Dict[str, Any]]:
+    """A mixture-of-experts run's routing per step of this run: the balance loss, the tokens
+    each expert received (summed over MoE layers and ranks) and the busiest over the mean."""
+    rows = [r for r in steps_log.steps if "tokens_per_expert" in r]
+    if not rows:
+        return None
+    return {"aux_loss": {str(r["step"]): r["aux_loss"] for r in rows},
+            "tokens_per_expert": {str(r["step"]): r["tokens_per_expert"] for r in rows},
+            "expert_load_max_over_mean": {str(r["step"]): r["expert_load_max_over_mean"]
+                                          for r in rows}}
 
 
 def _microbatching(cfg, steps_log: StepLog) -> Dict[str, Any]:
@@ -263,11 +283,11 @@ def _mfu(cfg, target, iteration_ms: float, layout) -> Optional[float]:
         return None
     from orchestrator.device import dense_peak_flops, load_device_sheet, model_flops
     from orchestrator.errors import ConfigError
-    from orchestrator.models.config import count_params
+    from orchestrator.models.config import count_active_params
 
     model = cfg.model
     tokens = layout.global_batch_size * target.seq_len
-    flops = model_flops(count_params(model), model.layers, model.hidden, target.seq_len, tokens)
+    flops = model_flops(count_active_params(model), model.layers, model.hidden, target.seq_len, tokens)
     dtype = str(getattr(cfg.train.dtype, "value", cfg.train.dtype) or "bf16")
     try:
         peak = dense_peak_flops(load_device_sheet(cfg.profile_model.device or "h100"), dtype)
@@ -355,3 +375,9 @@ def measured_run_parts(measured: Dict[str, Any]) -> Dict[str, float]:
              "optimizer": float(stages[0]["optimizer_ms"])}
     parts.update({f"compute/{j}": float(s["compute_ms"]) for j, s in enumerate(stages)})
     return parts
+
+
+def _max_over_mean(counts) -> float:
+    """The busiest expert's tokens over the mean (1.0: perfectly balanced)."""
+    mean = sum(counts) / len(counts) if counts else 0.0
+    return max(counts) / mean if mean else 0.0
