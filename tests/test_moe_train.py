@@ -1,8 +1,8 @@
 """Mixture-of-experts training (models/moe.py, the engine's expert parallelism) on real gloo ranks.
 
 - Every EP layout family on 4 ranks (pure dp, ep 2/4, etp, EP folded over TP ranks with
-  sequence parallelism, a pipeline (1F1B and interleaved), ZeRO 1/2, full and selective
-  recompute) trains the same MoE model on the same data with the losses (and gradient norms
+  sequence parallelism, a pipeline (1F1B and interleaved), ZeRO 1/2/3, full and selective
+  recompute, context parallelism in three flavours) trains the same MoE model on the same data with the losses (and gradient norms
   and balance losses) of a single-process reference on the whole batch, to 1e-4.
 - The MoE block by hand: top-k routing, renormalised weights, capacity, the sequence-wise aux
   loss, the dispatcher's all-to-all splits.
@@ -34,6 +34,9 @@ LAYOUTS = [
     (1, 1, {"ep": 2}),
     (1, 1, {"ep": 4, "zero": 1}),
     (1, 1, {"ep": 2, "etp": 2, "zero": 2}),
+    (1, 1, {"ep": 2, "zero": 3}),  # FSDP2: experts their own unit over edp
+    (1, 2, {"ep": 4, "zero": 3}),
+    (2, 1, {"ep": 2, "zero": 3}),
     (1, 2, {"ep": 2}),  # the EP group is the TP pair (folding)
     (1, 2, {"ep": 4, "recompute": "selective"}),  # EP over TP and DP ranks
     (1, 2, {}),  # experts replicated over TP x DP: reduced over all four
@@ -41,6 +44,11 @@ LAYOUTS = [
     (2, 1, {"ep": 2, "recompute": "full"}),
     (2, 2, {"ep": 2}),
     (2, 1, {"ep": 2, "schedule": "interleaved", "virtual_stages": 2}),
+    # context parallelism: a sequence's tokens over cp (x tp) ranks, EP folded over them
+    (1, 1, {"cp": 2, "ep": 2}),
+    (1, 2, {"cp": 2, "ep": 4}),
+    (1, 1, {"cp": 4, "ep": 2, "cp_comm": "a2a+p2p", "cp_a2a": 2, "zero": 1}),
+    (1, 1, {"cp": 2, "ep": 4, "cp_comm": "allgather", "recompute": "full"}),
 ]
 
 
@@ -49,7 +57,7 @@ def _layout(world, pp, tp, extra, mbs=1):
 
     extra = dict(extra)
     recompute = extra.pop("recompute", "none")
-    dp = world // (pp * tp)
+    dp = world // (pp * tp * extra.get("cp", 1))
     return ParallelLayout.uniform(world, tp, pp, MODEL["layers"], recompute=recompute,
                                   micro_batch_size=mbs, num_micro_batches=GBS // (dp * mbs),
                                   sequence_parallel=tp > 1, **extra)
@@ -257,7 +265,7 @@ def test_tiny_moe_trains_with_ep_and_a_checkpoint_reshards_across_ep(profiles):
     (["model.top_k=9"], "model.top_k(9) must be in 1..model.experts(8)"),
     (["model.capacity_factor=0"], "model.capacity_factor(0.0) must be > 0"),
     (["model=tiny", "train.ep=2"], "need a mixture-of-experts model"),
-    (["train.zero=3"], "zero 3 with the mixture-of-experts model"),
+    (["train.zero=3", "train.ep=2", "train.etp=2"], "zero 3 with etp(2)"),
 ])
 def test_bad_moe_input_is_one_line_before_launch(profiles, overrides, words):
     proc = run_cli("stage=train", "train.pp=1", "train.tp=1", *SHORT, *overrides,

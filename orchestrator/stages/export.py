@@ -88,6 +88,9 @@ class Export(Stage):
             raise ConfigError("stage=export needs export.path=<a folder to write into>")
         if spec.format not in FORMATS:
             raise ConfigError(f"export.format={spec.format!r}; allowed: {', '.join(FORMATS)}")
+        if cfg.model.experts:
+            raise ConfigError(f"model={cfg.model.name} is a mixture-of-experts model; Galvatron's "
+                              f"profile and strategy files describe dense transformers only")
         sources = _sources(cfg)
         if not sources:
             raise ConfigError(

@@ -102,6 +102,9 @@ def _import_model(cfg, plan: ImportPlan):
     """The model folder's import for `cfg.model`: the one folder whose files match it."""
     from orchestrator.interop.galvatron.model import import_model
 
+    if cfg.model.experts:
+        raise ConfigError(f"model={cfg.model.name} is a mixture-of-experts model; Galvatron's "
+                          f"model profiles describe dense transformers only")
     matches, misses = [], []
     for folder in plan.model_dirs:
         try:

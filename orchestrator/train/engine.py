@@ -127,20 +127,22 @@ class Engine:
         self.layout_experts = model.experts
         if self.moe:
             layout.check_experts(model.experts, expert_width(model), model.name)
-            if layout.cp > 1 or layout.zero == 3:
-                raise ValueError(f"a mixture-of-experts model trains with cp 1 and ZeRO 0-2, "
-                                 f"got cp({layout.cp}) zero({layout.zero})")
+            if layout.zero == 3 and layout.etp > 1:
+                raise ValueError(f"ZeRO-3 with etp({layout.etp}): FSDP shards a parameter "
+                                 f"split over one mesh dimension only; use etp 1 or ZeRO 0-2")
             # The expert grid (etp fastest, then ep, then edp) over the same ranks of a stage.
             self.expert_mesh = init_device_mesh(
                 _device_type(device), (layout.pp, layout.edp, layout.ep, layout.etp),
                 mesh_dim_names=("pp", "edp", "ep", "etp"))
         self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == layout.pp - 1
         self.modules = self._build(dataclasses.replace(model, dtype=Dtype.fp32), seed)
+        if self.moe:
+            self._split_sequences()
         self._apply_recompute()
         if layout.zero == 3:
             self._apply_fsdp()
         params = [p for mod in self.modules for p in mod.parameters()]
-        if self.moe:
+        if self.moe and layout.zero < 3:
             named = [(n, p) for mod in self.modules for n, p in mod.named_parameters()]
             kwargs = dict(bucket_MiB=optim.bucket_MiB, weight_decay=optim.weight_decay,
                           betas=optim.betas, eps=optim.eps)
@@ -153,7 +155,12 @@ class Engine:
                                    **kwargs)
             self.optim = ExpertAdamW(dense, experts)
         elif layout.zero == 3:
-            self.optim = FsdpAdamW(params, layout.num_micro_batches,
+            rescale = {}
+            if self.moe:
+                factor = layout.edp / (layout.dp * layout.cp)
+                rescale = {p: factor for mod in self.modules
+                           for n, p in mod.named_parameters() if is_expert_param(n)}
+            self.optim = FsdpAdamW(params, layout.num_micro_batches, rescale=rescale,
                                    weight_decay=optim.weight_decay, betas=optim.betas,
                                    eps=optim.eps)
         else:
@@ -195,6 +202,19 @@ class Engine:
                     sub.context = self.context
         return mine
 
+    def _split_sequences(self) -> None:
+        """Tell the MoE layers which ranks hold the other tokens of their sequences (TP's
+        sequence shards, CP's chunks): the balance loss sums its statistics over them."""
+        layout = self.layout
+        cp_dims = (("cp_ring", "cp_a2a") if layout.cp_comm == "a2a+p2p" else ("cp",)) \
+            if layout.cp > 1 else ()
+        dims = cp_dims + (("tp",) if layout.tp > 1 else ())
+        if not dims:
+            return
+        mesh = self.mesh[dims]._flatten("seq_split") if len(dims) > 1 else self.mesh[dims[0]]
+        for moe in self._moe_layers():
+            moe.sequence_group, moe.sequence_parts = mesh.get_group(), layout.tp * layout.cp
+
     def _apply_recompute(self) -> None:
         """The layout's recompute (also restored after a step of per-micro-batch modes)."""
         mode, k = self.layout.recompute[self.pp_rank]
@@ -216,6 +236,12 @@ class Engine:
         reshard = self.layout.pp == 1
         for mod in self.modules:
             for block in mod.blocks.values():
+                if isinstance(block.mlp, MoE):
+                    # The experts shard over the ranks holding them (edp), their own unit
+                    # (FSDP averages their gradients over edp: FsdpAdamW rescales them to the
+                    # dense replicas' mean, dp x cp; gloo has no pre-multiplied reduce).
+                    fully_shard(block.mlp.experts, mesh=self.expert_mesh["edp"],
+                                reshard_after_forward=reshard)
                 fully_shard(block, mesh=self.replicas_mesh, reshard_after_forward=reshard)
             fully_shard(mod, mesh=self.replicas_mesh, reshard_after_forward=reshard)
 
@@ -378,7 +404,10 @@ class Engine:
     def _begin_moe_step(self) -> None:
         for moe in self._moe_layers():
             moe.reset_stats()
-            moe.aux_grad_scale = self.loss_scale
+            # Gradients average over the dp x cp ranks; the CP ranks of a sequence each carry
+            # their share of its one balance loss, so theirs count cp times (the LM loss's are
+            # means over each rank's own tokens).
+            moe.aux_grad_scale = self.loss_scale * self.layout.cp
 
     def _moe_stats(self):
         """(mean aux loss, tokens per expert summed over MoE layers) over every rank: one
@@ -494,5 +523,6 @@ def _is_fsdp(p: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
     # FSDP's mesh is the dp group, or the flattened dp x cp one with context parallelism
+    # (the experts': the expert-data-parallel one)
     return isinstance(p, DTensor) and any(
-        name in ("dp", "dp_cp") for name in (p.device_mesh.mesh_dim_names or ()))
+        name in ("dp", "dp_cp", "edp") for name in (p.device_mesh.mesh_dim_names or ()))

@@ -459,8 +459,12 @@ class FsdpAdamW:
     over dp). Same interface as ShardedAdamW."""
 
     def __init__(self, params: List[nn.Parameter], num_micro_batches: int, world_group=None,
-                 weight_decay: float = 0.1, betas=(0.9, 0.95), eps: float = 1e-8):
+                 weight_decay: float = 0.1, betas=(0.9, 0.95), eps: float = 1e-8,
+                 rescale: Optional[Dict[nn.Parameter, float]] = None):
         self.params = [p for p in params if p.requires_grad]
+        # FSDP's mean over its group, times this: the experts' (reduced over edp) to the mean
+        # over the dense replicas
+        self.rescale = rescale or {}
         self.begin_step(num_micro_batches)
         self.world_group = world_group
         self.optim = torch.optim.AdamW(self.params, lr=0.0, betas=betas, eps=eps,
@@ -477,7 +481,7 @@ class FsdpAdamW:
         for p in self.params:
             if p.grad is not None:
                 p.grad = full_grad(p)
-                p.grad.div_(self.m)
+                p.grad.div_(self.m / self.rescale.get(p, 1.0))
 
     def grad_norm(self) -> float:
         device = local_tensor(self.params[0]).device

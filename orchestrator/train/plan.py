@@ -284,14 +284,9 @@ def check_moe(cfg, layout: ParallelLayout) -> None:
     layout.check_experts(model.experts, expert_width(model) if is_moe(model) else 1, model.name)
     if not is_moe(model):
         return
-    if layout.cp > 1:
-        raise LayoutError(f"cp({layout.cp}) with the mixture-of-experts model {model.name}: "
-                          f"stage=train does not split MoE sequences over context-parallel "
-                          f"ranks yet (search prices it for Megatron-LM); use train.cp=1")
-    if layout.zero == 3:
-        raise LayoutError(f"zero 3 with the mixture-of-experts model {model.name}: stage=train "
-                          f"shards experts with ZeRO 0-2 only (FSDP would shard them over the "
-                          f"dense replicas, not the expert-data-parallel ones); set train.zero=2")
+    if layout.zero == 3 and layout.etp > 1:
+        raise LayoutError(f"zero 3 with etp({layout.etp}): FSDP shards a parameter split over "
+                          f"one mesh dimension only (the experts' ep); use etp 1 or zero <= 2")
     if str(cfg.train.microbatching) != "fixed":
         raise LayoutError(f"train.microbatching={cfg.train.microbatching} with the "
                           f"mixture-of-experts model {model.name}: the dynamic planner prices "
