@@ -264,6 +264,17 @@ class SearchConfig:
     # cp_comms (p2p, a2a, allgather: both engines run each).
     max_cp: Optional[int] = None  # >= 1
     cp_comms: List[str] = field(default_factory=lambda: ["p2p", "a2a"])  # flavours of cp > 1
+    # Mixture-of-experts models (model.experts > 0): expert parallelism up to max_ep and expert
+    # tensor parallelism up to max_etp, folded onto each stage's tp x cp x dp ranks; ep / etp
+    # fix them (None: searched). Dense models ignore these.
+    max_ep: int = 1024  # >= 1
+    max_etp: int = 1  # >= 1
+    ep: Optional[int] = None
+    etp: Optional[int] = None
+    # The busiest EP rank's token copies over the mean (>= 1), what its experts and all-to-alls
+    # are priced at; None: 1.1 for model.aux_loss_coef >= 1e-2, 1.2 from 1e-3, 1.3 below, 1.0
+    # with a capacity factor (workload/moe.default_imbalance). Recorded in the strategy's notes.
+    moe_imbalance: Optional[float] = None
     tp_within_node: bool = True
     zero_stages: List[int] = field(default_factory=lambda: [0, 1, 2, 3])
     recompute: List[Recompute] = field(default_factory=lambda: list(Recompute))
@@ -371,9 +382,10 @@ class ExportConfig:
 class TraceConfig:
     """`stage=trace`: one iteration's workload per rank at a fake world size (orchestrator/trace).
 
-    Configurations are [WORLD_SIZE, PP, TP] or [WORLD_SIZE, PP, TP, CP] (DP = WORLD_SIZE /
-    (PP * TP * CP)), as a list in `configs` or as one in world_size/pp/tp (+ cp; which `-m`
-    can sweep); the rest is shared.
+    Configurations are [WORLD_SIZE, PP, TP], [WORLD_SIZE, PP, TP, CP] (DP = WORLD_SIZE /
+    (PP * TP * CP)) or, for a mixture-of-experts model, [WORLD_SIZE, PP, TP, CP, EP(, ETP)], as a
+    list in `configs` or as one in world_size/pp/tp (+ cp, ep, etp; which `-m` can sweep); the
+    rest is shared.
     """
 
     configs: Optional[List[List[int]]] = None
@@ -390,6 +402,11 @@ class TraceConfig:
     cp: int = 1
     cp_comm: str = "p2p"
     cp_a2a: int = 1  # a2a+p2p: the all-to-all degree inside the CP group (the ring over cp/it)
+    # Mixture-of-experts models (model.experts > 0): expert parallelism (experts / ep per rank,
+    # all-to-all token dispatch) and expert tensor parallelism (each expert's width over etp)
+    # of a configuration that gives none; the expert grid folds onto a stage's tp x cp x dp ranks.
+    ep: int = 1
+    etp: int = 1
     schedule: Schedule = Schedule["1f1b"]
     virtual_stages: int = 2  # interleaved only
     zero: int = 0  # 0: all-reduce gradients; 1: + parameter all-gather; 2: reduce-scatter

@@ -59,11 +59,14 @@ from orchestrator.planner.terms.compute import LayerCompute
 from orchestrator.planner.terms.cp_comm import CpComm, cp_group_intra_node, cp_kv_message_bytes
 from orchestrator.planner.terms.memory import (ActivationBytes, comm_buffer_bytes,
                                                stage_activation_bytes)
+from orchestrator.planner.terms.moe import (MoeComm, MoeParams, activation_delta_bytes,
+                                            linear_scale)
 from orchestrator.planner.terms.pipeline import (boundary_intra_node, boundary_us,
                                                  on_end_stages, p2p_message_bytes, stage_sends)
 from orchestrator.planner.terms.tp_comm import LOSS_VALUE_BYTES, TpComm, tp_message_bytes
 from orchestrator.planner.terms.zero import ZeroSharding, ZeroTraffic, dp_sync_parts_us
 from orchestrator.workload.memory import BlockActivations, StageMemory
+from orchestrator.workload.moe import default_imbalance
 
 GiB = float(1 << 30)
 MEMORY_KINDS = ("params", "grads", "optim", "activations", "comm_buffers", "reserve")
@@ -88,6 +91,8 @@ class CostOptions:
       the orchestrator engine's memory depends on both.
     calibration: per-cluster factors on the terms (planner/calibration.py, `stage=tune`);
       the identity by default.
+    moe_imbalance: a mixture-of-experts model's busiest EP rank's token copies over the mean
+      (>= 1; search.moe_imbalance); None: workload/moe.default_imbalance of the model.
     """
 
     other_time_first_share: float = 0.05
@@ -97,6 +102,16 @@ class CostOptions:
     dtype: str = ""
     device: str = "cuda"
     calibration: Calibration = Calibration()
+    moe_imbalance: Optional[float] = None
+
+
+def moe_imbalance(model: ModelCost, options: CostOptions) -> float:
+    """The load imbalance the cost model prices a MoE model at (1.0 for a dense one)."""
+    if model.moe is None:
+        return 1.0
+    if options.moe_imbalance is not None:
+        return float(options.moe_imbalance)
+    return default_imbalance(model.moe)
 
 
 def _engine_memory(key: "ConfigKey", model: ModelCost, block, seq_len: int,
@@ -105,12 +120,21 @@ def _engine_memory(key: "ConfigKey", model: ModelCost, block, seq_len: int,
     (per token at `seq_len`, counted in the profile's dtype)."""
     local = seq_len // key.cp  # a rank's tokens of each sequence
     tokens = float(local * key.micro_batch_size)
-    act = BlockActivations(*(block.act_bytes_per_token_at(mode, local) * tokens
-                             for mode in ("none", "selective", "full")),
-                           elem_bytes=model.dtype_bytes)
+    per_mode = [block.act_bytes_per_token_at(mode, local) * tokens
+                for mode in ("none", "selective", "full")]
+    moe = {}
+    if model.moe is not None:  # the MoE FFN's activations in block 0's FFN's place
+        shape = model.moe
+        delta = activation_delta_bytes(model, shape, seq_len, key.micro_batch_size, key.tp,
+                                       key.cp, key.etp, moe_imbalance(model, options))
+        per_mode = [per_mode[0] + delta, per_mode[1] + delta, per_mode[2]]
+        moe = dict(experts=shape.experts, top_k=shape.top_k, expert_ffn=shape.width,
+                   shared_expert_ffn=shape.shared_width, dense_layers=shape.dense_layers,
+                   capacity_factor=shape.capacity_factor, aux_loss_coef=shape.aux_loss_coef)
+    act = BlockActivations(*per_mode, elem_bytes=model.dtype_bytes)
     config = ModelConfig(name=model.name, hidden=model.hidden, ffn=model.ffn, layers=model.layers,
                          heads=model.heads, kv_heads=model.kv_heads, vocab=model.vocab,
-                         seq_len=seq_len, dtype=model.dtype)
+                         seq_len=seq_len, dtype=model.dtype, **moe)
     return StageMemory(config, key, act, options.dtype or model.dtype, options.device, seq_len)
 
 
@@ -144,6 +168,8 @@ class ConfigKey:
     cp: int = 1
     cp_comm: str = "p2p"
     cp_a2a: int = 1
+    ep: int = 1
+    etp: int = 1
 
     @property
     def replicas(self) -> int:
@@ -151,12 +177,18 @@ class ConfigKey:
         them."""
         return self.dp * self.cp
 
+    @property
+    def edp(self) -> int:
+        """Ranks holding the same experts (ParallelLayout.edp): their gradients reduce, and
+        ZeRO shards them, over these."""
+        return self.tp * self.cp * self.dp // (self.ep * self.etp)
+
     @classmethod
     def of(cls, layout: ParallelLayout) -> "ConfigKey":
         return cls(layout.world_size, layout.tp, layout.pp, layout.dp, layout.zero,
                    layout.sequence_parallel, layout.micro_batch_size, layout.num_micro_batches,
                    layout.schedule, layout.virtual_stages, layout.cp, layout.cp_comm,
-                   layout.cp_a2a)
+                   layout.cp_a2a, layout.ep, layout.etp)
 
     def layout(self, layers_per_stage, recompute) -> ParallelLayout:
         return ParallelLayout(world_size=self.world_size, pp=self.pp, tp=self.tp, dp=self.dp,
@@ -164,8 +196,8 @@ class ConfigKey:
                               micro_batch_size=self.micro_batch_size,
                               num_micro_batches=self.num_micro_batches, schedule=self.schedule,
                               virtual_stages=self.virtual_stages, cp=self.cp,
-                              cp_comm=self.cp_comm, cp_a2a=self.cp_a2a,
-                              layers_per_stage=tuple(layers_per_stage),
+                              cp_comm=self.cp_comm, cp_a2a=self.cp_a2a, ep=self.ep,
+                              etp=self.etp, layers_per_stage=tuple(layers_per_stage),
                               recompute=tuple(recompute))
 
 
@@ -193,6 +225,22 @@ class StageCosts:
                                     model.dtype_bytes) / key.cp
         self.block_param_bytes = block.param_bytes
         self.block_grad_bytes = block.grad_bytes
+        # A MoE model (terms/moe.py): every block priced as a MoE block, its bytes split into
+        # the dense part (reduced and ZeRO-sharded over dp x cp) and its routed experts' shards
+        # (over edp), from the profiled block's bytes per parameter.
+        self.moe = model.moe
+        self.imbalance = moe_imbalance(model, options)
+        self.expert_param_bytes = self.expert_grad_bytes = 0.0
+        if self.moe is not None:
+            counts = MoeParams.of(model, self.moe, key.tp, key.ep, key.etp)
+            per_param = [getattr(block, kind) / counts.block0
+                         for kind in ("param_bytes", "grad_bytes", "optim_bytes")]
+            self.block_param_bytes, self.block_grad_bytes = (per_param[0] * counts.dense,
+                                                             per_param[1] * counts.dense)
+            self.expert_param_bytes, self.expert_grad_bytes = (per_param[0] * counts.experts,
+                                                               per_param[1] * counts.experts)
+            expert_optim_bytes = per_param[2] * counts.experts
+            dense_optim_bytes = per_param[2] * counts.dense
         # "Other" bytes per stage, unsharded (what ZeRO traffic and the dp sync move): the
         # embedding's share on the first stage, the LM head's on the last.
         share = options.other_memory_first_share
@@ -208,11 +256,18 @@ class StageCosts:
         if self.engine_memory is not None:
             self.block_param_bytes = self.block_grad_bytes = 4.0 * self.engine_memory.layer_numel
             self.other_param_bytes = self.other_grad_bytes = 4.0 * self.engine_memory.other_numel
+            if self.moe is not None:
+                self.expert_param_bytes = self.expert_grad_bytes = (
+                    4.0 * self.engine_memory.expert_numel)
         block_optim_us, other_optim_us = model.optimizer_us(key.tp)
         # ZeRO >= 1: each data-parallel rank steps 1/dp of the masters (1/(dp x cp) with CP).
         optim_shard = key.replicas if key.zero >= 1 else 1
         self.calibration = cal = options.calibration
         self.block_optim_us = block_optim_us / optim_shard * cal.optimizer
+        if self.moe is not None:  # the dense part's share over dp x cp, the experts' over edp
+            self.block_optim_us = block_optim_us * cal.optimizer / counts.block0 * (
+                counts.dense / optim_shard
+                + counts.experts / (key.edp if key.zero >= 1 else 1))
         self.other_optim_us = other_optim_us * share / optim_shard * cal.optimizer
         # How much slower (or faster) compute runs with this schedule's ranks busy at once than
         # in the profile (planner/calibration.py), times the cluster's calibrated factor.
@@ -224,10 +279,21 @@ class StageCosts:
         self._price_sends(model)
         sharding = ZeroSharding.of(key.zero, key.replicas)
         self.layer_static = sharding.shard(block.param_bytes, block.grad_bytes, block.optim_bytes)
+        if self.moe is not None:
+            dense = sharding.shard(self.block_param_bytes, self.block_grad_bytes,
+                                   dense_optim_bytes)
+            experts = ZeroSharding.of(key.zero, key.edp).shard(
+                self.expert_param_bytes, self.expert_grad_bytes, expert_optim_bytes)
+            self.layer_static = tuple(d + e for d, e in zip(dense, experts))
         self.other_static = sharding.shard(self.other_param_bytes, self.other_grad_bytes,
                                            other_optim_bytes)
         self.act = ActivationBytes.from_block(block, seq_len, key.tp, key.sequence_parallel,
                                               model.hidden, model.dtype_bytes)
+        if self.moe is not None:  # the MoE FFN's activations in block 0's FFN's place
+            delta = activation_delta_bytes(model, self.moe, seq_len, key.micro_batch_size,
+                                           key.tp, key.cp, key.etp, self.imbalance) / self.tokens
+            self.act = ActivationBytes(self.act.none + delta, self.act.selective + delta,
+                                       self.act.full)
         self.other_act = on_end_stages(
             0.0, self.tokens * other.act_bytes_per_token_at("none", seq_len), key.pp)
         self.in_flight = in_flight_micro_batches(key.schedule, key.pp, key.num_micro_batches,
@@ -245,8 +311,15 @@ class StageCosts:
         """Time per layer: compute, TP communication, ZeRO 2/3 traffic sticking out of both."""
         key = self.key
         cal = self.calibration
-        self.compute = LayerCompute.from_model(model, seq_len, key.tp, key.micro_batch_size,
-                                               key.cp).scaled(self.contention * cal.compute)
+        compute = LayerCompute.from_model(model, seq_len, key.tp, key.micro_batch_size, key.cp)
+        if self.moe is not None:  # the matmuls of a MoE block on the busiest rank
+            scale = linear_scale(model, self.moe, self.imbalance) - 1.0
+            lin_fwd, lin_bwd = model.block_linear_us(seq_len, key.tp,
+                                                     key.micro_batch_size / key.cp)
+            compute = LayerCompute(FwdBwd(compute.block.fwd_us + scale * lin_fwd,
+                                          compute.block.bwd_us + scale * lin_bwd),
+                                   compute.selective_recompute_us, compute.other)
+        self.compute = compute.scaled(self.contention * cal.compute)
         loss_bytes = self.tokens * LOSS_VALUE_BYTES
         self.tp = TpComm.from_hardware(self.hardware, key.tp, key.sequence_parallel, tp_bytes,
                                        self.engine, loss_bytes, cal.tp_latency,
@@ -275,6 +348,15 @@ class StageCosts:
         traffic = ZeroTraffic.from_hardware(self.hardware, key.zero, key.replicas, key.tp,
                                             self.block_param_bytes, self.block_grad_bytes,
                                             self.engine, key.pp, key.num_micro_batches)
+        if self.moe is not None:
+            # the dispatcher, exposed; the experts' ZeRO traffic over edp beside the dense's
+            self.moe_comm = MoeComm.from_hardware(
+                self.hardware, self.moe, seq_len, key.micro_batch_size, key.tp, key.cp, key.ep,
+                key.etp, model.dtype_bytes, self.imbalance)
+            window = window + self.moe_comm.layer
+            traffic = _joint_traffic(traffic, ZeroTraffic.from_hardware(
+                self.hardware, key.zero, key.edp, key.ep * key.etp, self.expert_param_bytes,
+                self.expert_grad_bytes, self.engine, key.pp, key.num_micro_batches))
         exposed = traffic.exposed(window, self.overlap_coe)
         dp = self.calibration.dp_sync
         self.zero_layer = FwdBwd(float(exposed.fwd_us) * dp, float(exposed.bwd_us) * dp)
@@ -282,6 +364,8 @@ class StageCosts:
         # reruns the forward, the TP collectives the engine repeats (workload.tp) and the ring
         self.full_recompute_us = (self.compute.block.fwd_us + self.tp.recompute_us
                                   + self.cp.layer.fwd_us)
+        if self.moe is not None:
+            self.full_recompute_us = self.full_recompute_us + self.moe_comm.layer.fwd_us
 
     def _price_other(self, time_first_share: float) -> None:
         """Time per stage of "other": compute split between the first and the last stage, the
@@ -384,6 +468,11 @@ class StageCosts:
                                          n * self.block_grad_bytes + self.other_grad_bytes[j],
                                          n * self.block_param_bytes + self.other_param_bytes[j],
                                          self.engine)
+        if self.moe is not None:  # then the experts' over edp (stride ep x etp)
+            e_during, e_after = dp_sync_parts_us(self.hardware, key.zero, key.edp,
+                                                 key.ep * key.etp, n * self.expert_grad_bytes,
+                                                 n * self.expert_param_bytes, self.engine)
+            during, after = during + e_during, after + e_after
         return during * self.calibration.dp_sync, after * self.calibration.dp_sync
 
     def dp_sync_us(self, j: int, n):
@@ -457,10 +546,27 @@ class Prediction:
         }
 
 
+def _joint_traffic(dense: ZeroTraffic, experts: ZeroTraffic) -> ZeroTraffic:
+    """The dense part's and the experts' per-micro-batch ZeRO traffic, one after the other."""
+    if not experts.active:
+        return dense
+    if not dense.active:
+        return experts
+
+    def bwd(t):
+        return t.gather_us if t.gather_bwd_us is None else t.gather_bwd_us
+    return ZeroTraffic(gather_us=dense.gather_us + experts.gather_us,
+                       reduce_scatter_us=dense.reduce_scatter_us + experts.reduce_scatter_us,
+                       gather_bwd_us=bwd(dense) + bwd(experts))
+
+
 def check_layout_for_model(layout: ParallelLayout, model: ModelCost) -> None:
-    """Raise LayoutError when the layout cannot hold this model (layer count, head split)."""
+    """Raise LayoutError when the layout cannot hold this model (layer count, head split,
+    experts over ep and etp)."""
     layout.check_model_layers(model.layers, model.name)
     layout.check_heads(model.heads, model.kv_heads, model.name)
+    moe = model.moe
+    layout.check_experts(moe.experts if moe else 0, moe.width if moe else 1, model.name)
 
 
 def _breakdown_us(costs: StageCosts, layout: ParallelLayout, t: np.ndarray,
@@ -484,10 +590,14 @@ def _breakdown_us(costs: StageCosts, layout: ParallelLayout, t: np.ndarray,
                               + float(costs.other_zero.bwd_us[k]))
     breakdown = {"compute": compute, "tp_comm": tp_comm, "cp_comm": cp_comm, "pp_comm": pp_comm,
                  "dp_sync_exposed": dp_exposed, "recompute": recompute}
+    kinds = BREAKDOWN_KINDS
+    if costs.moe is not None:  # the token dispatcher's all-to-alls and ETP collectives
+        breakdown["ep_comm"] = m * n_k * costs.moe_comm.layer.total_us
+        kinds = BREAKDOWN_KINDS + ("ep_comm",)
     bubble = iteration_us - sum(breakdown.values())
     # No fill/drain (one stage): what is left is rounding.
     breakdown["bubble"] = 0.0 if abs(bubble) <= 1e-9 * iteration_us else bubble
-    return {kind: breakdown[kind] for kind in BREAKDOWN_KINDS}
+    return {kind: breakdown[kind] for kind in kinds}
 
 
 def _over_budget_reason(memory: Sequence[Mapping[str, float]], budget_bytes: float) -> str:

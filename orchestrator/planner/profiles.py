@@ -8,6 +8,7 @@ file handles.
 """
 from __future__ import annotations
 
+import copy
 from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
@@ -21,6 +22,7 @@ from orchestrator.errors import ProfileError
 from orchestrator.planner.calibration import Concurrency
 from orchestrator.store import parse_profile
 from orchestrator.store.schema import HardwareProfile, MemoryPart, ModelProfile
+from orchestrator.workload.moe import MoeShape
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather", "all2all")
 OPS = COLLECTIVES + ("p2p",)
@@ -240,6 +242,38 @@ class HardwareModel:
         alpha_us, us_per_byte = self.collective_line(op, group_size, stride)
         return alpha_us + size_bytes * us_per_byte
 
+    def all2all_line(self, group_size: int, stride: int) -> Tuple[float, float]:
+        """(alpha_us, us_per_byte) of an all-to-all on `group_size` ranks `stride` apart for a
+        per-rank buffer (its whole send buffer), by topology: inside a node, or a measured fit
+        of the same nodes x members (rules 1 and 2 of the class docstring); across nodes
+        otherwise as two parts that run at once, the slower setting the time: the (m - 1) / n
+        of the buffer for the node's other members over the intra-node all-to-all fit of m
+        ranks, and the (n - m) / n leaving the node through the rank's own NIC at the bus
+        bandwidth of an all-reduce with one rank per node over those nodes (profile_hardware
+        measures all-to-all inside a node only; an all-to-all's off-node bytes do not shrink
+        with m as a ring's do). A profile without fits spanning nodes falls back to
+        collective_line (rule 4)."""
+        if group_size <= 1:
+            return 0.0, 0.0
+        nodes, per_node = group_span(group_size, stride, self.tasks_per_node)
+        measured = self._spanning.get("all2all", {}).get((nodes, per_node))
+        if nodes == 1 or measured is not None:
+            return self.collective_line("all2all", group_size, stride)
+        across = tuple(sorted((f for (_, m), f in self._spanning.get("allreduce", {}).items()
+                               if m == 1), key=lambda f: f.group_size))
+        if not across:
+            return self.collective_line("all2all", group_size, stride)
+        inter_alpha, inter_per_byte = _pick_line("allreduce", across, nodes)
+        # all-reduce's algbw = busbw / (2 (k - 1) / k): back to the NIC's bus bandwidth
+        nic_us_per_byte = inter_per_byte / busbw_factor("allreduce", nodes)
+        off_node = nic_us_per_byte * (group_size - per_node) / group_size
+        if per_node > 1:
+            intra_alpha, intra_per_byte = self._line("all2all", per_node, "consec")
+            on_node = intra_per_byte * per_node / group_size  # its buffer's share for the node
+        else:
+            intra_alpha, on_node = 0.0, 0.0
+        return intra_alpha + inter_alpha / 2.0, max(on_node, off_node)
+
     def p2p_time_us(self, size_bytes: float, intra: bool, pp: int) -> float:
         """Time in us of one send/recv of `size_bytes` between pipeline neighbours."""
         if size_bytes <= 0:
@@ -329,8 +363,14 @@ class ModelCost:
     def __init__(self, name: str, hidden: int, ffn: int, layers: int, heads: int, kv_heads: int,
                  vocab: int, seq_len: int, dtype: str, fits: Mapping[int, TpFit],
                  memory: Mapping[int, Tuple[PartMemory, PartMemory]],
-                 concurrency: Optional[Concurrency] = None):
+                 concurrency: Optional[Concurrency] = None, moe: Optional[MoeShape] = None):
         self.name = name
+        # The experts of a mixture-of-experts model (None: dense), and whether the profiled block
+        # has experts (profile_model times the model's blocks[0]: a MoE block at ep = etp = 1
+        # when moe.dense_layers is 0; a profile of the dense twin has none): with_moe tells by
+        # the block's parameter bytes. planner/terms/moe.py prices a layout's MoE blocks from it.
+        self.moe = moe
+        self.profiled_block_has_experts = False
         # How many ranks computed at once when the times were taken (the contention term).
         self.concurrency = concurrency
         self.hidden = int(hidden)
@@ -368,6 +408,36 @@ class ModelCost:
     def from_dict(cls, model_profile: Mapping[str, Any]) -> "ModelCost":
         """Build from a loaded model profile dict (validated as a ModelProfile)."""
         return cls.from_profile(parse_profile(model_profile, ModelProfile, "model profile"))
+
+    def with_moe(self, cfg) -> "ModelCost":
+        """This profile for the model `cfg` (a ModelConfig or its DictConfig): a copy carrying
+        its experts (MoeShape), or itself for a dense model. ValueError when cfg's MoE fields
+        are inconsistent (models/config.validate_moe)."""
+        from orchestrator.models.config import validate_moe
+
+        validate_moe(cfg)
+        shape = MoeShape.of(cfg)
+        if shape is None:
+            return self
+        if shape.hidden != self.hidden or shape.layers != self.layers:
+            raise ValueError(f"model {getattr(cfg, 'name', '?')} (hidden {shape.hidden}, "
+                             f"layers {shape.layers}) is not the profiled {self.name} (hidden "
+                             f"{self.hidden}, layers {self.layers})")
+        from orchestrator.planner.terms.moe import profiled_block_has_experts
+
+        twin = copy.copy(self)
+        twin.moe = shape
+        twin.profiled_block_has_experts = profiled_block_has_experts(self, shape)
+        return twin
+
+    def block_linear_us(self, seq_len: float, tp: int, batch=1.0) -> Tuple[float, float]:
+        """(forward, backward): the part (us) of one block's time linear in its tokens for
+        `batch` sequences, the fits' c1 x s term: its matmuls (what a MoE block's experts
+        scale)."""
+        fit = self._fit(tp)
+        fwd = fit.block_fwd[1] if len(fit.block_fwd) > 1 else 0.0
+        bwd = fit.block_bwd[1] if len(fit.block_bwd) > 1 else 0.0
+        return batch * max(0.0, fwd) * seq_len, batch * max(0.0, bwd) * seq_len
 
     def _fit(self, tp: int) -> TpFit:
         fit = self._fits.get(tp)

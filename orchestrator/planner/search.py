@@ -70,6 +70,14 @@ class SearchSpace:
     # auto_max_cp(seq_len).
     max_cp: int = 1
     cp_comms: Tuple[str, ...] = ("p2p", "a2a")
+    # Mixture-of-experts models (ModelCost.moe): expert parallelism ep up to max_ep and expert
+    # tensor parallelism etp up to max_etp, folded onto each stage's tp x cp x dp ranks
+    # (ep x etp dividing them, ep the experts, etp the expert width); fixed ep / etp (None:
+    # searched) win over their bounds. Ignored for dense models (ep = etp = 1).
+    max_ep: int = 1024
+    max_etp: int = 1
+    ep: Optional[int] = None
+    etp: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("zero_stages", "recompute", "micro_batch_sizes", "schedules",
@@ -90,6 +98,10 @@ class SearchSpace:
         if bad or not self.cp_comms:
             raise errors.ConfigError(f"cp_comms must be a non-empty subset of {CP_COMMS}, got "
                                      f"{self.cp_comms}")
+        for name in ("max_ep", "max_etp", "ep", "etp"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise errors.ConfigError(f"{name}({value}) must be >= 1")
         bad = [s for s in self.schedules if s not in SCHEDULES]
         if bad or not self.schedules:
             raise errors.ConfigError(f"schedules must be a non-empty subset of ('1f1b', "
@@ -174,6 +186,7 @@ def enumerate_configs(model: ModelCost, hardware: HardwareModel, space: SearchSp
 
     W, L = space.world_size, model.layers
     schedules = space.schedules[:1] if space.fast_mode else space.schedules
+    moe = model.moe
     all2all_profiled = any(op == "all2all" for op, _ in hardware.measured)
     configs = []
     for tp in _divisors(W):
@@ -209,9 +222,38 @@ def enumerate_configs(model: ModelCost, hardware: HardwareModel, space: SearchSp
                     if pp > L:
                         reject("pp_exceeds_layers")
                         continue
+                    grids = _expert_grids(moe, space, tp * cp * (W // (tp * cp * pp)), reject,
+                                          all2all_profiled)
                     configs += _batch_configs(space, schedules, L, W, tp, (cp, cp_comm, a2a),
-                                              pp, reject)
+                                              pp, reject, grids, moe is not None)
     return configs
+
+
+def _expert_grids(moe, space: SearchSpace, stage_ranks: int, reject,
+                  all2all_profiled: bool = True) -> List[Tuple[int, int]]:
+    """(ep, etp) of every expert grid that folds onto a stage's `stage_ranks` = tp x cp x dp
+    ranks: ep x etp dividing them, ep the experts, etp the expert width; [(1, 1)] for a dense
+    model."""
+    if moe is None:
+        return [(1, 1)]
+    grids = []
+    for ep in _divisors(stage_ranks):
+        if not _degree_allowed(ep, space.ep, space.max_ep):
+            continue
+        if moe.experts % ep:
+            reject("ep_splits_experts")
+            continue
+        if ep > 1 and not all2all_profiled:
+            reject("ep_a2a_not_profiled")
+            continue
+        for etp in _divisors(stage_ranks // ep):
+            if not _degree_allowed(etp, space.etp, space.max_etp):
+                continue
+            if moe.width % etp:
+                reject("etp_splits_expert_ffn")
+                continue
+            grids.append((ep, etp))
+    return grids
 
 
 def _cp_flavours(cp_comms, cp: int):
@@ -225,9 +267,9 @@ def _cp_flavours(cp_comms, cp: int):
 
 
 def _batch_configs(space: SearchSpace, schedules, L: int, W: int, tp: int, context, pp: int,
-                   reject) -> List[ConfigKey]:
-    """The configs of one (tp, (cp, cp_comm, cp_a2a), pp): micro-batching, schedule, SP and
-    ZeRO."""
+                   reject, grids=((1, 1),), moe: bool = False) -> List[ConfigKey]:
+    """The configs of one (tp, (cp, cp_comm, cp_a2a), pp): micro-batching, schedule, SP,
+    ZeRO and, for a MoE model, the expert grids (ep, etp)."""
     cp, cp_comm, a2a = context
     configs = []
     dp = W // (tp * cp * pp)
@@ -256,11 +298,20 @@ def _batch_configs(space: SearchSpace, schedules, L: int, W: int, tp: int, conte
         for sp in space.sequence_parallel:
             if sp and tp == 1:
                 continue
+            if moe and tp > 1 and not sp:
+                reject("moe_needs_sp")  # each TP rank routes its own sequence shard
+                continue
             zeros = space.zero_stages if dp * cp > 1 else (0,)
             for zero in dict.fromkeys(zeros):
                 for sched, v in scheds:
-                    configs.append(ConfigKey(W, tp, pp, dp, zero, sp, mbs, m, sched, v, cp,
-                                             cp_comm, a2a))
+                    for ep, etp in grids:
+                        if (moe and zero == 3 and etp > 1
+                                and space.options.engine == "orchestrator"):
+                            # stage=train: FSDP shards an expert split over one dim only
+                            reject("engine_moe_zero3_etp")
+                            continue
+                        configs.append(ConfigKey(W, tp, pp, dp, zero, sp, mbs, m, sched, v, cp,
+                                                 cp_comm, a2a, ep, etp))
     return configs
 
 
@@ -352,6 +403,22 @@ def config_lower_bound(costs: StageCosts, L: int) -> float:
     biggest = math.ceil(L / (p * v)) * v  # some stage holds at least this many layers
     max_lb = max(total / p, biggest * layer + float(per_stage.min()))
     return costs.alpha * total + costs.beta * max_lb
+
+
+def may_fit(costs: StageCosts, L: int, budget: float, modes: Sequence[str]) -> bool:
+    """False when no partition of this config can fit the budget: some stage holds at least
+    ceil(L / (p v)) v layers, and memory grows with the layers and falls with recompute, so
+    the least any stage needs at that count under the most recompute allowed bounds every
+    partition's peak from below (one call where solving tabulates every stage size)."""
+    key = costs.key
+    p, v = key.pp, key.virtual_stages
+    biggest = math.ceil(L / (p * v)) * v
+    j = np.arange(p)
+    n = np.full(p, float(biggest))
+    # the most recompute allowed holds the least (none > selective > full)
+    code = max(c for c, mode in enumerate(MODE_NAMES) if mode in modes)
+    k = n if code else np.zeros_like(n)
+    return float(np.min(costs.memory_bytes(j, n, code, k))) <= budget
 
 
 def _min_sum_dp(table: _Table, L: int, v: int, taus: np.ndarray):
@@ -491,6 +558,9 @@ def search(model_cost: ModelCost, hardware: HardwareModel, space: SearchSpace) -
         if bounds[i] >= kth:
             pruned = len(order) - rank
             break
+        if not may_fit(costs_of[i], L, budget, modes):
+            memory_rejected += 1
+            continue
         solved += 1
         found = solve_config(costs_of[i], L, budget, modes, bound=kth, fast=fast)
         if found is None:

@@ -8,6 +8,7 @@ counts, inputs' hashes) and, next to it, the exports: Megatron-LM arguments
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
@@ -115,6 +116,8 @@ def search_space(cfg):
 
     s = cfg.search
     memory_GiB = _memory_GiB(cfg)
+    options = dataclasses.replace(engine_options(cfg, _reserve_GiB(cfg) * GiB),
+                                  moe_imbalance=s.moe_imbalance)
     return SearchSpace(
         world_size=s.world_size or cluster_world_size(cfg.cluster),
         memory_budget_bytes=memory_GiB * GiB, global_batch_size=s.global_batch_size,
@@ -125,7 +128,34 @@ def search_space(cfg):
         recompute=tuple(s.recompute), micro_batch_sizes=tuple(s.micro_batch_sizes),
         schedules=tuple(s.schedules), virtual_stages=tuple(s.virtual_stages),
         fast_mode=bool(s.fast_mode), top_k=s.top_k, pp=s.pp, tp=s.tp,
-        options=engine_options(cfg, _reserve_GiB(cfg) * GiB))
+        max_ep=s.max_ep, max_etp=s.max_etp, ep=s.ep, etp=s.etp, options=options)
+
+
+def model_cost(cfg, profile):
+    """The planner's view of the model profile for cfg.model (its experts attached for a
+    mixture-of-experts model, planner/terms/moe.py)."""
+    from orchestrator.planner import ModelCost
+
+    return ModelCost.from_profile(profile).with_moe(cfg.model)
+
+
+def moe_note(cfg, space) -> List[str]:
+    """What a MoE search assumed, kept in the strategy's notes: the load imbalance and its
+    source, and that the dispatcher is priced exposed."""
+    from orchestrator.models.config import is_moe
+    from orchestrator.workload.moe import MoeShape, default_imbalance
+
+    if not is_moe(cfg.model):
+        return []
+    shape = MoeShape.of(cfg.model)
+    given = space.options.moe_imbalance
+    imbalance = default_imbalance(shape) if given is None else given
+    source = ("search.moe_imbalance" if given is not None else
+              "capacity factor: padded" if shape.capacity_factor is not None else
+              f"default for model.aux_loss_coef={shape.aux_loss_coef:g}")
+    return [f"mixture of experts: busiest EP rank at {imbalance:g}x the mean load ({source}); "
+            f"token dispatcher (all-to-all over ep, all-gather/reduce-scatter over etp) priced "
+            f"exposed, not overlapped with compute; every block priced as a MoE block"]
 
 
 def _exporters(out: Path):
@@ -194,16 +224,16 @@ def _strategy(cfg, result, space, inputs, notes, prov: Provenance) -> StrategyPr
 
 
 def run_search(ctx, run):
-    from orchestrator.planner import HardwareModel, ModelCost, search
+    from orchestrator.planner import HardwareModel, search
 
     cfg, space = run.cfg, run.plan.detail
     hw_in, model_in = run.plan.inputs[:2]
     read = read_inputs(cfg, run.plan)
     hw, mp = read.hardware, read.model
-    result = search(ModelCost.from_profile(mp), HardwareModel.from_profile(hw), space)
+    result = search(model_cost(cfg, mp), HardwareModel.from_profile(hw), space)
     (out,) = run.plan.outputs
     inputs = [(hw_in.path, hw), (model_in.path, mp)]
-    notes = list(read.notes)
+    notes = list(read.notes) + moe_note(cfg, space)
     folder = cluster_dir(cfg.profiles_dir, cfg.cluster.name)
     for extra in run.plan.inputs[2:]:  # the calibration its costs were scaled by
         inputs.append((extra.path, read_profile(extra.path, extra.profile, extra.rebuild())))
@@ -224,7 +254,7 @@ def run_search(ctx, run):
         for note in notes[len(read.notes):]:
             stage_console().print(f"search: {note}", markup=False, highlight=False)
     if cfg.search.compare:
-        _compare(cfg, space, result, ModelCost.from_profile(mp), HardwareModel.from_profile(hw))
+        _compare(cfg, space, result, model_cost(cfg, mp), HardwareModel.from_profile(hw))
     summary = {"path": str(out), "layout": result.best.describe(),
                "iteration_time_ms": result.prediction.iteration_time_us / 1e3,
                "peak_memory_GiB": result.prediction.peak_memory_bytes / GiB,
@@ -371,9 +401,41 @@ def _check_degrees(cfg) -> None:
     if s.tp is not None and (model.heads % s.tp or model.kv_heads % s.tp):
         raise ConfigError(f"search.tp({s.tp}) must divide model={model.name}'s heads"
                           f"({model.heads}) and kv_heads({model.kv_heads})")
+    _check_experts(cfg)
     if s.tp is not None and s.tp_within_node and cfg.cluster.tasks_per_node % s.tp:
         raise ConfigError(f"search.tp({s.tp}) must divide cluster.tasks_per_node"
                           f"({cfg.cluster.tasks_per_node}) (or set search.tp_within_node=false)")
+
+
+def _check_experts(cfg) -> None:
+    """The model's MoE fields (models/config.validate_moe) and the expert degrees asked for:
+    ConfigError naming the numbers, before anything runs."""
+    from orchestrator.models.config import expert_width, is_moe, validate_moe
+
+    s, model = cfg.search, cfg.model
+    for key in ("max_ep", "max_etp", "ep", "etp"):
+        value = getattr(s, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"search.{key}({value}) must be >= 1")
+    if s.moe_imbalance is not None and not s.moe_imbalance >= 1:
+        raise ConfigError(f"search.moe_imbalance({s.moe_imbalance}) must be >= 1: the busiest "
+                          f"expert-parallel rank's load over the mean (null: from "
+                          f"model.aux_loss_coef)")
+    try:
+        validate_moe(model)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not is_moe(model):
+        if (s.ep or 1) * (s.etp or 1) > 1:
+            raise ConfigError(f"search.ep({s.ep}) / search.etp({s.etp}) need a mixture-of-"
+                              f"experts model; model={model.name} is dense (model.experts 0)")
+        return
+    if s.ep is not None and model.experts % s.ep:
+        raise ConfigError(f"search.ep({s.ep}) must divide model.experts({model.experts}) of "
+                          f"model={model.name}: each EP rank holds experts / ep of them")
+    if s.etp is not None and expert_width(model) % s.etp:
+        raise ConfigError(f"search.etp({s.etp}) must divide the expert FFN width "
+                          f"({expert_width(model)}) of model={model.name}")
 
 
 def validate(cfg):

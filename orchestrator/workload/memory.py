@@ -59,7 +59,8 @@ from orchestrator.models.config import ModelConfig
 from orchestrator.workload.buckets import plan_buckets
 from orchestrator.workload.cp import score_tile_rows
 from orchestrator.workload.order import stage_order
-from orchestrator.workload.params import Param, block_parameters, chunk_size, rank_chunks
+from orchestrator.workload.params import (Param, block_parameters, chunk_size, is_expert,
+                                          rank_chunks)
 
 FP32 = 4
 FP64 = 8
@@ -99,15 +100,19 @@ def rank_parameters(model: ModelConfig, layout: ParallelLayout, rank: int) -> Li
 
 def is_dtensor(p: Param, layout: ParallelLayout) -> bool:
     """Whether the engine holds `p` as a DTensor: TP-sharded, or a norm under SP (replicated
-    over TP); the norms of TP without SP stay plain tensors."""
+    over TP; a MoE block's router alike); the norms of TP without SP stay plain tensors.
+    A routed expert's weight is a DTensor on the expert mesh when ep x etp > 1."""
+    if is_expert(p):
+        return layout.ep * layout.etp > 1
     if layout.tp == 1:
         return False
-    return p.tp_sharded or (layout.sequence_parallel and p.name.endswith("norm.weight"))
+    return p.tp_sharded or (layout.sequence_parallel
+                            and p.name.endswith(("norm.weight", "router.weight")))
 
 
 def replicated_over_tp(p: Param, layout: ParallelLayout) -> bool:
-    """A DTensor whose local values every TP rank holds (the SP norms)."""
-    return is_dtensor(p, layout) and not p.tp_sharded
+    """A DTensor whose local values every TP rank holds (the SP norms, a MoE router)."""
+    return is_dtensor(p, layout) and not p.tp_sharded and not is_expert(p)
 
 
 def replicas(layout) -> int:
@@ -115,8 +120,10 @@ def replicas(layout) -> int:
     return layout.dp * layout.cp
 
 
-def _bucket_states(params: List[Param], layout: ParallelLayout, bucket_MiB: float) -> dict:
-    dp, zero = replicas(layout), layout.zero
+def _bucket_states(params: List[Param], layout: ParallelLayout, bucket_MiB: float,
+                   dp: Optional[int] = None) -> dict:
+    """The bucketed states of `params` sharded over `dp` ranks (default the dense replicas)."""
+    dp, zero = dp or replicas(layout), layout.zero
     out = dict(params=0, master=0, grads=0, optim=0, norm_index=0)
     plans = plan_buckets([p.local_numel for p in params], dp, bucket_MiB)
     for plan in plans:
@@ -233,7 +240,14 @@ def rank_states(model: ModelConfig, layout: ParallelLayout, rank: int,
     if layout.zero == 3:
         kinds = _fsdp_states(params, layout, layout.coordinate(rank, "dp_cp"))
     else:
-        kinds = _bucket_states(params, layout, bucket_MiB)
+        # a MoE model's experts have an optimizer of their own over the edp ranks
+        # (train/grads.ExpertAdamW); a dense model has none
+        dense = [p for p in params if not is_expert(p)]
+        experts = [p for p in params if is_expert(p)]
+        kinds = _bucket_states(dense, layout, bucket_MiB)
+        if experts:
+            for kind, size in _bucket_states(experts, layout, bucket_MiB, layout.edp).items():
+                kinds[kind] += size
     buffers = stage_buffer_bytes(model, layout, layout.coordinate(rank, "pp"), seq_len)
     return StateBytes(**kinds, pipeline_buffers=buffers,
                       inputs=input_bytes(model, layout, seq_len))
@@ -661,8 +675,14 @@ class StageMemory:
         cuda = device.startswith("cuda")
         h, vocab = model.hidden, model.vocab
         tokens = layout.micro_batch_size * seq_len // layout.cp  # a rank's
-        block = [p.local_numel for p in _block_params(model, tp)]
-        self.layer_numel = layer = float(sum(block))
+        params = _block_params(model, layout)
+        block = [p.local_numel for p in params]
+        # a MoE block's routed experts (their states shard over edp), and the rest of it
+        self.expert_numel = float(sum(p.local_numel for p in params if is_expert(p)))
+        self.layer_numel = float(sum(block)) - self.expert_numel
+        self.block_numel = layer = self.layer_numel + self.expert_numel  # all of a block's
+        # a MoE router is replicated over TP as the SP norms are (their indices for the norm)
+        self.router_numel = sum(p.local_numel for p in params if p.name.endswith("router.weight"))
         vocab_local = chunk_size(vocab, tp, 0)
         first = np.zeros(pp)
         first[0] += vocab_local * h
@@ -682,6 +702,14 @@ class StageMemory:
             master = (FP32 if tp > 1 else 0.0) if zero == 0 else FP32 / dp
             self.per_elem = {"params": FP32 + master, "grads": FP32 if zero < 2 else 0.0,
                              "optim": 2 * FP32 / owned_div}
+        edp = layout.edp
+        self.expert_per_elem = dict(self.per_elem)
+        if self.expert_numel and zero < 3:  # DTensors on the expert mesh, sharded over edp
+            split = layout.ep * layout.etp > 1
+            master = (FP32 if split else 0.0) if zero == 0 else FP32 / edp
+            self.expert_per_elem = {"params": FP32 + master,
+                                    "grads": FP32 if zero < 2 else 0.0,
+                                    "optim": 2 * FP32 / (edp if zero >= 1 else 1)}
         sp_norms = tp > 1 and layout.sequence_parallel and zero < 3
         self.norm_index_per_elem = (INT64 + FP64) / owned_div if sp_norms else 0.0
         self.buffers = np.array([stage_buffer_bytes(model, layout, j, seq_len)
@@ -710,9 +738,12 @@ class StageMemory:
         n = np.asarray(n, dtype=float)
         numel = n * self.layer_numel + self.other_numel[j]
         out = {kind: per * numel for kind, per in self.per_elem.items()}
+        if self.expert_numel:
+            for kind, per in self.expert_per_elem.items():
+                out[kind] = out[kind] + per * n * self.expert_numel
         # the SP norms' indices and weights for the gradient norm, with the optimizer's
         out["optim"] = out["optim"] + self.norm_index_per_elem * (
-            2 * self.model.hidden * n + np.where(j == self.layout.pp - 1, self.model.hidden, 0))
+            (2 * self.model.hidden + self.router_numel) * n + np.where(j == self.layout.pp - 1, self.model.hidden, 0))
         out["buffers"] = np.broadcast_to(self.buffers[j], np.shape(numel)).astype(float)
         return out
 
@@ -724,7 +755,7 @@ class StageMemory:
         a_none, a_sel, a_full = self.act
         stored = np.where(code == 1, n * a_sel,
                           np.where(code == 2, k * a_full + (n - k) * a_none, n * a_none))
-        numel = n * self.layer_numel + self.other_numel[j]
+        numel = n * self.block_numel + self.other_numel[j]
         zero, dp, m, pp = self.zero, self.dp, self.m, self.layout.pp
         accum = np.zeros_like(numel)
         always = np.zeros_like(numel)
@@ -747,9 +778,9 @@ class StageMemory:
         block = self.block_working + recompute
         gathered = 0.0
         if zero == 3 and pp == 1:  # the root, this unit and the next (backward)
-            gathered = FP32 * (self.other_numel.sum() + 2 * self.layer_numel)
+            gathered = FP32 * (self.other_numel.sum() + 2 * self.block_numel)
         if zero == 3:  # a unit's unsharded gradients (kept gathered under a pipeline: none)
-            fresh = fresh_end = 0.0 if pp > 1 else FP32 * self.layer_numel
+            fresh = fresh_end = 0.0 if pp > 1 else FP32 * self.block_numel
         else:  # a weight's gradient before it is copied into its bucket
             fresh, fresh_end = FP32 * self.largest_block_param, FP32 * self.largest_param[j]
         # ZeRO 2: the full buckets, and their reduce-scatters' shards from the last backward on
@@ -806,7 +837,7 @@ class StageMemory:
         act = BlockActivations(*(np.asarray(a, dtype=float) * tokens for a in per_token),
                                elem_bytes=self.profile_elem)
         kept = [engine_block_bytes(act, mode, self.model, layout, self.dtype, tokens,
-                                   self.layer_numel) for mode in RECOMPUTE_MODES]
+                                   self.block_numel) for mode in RECOMPUTE_MODES]
         layer = np.where(code == 1, kept[1], np.where(code == 2, kept[2], kept[0]))
         recompute = np.where(code == 1, kept[0] - kept[1],
                              np.where(code == 2, kept[0] - kept[2], 0.0))
@@ -816,18 +847,18 @@ class StageMemory:
         head_kept, _, head_bwd = _head_bytes(self.model, layout, self.dtype, tokens, self.cuda,
                                              self.vocab_local)
         fresh = (FP32 * self.largest_block_param if self.zero < 3 else
-                 (0.0 if pp > 1 else FP32 * self.layer_numel))
+                 (0.0 if pp > 1 else FP32 * self.block_numel))
         fresh_end = FP32 * self.largest_param[:, None] if self.zero < 3 else 0.0
         block = _block_working(self.model, layout, tokens) + recompute + fresh
         end = np.where(first, FP32 * self.vocab_local * self.model.hidden + fresh_end, 0.0)
         extra = np.maximum(np.maximum(block, end),
                            np.where(last, head_kept + head_bwd + fresh_end, 0.0))
-        numel = n[:, 0] * self.layer_numel + self.other_numel
+        numel = n[:, 0] * self.block_numel + self.other_numel
         fixed = np.zeros(pp)
         if self.zero == 3:
             fixed = FP32 * numel * ((pp > 1) + (self.m > 1))
             if pp == 1:
-                fixed = fixed + FP32 * (self.other_numel.sum() + 2 * self.layer_numel)
+                fixed = fixed + FP32 * (self.other_numel.sum() + 2 * self.block_numel)
         elif self.zero == 2 and self.dp > 1:
             fixed = FP32 * numel * (1 + 1 / self.dp)
         elif self.tp > 1 and self.m > 1:
@@ -837,7 +868,7 @@ class StageMemory:
     def tail_above_states(self, j, n):
         """After the backward: ZeRO 2's buckets and shards, the gradient norm's float64 slice,
         AdamW's foreach temporary (CPU), ZeRO 1/2's parameter all-gather."""
-        numel = np.asarray(n, dtype=float) * self.layer_numel + self.other_numel[j]
+        numel = np.asarray(n, dtype=float) * self.block_numel + self.other_numel[j]
         zero, dp, cuda = self.zero, self.dp, self.cuda
         if zero == 3:
             shard = numel / dp
@@ -858,5 +889,9 @@ class StageMemory:
         return tail
 
 
-def _block_params(model: ModelConfig, tp: int) -> List[Param]:
-    return block_parameters(model, 0, tp, 0)
+def _block_params(model: ModelConfig, layout: ParallelLayout) -> List[Param]:
+    """The parameters of one block the closed form prices every layer as: a MoE block's for a
+    MoE model (the first `dense_layers` blocks too: docs/stages/search.md), block 0's
+    otherwise."""
+    index = getattr(model, "dense_layers", 0) if getattr(model, "experts", 0) else 0
+    return block_parameters(model, index, layout.tp, 0, layout.ep, layout.etp)

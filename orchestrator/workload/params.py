@@ -4,6 +4,9 @@ models/gpt.py registers a stage's parameters as: tok_emb (first stage), per bloc
 attn.wq/wk/wv/wo, mlp_norm, mlp.w_gate/w_up/w_down, then norm and lm_head (last stage);
 models/parallelize.py shards wq/wk/wv/w_gate/w_up/lm_head by output rows (colwise),
 wo/w_down by input columns (rowwise), tok_emb by vocabulary rows, and replicates the norms.
+A MoE block (models/moe.py) registers mlp.router, mlp.experts.w_gate/w_up/w_down (stacked over
+the experts; expert parallelism keeps experts / ep of them and 1 / etp of their width) and, with
+a shared expert, mlp.shared.w_gate/w_up/w_down (TP-sharded as the dense MLP) in its MLP's place.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from dataclasses import dataclass
 from typing import List, Tuple
 
 from orchestrator.layout import ParallelLayout
-from orchestrator.models.config import ModelConfig
+from orchestrator.models.config import ModelConfig, expert_width, is_moe_block
 
 
 @dataclass(frozen=True)
@@ -52,8 +55,18 @@ def _local(shape, dim, tp, tp_rank):
     return tuple(local)
 
 
-def block_parameters(model: ModelConfig, index: int, tp: int, tp_rank: int) -> List[Param]:
-    """Block `index`'s parameters in registration order."""
+def is_expert(p: Param) -> bool:
+    """A routed expert's weight (models/moe.Experts): sharded over ep and etp, replicated and
+    reduced over the expert-data-parallel ranks (train/grads.is_expert_param's rule)."""
+    return ".mlp.experts." in p.name
+
+
+def block_parameters(model: ModelConfig, index: int, tp: int, tp_rank: int, ep: int = 1,
+                     etp: int = 1) -> List[Param]:
+    """Block `index`'s parameters in registration order. A MoE block (models/moe.py) has the
+    router (replicated over TP), the routed experts stacked (experts, ...) with this rank's
+    experts / ep of them and 1 / etp of their width as local shape, and the shared expert
+    (TP-sharded like the dense MLP)."""
     h, f = model.hidden, model.ffn
     kv = model.kv_heads * (h // model.heads)
     prefix = f"blocks.{index}."
@@ -61,15 +74,30 @@ def block_parameters(model: ModelConfig, index: int, tp: int, tp_rank: int) -> L
     spec = [("attn_norm.weight", (h,), None),
             ("attn.wq.weight", (h, h), 0), ("attn.wk.weight", (kv, h), 0),
             ("attn.wv.weight", (kv, h), 0), ("attn.wo.weight", (h, h), 1),
-            ("mlp_norm.weight", (h,), None),
-            ("mlp.w_gate.weight", (f, h), 0), ("mlp.w_up.weight", (f, h), 0),
-            ("mlp.w_down.weight", (h, f), 1)]
-    return [Param(prefix + name, shape, _local(shape, dim, tp, tp_rank),
-                  dim is not None and tp > 1, f"blocks.{index}") for name, shape, dim in spec]
+            ("mlp_norm.weight", (h,), None)]
+    if not is_moe_block(model, index):
+        spec += [("mlp.w_gate.weight", (f, h), 0), ("mlp.w_up.weight", (f, h), 0),
+                 ("mlp.w_down.weight", (h, f), 1)]
+        return [Param(prefix + name, shape, _local(shape, dim, tp, tp_rank),
+                      dim is not None and tp > 1, f"blocks.{index}") for name, shape, dim in spec]
+    e, w, shared = model.experts, expert_width(model), model.shared_expert_ffn
+    spec.append(("mlp.router.weight", (e, h), None))
+    out = [Param(prefix + name, shape, _local(shape, dim, tp, tp_rank),
+                 dim is not None and tp > 1, f"blocks.{index}") for name, shape, dim in spec]
+    for name, shape, local in (("w_gate", (e, h, w), (e // ep, h, w // etp)),
+                               ("w_up", (e, h, w), (e // ep, h, w // etp)),
+                               ("w_down", (e, w, h), (e // ep, w // etp, h))):
+        out.append(Param(f"{prefix}mlp.experts.{name}", shape, local, False, f"blocks.{index}"))
+    if shared:
+        for name, shape, dim in (("w_gate", (shared, h), 0), ("w_up", (shared, h), 0),
+                                 ("w_down", (h, shared), 1)):
+            out.append(Param(f"{prefix}mlp.shared.{name}.weight", shape,
+                             _local(shape, dim, tp, tp_rank), tp > 1, f"blocks.{index}"))
+    return out
 
 
 def chunk_parameters(model: ModelConfig, layers: range, is_first: bool, is_last: bool,
-                     tp: int, tp_rank: int) -> List[Param]:
+                     tp: int, tp_rank: int, ep: int = 1, etp: int = 1) -> List[Param]:
     """One model chunk's parameters (a PipelineStageModule), in registration order."""
     h, vocab = model.hidden, model.vocab
     out: List[Param] = []
@@ -77,7 +105,7 @@ def chunk_parameters(model: ModelConfig, layers: range, is_first: bool, is_last:
         out.append(Param("tok_emb.weight", (vocab, h), _local((vocab, h), 0, tp, tp_rank),
                          tp > 1, "root"))
     for i in layers:
-        out += block_parameters(model, i, tp, tp_rank)
+        out += block_parameters(model, i, tp, tp_rank, ep, etp)
     if is_last:
         out.append(Param("norm.weight", (h,), (h,), False, "root"))
         out.append(Param("lm_head.weight", (vocab, h), _local((vocab, h), 0, tp, tp_rank),
@@ -106,5 +134,5 @@ def rank_chunks(model: ModelConfig, layout: ParallelLayout, rank: int) -> List[L
     ranges = virtual_stage_ranges(model, layout)
     last = len(ranges) - 1
     stages = [c * layout.pp + pp_rank for c in range(layout.virtual_stages)]
-    return [chunk_parameters(model, ranges[s], s == 0, s == last, layout.tp, tp_rank)
-            for s in stages]
+    return [chunk_parameters(model, ranges[s], s == 0, s == last, layout.tp, tp_rank,
+                             layout.ep, layout.etp) for s in stages]

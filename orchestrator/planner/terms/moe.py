@@ -1,0 +1,153 @@
+"""Mixture-of-experts blocks: their compute, the token dispatcher's communication, their memory,
+priced from workload/moe.py's counts.
+
+Every block of a MoE model is priced as a MoE block (the first `dense_layers` too: DeepSeek-V3's
+three dense blocks do as many FLOPs per token as its MoE blocks; their parameters are counted
+as a MoE block's, see docs/stages/search.md).
+
+Compute, scaled from the model profile's block (profile_model's blocks[0]: a MoE block at
+ep = etp = 1, or a dense one, as ModelCost.with_moe tells from its parameter bytes): its fits'
+constant and attention-core (s^2) terms are kept; the term linear in tokens (its matmuls) is
+scaled by the matmul parameters a token goes through on the busiest rank over those of block
+0's:
+
+    (attention + router + top_k x imbalance x 3 h w + 3 h w_shared) / (attention + block 0's FFN)
+
+(block 0's FFN: the dense 3 h ffn, or the MoE FFN at uniform load when block 0 has experts).
+Per rank the experts compute on T x top_k x imbalance token copies of 3 h w / etp x etp
+(gathered over etp): the same as a dense MLP of width top_k x imbalance x w over tp, so the
+profile's time per matmul parameter and token at that tp carries over (the experts' GEMMs are
+taken as efficient as the dense block's: small experts run below it, not modelled).
+
+Communication, per layer and micro-batch, exposed (stage=train does not overlap the dispatcher
+with compute; Megatron-LM can, the planner does not price that): forward an all-to-all over the
+EP group (ep ranks, stride etp) to dispatch and one to combine, an all-gather and a
+reduce-scatter over the ETP group (etp consecutive ranks); backward the same again. The
+all-to-alls are priced by HardwareModel.all2all_line (a node's NVLink, or the NICs across
+nodes), the ETP collectives by collective_line.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orchestrator.planner.profiles import HardwareModel, ModelCost
+from orchestrator.planner.terms import FwdBwd
+from orchestrator.workload.moe import (MoeShape, dense_ffn_params_per_rank,
+                                       dense_mlp_activation_bytes, dispatch_bytes,
+                                       expert_params_per_rank, moe_activation_bytes,
+                                       moe_dense_params_per_rank, moe_matmul_params_per_token,
+                                       tokens_per_rank)
+
+
+def attention_matmul_params(model: ModelCost) -> int:
+    """wq, wk, wv, wo of one block (its attention's matmul parameters)."""
+    kv_dim = model.kv_heads * (model.hidden // model.heads)
+    return 2 * model.hidden * model.hidden + 2 * model.hidden * kv_dim
+
+
+def _block_params_per_rank(model: ModelCost, shape: MoeShape, tp: int, experts: bool) -> float:
+    h = model.hidden
+    attention = attention_matmul_params(model) / tp + 2 * h
+    if experts:
+        return attention + moe_dense_params_per_rank(shape, tp) + expert_params_per_rank(
+            shape, 1, 1)
+    return attention + dense_ffn_params_per_rank(h, model.ffn, tp)
+
+
+def profiled_block_has_experts(model: ModelCost, shape: MoeShape) -> bool:
+    """Whether the profile's block is a MoE block (all experts on one rank) rather than a dense
+    one: the one whose parameter count on a rank is nearer the profile's bytes over the
+    dtype's."""
+    tp = min(model.tps)
+    numel = model.memory(tp)[0].param_bytes / model.dtype_bytes
+    dense = _block_params_per_rank(model, shape, tp, False)
+    moe = _block_params_per_rank(model, shape, tp, True)
+    return abs(numel - moe) < abs(numel - dense)
+
+
+def block0_ffn_is_moe(model: ModelCost) -> bool:
+    """Whether the profiled block has experts (ModelCost.with_moe decides)."""
+    return model.profiled_block_has_experts
+
+
+def block0_ffn_matmul_params(model: ModelCost, shape: MoeShape) -> float:
+    """Matmul parameters per token of the profiled block's FFN (uniform load)."""
+    if block0_ffn_is_moe(model):
+        return moe_matmul_params_per_token(shape, 1.0)
+    return 3.0 * model.hidden * model.ffn
+
+
+def linear_scale(model: ModelCost, shape: MoeShape, imbalance: float) -> float:
+    """What the profiled block's linear (matmul) time is multiplied by for a MoE block on the
+    busiest rank (module docstring)."""
+    attention = attention_matmul_params(model)
+    return ((attention + moe_matmul_params_per_token(shape, imbalance))
+            / (attention + block0_ffn_matmul_params(model, shape)))
+
+
+def block0_params_per_rank(model: ModelCost, shape: MoeShape, tp: int) -> float:
+    """The profiled block's parameters on one TP rank (what its profiled bytes count): attention
+    and norms, and its FFN (dense, or the MoE FFN with every expert, ep = etp = 1)."""
+    return _block_params_per_rank(model, shape, tp, block0_ffn_is_moe(model))
+
+
+@dataclass(frozen=True)
+class MoeParams:
+    """A MoE block's parameters on one rank: `dense` (attention, norms, router, shared expert:
+    ZeRO shards them over dp x cp) and `experts` (its routed experts' shards: over edp), and
+    `per_block0` their sum over the profiled block's (what its byte counts scale by)."""
+
+    dense: float
+    experts: float
+    block0: float
+
+    @classmethod
+    def of(cls, model: ModelCost, shape: MoeShape, tp: int, ep: int, etp: int) -> "MoeParams":
+        dense = attention_matmul_params(model) / tp + 2 * model.hidden + \
+            moe_dense_params_per_rank(shape, tp)
+        return cls(dense=float(dense), experts=float(expert_params_per_rank(shape, ep, etp)),
+                   block0=float(block0_params_per_rank(model, shape, tp)))
+
+
+def activation_delta_bytes(model: ModelCost, shape: MoeShape, seq_len: int,
+                           micro_batch_size: int, tp: int, cp: int, etp: int,
+                           imbalance: float) -> float:
+    """Bytes a MoE block keeps per micro-batch beyond the profiled block (no or selective
+    recompute; full recompute keeps the block's input only): the MoE FFN's on the busiest rank
+    less block 0's FFN's."""
+    tokens = tokens_per_rank(seq_len, micro_batch_size, tp, cp)
+    elem = model.dtype_bytes
+    moe = moe_activation_bytes(tokens, shape, tp, etp, elem, imbalance)
+    if block0_ffn_is_moe(model):
+        block0 = moe_activation_bytes(tokens, shape, tp, 1, elem, 1.0)
+    else:
+        block0 = dense_mlp_activation_bytes(tokens, model.hidden, model.ffn, tp, elem)
+    return moe - block0
+
+
+@dataclass(frozen=True)
+class MoeComm:
+    """The dispatcher's time (us per MoE layer and micro-batch), forward and backward, all
+    exposed; `a2a_us`: one all-to-all, `etp_us`: one all-gather + reduce-scatter pair."""
+
+    layer: FwdBwd
+    a2a_us: float
+    etp_us: float
+
+    @classmethod
+    def from_hardware(cls, hardware: HardwareModel, shape: MoeShape, seq_len: int,
+                      micro_batch_size: int, tp: int, cp: int, ep: int, etp: int,
+                      elem_bytes: int, imbalance: float,
+                      bandwidth_factor: float = 1.0) -> "MoeComm":
+        tokens = tokens_per_rank(seq_len, micro_batch_size, tp, cp)
+        sizes = dispatch_bytes(tokens, shape, ep, etp, elem_bytes, imbalance)
+        a2a = 0.0
+        if ep > 1 and sizes.a2a > 0:
+            alpha, per_byte = hardware.all2all_line(ep, etp)
+            a2a = alpha + sizes.a2a * per_byte * bandwidth_factor
+        pair = 0.0
+        if etp > 1 and sizes.etp > 0:
+            pair = (hardware.collective_time_us("all_gather", etp, 1, sizes.etp)
+                    + hardware.collective_time_us("reduce_scatter", etp, 1, sizes.etp))
+        one_way = 2.0 * a2a + pair
+        return cls(FwdBwd(one_way, one_way), a2a, pair)
