@@ -4,6 +4,7 @@ ranks only), its peak memory, and what tracing every rank would cost instead.
     python bench/trace_speed.py           # the five seed configurations (104 ranks)
     python bench/trace_speed.py --quick   # the first two
     python bench/trace_speed.py --only-scale   # WS 8192 vs 131072 vs 1000000 alone
+    python bench/trace_speed.py --moe --no-small --no-scale   # the seeds, mixtral_8x7b EP 8
 
 What `stage=trace` runs, minus the ledger: plan_configs, then trace_configuration per
 configuration (each traced rank priced from the h100 device sheet, its .jsonl and .log written
@@ -16,7 +17,9 @@ Then the world size alone: llama2_7b PP 8 TP 8 at WS 8192, 131072 and 1000000 wi
 per-rank work (8 micro-batches each), chunk captures made beforehand, each world timed in turn
 (best of --repeats), wall and CPU seconds and their ratio to WS 8192 in the same run: a rank's
 trace should cost about the same at any world size.
-`--profile N` prints cProfile's top N functions of the seed run.
+`--profile N` prints cProfile's top N functions of the seed run. `--moe` traces the same five
+seed configurations of mixtral_8x7b (8 experts, top 2) with expert parallelism 8 (each rank 1
+expert; [WS, PP, TP, 1, 8]) instead: the MoE trace's time against the dense one's.
 """
 from __future__ import annotations
 
@@ -60,8 +63,15 @@ SCALE_WORLDS = [8192, 131072, 1000000]  # PP 8 TP 8; the first is the reference
 SCALE_PP, SCALE_TP, SCALE_MICRO_BATCHES = 8, 8, 8
 
 
+MOE_EP = 8  # --moe: mixtral_8x7b's 8 experts, one per EP rank
+
+
 def llama2_7b() -> ModelConfig:
-    values = yaml.safe_load((REPO / "orchestrator/conf/model/llama2_7b.yaml").read_text())
+    return load_model("llama2_7b")
+
+
+def load_model(name: str) -> ModelConfig:
+    values = yaml.safe_load((REPO / f"orchestrator/conf/model/{name}.yaml").read_text())
     return ModelConfig(**values)
 
 
@@ -112,8 +122,8 @@ def trace_alone(configs, settings, model, out_dir: Path):
     return ranks, time.perf_counter() - start, records
 
 
-def seed_table(rows, wall_s: float) -> Table:
-    table = Table(title=f"llama2_7b seed configurations (GBS 1024, seq 4096, SP): wall "
+def seed_table(rows, wall_s: float, name: str = "llama2_7b") -> Table:
+    table = Table(title=f"{name} seed configurations (GBS 1024, seq 4096, SP): wall "
                         f"{wall_s:.1f} s (target <= {TARGET_S:.0f} s), peak RSS "
                         f"{peak_rss_GiB():.2f} GiB (target <= {TARGET_RSS_GiB:.0f} GiB)")
     for col in ("WS", "PP", "TP", "DP", "micro-batches", "ranks traced", "time s",
@@ -201,12 +211,17 @@ def main() -> None:
                         help="skip the world-size comparison (WS 8192 vs 1000000)")
     parser.add_argument("--only-scale", action="store_true",
                         help="the world-size comparison alone")
+    parser.add_argument("--moe", action="store_true",
+                        help=f"the seed configurations of mixtral_8x7b with EP {MOE_EP}")
     parser.add_argument("--repeats", type=int, default=2,
                         help="times each world of the world-size comparison is traced")
     args = parser.parse_args()
     console = Console(width=150)
     configs = SEED_CONFIGS[:2] if args.quick else SEED_CONFIGS
     model = llama2_7b()
+    if args.moe:
+        model = load_model("mixtral_8x7b")
+        configs = [c + [1, MOE_EP] for c in configs]
     with tempfile.TemporaryDirectory(prefix="trace_speed_") as tmp:
         if args.only_scale:
             console.print(scale_table(Path(tmp) / "scale", args.repeats))
@@ -219,7 +234,8 @@ def main() -> None:
         if profiler:
             profiler.disable()
         wall_s = time.perf_counter() - start
-        console.print(seed_table(rows, wall_s))
+        console.print(seed_table(rows, wall_s, model.name + (f" EP {MOE_EP}" if args.moe
+                                                               else "")))
         if profiler:
             pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
         if not args.no_small:

@@ -1,8 +1,9 @@
 """trace: the workload of one training iteration per rank at a fake world size, for a batch of
 configurations, in this process (orchestrator/trace).
 
-`trace.configs=[[WS,PP,TP],...]` (or trace.world_size/pp/tp for one): each valid configuration
-is a sub-part; invalid ones are skipped with their reason (in index.json too). Writes
+`trace.configs=[[WS,PP,TP],...]` (or trace.world_size/pp/tp for one; `[WS,PP,TP,CP,EP(,ETP)]`
+for a mixture-of-experts model): each valid configuration is a sub-part; invalid ones are
+skipped with their reason (in index.json too). Writes
 profiles/<cluster>/trace/SIM_<model>_Config<i>_WS.._PP.._TP.._DP.._nMICROB.._MICROB_SIZE.._
 GLOBAL_BATCH../ (fake_rank_<r>.jsonl / .log per traced rank, summary.json, and with
 trace.export=simai the SimAI workload) and profiles/<cluster>/trace/index.json. A configuration
@@ -18,6 +19,7 @@ from typing import List, Tuple
 from orchestrator.choices import Ranks
 from orchestrator.errors import ConfigError
 from orchestrator.layout import CP_COMMS
+from orchestrator.models.config import is_moe
 from orchestrator.stages import Stage
 from orchestrator.store import cluster_dir
 from orchestrator.trace.configs import (Skipped, TraceSettings, TraceSpec, parse_configs,
@@ -41,7 +43,7 @@ def _configs(cfg) -> List[Tuple[int, ...]]:
     single = (t.world_size, t.pp, t.tp)
     if t.configs:
         if any(v is not None for v in single):
-            raise ConfigError("give trace.configs=[[WS,PP,TP(,CP)],...] or "
+            raise ConfigError("give trace.configs=[[WS,PP,TP(,CP(,EP(,ETP)))],...] or "
                               "trace.world_size/pp/tp, not both")
         try:
             return parse_configs([list(c) for c in t.configs])
@@ -61,8 +63,9 @@ def settings(cfg) -> TraceSettings:
     for name in ("global_batch_size", "micro_batch_size", "virtual_stages"):
         if getattr(t, name) < 1:
             raise ConfigError(f"trace.{name}({getattr(t, name)}) must be >= 1")
-    if t.cp < 1:
-        raise ConfigError(f"trace.cp({t.cp}) must be >= 1")
+    for name in ("cp", "ep", "etp"):
+        if getattr(t, name) < 1:
+            raise ConfigError(f"trace.{name}({getattr(t, name)}) must be >= 1")
     if t.cp_comm not in CP_COMMS:
         raise ConfigError(f"trace.cp_comm={t.cp_comm!r}; allowed: {', '.join(CP_COMMS)}")
     if t.cp_comm == "a2a+p2p" and t.export == "simai":
@@ -78,7 +81,40 @@ def settings(cfg) -> TraceSettings:
         schedule=str(getattr(t.schedule, "value", t.schedule)), virtual_stages=t.virtual_stages,
         zero=t.zero, recompute=str(getattr(t.recompute, "value", t.recompute)),
         layers_per_stage=tuple(t.layers_per_stage) if t.layers_per_stage else None,
-        cp=t.cp, cp_comm=t.cp_comm, cp_a2a=t.cp_a2a)
+        cp=t.cp, cp_comm=t.cp_comm, cp_a2a=t.cp_a2a, ep=t.ep, etp=t.etp)
+
+
+def check_model(cfg) -> None:
+    """The model's mixture-of-experts fields (top_k in 1..experts, capacity_factor > 0, ...)
+    and what trace follows of train for a MoE model (ZeRO 0-2), before any configuration: a
+    ConfigError naming the numbers."""
+    from orchestrator.models.config import validate_moe
+
+    try:
+        validate_moe(cfg.model)
+    except ValueError as e:
+        raise ConfigError(f"model={cfg.model.name}: {e}") from None
+    t = cfg.trace
+    if not is_moe(cfg.model) and (t.ep > 1 or t.etp > 1):
+        raise ConfigError(f"trace.ep({t.ep}) / trace.etp({t.etp}) need a mixture-of-experts "
+                          f"model; model={cfg.model.name} is dense (model.experts 0)")
+
+
+def _simai_skips(specs, skipped, export, moe: bool):
+    """With trace.export=simai, the configurations SimAI's workload cannot express move to the
+    skipped ones with the reason (trace/simai.unexportable)."""
+    if export != "simai":
+        return list(specs), list(skipped)
+    from orchestrator.trace.simai import unexportable
+
+    keep = []
+    for spec in specs:
+        reason = unexportable(spec.layout, moe)
+        if reason is None:
+            keep.append(spec)
+        else:
+            skipped.append(Skipped(spec.index, tuple(spec.config()), reason))
+    return keep, sorted(skipped, key=lambda s: s.index)
 
 
 def run_trace(ctx, run) -> dict:
@@ -154,7 +190,9 @@ class Trace(Stage):
     torch_distributed = False  # one process; the tracer makes its own fake process group
 
     def plan(self, cfg):
+        check_model(cfg)
         specs, skipped = plan_configs(_configs(cfg), settings(cfg), cfg.model)
+        specs, skipped = _simai_skips(specs, skipped, cfg.trace.export, is_moe(cfg.model))
         if not specs:
             raise ConfigError("no configuration can be traced: " + "; ".join(
                 f"{list(s.config)}: {s.reason}" for s in skipped))

@@ -1,9 +1,12 @@
 """Which configurations a trace covers, checked before anything is traced (pure, no torch).
 
-A configuration is [WORLD_SIZE, PP, TP] or [WORLD_SIZE, PP, TP, CP] (CP: context parallelism,
-trace.cp when not given); DP = WORLD_SIZE / (PP * TP * CP). Everything else (batch, micro-batch,
-sequence length, sequence parallelism, the CP flavour, schedule, ZeRO) is shared by the batch of
-configurations. An invalid configuration is reported with its reason and skipped; the others run.
+A configuration is [WORLD_SIZE, PP, TP], [WORLD_SIZE, PP, TP, CP], or for a mixture-of-experts
+model [WORLD_SIZE, PP, TP, CP, EP] or [WORLD_SIZE, PP, TP, CP, EP, ETP] (CP: context parallelism,
+EP / ETP: expert and expert-tensor parallelism; trace.cp / trace.ep / trace.etp when not given);
+DP = WORLD_SIZE / (PP * TP * CP), and the expert grid EDP = TP * CP * DP / (EP * ETP) folds onto
+the same ranks of a stage (ParallelLayout). Everything else (batch, micro-batch, sequence length,
+sequence parallelism, the CP flavour, schedule, ZeRO) is shared by the batch of configurations. An
+invalid configuration is reported with its reason and skipped; the others run.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from orchestrator.layout import LayoutError, ParallelLayout
-from orchestrator.models.config import validate_model
+from orchestrator.models.config import expert_width, is_moe, validate_model
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,17 @@ class TraceSpec:
         kernels and messages in a rank-dependent order, trace/cp.py.)"""
         return list(self.layout.group_ranks("pp", 0))
 
+    def rank_rule(self) -> str:
+        """Why the representative ranks stand for every rank (summary.json's `rank_rule`)."""
+        rule = ("one rank per pipeline stage (TP, CP and DP rank 0): a stage's ranks issue the "
+                "same ops to their own groups")
+        if self.layout.ep * self.layout.etp > 1:
+            rule += ("; experts: routing is uniform, so every EP rank of a stage sends, receives "
+                     "and computes the same token counts and every ETP rank the same slice: the "
+                     "same rank stands for every (stage, EP rank) (an imbalanced load would "
+                     "need the busiest EP rank traced on its own)")
+        return rule
+
     def all_ranks(self) -> List[int]:
         return list(range(self.layout.world_size))
 
@@ -41,23 +55,30 @@ class TraceSpec:
         return self.layout.coordinate(rank, "pp")
 
     def dir_name(self, model: str) -> str:
-        """The seed tracer's folder name for this configuration."""
+        """The seed tracer's folder name for this configuration (+ _EP<ep> / _ETP<etp> when
+        > 1)."""
         lay = self.layout
         cp = f"_CP{lay.cp}" if lay.cp > 1 else ""
+        experts = (f"_EP{lay.ep}" if lay.ep > 1 else "") + (f"_ETP{lay.etp}" if lay.etp > 1 else "")
         return (f"SIM_{model}_Config{self.index}_WS{lay.world_size}_PP{lay.pp}_TP{lay.tp}{cp}"
-                f"_DP{lay.dp}_nMICROB{lay.num_micro_batches}_MICROB_SIZE"
+                f"_DP{lay.dp}{experts}_nMICROB{lay.num_micro_batches}_MICROB_SIZE"
                 f"{lay.micro_batch_size}_GLOBAL_BATCH{lay.global_batch_size}")
 
     def subpart(self) -> str:
         """The ledger sub-part naming this configuration."""
         lay = self.layout
         cp = f"_cp{lay.cp}" if lay.cp > 1 else ""
-        return f"config{self.index}_ws{lay.world_size}_pp{lay.pp}_tp{lay.tp}{cp}"
+        experts = (f"_ep{lay.ep}" if lay.ep > 1 else "") + (f"_etp{lay.etp}" if lay.etp > 1 else "")
+        return f"config{self.index}_ws{lay.world_size}_pp{lay.pp}_tp{lay.tp}{cp}{experts}"
 
     def config(self) -> List[int]:
-        """The configuration as the user gives it: [WS, PP, TP], + CP when > 1."""
+        """The configuration as the user gives it: [WS, PP, TP], + CP when > 1 (or when EP /
+        ETP follow), + EP when > 1 (or when ETP follows), + ETP when > 1."""
         lay = self.layout
-        return [lay.world_size, lay.pp, lay.tp] + ([lay.cp] if lay.cp > 1 else [])
+        tail = [lay.cp, lay.ep, lay.etp]
+        while tail and tail[-1] == 1:
+            tail.pop()
+        return [lay.world_size, lay.pp, lay.tp] + tail
 
 
 @dataclass(frozen=True)
@@ -83,28 +104,36 @@ class TraceSettings:
     cp: int = 1  # context parallelism of a configuration that gives none
     cp_comm: str = "p2p"  # Megatron's --cp-comm-type: p2p | allgather | a2a | a2a+p2p
     cp_a2a: int = 1  # a2a+p2p: the all-to-all degree inside the CP group
+    ep: int = 1  # expert parallelism of a configuration that gives none (MoE models)
+    etp: int = 1  # expert tensor parallelism of a configuration that gives none
+
+
+CONFIG_FORMS = ("[WORLD_SIZE, PP, TP], [WORLD_SIZE, PP, TP, CP], [WORLD_SIZE, PP, TP, CP, EP] or "
+                "[WORLD_SIZE, PP, TP, CP, EP, ETP]")
 
 
 def parse_configs(configs) -> List[Tuple[int, ...]]:
-    """[[ws, pp, tp(, cp)], ...] from the config; ValueError on a malformed one."""
+    """[[ws, pp, tp(, cp(, ep(, etp)))], ...] from the config; ValueError on a malformed one."""
     out = []
     for i, c in enumerate(configs or []):
         items = list(c) if isinstance(c, (list, tuple)) else None
-        if items is None or len(items) not in (3, 4) or not all(
+        if items is None or not 3 <= len(items) <= 6 or not all(
                 isinstance(x, int) and not isinstance(x, bool) for x in items):
             raise ValueError(f"trace.configs[{i}]={c!r}: each configuration is "
-                             f"[WORLD_SIZE, PP, TP] or [WORLD_SIZE, PP, TP, CP] (integers)")
+                             f"{CONFIG_FORMS} (integers)")
         out.append(tuple(items))
     return out
 
 
 def check_config(index: int, config: Sequence[int], settings: TraceSettings, model) -> TraceSpec:
-    """The TraceSpec of one [ws, pp, tp(, cp)], or ValueError saying why it cannot be traced."""
+    """The TraceSpec of one [ws, pp, tp(, cp(, ep(, etp)))], or ValueError saying why it cannot
+    be traced."""
     ws, pp, tp = config[:3]
-    cp = config[3] if len(config) > 3 else settings.cp
-    if min(ws, pp, tp, cp) < 1:
-        raise ValueError(f"WORLD_SIZE, PP, TP and CP must be >= 1, got {list(config)}"
-                         + (f" with trace.cp={cp}" if len(config) == 3 else ""))
+    cp, ep, etp = (tuple(config[3:]) + (settings.cp, settings.ep, settings.etp)[len(config) - 3:])
+    if min(ws, pp, tp, cp, ep, etp) < 1:
+        raise ValueError(f"WORLD_SIZE, PP, TP, CP, EP and ETP must be >= 1, got {list(config)}"
+                         f" (trace.cp={settings.cp}, trace.ep={settings.ep}, "
+                         f"trace.etp={settings.etp} fill what it leaves out)")
     cp_text = f" * CP({cp})" if cp > 1 else ""
     if ws % (pp * tp * cp):
         raise ValueError(f"WORLD_SIZE({ws}) % (PP({pp}) * TP({tp}){cp_text}) != 0")
@@ -135,9 +164,13 @@ def check_config(index: int, config: Sequence[int], settings: TraceSettings, mod
             zero=settings.zero, sequence_parallel=settings.sequence_parallel and tp > 1,
             micro_batch_size=mbs, num_micro_batches=gbs // (dp * mbs), schedule=schedule,
             virtual_stages=v, cp=cp, cp_comm=settings.cp_comm,
-            cp_a2a=settings.cp_a2a if settings.cp_comm == "a2a+p2p" and cp > 1 else 1)
+            cp_a2a=settings.cp_a2a if settings.cp_comm == "a2a+p2p" and cp > 1 else 1,
+            ep=ep, etp=etp)
         layout.check_sequence(settings.seq_len)
         layout.check_heads(model.heads, model.kv_heads, model.name)
+        # experts % ep, expert width % etp, a dense model with ep / etp > 1
+        layout.check_experts(model.experts if is_moe(model) else 0, expert_width(model),
+                             model.name)
     except LayoutError as e:
         raise ValueError(str(e)) from None
     return TraceSpec(index=index, layout=layout, seq_len=settings.seq_len)

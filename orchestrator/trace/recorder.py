@@ -4,9 +4,10 @@ Every aten op that reaches the dispatcher while `OpRecorder` is active is one re
 (op, shapes, dtype, FLOPs from torch's FLOP formulas (a causal flash kernel's halved: it skips
 the masked tiles), bytes read + written), collectives (from
 DTensor's functional collectives and from torch.distributed's c10d ops: op, group, bytes) and
-point-to-point messages (peer, bytes, send/recv). Ops that only make views (reshape, transpose,
-slicing) launch no kernel and are left out. The tensors are on the meta device and the process
-group is fake, so recording costs no memory and no communication.
+point-to-point messages (peer, bytes, send/recv); an all-to-all also says what it sends to and
+receives from each peer (`send_bytes`, `recv_bytes`, group-rank order). Ops that only make
+views (reshape, transpose, slicing) launch no kernel and are left out. The tensors are on the
+meta device and the process group is fake, so recording costs no memory and no communication.
 """
 from __future__ import annotations
 
@@ -93,15 +94,19 @@ class OpRecorder(TorchDispatchMode):
     `group_names` maps a process group's ranks (a range) to a name ("tp", "dp", "pp", "world");
     `group_ranks` gives the caller's groups' ranks (ranges) by process-group name, so that
     describing a group costs the same at any world size; for any other group torch's list of
-    its ranks is asked (world_size long for the default group).
+    its ranks is asked (world_size long for the default group); `process_group_names` names
+    groups by process-group name, before `group_names` (groups whose ranks are another's: the
+    expert groups).
     """
 
     def __init__(self, group_names: Optional[Dict[range, str]] = None,
                  context: Optional[Callable[[], dict]] = None, tracker=None,
-                 group_ranks: Optional[Dict[str, range]] = None):
+                 group_ranks: Optional[Dict[str, range]] = None,
+                 process_group_names: Optional[Dict[str, str]] = None):
         super().__init__()
         self.records: List[dict] = []
         self.group_names = group_names or {}
+        self.process_group_names = process_group_names or {}
         self.context = context or dict
         self.tracker = tracker
         self._ranks_of: Dict[str, Sequence[int]] = dict(group_ranks or {})
@@ -202,8 +207,8 @@ class OpRecorder(TorchDispatchMode):
         if fields is None:
             ranks = self._ranks(group_name)
             fields = describe_group(ranks)
-            fields["group"] = self.group_names.get(ranks, "other") \
-                if isinstance(ranks, range) else "other"
+            fields["group"] = self.process_group_names.get(group_name) or (
+                self.group_names.get(ranks, "other") if isinstance(ranks, range) else "other")
             self._groups[group_name] = fields
         return fields
 
@@ -242,8 +247,24 @@ class OpRecorder(TorchDispatchMode):
             size = _nbytes(tensors[1])
         else:
             size = sum(_nbytes(t) for t in tensors)
-        self._stamp({"kind": "coll", "op": op, **self._group(pg.group_name), "bytes": size,
-                     "dtype": DTYPE_NAMES.get(tensors[0].dtype, str(tensors[0].dtype))})
+        record = {"kind": "coll", "op": op, **self._group(pg.group_name), "bytes": size,
+                  "dtype": DTYPE_NAMES.get(tensors[0].dtype, str(tensors[0].dtype))}
+        if op == "all_to_all" and len(tensors) > 1:
+            group_size = int(record["group_size"])
+            record["send_bytes"] = _split_bytes(tensors[1], bound.get("input_split_sizes"),
+                                                group_size)
+            record["recv_bytes"] = _split_bytes(tensors[0], bound.get("output_split_sizes"),
+                                                group_size)
+        self._stamp(record)
+
+
+def _split_bytes(t: torch.Tensor, splits, group_size: int) -> List[int]:
+    """Bytes per peer (group-rank order) of an all-to-all's buffer `t` cut in `splits` rows
+    (empty: equal parts)."""
+    if not splits:
+        return [_nbytes(t) // group_size] * group_size
+    row = _nbytes(t) // t.shape[0] if t.dim() and t.shape[0] else 0
+    return [int(n) * row for n in splits]
 
 
 _FLASH_OPS = {"aten._scaled_dot_product_flash_attention",

@@ -5,8 +5,10 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
+from orchestrator.models.config import is_moe
 from orchestrator.store import write_json
 from orchestrator.trace.configs import TraceSpec
+from orchestrator.trace.megatron_args import megatron_command_args
 from orchestrator.trace.output import rank_totals, write_rank
 from orchestrator.trace.timing import ComputePricer
 from orchestrator.trace.tracer import trace_rank
@@ -50,12 +52,14 @@ def trace_configuration(spec: TraceSpec, model, pricer: ComputePricer, folder: P
         if export == "simai" and rank in representatives:
             from orchestrator.trace.simai import simai_file_name, write_simai
 
-            write_simai(folder / simai_file_name(spec, model.name, stage=pp_rank),
+            write_simai(folder / simai_file_name(spec, model.name, stage=pp_rank,
+                                                 moe=is_moe(model)),
                         traced.records, spec, model.name)
         on_rank(rank)
     elapsed = time.perf_counter() - start
     lay = spec.layout
     mean_s = sum(seconds_alone) / len(seconds_alone)
+    megatron = megatron_command_args(model, lay)
     totals: Dict[str, dict] = {}
     for stage_totals in per_stage.values():
         _merge(totals, stage_totals)
@@ -63,12 +67,13 @@ def trace_configuration(spec: TraceSpec, model, pricer: ComputePricer, folder: P
         "config": spec.config(), "index": spec.index,
         "layout": lay.to_dict(), "layout_text": lay.describe(), "seq_len": spec.seq_len,
         "ranks_traced": len(ranks), "ranks_total": lay.world_size,
-        "representatives_only": not all_ranks,
+        "representatives_only": not all_ranks, "rank_rule": spec.rank_rule(),
         "seconds": round(elapsed, 3),
         # One rank per process as other tools do, each tracing its chunks itself, at this
         # process's pace: a floor (it leaves out their per-process start-up).
         "seconds_all_ranks_estimate": round(mean_s * lay.world_size, 1),
         "compute_times": pricer.note,
+        "megatron_args": megatron[0], "megatron_args_notes": megatron[1],
         "per_stage": {str(s): per_stage[s] for s in sorted(per_stage)},
         "per_stage_summed": totals,
         "ranks": {str(r): v for r, v in per_rank.items()},

@@ -18,9 +18,9 @@ Format (learned from the public AICB and SimAI sources, not copied):
   analytical build ignores the last column (it only delays a callback of the packet-level
   simulation), so the optimizer step's time goes in its item's forward compute column.
 - Comm types: ALLREDUCE, ALLGATHER, REDUCESCATTER, ALLTOALL, NONE (+ _EP / _DP_EP suffixes for
-  MoE, unused here). Workload.cc maps an un-suffixed type to the TP group in the forward and
-  ig columns and to the DP group in the wg column, so the DP gradient collectives go in the wg
-  column of their own items, as AICB's `grad_param_comm` / `grad_gather` items do.
+  the EP and DP_EP groups). Workload.cc maps an un-suffixed type to the TP group in the forward
+  and ig columns and to the DP group in the wg column, so the DP gradient collectives go in the
+  wg column of their own items, as AICB's `grad_param_comm` / `grad_gather` items do.
 - TIME UNIT: integer nanoseconds. AICB's AIOB times kernels with CUDA events in us
   (utils/utils.py, cuda_timing_decorator: `elapsed_time(...) * 1000`) and extract_averages
   multiplies those by 1000 again before rounding to int (`avg_value = float(...) * 1000`); SimAI
@@ -37,6 +37,22 @@ same links: a pass's n sends of one K/V block become ALLGATHER_EP of n x cp / (c
 (each rank of a ring all-gather sends (cp - 1) / cp of it). SimAI then exposes them; the real
 ring runs beside the attention's compute. The gradient collectives over dp x cp go in the wg
 columns as before (SimAI's DP group).
+
+Mixture of experts (followed: aliyun/aicb workload_generator/SimAI_training_workload_generator.py,
+its "moelayer" items and `moe_grad_norm` items, Megatron-Core 0.13's all-to-all dispatcher; and
+SimAI's MockNcclGroup.cc for the groups). SimAI's expert grid is Megatron's default: expert
+tensor parallelism = TP (its EP group of a rank is the ranks of stride tp in its block of
+tp x ep, its DP_EP group the ep-th ones of its DP group, stride tp x ep), which is the layout's
+ETP, EP and EDP groups when etp == tp and cp == 1; other MoE layouts are refused
+(`unexportable`). The header says `ep: <ep>`; per MoE layer and micro-batch an item
+`layer<N>_moelayer` holds the router, the dispatcher and the experts, one line per collective
+as AICB writes them: the counts exchange and the tokens' all-to-alls over EP as ALLTOALL_EP
+(dispatch and combine; backward the same two), the ETP all-gathers and reduce-scatters
+un-suffixed (the TP group), and the shared expert's items are the MLP's column / row items. The
+routed experts' gradient buckets (over EDP) go in the wg column of `grad_param_comm` as
+ALLREDUCE_DP_EP / REDUCESCATTER_DP_EP, their ZeRO parameter all-gather in `grad_gather` as
+ALLGATHER_DP_EP (AICB's moe_grad_norm items). SimAI builds its EP groups from its TP groups, so
+at tp = 1 (no TP group) it has none in the version read.
 
 Items follow AICB's split with sequence parallelism: per block an attention "column" item
 (norm, QKV, attention core: forward all-gather; backward Megatron-LM's second all-gather of the
@@ -62,10 +78,17 @@ COMM_TYPES = ("NONE", "ALLREDUCE", "ALLGATHER", "REDUCESCATTER", "ALLTOALL")
 # ep ranks of stride tp inside blocks of tp x ep, which in Megatron's rank order tp-cp-dp-pp is
 # the CP group when the header says `ep: <cp>`.
 CP_COMM_TYPES = tuple(f"{t}_EP" for t in COMM_TYPES[1:])
+# Mixture of experts: the EP group's (as CP's) and the expert-data-parallel group's (DP_EP).
+MOE_COMM_TYPES = CP_COMM_TYPES + tuple(f"{t}_DP_EP" for t in COMM_TYPES[1:])
+# The suffix of a record's group in SimAI's types (un-suffixed: TP in the forward and ig
+# columns, DP in wg; "etp" is the TP group where the export is allowed, etp == tp).
+_GROUP_SUFFIX = {"cp": "_EP", "ep": "_EP", "edp": "_DP_EP"}
+# Collectives written one line each (AICB's MoE items), not summed by type.
+_SEPARATE_GROUPS = ("ep", "etp")
 _COMM_OF_OP = {"all_reduce": "ALLREDUCE", "all_gather": "ALLGATHER",
                "reduce_scatter": "REDUCESCATTER", "all_to_all": "ALLTOALL"}
 HEADER_KIND = "HYBRID_TRANSFORMER_FWD_IN_BCKWD"
-_BLOCK = re.compile(r"^blocks\.(\d+)(?:\.(attn|mlp)(_norm)?(?:\.(\w+))?)?$")
+_BLOCK = re.compile(r"^blocks\.(\d+)(?:\.(attn|mlp)(_norm)?(?:\.([\w.]+))?)?$")
 # Ops that compute a weight's gradient without being a matmul.
 _WEIGHT_GRAD_OPS = {"aten.embedding_dense_backward"}
 
@@ -75,10 +98,18 @@ class _Pass:
     """One pass (forward, input-gradient or weight-gradient) of an item."""
 
     time_us: float = 0.0
-    comm: Dict[str, float] = field(default_factory=dict)  # SimAI type -> bytes, issue order
+    # [SimAI type, bytes, whether later ones of its type add to it], issue order
+    comm: List[list] = field(default_factory=list)
 
-    def add_comm(self, comm_type: str, n_bytes: float) -> None:
-        self.comm[comm_type] = self.comm.get(comm_type, 0) + n_bytes
+    def add_comm(self, comm_type: str, n_bytes: float, merge: bool = True) -> None:
+        """Add a collective: to the bytes of the pass's mergeable entry of its type (`merge`),
+        or as an entry of its own."""
+        if merge:
+            for entry in self.comm:
+                if entry[0] == comm_type and entry[2]:
+                    entry[1] += n_bytes
+                    return
+        self.comm.append([comm_type, n_bytes, merge])
 
 
 @dataclass
@@ -89,8 +120,10 @@ class _Item:
     wg: _Pass = field(default_factory=_Pass)
 
 
-def _item_name(module: str) -> Optional[str]:
-    """The AICB-style item a module's ops belong to, or None (ops outside any item)."""
+def _item_name(module: str, moe_layers=frozenset()) -> Optional[str]:
+    """The AICB-style item a module's ops belong to, or None (ops outside any item);
+    `moe_layers`: the blocks whose FFN is a mixture of experts (their router, dispatcher and
+    experts make the `moelayer` item, their shared expert the MLP's column / row items)."""
     if module == "tok_emb":
         return "embedding_layer"
     if module in ("norm", "lm_head"):
@@ -99,15 +132,32 @@ def _item_name(module: str) -> Optional[str]:
     if m is None or m.group(2) is None:
         return None
     layer, part, child = m.group(1), m.group(2), m.group(4)
+    if part == "mlp" and not m.group(3) and int(layer) in moe_layers:
+        # The shared expert's projections are the MLP's items; everything else of the MoE FFN
+        # (router, dispatcher, experts, and the shared expert's SP messages and elementwise ops:
+        # torch's module tracker cannot tell them apart from the experts' in backward) is its
+        # moelayer item.
+        if child not in ("shared.w_gate", "shared.w_up", "shared.w_down"):
+            return f"layer{layer}_moelayer"
+        child = child[len("shared."):]
     row = (part == "attn" and child == "wo") or (part == "mlp" and child == "w_down")
     kind = "attention" if part == "attn" else "mlp"
     return f"layer{layer}_{kind}_{'row' if row else 'column'}"
 
 
-def _is_part_module(module: str) -> bool:
-    """True for "blocks.N.attn" / "blocks.N.mlp" themselves (not a projection or a norm)."""
+def _moe_layers(records: List[dict]) -> frozenset:
+    """The blocks with a router among `records`' modules."""
+    return frozenset(int(m.group(1)) for m in (
+        _BLOCK.match(r.get("module") or "") for r in records if r["kind"] == "compute")
+        if m is not None and (m.group(4) or "").startswith("router"))
+
+
+def _is_part_module(module: str, moe_layers=frozenset()) -> bool:
+    """True for "blocks.N.attn" / "blocks.N.mlp" themselves (not a projection or a norm; not
+    a MoE FFN, whose own ops are its item's)."""
     m = _BLOCK.match(module)
-    return m is not None and m.group(2) is not None and not m.group(3) and not m.group(4)
+    return (m is not None and m.group(2) is not None and not m.group(3) and not m.group(4)
+            and not (m.group(2) == "mlp" and int(m.group(1)) in moe_layers))
 
 
 def _comm_type(record: dict) -> str:
@@ -115,17 +165,17 @@ def _comm_type(record: dict) -> str:
     if op not in _COMM_OF_OP:
         raise ValueError(f"collective {op!r} (record {record.get('i')}) has no SimAI workload "
                          f"type; SimAI knows {sorted(_COMM_OF_OP)}")
-    return _COMM_OF_OP[op] + ("_EP" if record.get("group") == "cp" else "")
+    return _COMM_OF_OP[op] + _GROUP_SUFFIX.get(record.get("group"), "")
 
 
-def _weight_shapes(forward: List[dict]) -> Dict[str, set]:
+def _weight_shapes(forward: List[dict], moe_layers=frozenset()) -> Dict[str, set]:
     """item -> the local weight shapes its forward matmuls use, both orientations (by item, not
     module: the backward's module labels of sibling projections are not reliable)."""
     shapes: Dict[str, set] = {}
     for r in forward:
         if r["kind"] == "compute" and r["op"] == "aten.mm" and len(r["shapes"]) == 2:
             w = tuple(r["shapes"][1])
-            shapes.setdefault(_item_name(r["module"]), set()).update({w, w[::-1]})
+            shapes.setdefault(_item_name(r["module"], moe_layers), set()).update({w, w[::-1]})
     return shapes
 
 
@@ -140,12 +190,13 @@ def _is_weight_grad(record: dict, item: str, weights: Dict[str, set]) -> bool:
     return tuple(record["out_shapes"][0]) in weights.get(item, ())
 
 
-def _stream_items(stream: List[dict], backward: bool) -> List[Tuple[str, dict]]:
+def _stream_items(stream: List[dict], backward: bool,
+                  moe_layers=frozenset()) -> List[Tuple[str, dict]]:
     """(item name, record) for one chunk's ordered records. Compute records go by their module;
     collectives and records outside any item (residual adds, casts, p2p, loss) go with the item
     whose compute they follow in the forward (a row projection's reduce-scatter comes after its
     matmul) and precede in the backward (its all-gather comes before the matmul's gradient)."""
-    named = [_item_name(r.get("module", "")) if r["kind"] == "compute" else None
+    named = [_item_name(r.get("module", ""), moe_layers) if r["kind"] == "compute" else None
              for r in stream]
     order = range(len(stream) - 1, -1, -1) if backward else range(len(stream))
     owner: List[Optional[str]] = [None] * len(stream)
@@ -154,7 +205,7 @@ def _stream_items(stream: List[dict], backward: bool) -> List[Tuple[str, dict]]:
         name = named[k]
         # Ops of the attention / MLP module itself (rope, the reduce-scatter's concat) stay in
         # the row item once its projection has run: they belong to its communication.
-        weak = name is not None and _is_part_module(stream[k]["module"])
+        weak = name is not None and _is_part_module(stream[k]["module"], moe_layers)
         if weak and current is not None and current.rsplit("_", 1)[0] == name.rsplit("_", 1)[0]:
             name = None
         current = name or current
@@ -168,12 +219,13 @@ def _chunk_items(mine: List[dict], cp: int) -> List[_Item]:
     forward order; `cp` is the layout's (the ring's sends as its all-gather)."""
     forward = [r for r in mine if r["phase"] in ("F", "loss")]
     backward = [r for r in mine if r["phase"] == "B"]
-    weights = _weight_shapes(forward)
+    moe_layers = _moe_layers(forward)
+    weights = _weight_shapes(forward, moe_layers)
     items: Dict[str, _Item] = {}
-    for name, r in _stream_items(forward, backward=False):
+    for name, r in _stream_items(forward, backward=False, moe_layers=moe_layers):
         item = items.setdefault(name, _Item(name))
         _add(item.fwd, r, cp)
-    for name, r in _stream_items(backward, backward=True):
+    for name, r in _stream_items(backward, backward=True, moe_layers=moe_layers):
         item = items.setdefault(name, _Item(name))
         wg = r["kind"] == "compute" and _is_weight_grad(r, name, weights)
         _add(item.wg if wg else item.ig, r, cp)
@@ -184,7 +236,8 @@ def _add(target: _Pass, record: dict, cp: int = 1) -> None:
     if record["kind"] == "compute":
         target.time_us += _time_us(record)
     elif record["kind"] == "coll":
-        target.add_comm(_comm_type(record), int(record["bytes"]))
+        target.add_comm(_comm_type(record), int(record["bytes"]),
+                        merge=record.get("group") not in _SEPARATE_GROUPS)
     elif record["kind"] == "p2p" and record.get("group") == "cp" and record["op"] == "send":
         # one ring step's send: its share of the ring all-gather moving the same bytes
         target.add_comm("ALLGATHER_EP", int(record["bytes"]) * cp / (cp - 1))
@@ -210,7 +263,7 @@ def _end_items(records: List[dict]) -> Tuple[List[_Item], List[_Item]]:
         elif r["phase"] == "dp":
             _add(reduce_item.wg, r)
         elif r["phase"] == "optimizer" and r["kind"] == "coll" \
-                and r.get("group") in ("dp", "dp_cp"):
+                and r.get("group") in ("dp", "dp_cp", "edp"):
             gather_item.wg.add_comm(_comm_type(r), int(r["bytes"]))
         elif r["phase"] == "optimizer" and r["kind"] == "coll":
             # AICB writes the grad-norm all-reduce as a forward ALLREDUCE (optimizer1..4 items).
@@ -230,7 +283,7 @@ def _lines(item: _Item) -> List[str]:
     """The item's line, then one comm-only line per extra comm type of a pass (AICB writes
     several lines with one name when a layer issues several collectives, as for its MoE)."""
     passes = (item.fwd, item.ig, item.wg)
-    comms = [list(p.comm.items()) or [("NONE", 0)] for p in passes]
+    comms = [[(c[0], c[1]) for c in p.comm] or [("NONE", 0)] for p in passes]
     rows = []
     for k in range(max(len(c) for c in comms)):
         cols = [item.name, "-1"]
@@ -255,9 +308,9 @@ def simai_workload(records: List[dict], spec, model_name: str) -> str:
     the file name, kept here for a uniform signature."""
     del model_name
     lay = spec.layout
-    if lay.cp_comm == "a2a+p2p":
-        raise ValueError("cp_comm a2a+p2p has no SimAI workload: SimAI has one group that can "
-                         "stand for CP (EP), the hierarchical flavour needs two")
+    reason = unexportable(lay, moe=bool(_moe_layers(records)) or lay.ep * lay.etp > 1)
+    if reason is not None:
+        raise ValueError(reason)
     # One pass over the records (a large world's trace holds millions, over hundreds of
     # micro-batches): each chunk's records per micro-batch, in issue order.
     parts: Dict[Tuple[int, int], List[dict]] = {}
@@ -272,22 +325,45 @@ def simai_workload(records: List[dict], spec, model_name: str) -> str:
     items = before + [i for key in sorted(parts) for i in _chunk_items(parts[key], lay.cp)] \
         + after
     rows = [row for item in items for row in _lines(item)]
-    header = (f"{HEADER_KIND} model_parallel_NPU_group: {lay.tp} ep: {lay.cp} pp: {lay.pp} "
+    # SimAI's EP group: the experts' (MoE) or the CP group (a dense model, see the module doc)
+    ep = lay.ep if lay.ep > 1 else lay.cp
+    header = (f"{HEADER_KIND} model_parallel_NPU_group: {lay.tp} ep: {ep} pp: {lay.pp} "
               f"vpp: {lay.virtual_stages} ga: {lay.num_micro_batches} "
               f"all_gpus: {lay.world_size} checkpoints: 0 checkpoint_initiates: 0 "
               f"pp_comm: {_pp_comm_bytes(records) if lay.pp > 1 else 0}")
     return "\n".join([header, str(len(rows))] + rows) + "\n"
 
 
-def simai_file_name(spec, model_name: str, stage: Optional[int] = None) -> str:
+def unexportable(layout, moe: bool = False) -> Optional[str]:
+    """Why SimAI's workload cannot express `layout` (of a mixture-of-experts model when `moe`),
+    or None: SimAI has one group beside TP and DP for CP or experts (EP, with DP_EP), and its
+    expert grid has expert tensor parallelism = TP (MockNcclGroup.cc builds EP from the TP
+    groups)."""
+    if layout.cp > 1 and layout.cp_comm == "a2a+p2p":
+        return ("cp_comm a2a+p2p has no SimAI workload: SimAI has one group that can stand for "
+                "CP (EP), the hierarchical flavour needs two")
+    if not moe:
+        return None
+    if layout.cp > 1:
+        return (f"SimAI's workload has one EP group, for the experts or for CP, not both "
+                f"(cp({layout.cp}) with a mixture-of-experts model)")
+    if layout.etp != layout.tp:
+        return (f"SimAI's expert grid has expert tensor parallelism = TP; etp({layout.etp}) != "
+                f"tp({layout.tp}) (its EP group would not be the layout's)")
+    return None
+
+
+def simai_file_name(spec, model_name: str, stage: Optional[int] = None,
+                    moe: bool = False) -> str:
     """AICB's workload file name (without its GPU-type prefix, which a trace does not know),
-    plus `-stage<s>` when one file per pipeline stage is written."""
+    plus `-stage<s>` when one file per pipeline stage is written; `moe`: a mixture-of-experts
+    model (AICB's MOE-True, its ep)."""
     lay = spec.layout
     suffix = "" if stage is None else f"-stage{stage}"
     cp = f"-cp{lay.cp}" if lay.cp > 1 else ""
-    return (f"{model_name}-world_size{lay.world_size}-tp{lay.tp}{cp}-pp{lay.pp}-ep1"
+    return (f"{model_name}-world_size{lay.world_size}-tp{lay.tp}{cp}-pp{lay.pp}-ep{lay.ep}"
             f"-gbs{lay.global_batch_size}-mbs{lay.micro_batch_size}-seq{spec.seq_len}"
-            f"-MOE-False-GEMM-False-flash_attn-True{suffix}.txt")
+            f"-MOE-{moe}-GEMM-False-flash_attn-True{suffix}.txt")
 
 
 def write_simai(path, records: List[dict], spec, model_name: str) -> Path:

@@ -25,6 +25,25 @@
 - After the last backward: the TP all-reduce of the SP norm weights' partial gradients, the
   data-parallel gradient collectives of train's ZeRO 0/1/2 optimizer (train/grads.py: one per
   bucket), the gradient-norm all-reduce and the optimizer step with its parameter all-gather.
+- Mixture of experts (models/moe.py): the rank's own expert groups too (ETP, EP, EDP of the
+  layout's expert grid, the groups train's (pp, edp, ep, etp) DeviceMesh gives it), its experts
+  sharded over them (parallelize.apply_expert_parallel) and train's all-to-all dispatcher issuing
+  its collectives on meta (`issue_on_meta`): per MoE layer and micro-batch forward the counts
+  exchange over EP (int64, experts per rank), the tokens' all-to-all over EP, with etp > 1 the
+  counts' and the tokens' all-gather over ETP, the experts, the reduce-scatter over ETP and the
+  all-to-all back; backward the reverse of each. Routing is uniform (meta tensors carry no
+  values): each EP peer gets T x top_k / ep tokens of `hidden` elements (T = the rank's tokens,
+  micro-batch x seq / (tp x cp)), written per peer on the all-to-all's record. Train reduces over
+  ETP with an all-reduce and keeps its slice; the trace records it as the reduce-scatter
+  Megatron issues (same input bytes). The optimizer is train's ExpertAdamW: the routed experts'
+  gradient buckets over the EDP group (stride etp x ep), the rest over DP (x CP).
+
+Which ranks: a dense model's ranks of one pipeline stage issue the same ops to their own groups,
+so TP rank 0 / CP rank 0 / DP rank 0 of each stage stands for the stage. With experts, under
+uniform routing every EP rank of a stage sends and receives the same token counts and every ETP
+rank computes the same slice, so the same one rank per stage still stands for every (stage, EP
+rank); a load imbalance would make the busiest EP rank differ, and it would be traced on its own
+(not done: the trace routes uniformly).
 """
 from __future__ import annotations
 
@@ -40,7 +59,8 @@ import torch.distributed as dist
 from torch import nn
 
 from orchestrator.layout import ParallelLayout
-from orchestrator.models.config import ModelConfig
+from orchestrator.models.config import ModelConfig, is_moe, is_moe_block
+from orchestrator.models.moe import ExpertParallel
 from orchestrator.trace.configs import TraceSpec
 from orchestrator.trace.recorder import OpRecorder
 
@@ -49,6 +69,8 @@ if TYPE_CHECKING:
 
 META = torch.device("meta")
 CP_GROUPS = ("cp", "cp_a2a", "cp_ring")  # context parallelism's groups (a2a+p2p: two levels)
+# Groups a captured chunk's collectives are renamed to another rank's by their first rank.
+RENAMED_GROUPS = ("tp", "ep", "etp")
 
 
 @dataclass
@@ -120,9 +142,22 @@ class RankGroups:
     groups: Dict[str, dist.ProcessGroup]
     ranks: Dict[str, range]
     tp_mesh: DeviceMesh
+    # Mixture of experts: the DeviceMesh over this rank's ep x etp sub-grid the experts are
+    # placed on (dims of size 1 left out; None when ep = etp = 1 or the model is dense).
+    expert_mesh: Optional[DeviceMesh] = None
+
+    def names(self) -> Dict[str, str]:
+        """Process-group name -> dimension for the expert groups, which have groups of their
+        own even where their ranks are a dense group's (ep = tp, edp = dp): the recorder names
+        their collectives by group, not by ranks."""
+        return {self.groups[dim].group_name: dim for dim in EXPERT_GROUPS
+                if dim in self.groups and self.groups[dim] is not dist.group.WORLD}
 
 
-def make_rank_groups(layout: ParallelLayout, rank: int) -> RankGroups:
+EXPERT_GROUPS = ("etp", "ep", "edp")  # the expert grid's, fastest first (layout.py)
+
+
+def make_rank_groups(layout: ParallelLayout, rank: int, experts: bool = False) -> RankGroups:
     """`rank`'s TP, DP and PP groups, and CP + DP x CP under context parallelism (the default
     group where one spans the world, as
     init_device_mesh does) and a 1-D TP DeviceMesh over its TP group, in this process's fake
@@ -131,7 +166,10 @@ def make_rank_groups(layout: ParallelLayout, rank: int) -> RankGroups:
     init_device_mesh((pp, dp, cp, tp)) would make every group of the world, because a real backend
     needs every rank to join each new_group: world/tp + world/dp + world/pp groups, and a mesh of
     world_size ranks that DTensor compares rank by rank (seconds a rank at 1,000,000 ranks). The
-    fake backend needs only this rank's three, the same work at any world size."""
+    fake backend needs only this rank's three, the same work at any world size.
+
+    `experts` (a mixture-of-experts model): also its ETP and EP groups (when > 1) and its EDP
+    group, each a group of its own, and a DeviceMesh over its ep x etp ranks only."""
     from torch.distributed.device_mesh import DeviceMesh
 
     world = dist.group.WORLD
@@ -145,14 +183,32 @@ def make_rank_groups(layout: ParallelLayout, rank: int) -> RankGroups:
         groups[dim] = world if len(ranks[dim]) == layout.world_size \
             else dist.new_group(list(ranks[dim]))
     tp_mesh = DeviceMesh.from_group(groups["tp"], "cpu", mesh_dim_names=("tp",))
-    return RankGroups(groups=groups, ranks=ranks, tp_mesh=tp_mesh)
+    expert_mesh = None
+    if experts:
+        for dim in EXPERT_GROUPS:
+            ranks[dim] = layout.group_ranks(dim, rank)
+            if dim == "edp" or len(ranks[dim]) > 1:
+                groups[dim] = world if len(ranks[dim]) == layout.world_size \
+                    else dist.new_group(list(ranks[dim]))
+        dims = tuple(d for d in ("ep", "etp") if len(ranks[d]) > 1)
+        if dims:
+            # this rank's ep x etp block of the expert grid (etp fastest): its ranks only
+            first = ranks["ep"][0] - layout.coordinate(rank, "etp")
+            grid = torch.arange(layout.ep * layout.etp).view(layout.ep, layout.etp) + first
+            mesh = grid if len(dims) == 2 else grid.flatten()
+            expert_mesh = DeviceMesh.from_group(
+                [groups[d] for d in dims] if len(dims) == 2 else groups[dims[0]], "cpu",
+                mesh=mesh.tolist(), mesh_dim_names=dims)
+    return RankGroups(groups=groups, ranks=ranks, tp_mesh=tp_mesh, expert_mesh=expert_mesh)
 
 
 def build_chunks(spec: TraceSpec, model: ModelConfig, tp_mesh: DeviceMesh,
-                 pp_rank: int, cp_group=None, cp_levels=None) -> List[nn.Module]:
+                 pp_rank: int, cp_group=None, cp_levels=None,
+                 expert_groups: Optional[RankGroups] = None) -> List[nn.Module]:
     """This rank's model chunks (virtual stage c * pp + pp_rank), TP/SP-sharded over `tp_mesh`
-    (1-D), attention context-parallel over `cp_group` (the layout's cp_comm) when given, on
-    meta."""
+    (1-D), attention context-parallel over `cp_group` (the layout's cp_comm) when given, routed
+    experts sharded over `expert_groups`' expert mesh with train's dispatcher issuing its
+    collectives on meta (mixture of experts, ep x etp > 1), on meta."""
     from orchestrator.models.gpt import GPT
     from orchestrator.models.parallelize import (apply_tensor_parallel, split_pipeline,
                                                  stage_layer_ranges)
@@ -175,6 +231,22 @@ def build_chunks(spec: TraceSpec, model: ModelConfig, tp_mesh: DeviceMesh,
                 for sub_layer in (whole.blocks[index].attn, whole.blocks[index].mlp):
                     sub_layer.register_forward_pre_hook(_gather_again_in_backward)
             whole.lm_head.register_forward_pre_hook(_gather_again_in_backward)
+            for index in blocks:
+                shared = getattr(whole.blocks[index].mlp, "shared", None)
+                if shared is not None:  # a MoE block's shared expert: a TP-sharded SwiGLU too
+                    shared.register_forward_pre_hook(_gather_again_in_backward)
+    if expert_groups is not None and expert_groups.expert_mesh is not None:
+        from orchestrator.models.moe import MoE
+        from orchestrator.models.parallelize import apply_expert_parallel
+
+        groups = expert_groups.groups
+        apply_expert_parallel(whole, expert_groups.expert_mesh, layout.ep, layout.etp,
+                              groups.get("ep"), groups.get("etp"), blocks=blocks)
+        for index in blocks:
+            moe = whole.blocks[index].mlp
+            if isinstance(moe, MoE) and moe.dispatch is not None:
+                moe.dispatch = TracedExpertParallel(groups.get("ep"), layout.ep,
+                                                    groups.get("etp"), layout.etp)
     parts = split_pipeline(whole, per_virtual)
     chunks = [parts[s] for s in mine]
     if cp_group is not None:
@@ -190,6 +262,44 @@ def build_chunks(spec: TraceSpec, model: ModelConfig, tp_mesh: DeviceMesh,
     for chunk in chunks:
         set_recompute(chunk, mode)
     return chunks
+
+
+class TracedExpertParallel(ExpertParallel):
+    """Train's all-to-all dispatcher (models/moe.ExpertParallel) on meta tensors, issuing what
+    train issues: its collectives (`issue_on_meta`) and the counts exchange over EP, which train
+    makes before the tokens' all-to-all (on meta the counts are uniform: what this rank receives
+    is what it sends, and the message is skipped)."""
+
+    def __init__(self, ep_group, ep: int, etp_group=None, etp: int = 1):
+        super().__init__(ep_group, ep, etp_group, etp)
+        self.issue_on_meta = True
+
+    def _exchange_counts(self, send: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        if self.ep > 1 and tokens.is_meta:
+            dist.all_to_all_single(torch.empty_like(send), send.contiguous(),
+                                   group=self.ep_group)
+        return super()._exchange_counts(send, tokens)
+
+
+@contextlib.contextmanager
+def etp_counts_on_meta():
+    """Train all-gathers the token counts over ETP before the tokens (models/moe._gather_etp);
+    on meta it knows them (uniform) and skips the message: issue it, as train does."""
+    from orchestrator.models import moe
+
+    original = moe._gather_etp
+
+    def gather(x, per_expert, group, etp):
+        if x.is_meta:
+            moe._all_gather(torch.empty(etp * per_expert.numel(), dtype=per_expert.dtype),
+                            per_expert.contiguous(), group=group)
+        return original(x, per_expert, group, etp)
+
+    moe._gather_etp = gather
+    try:
+        yield
+    finally:
+        moe._gather_etp = original
 
 
 def _gather_again_in_backward(module: nn.Module, args: tuple) -> None:
@@ -298,7 +408,7 @@ class Captured:
     """One model chunk's ops, traced once: the first micro-batch's forward and backward (which
     assigns the gradients) and a later one's (which accumulates), as the rank that traced it
     issued them. Every chunk of the same shape issues the same ops (tests/test_trace_symmetry),
-    up to its blocks' numbers and its TP group, which `for_rank` renames."""
+    up to its blocks' numbers and its TP (and EP, ETP) groups, which `for_rank` renames."""
 
     forward_ops: Tuple[List[dict], List[dict]]
     backward_ops: Tuple[List[dict], List[dict]]
@@ -311,9 +421,9 @@ class Captured:
     # placements and local shape): SP norm weights, replicated over TP, get Partial gradients.
     partial_grads: Dict[str, tuple]
     first_block: int
-    tp_first: int
+    group_firsts: Dict[str, int]  # first rank of the tracing rank's TP (EP, ETP) groups
     rank: int  # the rank that traced it
-    reusable: bool  # every message in it is a TP or CP one (renamable)
+    reusable: bool  # every message in it is a TP, EP, ETP or CP one (renamable)
     seconds: float  # to capture it
 
     def new_output(self, tp_mesh) -> torch.Tensor:
@@ -328,11 +438,13 @@ class Captured:
         return DTensor.from_local(local, tp_mesh, placements, run_check=False, shape=shape,
                                   stride=stride)
 
-    def for_rank(self, first_block: int, tp_first: int, rank: int):
+    def for_rank(self, first_block: int, group_firsts: Dict[str, int], rank: int):
         """(forward_ops, backward_ops, partial_grads) for a chunk whose first block is
-        `first_block`, on `rank` (same CP coordinate as the rank that traced it) whose TP group
-        starts at rank `tp_first`: its CP group is the tracer's moved by the ranks' distance."""
-        if (first_block, tp_first, rank) == (self.first_block, self.tp_first, self.rank):
+        `first_block`, on `rank` (same CP coordinate as the rank that traced it) whose TP (EP,
+        ETP) groups start at `group_firsts`: its CP group is the tracer's moved by the ranks'
+        distance."""
+        if (first_block, group_firsts, rank) == (self.first_block, self.group_firsts,
+                                                 self.rank):
             return self.forward_ops, self.backward_ops, self.partial_grads
         shift, moved = first_block - self.first_block, rank - self.rank
 
@@ -340,8 +452,8 @@ class Captured:
             out = []
             for r in ops:
                 r = dict(r)
-                if r.get("group") == "tp":
-                    r["group_first"] = tp_first
+                if r.get("group") in group_firsts:
+                    r["group_first"] = group_firsts[r["group"]]
                 elif r.get("group") in CP_GROUPS:
                     if r["kind"] == "p2p":
                         r["peer"] += moved
@@ -372,17 +484,19 @@ def _first_block(chunk: nn.Module) -> int:
 def _capture_key(spec: TraceSpec, model: ModelConfig, chunk: nn.Module, stage: int, last: bool,
                  pp_rank: int, dtype: torch.dtype, rank: int) -> tuple:
     """What a chunk's ops depend on: the model, the micro-batch shape, TP/SP, CP (its flavour,
-    and the CP rank: the order of its ring's half blocks), recompute, and the chunk's shape (how
-    many blocks; embedding first, head last)."""
+    and the CP rank: the order of its ring's half blocks), EP/ETP, recompute, and the chunk's
+    shape (its blocks, which of them hold experts; embedding first, head last). Not the EP or
+    ETP rank: under uniform routing each sends, receives and computes the same shapes."""
     layout = spec.layout
+    moe_blocks = tuple(is_moe_block(model, int(i)) for i in chunk.blocks.keys())
     return (repr(model), spec.seq_len, layout.micro_batch_size, layout.tp,
             layout.sequence_parallel, layout.cp, layout.cp_comm, layout.cp_a2a,
-            layout.coordinate(rank, "cp"),
-            layout.recompute[pp_rank], str(dtype), len(chunk.blocks), stage == 0, last)
+            layout.coordinate(rank, "cp"), layout.ep, layout.etp,
+            layout.recompute[pp_rank], str(dtype), moe_blocks, stage == 0, last)
 
 
 def _capture(chunk: nn.Module, x: torch.Tensor, recorder: OpRecorder, tracker,
-             tp_first: int, rank: int) -> Captured:
+             group_firsts: Dict[str, int], rank: int) -> Captured:
     """Run `chunk` forward and backward twice under the recorder: micro-batch 0, which assigns
     the gradients, and a later one, which accumulates into them."""
     from torch.distributed.tensor import DTensor
@@ -412,7 +526,7 @@ def _capture(chunk: nn.Module, x: torch.Tensor, recorder: OpRecorder, tracker,
                      and tuple(p.grad.placements) != tuple(p.placements)}
     for p in chunk.parameters():
         p.grad = None
-    reusable = all(r.get("group") in ("tp",) + CP_GROUPS
+    reusable = all(r.get("group") in RENAMED_GROUPS + CP_GROUPS
                    for r in captured if r["kind"] != "compute")
     local, out_dtensor = out, None
     if isinstance(out, DTensor):
@@ -423,7 +537,7 @@ def _capture(chunk: nn.Module, x: torch.Tensor, recorder: OpRecorder, tracker,
                     out_shape=local.shape, out_dtype=local.dtype, out_dtensor=out_dtensor,
                     partial_grads=partial_grads,
                     first_block=_first_block(chunk),
-                    tp_first=tp_first, rank=rank, reusable=reusable,
+                    group_firsts=dict(group_firsts), rank=rank, reusable=reusable,
                     seconds=time.perf_counter() - start)
 
 
@@ -454,7 +568,8 @@ class _RankTracer:
         from orchestrator.train.grads import ShardedAdamW, full_grad
 
         spec, layout = self.spec, self.spec.layout
-        rank_groups = make_rank_groups(layout, self.rank)
+        experts = is_moe(self.model)
+        rank_groups = make_rank_groups(layout, self.rank, experts=experts)
         tp_mesh = rank_groups.tp_mesh
         # A group is named by its ranks; where two coincide (a degree of 1, or one spanning the
         # world) the later name wins.
@@ -463,7 +578,8 @@ class _RankTracer:
                  if dim in rank_groups.ranks}
         pp_rank = layout.coordinate(self.rank, "pp")
         chunks = build_chunks(spec, self.model, tp_mesh, pp_rank, rank_groups.groups.get("cp"),
-                              (rank_groups.groups.get("cp_a2a"), rank_groups.groups.get("cp_ring")))
+                              (rank_groups.groups.get("cp_a2a"), rank_groups.groups.get("cp_ring")),
+                              expert_groups=rank_groups if experts else None)
         dtype = next(p.dtype for c in chunks for p in c.parameters())
         # a CP rank holds s / cp of each sequence
         mbs, seq = layout.micro_batch_size, spec.seq_len // layout.cp
@@ -472,7 +588,8 @@ class _RankTracer:
         tracker = ModuleTracker()
         recorder = OpRecorder(names, context=self.context, group_ranks={
             rank_groups.groups[dim].group_name: ranks
-            for dim, ranks in rank_groups.ranks.items()})
+            for dim, ranks in rank_groups.ranks.items() if dim in rank_groups.groups},
+            process_group_names=rank_groups.names())
         recorder.records = self.records
         recorder.watch_weights(p.to_local() if isinstance(p, DTensor) else p
                                for c in chunks for p in c.parameters())
@@ -481,9 +598,10 @@ class _RankTracer:
             return torch.zeros((mbs, seq), dtype=torch.int64, device=META)
 
         modules: List[nn.Module] = chunks
-        tp_first = rank_groups.ranks["tp"][0]
+        group_firsts = {dim: rank_groups.ranks[dim][0] for dim in RENAMED_GROUPS
+                        if dim in rank_groups.ranks}
         partial_grads = []  # replayed chunks: (chunk, its partial_grads)
-        with gpu_attention():
+        with gpu_attention(), etp_counts_on_meta():
             if replay:
                 modules = []
                 for c, chunk in enumerate(chunks):
@@ -498,11 +616,12 @@ class _RankTracer:
                         x = tokens() if stage == 0 else torch.empty(
                             (mbs, seq // seq_divisor, self.model.hidden), dtype=dtype,
                             device=META, requires_grad=True)
-                        captured = _capture(chunk, x, recorder, tracker, tp_first, self.rank)
+                        captured = _capture(chunk, x, recorder, tracker, group_firsts,
+                                            self.rank)
                         if captured.reusable:
                             self.captures[key] = captured
                     forward_ops, backward_ops, partial = captured.for_rank(
-                        _first_block(chunk), tp_first, self.rank)
+                        _first_block(chunk), group_firsts, self.rank)
                     partial_grads.append((chunk, partial))
                     modules.append(ReplayChunk(
                         c, last, forward_ops, backward_ops,
@@ -514,17 +633,15 @@ class _RankTracer:
                 recorder.tracker = tracker
             # Made outside the recorder: building the buckets is set-up, not the iteration.
             params = [p for chunk in chunks for p in chunk.parameters()]
-            replicas = "dp_cp" if layout.cp > 1 else "dp"  # ranks holding the same weights
-            optim = ShardedAdamW(params, layout.zero, rank_groups.groups[replicas],
-                                 layout.dp * layout.cp, layout.num_micro_batches,
-                                 bucket_MiB=self.bucket_MiB)
+            optim = _optimizer(chunks, layout, rank_groups, self.bucket_MiB, experts)
             # No gradient reaches a parameter during a replayed run, and the buckets' collectives
             # are issued after the last backward (finish_backward), in bucket order.
             optim.begin_step(10**9)
             batches = [MicroBatchInput(tokens(), tokens(), layout.recompute[pp_rank][0])
                        for _ in range(layout.num_micro_batches)]
         # The loss's forward and backward both run inside loss_parallel (vocab-sharded logits).
-        with gpu_attention(), loss_parallel(), recorder, set_checkpoint_early_stop(False), (
+        with gpu_attention(), etp_counts_on_meta(), loss_parallel(), recorder, \
+                set_checkpoint_early_stop(False), (
                 contextlib.nullcontext() if replay else tracker):
             self.state = {"phase": "F", "chunk": 0, "mb": 0}
             if layout.pp > 1:
@@ -553,7 +670,39 @@ class _RankTracer:
                     raise
             optim.step(0.0, 1.0, norm=1.0)
         _fix_p2p(self.records, layout.pp, num_virtual)
+        _etp_reduce_scatter(self.records)
         return self.records
+
+
+def _optimizer(chunks: List[nn.Module], layout: ParallelLayout, rank_groups: RankGroups,
+               bucket_MiB: float, experts: bool):
+    """Train's optimizer for this rank's chunks (train/engine.py): ShardedAdamW over the dense
+    replicas (DP, x CP); for a mixture-of-experts model ExpertAdamW, the routed experts' own
+    ShardedAdamW over the EDP group averaging over the dense replicas' losses."""
+    from orchestrator.train.grads import ExpertAdamW, ShardedAdamW, is_expert_param
+
+    replicas = "dp_cp" if layout.cp > 1 else "dp"  # ranks holding the same weights
+    named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
+    routed = [p for n, p in named if experts and is_expert_param(n)]
+    dense = ShardedAdamW([p for n, p in named if not (experts and is_expert_param(n))],
+                         layout.zero, rank_groups.groups[replicas], layout.dp * layout.cp,
+                         layout.num_micro_batches, bucket_MiB=bucket_MiB)
+    if not routed:  # a dense model, or a stage of dense blocks only
+        return dense
+    return ExpertAdamW(dense, ShardedAdamW(routed, layout.zero, rank_groups.groups["edp"],
+                                           layout.edp, layout.num_micro_batches,
+                                           bucket_MiB=bucket_MiB,
+                                           mean_over=layout.dp * layout.cp))
+
+
+def _etp_reduce_scatter(records: List[dict]) -> None:
+    """Train sums the experts' partial outputs (and the gathered tokens' gradients) over ETP
+    with an all-reduce and keeps its own rows, the work of a reduce-scatter (models/moe.py);
+    Megatron issues the reduce-scatter. Record it as one: same input bytes, the recorder's
+    convention for both."""
+    for r in records:
+        if r["kind"] == "coll" and r.get("group") == "etp" and r["op"] == "all_reduce":
+            r["op"] = "reduce_scatter"
 
 
 def _set_partial_grads(partial_grads) -> None:
