@@ -140,6 +140,15 @@ class Microbatching(Choice):
     packed = "packed"  # variable-length samples packed into rows of train.seq_len tokens
 
 
+
+class MoePart(Choice):
+    """The parts of a mixture-of-experts FFN that profile_model times (models/moe.py)."""
+
+    routing = "routing"  # router GEMM, softmax, top-k, aux loss, permute and unpermute
+    experts = "experts"  # one routed expert's SwiGLU GEMMs (a loop over experts, per expert)
+    shared = "shared"  # the shared expert: a dense SwiGLU of shared_expert_ffn, TP-sharded
+    mlp = "mlp"  # the profiled dense block's SwiGLU of model.ffn, TP-sharded
+
 # profile_hardware's benchmarks, in run order (profiling/hardware/benchmarks.py runs them; the
 # config lists them without importing what measures them).
 BENCHMARK_NAMES = ("inventory", "allreduce", "p2p", "reduce_scatter", "all_gather", "all2all",

@@ -60,7 +60,7 @@ from orchestrator.planner.terms.cp_comm import CpComm, cp_group_intra_node, cp_k
 from orchestrator.planner.terms.memory import (ActivationBytes, comm_buffer_bytes,
                                                stage_activation_bytes)
 from orchestrator.planner.terms.moe import (MoeComm, MoeParams, activation_delta_bytes,
-                                            linear_scale)
+                                            linear_scale, moe_block_delta_us)
 from orchestrator.planner.terms.pipeline import (boundary_intra_node, boundary_us,
                                                  on_end_stages, p2p_message_bytes, stage_sends)
 from orchestrator.planner.terms.tp_comm import LOSS_VALUE_BYTES, TpComm, tp_message_bytes
@@ -312,12 +312,17 @@ class StageCosts:
         key = self.key
         cal = self.calibration
         compute = LayerCompute.from_model(model, seq_len, key.tp, key.micro_batch_size, key.cp)
-        if self.moe is not None:  # the matmuls of a MoE block on the busiest rank
-            scale = linear_scale(model, self.moe, self.imbalance) - 1.0
-            lin_fwd, lin_bwd = model.block_linear_us(seq_len, key.tp,
-                                                     key.micro_batch_size / key.cp)
-            compute = LayerCompute(FwdBwd(compute.block.fwd_us + scale * lin_fwd,
-                                          compute.block.bwd_us + scale * lin_bwd),
+        if self.moe is not None:  # a MoE block on the busiest rank
+            if model.moe_costs is not None:  # profile_model timed its parts beside the block
+                extra_fwd, extra_bwd = moe_block_delta_us(model.moe_costs, self.moe, key,
+                                                          seq_len, self.imbalance)
+            else:  # the profiled block's matmuls scaled to the MoE block's
+                scale = linear_scale(model, self.moe, self.imbalance) - 1.0
+                lin_fwd, lin_bwd = model.block_linear_us(seq_len, key.tp,
+                                                         key.micro_batch_size / key.cp)
+                extra_fwd, extra_bwd = scale * lin_fwd, scale * lin_bwd
+            compute = LayerCompute(FwdBwd(compute.block.fwd_us + extra_fwd,
+                                          compute.block.bwd_us + extra_bwd),
                                    compute.selective_recompute_us, compute.other)
         self.compute = compute.scaled(self.contention * cal.compute)
         loss_bytes = self.tokens * LOSS_VALUE_BYTES

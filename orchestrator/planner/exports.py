@@ -10,6 +10,7 @@ from typing import Any, Dict, List
 
 from orchestrator.errors import ConfigError
 from orchestrator.layout import ParallelLayout
+from orchestrator.models.config import ModelConfig, expert_width, is_moe
 
 
 class ExportError(ConfigError, ValueError):
@@ -46,6 +47,9 @@ def megatron_args(layout: ParallelLayout, strict: bool = True) -> List[str]:
     if layout.cp_comm == "a2a+p2p":  # the all-to-all inside, the ring across
         args += ["--hierarchical-context-parallel-sizes", str(layout.cp_a2a),
                  str(layout.cp // layout.cp_a2a)]
+    if layout.ep * layout.etp > 1:
+        args += ["--expert-model-parallel-size", str(layout.ep),
+                 "--expert-tensor-parallel-size", str(layout.etp)]
     if layout.sequence_parallel:
         args.append("--sequence-parallel")
     if layout.zero == 1:
@@ -71,6 +75,40 @@ def megatron_args(layout: ParallelLayout, strict: bool = True) -> List[str]:
                  "--recompute-num-layers", str(full_k // v)]
     elif "selective" in modes:
         args += ["--recompute-granularity", "selective"]
+    return args
+
+
+def moe_layer_freq(model: ModelConfig) -> str:
+    """Megatron's --moe-layer-freq list for `model`: "([0]*d+[1]*m)" with d dense blocks first
+    ("([1]*m)" without)."""
+    moe = model.layers - model.dense_layers
+    return f"([0]*{model.dense_layers}+[1]*{moe})" if model.dense_layers else f"([1]*{moe})"
+
+
+def megatron_moe_args(model: ModelConfig) -> List[str]:
+    """The mixture-of-experts arguments of `model` (empty for a dense one); the expert grid's
+    sizes are the layout's (megatron_args).
+
+    Names and meanings are Megatron-LM's (megatron/training/arguments.py, _add_moe_args).
+    models/moe.py's router is Megatron's default (top-k of the logits, softmax over the k: the
+    weights of a softmax over all renormalised over the k), so no --moe-router-pre-softmax; its
+    experts are a loop of GEMMs, so no --moe-grouped-gemm (a flag: off when absent)."""
+    if not is_moe(model):
+        return []
+    args = ["--num-experts", str(model.experts),
+            "--moe-router-topk", str(model.top_k),
+            "--moe-ffn-hidden-size", str(expert_width(model)),
+            "--moe-layer-freq", moe_layer_freq(model),
+            "--moe-token-dispatcher-type", "alltoall",
+            "--moe-router-load-balancing-type", "seq_aux_loss",
+            "--moe-aux-loss-coeff", f"{model.aux_loss_coef:g}"]
+    if model.shared_expert_ffn:
+        args += ["--moe-shared-expert-intermediate-size", str(model.shared_expert_ffn)]
+    if model.capacity_factor is not None:
+        # models/moe.py keeps each expert's first tokens (Megatron's "position" policy), and
+        # pads nothing (no --moe-pad-expert-input-to-capacity)
+        args += ["--moe-expert-capacity-factor", f"{model.capacity_factor:g}",
+                 "--moe-token-drop-policy", "position"]
     return args
 
 

@@ -371,6 +371,10 @@ class ModelCost:
         # the block's parameter bytes. planner/terms/moe.py prices a layout's MoE blocks from it.
         self.moe = moe
         self.profiled_block_has_experts = False
+        # profile_model's MoE parts (routing, one expert per tokens, shared expert, the dense
+        # MLP its block has), None for a dense profile or one written before them:
+        # profiling/model/moe_costs.MoeCosts
+        self.moe_costs = None
         # How many ranks computed at once when the times were taken (the contention term).
         self.concurrency = concurrency
         self.hidden = int(hidden)
@@ -399,10 +403,14 @@ class ModelCost:
                 for tp, f in profile.fits.items()}
         memory = {tp: (_part_memory(mem.block, m.seq_len), _part_memory(mem.other, m.seq_len))
                   for tp, mem in profile.memory.items()}
-        return cls(name=m.name, hidden=m.hidden, ffn=m.ffn, layers=m.layers, heads=m.heads,
+        from orchestrator.profiling.model.moe_costs import moe_costs
+
+        cost = cls(name=m.name, hidden=m.hidden, ffn=m.ffn, layers=m.layers, heads=m.heads,
                    kv_heads=m.kv_heads, vocab=m.vocab, seq_len=m.seq_len, dtype=m.dtype,
                    fits=fits, memory=memory,
                    concurrency=Concurrency.from_method(profile.method))
+        cost.moe_costs = moe_costs(profile)
+        return cost
 
     @classmethod
     def from_dict(cls, model_profile: Mapping[str, Any]) -> "ModelCost":
@@ -427,7 +435,9 @@ class ModelCost:
 
         twin = copy.copy(self)
         twin.moe = shape
-        twin.profiled_block_has_experts = profiled_block_has_experts(self, shape)
+        # a profile with MoE parts timed a dense block beside them (profile_model)
+        twin.profiled_block_has_experts = (self.moe_costs is None
+                                           and profiled_block_has_experts(self, shape))
         return twin
 
     def block_linear_us(self, seq_len: float, tp: int, batch=1.0) -> Tuple[float, float]:

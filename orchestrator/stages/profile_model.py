@@ -1,4 +1,6 @@
-"""profile_model: compute time and memory of one block and of the "other" parts, per (seq, tp).
+"""profile_model: compute time and memory of one block and of the "other" parts, per (seq, tp);
+for a mixture-of-experts model also its FFN's parts (routing, experts, shared expert), sub-part
+`moe`.
 
 Writes profiles/<cluster.name>/model/<model.name>.json (schema: docs/profile-schema.md), and next
 to it a PNG (time and activation memory against sequence length). Each (sequence length, TP
@@ -14,8 +16,9 @@ from __future__ import annotations
 import logging
 
 from orchestrator.choices import ModelSource, Ranks
-from orchestrator.models.config import ModelConfig
-from orchestrator.profiling.model.plan import ProfilePlan, parse_point, plan_profile, point_name
+from orchestrator.models.config import ModelConfig, is_moe
+from orchestrator.profiling.model.plan import (MOE_PART, ProfilePlan, parse_point, plan_profile,
+                                               point_name)
 from orchestrator.stages import Stage
 from orchestrator.store import model_profile_path, write_profile
 from orchestrator.store.schema import ModelProfile
@@ -23,9 +26,12 @@ from orchestrator.store.schema import ModelProfile
 log = logging.getLogger("orchestrator.profile_model")
 
 
+MOE_FIELDS = ("experts", "top_k", "expert_ffn", "shared_expert_ffn", "dense_layers")
+
+
 def _model_summary(model: ModelConfig) -> dict:
-    return {k: getattr(model, k) for k in
-            ("name", "hidden", "ffn", "layers", "heads", "kv_heads", "vocab", "seq_len", "dtype")}
+    keys = ("name", "hidden", "ffn", "layers", "heads", "kv_heads", "vocab", "seq_len", "dtype")
+    return {k: getattr(model, k) for k in keys + (MOE_FIELDS if is_moe(model) else ())}
 
 
 def _merge_point(profile: dict, point: dict) -> None:
@@ -48,6 +54,8 @@ def _drop_unplanned(profile: dict, plan) -> None:
     profile["points"] = [p for p in profile["points"] if keep(p)]
     profile["parts"] = {n: parts[n] for n in parts
                         if n in plan.subparts or parts[n].get("config_hash") == plan.config_hash}
+    if MOE_PART not in profile["parts"]:  # a MoE section this plan does not make or redo
+        profile.pop("moe", None)
 
 
 def _refresh_derived(profile: dict, model: ModelConfig, batch: int) -> None:
@@ -60,6 +68,7 @@ def _refresh_derived(profile: dict, model: ModelConfig, batch: int) -> None:
 
 def run_profile(ctx, run):
     from orchestrator.profiling.model import report as model_report
+    from orchestrator.profiling.model.moe import moe_section
     from orchestrator.profiling.model.runner import point_runner
 
     cfg = run.cfg
@@ -67,7 +76,7 @@ def run_profile(ctx, run):
     model = cfg.model
     batch = int(cfg.profile_model.micro_batch_size)
     (path,) = run.plan.outputs
-    todo = [parse_point(n) for n in run.todo]
+    todo = [parse_point(n) for n in run.todo if n != MOE_PART]
     tps = list(dict.fromkeys(tp for _, tp in todo))
     runner = point_runner(ctx, cfg, plan, tps)
     profile = None
@@ -77,7 +86,7 @@ def run_profile(ctx, run):
                                      points=[], fits={}, memory={})
         _drop_unplanned(profile, run.plan)
         profile["method"] = runner.timing.method(plan)
-    progress = _progress(ctx, plan, len(todo))
+    progress = _progress(ctx, plan, len(run.todo))
     try:
         for tp in tps:
             seqs = [s for s, t in todo if t == tp]
@@ -98,6 +107,19 @@ def run_profile(ctx, run):
                     if progress:
                         progress.console.print(model_report.point_line(record, batch))
                         progress.advance(progress.task)
+        if MOE_PART in run.todo:
+            if progress:
+                progress.update(progress.task, description=f"{MOE_PART} ({plan.source})")
+            with run.subpart(MOE_PART):
+                records = runner.moe()
+                if ctx.is_root:
+                    profile["moe"] = moe_section(model, records)
+                    run.mark_part(profile, MOE_PART)
+                    write_profile(path, ModelProfile.from_dict(profile))
+                    log.info("%s: %d cases", MOE_PART, len(records))
+            if progress:
+                progress.console.print(model_report.moe_line(profile.get("moe")))
+                progress.advance(progress.task)
     finally:
         if progress:
             progress.stop()
@@ -121,7 +143,8 @@ def _progress(ctx, plan: ProfilePlan, total: int):
     console = stage_console()
     console.print(f"profile_model: {plan.source} ({plan.reason}); seq {list(plan.seq_lens)}, "
                   f"tp {list(plan.tps)}" + (f", device sheet {plan.device}"
-                                            if plan.source == "analytic" else ""))
+                                            if plan.source == "analytic" else "")
+                  + (f"; MoE FFN parts: {len(plan.moe_cases)} cases" if plan.moe_cases else ""))
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, transient=True)
     progress.task = progress.add_task("points", total=total)
@@ -139,7 +162,7 @@ class ProfileModel(Stage):
         return self.make_plan(
             cfg, key=f"profile_model/{cfg.model.name}",
             ranks=Ranks.one if profile.source == ModelSource.analytic else Ranks.cluster,
-            subparts=[point_name(s, t) for s, t in profile.points()],
+            subparts=profile.subparts(),
             outputs=[model_profile_path(cfg.profiles_dir, cfg.cluster.name, cfg.model.name)],
             detail=profile)
 

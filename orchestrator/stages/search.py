@@ -158,25 +158,29 @@ def moe_note(cfg, space) -> List[str]:
             f"exposed, not overlapped with compute; every block priced as a MoE block"]
 
 
-def _exporters(out: Path):
+def _exporters(out: Path, model):
     """(name, build(layout, strict), write(path, exported), path) of each trainer's export."""
     from orchestrator.planner import galvatron_strategy, megatron_args
+    from orchestrator.planner.exports import megatron_moe_args
 
     def write_args(path, args):
         atomic_write(path, lambda f: f.write(" ".join(args) + "\n"))
 
-    return (("megatron", megatron_args, write_args, out.with_suffix(".megatron.args")),
+    def megatron(layout, strict):
+        return megatron_args(layout, strict) + megatron_moe_args(model)
+
+    return (("megatron", megatron, write_args, out.with_suffix(".megatron.args")),
             ("galvatron", galvatron_strategy, write_json, out.with_suffix(".galvatron.json")))
 
 
-def _export(strategy: StrategyProfile, out: Path) -> None:
+def _export(strategy: StrategyProfile, out: Path, model) -> None:
     """Write each export next to the strategy and record it in `strategy.exports`: its
     approximations (warnings of strict=False), or its error when it cannot be written at all.
     A failed export never costs the strategy."""
     from orchestrator.planner.exports import ExportError
 
     exports = strategy.exports
-    for name, build, write, path in _exporters(out):
+    for name, build, write, path in _exporters(out, model):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
@@ -245,7 +249,7 @@ def run_search(ctx, run):
     write_profile(out, strategy)  # first: an export that fails must not cost the answer
     write_json(out.with_suffix(".layout.json"),
                {"model": cfg.model.name, "seq_len": space.seq_len, "layout": trained.to_dict()})
-    _export(strategy, out)
+    _export(strategy, out, cfg.model)
     write_profile(out, strategy)
     _report(result, strategy, cfg)
     if notes[len(read.notes):]:  # the calibration used, the pick trained

@@ -334,7 +334,7 @@ def planner_profiles(cfg):
     mp_path = model_profile_path(cfg.profiles_dir, cfg.cluster.name, cfg.model.name)
     hw = read_profile(hw_path, HardwareProfile, rerun_command("profile_hardware"))
     mp = read_profile(mp_path, ModelProfile, rerun_command("profile_model"))
-    return ModelCost.from_profile(mp), HardwareModel.from_profile(hw)
+    return ModelCost.from_profile(mp).with_moe(cfg.model), HardwareModel.from_profile(hw)
 
 
 def check_length_mean(train, seq_len: int) -> None:

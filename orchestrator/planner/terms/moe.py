@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from orchestrator.planner.profiles import HardwareModel, ModelCost
 from orchestrator.planner.terms import FwdBwd
-from orchestrator.workload.moe import (MoeShape, dense_ffn_params_per_rank,
+from orchestrator.workload.moe import (MoeShape, capacity, dense_ffn_params_per_rank,
                                        dense_mlp_activation_bytes, dispatch_bytes,
                                        expert_params_per_rank, moe_activation_bytes,
                                        moe_dense_params_per_rank, moe_matmul_params_per_token,
@@ -83,6 +83,22 @@ def linear_scale(model: ModelCost, shape: MoeShape, imbalance: float) -> float:
     attention = attention_matmul_params(model)
     return ((attention + moe_matmul_params_per_token(shape, imbalance))
             / (attention + block0_ffn_matmul_params(model, shape)))
+
+
+def moe_block_delta_us(costs, shape: MoeShape, key, seq_len: int, imbalance: float):
+    """(forward, backward) us a MoE block takes on the busiest rank beyond the profiled dense
+    block, from profile_model's MoE parts (profiling/model/moe_costs.MoeCosts): routing of the
+    rank's T tokens, its experts / ep experts each on the token copies its EP (and ETP) group
+    sends it, T x top_k x ep x etp / experts x imbalance, the shared expert, less the dense
+    block's MLP (both on the TP-gathered tokens)."""
+    tokens = tokens_per_rank(seq_len, key.micro_batch_size, key.tp, key.cp)
+    gathered = tokens * key.tp
+    if shape.capacity_factor is not None:  # padded to capacity (workload/moe.py's rule)
+        per_expert = capacity(tokens, shape) * key.ep * key.etp
+    else:
+        per_expert = tokens * shape.top_k * key.ep * key.etp / shape.experts * imbalance
+    return costs.moe_block_delta_us(tokens, gathered, per_expert, shape.experts // key.ep,
+                                    key.tp, key.etp)
 
 
 def block0_params_per_rank(model: ModelCost, shape: MoeShape, tp: int) -> float:

@@ -180,3 +180,24 @@ def fit_activation_bytes(seq_lens: Sequence[float], act_bytes: Sequence[float]) 
     coeffs = np.polynomial.polynomial.polyfit(s / scale, b, degree)
     out = [float(c / scale ** i) for i, c in enumerate(coeffs)]
     return out + [0.0] * (3 - len(out))
+
+
+def fit_tokens(tokens: Sequence[float], values: Sequence[float]) -> Tuple[List[float],
+                                                                         List[float]]:
+    """A MoE part's time against the tokens it processes, c0 + c1 x (us): the launch and
+    weight-read cost, and the cost per token. Non-negative, relative error (as the block's
+    fits). Returns ([c0, c1], relative residuals per point)."""
+    coeffs, resid = fit_poly_nonneg(tokens, values, 1)
+    return coeffs + [0.0] * (2 - len(coeffs)), resid
+
+
+def fit_token_bytes(tokens: Sequence[float], act_bytes: Sequence[float]) -> List[float]:
+    """Activation bytes against tokens, [c0, c1] (least squares: saved tensors are exactly
+    linear in the tokens of a MoE part); one token count: proportional."""
+    x = np.asarray(tokens, dtype=np.float64)
+    b = np.asarray(act_bytes, dtype=np.float64)
+    if len(np.unique(x)) < 2:
+        return [0.0, float(b[0] / x[0])]
+    scale = float(x.max())
+    c0, c1 = np.polynomial.polynomial.polyfit(x / scale, b, 1)
+    return [round(float(c0), 6), round(float(c1 / scale), 6)]  # exact bytes, less round-off

@@ -1,7 +1,8 @@
 """What profile_model runs: the source (measured or analytic), sequence lengths, TP degrees and
 device sheet, validated against the model and the cluster before anything is launched.
 
-A point is one (sequence length, TP degree), named `seq<S>_tp<T>` (a ledger sub-part).
+A point is one (sequence length, TP degree), named `seq<S>_tp<T>` (a ledger sub-part); a
+mixture-of-experts model adds the sub-part `moe` (its FFN's parts, profiling/model/moe.py).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from orchestrator.config import cluster_world_size
 from orchestrator.errors import ConfigError
 from orchestrator.models.config import ModelConfig, validate_model
 from orchestrator.profiling.model import analytic
+from orchestrator.profiling.model.moe import MoeCase, dense_twin, moe_cases
 
 SEQ_ROUND = 32  # default sweep lengths are multiples of this (sequence parallelism splits them)
 ANALYTIC_MAX_TP = 8  # default largest TP degree when nothing runs: one node of 8 GPUs
@@ -28,10 +30,20 @@ class ProfilePlan:
     seq_lens: Tuple[int, ...]
     tps: Tuple[int, ...]
     device: str  # device sheet name (conf/device/<device>.yaml)
+    # A mixture-of-experts model's FFN parts (sub-part MOE_PART, profiling/model/moe.py); () dense.
+    moe_cases: Tuple[MoeCase, ...] = ()
 
     def points(self) -> List[Tuple[int, int]]:
         """(seq_len, tp) in run order: TP degree outermost (one set of groups at a time)."""
         return [(s, t) for t in self.tps for s in self.seq_lens]
+
+    def subparts(self) -> List[str]:
+        """The ledger sub-parts: a point_name per point, then MOE_PART for a MoE model."""
+        return [point_name(s, t) for s, t in self.points()] + ([MOE_PART] if self.moe_cases
+                                                               else [])
+
+
+MOE_PART = "moe"  # the sub-part timing a MoE model's FFN parts
 
 
 def point_name(seq_len: int, tp: int) -> str:
@@ -117,7 +129,7 @@ def plan_profile(cfg) -> ProfilePlan:
     sheet = analytic.load_device_sheet(device)
     analytic.peak_flops(sheet, model.dtype)  # the sheet must know the model's dtype
     source, reason = analytic.choose_source(
-        pm.source, model, max(seqs), int(pm.micro_batch_size), _is_gpu(cfg),
+        pm.source, dense_twin(model), max(seqs), int(pm.micro_batch_size), _is_gpu(cfg),
         float(cfg.cluster.device_mem_GiB), int(cfg.cluster.tasks_per_node),
         gpu_reachable=_gpu_reachable(cfg))
     if source == "measured" and _is_gpu(cfg) and not _gpu_reachable(cfg):
@@ -132,7 +144,8 @@ def plan_profile(cfg) -> ProfilePlan:
         tps = [tp for tp in _powers_of_two(cap)
                if (source == "analytic" or world % tp == 0) and _fits_tp(model, seqs, tp)]
     return ProfilePlan(source=source, reason=reason, seq_lens=tuple(seqs), tps=tuple(tps),
-                       device=device)
+                       device=device,
+                       moe_cases=tuple(moe_cases(model, seqs, tps, int(pm.micro_batch_size))))
 
 
 def _requested_tps(model: ModelConfig, seqs: List[int], max_tp: int, source: str,

@@ -139,6 +139,45 @@ def memory_table(profile: Mapping) -> Table:
     return table
 
 
+def moe_line(section: Optional[Mapping]) -> str:
+    """One line for a MoE section: expert and routing cost per token (the fits' slopes) and
+    their constant terms; "" without one."""
+    if not section:
+        return ""
+    routing, experts = section["routing"], section["experts"]
+    etp = min(experts, key=int)
+    e = experts[etp]
+    return (f"  moe ({section['source']}): routing {routing['fwd_us'][0]:.0f} + "
+            f"{routing['fwd_us'][1]:.3g} us/token fwd, {routing['bwd_us'][0]:.0f} + "
+            f"{routing['bwd_us'][1]:.3g} bwd; one expert (etp {etp}) {e['fwd_us'][0]:.0f} + "
+            f"{e['fwd_us'][1]:.3g} us/token fwd, {e['bwd_us'][0]:.0f} + "
+            f"{e['bwd_us'][1]:.3g} bwd ({section['kernel']} of expert GEMMs)")
+
+
+def moe_table(profile: Mapping) -> Table:
+    """Per MoE part and split: time fits c0 + c1 x (us, x its tokens), activation bytes per
+    token and the fit's worst error."""
+    moe = profile["moe"]
+    table = Table(title=f"MoE FFN parts: time c0 + c1 x (us), x = tokens in (experts: per "
+                        f"expert, a {moe['kernel']} of {moe['experts_timed']} timed)",
+                  title_justify="left")
+    for col in ("part", "split", "fwd c0", "fwd c1", "bwd c0", "bwd c1", "act B/token",
+                "tokens", "max rel err", "source"):
+        table.add_column(col, justify="left" if col in ("part", "source") else "right")
+    rows = [("routing", "1", moe["routing"])]
+    for part, label in (("experts", "etp"), ("shared", "tp"), ("mlp", "tp")):
+        for split, fit in sorted((moe.get(part) or {}).items(), key=lambda kv: int(kv[0])):
+            rows.append((part, f"{label} {split}", fit))
+    for part, split, f in rows:
+        err = f.get("max_rel_err") or 0.0
+        table.add_row(part, split, f"{f['fwd_us'][0]:.3g}", f"{f['fwd_us'][1]:.3g}",
+                      f"{f['bwd_us'][0]:.3g}", f"{f['bwd_us'][1]:.3g}",
+                      f"{f['act_bytes'][-1]:.0f}", f"{min(f['tokens'])}..{max(f['tokens'])}",
+                      f"[red]{err:.1%}[/]" if err > FIT_WARN_REL_ERR else f"{err:.1%}",
+                      _source_tag(f.get("source", "measured")))
+    return table
+
+
 def print_report(profile: Mapping, console: Optional[Console] = None) -> None:
     """Print the points, the fits and the memory tables."""
     import sys
@@ -152,6 +191,8 @@ def print_report(profile: Mapping, console: Optional[Console] = None) -> None:
             console.print(f"[red]warning[/]: {line}")
     if profile.get("memory"):
         console.print(memory_table(profile))
+    if profile.get("moe"):
+        console.print(moe_table(profile))
     if profile.get("source") == "analytic":
         sheet = profile.get("method", {}).get("device_sheet", {})
         console.print(f"[yellow]analytic[/]: times from FLOPs on device sheet "

@@ -7,6 +7,8 @@ under FakeTensorMode, divided by tp), and asks its timing strategy for the times
   on 4 ranks: {0,1} and {2,3}, all timed at once); tp=1 runs on every rank alone.
 - AnalyticTiming: in this process, shapes only: the model on a fake process group of tp ranks
   under FakeTensorMode, time = FLOPs / (device sheet peak x efficiency).
+A mixture-of-experts model's FFN parts (routing, experts, shared expert, the dense MLP) are
+timed by the same strategies apart from the points (`PointRunner.moe`, profiling/model/moe.py).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Dict, Optional
 
 from orchestrator.profiling.model import analytic as an
 from orchestrator.profiling.model import memory as mem
+from orchestrator.profiling.model import moe
 from orchestrator.profiling.model.plan import ProfilePlan
 from orchestrator.profiling.model.timing import (build_point_model, combine_ranks,
                                                  fastest_and_median, local_numel, memory_point,
@@ -69,6 +72,15 @@ class MeasuredTiming:
             return None
         return {**combine_ranks(per_rank, tp), "iters": self.iters,
                 "groups": len(per_rank) // tp}
+
+    def moe_records(self, model, cases) -> Optional[list]:
+        """Every rank times the MoE cases alone (all at once, as the points); rank 0 gets the
+        records (the ranks' median)."""
+        per_rank = self.ctx.gather(moe.measure_cases(model, cases, self.device,
+                                                     self.warmup_iters, self.iters))
+        if not self.ctx.is_root:
+            return None
+        return moe.combine_case_ranks(model, cases, per_rank, self.iters)
 
     def concurrency(self) -> dict:
         """How busy the host was while the times were taken (the cost model's contention term,
@@ -137,6 +149,10 @@ class AnalyticTiming:
             times["other_optim_us"] = local_numel(pm.other_params()) * us_per_element
         return times
 
+    def moe_records(self, model, cases) -> list:
+        """The MoE cases' records from their counts on meta tensors and the device sheet."""
+        return [moe.analytic_case(model, case, self.sheet) for case in cases]
+
     def method(self, plan: ProfilePlan) -> dict:
         """The profile's "method": how times and memory were obtained."""
         return {"source": "analytic", "why": plan.reason, "device_sheet": self.sheet,
@@ -200,6 +216,12 @@ class PointRunner:
         record.update(mem.megatron_comparison(seq, tp, record["block_act_bytes"], self.model,
                                               self.batch))
         return record
+
+
+    def moe(self) -> Optional[list]:
+        """The records of the plan's MoE cases (schema MoePoint); None off rank 0 of a
+        measured job."""
+        return self.timing.moe_records(self.model, self.plan.moe_cases)
 
 
 def point_runner(ctx, cfg, plan: ProfilePlan, tps) -> PointRunner:

@@ -80,12 +80,15 @@ class PointModel:
 
 def build_point_model(model_cfg: ModelConfig, max_seq_len: int, tp: int, tp_mesh, device,
                       batch: int = 1) -> PointModel:
-    """A one-layer GPT of `model_cfg`'s shape serving lengths up to `max_seq_len` on `device`,
-    sharded over `tp_mesh` (a 1-D DeviceMesh of tp ranks; None when tp == 1)."""
+    """A one-layer GPT of `model_cfg`'s shape (a MoE model's dense block) serving lengths up to
+    `max_seq_len` on `device`, sharded over `tp_mesh` (a 1-D DeviceMesh of tp ranks; None when
+    tp == 1)."""
     from orchestrator.models.gpt import GPT
     from orchestrator.models.parallelize import apply_tensor_parallel
 
-    cfg = replace(model_cfg, layers=1, seq_len=max_seq_len)
+    from orchestrator.profiling.model.moe import dense_twin
+
+    cfg = replace(dense_twin(model_cfg), layers=1, seq_len=max_seq_len)  # a MoE model's dense block
     # Built (and initialised from CPU generators) on the CPU, then moved: one layer is small.
     model = GPT(cfg)
     if torch.device(device).type != "cpu":

@@ -12,7 +12,7 @@ from orchestrator.store.schema.hardware import (AlphaBetaFit, BenchPoint, Benchm
 from orchestrator.store.schema.header import (SCHEMA_VERSION, ImportRecord, PartMade, Profile,
                                               Provenance)
 from orchestrator.store.schema.model import (MemoryPart, ModelPoint, ModelProfile, ModelSummary,
-                                             TpFits, TpMemory)
+                                             MoePoint, MoeSection, TokenFit, TpFits, TpMemory)
 from orchestrator.store.schema.record import FieldError, Record
 from orchestrator.store.schema.strategy import (Alternative, Exports, PredictionRecord,
                                                 SpaceSummary, StrategyInput, StrategyProfile)
@@ -21,7 +21,8 @@ __all__ = ["AlphaBetaFit", "Alternative", "BenchPoint", "Benchmark", "Calibratio
            "ClusterSummary", "Exports",
            "FieldError", "HardwareBenchmarks", "HardwareProfile", "ImportRecord", "Inventory",
            "InventoryRank",
-           "LinkLayout", "MemoryPart", "ModelPoint", "ModelProfile", "ModelSummary", "Op",
+           "LinkLayout", "MemoryPart", "ModelPoint", "ModelProfile", "ModelSummary", "MoePoint",
+           "MoeSection", "Op",
            "Overlap", "PartMade", "PredictionRecord", "Profile", "Provenance",
            "Recompute", "Record", "SCHEMA_VERSION", "Source", "SpaceSummary",
-           "StrategyInput", "StrategyProfile", "TpFits", "TpMemory", "TunedCandidate"]
+           "StrategyInput", "StrategyProfile", "TokenFit", "TpFits", "TpMemory", "TunedCandidate"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from orchestrator.choices import Dtype, Recompute, Source
+from orchestrator.choices import Dtype, MoePart, Recompute, Source
 from orchestrator.store.schema.header import PartMade, Profile
 from orchestrator.store.schema.record import FieldError, Record, doc
 
@@ -20,6 +20,12 @@ class ModelSummary(Record):
     vocab: int = doc("vocabulary size")
     seq_len: int = doc("the model's sequence length", default=0)
     dtype: Dtype = doc("parameter and activation dtype", default=Dtype.bf16)
+    experts: Optional[int] = doc("routed experts per MoE block (MoE models only)", default=None)
+    top_k: Optional[int] = doc("experts each token is routed to (MoE)", default=None)
+    expert_ffn: Optional[int] = doc("one routed expert's width (MoE)", default=None)
+    shared_expert_ffn: Optional[int] = doc("the shared expert's width, 0: none (MoE)",
+                                           default=None)
+    dense_layers: Optional[int] = doc("leading blocks with a dense FFN (MoE)", default=None)
 
     def __post_init__(self) -> None:
         if self.kv_heads is None:
@@ -95,6 +101,69 @@ class TpMemory(Record):
 
 
 @dataclass(kw_only=True)
+class TokenFit(Record):
+    """One MoE part against the tokens x it processes on one rank: time c0 + c1 x (us) and the
+    bytes autograd keeps for its backward, c0 + c1 x (no and selective recompute; full
+    recompute keeps only the block's input)."""
+
+    fwd_us: Tuple[float, ...] = doc("[c0, c1]: forward")
+    bwd_us: Tuple[float, ...] = doc("[c0, c1]: backward")
+    act_bytes: Tuple[float, ...] = doc("[c0, c1]: activations kept for backward")
+    tokens: List[int] = doc("the token counts profiled")
+    max_rel_err: Optional[float] = doc("largest relative residual of the two time fits",
+                                       default=None)
+    source: Optional[Source] = doc("measured or analytic", default=None)
+    extras: Dict[str, Any] = doc("rel_residuals", default_factory=dict)
+
+    def check(self, path: str) -> None:
+        for name in ("fwd_us", "bwd_us", "act_bytes"):
+            n = len(getattr(self, name))
+            if not 1 <= n <= 2:
+                raise FieldError(f"{path}.{name}", f"expected 1 to 2 coefficients, got {n}")
+
+
+@dataclass(kw_only=True)
+class MoePoint(Record):
+    """One timed MoE part at one token count (per micro-batch, one rank, us)."""
+
+    part: MoePart = doc("routing, experts (per expert), shared, mlp")
+    tokens: int = doc("tokens in: the rank's tokens (routing), one expert's tokens (experts), "
+                      "the gathered sequence's tokens (shared, mlp)")
+    split: int = doc("the width's split: etp (experts), tp (shared, mlp), 1 (routing)")
+    fwd_us: float = doc("forward")
+    bwd_us: float = doc("backward")
+    act_bytes: float = doc("bytes kept for backward")
+    source: Source = doc("measured, or FLOPs (and bytes) over a device sheet (analytic)")
+    extras: Dict[str, Any] = doc("*_fastest_us, flops, iters, groups", default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class MoeSection(Record):
+    """A mixture-of-experts model's FFN parts (profiling/model/moe.py). The points' block is a
+    dense block (attention + a SwiGLU of model.ffn); a MoE block costs that block - mlp +
+    routing + its local experts x experts + shared (profiling/model/moe_costs.py)."""
+
+    kernel: str = doc('how the experts compute: "loop" (one SwiGLU per expert, its GEMMs on '
+                      'its own tokens; no grouped GEMM)')
+    block: str = doc('what the points\' block is: "dense" (attention + SwiGLU of model.ffn)')
+    experts_timed: int = doc("experts in each timed loop; expert times are per expert")
+    routing: TokenFit = doc("router GEMM, softmax, top-k, aux loss, permute, unpermute, in the "
+                            "rank's tokens (its sequence shard under TP)")
+    experts: Dict[int, TokenFit] = doc("per etp: one expert's SwiGLU at width expert_ffn / "
+                                       "etp, in the tokens that expert gets")
+    shared: Optional[Dict[int, TokenFit]] = doc("per tp: the shared expert (width "
+                                                "shared_expert_ffn / tp) in the gathered "
+                                                "sequence's tokens; absent without one",
+                                                default=None)
+    mlp: Dict[int, TokenFit] = doc("per tp: the profiled block's SwiGLU (width ffn / tp) in "
+                                   "the gathered sequence's tokens (the block less it is "
+                                   "attention and norms)")
+    points: List[MoePoint] = doc("what was timed", default_factory=list)
+    source: Optional[Source] = doc("measured or analytic", default=None)
+    extras: Dict[str, Any] = doc("anything else a producer adds", default_factory=dict)
+
+
+@dataclass(kw_only=True)
 class ModelProfile(Profile):
     """profiles/<cluster.name>/model/<model.name>.json (written by profile_model)."""
 
@@ -107,9 +176,11 @@ class ModelProfile(Profile):
     fits: Dict[int, TpFits] = doc('fits per tp (keys are strings in JSON: "1", "2", ...)')
     memory: Dict[int, TpMemory] = doc("memory per tp")
     parts: Optional[Dict[str, PartMade]] = doc(
-        "per point (seq<S>_tp<T>): the settings it was made under",
+        "per point (seq<S>_tp<T>) and MoE parts (moe): the settings it was made under",
                                      default=None)
     micro_batch_size: Optional[int] = doc("sequences per timed micro-batch", default=None)
     method: Optional[Dict[str, Any]] = doc("source and why, device sheet, timing and memory "
                                            "method (prose)", default=None)
+    moe: Optional[MoeSection] = doc("mixture-of-experts models: the MoE FFN's parts",
+                                    default=None)
     extras: Dict[str, Any] = doc("anything else a producer adds", default_factory=dict)
