@@ -6,11 +6,11 @@
 
 Profiles are the project's analytic ones, written once by the CLI into a temporary folder:
 `cluster=dgx_h100` hardware (published H100 / NDR figures) for the case's node count, and each
-model's dense twin (`model.experts=0`: the same attention and embedding, a dense FFN of width
-model.ffn) on the H100 sheet; the planner prices the MoE blocks from that block
-(planner/terms/moe.py: the matmul time per parameter and token carried over to the router and
-the top_k experts on the busiest rank, the dispatcher's all-to-alls from the all2all fits
-inside a node and the NICs across nodes). Global batch 1024 sequences of 4096 tokens (4M
+model's profile on the H100 sheet (a dense block and the MoE parts: routing, one expert per
+tokens, the shared expert; profile_model); the planner prices a MoE block as the dense block
+less its MLP plus routing, the busiest rank's experts and the shared expert
+(planner/terms/moe.py), the dispatcher's all-to-alls from the all2all fits inside a node and
+the NICs across nodes. Global batch 1024 sequences of 4096 tokens (4M
 tokens; 4096 sequences, 16M tokens, on 8192 GPUs), 80 GiB per GPU with the default reserve (10% + 1 GiB), search.moe_imbalance's default
 (by aux_loss_coef: Mixtral 1.1, Qwen3 1.2, DeepSeek-V3 1.3), engine Megatron-LM (what the
 export runs; DualPipe and the dispatcher's overlap with compute are not modelled) and, for
@@ -76,9 +76,10 @@ def hardware(world: int, folder: str) -> HardwareModel:
 
 
 def model_cost(name: str, folder: str):
-    """(ModelCost with the experts attached, ModelConfig) from the dense twin's profile."""
+    """(ModelCost with the experts attached, ModelConfig) from the model's analytic profile: a
+    dense block and the MoE parts (routing, one expert per tokens, shared expert)."""
     cli("stage=profile_model", "profile_model.source=analytic", "profile_model.plot=false",
-        "cluster=dgx_h100", f"model={name}", "model.experts=0", f"profiles_dir={folder}")
+        "cluster=dgx_h100", f"model={name}", f"profiles_dir={folder}")
     path = Path(folder) / "dgx_h100" / "model" / f"{name}.json"
     cfg = ModelConfig(**yaml.safe_load(
         (REPO / "orchestrator" / "conf" / "model" / f"{name}.yaml").read_text()))

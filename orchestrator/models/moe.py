@@ -53,7 +53,9 @@ class Experts(nn.Module):
     def forward(self, tokens: torch.Tensor, counts: list) -> torch.Tensor:
         """tokens (sum(counts), hidden) grouped by local expert, counts[e] of expert e -> the
         experts' outputs in the same order (partial sums over the width with etp)."""
-        w_gate, w_up, w_down = self.local_weights()
+        # unbind, not w[e]: the backward of w[e] is a zero tensor of the whole stack per expert,
+        # unbind's one stack of every expert's gradient
+        w_gate, w_up, w_down = (w.unbind(0) for w in self.local_weights())
         outs = []
         for e, chunk in enumerate(tokens.split(counts)):
             outs.append((F.silu(chunk @ w_gate[e]) * (chunk @ w_up[e])) @ w_down[e])

@@ -317,7 +317,19 @@ def _dcp_call(call: Callable, state: dict, path: Path, what: str) -> None:
     except CheckpointException as e:
         causes = "; ".join(f"rank {rank}: {type(exc).__name__}: {_first_sentence(exc)}"
                            for rank, (exc, _trace) in sorted(e.failures.items()))
-        raise CheckpointError(f"checkpoint {path}: DCP {what} failed ({causes})") from None
+        raise CheckpointError(f"checkpoint {path}: DCP {what} failed ({causes})"
+                              f"{_free_space(path) if what == 'save' else ''}") from None
+
+
+def _free_space(path: Path) -> str:
+    """'; <n> GiB free on its disk' (torch's writer reports a full disk as an enforce failure
+    of its zip container, naming no cause)."""
+    import shutil
+
+    for folder in (path, *path.parents):
+        if folder.exists():
+            return f"; {shutil.disk_usage(folder).free / 2**30:.1f} GiB free on its disk"
+    return ""
 
 
 def _first_sentence(error: BaseException, max_chars: int = 100) -> str:
