@@ -43,6 +43,7 @@ LAYOUTS = [
     (1, 2, {"ep": 2, "etp": 2, "zero": 1}),
     (2, 1, {"ep": 2, "recompute": "full"}),
     (2, 2, {"ep": 2}),
+    (4, 1, {}),  # stage 0 holds the dense block only: no experts there
     (2, 1, {"ep": 2, "schedule": "interleaved", "virtual_stages": 2}),
     # context parallelism: a sequence's tokens over cp (x tp) ranks, EP folded over them
     (1, 1, {"cp": 2, "ep": 2}),

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 FACTORS = ("compute", "recompute", "tp_latency", "tp_bandwidth", "p2p", "dp_sync",
-           "optimizer")
+           "optimizer", "ep_comm")
 FACTOR_BOUNDS = (0.1, 10.0)  # a factor outside is a model that is wrong, not a cluster's trait
 PRIOR_WEIGHT = 0.15  # weight of log(factor) among the residuals: a factor no run pins stays 1
 MIN_RUNS = 2  # fewer successful runs fit nothing
@@ -99,6 +99,7 @@ class Calibration:
     p2p: float = 1.0
     dp_sync: float = 1.0
     optimizer: float = 1.0
+    ep_comm: float = 1.0  # the MoE token dispatcher's all-to-alls and ETP collectives
     runs: int = 0
 
     @property

@@ -357,7 +357,7 @@ class StageCosts:
             # the dispatcher, exposed; the experts' ZeRO traffic over edp beside the dense's
             self.moe_comm = MoeComm.from_hardware(
                 self.hardware, self.moe, seq_len, key.micro_batch_size, key.tp, key.cp, key.ep,
-                key.etp, model.dtype_bytes, self.imbalance)
+                key.etp, model.dtype_bytes, self.imbalance).scaled(self.calibration.ep_comm)
             window = window + self.moe_comm.layer
             traffic = _joint_traffic(traffic, ZeroTraffic.from_hardware(
                 self.hardware, key.zero, key.edp, key.ep * key.etp, self.expert_param_bytes,

@@ -32,6 +32,7 @@ from orchestrator.store import (calibration_path, cluster_dir, file_sha256, hard
                                 write_profile)
 
 FAMILIES = ("pure dp", "tp-heavy", "pp-heavy")
+MOE_FAMILIES = ("no ep", "ep-heavy")  # a mixture-of-experts model's controls besides
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,9 @@ def _divisors_desc(n: int, bound: int) -> List[int]:
 def choose_candidates(cfg, model_cost, hardware) -> Tuple[List[Candidate], int, List[str]]:
     """The `tune.top_k` best distinct layouts of the search (the cost model as profiled), then
     (tune.controls) the best pure-dp layout (pp = tp = 1), the best with the largest tp and the
-    best with the largest pp that fit, each once; (candidates, seq_len, notes)."""
+    best with the largest pp that fit, and for a mixture-of-experts model the best without
+    expert parallelism and the best with the largest ep, each once; (candidates, seq_len,
+    notes)."""
     from orchestrator.planner import search
     from orchestrator.planner.calibration import Calibration
     from orchestrator.planner.search import InfeasibleError as PlannerInfeasible
@@ -81,16 +84,23 @@ def choose_candidates(cfg, model_cost, hardware) -> Tuple[List[Candidate], int, 
     if not t.controls:
         return out, space.seq_len, notes
     world = space.world_size
-    fixed = {"pure dp": [(1, 1)],
-             "tp-heavy": [(None, tp) for tp in _divisors_desc(world, space.max_tp) if tp > 1],
-             "pp-heavy": [(pp, None) for pp in _divisors_desc(world, min(space.max_pp,
-                                                                        model_cost.layers))
+    fixed = {"pure dp": [(1, 1, None)],
+             "tp-heavy": [(None, tp, None) for tp in _divisors_desc(world, space.max_tp)
+                          if tp > 1],
+             "pp-heavy": [(pp, None, None) for pp in _divisors_desc(world, min(space.max_pp,
+                                                                              model_cost.layers))
                           if pp > 1]}
-    for family in FAMILIES:
-        for pp, tp in fixed[family]:
+    families = FAMILIES
+    if model_cost.moe is not None:  # the dispatcher's price (ep_comm) needs runs with and without
+        families += MOE_FAMILIES
+        fixed["no ep"] = [(None, None, 1)]
+        fixed["ep-heavy"] = [(None, None, ep) for ep in _divisors_desc(world, space.max_ep)
+                             if ep > 1]
+    for family in families:
+        for pp, tp, ep in fixed[family]:
             try:
                 best = search(model_cost, hardware,
-                              dataclasses.replace(space, pp=pp, tp=tp, top_k=1))
+                              dataclasses.replace(space, pp=pp, tp=tp, ep=ep, top_k=1))
             except (PlannerInfeasible, LayoutError, ValueError):
                 continue  # e.g. tp not dividing the heads, or out of memory: the next degree
             add(family, best.best, best.prediction.iteration_time_us)
@@ -106,7 +116,7 @@ def _candidate_config(cfg, layout_file: Path):
     c = copy.deepcopy(cfg)
     c.stage.name = "train"
     t = c.train
-    for name in ("pp", "tp", "cp", "cp_comm", "cp_a2a", "zero", "sequence_parallel",
+    for name in ("pp", "tp", "cp", "cp_comm", "cp_a2a", "ep", "etp", "zero", "sequence_parallel",
                  "micro_batch_size", "num_micro_batches", "global_batch_size", "schedule",
                  "virtual_stages", "recompute", "layers_per_stage", "seq_len"):
         setattr(t, name, None)

@@ -149,10 +149,12 @@ class Engine:
             dense = ShardedAdamW([p for n, p in named if not is_expert_param(n)], layout.zero,
                                  self.replicas_mesh.get_group(), layout.dp * layout.cp,
                                  layout.num_micro_batches, **kwargs)
-            experts = ShardedAdamW([p for n, p in named if is_expert_param(n)], layout.zero,
-                                   self.expert_mesh["edp"].get_group(), layout.edp,
-                                   layout.num_micro_batches, mean_over=layout.dp * layout.cp,
-                                   **kwargs)
+            expert_params = [p for n, p in named if is_expert_param(n)]
+            experts = (ShardedAdamW(expert_params, layout.zero,
+                                    self.expert_mesh["edp"].get_group(), layout.edp,
+                                    layout.num_micro_batches, mean_over=layout.dp * layout.cp,
+                                    **kwargs)
+                       if expert_params else None)  # a stage of dense blocks only
             self.optim = ExpertAdamW(dense, experts)
         elif layout.zero == 3:
             rescale = {}

@@ -417,8 +417,9 @@ class ExpertAdamW:
     ranks holding the same experts); both average over the dense replicas' losses. One global
     norm (one all-reduce) and one clipping factor for both."""
 
-    def __init__(self, dense: ShardedAdamW, experts: ShardedAdamW):
-        self.parts = (dense, experts)
+    def __init__(self, dense: ShardedAdamW, experts: Optional[ShardedAdamW]):
+        # experts None: this rank's stage holds dense blocks only (the first dense_layers)
+        self.parts = (dense,) if experts is None else (dense, experts)
         for part in self.parts:
             part.local_norm = False
 
@@ -431,7 +432,7 @@ class ExpertAdamW:
             part.finish_backward()
 
     def grad_norm(self) -> float:
-        sumsq = self.parts[0].local_sumsq() + self.parts[1].local_sumsq()
+        sumsq = sum(part.local_sumsq() for part in self.parts)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sumsq)
         return math.sqrt(float(sumsq))
@@ -447,7 +448,7 @@ class ExpertAdamW:
             part.zero_grads()
 
     def state_tensors(self) -> Dict[nn.Parameter, Dict[str, torch.Tensor]]:
-        return {**self.parts[0].state_tensors(), **self.parts[1].state_tensors()}
+        return {p: t for part in self.parts for p, t in part.state_tensors().items()}
 
     def load_state_tensors(self, states, step: int) -> None:
         for part in self.parts:

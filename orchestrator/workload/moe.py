@@ -118,6 +118,12 @@ def a2a_buffer_bytes(tokens: float, shape: MoeShape, elem_bytes: int,
     return max(sent, received) * shape.hidden * elem_bytes
 
 
+def counts_bytes(shape: MoeShape) -> int:
+    """The all-to-all of the tokens' counts per expert a rank sends before the dispatch (the
+    split sizes): one int64 per expert (experts / ep to each EP rank)."""
+    return 8 * shape.experts
+
+
 def a2a_sent_bytes(tokens: float, shape: MoeShape, ep: int, elem_bytes: int,
                    imbalance: float = 1.0) -> float:
     """Bytes one all-to-all moves off the busiest rank (or into it): the buffer's (ep - 1) / ep

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 from orchestrator.planner.profiles import HardwareModel, ModelCost
 from orchestrator.planner.terms import FwdBwd
-from orchestrator.workload.moe import (MoeShape, capacity, dense_ffn_params_per_rank,
+from orchestrator.workload.moe import (MoeShape, capacity, counts_bytes,
+                                       dense_ffn_params_per_rank,
                                        dense_mlp_activation_bytes, dispatch_bytes,
                                        expert_params_per_rank, moe_activation_bytes,
                                        moe_dense_params_per_rank, moe_matmul_params_per_token,
@@ -157,13 +158,23 @@ class MoeComm:
                       bandwidth_factor: float = 1.0) -> "MoeComm":
         tokens = tokens_per_rank(seq_len, micro_batch_size, tp, cp)
         sizes = dispatch_bytes(tokens, shape, ep, etp, elem_bytes, imbalance)
-        a2a = 0.0
+        a2a = counts = 0.0
         if ep > 1 and sizes.a2a > 0:
             alpha, per_byte = hardware.all2all_line(ep, etp)
             a2a = alpha + sizes.a2a * per_byte * bandwidth_factor
+            # the forward exchanges the tokens' counts per expert first (the split sizes,
+            # workload/moe.counts_bytes); the backward reuses them
+            counts = alpha + counts_bytes(shape) * per_byte * bandwidth_factor
         pair = 0.0
         if etp > 1 and sizes.etp > 0:
             pair = (hardware.collective_time_us("all_gather", etp, 1, sizes.etp)
                     + hardware.collective_time_us("reduce_scatter", etp, 1, sizes.etp))
         one_way = 2.0 * a2a + pair
-        return cls(FwdBwd(one_way, one_way), a2a, pair)
+        return cls(FwdBwd(one_way + counts, one_way), a2a, pair)
+
+    def scaled(self, factor: float) -> "MoeComm":
+        """Every term times `factor` (the calibration's ep_comm)."""
+        if factor == 1.0:
+            return self
+        return MoeComm(FwdBwd(self.layer.fwd_us * factor, self.layer.bwd_us * factor),
+                       self.a2a_us * factor, self.etp_us * factor)

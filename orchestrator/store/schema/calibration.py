@@ -51,8 +51,8 @@ class CalibrationProfile(Profile):
     timing_warmup_steps: int = doc("steps left out of each candidate's measured time")
     runs: int = doc("candidates measured (the fit's data)")
     factors: Dict[str, float] = doc("multiplier per cost-model term (compute, recompute, "
-                                    "tp_latency, tp_bandwidth, p2p, dp_sync, optimizer); all "
-                                    "1 when not fitted")
+                                    "tp_latency, tp_bandwidth, p2p, dp_sync, optimizer, "
+                                    "ep_comm); all 1 when not fitted")
     why_not: Optional[str] = doc("why the factors were not fitted (too few runs)",
                                  default=None)
     mean_error_before: Optional[float] = doc("mean |iteration error| over the runs, as "
