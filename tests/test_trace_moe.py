@@ -8,13 +8,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from functools import lru_cache
-from typing import Dict, List
+from typing import List
 
 import pytest
 import yaml
 from conftest import REPO, one_error_line, run_cli
-from torch.distributed import distributed_c10d
-from torch.distributed.device_mesh import DeviceMesh
+from test_trace_scale import traced_with_counts
 
 from orchestrator.models.config import ModelConfig, count_expert_params
 from orchestrator.trace.configs import TraceSettings, TraceSpec, plan_configs
@@ -135,27 +134,6 @@ def test_expert_gradients_reduce_over_the_edp_group():
             == sum(r["bytes"] for r in edp)
 
 
-def _traced_with_counts(spec: TraceSpec, rank: int, monkeypatch) -> Dict[str, object]:
-    groups: List[int] = []
-    mesh_ranks: List[int] = []
-    new_group = distributed_c10d._new_group_with_tag
-    mesh_init = DeviceMesh.__init__
-
-    def new_group_counting(ranks=None, *args, **kwargs):
-        groups.append(spec.world_size if ranks is None else len(ranks))
-        return new_group(ranks, *args, **kwargs)
-
-    def mesh_init_counting(self, *args, **kwargs):
-        mesh_init(self, *args, **kwargs)
-        mesh_ranks.append(self._rank_map.numel())
-
-    monkeypatch.setattr(distributed_c10d, "_new_group_with_tag", new_group_counting)
-    monkeypatch.setattr(DeviceMesh, "__init__", mesh_init_counting)
-    records = trace_rank(spec, MOE, rank).records
-    monkeypatch.undo()
-    return {"records": records, "groups": sorted(groups), "mesh_ranks": mesh_ranks}
-
-
 def test_a_moe_rank_costs_the_same_at_world_64_and_8192(monkeypatch):
     """The rank makes its own PP, DP, TP, EP, ETP and EDP groups and a mesh of its ep x etp
     ranks, nothing that grows with the world but its DP and EDP groups' members."""
@@ -165,7 +143,7 @@ def test_a_moe_rank_costs_the_same_at_world_64_and_8192(monkeypatch):
         spec = _spec([world, 2, 2, 1, 2, 2], global_batch_size=2 * dp)
         lay = spec.layout
         rank = spec.representative_ranks()[1]
-        counts[world] = traced = _traced_with_counts(spec, rank, monkeypatch)
+        counts[world] = traced = traced_with_counts(spec, rank, monkeypatch, MOE)
         assert traced["groups"] == sorted([lay.pp, lay.dp, lay.tp, lay.ep, lay.etp, lay.edp])
         assert max(traced["mesh_ranks"]) == max(lay.tp, lay.ep * lay.etp)
     small, huge = counts[64]["records"], counts[8192]["records"]

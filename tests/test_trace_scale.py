@@ -37,9 +37,10 @@ def _spec(world_size: int) -> TraceSpec:
     return specs[0]
 
 
-def _traced_with_counts(spec: TraceSpec, rank: int, monkeypatch) -> Dict[str, object]:
-    """Trace `rank`; the size of every process group made meanwhile and of every DeviceMesh's
-    rank map."""
+def traced_with_counts(spec: TraceSpec, rank: int, monkeypatch,
+                       model: ModelConfig = TINY) -> Dict[str, object]:
+    """Trace `rank` of `model`; the size of every process group made meanwhile and of every
+    DeviceMesh's rank map (test_trace_moe.py's MoE ranks too)."""
     groups: List[int] = []
     mesh_ranks: List[int] = []
     new_group = distributed_c10d._new_group_with_tag
@@ -57,7 +58,7 @@ def _traced_with_counts(spec: TraceSpec, rank: int, monkeypatch) -> Dict[str, ob
     # Every new_group, dist.new_group's and init_device_mesh's, goes through this one.
     monkeypatch.setattr(distributed_c10d, "_new_group_with_tag", new_group_counting)
     monkeypatch.setattr(DeviceMesh, "__init__", mesh_init_counting)
-    records = trace_rank(spec, TINY, rank).records
+    records = trace_rank(spec, model, rank).records
     monkeypatch.undo()
     return {"records": records, "groups": sorted(groups), "mesh_ranks": mesh_ranks}
 
@@ -67,7 +68,7 @@ def test_a_rank_makes_only_its_own_groups_at_any_world_size(monkeypatch):
     counts = {}
     for spec in (small, huge):
         rank = spec.representative_ranks()[1]
-        counts[spec.world_size] = traced = _traced_with_counts(spec, rank, monkeypatch)
+        counts[spec.world_size] = traced = traced_with_counts(spec, rank, monkeypatch)
         lay = spec.layout
         # Its PP, DP and TP groups, nothing else: as many groups and mesh ranks at 1,048,576
         # ranks as at 64; only the DP group itself grows (it has DP members).

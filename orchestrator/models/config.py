@@ -129,6 +129,14 @@ def is_moe_block(cfg: ModelConfig, index: int) -> bool:
     return is_moe(cfg) and index >= cfg.dense_layers
 
 
+def dense_twin(cfg: ModelConfig) -> ModelConfig:
+    """A MoE model's dense block shape (its experts off, the MLP of model.ffn: what its first
+    dense_layers blocks are, and what profile_model's points time); a dense model itself."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, experts=0) if is_moe(cfg) else cfg
+
+
 def moe_block_count(cfg: ModelConfig) -> int:
     """Blocks with experts."""
     return cfg.layers - cfg.dense_layers if is_moe(cfg) else 0

@@ -365,12 +365,11 @@ class ModelCost:
                  memory: Mapping[int, Tuple[PartMemory, PartMemory]],
                  concurrency: Optional[Concurrency] = None, moe: Optional[MoeShape] = None):
         self.name = name
-        # The experts of a mixture-of-experts model (None: dense), and whether the profiled block
-        # has experts (profile_model times the model's blocks[0]: a MoE block at ep = etp = 1
-        # when moe.dense_layers is 0; a profile of the dense twin has none): with_moe tells by
-        # the block's parameter bytes. planner/terms/moe.py prices a layout's MoE blocks from it.
+        # The experts of a mixture-of-experts model (None: dense; with_moe), and whether the
+        # profiled block has experts (None: not decided yet, planner/terms/moe.block0_ffn_is_moe
+        # does), from which terms/moe.py prices a layout's MoE blocks.
         self.moe = moe
-        self.profiled_block_has_experts = False
+        self.profiled_block_has_experts = None
         # profile_model's MoE parts (routing, one expert per tokens, shared expert, the dense
         # MLP its block has), None for a dense profile or one written before them:
         # profiling/model/moe_costs.MoeCosts
@@ -431,13 +430,11 @@ class ModelCost:
             raise ValueError(f"model {getattr(cfg, 'name', '?')} (hidden {shape.hidden}, "
                              f"layers {shape.layers}) is not the profiled {self.name} (hidden "
                              f"{self.hidden}, layers {self.layers})")
-        from orchestrator.planner.terms.moe import profiled_block_has_experts
-
         twin = copy.copy(self)
         twin.moe = shape
-        # a profile with MoE parts timed a dense block beside them (profile_model)
-        twin.profiled_block_has_experts = (self.moe_costs is None
-                                           and profiled_block_has_experts(self, shape))
+        # None: planner/terms/moe.block0_ffn_is_moe tells (a profile with MoE parts timed a
+        # dense block beside them; an older one, blocks[0]: by its parameter bytes)
+        twin.profiled_block_has_experts = None
         return twin
 
     def block_linear_us(self, seq_len: float, tp: int, batch=1.0) -> Tuple[float, float]:

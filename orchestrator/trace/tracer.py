@@ -565,7 +565,7 @@ class _RankTracer:
 
         from orchestrator.models.gpt import token_loss_sum
         from orchestrator.train.executor import MicroBatchInput, PipelineExecutor, run_plain
-        from orchestrator.train.grads import ShardedAdamW, full_grad
+        from orchestrator.train.grads import full_grad
 
         spec, layout = self.spec, self.spec.layout
         experts = is_moe(self.model)

@@ -67,7 +67,11 @@ def profiled_block_has_experts(model: ModelCost, shape: MoeShape) -> bool:
 
 
 def block0_ffn_is_moe(model: ModelCost) -> bool:
-    """Whether the profiled block has experts (ModelCost.with_moe decides)."""
+    """Whether the profiled block has experts: not when profile_model timed the MoE parts
+    beside it (a dense block), else told by its parameter bytes (decided once per profile)."""
+    if model.profiled_block_has_experts is None:
+        model.profiled_block_has_experts = (model.moe_costs is None
+                                            and profiled_block_has_experts(model, model.moe))
     return model.profiled_block_has_experts
 
 

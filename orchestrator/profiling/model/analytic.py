@@ -221,6 +221,6 @@ def _host_mem_bytes() -> float:
 def model_for_point(cfg: ModelConfig, seq_len: int) -> ModelConfig:
     """The shape profiled at one point: the model's (its dense block for a mixture-of-experts
     model, moe.dense_twin), one layer, at `seq_len`."""
-    from orchestrator.profiling.model.moe import dense_twin
+    from orchestrator.models.config import dense_twin
 
     return replace(dense_twin(cfg), layers=1, seq_len=seq_len)

@@ -1,7 +1,7 @@
 """A mixture-of-experts model's FFN, profiled part by part beside the (seq, tp) points.
 
-The points of a MoE model time a dense block (`dense_twin`: attention + a SwiGLU of model.ffn,
-what its first `dense_layers` blocks are). The MoE FFN is timed in parts, each the training
+The points of a MoE model time a dense block (`models/config.dense_twin`: attention + a SwiGLU
+of model.ffn, what its first `dense_layers` blocks are). The MoE FFN is timed in parts, each the training
 code's own module (models/moe.py) run alone on one rank, against the tokens it processes:
 
 - routing: `MoE` with its experts left out (its dispatch hands the permuted tokens straight
@@ -37,12 +37,6 @@ TOKEN_SWEEP_POINTS = 6  # at most this many token counts for routing, shared and
 
 # (part, tokens, split): one timed MoE case; split is etp for experts, tp for shared and mlp.
 MoeCase = Tuple[MoePart, int, int]
-
-
-def dense_twin(cfg: ModelConfig) -> ModelConfig:
-    """The block the points profile: a MoE model's dense block (its experts off, the MLP of
-    model.ffn); a dense model itself."""
-    return replace(cfg, experts=0) if is_moe(cfg) else cfg
 
 
 def expert_token_sweep(cfg: ModelConfig, max_seq_len: int, batch: int) -> List[int]:

@@ -34,7 +34,7 @@ def _per_split_line(values: Mapping[int, float], split: int) -> float:
     """a + b / split through values per split (least squares), at `split`."""
     xs = [1.0 / s for s in values]
     ys = list(values.values())
-    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     b = (sum((x - mx) * (y - my) for x, y in zip(xs, ys))
          / sum((x - mx) ** 2 for x in xs))
     return (my - b * mx) + b / split

@@ -14,7 +14,8 @@ from orchestrator.config import cluster_world_size
 from orchestrator.errors import ConfigError
 from orchestrator.models.config import ModelConfig, validate_model
 from orchestrator.profiling.model import analytic
-from orchestrator.profiling.model.moe import MoeCase, dense_twin, moe_cases
+from orchestrator.models.config import dense_twin
+from orchestrator.profiling.model.moe import MoeCase, moe_cases
 
 SEQ_ROUND = 32  # default sweep lengths are multiples of this (sequence parallelism splits them)
 ANALYTIC_MAX_TP = 8  # default largest TP degree when nothing runs: one node of 8 GPUs

@@ -86,7 +86,7 @@ def build_point_model(model_cfg: ModelConfig, max_seq_len: int, tp: int, tp_mesh
     from orchestrator.models.gpt import GPT
     from orchestrator.models.parallelize import apply_tensor_parallel
 
-    from orchestrator.profiling.model.moe import dense_twin
+    from orchestrator.models.config import dense_twin
 
     cfg = replace(dense_twin(model_cfg), layers=1, seq_len=max_seq_len)  # a MoE model's dense block
     # Built (and initialised from CPU generators) on the CPU, then moved: one layer is small.
