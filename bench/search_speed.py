@@ -26,6 +26,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from orchestrator.planner import (CostOptions, HardwareModel, ModelCost, SearchSpace,  # noqa: E402
                                   evaluate, search)
+from orchestrator.planner.search import auto_max_cp  # noqa: E402
 from orchestrator.profiling.hardware.analytic import LinkSheet, analytic_hardware  # noqa: E402
 
 GiB = 2**30
@@ -65,9 +66,12 @@ def run_case(label, hw_profile, model_profile, world, gbs, seq_len, mem_GiB, rep
     model = ModelCost.from_dict(model_profile)
     results = {}
     for fast in (False, True):
+        # context parallelism as stage=search offers it (auto_max_cp: a 128K-token sequence
+        # fits no layout without it)
         space = SearchSpace(world_size=world, memory_budget_bytes=mem_GiB * GiB,
                             global_batch_size=gbs, seq_len=seq_len, max_tp=8, max_pp=64,
-                            fast_mode=fast, options=CostOptions(reserve_bytes=2 * GiB))
+                            max_cp=auto_max_cp(seq_len), fast_mode=fast,
+                            options=CostOptions(reserve_bytes=2 * GiB))
         best = None
         for _ in range(repeat):
             t0 = time.perf_counter()

@@ -54,7 +54,8 @@ def test_example_site_cluster_composes_and_validates(profiles):
 def test_help_lists_the_sites_choices_with_the_packages(profiles):
     proc = run_cli("--help", profiles_dir=profiles, check=0)
     assert "cluster: dev, dgx_a100, dgx_h100, example_site, gpu_node, local" in proc.stdout
-    assert "model: example_model, llama2_7b, llama3_405b, qwen_100b, qwen_30b, tiny" in proc.stdout
+    assert ("model: deepseek_v3, example_model, llama2_7b, llama3_405b, mixtral_8x7b, "
+            "qwen3_30b_a3b, qwen_100b, qwen_30b, tiny, tiny_moe") in proc.stdout
 
 
 def test_example_model_is_planned_on_the_example_site_with_sources_in_provenance(profiles):

@@ -161,7 +161,7 @@ def moe_note(cfg, space) -> List[str]:
 def _exporters(out: Path, model):
     """(name, build(layout, strict), write(path, exported), path) of each trainer's export."""
     from orchestrator.planner import galvatron_strategy, megatron_args
-    from orchestrator.planner.exports import megatron_moe_args
+    from orchestrator.planner.exports import ExportError, megatron_moe_args
 
     def write_args(path, args):
         atomic_write(path, lambda f: f.write(" ".join(args) + "\n"))
@@ -169,8 +169,14 @@ def _exporters(out: Path, model):
     def megatron(layout, strict):
         return megatron_args(layout, strict) + megatron_moe_args(model)
 
+    def galvatron(layout, strict):
+        if model.experts:
+            raise ExportError("Galvatron's strategies describe dense transformers only (no "
+                              "experts, no expert parallelism)")
+        return galvatron_strategy(layout, strict)
+
     return (("megatron", megatron, write_args, out.with_suffix(".megatron.args")),
-            ("galvatron", galvatron_strategy, write_json, out.with_suffix(".galvatron.json")))
+            ("galvatron", galvatron, write_json, out.with_suffix(".galvatron.json")))
 
 
 def _export(strategy: StrategyProfile, out: Path, model) -> None:
