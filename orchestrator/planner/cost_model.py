@@ -65,7 +65,7 @@ from orchestrator.planner.terms.pipeline import (boundary_intra_node, boundary_u
                                                  on_end_stages, p2p_message_bytes, stage_sends)
 from orchestrator.planner.terms.tp_comm import LOSS_VALUE_BYTES, TpComm, tp_message_bytes
 from orchestrator.planner.terms.zero import ZeroSharding, ZeroTraffic, dp_sync_parts_us
-from orchestrator.workload.memory import BlockActivations, StageMemory
+from orchestrator.workload.memory import BlockActivations, StageMemory, StageNumels
 from orchestrator.workload.moe import default_imbalance
 
 GiB = float(1 << 30)
@@ -122,20 +122,26 @@ def _engine_memory(key: "ConfigKey", model: ModelCost, block, seq_len: int,
     tokens = float(local * key.micro_batch_size)
     per_mode = [block.act_bytes_per_token_at(mode, local) * tokens
                 for mode in ("none", "selective", "full")]
-    moe = {}
     if model.moe is not None:  # the MoE FFN's activations in block 0's FFN's place
-        shape = model.moe
-        delta = activation_delta_bytes(model, shape, seq_len, key.micro_batch_size, key.tp,
+        delta = activation_delta_bytes(model, model.moe, seq_len, key.micro_batch_size, key.tp,
                                        key.cp, key.etp, moe_imbalance(model, options))
         per_mode = [per_mode[0] + delta, per_mode[1] + delta, per_mode[2]]
+    act = BlockActivations(*per_mode, elem_bytes=model.dtype_bytes)
+    return StageMemory(_engine_config(model, seq_len), key, act, options.dtype or model.dtype,
+                       options.device, seq_len)
+
+
+def _engine_config(model: ModelCost, seq_len: int) -> ModelConfig:
+    """The profiled model's shape as the workload model reads it (with its experts)."""
+    moe = {}
+    if model.moe is not None:
+        shape = model.moe
         moe = dict(experts=shape.experts, top_k=shape.top_k, expert_ffn=shape.width,
                    shared_expert_ffn=shape.shared_width, dense_layers=shape.dense_layers,
                    capacity_factor=shape.capacity_factor, aux_loss_coef=shape.aux_loss_coef)
-    act = BlockActivations(*per_mode, elem_bytes=model.dtype_bytes)
-    config = ModelConfig(name=model.name, hidden=model.hidden, ffn=model.ffn, layers=model.layers,
-                         heads=model.heads, kv_heads=model.kv_heads, vocab=model.vocab,
-                         seq_len=seq_len, dtype=model.dtype, **moe)
-    return StageMemory(config, key, act, options.dtype or model.dtype, options.device, seq_len)
+    return ModelConfig(name=model.name, hidden=model.hidden, ffn=model.ffn, layers=model.layers,
+                       heads=model.heads, kv_heads=model.kv_heads, vocab=model.vocab,
+                       seq_len=seq_len, dtype=model.dtype, **moe)
 
 
 def memory_reserve_GiB(budget_GiB: float, reserve_fraction: float, reserve_GiB: float) -> float:
@@ -251,14 +257,17 @@ class StageCosts:
         # The orchestrator engine's memory is workload/memory.py's closed form (every byte it
         # holds, checked against real steps); Megatron's stays the Korthikanti-style sum below.
         # Its data-parallel traffic moves fp32 parameters and gradients of the exact shapes.
-        self.engine_memory = (_engine_memory(key, model, block, seq_len, options)
-                              if self.engine == "orchestrator" else None)
-        if self.engine_memory is not None:
-            self.block_param_bytes = self.block_grad_bytes = 4.0 * self.engine_memory.layer_numel
-            self.other_param_bytes = self.other_grad_bytes = 4.0 * self.engine_memory.other_numel
+        # Built on the first memory question (engine_memory): a config its time bound prunes
+        # never asks one; its parameter counts are all the traffic needs.
+        self._engine_memory = None
+        self._engine_memory_args = ((key, model, block, seq_len, options)
+                                    if self.engine == "orchestrator" else None)
+        if self._engine_memory_args is not None:
+            numels = StageNumels.of(_engine_config(model, seq_len), key)
+            self.block_param_bytes = self.block_grad_bytes = 4.0 * numels.layer
+            self.other_param_bytes = self.other_grad_bytes = 4.0 * numels.other
             if self.moe is not None:
-                self.expert_param_bytes = self.expert_grad_bytes = (
-                    4.0 * self.engine_memory.expert_numel)
+                self.expert_param_bytes = self.expert_grad_bytes = 4.0 * numels.expert
         block_optim_us, other_optim_us = model.optimizer_us(key.tp)
         # ZeRO >= 1: each data-parallel rank steps 1/dp of the masters (1/(dp x cp) with CP).
         optim_shard = key.replicas if key.zero >= 1 else 1
@@ -298,14 +307,26 @@ class StageCosts:
             0.0, self.tokens * other.act_bytes_per_token_at("none", seq_len), key.pp)
         self.in_flight = in_flight_micro_batches(key.schedule, key.pp, key.num_micro_batches,
                                                  key.virtual_stages)
-        self.comm_buffers = np.full(key.pp, comm_buffer_bytes(key.zero, key.replicas, key.tp,
-                                                              block.param_bytes, tp_bytes))
+        self._comm_buffers = np.full(key.pp, comm_buffer_bytes(key.zero, key.replicas, key.tp,
+                                                               block.param_bytes, tp_bytes))
         self.reserve = float(options.reserve_bytes)
-        if self.engine_memory is not None:
-            self.comm_buffers = self.engine_memory.buffers
         # T = alpha * sum_j t_j + beta * max_j t_j + e_0
         self.alpha, self.beta = schedule_coefficients(key.schedule, key.num_micro_batches,
                                                       key.virtual_stages)
+
+    @property
+    def engine_memory(self) -> Optional[StageMemory]:
+        """workload/memory.py's closed form of this config (orchestrator engine), else None."""
+        if self._engine_memory is None and self._engine_memory_args is not None:
+            self._engine_memory = _engine_memory(*self._engine_memory_args)
+        return self._engine_memory
+
+    @property
+    def comm_buffers(self) -> np.ndarray:
+        """Per stage: communication and receive buffers (orchestrator engine: the workload
+        model's, pipeline receive buffers and inputs)."""
+        memory = self.engine_memory
+        return memory.buffers if memory is not None else self._comm_buffers
 
     def _price_layer(self, model: ModelCost, seq_len: int, tp_bytes: float) -> None:
         """Time per layer: compute, TP communication, ZeRO 2/3 traffic sticking out of both."""

@@ -658,6 +658,35 @@ def _stage_events(pp: int, m: int, schedule: str, v: int):
     return arrays
 
 
+@dataclass(frozen=True)
+class StageNumels:
+    """A rank's parameter elements by stage: per block, its routed experts' (`expert`: their
+    states shard over edp) and the rest (`layer`); the embedding's on the first stage (`first`)
+    and the final norm and LM head's on the last (`last`), arrays over the stages (`other`,
+    their sum). What the planner's data-parallel traffic moves (no activations: cheap)."""
+
+    layer: float
+    expert: float
+    first: np.ndarray
+    last: np.ndarray
+
+    @property
+    def other(self) -> np.ndarray:
+        return self.first + self.last
+
+    @classmethod
+    def of(cls, model: ModelConfig, layout: ParallelLayout) -> "StageNumels":
+        params = _block_params(model, layout)
+        expert = float(sum(p.local_numel for p in params if is_expert(p)))
+        h, pp = model.hidden, layout.pp
+        vocab_local = chunk_size(model.vocab, layout.tp, 0)
+        first = np.zeros(pp)
+        first[0] += vocab_local * h
+        last = np.zeros(pp)
+        last[-1] += h + vocab_local * h
+        return cls(float(sum(p.local_numel for p in params)) - expert, expert, first, last)
+
+
 class StageMemory:
     """rank_memory's peak in closed form, for every stage size at once (numpy arrays over the
     layers n, recompute code 0/1/2 = none/selective/full and k full layers): what the planner's
@@ -677,18 +706,14 @@ class StageMemory:
         tokens = layout.micro_batch_size * seq_len // layout.cp  # a rank's
         params = _block_params(model, layout)
         block = [p.local_numel for p in params]
-        # a MoE block's routed experts (their states shard over edp), and the rest of it
-        self.expert_numel = float(sum(p.local_numel for p in params if is_expert(p)))
-        self.layer_numel = float(sum(block)) - self.expert_numel
+        counts = StageNumels.of(model, layout)
+        self.layer_numel, self.expert_numel = counts.layer, counts.expert
         self.block_numel = layer = self.layer_numel + self.expert_numel  # all of a block's
         # a MoE router is replicated over TP as the SP norms are (their indices for the norm)
         self.router_numel = sum(p.local_numel for p in params if p.name.endswith("router.weight"))
         vocab_local = chunk_size(vocab, tp, 0)
-        first = np.zeros(pp)
-        first[0] += vocab_local * h
-        last = np.zeros(pp)
-        last[-1] += h + vocab_local * h
-        self.other_numel = first + last
+        first, last = counts.first, counts.last
+        self.other_numel = counts.other
         largest_other = np.maximum(np.where(first > 0, vocab_local * h, 0),
                                    np.where(last > 0, vocab_local * h, 0))
         self.largest_block_param = float(max(block))
