@@ -25,6 +25,7 @@ WORLD_SIZE = 4
 STEPS = 3
 GBS = 4
 LR = 5e-3
+RECORDED_STEP = 1  # its collectives recorded (the first also sends pipeline metadata)
 MODEL = dict(hidden=64, ffn=128, layers=4, heads=4, kv_heads=2, vocab=128, seq_len=32,
              experts=4, top_k=2, expert_ffn=64, shared_expert_ffn=64, dense_layers=1,
              aux_loss_coef=0.01)
@@ -66,6 +67,7 @@ def _layout(world, pp, tp, extra, mbs=1):
 
 def _train(rank, out, layouts, world, mbs=1):
     from orchestrator.models.config import ModelConfig
+    from orchestrator.trace.recorder import OpRecorder
     from orchestrator.train.data import make_data
     from orchestrator.train.engine import Engine
 
@@ -77,7 +79,15 @@ def _train(rank, out, layouts, world, mbs=1):
         steps = []
         for step in range(STEPS):
             tokens, targets = data.rank_batch(step, engine.dp_rank, layout.dp, GBS // layout.dp)
-            stats = engine.train_step(tokens, targets, LR, 1.0)
+            if step == RECORDED_STEP and layout.ep > 1:
+                recorder = OpRecorder()
+                with recorder:
+                    stats = engine.train_step(tokens, targets, LR, 1.0)
+                out[f"a2a {layout.describe()} rank {rank}"] = [
+                    (r["group_size"], r["group_stride"], r["bytes"], r["dtype"])
+                    for r in recorder.records if r.get("op") == "all_to_all"]
+            else:
+                stats = engine.train_step(tokens, targets, LR, 1.0)
             steps.append((stats.loss, stats.grad_norm, stats.aux_loss, stats.tokens_per_expert))
         if rank == 0:
             out[layout.describe()] = steps
@@ -94,8 +104,8 @@ def trained():
 
 def test_every_ep_layout_trains(trained):
     _, layouts = trained
-    assert sorted(layouts) == sorted(_layout(WORLD_SIZE, *layout).describe()
-                                     for layout in LAYOUTS)
+    assert sorted(k for k in layouts if not k.startswith("a2a ")) == sorted(
+        _layout(WORLD_SIZE, *layout).describe() for layout in LAYOUTS)
 
 
 @pytest.mark.parametrize("index", range(len(LAYOUTS)))
@@ -111,6 +121,42 @@ def test_losses_equal_the_single_process_reference(trained, index):
             assert abs(h - w) <= 1e-4 * abs(w), f"{describe} step {step} {what}: {h} != {w}"
         assert have[3] == want[3], f"{describe} step {step}: tokens per expert differ"
     assert got[-1][0] < got[0][0], f"{describe}: the loss did not fall"
+
+
+@pytest.mark.parametrize("index", [i for i, (_, _, extra) in enumerate(LAYOUTS)
+                                   if extra.get("ep", 1) > 1 and extra.get("cp_comm", "p2p")
+                                   not in ("a2a", "a2a+p2p")])  # Ulysses' own all-to-alls
+def test_dispatcher_all_to_alls_are_the_workload_models(trained, index):
+    """Per MoE block and micro-batch each rank issues 5 all-to-alls over its EP group (ep
+    ranks, stride etp): forward the counts (workload/moe.counts_bytes) and its tokens
+    (dispatch_bytes' buffer: T x top_k x hidden, dropless), and the combine; backward the
+    combine's gradient (T x top_k x hidden again) and the dispatch's; a block recomputed in
+    full reruns the forward's 3. The combine and the dispatch's gradient carry what the rank
+    received: routing decides their bytes, so only their count and group are the model's."""
+    from orchestrator.models.config import ModelConfig
+    from orchestrator.workload.moe import (MoeShape, counts_bytes, dispatch_bytes,
+                                           tokens_per_rank)
+
+    _, layouts = trained
+    layout = _layout(WORLD_SIZE, *LAYOUTS[index])
+    shape = MoeShape.of(ModelConfig(**MODEL))
+    tokens = tokens_per_rank(MODEL["seq_len"], layout.micro_batch_size, layout.tp, layout.cp)
+    own = dispatch_bytes(tokens, shape, layout.ep, layout.etp, 4).a2a
+    m = layout.num_micro_batches
+    for rank in range(WORLD_SIZE):
+        stage = layout.coordinate(rank, "pp")
+        first = sum(layout.layers_per_stage[:stage])
+        mode, k = layout.recompute[stage]
+        blocks = range(first, first + layout.layers_per_stage[stage])
+        moe = [b for b in blocks if b >= MODEL["dense_layers"]]
+        rerun = sum(1 for b in moe if mode == "full" and b < first + k)
+        got = layouts[f"a2a {layout.describe()} rank {rank}"]
+        assert {g[:2] for g in got} <= {(layout.ep, layout.etp)}, (rank, got)
+        assert len(got) == (5 * len(moe) + 3 * rerun) * m, (rank, got)
+        assert sum(g[2:] == (counts_bytes(shape), "int64") for g in got) == \
+            (len(moe) + rerun) * m
+        assert sum(g[2:] == (own, "fp32") for g in got) >= (2 * len(moe) + rerun) * m, \
+            (rank, own, got)
 
 
 def test_reference_routes_every_token_k_times(trained):
