@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from orchestrator.choices import Dtype
 from orchestrator.models.config import ModelConfig, is_moe_block, validate_model
+from orchestrator.models.moe import MoE
 
 # A target that counts in no loss: padding of variable-length samples (F.cross_entropy's default).
 IGNORE_INDEX = -100
@@ -123,8 +124,6 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
-        from orchestrator.models.moe import MoE
-
         self.attn_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)

@@ -46,9 +46,11 @@ class Experts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(experts, width, hidden))
 
     def local_weights(self):
-        from orchestrator.train.grads import local_tensor
+        """This rank's shards (plain tensors) of the three stacks."""
+        from torch.distributed.tensor import DTensor
 
-        return local_tensor(self.w_gate), local_tensor(self.w_up), local_tensor(self.w_down)
+        return tuple(w.to_local() if isinstance(w, DTensor) else w
+                     for w in (self.w_gate, self.w_up, self.w_down))
 
     def forward(self, tokens: torch.Tensor, counts: list) -> torch.Tensor:
         """tokens (sum(counts), hidden) grouped by local expert, counts[e] of expert e -> the
