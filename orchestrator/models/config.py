@@ -3,6 +3,7 @@
 Kept free of torch so the CLI and the planner can import it cheaply.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -119,6 +120,12 @@ def validate_moe(cfg: ModelConfig) -> None:
         raise ValueError(f"model.aux_loss_coef({cfg.aux_loss_coef}) must be >= 0")
 
 
+def capacity(tokens: int, top_k: int, experts: int, capacity_factor: float) -> int:
+    """Token copies each expert takes from a routing group of `tokens` under a capacity factor
+    (Megatron's rule): ceil(tokens x top_k / experts x capacity_factor)."""
+    return math.ceil(tokens * top_k / experts * capacity_factor)
+
+
 def is_moe(cfg: ModelConfig) -> bool:
     """Whether the model has experts."""
     return bool(getattr(cfg, "experts", 0))
@@ -135,11 +142,6 @@ def dense_twin(cfg: ModelConfig) -> ModelConfig:
     import dataclasses
 
     return dataclasses.replace(cfg, experts=0) if is_moe(cfg) else cfg
-
-
-def moe_block_count(cfg: ModelConfig) -> int:
-    """Blocks with experts."""
-    return cfg.layers - cfg.dense_layers if is_moe(cfg) else 0
 
 
 def expert_width(cfg: ModelConfig) -> int:

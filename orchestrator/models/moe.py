@@ -23,7 +23,6 @@ the step log with the tokens each expert received.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -31,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from orchestrator.models.config import ModelConfig, expert_width
+from orchestrator.models.config import ModelConfig, capacity, expert_width
 
 
 class Experts(nn.Module):
@@ -76,11 +75,6 @@ class SharedExpert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
-
-
-def capacity(tokens: int, top_k: int, experts: int, capacity_factor: float) -> int:
-    """Tokens each expert takes from a routing group of `tokens` (Megatron's rule)."""
-    return math.ceil(tokens * top_k / experts * capacity_factor)
 
 
 def uniform_counts(assignments: int, experts: int) -> torch.Tensor:
@@ -241,8 +235,8 @@ class ExpertParallel:
     4. all-gather over ETP (each ETP rank computes its width slice for all of them),
     5. experts, 6. reduce-scatter over ETP (sum of the width slices, each rank its own tokens),
     7. undo 3 and the all-to-all back.
-    On meta tensors (trace) counts are uniform and no values move; the collectives are issued
-    with their split sizes all the same.
+    On meta tensors (trace, `issue_on_meta`) counts are uniform and no values move; every
+    collective, the counts' too, is issued with its split sizes all the same.
     """
 
     def __init__(self, ep_group, ep: int, etp_group=None, etp: int = 1):
@@ -278,11 +272,11 @@ class ExpertParallel:
     def _exchange_counts(self, send: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         if self.ep == 1:
             return send.clone()
-        if tokens.is_meta:  # uniform routing: every rank sends what this one does
-            return send.clone()
         out = torch.empty_like(send)
         dist.all_to_all_single(out, send.contiguous(), group=self.ep_group)
-        return out
+        # a traced step (meta tokens, fake process groups) moves no values: under uniform
+        # routing every rank sends what this one does
+        return send.clone() if tokens.is_meta else out
 
 
 def _all_to_all(x: torch.Tensor, out_splits: list, in_splits: list, group) -> torch.Tensor:
@@ -330,12 +324,10 @@ def _gather_etp(x: torch.Tensor, per_expert: torch.Tensor, group, etp: int):
     """All-gather the ETP group's tokens (each rank's grouped by local expert), regrouped by
     expert over the ranks: returns the tokens, their count per expert, and (sizes per rank and
     expert, the regrouping) for the reduce-scatter back."""
-    if x.is_meta:
-        sizes = per_expert.unsqueeze(0).repeat(etp, 1)
-    else:
-        sizes = torch.empty(etp * per_expert.numel(), dtype=per_expert.dtype)
-        _all_gather(sizes, per_expert.contiguous(), group=group)
-        sizes = sizes.view(etp, -1)
+    sizes = torch.empty(etp * per_expert.numel(), dtype=per_expert.dtype)
+    _all_gather(sizes, per_expert.contiguous(), group=group)
+    # traced (meta, fake groups: no values): uniform routing, every rank's counts are these
+    sizes = per_expert.unsqueeze(0).repeat(etp, 1) if x.is_meta else sizes.view(etp, -1)
     gathered = _GatherEtp.apply(x, sizes.sum(1).tolist(), group)
     y, back = _regroup(gathered, sizes)  # [rank][expert] -> [expert][rank]
     return y, sizes.sum(0), (sizes.sum(1).tolist(), back)

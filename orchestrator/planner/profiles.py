@@ -365,11 +365,9 @@ class ModelCost:
                  memory: Mapping[int, Tuple[PartMemory, PartMemory]],
                  concurrency: Optional[Concurrency] = None, moe: Optional[MoeShape] = None):
         self.name = name
-        # The experts of a mixture-of-experts model (None: dense; with_moe), and whether the
-        # profiled block has experts (None: not decided yet, planner/terms/moe.block0_ffn_is_moe
-        # does), from which terms/moe.py prices a layout's MoE blocks.
+        # The experts of a mixture-of-experts model (None: dense; with_moe): planner/terms/moe.py
+        # prices a layout's MoE blocks from the profiled (dense) block and them.
         self.moe = moe
-        self.profiled_block_has_experts = None
         # profile_model's MoE parts (routing, one expert per tokens, shared expert, the dense
         # MLP its block has), None for a dense profile or one written before them:
         # profiling/model/moe_costs.MoeCosts
@@ -432,9 +430,6 @@ class ModelCost:
                              f"{self.hidden}, layers {self.layers})")
         twin = copy.copy(self)
         twin.moe = shape
-        # None: planner/terms/moe.block0_ffn_is_moe tells (a profile with MoE parts timed a
-        # dense block beside them; an older one, blocks[0]: by its parameter bytes)
-        twin.profiled_block_has_experts = None
         return twin
 
     def block_linear_us(self, seq_len: float, tp: int, batch=1.0) -> Tuple[float, float]:

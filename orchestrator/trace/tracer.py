@@ -60,7 +60,6 @@ from torch import nn
 
 from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig, is_moe, is_moe_block
-from orchestrator.models.moe import ExpertParallel
 from orchestrator.trace.configs import TraceSpec
 from orchestrator.trace.recorder import OpRecorder
 
@@ -245,8 +244,7 @@ def build_chunks(spec: TraceSpec, model: ModelConfig, tp_mesh: DeviceMesh,
         for index in blocks:
             moe = whole.blocks[index].mlp
             if isinstance(moe, MoE) and moe.dispatch is not None:
-                moe.dispatch = TracedExpertParallel(groups.get("ep"), layout.ep,
-                                                    groups.get("etp"), layout.etp)
+                moe.dispatch.issue_on_meta = True  # train's collectives, on the fake groups
     parts = split_pipeline(whole, per_virtual)
     chunks = [parts[s] for s in mine]
     if cp_group is not None:
@@ -262,44 +260,6 @@ def build_chunks(spec: TraceSpec, model: ModelConfig, tp_mesh: DeviceMesh,
     for chunk in chunks:
         set_recompute(chunk, mode)
     return chunks
-
-
-class TracedExpertParallel(ExpertParallel):
-    """Train's all-to-all dispatcher (models/moe.ExpertParallel) on meta tensors, issuing what
-    train issues: its collectives (`issue_on_meta`) and the counts exchange over EP, which train
-    makes before the tokens' all-to-all (on meta the counts are uniform: what this rank receives
-    is what it sends, and the message is skipped)."""
-
-    def __init__(self, ep_group, ep: int, etp_group=None, etp: int = 1):
-        super().__init__(ep_group, ep, etp_group, etp)
-        self.issue_on_meta = True
-
-    def _exchange_counts(self, send: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        if self.ep > 1 and tokens.is_meta:
-            dist.all_to_all_single(torch.empty_like(send), send.contiguous(),
-                                   group=self.ep_group)
-        return super()._exchange_counts(send, tokens)
-
-
-@contextlib.contextmanager
-def etp_counts_on_meta():
-    """Train all-gathers the token counts over ETP before the tokens (models/moe._gather_etp);
-    on meta it knows them (uniform) and skips the message: issue it, as train does."""
-    from orchestrator.models import moe
-
-    original = moe._gather_etp
-
-    def gather(x, per_expert, group, etp):
-        if x.is_meta:
-            moe._all_gather(torch.empty(etp * per_expert.numel(), dtype=per_expert.dtype),
-                            per_expert.contiguous(), group=group)
-        return original(x, per_expert, group, etp)
-
-    moe._gather_etp = gather
-    try:
-        yield
-    finally:
-        moe._gather_etp = original
 
 
 def _gather_again_in_backward(module: nn.Module, args: tuple) -> None:
@@ -601,7 +561,7 @@ class _RankTracer:
         group_firsts = {dim: rank_groups.ranks[dim][0] for dim in RENAMED_GROUPS
                         if dim in rank_groups.ranks}
         partial_grads = []  # replayed chunks: (chunk, its partial_grads)
-        with gpu_attention(), etp_counts_on_meta():
+        with gpu_attention():
             if replay:
                 modules = []
                 for c, chunk in enumerate(chunks):
@@ -640,7 +600,7 @@ class _RankTracer:
             batches = [MicroBatchInput(tokens(), tokens(), layout.recompute[pp_rank][0])
                        for _ in range(layout.num_micro_batches)]
         # The loss's forward and backward both run inside loss_parallel (vocab-sharded logits).
-        with gpu_attention(), etp_counts_on_meta(), loss_parallel(), recorder, \
+        with gpu_attention(), loss_parallel(), recorder, \
                 set_checkpoint_early_stop(False), (
                 contextlib.nullcontext() if replay else tracker):
             self.state = {"phase": "F", "chunk": 0, "mb": 0}

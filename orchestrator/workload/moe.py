@@ -31,12 +31,12 @@ the block (attention, norms, router, shared expert) over the dense dp x cp repli
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
-from orchestrator.models.config import (ModelConfig, count_attention_params, expert_width,
-                                        is_moe)
+from orchestrator.models.config import ModelConfig
+from orchestrator.models.config import capacity as expert_capacity
+from orchestrator.models.config import count_attention_params, expert_width, is_moe
 
 # Bytes per element of the router's logits and probabilities (fp32, models/moe.py).
 ROUTER_ELEM_BYTES = 4
@@ -80,9 +80,9 @@ def tokens_per_rank(seq_len: int, micro_batch_size: int, tp: int, cp: int = 1) -
 
 
 def capacity(tokens: float, shape: MoeShape) -> int:
-    """Assignments each expert takes from one rank's `tokens` under a capacity factor:
-    ceil(T x top_k / experts x capacity_factor) (models/moe.capacity's rule)."""
-    return math.ceil(tokens * shape.top_k / shape.experts * shape.capacity_factor)
+    """Assignments each expert takes from one rank's `tokens` under a capacity factor
+    (models/config.capacity)."""
+    return expert_capacity(tokens, shape.top_k, shape.experts, shape.capacity_factor)
 
 
 def assignments_sent(tokens: float, shape: MoeShape) -> float:
@@ -142,10 +142,6 @@ class DispatchBytes:
     etp: float
     sent_fwd: float
     sent_bwd: float
-
-    @property
-    def sent_total(self) -> float:
-        return self.sent_fwd + self.sent_bwd
 
 
 def dispatch_bytes(tokens: float, shape: MoeShape, ep: int, etp: int, elem_bytes: int,

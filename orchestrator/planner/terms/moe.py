@@ -5,89 +5,54 @@ Every block of a MoE model is priced as a MoE block (the first `dense_layers` to
 three dense blocks do as many FLOPs per token as its MoE blocks; their parameters are counted
 as a MoE block's, see docs/stages/search.md).
 
-Compute, scaled from the model profile's block (profile_model's blocks[0]: a MoE block at
-ep = etp = 1, or a dense one, as ModelCost.with_moe tells from its parameter bytes): its fits'
-constant and attention-core (s^2) terms are kept; the term linear in tokens (its matmuls) is
-scaled by the matmul parameters a token goes through on the busiest rank over those of block
-0's:
+The model profile's block is a dense one (profile_model times a MoE model's dense block beside
+its MoE parts; a profile of the dense twin has only it). Compute, with profile_model's MoE parts
+(moe_block_delta_us): the block less its MLP, plus routing, the busiest rank's experts on their
+token copies and the shared expert. Without them (a dense twin's profile), scaled from the
+block: its fits' constant and attention-core (s^2) terms are kept; the term linear in tokens
+(its matmuls) is scaled by the matmul parameters a token goes through on the busiest rank over
+the dense block's:
 
-    (attention + router + top_k x imbalance x 3 h w + 3 h w_shared) / (attention + block 0's FFN)
+    (attention + router + top_k x imbalance x 3 h w + 3 h w_shared) / (attention + 3 h ffn)
 
-(block 0's FFN: the dense 3 h ffn, or the MoE FFN at uniform load when block 0 has experts).
 Per rank the experts compute on T x top_k x imbalance token copies of 3 h w / etp x etp
 (gathered over etp): the same as a dense MLP of width top_k x imbalance x w over tp, so the
 profile's time per matmul parameter and token at that tp carries over (the experts' GEMMs are
 taken as efficient as the dense block's: small experts run below it, not modelled).
 
 Communication, per layer and micro-batch, exposed (stage=train does not overlap the dispatcher
-with compute; Megatron-LM can, the planner does not price that): forward an all-to-all over the
-EP group (ep ranks, stride etp) to dispatch and one to combine, an all-gather and a
-reduce-scatter over the ETP group (etp consecutive ranks); backward the same again. The
-all-to-alls are priced by HardwareModel.all2all_line (a node's NVLink, or the NICs across
-nodes), the ETP collectives by collective_line.
+with compute; Megatron-LM can, the planner does not price that): forward the counts exchange, an
+all-to-all over the EP group (ep ranks, stride etp) to dispatch and one to combine, an
+all-gather and a reduce-scatter over the ETP group (etp consecutive ranks); backward the same
+but the counts. The all-to-alls are priced by HardwareModel.all2all_line (a node's NVLink, or
+the NICs across nodes), the ETP collectives by collective_line.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from orchestrator.models.config import count_attention_params
 from orchestrator.planner.profiles import HardwareModel, ModelCost
 from orchestrator.planner.terms import FwdBwd
-from orchestrator.workload.moe import (MoeShape, capacity, counts_bytes,
-                                       dense_ffn_params_per_rank,
+from orchestrator.workload.moe import (MoeShape, counts_bytes, dense_ffn_params_per_rank,
                                        dense_mlp_activation_bytes, dispatch_bytes,
-                                       expert_params_per_rank, moe_activation_bytes,
-                                       moe_dense_params_per_rank, moe_matmul_params_per_token,
-                                       tokens_per_rank)
+                                       expert_params_per_rank, expert_tokens,
+                                       moe_activation_bytes, moe_dense_params_per_rank,
+                                       moe_matmul_params_per_token, tokens_per_rank)
 
 
-def attention_matmul_params(model: ModelCost) -> int:
-    """wq, wk, wv, wo of one block (its attention's matmul parameters)."""
-    kv_dim = model.kv_heads * (model.hidden // model.heads)
-    return 2 * model.hidden * model.hidden + 2 * model.hidden * kv_dim
-
-
-def _block_params_per_rank(model: ModelCost, shape: MoeShape, tp: int, experts: bool) -> float:
-    h = model.hidden
-    attention = attention_matmul_params(model) / tp + 2 * h
-    if experts:
-        return attention + moe_dense_params_per_rank(shape, tp) + expert_params_per_rank(
-            shape, 1, 1)
-    return attention + dense_ffn_params_per_rank(h, model.ffn, tp)
-
-
-def profiled_block_has_experts(model: ModelCost, shape: MoeShape) -> bool:
-    """Whether the profile's block is a MoE block (all experts on one rank) rather than a dense
-    one: the one whose parameter count on a rank is nearer the profile's bytes over the
-    dtype's."""
-    tp = min(model.tps)
-    numel = model.memory(tp)[0].param_bytes / model.dtype_bytes
-    dense = _block_params_per_rank(model, shape, tp, False)
-    moe = _block_params_per_rank(model, shape, tp, True)
-    return abs(numel - moe) < abs(numel - dense)
-
-
-def block0_ffn_is_moe(model: ModelCost) -> bool:
-    """Whether the profiled block has experts: not when profile_model timed the MoE parts
-    beside it (a dense block), else told by its parameter bytes (decided once per profile)."""
-    if model.profiled_block_has_experts is None:
-        model.profiled_block_has_experts = (model.moe_costs is None
-                                            and profiled_block_has_experts(model, model.moe))
-    return model.profiled_block_has_experts
-
-
-def block0_ffn_matmul_params(model: ModelCost, shape: MoeShape) -> float:
-    """Matmul parameters per token of the profiled block's FFN (uniform load)."""
-    if block0_ffn_is_moe(model):
-        return moe_matmul_params_per_token(shape, 1.0)
-    return 3.0 * model.hidden * model.ffn
+def attention_params_per_rank(model: ModelCost, tp: int) -> float:
+    """A block's attention on one TP rank: wq, wk, wv, wo sharded, the two norms replicated."""
+    norms = 2 * model.hidden
+    return (count_attention_params(model) - norms) / tp + norms
 
 
 def linear_scale(model: ModelCost, shape: MoeShape, imbalance: float) -> float:
-    """What the profiled block's linear (matmul) time is multiplied by for a MoE block on the
-    busiest rank (module docstring)."""
-    attention = attention_matmul_params(model)
+    """What the profiled dense block's linear (matmul) time is multiplied by for a MoE block on
+    the busiest rank (module docstring)."""
+    attention = count_attention_params(model) - 2 * model.hidden
     return ((attention + moe_matmul_params_per_token(shape, imbalance))
-            / (attention + block0_ffn_matmul_params(model, shape)))
+            / (attention + 3.0 * model.hidden * model.ffn))
 
 
 def moe_block_delta_us(costs, shape: MoeShape, key, seq_len: int, imbalance: float):
@@ -97,26 +62,17 @@ def moe_block_delta_us(costs, shape: MoeShape, key, seq_len: int, imbalance: flo
     sends it, T x top_k x ep x etp / experts x imbalance, the shared expert, less the dense
     block's MLP (both on the TP-gathered tokens)."""
     tokens = tokens_per_rank(seq_len, key.micro_batch_size, key.tp, key.cp)
-    gathered = tokens * key.tp
-    if shape.capacity_factor is not None:  # padded to capacity (workload/moe.py's rule)
-        per_expert = capacity(tokens, shape) * key.ep * key.etp
-    else:
-        per_expert = tokens * shape.top_k * key.ep * key.etp / shape.experts * imbalance
-    return costs.moe_block_delta_us(tokens, gathered, per_expert, shape.experts // key.ep,
+    local_experts = shape.experts // key.ep
+    per_expert = expert_tokens(tokens, shape, key.etp, imbalance) / local_experts
+    return costs.moe_block_delta_us(tokens, tokens * key.tp, per_expert, local_experts,
                                     key.tp, key.etp)
-
-
-def block0_params_per_rank(model: ModelCost, shape: MoeShape, tp: int) -> float:
-    """The profiled block's parameters on one TP rank (what its profiled bytes count): attention
-    and norms, and its FFN (dense, or the MoE FFN with every expert, ep = etp = 1)."""
-    return _block_params_per_rank(model, shape, tp, block0_ffn_is_moe(model))
 
 
 @dataclass(frozen=True)
 class MoeParams:
     """A MoE block's parameters on one rank: `dense` (attention, norms, router, shared expert:
     ZeRO shards them over dp x cp) and `experts` (its routed experts' shards: over edp), and
-    `per_block0` their sum over the profiled block's (what its byte counts scale by)."""
+    `block0` the profiled dense block's (what its byte counts scale by)."""
 
     dense: float
     experts: float
@@ -124,26 +80,23 @@ class MoeParams:
 
     @classmethod
     def of(cls, model: ModelCost, shape: MoeShape, tp: int, ep: int, etp: int) -> "MoeParams":
-        dense = attention_matmul_params(model) / tp + 2 * model.hidden + \
-            moe_dense_params_per_rank(shape, tp)
-        return cls(dense=float(dense), experts=float(expert_params_per_rank(shape, ep, etp)),
-                   block0=float(block0_params_per_rank(model, shape, tp)))
+        attention = attention_params_per_rank(model, tp)
+        return cls(dense=float(attention + moe_dense_params_per_rank(shape, tp)),
+                   experts=float(expert_params_per_rank(shape, ep, etp)),
+                   block0=float(attention + dense_ffn_params_per_rank(model.hidden, model.ffn,
+                                                                      tp)))
 
 
 def activation_delta_bytes(model: ModelCost, shape: MoeShape, seq_len: int,
                            micro_batch_size: int, tp: int, cp: int, etp: int,
                            imbalance: float) -> float:
-    """Bytes a MoE block keeps per micro-batch beyond the profiled block (no or selective
+    """Bytes a MoE block keeps per micro-batch beyond the profiled dense block (no or selective
     recompute; full recompute keeps the block's input only): the MoE FFN's on the busiest rank
-    less block 0's FFN's."""
+    less the dense MLP's."""
     tokens = tokens_per_rank(seq_len, micro_batch_size, tp, cp)
     elem = model.dtype_bytes
-    moe = moe_activation_bytes(tokens, shape, tp, etp, elem, imbalance)
-    if block0_ffn_is_moe(model):
-        block0 = moe_activation_bytes(tokens, shape, tp, 1, elem, 1.0)
-    else:
-        block0 = dense_mlp_activation_bytes(tokens, model.hidden, model.ffn, tp, elem)
-    return moe - block0
+    return (moe_activation_bytes(tokens, shape, tp, etp, elem, imbalance)
+            - dense_mlp_activation_bytes(tokens, model.hidden, model.ffn, tp, elem))
 
 
 @dataclass(frozen=True)
