@@ -436,7 +436,7 @@ def print_train_table(cfg) -> None:
         return
     table = Table(title="train: predicted vs measured iteration time")
     columns = ("model", "layout", "iteration ms", "measured ms", "error %", "tokens/s",
-               "peak GiB")
+               "model peak GiB", "measured peak GiB")
     for col in columns:
         table.add_column("predicted ms" if col == "iteration ms" else col,
                          justify="left" if col in ("model", "layout") else "right")

@@ -21,7 +21,8 @@ The table. `SweepTable` is a Hydra callback (`hydra.callbacks` in conf/config.ya
 return value (the CLI's stage rows) becomes a row; at the end it prints the table and writes it
 as `sweep.csv` and `sweep.json` in Hydra's sweep folder (profiles/<cluster>/multirun/<time>/). A
 point that fails (an invalid value, a failed job) is a row with its error; the sweep then exits
-with the worst exit code of its points.
+with the worst exit code of its points. A point whose layout cannot exist on these ranks or this
+model (InvalidLayout, from search or train alike) is a row "skipped" with its reason, exit 0.
 """
 from __future__ import annotations
 
@@ -35,8 +36,12 @@ from typing import Any, Dict, List, Optional, Sequence
 from hydra.experimental.callback import Callback
 
 GiB = 2**30
+# Memory per device, each figure named as the stage's own table names it: "model peak GiB", the
+# planner's peak of the model itself (search's table; a train point's prediction), "reserve GiB",
+# what search keeps free beside it (budget = model peak + reserve + headroom), and "measured peak
+# GiB", a train point's largest rank.
 COLUMNS = ("point", "state", "layout", "iteration ms", "measured ms", "error %", "tokens/s",
-           "peak GiB", "job id", "error")
+           "model peak GiB", "reserve GiB", "measured peak GiB", "job id", "error")
 
 _swept_keys: List[str] = []
 
@@ -84,7 +89,8 @@ def labelled(path: Path, label: str) -> Path:
 # ---------------------------------------------------------------- the table
 def _row_values(row: Dict[str, Any]) -> Dict[str, str]:
     """What the table shows of a stage row: its state, and the layout, time, throughput and
-    peak memory of the strategy it wrote (read back, so skipped points show them too)."""
+    memory of the strategy it wrote (read back, so skipped points show them too): the model's
+    own peak and the reserve apart, as search's own table and memory line give them."""
     values = {"state": str(row.get("state", "")), "job id": str(row.get("job_id") or ""),
               "error": str(row.get("error") or "")}
     for path in row.get("outputs") or ():
@@ -93,11 +99,13 @@ def _row_values(row: Dict[str, Any]) -> Dict[str, str]:
         except (OSError, ValueError):
             continue
         if written.get("kind") == "strategy":
-            prediction = written["prediction"]
+            prediction, reserve_GiB = written["prediction"], written["headroom"]["reserve_GiB"]
             values.update({"layout": written.get("describe", ""),
                            "iteration ms": f"{prediction['iteration_time_us'] / 1e3:.3f}",
                            "tokens/s": f"{prediction['tokens_per_s']:.1f}",
-                           "peak GiB": f"{prediction['peak_memory_bytes'] / GiB:.3f}"})
+                           "model peak GiB":
+                               f"{prediction['peak_memory_bytes'] / GiB - reserve_GiB:.3f}",
+                           "reserve GiB": f"{reserve_GiB:.3f}"})
         elif written.get("kind") == "train":
             values.update(train_row(written))
     return values
@@ -105,7 +113,8 @@ def _row_values(row: Dict[str, Any]) -> Dict[str, str]:
 
 def train_row(summary: Dict[str, Any]) -> Dict[str, str]:
     """A train summary's columns: layout, predicted ("iteration ms") and measured iteration
-    time, their error, measured tokens/s and the largest rank's peak memory."""
+    time, their error, measured tokens/s, the predicted peak memory of the model (no reserve:
+    what the ranks themselves use) and the largest rank's measured peak."""
     measured, predicted = summary["measured"], summary.get("predicted")
     err = summary.get("iteration_time_error")
     return {"layout": summary.get("describe", ""),
@@ -113,7 +122,8 @@ def train_row(summary: Dict[str, Any]) -> Dict[str, str]:
             "measured ms": f"{measured['iteration_ms']:.1f}",
             "error %": f"{err * 100:+.1f}" if err is not None else "",
             "tokens/s": f"{measured['tokens_per_s']:.1f}",
-            "peak GiB": f"{max(measured['peak_memory_MiB']) / 1024:.3f}"}
+            "model peak GiB": f"{predicted['peak_memory_MiB'] / 1024:.3f}" if predicted else "",
+            "measured peak GiB": f"{max(measured['peak_memory_MiB']) / 1024:.3f}"}
 
 
 class SweepTable(Callback):

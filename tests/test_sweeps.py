@@ -157,7 +157,7 @@ def test_search_sweep_points_keep_their_own_outputs_and_compare(inputs):
     assert [r["point"] for r in rows] == ["search.pp=1 search.tp=1", "search.pp=1 search.tp=2",
                                           "search.pp=2 search.tp=1", "search.pp=2 search.tp=2"]
     assert all(r["state"] == "done" and float(r["iteration ms"]) > 0
-               and float(r["tokens/s"]) > 0 and float(r["peak GiB"]) > 0 for r in rows)
+               and float(r["tokens/s"]) > 0 and float(r["model peak GiB"]) > 0 for r in rows)
     assert "pp2" in rows[3]["layout"].replace(" ", "") or "pp=2" in rows[3]["layout"]
     assert "tokens/s" in proc.stdout  # the table on stdout
 
@@ -172,13 +172,32 @@ def test_search_sweep_points_keep_their_own_outputs_and_compare(inputs):
     assert all(r["state"] == "done (skipped)" and float(r["iteration ms"]) > 0 for r in rows)
 
 
+def test_readme_sweep_skips_a_layout_these_ranks_cannot_hold_and_exits_0(inputs):
+    """The README's sweep: pp4/tp2 does not divide the 4 devices, so it is skipped with its
+    reason (as a train sweep skips it), not failed. The peak columns say what they hold: the
+    model's own peak (the search table's "model peak GiB") and the reserve kept free beside it."""
+    proc = run_cli("-m", "stage=search", "search.pp=1,2,4", "search.tp=1,2", "search.plot=false",
+                   profiles_dir=inputs, check=0)
+    rows = _sweep_table(inputs)
+    assert [r["state"] for r in rows] == ["done"] * 5 + ["skipped"]
+    assert "does not divide the 4 devices" in rows[5]["error"]
+    assert not (inputs / "local" / "strategy" / "tiny@pp=4,tp=2.json").exists()
+    strategy = json.loads((inputs / "local" / "strategy" / "tiny@pp=1,tp=1.json").read_text())
+    reserve_GiB = strategy["headroom"]["reserve_GiB"]
+    model_peak_GiB = strategy["prediction"]["peak_memory_bytes"] / 2**30 - reserve_GiB
+    assert float(rows[0]["model peak GiB"]) == pytest.approx(model_peak_GiB, abs=1e-3)
+    assert float(rows[0]["reserve GiB"]) == pytest.approx(reserve_GiB, abs=1e-3)
+    assert "peak GiB" not in rows[0]  # no column a user cannot place
+    assert f"{model_peak_GiB:.2f}" in proc.stdout  # the search's own table, the same figure
+
+
 def test_an_invalid_point_is_a_row_and_the_sweep_exits_with_its_code(inputs):
-    proc = run_cli("-m", "stage=search", "search.pp=3,1", "search.tp=1", "search.plot=false",
+    proc = run_cli("-m", "stage=search", "search.pp=0,4,1", "search.tp=2", "search.plot=false",
                    profiles_dir=inputs, check=2)
     rows = _sweep_table(inputs)
-    assert [r["state"] for r in rows] == ["failed", "done"]
-    assert "search.pp" in rows[0]["error"]
-    assert ledger(inputs)["search/tiny@pp=1"]  # tp is not swept["state"] == "done"
+    assert [r["state"] for r in rows] == ["failed", "skipped", "done"]
+    assert "search.pp" in rows[0]["error"] and "search.tp" in rows[1]["error"]
+    assert ledger(inputs)["search/tiny@pp=1"]["state"] == "done"  # tp is not swept
     assert "search.pp" in proc.stdout + proc.stderr
 
 

@@ -184,6 +184,6 @@ def test_pp_sweep_writes_a_summary_per_point_and_one_table(slurm_cluster, profil
     assert [r["point"] for r in rows] == ["train.pp=1", "train.pp=2"]
     assert [r["state"] for r in rows] == ["done", "done"]
     assert all(float(r["measured ms"]) > 0 and float(r["tokens/s"]) > 0
-               and float(r["peak GiB"]) > 0 and r["job id"] in job_ids for r in rows)
+               and float(r["measured peak GiB"]) > 0 and r["job id"] in job_ids for r in rows)
     assert ["pp1" in rows[0]["layout"], "pp2" in rows[1]["layout"]] == [True, True]
     assert "measured ms" in proc.stdout  # the table on the console

@@ -18,7 +18,7 @@ from typing import List
 from orchestrator.config import cluster_world_size
 from orchestrator import errors
 from orchestrator.commands import rerun_command
-from orchestrator.errors import ConfigError, ProfileError
+from orchestrator.errors import ConfigError, InvalidLayout, ProfileError
 from orchestrator.choices import Ranks
 from orchestrator.stages import Stage, StageInput
 from orchestrator.store import (atomic_write, cluster_dir, file_sha256, hardware_path,
@@ -394,7 +394,9 @@ def _check_memory(cfg) -> None:
 
 
 def _check_degrees(cfg) -> None:
-    """Bounds >= 1; fixed pp/tp that tile the world, split the heads and fit the layers."""
+    """Bounds >= 1 (ConfigError); fixed pp/tp that tile the world, split the heads and fit the
+    layers (InvalidLayout: a layout these ranks or this model cannot hold, which a sweep skips,
+    as a train sweep does)."""
     s, model = cfg.search, cfg.model
     for key in ("max_tp", "max_pp", "max_cp", "pp", "tp"):
         value = getattr(s, key)
@@ -404,22 +406,23 @@ def _check_degrees(cfg) -> None:
     pp, tp = s.pp or 1, s.tp or 1
     if world % (pp * tp):
         key = "search.pp" if s.pp and world % pp else "search.tp"
-        raise ConfigError(f"{key}: pp({pp}) * tp({tp}) = {pp * tp} does not divide the "
-                          f"{world} devices of the search")
+        raise InvalidLayout(f"{key}: pp({pp}) * tp({tp}) = {pp * tp} does not divide the "
+                            f"{world} devices of the search")
     if s.pp is not None and s.pp > model.layers:
-        raise ConfigError(f"search.pp({s.pp}) > the {model.layers} layers of model={model.name}")
+        raise InvalidLayout(f"search.pp({s.pp}) > the {model.layers} layers of model={model.name}")
     if s.tp is not None and (model.heads % s.tp or model.kv_heads % s.tp):
-        raise ConfigError(f"search.tp({s.tp}) must divide model={model.name}'s heads"
-                          f"({model.heads}) and kv_heads({model.kv_heads})")
+        raise InvalidLayout(f"search.tp({s.tp}) must divide model={model.name}'s heads"
+                            f"({model.heads}) and kv_heads({model.kv_heads})")
     _check_experts(cfg)
     if s.tp is not None and s.tp_within_node and cfg.cluster.tasks_per_node % s.tp:
-        raise ConfigError(f"search.tp({s.tp}) must divide cluster.tasks_per_node"
-                          f"({cfg.cluster.tasks_per_node}) (or set search.tp_within_node=false)")
+        raise InvalidLayout(f"search.tp({s.tp}) must divide cluster.tasks_per_node"
+                            f"({cfg.cluster.tasks_per_node}) (or set search.tp_within_node=false)")
 
 
 def _check_experts(cfg) -> None:
     """The model's MoE fields (models/config.validate_moe) and the expert degrees asked for:
-    ConfigError naming the numbers, before anything runs."""
+    ConfigError (a bound) or InvalidLayout (degrees this model cannot hold) naming the numbers,
+    before anything runs."""
     from orchestrator.models.config import expert_width, is_moe, validate_moe
 
     s, model = cfg.search, cfg.model
@@ -437,15 +440,15 @@ def _check_experts(cfg) -> None:
         raise ConfigError(str(e)) from None
     if not is_moe(model):
         if (s.ep or 1) * (s.etp or 1) > 1:
-            raise ConfigError(f"search.ep({s.ep}) / search.etp({s.etp}) need a mixture-of-"
-                              f"experts model; model={model.name} is dense (model.experts 0)")
+            raise InvalidLayout(f"search.ep({s.ep}) / search.etp({s.etp}) need a mixture-of-"
+                                f"experts model; model={model.name} is dense (model.experts 0)")
         return
     if s.ep is not None and model.experts % s.ep:
-        raise ConfigError(f"search.ep({s.ep}) must divide model.experts({model.experts}) of "
-                          f"model={model.name}: each EP rank holds experts / ep of them")
+        raise InvalidLayout(f"search.ep({s.ep}) must divide model.experts({model.experts}) of "
+                            f"model={model.name}: each EP rank holds experts / ep of them")
     if s.etp is not None and expert_width(model) % s.etp:
-        raise ConfigError(f"search.etp({s.etp}) must divide the expert FFN width "
-                          f"({expert_width(model)}) of model={model.name}")
+        raise InvalidLayout(f"search.etp({s.etp}) must divide the expert FFN width "
+                            f"({expert_width(model)}) of model={model.name}")
 
 
 def validate(cfg):
