@@ -32,6 +32,7 @@ from orchestrator.commands import parse_overrides, rerun_command, set_user_overr
 from orchestrator.errors import (ConfigError, InvalidLayout, LaunchError, OrchestratorError,
                                  file_error)
 from orchestrator.launch import make_launcher, refresh_ledger
+from orchestrator.overrides import config_dir_args, unknown_choice_message
 from orchestrator.pipeline import (check_launchable, decide, ledger_for, plan_stage, stages_for,
                                    validate_cluster)
 from orchestrator.runtime.request import StageRequest
@@ -117,18 +118,21 @@ def _group_names() -> List[str]:
 
 
 def check_closed_choices(argv: List[str]) -> None:
-    """Refuse an unknown key, stage, launcher or enum value (schedule, dtype, source, ...), or a
-    name that would leave the profiles folder (`cluster.name=../x`), or a value of the wrong
-    type (`trace.configs=[[a,1,1]]`), with one line naming what is allowed (exit code 2).
+    """Refuse an unknown key, group choice (stage, launcher, cluster, model: with the closest
+    names) or enum value (schedule, dtype, source, ...), or a name that would leave the profiles
+    folder (`cluster.name=../x`), or a value of the wrong type (`trace.configs=[[a,1,1]]`), with
+    one line naming what is allowed (exit code 2).
 
     Hydra's own message for these spans several lines and exits 1, and for a key it suggests
     `+key`, which it then accepts silently; they are closed sets, so we check them first (every
     key and value of a sweep too).
     """
     overrides = parse_overrides(tuple(argv)) or ()  # a syntax error: Hydra reports it
-    groups = {"stage": sorted(STAGES + ("all", "status")),
-              "launcher": group_options("launcher", config_dirs())}
     group_names = _group_names()
+    extra_dirs = config_dir_args(argv)  # None: Hydra is told to look elsewhere; it decides
+    groups = {} if extra_dirs is None else {  # the groups a Config field selects: their files
+        g: group_options(g, config_dirs() + extra_dirs) for g in group_names if schema_has_key(g)}
+    groups["stage"] = sorted(STAGES + ("all", "status"))
     for o in overrides:
         key = o.key_or_group
         if key == "hydra" or key.startswith(("hydra.", "hydra/")) or key in group_names:
@@ -141,8 +145,9 @@ def check_closed_choices(argv: List[str]) -> None:
             group_options(key, config_dirs()) if key in group_names else None))
         if key in groups:
             for value in values:
-                if str(value) not in groups[key]:
-                    raise ConfigError(f"unknown {key} {value!r}; allowed: {', '.join(groups[key])}")
+                name = "null" if value is None else str(value)
+                if name not in groups[key]:
+                    raise ConfigError(unknown_choice_message(key, name, groups[key]))
             continue
         if key in PATH_NAME_KEYS:  # before Hydra: a sweep makes its folder from cluster.name
             for value in values:

@@ -93,6 +93,57 @@ def test_glob_sweep_of_a_value_exits_2_in_one_line_and_of_a_group_picks_its_name
     assert "stage=noop" in proc.stdout and "stage=train" not in proc.stdout, proc.stdout
 
 
+# ---------------------------------------------------------------- group choices, before Hydra
+@pytest.mark.parametrize("argv, line", [
+    (["model=tinny"], "unknown model 'tinny'; did you mean tiny or tiny_moe? allowed: "),
+    (["cluster=dgx_h1000"], "unknown cluster 'dgx_h1000'; did you mean dgx_h100 or dgx_a100? "),
+    (["launcher=slrum"], "unknown launcher 'slrum'; did you mean slurm? allowed: local, slurm"),
+    (["-m", "model=tiny,tinny"], "unknown model 'tinny'; did you mean tiny or tiny_moe? "),
+    (["-m", "cluster=local,dgx_h1000"], "unknown cluster 'dgx_h1000'; did you mean dgx_h100 "),
+    (["model=null"], "unknown model 'null'; allowed: "),
+])
+def test_a_misspelled_group_choice_names_the_closest_and_every_name(argv, line):
+    with pytest.raises(ConfigError) as error:
+        check_closed_choices(["stage=noop", *argv])
+    message = str(error.value)
+    assert message.startswith(line) and "\n" not in message, message
+    allowed = {"model": ["llama2_7b", "tiny", "tiny_moe"], "cluster": ["dgx_h100", "local"],
+               "launcher": ["local", "slurm"]}[line.split()[1]]
+    assert set(allowed) <= set(message.split("allowed: ")[1].split(" (")[0].split(", ")), message
+
+
+def test_a_site_folders_group_choices_are_among_the_names(tmp_path, monkeypatch):
+    """$ORCHESTRATOR_CONF's files and ./conf's are choices like the package's; Hydra's own
+    --config-dir adds its folder's; --config-path leaves the choice to Hydra."""
+    site = tmp_path / "site"
+    (site / "cluster").mkdir(parents=True)
+    (site / "cluster" / "mysite.yaml").write_text("name: mysite\n")
+    monkeypatch.setenv("ORCHESTRATOR_CONF", str(site))
+    check_closed_choices(["stage=noop", "cluster=mysite"])
+    with pytest.raises(ConfigError, match=r"^unknown cluster 'mysitte'; did you mean mysite\? "
+                                          r"allowed: dev, .*local, mysite "):
+        check_closed_choices(["-m", "stage=noop", "cluster=mysite,mysitte"])
+    monkeypatch.delenv("ORCHESTRATOR_CONF")
+    (tmp_path / "work" / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "work" / "conf" / "model" / "mymodel.yaml").write_text("name: mymodel\n")
+    monkeypatch.chdir(tmp_path / "work")
+    check_closed_choices(["stage=noop", "model=mymodel"])
+    with pytest.raises(ConfigError, match=r"^unknown model 'mymodle'; did you mean mymodel\?"):
+        check_closed_choices(["stage=noop", "model=mymodle"])
+    with pytest.raises(ConfigError, match=r"^unknown cluster 'mysite'"):
+        check_closed_choices(["stage=noop", "cluster=mysite"])
+    check_closed_choices([f"--config-dir={site}", "stage=noop", "cluster=mysite"])
+    check_closed_choices(["--config-dir", str(site), "stage=noop", "cluster=mysite"])
+    check_closed_choices(["--config-path=/elsewhere", "stage=noop", "cluster=theirs"])
+
+
+def test_a_misspelled_group_choice_in_a_sweep_exits_2_in_one_line(profiles):
+    proc = run_cli("-m", "stage=noop", "model=tiny,tinny", profiles_dir=profiles)
+    line = one_error_line(proc, 2)
+    assert line.startswith("error: unknown model 'tinny'; did you mean tiny or tiny_moe?")
+    assert not profiles.exists()  # no sweep folder, no point run
+
+
 # ---------------------------------------------------------------- wrong types, before Hydra
 @pytest.mark.parametrize("arg, line", [
     ("trace.configs=[[a,1,1]]", "trace.configs[0][0]='a': expected an integer"),
