@@ -25,14 +25,14 @@ from orchestrator.choices import Ranks
 from orchestrator.config import (CONF_DIR, PATH_NAME_KEYS, Config, check_group_file,
                                  check_path_name, check_path_names, choice_type, config_dirs,
                                  group_options, group_source, override_type_error,
-                                 register_configs, schema_has_key, schema_spelling, site_conf_dir,
+                                 register_configs, schema_has_key, site_conf_dir,
                                  unknown_key_message)
 from orchestrator.console import err_console, print_error, report_error
 from orchestrator.commands import parse_overrides, rerun_command, set_user_overrides
 from orchestrator.errors import (ConfigError, InvalidLayout, LaunchError, OrchestratorError,
                                  file_error)
 from orchestrator.launch import make_launcher, refresh_ledger
-from orchestrator.overrides import config_dir_args, unknown_choice_message
+from orchestrator.overrides import config_dir_args, hydra_argv, unknown_choice_message
 from orchestrator.pipeline import (check_launchable, decide, ledger_for, plan_stage, stages_for,
                                    validate_cluster)
 from orchestrator.runtime.request import StageRequest
@@ -523,9 +523,12 @@ def hydra_main(cfg: DictConfig):
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    if argv is None:
-        sys.argv[1:] = [schema_spelling(a) for a in sys.argv[1:]]  # Hydra reads sys.argv itself
-    argv = sys.argv[1:] if argv is None else [schema_spelling(a) for a in argv]
+    try:  # `import.` and values holding '=' spelled for Hydra's grammar (overrides.hydra_argv)
+        if argv is None:
+            sys.argv[1:] = hydra_argv(sys.argv[1:])  # Hydra reads sys.argv itself
+        argv = sys.argv[1:] if argv is None else hydra_argv(argv)
+    except ConfigError as e:
+        report_error(e)
     set_swept_keys(argv)
     # Tab completion's `query=bash` / `install=bash` are Hydra's words, not config keys.
     completing = any(a in ("-sc", "--shell-completion") for a in argv)

@@ -8,8 +8,11 @@ these first, so a mistake is one line and exit code 2 (docs/runs.md), as for a m
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
+
+from orchestrator.errors import ConfigError
 
 # Hydra's options that change where configs come from: with them the CLI cannot know every
 # group's names (a config dir is added; a primary config or search path replaced).
@@ -42,3 +45,74 @@ def unknown_choice_message(group: str, name: str, allowed: Sequence[str]) -> str
         line += f" (a new one is a file conf/{group}/<name>.yaml: docs/config.md)"
     return line
 
+
+
+# ---------------------------------------------------------------- values holding '='
+# Hydra's override grammar ends a key at the first '=' and then refuses a second one unquoted
+# ("mismatched input '='"), yet srun's and mpiexec's flags hold one (`cluster.mpi_flag=
+# --mpi=pmix`, as docs/config.md and the example site write them). A value, each value of a sweep
+# or each item of a flat list that holds '=' and nothing else of the grammar is quoted for the
+# user; Hydra's grammar stays as it is for every argument it already takes.
+_KEY = re.compile(r"[+~]{0,2}[\w./@-]+")
+_PLAIN_ITEM = re.compile(r"[^\[\]{}(),'\"\\$]*")  # no grammar but '=': quoting keeps it as typed
+
+
+def _parses(arg: str) -> bool:
+    """Does Hydra's override grammar take `arg`?"""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        OverridesParser.create().parse_overrides([arg])
+    except Exception:  # its OverrideParseException, or any error of a value it cannot read
+        return False
+    return True
+
+
+def quote_equals(arg: str) -> str:
+    """`key=--mpi=pmix` as Hydra's grammar takes it, `key='--mpi=pmix'`; also each value of a
+    sweep (`key=a=1,a=2`) and each item of a flat list (`key=[--cpu-bind=cores,-v]`). Any other
+    argument is returned as it is: a flag, one Hydra already parses, one whose value holds
+    other grammar (quotes, braces, nested lists, `${...}`): check_equals_quoted says how to quote
+    those."""
+    key, eq, value = arg.partition("=")
+    if arg.startswith("-") or not eq or "=" not in value or not _KEY.fullmatch(key):
+        return arg
+    if _parses(arg):
+        return arg
+    listed = value.startswith("[") and value.endswith("]")
+    items = (value[1:-1] if listed else value).split(",")
+    if not all(_PLAIN_ITEM.fullmatch(item) for item in items):
+        return arg
+    quoted = ",".join(f"'{item}'" if "=" in item else item for item in items)
+    rewritten = f"{key}=[{quoted}]" if listed else f"{key}={quoted}"
+    return rewritten if _parses(rewritten) else arg
+
+
+def check_equals_quoted(argv: Sequence[str]) -> None:
+    """ConfigError (one line, exit 2) for an argument Hydra's grammar refuses because its value
+    holds an unquoted '=' that quote_equals could not place; other grammar errors are Hydra's
+    to report."""
+    import shlex
+
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if arg.startswith("-") or not eq or "=" not in value or _parses(arg):
+            continue
+        # Hydra's double quotes inside the shell's single quotes: pasted, the shell passes them on.
+        example = (f'{key}=["a=b",c]' if value.startswith("[") else
+                   f'{key}={{a: "b=c"}}' if value.startswith("{") else f'{key}="{value}"')
+        raise ConfigError(f"{arg}: Hydra's override grammar ends the key at the first '=' and "
+                          f"refuses another unquoted one; quote the value, or each item that "
+                          f"holds '=', so that the shell passes the quotes on, e.g. "
+                          f"{shlex.quote(example)}")
+
+
+def hydra_argv(argv: Sequence[str]) -> List[str]:
+    """The command line as Hydra is to read it: each argument as the schema spells it
+    (`import.` -> `import_.`, config.schema_spelling) with its '=' values quoted
+    (quote_equals); ConfigError for a value holding '=' that cannot be quoted for the user."""
+    from orchestrator.config import schema_spelling
+
+    rewritten = [quote_equals(schema_spelling(arg)) for arg in argv]
+    check_equals_quoted(rewritten)
+    return rewritten

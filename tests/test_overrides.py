@@ -1,0 +1,73 @@
+"""The command line as Hydra is to read it (orchestrator/overrides.py): a value holding '=' (srun's
+`--mpi=pmix`) is taken as typed, and one that cannot be is refused in one line saying how to
+quote it; every argument Hydra's grammar already takes passes unchanged."""
+from __future__ import annotations
+
+import shlex
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from conftest import one_error_line, run_cli
+from orchestrator.config import CONF_DIR, register_configs
+from orchestrator.errors import ConfigError
+from orchestrator.overrides import hydra_argv
+
+
+def _composed(argv):
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return OmegaConf.to_object(compose(config_name="config", overrides=hydra_argv(argv)))
+
+
+@pytest.mark.parametrize("arg, key, value", [
+    ("cluster.mpi_flag=--mpi=none", "mpi_flag", "--mpi=none"),  # as docs/config.md writes it
+    ("cluster.mpi_flag='--mpi=none'", "mpi_flag", "--mpi=none"),  # quoted, as before
+    ('cluster.mpi_flag="--mpi=none"', "mpi_flag", "--mpi=none"),
+    ("cluster.srun_args=[--cpu-bind=cores,-v]", "srun_args", ["--cpu-bind=cores", "-v"]),
+    ("cluster.srun_args=['--cpu-bind=cores',-v]", "srun_args", ["--cpu-bind=cores", "-v"]),
+    ("cluster.srun_args=[]", "srun_args", []),
+    ("+cluster.sbatch_args.constraint=a=b", "sbatch_args", {"constraint": "a=b"}),
+    ("++cluster.sbatch_args={a: 'b=c'}", "sbatch_args", {"a": "b=c"}),
+])
+def test_a_value_holding_equals_is_taken_as_typed(arg, key, value):
+    assert getattr(_composed([arg]).cluster, key) == value
+
+
+def test_a_sweep_of_such_values_stays_a_sweep_and_other_grammar_is_untouched():
+    from orchestrator.sweep import swept_keys
+
+    argv = ["-m", "stage=noop", "cluster.mpi_flag=--mpi=pmi2,--mpi=pmix", "train.pp=1,2",
+            "search.schedules=[1f1b,interleaved]", "train.seq_len=${model.seq_len}",
+            "hydra.job.chdir=false", "--config-dir=/a=b", "cluster.mpi_flag=a b"]
+    rewritten = hydra_argv(argv)
+    assert rewritten[2] == "cluster.mpi_flag='--mpi=pmi2','--mpi=pmix'"
+    assert rewritten[:2] + rewritten[3:] == argv[:2] + argv[3:]
+    assert swept_keys(rewritten) == ["cluster.mpi_flag", "train.pp"]
+    assert hydra_argv(["import.path=a=b"]) == ["import_.path='a=b'"]  # the schema's spelling too
+
+
+@pytest.mark.parametrize("arg, example", [
+    ("cluster.sbatch_args={a: b=c}", """'cluster.sbatch_args={a: "b=c"}'"""),
+    ("cluster.srun_args=[[x=1]]", """'cluster.srun_args=["a=b",c]'"""),
+    ("cluster.mpi_flag=(x=1)", """'cluster.mpi_flag="(x=1)"'"""),
+])
+def test_equals_that_cannot_be_quoted_for_the_user_says_how(arg, example):
+    with pytest.raises(ConfigError) as error:
+        hydra_argv(["stage=noop", arg])
+    message = str(error.value)
+    assert message.startswith(f"{arg}: Hydra's override grammar ends the key at the first '='")
+    assert message.endswith(f"e.g. {example}") and "\n" not in message
+    key, _, value = shlex.split(example)[0].partition("=")
+    assert hydra_argv([f"{key}={value}"]) == [f"{key}={value}"]  # the example itself parses
+
+
+def test_equals_on_the_command_line_runs_or_is_one_line_exit_2(profiles):
+    proc = run_cli("--cfg", "job", "stage=noop", "cluster.mpi_flag=--mpi=none",
+                   profiles_dir=profiles, check=0)
+    assert "mpi_flag: --mpi=none" in proc.stdout
+    line = one_error_line(run_cli("stage=noop", "cluster.sbatch_args={a: b=c}",
+                                  profiles_dir=profiles), 2)
+    assert line.startswith("error: cluster.sbatch_args={a: b=c}: Hydra's override grammar")
+    assert not profiles.exists()
