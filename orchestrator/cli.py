@@ -17,12 +17,13 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from orchestrator.choices import Ranks
-from orchestrator.config import (CONF_DIR, PATH_NAME_KEYS, Config, check_group_file,
+from orchestrator.config import (CONF_DIR, PATH_NAME_KEYS, Config,
                                  check_path_name, check_path_names, choice_type, config_dirs,
                                  group_options, group_source, override_type_error,
                                  register_configs, schema_has_key, site_conf_dir,
@@ -33,6 +34,7 @@ from orchestrator.errors import (ConfigError, InvalidLayout, LaunchError, Orches
                                  file_error)
 from orchestrator.launch import make_launcher, refresh_ledger
 from orchestrator.overrides import config_dir_args, hydra_argv, unknown_choice_message
+from orchestrator.site_files import check_group_file, composed_error
 from orchestrator.pipeline import (check_launchable, decide, ledger_for, plan_stage, stages_for,
                                    validate_cluster)
 from orchestrator.runtime.request import StageRequest
@@ -478,7 +480,11 @@ def print_calibrations(cfg) -> None:
 # ---------------------------------------------------------------- entry points
 def orchestrate(composed: DictConfig):
     """The Hydra task: one stage (or `all`, `status`, `init`) for one composed config."""
-    cfg: Config = OmegaConf.to_object(composed)  # typed from here on, down to the ranks
+    try:
+        cfg: Config = OmegaConf.to_object(composed)  # typed from here on, down to the ranks
+    except OmegaConfBaseException as e:  # resolving it: `${oc.env:X}` unset, a `???` left
+        return _failed(composed_error(e, selected_sources(), HydraConfig.get().overrides.task),
+                       composed)
     set_user_overrides(HydraConfig.get().overrides.task)  # printed fix commands keep them
     try:
         check_path_names(cfg)  # also what a cluster or model file names: before any folder

@@ -68,47 +68,6 @@ def group_source(group: str, name: str, dirs: List[Path]) -> Optional[str]:
     return None
 
 
-def check_group_file(group: str, path: Path) -> None:
-    """ConfigError naming `path` and the key when a group file (e.g. a site's
-    conf/cluster/mysite.yaml) does not fit the schema's `group` section: an unknown key, a wrong
-    type, a name that cannot be a folder name. What Hydra would refuse at compose time, in one
-    line. Files that place themselves elsewhere (`# @package`) are left to Hydra."""
-    import yaml
-    from omegaconf import DictConfig, OmegaConf
-    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
-
-    section = _field_type(Config, group)
-    text = path.read_text()
-    if not dataclasses.is_dataclass(section) or "@package" in text:
-        return
-    try:
-        node = OmegaConf.create(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}:" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"{path}:{where} not valid YAML: {problem}") from None
-    if not isinstance(node, DictConfig):
-        raise ConfigError(f"{path}: holds a {type(node).__name__}, not {group} keys (key: value)")
-    node.pop("defaults", None)
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(section), node)
-    except ConfigKeyError as e:
-        raise ConfigError(f"{path}: {unknown_key_message(f'{group}.{e.full_key}')}") from None
-    except OmegaConfBaseException as e:  # a wrong type: worded as on the command line
-        key = f"{group}.{e.full_key}"
-        line = (override_type_error(key, OmegaConf.select(node, str(e.full_key)))
-                or f"{key}: {str(e).splitlines()[0]}")
-        raise ConfigError(f"{path}: {line}") from None
-    for key in PATH_NAME_KEYS:
-        head, _, leaf = key.partition(".")
-        if head == group:
-            try:
-                check_path_name(key, OmegaConf.select(merged, leaf))
-            except ConfigError as e:
-                raise ConfigError(f"{path}: {e}") from None
-
-
 # Config values that become one folder or file name: profiles/<cluster.name>/,
 # model/<model.name>.json, train/<model.name>/, conf/device/<device>.yaml.
 PATH_NAME_KEYS = ("cluster.name", "model.name", "profile_model.device", "trace.device")

@@ -131,10 +131,11 @@ def test_a_site_sweep_runs_from_the_site_folder(tmp_path):
 
 
 @pytest.mark.parametrize("text, says", [
-    ("name: mysite\nnodez: 2\n", "unknown key cluster.nodez; did you mean cluster.nodes?"),
-    ("name: mysite\nnodes: two\n", "cluster.nodes='two': expected an integer"),
+    ("name: mysite\nnodez: 2\n",
+     "line 2: unknown key cluster.nodez; did you mean cluster.nodes?"),
+    ("name: mysite\nnodes: two\n", "line 2: cluster.nodes='two': expected an integer"),
     ("name: mysite\nlinks:\n  nic_Gbps: fast\n",
-     "cluster.links.nic_Gbps='fast': expected a number"),
+     "line 3: cluster.links.nic_Gbps='fast': expected a number"),
     ("name: mysite\n  nodes: [\n", "line 2: not valid YAML: mapping values are not allowed here"),
 ])
 def test_a_bad_site_cluster_file_fails_in_one_line_naming_the_file(tmp_path, text, says):
@@ -144,6 +145,95 @@ def test_a_bad_site_cluster_file_fails_in_one_line_naming_the_file(tmp_path, tex
         line = one_error_line(run_cli(*args, profiles_dir=None, cwd=tmp_path), 2)
         assert line == f"error: {site / 'cluster' / 'mysite.yaml'}: {says}"
     assert _files(tmp_path) == ["conf", "conf/cluster", "conf/cluster/mysite.yaml"]
+
+
+# Every way a site file can be wrong, and what its one line says after "<file>: ".
+BAD_SITE_FILES = [
+    # not readable as YAML
+    (b"name: \xff\n", "not UTF-8 text (byte 0xff at offset 6)"),
+    ("name: mysite\n\tnodes: 2\n", "line 2: not valid YAML: found character '\\t'"),
+    ("name: mysite\nname: other\n", "line 2: not valid YAML: found duplicate key name"),
+    ("name: *base\n", "line 1: not valid YAML: found undefined alias 'base'"),
+    # YAML a config cannot hold
+    ("name: mysite\npartition: !!timestamp 2024-01-01\n",
+     "line 2: cluster.partition: a YAML !!timestamp value, which a config cannot hold"),
+    ("name: mysite\nsetup: !!set {a, b}\n",
+     "line 2: cluster.setup: a YAML !!set value, which a config cannot hold"),
+    ("name: mysite\nsbatch_args: {comment: !!binary aGVsbG8=}\n",
+     "line 2: cluster.sbatch_args.comment: a YAML !!binary value"),
+    ("name: mysite\nsbatch_args: !!omap [a: 1]\n", "line 2: cluster.sbatch_args: a YAML !!omap"),
+    ("name: !!python/name:os.system x\n", "line 1: cluster.name: a YAML !!python/name:os.system"),
+    ("name: !mine x\n", "line 1: cluster.name: a YAML !mine value"),
+    ("name: mysite\nsbatch_args: {1: a}\n",
+     "line 2: cluster.sbatch_args: the key '1' is a YAML !!int, not a name: quote it"),
+    ("name: mysite\ntrue: 1\n", "line 2: cluster: the key 'true' is a YAML !!bool, not a name"),
+    ("name: mysite\nsrun_args: &a [*a]\n", "line 2: cluster.srun_args[0]: an alias that holds"),
+    # not keys
+    ("- a\n- b\n", "line 1: holds a list, not keys (key: value, one a line)"),
+    ("mysite\n", "line 1: holds the single value 'mysite', not keys"),
+    ("defaults: base\nname: mysite\n", "line 1: defaults: Hydra's defaults list is a list"),
+    # interpolations
+    ("name: ${oops\n", "line 1: cluster.name: '${oops' is not a valid interpolation"),
+    ("name: mysite\nnodes: ${cluster.nodez}\n",
+     "line 2: cluster.nodes: '${cluster.nodez}' names no key"),
+    ("name: ${nope:x}\n", "line 1: cluster.name: '${nope:x}' names no resolver"),
+    # the schema's refusals, with their lines
+    ("name: mysite\nlinks:\n  nic_gbps: 1\n", "line 3: unknown key cluster.links.nic_gbps"),
+    ("name: mysite\nnodes: 2024-01-01\n", "line 2: cluster.nodes='2024-01-01': expected an"),
+    ("name: ../up\n", "line 1: cluster.name='../up': it names a folder or file"),
+    ("# @package _global_\ncluster:\n  nodez: 2\n", "line 3: unknown key cluster.nodez"),
+]
+
+
+@pytest.mark.parametrize("content, says", BAD_SITE_FILES)
+def test_every_way_a_site_file_is_wrong_is_one_line_naming_file_line_and_key(tmp_path, content,
+                                                                             says):
+    from orchestrator.site_files import check_group_file
+
+    path = tmp_path / "mysite.yaml"
+    (path.write_bytes if isinstance(content, bytes) else path.write_text)(content)
+    with pytest.raises(ConfigError) as error:
+        check_group_file("cluster", path)
+    message = str(error.value)
+    assert message.startswith(f"{path}: {says}") and "\n" not in message, message
+
+
+@pytest.mark.parametrize("text", [
+    "",  # empty: the schema's defaults
+    "# only a comment\n",
+    "name: mysite\npartition: 2024-01-01\n",  # Hydra's loader keeps a plain date as text
+    "name: mysite\nsbatch_args:\n  <<: {comment: x}\n",  # a YAML merge key
+    "name: mysite\ntime_min: ${model.layers}\n",  # another section, resolved by Hydra
+    "name: mysite-${now:%Y}\n",  # Hydra's own resolver
+    "# @package _group_\nname: mysite\n",
+    "name: mysite\nsbatch_args: {'1': a, comment: 'x=y'}\n",
+])
+def test_a_good_site_file_passes(tmp_path, text):
+    from orchestrator.site_files import check_group_file
+
+    path = tmp_path / "mysite.yaml"
+    path.write_text(text)
+    check_group_file("cluster", path)
+
+
+@pytest.mark.parametrize("file, args, says", [
+    # checked before Hydra: a YAML set in $ORCHESTRATOR_CONF's model file (Hydra: ~100 lines)
+    ("model/mymodel.yaml", ["model=mymodel"],
+     "line 2: model.hidden: a YAML !!set value, which a config cannot hold"),
+    # only Hydra's composing finds it: an unset environment variable (Hydra: 14 lines)
+    ("cluster/mysite.yaml", ["cluster=mysite"],
+     "line 7: cluster.partition: KeyError raised while resolving interpolation"),
+])
+def test_a_bad_site_file_exits_2_in_one_line_naming_file_line_and_key(tmp_path, file, args,
+                                                                      says):
+    site = _site(tmp_path / "site", {
+        "model/mymodel.yaml": "name: mymodel\nhidden: !!set {a}\n",
+        "cluster/mysite.yaml": MYSITE + "partition: ${oc.env:ORCHESTRATOR_TEST_UNSET}\n"})
+    proc = run_cli("stage=noop", *args, profiles_dir=None, cwd=tmp_path,
+                   env={"ORCHESTRATOR_CONF": str(site)})
+    line = one_error_line(proc, 2)
+    assert line.startswith(f"error: {site / file}: {says}"), line
+    assert not (tmp_path / "profiles").exists()
 
 
 def test_a_site_config_yaml_is_refused_not_used_as_the_primary_config(tmp_path):
@@ -191,7 +281,8 @@ def test_a_path_name_from_a_site_cluster_file_exits_2_creating_nothing(tmp_path)
     for sweep in ([], ["-m", "cluster.tasks_per_node=1,2"]):
         proc = run_cli(*sweep, "stage=noop", "cluster=evil", profiles_dir=None, cwd=tmp_path)
         line = one_error_line(proc, 2)
-        assert line.startswith(f"error: {site / 'cluster' / 'evil.yaml'}: cluster.name='../evil'")
+        assert line.startswith(f"error: {site / 'cluster' / 'evil.yaml'}: line 1: "
+                               f"cluster.name='../evil'")
     assert _files(tmp_path) == ["conf", "conf/cluster", "conf/cluster/evil.yaml"]
 
 
