@@ -5,9 +5,12 @@ the line and the key (exit code 2), where Hydra would print 15 to 150 lines and 
 The ways a file can be wrong, in the order they are asked: it cannot be read (no permission, not
 UTF-8 text); it is not YAML (syntax, a tab, a duplicate key, an unknown alias); it holds what a
 config cannot (a YAML set, binary, an explicit `!!timestamp`, an ordered map, a custom or Python
-tag, a key that is not a name such as `1:` or `true:`), or is not a mapping of keys at all, or
-its `defaults:` is not a list; an interpolation `${...}` that does not parse or names no key;
-the schema's refusals (an unknown key, a wrong type, a name that cannot be a folder name).
+tag, a key that is not a name such as `1:` or `true:`, an alias that holds itself), or is not a
+mapping of keys at all, or its `defaults:` is not a list; an interpolation `${...}` that does not
+parse or names no key or resolver; the schema's refusals where its keys land (its group, or its
+`# @package`): an unknown key, a wrong type, a name that cannot be a folder name. What only
+resolving finds once Hydra has composed (an unset `${oc.env:X}`) is composed_error's, named the
+same way.
 """
 from __future__ import annotations
 
@@ -118,10 +121,9 @@ def _yaml_error(path: Path, error) -> str:
 
 def read_group_file(path: Path, group: str = ""):
     """(the file's YAML node tree, its DictConfig, its text); tree and config None for an empty
-    file. ConfigError,
-    one line naming the file, the line and the key (`<group>.<key>`), for a file that cannot be
-    read, is not YAML, holds what a config cannot (node_problem), is not a mapping, or whose
-    `defaults:` is not a list."""
+    file. ConfigError, one line naming the file, the line and the key (`<group>.<key>`, or where
+    its `# @package` puts it), for a file that cannot be read, is not YAML, holds what a config
+    cannot (node_problem), is not a mapping, or whose `defaults:` is not a list."""
     import yaml
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
