@@ -511,10 +511,11 @@ def _failed(error: OrchestratorError, cfg: Config):
         error.args = ("; ".join([str(error), *_unrecorded_ends]),)
         _unrecorded_ends.clear()
     if HydraConfig.get().mode == RunMode.MULTIRUN:
-        print_error(error)
         if isinstance(error, InvalidLayout):  # a point that cannot run here: skipped, not failed
+            err_console.print(f"[yellow]skipped:[/] {escape(str(error))}", soft_wrap=True)
             return [{"stage": cfg.stage.name, "state": "skipped", "error": str(error),
                      "exit_code": 0}]
+        print_error(error)
         return [{"stage": cfg.stage.name, "state": "failed", "error": str(error),
                  "exit_code": error.exit_code}]
     report_error(error)

@@ -189,6 +189,19 @@ def test_readme_sweep_skips_a_layout_these_ranks_cannot_hold_and_exits_0(inputs)
     assert float(rows[0]["reserve GiB"]) == pytest.approx(reserve_GiB, abs=1e-3)
     assert "peak GiB" not in rows[0]  # no column a user cannot place
     assert f"{model_peak_GiB:.2f}" in proc.stdout  # the search's own table, the same figure
+    assert "skipped: search.tp: pp(4) * tp(2) = 8 does not divide" in proc.stderr
+    assert "error:" not in proc.stderr  # nothing failed
+
+
+def test_a_train_row_names_its_predicted_and_measured_peaks_apart():
+    from orchestrator.sweep import COLUMNS, train_row
+
+    row = train_row({"describe": "tp1 pp1", "iteration_time_error": 0.1,
+                     "measured": {"iteration_ms": 11.0, "tokens_per_s": 5.0,
+                                  "peak_memory_MiB": [512.0, 1024.0]},
+                     "predicted": {"iteration_ms": 10.0, "peak_memory_MiB": 768.0}})
+    assert (row["model peak GiB"], row["measured peak GiB"]) == ("0.750", "1.000")
+    assert set(row) <= set(COLUMNS)
 
 
 def test_an_invalid_point_is_a_row_and_the_sweep_exits_with_its_code(inputs):
