@@ -107,12 +107,24 @@ def check_equals_quoted(argv: Sequence[str]) -> None:
                           f"{shlex.quote(example)}")
 
 
+# Hydra's options whose value is the next argument (`--config-dir /a=b`): a path, not an override.
+_VALUED_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd",
+                 "--experimental-rerun", "--package", "-p", "--cfg", "-c", "--info", "-i")
+
+
 def hydra_argv(argv: Sequence[str]) -> List[str]:
-    """The command line as Hydra is to read it: each argument as the schema spells it
+    """The command line as Hydra is to read it: each override as the schema spells it
     (`import.` -> `import_.`, config.schema_spelling) with its '=' values quoted
-    (quote_equals); ConfigError for a value holding '=' that cannot be quoted for the user."""
+    (quote_equals); ConfigError for a value holding '=' that cannot be quoted for the user.
+    Options and their values (`--config-dir /a=b`) pass unchanged."""
     from orchestrator.config import schema_spelling
 
-    rewritten = [quote_equals(schema_spelling(arg)) for arg in argv]
-    check_equals_quoted(rewritten)
+    rewritten, overrides = [], []
+    for i, arg in enumerate(argv):
+        if arg.startswith("-") or (i and argv[i - 1] in _VALUED_FLAGS):
+            rewritten.append(arg)
+            continue
+        rewritten.append(quote_equals(schema_spelling(arg)))
+        overrides.append(rewritten[-1])
+    check_equals_quoted(overrides)
     return rewritten

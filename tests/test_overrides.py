@@ -46,6 +46,8 @@ def test_a_sweep_of_such_values_stays_a_sweep_and_other_grammar_is_untouched():
     assert rewritten[:2] + rewritten[3:] == argv[:2] + argv[3:]
     assert swept_keys(rewritten) == ["cluster.mpi_flag", "train.pp"]
     assert hydra_argv(["import.path=a=b"]) == ["import_.path='a=b'"]  # the schema's spelling too
+    assert hydra_argv(["--config-dir", "/a=b=c", "-cp", "x=y=z"]) == [  # paths, not overrides
+        "--config-dir", "/a=b=c", "-cp", "x=y=z"]
 
 
 @pytest.mark.parametrize("arg, example", [
