@@ -251,6 +251,8 @@ def run_stages(cfg: Config, plans: Optional[List[StagePlan]] = None) -> List[dic
         skipped = [s for s in plan.subparts if s not in decision.todo]
         if skipped:
             console.print(escape(f"{plan.key}: sub-parts done, skipping: {', '.join(skipped)}"))
+        if decision.unfinished:
+            console.print(escape(f"{plan.key}: {decision.unfinished}"))
         _check_inputs(plan, cfg, produced_now)
         request = StageRequest(plan=plan, config=cfg, todo=list(decision.todo),
                                ledger_dir=str(ledger.path.parent),
