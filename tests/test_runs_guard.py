@@ -44,6 +44,28 @@ def _rank_pids(profiles) -> list:
     return [int(p) for p in out.split()]
 
 
+def _wait_for_ranks_up(run_dir: Path, ranks: int, timeout_s: float = 60) -> None:
+    """Until every rank logged that it joined the launch (MPI and the rendezvous are up)."""
+    deadline = time.monotonic() + timeout_s
+    for rank in range(ranks):
+        log = run_dir / f"rank{rank}.log"
+        while not (log.exists() and f"rank {rank}/{ranks} on" in log.read_text()):
+            assert time.monotonic() < deadline, f"rank {rank} not up in {timeout_s} s"
+            time.sleep(0.1)
+
+
+def _shm_segments(pids) -> set:
+    """The /dev/shm files of MPICH that processes `pids` have mapped (gone ones left out)."""
+    found = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except FileNotFoundError:
+            continue
+        found.update(re.findall(r"/dev/shm/mpich_\S+", maps))
+    return found
+
+
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
@@ -109,6 +131,9 @@ def test_kill_9_of_the_cli_takes_its_ranks_then_status_and_rerun(profiles):
             assert time.monotonic() < deadline
             time.sleep(0.1)
         pids = [mpiexec_pid] + _rank_pids(profiles)
+        _wait_for_ranks_up(Path(entry["run_dir"]), 4)
+        segments = _shm_segments(pids)  # MPICH's shared memory between the ranks
+        assert len(segments) == 1, segments  # one per launch and host
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         deadline = time.monotonic() + 10
@@ -117,6 +142,7 @@ def test_kill_9_of_the_cli_takes_its_ranks_then_status_and_rerun(profiles):
             time.sleep(0.2)
     finally:
         _stop(proc)
+    assert not [s for s in segments if Path(s).exists()]  # 4 MiB of /dev/shm not leaked
     status = run_cli("stage=status", profiles_dir=profiles, check=0)
     row = next(line for line in status.stdout.splitlines() if "│ noop " in line)
     assert "failed" in row and f"processes are gone (pid {proc.pid})" in row

@@ -10,6 +10,7 @@ import datetime
 import faulthandler
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -119,6 +120,32 @@ def _rendezvous_store(comm, rank: int, size: int, hostnames: list):
     return store, addr, port
 
 
+# MPICH's shared memory between the ranks of a host: a file in /dev/shm (`mpich_shm_<id>_<node>`)
+# that only MPI_Finalize removes, so every run that ends otherwise (an abort, a Ctrl-C, a kill)
+# left 4 MiB of a login node's memory behind.
+_MPICH_SHM = re.compile(r"/dev/shm/mpich_\S+")
+
+
+def forget_shm_names() -> list:
+    """Unlink the /dev/shm files MPICH mapped into this process; returns their paths.
+
+    Call once MPI_Init has returned: the ranks of a host have then all mapped the segment
+    (MPICH waits for each of them to before returning), and MPICH looks a segment up by its name
+    only to map it. The memory stays while a rank maps it and goes with the last of them,
+    however they end; only files this process maps are touched, never another run's."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:  # not Linux
+        return []
+    paths = sorted(set(_MPICH_SHM.findall(maps)))
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:  # a peer of this host was first
+            pass
+    return paths
+
+
 def bootstrap(world_size: int, backend: str = "gloo", torch_distributed: bool = True,
               job_id: Optional[str] = None) -> RankContext:
     """Join MPI, check the world size, and initialise torch.distributed on this rank.
@@ -129,6 +156,7 @@ def bootstrap(world_size: int, backend: str = "gloo", torch_distributed: bool = 
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
+    forget_shm_names()
     rank, size = comm.Get_rank(), comm.Get_size()
     check_world_size(size, world_size)
 
