@@ -153,6 +153,35 @@ def test_kill_9_of_the_cli_takes_its_ranks_then_status_and_rerun(profiles):
     assert ledger(profiles)["noop"]["state"] == "done"
 
 
+def _rank_pid(rank: int, pids) -> int:
+    """Which of `pids` is the Python process of local rank `rank` (hydra tells it PMI_RANK)."""
+    for pid in pids:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except FileNotFoundError:
+            continue
+        if argv[0] == sys.executable.encode() and f"PMI_RANK={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no process of rank {rank} among {pids}")
+
+
+def test_a_killed_rank_is_named_first_with_its_signal_and_log(profiles):
+    proc = start_cli(*SLOW_NOOP, profiles_dir=profiles)
+    try:
+        entry = _wait_until_running(proc, profiles)
+        _wait_for_ranks_up(Path(entry["run_dir"]), 4)
+        os.kill(_rank_pid(2, _rank_pids(profiles)), signal.SIGKILL)  # as the OOM killer would
+        out, _ = proc.communicate(timeout=WAIT_S)
+    finally:
+        _stop(proc)
+    assert proc.returncode == 5, out
+    error = next(line for line in out.splitlines() if line.startswith("error: "))
+    assert error.startswith(f"error: noop failed: rank 2 was killed by signal 9 (SIGKILL"), error
+    assert f"its log: {entry['run_dir']}/rank2.log" in error
+    assert "rank 0" not in error and "rank 1" not in error and "rank 3" not in error
+
+
 def test_kill_9_then_an_immediate_rerun_runs(profiles):
     proc = start_cli(*SLOW_NOOP, profiles_dir=profiles)
     try:

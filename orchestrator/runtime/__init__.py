@@ -6,6 +6,7 @@ the calling process.
 """
 from __future__ import annotations
 
+import ctypes
 import datetime
 import faulthandler
 import logging
@@ -32,6 +33,9 @@ log = logging.getLogger("orchestrator.runtime")
 
 # Set by the local launcher: "<pid>:<start ticks>" of the CLI the ranks must not outlive.
 PARENT_ENV = "ORCHESTRATOR_PARENT_PID"
+# Set by the shell each local rank runs under (launch.local): its pid.
+RANK_SHELL_ENV = "ORCHESTRATOR_RANK_SHELL"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 PARENT_POLL_S = 0.5
 # How long a rank waits for its peers: at the rendezvous, and in each collective.
 RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=10)
@@ -196,6 +200,22 @@ def bootstrap(world_size: int, backend: str = "gloo", torch_distributed: bool = 
     dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                             timeout=RENDEZVOUS_TIMEOUT)
     return RankContext(backend=backend, device_spec=device, **context)
+
+
+def die_with_parent(sig: int) -> bool:
+    """Have the kernel send this process `sig` when its parent dies, however it dies; returns
+    False when the parent is already gone (the call came too late to cover it)."""
+    expected = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+    return os.getppid() == expected
+
+
+def die_with_rank_shell() -> None:
+    """A local rank: die with the shell that waits for it (launch.local), which mpiexec kills
+    with every other rank when one fails; exit at once if that shell is already gone."""
+    shell = os.environ.get(RANK_SHELL_ENV)
+    if shell and not (die_with_parent(signal.SIGKILL) and os.getppid() == int(shell)):
+        os._exit(1)
 
 
 def watch_parent() -> None:
