@@ -101,26 +101,3 @@ def test_invalid_tp_for_the_model_is_exit_2_before_launch(profiles):
     assert "model.kv_heads(2) is not divisible by tp(4)" in proc.stderr
     assert not (profiles / "local" / "model").exists()
 
-
-def test_a_plot_that_failed_is_made_by_the_rerun_and_status_agrees(profiles):
-    # A late write (the plot, after every point) fails: the stage is not done, however done
-    # its parts are, and the rerun finishes it rather than "done, skipping".
-    args = ["stage=profile_model", "profile_model.source=analytic", "profile_model.max_tp=1",
-            "profile_model.seq_lens=[64,128]"]
-    png = profiles / "local" / "model" / "tiny.png"
-    png.mkdir(parents=True)  # what a full disk does to the last write, made repeatable
-    failed = run_cli(*args, profiles_dir=profiles)
-    assert failed.returncode != 0 and "tiny.png" in failed.stderr, failed.stdout + failed.stderr
-    entries = ledger(profiles)
-    assert entries["profile_model/tiny"]["state"] == "failed"
-    assert all(entries[f"profile_model/tiny/seq{s}_tp1"]["state"] == "done" for s in (64, 128))
-    png.rmdir()
-    rerun = run_cli(*args, profiles_dir=profiles, check=0)
-    assert "skipping (force=true" not in rerun.stdout
-    assert png.stat().st_size > 10_000
-    assert ledger(profiles)["profile_model/tiny"]["state"] == "done"
-    status = run_cli("stage=status", profiles_dir=profiles, check=0).stdout
-    row = next(line for line in status.splitlines() if "│ profile_model/tiny " in line)
-    assert "done" in row, status
-    again = run_cli(*args, profiles_dir=profiles, check=0)  # now done: skipped, as status says
-    assert "profile_model/tiny: done" in again.stdout and "skipping" in again.stdout
