@@ -461,16 +461,14 @@ def test_a_run_on_another_host_is_refused_while_its_heartbeat_is_fresh(tmp_path)
     assert ledger.get("train/small").pid == os.getpid()
 
 
-def test_the_owner_keeps_its_heartbeat_while_it_waits(tmp_path, monkeypatch):
-    from orchestrator.store import owner
+def test_the_owner_keeps_its_heartbeat_while_it_waits(tmp_path):
     from orchestrator.store.ledger import Ledger, State
 
-    monkeypatch.setattr(owner, "HEARTBEAT_S", 0.05)
     ledger = Ledger(tmp_path)
     ledger.launch("noop", [], queued=False, config_hash="h", launcher="local", run_dir="r")
     first = ledger.get("noop").heartbeat
     assert first is not None
-    with ledger.heartbeat("noop"):
+    with ledger.heartbeat("noop", every_s=0.05):
         deadline = time.monotonic() + 30
         while ledger.get("noop").heartbeat == first:
             assert time.monotonic() < deadline, "no heartbeat in 30 s"

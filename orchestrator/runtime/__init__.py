@@ -33,12 +33,15 @@ log = logging.getLogger("orchestrator.runtime")
 
 # Set by the local launcher: "<pid>:<start ticks>" of the CLI the ranks must not outlive.
 PARENT_ENV = "ORCHESTRATOR_PARENT_PID"
-# Set by the shell each local rank runs under (launch.local): its pid.
-RANK_SHELL_ENV = "ORCHESTRATOR_RANK_SHELL"
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 PARENT_POLL_S = 0.5
 # How long a rank waits for its peers: at the rendezvous, and in each collective.
 RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=10)
+# Set by the shell each local rank runs under (launch.local): its pid.
+RANK_SHELL_ENV = "ORCHESTRATOR_RANK_SHELL"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# libc, loaded once here: a forked child about to exec (subprocess's preexec_fn) must not load a
+# library, which could wait forever on a lock another thread held at the fork.
+_LIBC = ctypes.CDLL(None, use_errno=True)
 
 
 def _job_id() -> Optional[str]:
@@ -133,9 +136,9 @@ _MPICH_SHM = re.compile(r"/dev/shm/mpich_\S+")
 def forget_shm_names() -> list:
     """Unlink the /dev/shm files MPICH mapped into this process; returns their paths.
 
-    Call once MPI_Init has returned: the ranks of a host have then all mapped the segment
-    (MPICH waits for each of them to before returning), and MPICH looks a segment up by its name
-    only to map it. The memory stays while a rank maps it and goes with the last of them,
+    Call once MPI_Init has returned: every rank of the host has then mapped the segment (MPICH
+    returns from it only once each of them has), and MPICH looks a segment up by its name only
+    to map it. The memory stays while a rank maps it and goes with the last of them,
     however they end; only files this process maps are touched, never another run's."""
     try:
         maps = Path("/proc/self/maps").read_text()
@@ -206,7 +209,7 @@ def die_with_parent(sig: int) -> bool:
     """Have the kernel send this process `sig` when its parent dies, however it dies; returns
     False when the parent is already gone (the call came too late to cover it)."""
     expected = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+    _LIBC.prctl(_PR_SET_PDEATHSIG, sig)
     return os.getppid() == expected
 
 

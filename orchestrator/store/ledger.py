@@ -40,8 +40,7 @@ from filelock import FileLock, Timeout
 
 from orchestrator.errors import LaunchError
 from orchestrator.store import keep_reserve, read_json, write_json
-from orchestrator.store import owner as owner_
-from orchestrator.store.owner import Owner, pid_alive
+from orchestrator.store.owner import HEARTBEAT_S, Owner, pid_alive
 
 LEDGER_NAME = "ledger.json"
 # Room the reserve keeps beyond a copy of the ledger: rank 0's result file, rounding to blocks.
@@ -398,16 +397,16 @@ class Ledger:
             return True
 
     @contextlib.contextmanager
-    def heartbeat(self, key: str) -> Iterator[None]:
+    def heartbeat(self, key: str, every_s: float = HEARTBEAT_S) -> Iterator[None]:
         """While the block runs (the owning CLI waits for its launch of `key`), a thread stamps
-        the entry every HEARTBEAT_S: a CLI on another host, which cannot see this process, takes
+        the entry every `every_s`: a CLI on another host, which cannot see this process, takes
         the launch as alive while the stamp is fresh. The stamps stop with the block (a Ctrl-C
         too) and with the process (a kill: a daemon thread)."""
         owner, stop = Owner.this_process(), threading.Event()
         beats = Ledger(self.path.parent, self._rebuild)  # filelock's locks are per thread
 
         def beat() -> None:
-            while not stop.wait(owner_.HEARTBEAT_S):
+            while not stop.wait(every_s):
                 try:
                     beats._stamp(key, owner)
                 except (OSError, RunInProgress):  # a full disk, a busy lock: the next one may do
@@ -419,7 +418,7 @@ class Ledger:
             yield
         finally:
             stop.set()
-            thread.join(timeout=1.0)  # never wait out a lock for a stamp nobody needs now
+            thread.join()  # no stamp after the block, nor a thread left while the CLI forks
 
     def _stamp(self, key: str, owner: Owner) -> None:
         """The heartbeat of `key`, if it is still active and `owner`'s launch."""
