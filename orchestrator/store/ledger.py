@@ -263,6 +263,8 @@ class Ledger:
         """Why a write is refused: the lock's holder (as it recorded itself) and since when."""
         try:
             host, pid, since = self._holder.read_text().split()
+            if host == socket.gethostname() and not pid_alive(int(pid)):
+                raise ValueError("the last holder recorded has ended: another holds it now")
             held = (f"by pid {pid} on host {host} since "
                     f"{time.strftime('%H:%M:%S', time.localtime(float(since)))} "
                     f"({time.time() - float(since):.0f} s ago)")
