@@ -194,18 +194,22 @@ def _run_base(cfg: Config) -> Path:
     return cluster_dir(cfg.profiles_dir, cfg.cluster.name) / "runs" / f"{stamp}_{cfg.stage.name}"
 
 
-def _run_dir(cfg: Config, base: Path, stage: str, n_stages: int, sources: dict) -> Path:
-    """The folder of one launch (a sub-folder per stage for stage=all). The command's folder is
-    made at its first launch, with the composed config (headed by where its cluster and model
-    files came from: `sources`) and the overrides in it, so a command that launches nothing
-    (status, a rerun that skips everything) leaves no folder behind."""
+def _run_dir(base: Path, stage: str, n_stages: int) -> Path:
+    """The folder of one launch (a sub-folder per stage for stage=all); not made yet."""
+    return base / stage if n_stages > 1 else base
+
+
+def _write_run_config(cfg: Config, base: Path, sources: dict) -> None:
+    """The command's folder, made at its first launch once the ledger let it run, with the
+    composed config (headed by where its cluster and model files came from: `sources`) and the
+    overrides in it: a command that launches nothing (status, a rerun that skips everything, a
+    run refused because another holds the stage) leaves no folder behind."""
     if not (base / "config.yaml").exists():
         text = "".join(f"# {group}: {source}\n" for group, source in sources.items())
         text += OmegaConf.to_yaml(OmegaConf.structured(cfg))
         overrides = "".join(f"- {o}\n" for o in HydraConfig.get().overrides.task)
         atomic_write(base / "overrides.yaml", lambda f: f.write(overrides))
         atomic_write(base / "config.yaml", lambda f: f.write(text))
-    return base / stage if n_stages > 1 else base
 
 
 def _check_inputs(plan: StagePlan, cfg: Config, produced_now: set) -> None:
@@ -254,16 +258,18 @@ def run_stages(cfg: Config, plans: Optional[List[StagePlan]] = None) -> List[dic
         skipped = [s for s in plan.subparts if s not in decision.todo]
         if skipped:
             console.print(escape(f"{plan.key}: sub-parts done, skipping: {', '.join(skipped)}"))
+        if decision.unfinished:
+            console.print(escape(f"{plan.key}: {decision.unfinished}"))
         _check_inputs(plan, cfg, produced_now)
         request = StageRequest(plan=plan, config=cfg, todo=list(decision.todo),
                                ledger_dir=str(ledger.path.parent),
-                               run_dir=str(_run_dir(cfg, run_base, plan.stage, len(plans),
-                                                    sources)),
+                               run_dir=str(_run_dir(run_base, plan.stage, len(plans))),
                                launcher=launcher.name, config_sources=sources)
         console.print(_launch_line(plan, request.todo, launcher))
         ledger.launch(plan.key, request.todo, queued=launcher.queued, config_hash=plan.config_hash,
                       launcher=launcher.name, run_dir=request.run_dir)
         try:
+            _write_run_config(cfg, run_base, sources)
             handle = launcher.submit(request, after=previous_job)
         except KeyboardInterrupt:
             _stop_interrupted(ledger, launcher, None, request, pending)
@@ -340,8 +346,9 @@ def _finish(ledger, launcher, handle, request: StageRequest) -> dict:
             ledger.transition(key, State.running, from_states=(State.pending,))
 
     try:
-        outcome = launcher.wait(handle, request, on_state=on_state,
-                                on_output=lambda text: console.out(text, end=""))
+        with ledger.heartbeat(key):  # a CLI on another login node sees this run alive
+            outcome = launcher.wait(handle, request, on_state=on_state,
+                                    on_output=lambda text: console.out(text, end=""))
     except KeyboardInterrupt:  # not a failure: the caller decides
         raise
     except BaseException as e:  # an in-process stage raised: an error to act on, or a bug
@@ -410,7 +417,7 @@ def print_status(cfg) -> List[dict]:
         e = entries[key]
         took = f"{e.took_s:.1f}s" if e.took_s is not None else ""
         started = time.strftime("%m-%d %H:%M:%S", time.localtime(e.started)) if e.started else ""
-        table.add_row(escape(key), f"[{colours.get(e.state.value, 'white')}]{e.state.value}[/]",
+        table.add_row(escape(key), f"[{colours.get(e.state.value, 'white')}]{e.state_text()}[/]",
                       str(e.job_id or ""), str(e.config_hash or "")[:8],
                       started, took,
                       escape(str(e.error or (e.progress if e.state.value == "running" else "")

@@ -192,3 +192,27 @@ def test_analytic_profile_for_8192_gpus_and_galvatron_round_trip(profiles):
         ours = fits[(f["group_size"], f["layout"])]
         assert predict_fit_time_us(f, size) == pytest.approx(predict_fit_time_us(ours, size), rel=1e-3)
     assert back["overlap"]["overlap_coe"] == pytest.approx(hw["benchmarks"]["overlap"]["overlap_coe"])
+
+
+def test_a_plot_that_failed_is_made_by_the_rerun_and_status_agrees(profiles):
+    # A late write (the plot, after every part) fails: the stage is not done, however done its
+    # parts are, and the rerun finishes it rather than "done, skipping". One rule (pipeline's
+    # `decide`) for every stage with parts; the analytic profile is the cheapest of them.
+    args = ["stage=profile_hardware", "profile_hardware.source=analytic"]
+    png = profiles / "local" / "hardware.png"
+    png.mkdir(parents=True)  # what a full disk does to the last write, made repeatable
+    failed = run_cli(*args, profiles_dir=profiles)
+    assert failed.returncode != 0 and "hardware.png" in failed.stderr, failed.stderr
+    entries = ledger(profiles)
+    assert entries["profile_hardware"]["state"] == "failed"
+    assert entries["profile_hardware/analytic"]["state"] == "done"
+    png.rmdir()
+    rerun = run_cli(*args, profiles_dir=profiles, check=0)
+    assert "skipping (force=true" not in rerun.stdout and "finishing it" in rerun.stdout
+    assert png.stat().st_size > 10_000
+    assert ledger(profiles)["profile_hardware"]["state"] == "done"
+    status = run_cli("stage=status", profiles_dir=profiles, check=0).stdout
+    row = next(line for line in status.splitlines() if "│ profile_hardware " in line)
+    assert "done" in row, status
+    again = run_cli(*args, profiles_dir=profiles, check=0)  # now done: skipped, as status says
+    assert "profile_hardware: done" in again.stdout and "skipping" in again.stdout

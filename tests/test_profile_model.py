@@ -100,3 +100,4 @@ def test_invalid_tp_for_the_model_is_exit_2_before_launch(profiles):
     assert proc.returncode == 2
     assert "model.kv_heads(2) is not divisible by tp(4)" in proc.stderr
     assert not (profiles / "local" / "model").exists()
+

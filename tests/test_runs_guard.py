@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
+import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, default_sigint, ledger, run_cli, start_cli
+from conftest import REPO, default_sigint, ledger, one_error_line, run_cli, start_cli
 
 # Longer than any test waits, so the run cannot finish while a test looks (a loaded machine once
 # let a 60 s one end before the test's Ctrl-C arrived); every test stops it.
@@ -39,6 +42,28 @@ def _rank_pids(profiles) -> list:
     out = subprocess.run(["pgrep", "-f", f"orchestrator[.]runtime .*{profiles}"],
                          capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
+
+
+def _wait_for_ranks_up(run_dir: Path, ranks: int, timeout_s: float = 60) -> None:
+    """Until every rank logged that it joined the launch (MPI and the rendezvous are up)."""
+    deadline = time.monotonic() + timeout_s
+    for rank in range(ranks):
+        log = run_dir / f"rank{rank}.log"
+        while not (log.exists() and f"rank {rank}/{ranks} on" in log.read_text()):
+            assert time.monotonic() < deadline, f"rank {rank} not up in {timeout_s} s"
+            time.sleep(0.1)
+
+
+def _shm_segments(pids) -> set:
+    """The /dev/shm files of MPICH that processes `pids` have mapped (gone ones left out)."""
+    found = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except FileNotFoundError:
+            continue
+        found.update(re.findall(r"/dev/shm/mpich_\S+", maps))
+    return found
 
 
 def _alive(pid: int) -> bool:
@@ -67,8 +92,33 @@ def test_second_run_of_a_stage_is_refused_naming_the_first(profiles):
         assert f"`kill {first.pid}`" in err
         assert ledger(profiles)["noop"]["job_id"] == entry["job_id"]  # the first's launch stays
         assert ledger(profiles)["noop"]["pid"] == first.pid
+        assert [p.name for p in (profiles / "local" / "runs").iterdir()] == \
+            [Path(entry["run_dir"]).name]  # the refused run made no folder
+        # The same profiles folder seen from another login node (its own host name): the first
+        # run is alive while its heartbeat is fresh, there as here.
+        host = socket.gethostname()
+        status = _on_host_b("stage=status", profiles)
+        row = next(line for line in status.stdout.splitlines() if "│ noop " in line)
+        assert f"running on {host}" in row, status.stdout + status.stderr
+        second = _on_host_b("stage=noop", profiles)
+        err = one_error_line(second, 5)
+        assert f"noop is already running (pid {first.pid} on host {host}" in err
+        assert f"`kill {first.pid}` on {host}" in err
+        assert ledger(profiles)["noop"]["state"] == "running"
+        assert ledger(profiles)["noop"]["pid"] == first.pid
     finally:
         _stop(first)
+
+
+def _on_host_b(stage: str, profiles) -> subprocess.CompletedProcess:
+    """The CLI as another login node runs it: the same files, another host name (a UTS
+    namespace of its own; root may make one)."""
+    cli = shlex.join([sys.executable, "-m", "orchestrator", stage, f"profiles_dir={profiles}"])
+    proc = subprocess.run(["unshare", "-u", "sh", "-c", f"hostname hostb && exec {cli}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=WAIT_S)
+    if "unshare failed" in proc.stderr or "hostname:" in proc.stderr:
+        pytest.skip(f"needs a UTS namespace (root): {proc.stderr.strip()}")
+    return proc
 
 
 def test_kill_9_of_the_cli_takes_its_ranks_then_status_and_rerun(profiles):
@@ -81,6 +131,9 @@ def test_kill_9_of_the_cli_takes_its_ranks_then_status_and_rerun(profiles):
             assert time.monotonic() < deadline
             time.sleep(0.1)
         pids = [mpiexec_pid] + _rank_pids(profiles)
+        _wait_for_ranks_up(Path(entry["run_dir"]), 4)
+        segments = _shm_segments(pids)  # MPICH's shared memory between the ranks
+        assert len(segments) == 1, segments  # one per launch and host
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         deadline = time.monotonic() + 10
@@ -89,6 +142,7 @@ def test_kill_9_of_the_cli_takes_its_ranks_then_status_and_rerun(profiles):
             time.sleep(0.2)
     finally:
         _stop(proc)
+    assert not [s for s in segments if Path(s).exists()]  # 4 MiB of /dev/shm not leaked
     status = run_cli("stage=status", profiles_dir=profiles, check=0)
     row = next(line for line in status.stdout.splitlines() if "│ noop " in line)
     assert "failed" in row and f"processes are gone (pid {proc.pid})" in row
@@ -97,6 +151,35 @@ def test_kill_9_of_the_cli_takes_its_ranks_then_status_and_rerun(profiles):
     rerun = run_cli("stage=noop", profiles_dir=profiles, check=0, timeout=WAIT_S)
     assert "✓ noop: done" in rerun.stdout
     assert ledger(profiles)["noop"]["state"] == "done"
+
+
+def _rank_pid(rank: int, pids) -> int:
+    """Which of `pids` is the Python process of local rank `rank` (hydra tells it PMI_RANK)."""
+    for pid in pids:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except FileNotFoundError:
+            continue
+        if argv[0] == sys.executable.encode() and f"PMI_RANK={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no process of rank {rank} among {pids}")
+
+
+def test_a_killed_rank_is_named_first_with_its_signal_and_log(profiles):
+    proc = start_cli(*SLOW_NOOP, profiles_dir=profiles)
+    try:
+        entry = _wait_until_running(proc, profiles)
+        _wait_for_ranks_up(Path(entry["run_dir"]), 4)
+        os.kill(_rank_pid(2, _rank_pids(profiles)), signal.SIGKILL)  # as the OOM killer would
+        out, _ = proc.communicate(timeout=WAIT_S)
+    finally:
+        _stop(proc)
+    assert proc.returncode == 5, out
+    error = next(line for line in out.splitlines() if line.startswith("error: "))
+    assert error.startswith(f"error: noop failed: rank 2 was killed by signal 9 (SIGKILL"), error
+    assert f"its log: {entry['run_dir']}/rank2.log" in error
+    assert "rank 0" not in error and "rank 1" not in error and "rank 3" not in error
 
 
 def test_kill_9_then_an_immediate_rerun_runs(profiles):
@@ -325,15 +408,135 @@ def test_launch_refuses_a_live_owner_and_takes_over_a_gone_one(tmp_path):
     assert ledger.get("profile_model/tiny").pid == os.getpid()
 
 
-def test_a_reused_pid_or_another_host_is_not_the_owner():
-    import socket
+def test_a_reused_pid_is_not_the_owner_and_another_host_lives_by_its_heartbeat():
+    from orchestrator.store.owner import HEARTBEAT_STALE_S, Owner
 
-    from orchestrator.store.owner import Owner
-
+    now = time.time()
     me = Owner.this_process()
-    assert me.alive() and me.pid_start is not None
-    assert not Owner(me.host, me.pid, me.pid_start + 1).alive()  # same pid, another process
-    assert not Owner(socket.gethostname() + "-elsewhere", me.pid, me.pid_start).alive()
+    assert me.alive(heartbeat=None) and me.pid_start is not None
+    assert not Owner(me.host, me.pid, me.pid_start + 1).alive(None)  # same pid, another process
+    elsewhere = Owner("hostb", me.pid + 1, 1234)  # its pid means nothing here
+    assert elsewhere.alive(heartbeat=now - 1, now=now)
+    assert elsewhere.alive(heartbeat=now - HEARTBEAT_STALE_S + 1, now=now)
+    assert not elsewhere.alive(heartbeat=now - HEARTBEAT_STALE_S - 1, now=now)
+    assert not elsewhere.alive(heartbeat=None, now=now)
+
+
+def _launched_on(folder: Path, host: str, key: str, heartbeat: float) -> None:
+    """A ledger entry as a CLI on `host` writes it: `key` running, owned by a pid of that host,
+    its last heartbeat at `heartbeat`."""
+    from orchestrator.store.ledger import Ledger
+
+    ledger = Ledger(folder)
+    ledger.launch(key, ["a"], queued=False, config_hash="h", launcher="local", run_dir="r")
+    with ledger._locked() as entries:
+        entries[key].host, entries[key].pid, entries[key].pid_start = host, 4242, 99
+        entries[key].heartbeat = heartbeat
+
+
+def test_a_run_on_another_host_is_refused_while_its_heartbeat_is_fresh(tmp_path):
+    from orchestrator.store.ledger import Ledger, RunInProgress
+    from orchestrator.store.owner import HEARTBEAT_STALE_S
+
+    ledger = Ledger(tmp_path)
+    _launched_on(tmp_path, "hostb", "train/tiny", time.time() - 5)
+    assert not ledger.end_if_gone("train/tiny")  # status leaves it alone
+    assert ledger.get("train/tiny").state.value == "running"
+    assert ledger.get("train/tiny").state_text() == "running on hostb"
+    with pytest.raises(RunInProgress, match=r"train/tiny is already running \(pid 4242 on host "
+                                            r"hostb, .*\(`kill 4242` on hostb\)") as refused:
+        ledger.launch("train/tiny", [], queued=False, config_hash="h", launcher="local",
+                      run_dir="r2")
+    assert refused.value.exit_code == 5
+    assert ledger.get("train/tiny").pid == 4242  # not taken over
+
+    _launched_on(tmp_path, "hostb", "train/small", time.time() - HEARTBEAT_STALE_S - 5)
+    assert ledger.end_if_gone("train/small")  # no heartbeat for too long: gone
+    entry = ledger.get("train/small")
+    assert entry.state.value == "failed" and entry.state_text() == "failed"
+    assert re.fullmatch(r"the run on host hostb \(pid 4242\) sent no heartbeat for \d+ s",
+                        entry.error), entry.error
+    ledger.launch("train/small", [], queued=False, config_hash="h", launcher="local",
+                  run_dir="r2")  # and a new run takes it
+    assert ledger.get("train/small").pid == os.getpid()
+
+
+def test_the_owner_keeps_its_heartbeat_while_it_waits(tmp_path):
+    from orchestrator.store.ledger import Ledger, State
+
+    ledger = Ledger(tmp_path)
+    ledger.launch("noop", [], queued=False, config_hash="h", launcher="local", run_dir="r")
+    first = ledger.get("noop").heartbeat
+    assert first is not None
+    with ledger.heartbeat("noop", every_s=0.05):
+        deadline = time.monotonic() + 30
+        while ledger.get("noop").heartbeat == first:
+            assert time.monotonic() < deadline, "no heartbeat in 30 s"
+            time.sleep(0.02)
+        ledger.transition("noop", State.done)
+        time.sleep(0.2)  # beats of an ended launch change nothing
+        ended = ledger.get("noop").heartbeat
+    time.sleep(0.2)
+    assert ledger.get("noop").heartbeat == ended
+    assert not [t for t in threading.enumerate() if t.name.startswith("heartbeat")]
+
+
+def test_a_held_ledger_lock_fails_soon_naming_its_holder(tmp_path, monkeypatch):
+    from orchestrator.store import ledger as ledger_module
+    from orchestrator.store.ledger import Ledger, LedgerBusy
+
+    monkeypatch.setattr(ledger_module, "LOCK_TIMEOUT_S", 0.3)
+    held, release = threading.Event(), threading.Event()
+
+    def hold():  # another thread's lock is another holder (filelock's locks are per thread)
+        with Ledger(tmp_path)._locked():
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(30)
+        with pytest.raises(LedgerBusy, match=rf"ledger.json is locked by pid {os.getpid()} on "
+                                             rf"host {socket.gethostname()} since "
+                                             rf"\d\d:\d\d:\d\d") as busy:
+            Ledger(tmp_path).launch("noop", [], queued=False, config_hash="h",
+                                    launcher="local", run_dir="r")
+        assert busy.value.exit_code == 5
+    finally:
+        release.set()
+        holder.join()
+    Ledger(tmp_path).launch("noop", [], queued=False, config_hash="h", launcher="local",
+                            run_dir="r")  # free again
+
+
+# The CLI with a shorter lock bound (the test need not wait the real one out).
+_SHORT_LOCK_CLI = """
+import runpy, sys
+import orchestrator.store.ledger
+orchestrator.store.ledger.LOCK_TIMEOUT_S = 1.0
+sys.argv = ["orchestrator", *sys.argv[1:]]
+runpy.run_module("orchestrator", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_run_refused_by_a_held_ledger_lock_exits_5_naming_it_and_leaves_nothing(profiles):
+    folder = profiles / "local"
+    code = (f"import time; from orchestrator.store.ledger import Ledger\n"
+            f"with Ledger({str(folder)!r})._locked():\n"
+            f"    print('held', flush=True); time.sleep(120)")
+    other = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "held"
+        proc = subprocess.run([sys.executable, "-c", _SHORT_LOCK_CLI, "stage=noop",
+                               "force=true", f"profiles_dir={profiles}"], cwd=REPO,
+                              capture_output=True, text=True, timeout=WAIT_S)
+    finally:
+        other.kill()
+        other.wait()
+    err = one_error_line(proc, 5)
+    assert f"is locked by pid {other.pid} on host {socket.gethostname()} since" in err
+    assert not (folder / "runs").exists() and not ledger(profiles)  # nothing left behind
 
 
 @pytest.fixture

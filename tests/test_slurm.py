@@ -355,3 +355,18 @@ def test_without_accounting_squeue_and_the_result_end_a_job(slurm_cluster, profi
     entry = ledger(profiles, "dev")["noop"]
     assert entry["state"] == "failed" and entry["job_id"] == job_id
     assert entry["error"].startswith(f"Slurm job {job_id} ended (how is unknown: no accounting")
+
+
+@pytest.mark.parametrize("stderr, killed", [
+    # What srun wrote (dev cluster) after `kill -9` of task 2's rank, then its own stop of the rest.
+    ("srun: error: n2: task 2: Killed\nsrun: launch/slurm: _step_signal: Terminating StepId=8.0\n"
+     "srun: error: n2: task 3: Killed\nsrun: error: n1: tasks 0-1: Killed\n", [(2, 9)]),
+    ("srun: error: n1: tasks 0-1,3: Segmentation fault\nsrun: error: n2: task 2: Killed\n",
+     [(0, 11), (1, 11), (3, 11)]),
+    ("srun: error: n1: task 1: Exited with exit code 1\nsrun: error: n1: tasks 0,2: Killed\n", []),
+    ("rank 0: RuntimeError: x\n", []),
+])
+def test_the_tasks_srun_reports_killed_first_are_the_ones_named(stderr, killed):
+    from orchestrator.launch.slurm import srun_killed
+
+    assert srun_killed(stderr) == killed

@@ -1,9 +1,11 @@
 """The launcher interface and what a launch reports."""
 from __future__ import annotations
 
+import re
+import signal
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, List, Optional, Protocol, Tuple
 
 from orchestrator.runtime.request import StageRequest, result_path
 from orchestrator.store import read_json
@@ -50,18 +52,63 @@ class Launcher(Protocol):
 
 
 def prepare_run_dir(request: StageRequest) -> None:
-    """A fresh run folder: no result file from an earlier launch can be mistaken for this one's."""
+    """A fresh run folder: no result file (nor record of a killed rank) from an earlier launch
+    can be mistaken for this one's."""
     Path(request.run_dir).mkdir(parents=True, exist_ok=True)
     Path(request.result_path).unlink(missing_ok=True)
+    for old in Path(request.run_dir).glob(f"rank*{KILLED_SUFFIX}"):
+        old.unlink(missing_ok=True)
+
+
+# A rank killed by a signal cannot say so itself: what waits for it writes rank<N>.signal in the
+# run folder, holding the signal's number (launch.local's rank shell).
+KILLED_SUFFIX = ".signal"
+# What usually sends a signal that kills a rank, for the message.
+_SIGNAL_CAUSES = {signal.SIGKILL: "`kill -9` or the out-of-memory killer",
+                  signal.SIGSEGV: "a crash; its log has the stack", signal.SIGBUS: "a crash",
+                  signal.SIGABRT: "an abort in native code; its log has the stack",
+                  signal.SIGTERM: "a `kill`", signal.SIGINT: "an interrupt"}
+
+
+def killed_ranks(run_dir: str) -> List[Tuple[int, int]]:
+    """(rank, signal) of each rank of a launch that a signal killed, by rank."""
+    found = []
+    for path in Path(run_dir).glob(f"rank*{KILLED_SUFFIX}"):
+        rank = re.fullmatch(rf"rank(\d+){re.escape(KILLED_SUFFIX)}", path.name)
+        try:
+            found.append((int(rank.group(1)), int(path.read_text())))
+        except (AttributeError, OSError, ValueError):  # another file, or a record cut short
+            continue
+    return sorted(found)
+
+
+def killed_text(run_dir: str, killed: List[Tuple[int, int]]) -> str:
+    """'rank 2 was killed by signal 9 (SIGKILL: ...); its log: <run_dir>/rank2.log' for each
+    (rank, signal) of `killed` ('' if none): the ranks the others failed because of."""
+    lines = []
+    for rank, number in killed:
+        try:
+            sig = signal.Signals(number)
+            why = f"{sig.name}" + (f": {_SIGNAL_CAUSES[sig]}" if sig in _SIGNAL_CAUSES else "")
+        except ValueError:
+            why = "an unknown signal"
+        lines.append(f"rank {rank} was killed by signal {number} ({why}); its log: "
+                     f"{Path(run_dir) / f'rank{rank}.log'}")
+    return "; ".join(lines)
 
 
 def unfinished(state: str, run_dir: str, job_id: Optional[str], cause: str, logs: str,
-               job_folder: Optional[str] = None) -> LaunchResult:
-    """A launch (whose run folder is `run_dir`) that did not finish, with rank 0's own error line
-    and the exit code of its error (e.g. 3: no feasible layout) when it wrote them before dying."""
+               job_folder: Optional[str] = None,
+               killed: Optional[List[Tuple[int, int]]] = None) -> LaunchResult:
+    """A launch (whose run folder is `run_dir`) that did not finish: first the ranks a signal
+    killed (`killed`, by default the run folder's records: the other ranks' errors follow from
+    theirs), then `cause`, with rank 0's own error line and the exit code of its error (e.g. 3:
+    no feasible layout) when it wrote them."""
     rank0 = read_rank0_result(run_dir) or {}
     detail = f": {rank0['error']}" if rank0.get("error") else ""
-    return LaunchResult(state, job_id, run_dir, message=f"{cause}{detail}; logs: {logs}",
+    named = killed_text(run_dir, killed_ranks(run_dir) if killed is None else killed)
+    first = f"{named}; " if named else ""
+    return LaunchResult(state, job_id, run_dir, message=f"{first}{cause}{detail}; logs: {logs}",
                         job_folder=job_folder, exit_code=rank0.get("exit_code"))
 
 

@@ -6,10 +6,13 @@ The mpich wheel from PyPI provides mpiexec, so no system MPI is needed. A single
 The ranks do not outlive this command: mpiexec gets SIGTERM when the CLI dies (the kernel's
 parent-death signal) and every rank watches the CLI's pid (`runtime.watch_parent`), ending the
 launch's process group when it is gone, also after a kill -9.
+
+Each rank runs under a small shell that waits for it (RANK_SHELL): a rank killed by a signal
+cannot say so, and mpiexec, which kills every other rank the moment one dies, names the wrong one
+(the first in rank order). The shell records the signal (`launch.base.killed_text` names it).
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import signal
@@ -22,13 +25,12 @@ from typing import Optional
 
 from orchestrator.choices import Ranks
 from orchestrator.errors import ConfigError
-from orchestrator.launch.base import LaunchResult, prepare_run_dir, read_rank0_result, unfinished
-from orchestrator.runtime import PARENT_ENV, run_inprocess
+from orchestrator.launch.base import (KILLED_SUFFIX, LaunchResult, prepare_run_dir,
+                                      read_rank0_result, unfinished)
+from orchestrator.runtime import PARENT_ENV, RANK_SHELL_ENV, die_with_parent, run_inprocess
 from orchestrator.runtime.request import StageRequest
 from orchestrator.store.ledger import LOCAL_JOB_PREFIX, LedgerEntry
 from orchestrator.store.owner import Owner
-
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass
@@ -36,9 +38,21 @@ class LocalHandle:
     proc: Optional[subprocess.Popen]  # None: a single-rank stage, run in this process in wait()
 
 
+# What each rank runs under: `sh -c RANK_SHELL sh <run folder> <rank command...>`. A rank that
+# a signal killed ends with 128 + the signal: the shell writes the signal to rank<PMI_RANK>.signal.
+# mpiexec then kills the other ranks' shells (and with them their ranks: die_with_rank_shell),
+# which write nothing, so only the ranks that died first are recorded.
+RANK_SHELL = (f'dir=$1; shift; {RANK_SHELL_ENV}=$$ "$@"; status=$?; '
+              f'if [ "$status" -gt 128 ]; then '
+              f'echo $((status - 128)) > "$dir/rank$PMI_RANK{KILLED_SUFFIX}"; fi; '
+              f'exit "$status"')
+
+
 def mpiexec_command(mpiexec: str, ranks: int, request_path: str | Path, extra_args=()) -> list:
-    """The command line that starts `ranks` copies of the rank runtime."""
-    return [mpiexec, "-n", str(ranks), *extra_args, sys.executable, "-m", "orchestrator.runtime",
+    """The command line that starts `ranks` copies of the rank runtime, each under RANK_SHELL
+    (its records go beside the request, in the run folder)."""
+    return [mpiexec, "-n", str(ranks), *extra_args, "sh", "-c", RANK_SHELL, "sh",
+            str(Path(request_path).parent), sys.executable, "-m", "orchestrator.runtime",
             str(request_path)]
 
 
@@ -66,7 +80,7 @@ def terminate(proc: subprocess.Popen) -> None:
 
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM when the CLI dies, however it dies."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    die_with_parent(signal.SIGTERM)
 
 
 class LocalLauncher:

@@ -20,7 +20,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import submitit
 
@@ -159,6 +159,28 @@ def job_state(job: submitit.SlurmJob) -> Tuple[str, bool]:
     return (queued or "UNKNOWN"), queued == ""
 
 
+# srun's line for tasks that ended badly: "srun: error: n2: task 2: Killed", "... tasks 0-1,3:
+# Terminated", "... task 1: Exited with exit code 1". With --kill-on-bad-exit its first such line
+# names the tasks that ended first; it stops the others after it, which get lines of their own.
+_SRUN_BAD_EXIT = re.compile(r"^srun: error: \S+: tasks? ([\d,-]+): (.+)$", re.MULTILINE)
+_SIGNAL_OF_TEXT = {signal.strsignal(s): int(s) for s in signal.Signals}
+
+
+def srun_killed(stderr: str) -> List[Tuple[int, int]]:
+    """(rank, signal) of the tasks a signal killed in srun's first bad-exit line of `stderr`
+    (the batch script's stderr, where srun reports); [] when the first tasks to end exited
+    on their own (their error is in their logs)."""
+    first = _SRUN_BAD_EXIT.search(stderr)
+    if first is None or first.group(2).strip() not in _SIGNAL_OF_TEXT:
+        return []
+    number = _SIGNAL_OF_TEXT[first.group(2).strip()]
+    ranks = []
+    for part in first.group(1).split(","):
+        low, _, high = part.partition("-")
+        ranks.extend(range(int(low), int(high or low) + 1))
+    return [(rank, number) for rank in ranks]
+
+
 def _ledger_state(slurm_state: str) -> str:
     """The ledger state of a job that did not finish well (COMPLETED with no result: failed)."""
     if slurm_state in ("CANCELLED", "PREEMPTED"):
@@ -253,8 +275,13 @@ class SlurmLauncher:
             return LaunchResult("done", self.job_id(job), run_dir, rank0.result(),
                                 job_folder=folder)
         how = state if state != "UNKNOWN" else "(how is unknown: no accounting, sacct failed)"
+        try:
+            killed = srun_killed(Path(rank0.paths.stderr).read_text(errors="replace"))
+        except OSError:  # no log (a job that never started)
+            killed = []
         return unfinished(_ledger_state(state), run_dir, self.job_id(job),
-                          f"Slurm job {job.job_id} ended {how}", folder, job_folder=folder)
+                          f"Slurm job {job.job_id} ended {how}", folder, job_folder=folder,
+                          killed=killed)
 
 
 def _stream(path: Path, offset: int, on_output) -> int:

@@ -26,8 +26,10 @@ class Decision:
     """What of a planned stage runs now."""
 
     todo: Tuple[str, ...]  # sub-parts to run now, in order
-    done: bool  # nothing to run: every sub-part (or the stage) done under this hash
+    done: bool  # nothing to run: the stage (and every sub-part) done under this hash
     stale_reason: str = ""  # why earlier results are not reused, if they are not
+    # Why a stage whose sub-parts are all done runs again (with none): it did not finish.
+    unfinished: str = ""
 
 
 def validate_cluster(cfg: Config) -> None:
@@ -137,7 +139,11 @@ def _part_current(plan: StagePlan, ledger: Ledger, name: str, made: Optional[dic
 
 
 def decide(plan: StagePlan, ledger: Ledger, force: bool = False) -> Decision:
-    """What of `plan` must run now, from the ledger and the output files."""
+    """What of `plan` must run now, from the ledger and the output files.
+
+    A stage is done only when it is done in the ledger: rank 0 marks it so after its last
+    write (a report, a plot: after every sub-part), so a stage that failed there (a full disk)
+    runs again, with no sub-part to redo, and `stage=status` and the rerun agree."""
     if get_stage(plan.stage).always_runs:
         return Decision(todo=plan.subparts, done=False)
     stale = stale_outputs(plan, ledger.path.parent)
@@ -146,9 +152,13 @@ def decide(plan: StagePlan, ledger: Ledger, force: bool = False) -> Decision:
     else:
         made = parts_made(plan)
         todo = tuple(s for s in plan.subparts if not _part_current(plan, ledger, s, made.get(s)))
-    done = not todo if plan.subparts else (not force and not stale
-                                           and ledger.is_done(plan.key, plan.config_hash))
-    return Decision(todo=tuple(todo), done=done, stale_reason=stale)
+    done = not force and not stale and not todo and ledger.is_done(plan.key, plan.config_hash)
+    unfinished = ""
+    if plan.subparts and not todo and not done:
+        entry = ledger.get(plan.key)
+        unfinished = (f"every part is done, the stage is not "
+                      f"({entry.state if entry else 'not in the ledger'}); finishing it")
+    return Decision(todo=tuple(todo), done=done, stale_reason=stale, unfinished=unfinished)
 
 
 def stages_for(stage: str) -> List[str]:

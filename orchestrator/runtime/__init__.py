@@ -6,10 +6,12 @@ the calling process.
 """
 from __future__ import annotations
 
+import ctypes
 import datetime
 import faulthandler
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -34,6 +36,12 @@ PARENT_ENV = "ORCHESTRATOR_PARENT_PID"
 PARENT_POLL_S = 0.5
 # How long a rank waits for its peers: at the rendezvous, and in each collective.
 RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=10)
+# Set by the shell each local rank runs under (launch.local): its pid.
+RANK_SHELL_ENV = "ORCHESTRATOR_RANK_SHELL"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# libc, loaded once here: a forked child about to exec (subprocess's preexec_fn) must not load a
+# library, which could wait forever on a lock another thread held at the fork.
+_LIBC = ctypes.CDLL(None, use_errno=True)
 
 
 def _job_id() -> Optional[str]:
@@ -119,6 +127,32 @@ def _rendezvous_store(comm, rank: int, size: int, hostnames: list):
     return store, addr, port
 
 
+# MPICH's shared memory between the ranks of a host: a file in /dev/shm (`mpich_shm_<id>_<node>`)
+# that only MPI_Finalize removes, so every run that ends otherwise (an abort, a Ctrl-C, a kill)
+# left 4 MiB of a login node's memory behind.
+_MPICH_SHM = re.compile(r"/dev/shm/mpich_\S+")
+
+
+def forget_shm_names() -> list:
+    """Unlink the /dev/shm files MPICH mapped into this process; returns their paths.
+
+    Call once MPI_Init has returned: every rank of the host has then mapped the segment (MPICH
+    returns from it only once each of them has), and MPICH looks a segment up by its name only
+    to map it. The memory stays while a rank maps it and goes with the last of them,
+    however they end; only files this process maps are touched, never another run's."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:  # not Linux
+        return []
+    paths = sorted(set(_MPICH_SHM.findall(maps)))
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:  # a peer of this host was first
+            pass
+    return paths
+
+
 def bootstrap(world_size: int, backend: str = "gloo", torch_distributed: bool = True,
               job_id: Optional[str] = None) -> RankContext:
     """Join MPI, check the world size, and initialise torch.distributed on this rank.
@@ -129,6 +163,7 @@ def bootstrap(world_size: int, backend: str = "gloo", torch_distributed: bool = 
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
+    forget_shm_names()
     rank, size = comm.Get_rank(), comm.Get_size()
     check_world_size(size, world_size)
 
@@ -168,6 +203,22 @@ def bootstrap(world_size: int, backend: str = "gloo", torch_distributed: bool = 
     dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                             timeout=RENDEZVOUS_TIMEOUT)
     return RankContext(backend=backend, device_spec=device, **context)
+
+
+def die_with_parent(sig: int) -> bool:
+    """Have the kernel send this process `sig` when its parent dies, however it dies; returns
+    False when the parent is already gone (the call came too late to cover it)."""
+    expected = os.getppid()
+    _LIBC.prctl(_PR_SET_PDEATHSIG, sig)
+    return os.getppid() == expected
+
+
+def die_with_rank_shell() -> None:
+    """A local rank: die with the shell that waits for it (launch.local), which mpiexec kills
+    with every other rank when one fails; exit at once if that shell is already gone."""
+    shell = os.environ.get(RANK_SHELL_ENV)
+    if shell and not (die_with_parent(signal.SIGKILL) and os.getppid() == int(shell)):
+        os._exit(1)
 
 
 def watch_parent() -> None:

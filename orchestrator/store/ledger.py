@@ -7,9 +7,16 @@ checks and writes under a file lock (the CLI on the login node and rank 0 inside
 at once) and writes atomically, so the file is never half-written and no state is decided on a
 stale read:
 - `launch`: a stage (and its sub-parts) is about to start: pending or running, launch fields set,
-  its owner (host, CLI pid) recorded; refused while another live run has the key;
+  its owner (host, CLI pid) recorded; refused while another live run has the key (alive: see
+  `LedgerEntry.owner_alive`);
+- `heartbeat`: while the owning CLI waits for its launch, a thread stamps the entry, so that a
+  CLI on another login node sharing the folder sees the owner alive;
 - `attach_job`: the job id and folder, once the launcher knows them (never the state);
 - `transition`: the state, and with it `ended`, `error` and `summary`, along the allowed edges.
+
+The lock is held for milliseconds (a read, a JSON dump, an fsync). A command that cannot take
+it within LOCK_TIMEOUT_S is refused (LedgerBusy, exit 5) naming the holder, which writes who it
+is beside the lock (`ledger.json.lock.holder`) each time it takes it.
 
 A full disk must not leave a launch `running` in the ledger: beside it lies `ledger.json.reserve`,
 a file of about twice the ledger's size, which only the writes that record how a launch failed
@@ -19,24 +26,31 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 from orchestrator.errors import LaunchError
 from orchestrator.store import keep_reserve, read_json, write_json
-from orchestrator.store.owner import Owner, pid_alive
+from orchestrator.store.owner import HEARTBEAT_S, Owner, pid_alive
 
 LEDGER_NAME = "ledger.json"
 # Room the reserve keeps beyond a copy of the ledger: rank 0's result file, rounding to blocks.
 RESERVE_SLACK_BYTES = 16 * 1024
 LOCAL_JOB_PREFIX = "local-"  # a local launch's job id: local-<mpiexec pid>
 EXIT_WAIT_S = 10.0  # how long a launch waits for the ranks of a killed CLI to exit
+# How long a write waits for the ledger's lock. A holder keeps it for milliseconds (well under a
+# second on a slow shared file system, even with the heartbeats of many runs), so 10 s of
+# waiting means the holder is stuck or stopped: say who it is now rather than after a minute.
+LOCK_TIMEOUT_S = 10.0
 
 
 class State(str, Enum):
@@ -74,6 +88,10 @@ class RunInProgress(LaunchError):
     """Another live run has the stage (or one of its parts) this launch wants."""
 
 
+class LedgerBusy(RunInProgress):
+    """Another process holds the ledger's lock longer than a write takes (LOCK_TIMEOUT_S)."""
+
+
 @dataclass
 class LedgerEntry:
     state: State
@@ -94,6 +112,7 @@ class LedgerEntry:
     pid: Optional[int] = None
     pid_start: Optional[int] = None  # the CLI's start time (clock ticks): tells a reused pid
     progress: Optional[str] = None  # how far a running stage is (train: "step 12/30, loss 3.2")
+    heartbeat: Optional[float] = None  # the owner's last stamp (Unix seconds): see owner.py
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -122,22 +141,40 @@ class LedgerEntry:
             return int(self.job_id[len(LOCAL_JOB_PREFIX):])
         return None
 
-    def owner_alive(self) -> bool:
-        """True while the launch goes on: its CLI runs, or its Slurm job is queued or running
-        (a Slurm entry still active after `refresh_ledger` is one: the job outlives the CLI)."""
-        if self.launcher == "slurm" and self.job_id:
+    @property
+    def slurm_job(self) -> bool:
+        """True for a launch that Slurm follows: its job, not its CLI, says whether it runs."""
+        return self.launcher == "slurm" and bool(self.job_id)
+
+    def owner_alive(self, now: Optional[float] = None) -> bool:
+        """True while the launch goes on, the one test of it (the claim, `stage=status`, the
+        wait for a killed run's ranks): its Slurm job is queued or running (a Slurm entry still
+        active after `refresh_ledger` is one: the job outlives the CLI), or its CLI runs (on
+        this host, its process; on another, while its heartbeat is fresh)."""
+        if self.slurm_job:
             return True
-        return self.owner is not None and self.owner.alive()
+        return self.owner is not None and self.owner.alive(self.heartbeat, now)
+
+    def elsewhere(self) -> Optional[str]:
+        """The other host whose CLI runs this active launch, None if none (or a Slurm job)."""
+        active = self.state in ACTIVE and self.owner is not None and not self.slurm_job
+        return self.host if active and not self.owner.here else None
+
+    def state_text(self) -> str:
+        """The state as `stage=status` shows it: `running on <host>` for another host's run."""
+        host = self.elsewhere()
+        return f"{self.state.value} on {host}" if host else self.state.value
 
     def busy_message(self, key: str) -> str:
         """The one line that refuses a second run of `key` while this launch goes on."""
-        if self.launcher == "slurm" and self.job_id:
-            who, stop = f"Slurm job {self.job_id}", f"scancel {self.job_id}"
+        if self.slurm_job:
+            who, stop = f"Slurm job {self.job_id}", f"`scancel {self.job_id}`"
         else:
             at = time.strftime("%H:%M:%S", time.localtime(self.started)) if self.started else "?"
             job = f"; job {self.job_id}" if self.job_id else ""
-            who, stop = f"pid {self.pid} on host {self.host}, started {at}{job}", f"kill {self.pid}"
-        return f"{key} is already running ({who}); wait for it or stop it (`{stop}`)"
+            who = f"pid {self.pid} on host {self.host}, started {at}{job}"
+            stop = f"`kill {self.pid}`" + (f" on {self.host}" if self.elsewhere() else "")
+        return f"{key} is already running ({who}); wait for it or stop it ({stop})"
 
 
 # Rebuilds entries from the output files of a cluster folder when the ledger is corrupt:
@@ -155,7 +192,8 @@ class Ledger:
         self.path = Path(folder) / LEDGER_NAME
         self.reserve = reserve_path(folder)
         self._rebuild = rebuild
-        self._lock = FileLock(str(self.path) + ".lock", timeout=60)
+        self._lock = FileLock(str(self.path) + ".lock", timeout=LOCK_TIMEOUT_S)
+        self._holder = Path(self._lock.lock_file + ".holder")
 
     # ------------------------------------------------------------------ reading
     def _read(self) -> Dict[str, LedgerEntry]:
@@ -199,10 +237,43 @@ class Ledger:
         """The entries, read under the lock; written back when the block exits cleanly (on a
         full disk, with `spend_reserve`, by deleting the reserve)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._lock:
+        with self._held():
             entries = self._read()
             yield entries
             self._write(entries, spend_reserve)
+
+    @contextlib.contextmanager
+    def _held(self) -> Iterator[None]:
+        """The ledger's lock, with who holds it written beside it; LedgerBusy (exit 5) naming
+        the holder when another process keeps it past LOCK_TIMEOUT_S."""
+        try:
+            self._lock.acquire(timeout=LOCK_TIMEOUT_S)
+        except Timeout:
+            raise LedgerBusy(self._busy_message()) from None
+        try:
+            try:  # best effort (a full disk): it only ever names the holder in an error
+                self._holder.write_text(f"{socket.gethostname()} {os.getpid()} {time.time()}\n")
+            except OSError:
+                pass
+            yield
+        finally:
+            self._lock.release()
+
+    def _busy_message(self) -> str:
+        """Why a write is refused: the lock's holder (as it recorded itself) and since when."""
+        try:
+            host, pid, since = self._holder.read_text().split()
+            if host == socket.gethostname() and not pid_alive(int(pid)):
+                raise ValueError("the last holder recorded has ended: another holds it now")
+            held = (f"by pid {pid} on host {host} since "
+                    f"{time.strftime('%H:%M:%S', time.localtime(float(since)))} "
+                    f"({time.time() - float(since):.0f} s ago)")
+            stop = f"`kill {pid}`" + ("" if host == socket.gethostname() else f" on {host}")
+        except (OSError, ValueError):  # none recorded, or a write of it cut short
+            held = "by a process that did not record itself"
+            stop = f"it holds {self._lock.lock_file}"
+        return (f"{self.path} is locked {held}: a write holds it for milliseconds, so that "
+                f"process is stuck or stopped; retry in a moment, or end it ({stop})")
 
     def _write(self, entries: Dict[str, LedgerEntry], spend_reserve: bool = False) -> None:
         write_json(self.path, {"schema_version": 1,
@@ -285,8 +356,7 @@ class Ledger:
                        config_hash=config_hash, launcher=launcher, job_id=None, job_folder=None,
                        log_path=run_dir, run_dir=run_dir, started=now, ended=None, error=None,
                        traceback=None, todo=list(subparts), summary=None, progress=None,
-                       host=owner.host,
-                       pid=owner.pid, pid_start=owner.pid_start)
+                       host=owner.host, pid=owner.pid, pid_start=owner.pid_start, heartbeat=now)
             for sub in subparts:
                 self._move(entries, f"{key}/{sub}", State.pending, None, now, job_id=None,
                            config_hash=config_hash, log_path=run_dir, ended=None, error=None)
@@ -304,15 +374,15 @@ class Ledger:
         them, up to EXIT_WAIT_S, so a rerun never runs beside them."""
         deadline = time.monotonic() + EXIT_WAIT_S
         for _, e in self._others(self._read(), key, owner):
-            pid = e.local_launch_pid
+            pid = e.local_launch_pid if e.owner.here else None  # another host's: not ours to see
             while pid and not e.owner_alive() and pid_alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.1)
 
     def _claim(self, entries: Dict[str, LedgerEntry], key: str, owner: Owner, now: float):
         for k, e in list(self._others(entries, key, owner)):
-            if e.owner_alive():
+            if e.owner_alive(now):
                 raise RunInProgress(e.busy_message(k))
-            self._end(entries, k, State.failed, e.todo, gone_reason(e), now)
+            self._end(entries, k, State.failed, e.todo, gone_reason(e, now), now)
 
     def end_if_gone(self, key: str) -> bool:
         """Mark `key` failed if it is still active but its processes are gone (its CLI was
@@ -322,10 +392,42 @@ class Ledger:
             entry = entries.get(key)
             if entry is None or entry.state not in ACTIVE or entry.pid is None:
                 return False
-            if entry.owner_alive():
+            now = time.time()
+            if entry.owner_alive(now):
                 return False
-            self._end(entries, key, State.failed, entry.todo, gone_reason(entry), time.time())
+            self._end(entries, key, State.failed, entry.todo, gone_reason(entry, now), now)
             return True
+
+    @contextlib.contextmanager
+    def heartbeat(self, key: str, every_s: float = HEARTBEAT_S) -> Iterator[None]:
+        """While the block runs (the owning CLI waits for its launch of `key`), a thread stamps
+        the entry every `every_s`: a CLI on another host, which cannot see this process, takes
+        the launch as alive while the stamp is fresh. The stamps stop with the block (a Ctrl-C
+        too) and with the process (a kill: a daemon thread)."""
+        owner, stop = Owner.this_process(), threading.Event()
+        beats = Ledger(self.path.parent, self._rebuild)  # filelock's locks are per thread
+
+        def beat() -> None:
+            while not stop.wait(every_s):
+                try:
+                    beats._stamp(key, owner)
+                except (OSError, RunInProgress):  # a full disk, a busy lock: the next one may do
+                    pass
+
+        thread = threading.Thread(target=beat, name=f"heartbeat {key}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()  # no stamp after the block, nor a thread left while the CLI forks
+
+    def _stamp(self, key: str, owner: Owner) -> None:
+        """The heartbeat of `key`, if it is still active and `owner`'s launch."""
+        with self._locked() as entries:
+            entry = entries.get(key)
+            if entry is not None and entry.state in ACTIVE and entry.owner == owner:
+                entry.heartbeat = time.time()
 
     def attach_job(self, key: str, subparts: Sequence[str], job_id: Optional[str],
                    job_folder: Optional[str]) -> None:
@@ -370,6 +472,9 @@ class Ledger:
             self._move(entries, f"{key}/{sub}", state, still, now, ended=now)
 
 
-def gone_reason(entry: LedgerEntry) -> str:
-    """Why a launch whose owner is gone was marked failed."""
-    return f"the run's processes are gone (pid {entry.pid})"
+def gone_reason(entry: LedgerEntry, now: float) -> str:
+    """Why a launch whose owner is gone (at `now`) was marked failed."""
+    if entry.owner is None or entry.owner.here:
+        return f"the run's processes are gone (pid {entry.pid})"
+    silent_s = now - (entry.heartbeat or entry.started or now)
+    return f"the run on host {entry.host} (pid {entry.pid}) sent no heartbeat for {silent_s:.0f} s"

@@ -2,14 +2,26 @@
 
 A pid alone is not an identity: the kernel reuses pids. The process's start time (clock ticks
 after boot, field 22 of /proc/<pid>/stat) tells a reused pid apart.
+
+Login nodes share the profiles folder but not their processes: an owner on another host cannot
+be looked at from here. It stamps its launch in the ledger while it waits for it (a heartbeat,
+`Ledger.heartbeat`) and counts as alive while that stamp is fresh.
 """
 from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+# How often the owning CLI stamps the launch it waits for: each stamp is one write of the ledger
+# under its lock (milliseconds), so many runs sharing a ledger barely add to its lock traffic.
+HEARTBEAT_S = 10.0
+# An owner on another host counts as gone once its last stamp is this old: several missed
+# stamps (a loaded login node, a slow shared file system, clocks a few seconds apart), never one.
+HEARTBEAT_STALE_S = 6 * HEARTBEAT_S
 
 
 def process_start_ticks(pid: int) -> Optional[int]:
@@ -42,7 +54,16 @@ class Owner:
     def this_process(cls) -> "Owner":
         return cls(socket.gethostname(), os.getpid(), process_start_ticks(os.getpid()))
 
-    def alive(self) -> bool:
-        """True while the owner runs. Another host's process cannot be looked at from here:
-        it counts as gone."""
-        return self.host == socket.gethostname() and pid_alive(self.pid, self.pid_start)
+    @property
+    def here(self) -> bool:
+        """True when the owner runs on this host, where its process can be looked at."""
+        return self.host == socket.gethostname()
+
+    def alive(self, heartbeat: Optional[float], now: Optional[float] = None) -> bool:
+        """True while the owner runs. On this host: its process (the same pid and start time).
+        On another host: while its last heartbeat (Unix seconds) is younger than
+        HEARTBEAT_STALE_S at `now` (default: now)."""
+        if self.here:
+            return pid_alive(self.pid, self.pid_start)
+        now = time.time() if now is None else now
+        return heartbeat is not None and now - heartbeat < HEARTBEAT_STALE_S
