@@ -2,12 +2,13 @@
 
 A size the command line multiplies (micro-batches a schedule walks, samples the dynamic planner
 splits, ranks and bytes a trace writes, points a profile measures, the largest message a
-hardware profile sends, points of a sweep, processes the local launcher starts) is computed from the config alone and checked here before any ledger entry, folder or file is
-made. Past its bound the command is refused in one line (ConfigError, exit 2) naming the key
-that sets the size, the size and the bound, and the `limits.<name>=<size>` that goes on: a
-user who means it raises that limit. The defaults keep every run the docs show (a search at
-65,536 GPUs, a trace at 1,000,000 ranks by its representatives) well inside; the costs at the
-bounds are in docs/config.md#limits.
+hardware profile sends, points of a sweep, processes the local launcher starts) is computed
+from the config alone and checked here before any ledger entry, folder or file is made. Past
+its bound the command is refused in one line (ConfigError, exit 2) naming the key that sets the
+size, the size and the bound, and the `limits.<name>=<size>` that goes on: a user who means it
+raises that limit. The defaults keep every run the docs show (a search at 65,536 GPUs, a trace
+at 1,000,000 ranks by its representatives) well inside; the costs at the bounds are in
+docs/config.md (limits).
 
 Pure functions of config sections and layouts (no torch, no files).
 """
@@ -116,7 +117,8 @@ def check_trace(limits: LimitsConfig, layouts: Iterable, all_ranks: bool) -> Non
     key = "trace.all_ranks=true" if all_ranks else "trace.configs"
     check_limit(limits, "max_traced_ranks", ranks, key,
                 "ranks to trace" + ("" if all_ranks else " (one per pipeline stage)"))
-    n_bytes = sum(trace_layer_passes(lay, all_ranks) for lay in layouts) * TRACE_BYTES_PER_LAYER_PASS
+    passes = sum(trace_layer_passes(lay, all_ranks) for lay in layouts)
+    n_bytes = passes * TRACE_BYTES_PER_LAYER_PASS
     check_limit(limits, "max_trace_GiB", n_bytes / GiB, key, "GiB of trace files (estimated)")
 
 

@@ -136,6 +136,7 @@ NOT_RULED: Dict[str, str] = {
 
 
 def _warmup_within_steps(get: Callable[[str], Any]) -> Optional[str]:
+    """train.warmup_steps <= train.steps (null: the default, min(5, steps), always is)."""
     warmup, steps = get("train.warmup_steps"), get("train.steps")
     if warmup is None or steps is None or warmup <= steps:
         return None
@@ -143,9 +144,11 @@ def _warmup_within_steps(get: Callable[[str], Any]) -> Optional[str]:
             f"would never reach train.lr (null: 5, or train.steps if fewer)")
 
 
-# (keys, rule): the rule gets a getter of the composed values and says what is wrong, or None.
-CROSS_RULES: Tuple[Tuple[Tuple[str, ...], Callable], ...] = (
-    (("train.warmup_steps", "train.steps"), _warmup_within_steps),
+# Rules over several keys: each gets a getter of the composed values (by dotted key) and says
+# what is wrong, or None. Checked on the composed config only (the other key may come from a
+# file or its default).
+CROSS_RULES: Tuple[Callable[[Callable[[str], Any]], Optional[str]], ...] = (
+    _warmup_within_steps,
 )
 
 
@@ -193,7 +196,7 @@ def check_values(cfg) -> None:
         error = value_error(key, _select(cfg, key))
         if error:
             raise ConfigError(error)
-    for _, rule in CROSS_RULES:
+    for rule in CROSS_RULES:
         error = rule(lambda key: _select(cfg, key))
         if error:
             raise ConfigError(error)

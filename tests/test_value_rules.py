@@ -11,7 +11,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from conftest import one_error_line, run_cli
+from conftest import REPO, one_error_line, run_cli
 from orchestrator.config import CONF_DIR, Config, _optional_inner, register_configs
 from orchestrator.errors import ConfigError
 from orchestrator.value_rules import (NOT_RULED, RULES, check_override_values, check_values,
@@ -87,9 +87,11 @@ def _flat(values: dict, prefix: str):
 
 @pytest.mark.parametrize("group", ["model", "cluster"])
 def test_the_shipped_group_files_are_in_range(group):
+    """The package's groups and the repository's example site."""
     import yaml
 
-    for path in sorted((CONF_DIR / group).glob("*.yaml")):
+    for path in sorted([*(CONF_DIR / group).glob("*.yaml"),
+                        *(REPO / "conf" / group).glob("*.yaml")]):
         values = yaml.safe_load(path.read_text()) or {}
         assert [value_error(key, value) for key, value in _flat(values, f"{group}.")
                 if value_error(key, value)] == [], path
