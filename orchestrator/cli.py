@@ -41,7 +41,8 @@ from orchestrator.runtime.request import StageRequest
 from orchestrator.stages import STAGES, StagePlan, disk_need_text, get_stage
 from orchestrator.store import DISK_FULL, atomic_write, cluster_dir, read_json
 from orchestrator.store.ledger import State
-from orchestrator.sweep import set_swept_keys
+from orchestrator.sweep import check_sweep_size, set_swept_keys
+from orchestrator.value_rules import check_override_values, check_values
 
 # Wide enough for the status table when output goes to a file or a pipe (rich would use 80).
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
@@ -495,6 +496,7 @@ def orchestrate(composed: DictConfig):
     set_user_overrides(HydraConfig.get().overrides.task)  # printed fix commands keep them
     try:
         check_path_names(cfg)  # also what a cluster or model file names: before any folder
+        check_values(cfg)  # every number in its range (value_rules.py), group files' too
         if cfg.stage.name == "status":
             return print_status(cfg)
         if cfg.stage.name == "init":  # on the login node; its check job goes through run_stages
@@ -548,7 +550,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     completing = any(a in ("-sc", "--shell-completion") for a in argv)
     try:
         if not completing:
+            check_sweep_size(argv)  # before a sweep's values are listed
             check_closed_choices(argv)
+            check_override_values(argv)  # every point of a sweep, before the first runs
         check_site([] if completing else argv)
     except ConfigError as e:
         report_error(e)

@@ -18,6 +18,7 @@ from orchestrator.choices import (BENCHMARK_NAMES, Backend, Dtype, Engine, Hardw
                                   HardwareSource, LauncherName, Microbatching, ModelSource,
                                   Recompute, Schedule)
 from orchestrator.errors import ConfigError
+from orchestrator.limits import LimitsConfig
 from orchestrator.models.config import ModelConfig
 
 # The Hydra config groups ship inside the package, so a wheel install finds them too.
@@ -306,15 +307,15 @@ class TrainConfig:
     seed: int = 0
     lr: float = 1e-3
     min_lr_ratio: float = 0.1  # cosine decay to lr * this at the last step
-    warmup_steps: int = 5
+    warmup_steps: Optional[int] = None  # <= steps; None: 5, or steps if fewer (train/lr.py)
     weight_decay: float = 0.1
-    grad_clip: float = 1.0  # <= 0: no clipping
+    grad_clip: float = 1.0  # 0: no clipping
     log_every: int = 1
     timing_warmup_steps: int = 3  # iterations left out of the measured times
     checkpoint_every: int = 50  # steps; also at the last step and at a signal (0: only those)
     keep_checkpoints: int = 2
     load: Optional[str] = None  # start from this checkpoint folder (any layout), not from scratch
-    memory_interval_s: float = 0.5  # memory sampler period (<= 0: off)
+    memory_interval_s: float = 0.5  # memory sampler period (0: off)
     memory_GiB: Optional[float] = None  # budget for the pre-launch check; None: the cluster's
     allow_oom_risk: bool = False  # launch even when the planner says the layout does not fit
     plot: bool = True
@@ -433,6 +434,7 @@ class Config:
     import_: ImportConfig = field(default_factory=ImportConfig)  # `import.` on the command line
     export: ExportConfig = field(default_factory=ExportConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)  # bounds on work (limits.py)
 
 
 def _field_type(node: type, name: str) -> Optional[type]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -58,6 +59,42 @@ def swept_keys(argv: Sequence[str]) -> List[str]:
     if not any(a in ("-m", "--multirun") for a in argv):
         return []
     return [o.key_or_group for o in parse_overrides(tuple(argv)) or () if o.is_sweep_override()]
+
+
+def _values_count(override) -> int:
+    """How many values a sweep override runs, counted without listing them (`range(0, 10**9)`
+    would take minutes to list): a choice's items, a range's steps, a glob's group names."""
+    from hydra.core.override_parser.types import Glob, RangeSweep
+
+    value = override.value()
+    if isinstance(value, RangeSweep):
+        return max(0, math.ceil((value.stop - value.start) / value.step)) if value.step else 0
+    if isinstance(value, Glob):
+        from orchestrator.config import config_dirs, group_options
+
+        return max(1, len(value.filter(group_options(override.key_or_group, config_dirs()))))
+    return len(value.list)
+
+
+def check_sweep_size(argv: Sequence[str]) -> None:
+    """ConfigError (exit 2, before Hydra lists a single point) when a `-m` sweep has more points
+    than limits.max_sweep_points (the command line's value, else its default)."""
+    from orchestrator.commands import parse_overrides
+    from orchestrator.limits import LimitsConfig, check_sweep_points
+
+    if not any(a in ("-m", "--multirun") for a in argv):
+        return
+    overrides = parse_overrides(tuple(argv)) or ()
+    limits = LimitsConfig()
+    for o in overrides:
+        if o.key_or_group == "limits.max_sweep_points" and not o.is_sweep_override():
+            try:
+                limits.max_sweep_points = int(o.value())
+            except (TypeError, ValueError):
+                pass  # a wrong type: refused in one line by the type check after this
+    swept = [o for o in overrides if o.is_sweep_override()]
+    points = math.prod(_values_count(o) for o in swept)
+    check_sweep_points(limits, points, " ".join(o.input_line for o in swept))
 
 
 def _label_value(value: Any) -> str:

@@ -260,3 +260,13 @@ def test_search_equals_brute_force_on_random_small_spaces(seed):
     result = search(model, hw, space)
     assert result.prediction.iteration_time_us == pytest.approx(expected[0], rel=REL), (
         f"search {result.best.describe()} vs brute force {expected[1].describe()}")
+
+
+def test_divisors_of_a_billion_devices_without_a_billion_steps():
+    """A world of 10**9 devices costs the search its sqrt, not a loop over every integer."""
+    from orchestrator.planner.search import _divisors
+
+    for n in range(1, 300):
+        assert _divisors(n) == [d for d in range(1, n + 1) if n % d == 0], n
+    billion = _divisors(10**9)
+    assert len(billion) == 100 and billion[:4] == [1, 2, 4, 5] and billion[-1] == 10**9

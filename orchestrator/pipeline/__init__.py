@@ -50,6 +50,12 @@ def check_launchable(plan: StagePlan, cfg: Config) -> None:
         raise ConfigError(f"launcher=local runs {plan.stage} on this machine only: cluster.nodes"
                           f"({cfg.cluster.nodes}) must be 1 (use launcher=slurm for "
                           f"{cfg.cluster.nodes} nodes)")
+    if plan.ranks == Ranks.cluster and local:  # each a process on this machine
+        from orchestrator.limits import check_limit
+
+        check_limit(cfg.limits, "max_local_ranks", plan.world_size,
+                    f"cluster.tasks_per_node={cfg.cluster.tasks_per_node}",
+                    "ranks launcher=local starts on this machine")
 
 
 def _drop(section: dict, dotted: str) -> None:

@@ -204,7 +204,10 @@ class ProfileHardware(Stage):
                     "profile_hardware.plot")
 
     def plan(self, cfg):
+        from orchestrator.limits import check_message_size
+
         validate(cfg)
+        check_message_size(cfg.limits, cfg.profile_hardware.max_size_bytes)
         analytic = cfg.profile_hardware.source == HardwareSource.analytic
         subparts = (["analytic"] if analytic
                     else [b for b in BENCHMARKS if b in cfg.profile_hardware.benchmarks])

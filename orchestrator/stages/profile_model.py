@@ -158,7 +158,11 @@ class ProfileModel(Stage):
     hash_exclude = ("profile_model.plot",)
 
     def plan(self, cfg):
+        from orchestrator.limits import check_profile_points
+
         profile = plan_profile(cfg)
+        check_profile_points(cfg.limits, len(profile.points()),
+                             "profile_model's lengths x TP degrees (profile_model.max_tp)")
         return self.make_plan(
             cfg, key=f"profile_model/{cfg.model.name}",
             ranks=Ranks.one if profile.source == ModelSource.analytic else Ranks.cluster,

@@ -476,6 +476,14 @@ def validate(cfg):
         raise ConfigError(f"search: {e}") from None
 
 
+def check_work(cfg, space) -> None:
+    """ConfigError (exit 2, before anything runs) when the layouts of `space` may walk more
+    micro-batches per iteration than limits.max_micro_batches (limits.check_search)."""
+    from orchestrator.limits import check_search
+
+    check_search(cfg.limits, cfg.search, cfg.model, space.world_size, space.max_cp)
+
+
 def infeasible_advice(err, cfg) -> str:
     """The planner's InfeasibleError said in `search.*` config keys, with a command that gives
     the memory (or batch) the closest layout needs: its own peak plus the reserve of the larger
@@ -514,6 +522,7 @@ class Search(Stage):
 
     def plan(self, cfg):
         space = validate(cfg)
+        check_work(cfg, space)
         return self.make_plan(cfg, key=f"search/{cfg.model.name}", ranks=Ranks.one,
                               inputs=_inputs(cfg),
                               outputs=[strategy_path(cfg.profiles_dir, cfg.cluster.name,

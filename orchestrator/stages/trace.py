@@ -19,6 +19,7 @@ from typing import List, Tuple
 from orchestrator.choices import Ranks
 from orchestrator.errors import ConfigError
 from orchestrator.layout import CP_COMMS
+from orchestrator.limits import check_trace
 from orchestrator.models.config import is_moe
 from orchestrator.stages import Stage
 from orchestrator.store import cluster_dir
@@ -196,6 +197,7 @@ class Trace(Stage):
         if not specs:
             raise ConfigError("no configuration can be traced: " + "; ".join(
                 f"{list(s.config)}: {s.reason}" for s in skipped))
+        check_trace(cfg.limits, [s.layout for s in specs], cfg.trace.all_ranks)
         return self.make_plan(cfg, key=f"trace/{cfg.model.name}", ranks=Ranks.one,
                               subparts=[s.subpart() for s in specs],
                               outputs=[trace_dir(cfg) / "index.json"],
@@ -203,6 +205,13 @@ class Trace(Stage):
 
     def run(self, ctx, run):
         return run_trace(ctx, run)
+
+    def disk_bytes(self, cfg):
+        from orchestrator.limits import TRACE_BYTES_PER_LAYER_PASS, trace_layer_passes
+
+        specs, _ = plan_configs(_configs(cfg), settings(cfg), cfg.model)
+        return TRACE_BYTES_PER_LAYER_PASS * sum(trace_layer_passes(s.layout, cfg.trace.all_ranks)
+                                                for s in specs)
 
 
 STAGE = Trace()

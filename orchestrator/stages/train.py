@@ -22,8 +22,8 @@ from typing import List, Optional
 from orchestrator.choices import Ranks
 from orchestrator.errors import ConfigError
 from orchestrator.stages import Stage, StageInput
-from orchestrator.train.plan import (check_length_mean, check_memory, layout_file, layout_tag,
-                                     predict, resolve, train_dir)
+from orchestrator.train.plan import (check_length_mean, check_memory, check_work, layout_file,
+                                     layout_tag, predict, resolve, train_dir)
 
 log = logging.getLogger("orchestrator.train")
 
@@ -72,6 +72,7 @@ class Train(Stage):
                                   ModelProfile, "profile_model")]
         if explicit or layout_file(cfg).exists():
             target = resolve(cfg)  # else search writes it first (stage=all): resolved on the ranks
+            check_work(cfg, target)  # before its prediction walks the schedule
             outputs.append(summary_path(cfg, target.layout))  # the pipeline labels sweep points
             check_memory(cfg, predict(cfg, target.layout, target.seq_len)[0])
         # Without a layout yet (search writes it in this command) the sequence length will be
@@ -159,7 +160,7 @@ def train(ctx, run):
                                                latest_checkpoint)
     from orchestrator.train.data import make_data
     from orchestrator.train.engine import Engine, OptimSettings
-    from orchestrator.train.lr import lr_at
+    from orchestrator.train.lr import lr_at, warmup_steps
     from orchestrator.train.monitor import MemoryMonitor
     from orchestrator.errors import InfeasibleError
     from orchestrator.train.plan import memory_budget_GiB, model_config, train_dtype
@@ -198,7 +199,8 @@ def train(ctx, run):
     ahead = planner.submit(start) if planning and start < t.steps else None
     try:
         for step in range(start, t.steps):
-            lr = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
+            lr = lr_at(step, t.lr, warmup_steps(t.warmup_steps, t.steps), t.steps,
+                       t.min_lr_ratio)
             if planner is None:
                 tokens, targets = data.rank_batch(step, engine.dp_rank, layout.dp,
                                                   samples_per_rank)

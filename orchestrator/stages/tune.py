@@ -197,6 +197,9 @@ def tune(cfg, run_stages: Callable, console) -> List[dict]:
 
     started = time.time()
     _check(cfg)
+    from orchestrator.stages.search import check_work, validate
+
+    check_work(cfg, validate(cfg))  # the searches that choose the candidates
     model_cost, hardware = planner_profiles(cfg)
     candidates, seq_len, notes = choose_candidates(cfg, model_cost, hardware)
     for note in notes:

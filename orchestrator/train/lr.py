@@ -2,6 +2,15 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
+
+DEFAULT_WARMUP_STEPS = 5
+
+
+def warmup_steps(warmup: Optional[int], steps: int) -> int:
+    """train.warmup_steps, or when unset (None) DEFAULT_WARMUP_STEPS, at most `steps`: a short
+    run still reaches its learning rate."""
+    return min(DEFAULT_WARMUP_STEPS, steps) if warmup is None else warmup
 
 
 def lr_at(step: int, base_lr: float, warmup_steps: int, total_steps: int,

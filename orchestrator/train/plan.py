@@ -227,6 +227,28 @@ def resolve(cfg) -> TrainTarget:
     return target
 
 
+def batch_key(cfg, target: TrainTarget) -> str:
+    """The override that set the layout's micro-batches per iteration, as a message names it."""
+    t = cfg.train
+    if t.num_micro_batches is not None:
+        return f"train.num_micro_batches={t.num_micro_batches}"
+    if t.global_batch_size is not None:
+        return f"train.global_batch_size={t.global_batch_size}"
+    if target.source == "explicit":
+        return f"search.global_batch_size={cfg.search.global_batch_size}"
+    return f"the layout of {target.strategy_file}"
+
+
+def check_work(cfg, target: TrainTarget) -> None:
+    """ConfigError (exit 2, before anything runs) when the layout walks more micro-batches per
+    iteration than limits.max_micro_batches, or gives the dynamic planner (normal mode) more
+    samples per data-parallel rank than limits.max_dynamic_samples (limits.check_train)."""
+    from orchestrator.limits import check_train
+
+    dynamic = str(cfg.train.microbatching) == "dynamic" and not cfg.search.fast_mode
+    check_train(cfg.limits, target.layout, batch_key(cfg, target), dynamic)
+
+
 def check_target(cfg, target: TrainTarget, world: int) -> None:
     """LayoutError when the layout cannot run this model on these ranks."""
     from orchestrator.models.config import validate_model

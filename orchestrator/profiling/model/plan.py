@@ -12,6 +12,7 @@ from typing import List, Tuple
 
 from orchestrator.config import cluster_world_size
 from orchestrator.errors import ConfigError
+from orchestrator.limits import check_profile_points
 from orchestrator.models.config import ModelConfig, validate_model
 from orchestrator.profiling.model import analytic
 from orchestrator.models.config import dense_twin
@@ -64,8 +65,7 @@ def sweep_seq_lens(pm, model_seq_len: int) -> List[int]:
     inner two multiples of 32)."""
     if pm.seq_lens:
         return sorted({int(s) for s in pm.seq_lens})
-    hi = int(pm.max_seq_len or model_seq_len)
-    lo = min(int(pm.min_seq_len), hi)
+    lo, hi = _length_range(pm, model_seq_len)
     step = pm.seq_len_step
     if step is None:  # 4 evenly spaced lengths, inner ones rounded to multiples of SEQ_ROUND
         inner = [lo + i * (hi - lo) / 3 for i in (1, 2)]
@@ -76,6 +76,22 @@ def sweep_seq_lens(pm, model_seq_len: int) -> List[int]:
     if seqs[-1] != hi:
         seqs.append(hi)
     return seqs
+
+
+def _length_range(pm, model_seq_len: int) -> Tuple[int, int]:
+    """(shortest, longest) length of profile_model's min..max sweep."""
+    hi = int(pm.max_seq_len or model_seq_len)
+    return min(int(pm.min_seq_len), hi), hi
+
+
+def seq_len_count(pm, model_seq_len: int) -> int:
+    """How many lengths sweep_seq_lens lists, without listing them (a step of 1 over a long
+    model would list millions)."""
+    if pm.seq_lens or pm.seq_len_step is None or pm.seq_len_step < 1:
+        return len(set(pm.seq_lens)) or 4
+    lo, hi = _length_range(pm, model_seq_len)
+    lengths = range(lo, hi + 1, int(pm.seq_len_step))
+    return len(lengths) + (lengths[-1] != hi)
 
 
 def _is_gpu(cfg) -> bool:
@@ -122,6 +138,9 @@ def plan_profile(cfg) -> ProfilePlan:
     if pm.max_seq_len is not None and not 1 <= pm.max_seq_len <= model.seq_len:
         raise ConfigError(f"profile_model.max_seq_len({pm.max_seq_len}) must be >= 1 and <= "
                           f"model.seq_len({model.seq_len}) of model={model.name}")
+    check_profile_points(cfg.limits, seq_len_count(pm, model.seq_len),  # before listing them
+                         f"profile_model.seq_len_step={pm.seq_len_step}" if pm.seq_len_step
+                         else "profile_model.seq_lens")
     seqs = sweep_seq_lens(pm, model.seq_len)
     if any(s < 1 or s > model.seq_len for s in seqs):
         raise ConfigError(f"profile_model.seq_lens {seqs}: lengths must be >= 1 and <= "
