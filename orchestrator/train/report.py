@@ -47,9 +47,17 @@ class StepLog:
 
     def extra(self) -> dict:
         """What a checkpoint carries besides tensors."""
-        return {"identity": self.identity,
+        return {"identity": self.identity, "model": self._model(),
                 "losses": {str(k): v for k, v in sorted(self.losses.items())},
                 "layout": self.layout.describe(), "notes": list(self.notes), "time": time.time()}
+
+    def _model(self) -> Dict[str, Any]:
+        """The model's fields, kept with a checkpoint: a `train.load` of it by another model
+        names them when it refuses it."""
+        from orchestrator.models.config import model_fields
+        from orchestrator.train.plan import _model_config
+
+        return model_fields(_model_config(self.run.cfg.model))
 
     def note(self, text: str) -> None:
         self.notes.append(text)
