@@ -43,11 +43,22 @@ def validate_cluster(cfg: Config) -> None:
 
 def check_launchable(plan: StagePlan, cfg: Config) -> None:
     """Raise ConfigError when this launcher cannot start the plan's ranks."""
+    check_ranks_reachable(plan.stage, plan.ranks, cfg)
+
+
+def check_ranks_reachable(stage: str, ranks: Ranks, cfg: Config) -> None:
+    """ConfigError when this launcher cannot start `ranks` of `stage`: the local launcher runs
+    on this machine only. A stage calls it before its other checks, so that no message about
+    the node count (a layout for other ranks, say) sends the user into a command that this
+    launcher refuses anyway. Both commands it prints run as printed."""
+    from orchestrator.commands import rerun_command
+
     local = cfg.launcher.name == LauncherName.local
-    if plan.ranks == Ranks.cluster and local and cfg.cluster.nodes != 1:
-        raise ConfigError(f"launcher=local runs {plan.stage} on this machine only: cluster.nodes"
-                          f"({cfg.cluster.nodes}) must be 1 (use launcher=slurm for "
-                          f"{cfg.cluster.nodes} nodes)")
+    if ranks == Ranks.cluster and local and cfg.cluster.nodes != 1:
+        raise ConfigError(f"launcher=local runs {stage} on this machine only: cluster.nodes"
+                          f"({cfg.cluster.nodes}) must be 1. On {cfg.cluster.nodes} nodes: "
+                          f"{rerun_command(stage, 'launcher=slurm')}; here: "
+                          f"{rerun_command(stage, 'cluster.nodes=1')}")
 
 
 def _drop(section: dict, dotted: str) -> None:

@@ -54,8 +54,11 @@ class Train(Stage):
     requeues = 50  # each run keeps its checkpoints: a short time limit only costs restarts
 
     def plan(self, cfg):
+        from orchestrator.pipeline import check_ranks_reachable
         from orchestrator.sweep import point_label
 
+        # First: a layout for the cluster's ranks is no use where the launcher cannot run them.
+        check_ranks_reachable(self.name, Ranks.cluster, cfg)
         inputs, outputs, target = [], [], None
         explicit = (cfg.train.pp is not None or cfg.train.tp is not None
                     or cfg.train.cp is not None or cfg.train.layout is not None)

@@ -52,6 +52,18 @@ def strategy_path(profiles_dir, cluster_name, model_name) -> Path:
     return cluster_dir(profiles_dir, cluster_name) / "strategy" / f"{model_name}.json"
 
 
+# Every file search writes for a model: the strategy, and beside it the layout train reads, the
+# exports and the plot (each `<strategy>.with_suffix(...)`).
+STRATEGY_SUFFIXES = (".json", ".layout.json", ".megatron.args", ".galvatron.json", ".png")
+
+
+def kept_strategy_path(strategy: Path, world_size: int) -> Path:
+    """Where search keeps the strategy at `strategy` (searched for `world_size` ranks) when a
+    search for another number of ranks replaces it: `strategy/<model>@<N>-ranks.json`, its
+    layout file `<model>@<N>-ranks.layout.json` beside it."""
+    return strategy.with_name(f"{strategy.stem}@{world_size}-ranks{strategy.suffix}")
+
+
 def calibration_path(profiles_dir, cluster_name, model_name) -> Path:
     return cluster_dir(profiles_dir, cluster_name) / "calibration" / f"{model_name}.json"
 
