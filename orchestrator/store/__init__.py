@@ -140,12 +140,14 @@ def write_json(path: str | os.PathLike, obj: Any,
         return _write_json(path, obj)
 
 
-def _write_json(path: str | os.PathLike, obj: Any) -> Path:
-    def dump(f):
-        json.dump(obj, f, indent=1, default=_json_default)
-        f.write("\n")
+def json_text(obj: Any) -> str:
+    """`obj` as the text `write_json` writes."""
+    return json.dumps(obj, indent=1, default=_json_default) + "\n"
 
-    return atomic_write(path, dump)
+
+def _write_json(path: str | os.PathLike, obj: Any) -> Path:
+    text = json_text(obj)  # serialised first: a value that is not JSON leaves the file as it was
+    return atomic_write(path, lambda f: f.write(text))
 
 
 PNG_DPI = 110  # every plot's resolution
