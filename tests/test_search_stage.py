@@ -165,6 +165,12 @@ def test_advice_for_another_node_count_works_and_never_costs_the_strategy(chain)
             f"launcher=slurm; here: python -m orchestrator stage=train {where} cluster.nodes=1"
             in line), line
     assert "stage=search" not in line
+    empty = run_cli("stage=status", "cluster.nodes=2", profiles_dir=chain.parent / "none",
+                    check=0)  # its first command: the same two
+    assert (f"start with: python -m orchestrator stage=all cluster.nodes=2 profiles_dir="
+            f"{chain.parent / 'none'} launcher=slurm or python -m orchestrator stage=all "
+            f"profiles_dir={chain.parent / 'none'} cluster.nodes=1"
+            in " ".join(empty.stdout.split())), empty.stdout
 
     # A search for 2 nodes (a what-if from here) keeps the 4-rank strategy and says how to train it.
     proc = run_cli("stage=search", "cluster.nodes=2", "search.plot=false", profiles_dir=chain,

@@ -51,14 +51,26 @@ def check_ranks_reachable(stage: str, ranks: Ranks, cfg: Config) -> None:
     on this machine only. A stage calls it before its other checks, so that no message about
     the node count (a layout for other ranks, say) sends the user into a command that this
     launcher refuses anyway. Both commands it prints run as printed."""
-    from orchestrator.commands import rerun_command
-
-    local = cfg.launcher.name == LauncherName.local
-    if ranks == Ranks.cluster and local and cfg.cluster.nodes != 1:
+    if ranks == Ranks.cluster and _local_cannot_reach(cfg):
+        slurm, here = commands_that_launch(stage, cfg)
         raise ConfigError(f"launcher=local runs {stage} on this machine only: cluster.nodes"
                           f"({cfg.cluster.nodes}) must be 1. On {cfg.cluster.nodes} nodes: "
-                          f"{rerun_command(stage, 'launcher=slurm')}; here: "
-                          f"{rerun_command(stage, 'cluster.nodes=1')}")
+                          f"{slurm}; here: {here}")
+
+
+def _local_cannot_reach(cfg: Config) -> bool:
+    return cfg.launcher.name == LauncherName.local and cfg.cluster.nodes != 1
+
+
+def commands_that_launch(stage: str, cfg: Config) -> List[str]:
+    """The command that runs `stage` with this command's overrides; where the local launcher
+    cannot start the cluster's nodes, two instead: on Slurm with them (launcher=slurm), and
+    here on one node (cluster.nodes=1)."""
+    from orchestrator.commands import rerun_command
+
+    if _local_cannot_reach(cfg):
+        return [rerun_command(stage, "launcher=slurm"), rerun_command(stage, "cluster.nodes=1")]
+    return [rerun_command(stage)]
 
 
 def _drop(section: dict, dotted: str) -> None:

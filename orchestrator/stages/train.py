@@ -119,7 +119,7 @@ def check_load(cfg) -> None:
     from orchestrator.train.checkpoint import (CheckpointError, checkpoint_to_load, saved_shapes,
                                                shape_mismatch)
     from orchestrator.train.engine import state_shapes
-    from orchestrator.train.plan import _model_config
+    from orchestrator.train.plan import model_config
 
     load = cfg.train.load
     try:
@@ -127,7 +127,7 @@ def check_load(cfg) -> None:
         saved = saved_shapes(found.path)
     except CheckpointError as e:
         raise ConfigError(f"train.load={load}: {e}") from None
-    model = _model_config(cfg.model)
+    model = model_config(cfg, cfg.model.seq_len)  # the shapes do not depend on the length
     mismatch = shape_mismatch(saved, state_shapes(model))
     if mismatch:
         raise ConfigError(another_model_text(load, found, model, mismatch))
