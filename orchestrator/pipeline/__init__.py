@@ -51,15 +51,17 @@ def check_ranks_reachable(stage: str, ranks: Ranks, cfg: Config) -> None:
     on this machine only. A stage calls it before its other checks, so that no message about
     the node count (a layout for other ranks, say) sends the user into a command that this
     launcher refuses anyway. Both commands it prints run as printed."""
-    if ranks == Ranks.cluster and _local_cannot_reach(cfg):
+    if ranks == Ranks.cluster and local_cannot_reach(cfg.launcher.name, cfg.cluster.nodes):
         slurm, here = commands_that_launch(stage, cfg)
         raise ConfigError(f"launcher=local runs {stage} on this machine only: cluster.nodes"
                           f"({cfg.cluster.nodes}) must be 1. On {cfg.cluster.nodes} nodes: "
                           f"{slurm}; here: {here}")
 
 
-def _local_cannot_reach(cfg: Config) -> bool:
-    return cfg.launcher.name == LauncherName.local and cfg.cluster.nodes != 1
+def local_cannot_reach(launcher: LauncherName, nodes: int) -> bool:
+    """True when `launcher` is the local one, which runs on this machine only, and `nodes` is
+    not 1."""
+    return launcher == LauncherName.local and nodes != 1
 
 
 def commands_that_launch(stage: str, cfg: Config) -> List[str]:
@@ -68,7 +70,7 @@ def commands_that_launch(stage: str, cfg: Config) -> List[str]:
     here on one node (cluster.nodes=1)."""
     from orchestrator.commands import rerun_command
 
-    if _local_cannot_reach(cfg):
+    if local_cannot_reach(cfg.launcher.name, cfg.cluster.nodes):
         return [rerun_command(stage, "launcher=slurm"), rerun_command(stage, "cluster.nodes=1")]
     return [rerun_command(stage)]
 

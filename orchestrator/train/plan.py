@@ -232,14 +232,14 @@ def train_command(cfg, layout: Path, world_size: int) -> str:
     overrides with train.layout, the cluster.nodes that make those ranks, and launcher=slurm
     where that is more than one node and this command runs the local launcher. Only the key
     (`train.layout=<layout> on <n> ranks`) when no number of nodes makes them."""
-    from orchestrator.choices import LauncherName
+    from orchestrator.pipeline import local_cannot_reach
 
     per_node = cfg.cluster.tasks_per_node
     if world_size % per_node:
         return f"train.layout={layout} on {world_size} ranks"
     nodes = world_size // per_node
     extra = [] if nodes == cfg.cluster.nodes else [f"cluster.nodes={nodes}"]
-    if nodes > 1 and cfg.launcher.name == LauncherName.local:
+    if local_cannot_reach(cfg.launcher.name, nodes):
         extra.append("launcher=slurm")
     return rerun_command("train", *extra, f"train.layout={layout}")
 
