@@ -151,7 +151,12 @@ def test_advice_for_another_node_count_works_and_never_costs_the_strategy(chain)
     that search overwrote the 4-rank strategy, and train (one node here) refused the 8-rank one.
     Now the launcher is named first with two commands that run; a search for another size keeps
     the strategy it replaces, and train points at it."""
+    from omegaconf import OmegaConf
+
+    from orchestrator.commands import set_user_overrides
     from orchestrator.errors import ConfigError
+    from orchestrator.pipeline import commands_that_launch
+    from test_cli import _compose
 
     folder = chain / "local" / "strategy"
     four = (folder / "tiny.layout.json").read_text()
@@ -165,12 +170,14 @@ def test_advice_for_another_node_count_works_and_never_costs_the_strategy(chain)
             f"launcher=slurm; here: python -m orchestrator stage=train {where} cluster.nodes=1"
             in line), line
     assert "stage=search" not in line
-    empty = run_cli("stage=status", "cluster.nodes=2", profiles_dir=chain.parent / "none",
-                    check=0)  # its first command: the same two
-    assert (f"start with: python -m orchestrator stage=all cluster.nodes=2 profiles_dir="
-            f"{chain.parent / 'none'} launcher=slurm or python -m orchestrator stage=all "
-            f"profiles_dir={chain.parent / 'none'} cluster.nodes=1"
-            in " ".join(empty.stdout.split())), empty.stdout
+    # stage=status of an empty folder prints the first command to run: the same two.
+    set_user_overrides(["cluster.nodes=2", where])
+    try:
+        first = commands_that_launch("all", OmegaConf.to_object(_compose(["cluster.nodes=2"])))
+    finally:
+        set_user_overrides([])
+    assert first == [f"python -m orchestrator stage=all cluster.nodes=2 {where} launcher=slurm",
+                     f"python -m orchestrator stage=all {where} cluster.nodes=1"]
 
     # A search for 2 nodes (a what-if from here) keeps the 4-rank strategy and says how to train it.
     proc = run_cli("stage=search", "cluster.nodes=2", "search.plot=false", profiles_dir=chain,

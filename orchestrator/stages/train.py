@@ -143,16 +143,16 @@ def another_model_text(load: str, found, model, mismatch: str) -> str:
     from orchestrator.models.config import model_fields
 
     saved = found.extra.get("model")
+    saved = saved if isinstance(saved, dict) else {}  # older checkpoints record none
     here = model_fields(model)
-    if isinstance(saved, dict):
-        differ = [k for k in here if k not in _NOT_SAVED + ("name",) and k in saved
-                  and str(saved[k]) != str(here[k])]
+    differ = [k for k in here if k not in _NOT_SAVED + ("name",) and k in saved
+              and str(saved[k]) != str(here[k])]
+    by, fix = "its tensors say", "model= and the model.* values it was trained with"
+    if differ or saved.get("name", model.name) != model.name:
         by = (f"model {saved.get('name')}" + "".join(f", model.{k}={saved[k]}" for k in differ)
               + f"; here model {model.name}" + "".join(f", {k}={here[k]}" for k in differ))
         fix = (f"model={saved.get('name')}" if saved.get("name") != model.name else
                " ".join(f"model.{k}={saved[k]}" for k in differ))
-    else:  # saved before checkpoints recorded their model
-        by, fix = "its tensors say", "model= and the model.* values it was trained with"
     return (f"train.load={load}: checkpoint {found.path} is of another model ({by}): "
             f"{mismatch}. Give train.load a checkpoint of {model.name}, or train the model "
             f"it was saved by ({fix})")
