@@ -1,7 +1,9 @@
 """search through the CLI: the whole chain here, a 100B model on 8192 GPUs from analytic profiles,
-and the answer when nothing fits."""
+the answer when nothing fits, and a search for another cluster size (the strategy it replaces is
+kept, and every command printed runs)."""
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -130,20 +132,29 @@ def test_uneven_middle_stages_write_the_strategy_and_record_megatron_approximati
     assert ledger(profiles)["search/tiny"]["state"] == "done"
 
 
-def _plan_train(*overrides):
-    """stage=train planned in this process, as the CLI plans it for `overrides` (the fix
-    commands its errors print keep them, as the CLI's do)."""
+@contextlib.contextmanager
+def _as_the_cli(stage, *overrides):
+    """The config of `python -m orchestrator stage=<stage> <overrides>`, composed in this
+    process, with the overrides recorded as the CLI records them (the fix commands printed
+    keep them); recorded until the `with` block ends."""
     from omegaconf import OmegaConf
 
     from orchestrator.commands import set_user_overrides
-    from orchestrator.pipeline import plan_stage
     from test_cli import _compose
 
     set_user_overrides(overrides)
     try:
-        return plan_stage("train", OmegaConf.to_object(_compose(["stage=train", *overrides])))
+        yield OmegaConf.to_object(_compose([f"stage={stage}", *overrides]))
     finally:
         set_user_overrides([])
+
+
+def _plan_train(*overrides):
+    """stage=train planned in this process, as the CLI plans it."""
+    from orchestrator.pipeline import plan_stage
+
+    with _as_the_cli("train", *overrides) as cfg:
+        return plan_stage("train", cfg)
 
 
 def test_advice_for_another_node_count_works_and_never_costs_the_strategy(chain):
@@ -151,12 +162,8 @@ def test_advice_for_another_node_count_works_and_never_costs_the_strategy(chain)
     that search overwrote the 4-rank strategy, and train (one node here) refused the 8-rank one.
     Now the launcher is named first with two commands that run; a search for another size keeps
     the strategy it replaces, and train points at it."""
-    from omegaconf import OmegaConf
-
-    from orchestrator.commands import set_user_overrides
     from orchestrator.errors import ConfigError
     from orchestrator.pipeline import commands_that_launch
-    from test_cli import _compose
 
     folder = chain / "local" / "strategy"
     four = (folder / "tiny.layout.json").read_text()
@@ -171,11 +178,8 @@ def test_advice_for_another_node_count_works_and_never_costs_the_strategy(chain)
             in line), line
     assert "stage=search" not in line
     # stage=status of an empty folder prints the first command to run: the same two.
-    set_user_overrides(["cluster.nodes=2", where])
-    try:
-        first = commands_that_launch("all", OmegaConf.to_object(_compose(["cluster.nodes=2"])))
-    finally:
-        set_user_overrides([])
+    with _as_the_cli("status", "cluster.nodes=2", where) as cfg:
+        first = commands_that_launch("all", cfg)
     assert first == [f"python -m orchestrator stage=all cluster.nodes=2 {where} launcher=slurm",
                      f"python -m orchestrator stage=all {where} cluster.nodes=1"]
 
