@@ -117,6 +117,21 @@ def test_import_search_export_import_keeps_what_maps(user_dir, tmp_path):
     again = json.loads((second / "dgx_a100/strategy/small.json").read_text())
     assert again["layout"] == strategy["layout"]
 
+    # Exported again (force=true or not) over a hand-edit: the edit is kept and named.
+    edited = exported / "overlap_coefficient.json"
+    exported_bytes = edited.read_bytes()
+    edited.write_text('{"overlap_coe": 1.5}\n')
+    ours = {n: (exported / n).read_bytes() for n in names if n != edited.name}
+    proc = run_cli("stage=export", f"export.path={exported}", "force=true", *CLUSTER, *MODEL,
+                   profiles_dir=first, check=0)
+    (copy,) = exported.glob("overlap_coefficient.json.orig-*")
+    assert copy.read_text() == '{"overlap_coe": 1.5}\n'
+    assert (f"kept overlap_coefficient.json (changed since the orchestrator wrote it) as "
+            f"{copy.name}" in proc.stdout), proc.stdout
+    assert edited.read_bytes() == exported_bytes
+    assert {n: (exported / n).read_bytes() for n in ours} == ours  # the rest: no copies
+    assert len(list(exported.glob("*.orig-*"))) == 1
+
 
 @pytest.mark.parametrize("args, words", [
     ([], "needs import.path="),

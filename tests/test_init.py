@@ -182,6 +182,28 @@ def test_written_file_loads_back_as_cluster_name(tmp_path, monkeypatch):
     assert isinstance(load_cluster("site"), ClusterConfig)
 
 
+def test_force_keeps_a_cluster_file_init_did_not_write_or_that_was_edited(tmp_path,
+                                                                         monkeypatch):
+    """force=true rewrites the cluster file; the site folder is the user's, so a file init did
+    not write, or one edited since, is kept beside it (store/user_folder), never lost."""
+    from orchestrator.stages.init import write_cluster_file
+
+    monkeypatch.setenv("ORCHESTRATOR_CONF", str(tmp_path))
+    path = tmp_path / "cluster" / "site.yaml"
+    path.parent.mkdir()
+    path.write_text("# my own\nname: site\npartition: gpu\n")
+    written, cluster, kept = write_cluster_file(InitConfig(), _cluster(), force=True)
+    assert written == path and cluster.partition == "gpu" and "GUESSED" in path.read_text()
+    assert [(k.copy.read_text(), k.why) for k in kept] == [
+        ("# my own\nname: site\npartition: gpu\n", "not written by the orchestrator")]
+    assert kept[0].copy.name.startswith("site.yaml.orig-")  # not a cluster= choice
+    assert write_cluster_file(InitConfig(), _cluster(), force=True)[2] == []  # init's own
+    path.write_text(path.read_text() + "setup: [module load mpi]\n")
+    (kept,) = write_cluster_file(InitConfig(), _cluster(), force=True)[2]
+    assert kept.why == "changed since the orchestrator wrote it"
+    assert "module load mpi" in kept.copy.read_text() and "module load mpi" not in path.read_text()
+
+
 # ---------------------------------------------------------------- preflight rows (pure)
 def test_pmi_check_wants_the_flags_plugin_in_srun_list():
     assert check_pmi("--mpi=pmi2", ("pmix", "pmi2")).verdict == Verdict.passed

@@ -1,7 +1,9 @@
 """search through the CLI: the whole chain here, a 100B model on 8192 GPUs from analytic profiles,
-and the answer when nothing fits."""
+the answer when nothing fits, and a search for another cluster size (the strategy it replaces is
+kept, and every command printed runs)."""
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -128,3 +130,80 @@ def test_uneven_middle_stages_write_the_strategy_and_record_megatron_approximati
     assert exports["galvatron_approximations"] == []
     assert "megatron export approximates" in proc.stdout
     assert ledger(profiles)["search/tiny"]["state"] == "done"
+
+
+@contextlib.contextmanager
+def _as_the_cli(stage, *overrides):
+    """The config of `python -m orchestrator stage=<stage> <overrides>`, composed in this
+    process, with the overrides recorded as the CLI records them (the fix commands printed
+    keep them); recorded until the `with` block ends."""
+    from omegaconf import OmegaConf
+
+    from orchestrator.commands import set_user_overrides
+    from test_cli import _compose
+
+    set_user_overrides(overrides)
+    try:
+        yield OmegaConf.to_object(_compose([f"stage={stage}", *overrides]))
+    finally:
+        set_user_overrides([])
+
+
+def _plan_train(*overrides):
+    """stage=train planned in this process, as the CLI plans it."""
+    from orchestrator.pipeline import plan_stage
+
+    with _as_the_cli("train", *overrides) as cfg:
+        return plan_stage("train", cfg)
+
+
+def test_advice_for_another_node_count_works_and_never_costs_the_strategy(chain):
+    """Issue 39: the local launcher with cluster.nodes=2 was told to search again for 2 nodes;
+    that search overwrote the 4-rank strategy, and train (one node here) refused the 8-rank one.
+    Now the launcher is named first with two commands that run; a search for another size keeps
+    the strategy it replaces, and train points at it."""
+    from orchestrator.errors import ConfigError
+    from orchestrator.pipeline import commands_that_launch
+
+    folder = chain / "local" / "strategy"
+    four = (folder / "tiny.layout.json").read_text()
+    where = f"profiles_dir={chain}"
+    with pytest.raises(ConfigError) as refused:
+        _plan_train("cluster.nodes=2", where)
+    line = str(refused.value)
+    assert line.startswith("launcher=local runs train on this machine only: cluster.nodes(2) "
+                           "must be 1."), line
+    assert (f"On 2 nodes: python -m orchestrator stage=train cluster.nodes=2 {where} "
+            f"launcher=slurm; here: python -m orchestrator stage=train {where} cluster.nodes=1"
+            in line), line
+    assert "stage=search" not in line
+    # stage=status of an empty folder prints the first command to run: the same two.
+    with _as_the_cli("status", "cluster.nodes=2", where) as cfg:
+        first = commands_that_launch("all", cfg)
+    assert first == [f"python -m orchestrator stage=all cluster.nodes=2 {where} launcher=slurm",
+                     f"python -m orchestrator stage=all {where} cluster.nodes=1"]
+
+    # A search for 2 nodes (a what-if from here) keeps the 4-rank strategy and says how to train it.
+    proc = run_cli("stage=search", "cluster.nodes=2", "search.plot=false", profiles_dir=chain,
+                   check=0)
+    kept = folder / "tiny@4-ranks.layout.json"
+    assert kept.read_text() == four
+    assert {p.name for p in folder.glob("tiny@4-ranks.*")} == {
+        "tiny@4-ranks.json", "tiny@4-ranks.layout.json", "tiny@4-ranks.megatron.args",
+        "tiny@4-ranks.galvatron.json", "tiny@4-ranks.png"}
+    assert json.loads((folder / "tiny.layout.json").read_text())["layout"]["world_size"] == 8
+    assert (f"kept as tiny@4-ranks.json and its files (train it: python -m orchestrator "
+            f"stage=train {where} cluster.nodes=1 train.layout={kept})"
+            in " ".join(proc.stdout.split())), proc.stdout
+
+    # train on one node: the kept strategy, or a search for 4 ranks (which keeps the 8-rank one).
+    with pytest.raises(ConfigError) as refused:
+        _plan_train(where)
+    line = str(refused.value)
+    train_kept = f"python -m orchestrator stage=train {where} train.layout={kept}"
+    assert (f"the layout is for 8 ranks but cluster local has 4 (nodes x tasks_per_node); "
+            f"train the 4-rank strategy an earlier search kept: {train_kept}; or search for 4 "
+            f"ranks: python -m orchestrator stage=search {where} (it keeps the 8-rank strategy "
+            f"as tiny@8-ranks.layout.json)" in line), line
+    plan = _plan_train(where, f"train.layout={kept}")  # the printed command plans
+    assert plan.world_size == 4

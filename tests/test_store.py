@@ -161,3 +161,38 @@ def test_ledger_entries_round_trip_through_the_file(tmp_path):
     assert isinstance(again, LedgerEntry)
     assert (again.job_id, again.job_folder, again.launcher) == ("42", "/runs/1/s", "slurm")
     assert Ledger(tmp_path).get("profile_model/tiny/seq128_tp1").job_id == "42"
+
+
+def test_a_user_folder_keeps_every_file_that_is_not_ours_as_written(tmp_path):
+    """store/user_folder: what the tool did not write, or what changed since, is renamed aside
+    (never lost) before a write; our own unchanged files and identical ones are not copied."""
+    from orchestrator.store.user_folder import MANIFEST, UserFolder
+
+    theirs = tmp_path / "a.json"
+    theirs.write_text("their own\n")  # another tool's file, in a folder we never wrote
+    (tmp_path / "same.json").write_text('{\n "x": 1\n}\n')  # theirs, and what we write anyway
+    with UserFolder(tmp_path) as folder:
+        folder.write_json("a.json", {"x": 1})
+        folder.write_json("same.json", {"x": 1})
+        folder.write_json("b.json", {"y": 2})
+    (kept,) = folder.kept
+    assert (kept.path.name, kept.why) == ("a.json", "not written by the orchestrator")
+    assert kept.copy.name.startswith("a.json.orig-") and kept.copy.read_text() == "their own\n"
+    assert theirs.read_text() == '{\n "x": 1\n}\n'
+    assert len(list(tmp_path.glob("*.orig-*"))) == 1
+
+    (tmp_path / "b.json").write_text('{"y": 3}\n')  # hand-edited since we wrote it
+    with UserFolder(tmp_path) as folder:  # a.json is ours as written: replaced, no copy
+        folder.write_json("a.json", {"x": 2})
+        folder.write_json("b.json", {"y": 2})
+    (kept,) = folder.kept
+    assert kept.describe().startswith("kept b.json (changed since the orchestrator wrote it) "
+                                      "as b.json.orig-")
+    assert kept.copy.read_text() == '{"y": 3}\n'
+    assert len(list(tmp_path.glob("*.orig-*"))) == 2
+
+    (tmp_path / MANIFEST).write_text("{broken")  # a record that does not read: nothing is ours
+    with UserFolder(tmp_path) as folder:
+        folder.write_json("a.json", {"x": 3})
+    assert [k.why for k in folder.kept] == ["not written by the orchestrator"]
+    assert len(list(tmp_path.glob("a.json.orig-*"))) == 2  # a second name, not over the first

@@ -260,3 +260,34 @@ def _saves_keep_the_newest(rank: int, folder: Path) -> None:
 
 def test_save_keeps_the_two_newest_checkpoints(spawned):
     spawned.check(_saves_keep_the_newest)
+
+
+# ---------------------------------------------------------------- before launch, no ranks
+def test_a_checkpoint_fits_any_layout_of_its_model_and_no_other():
+    """The CLI's check of train.load: the engine's state keys and global shapes of a model,
+    against what a checkpoint holds (the ranks' own rule), and the line that refuses it."""
+    from orchestrator.models.config import ModelConfig
+    from orchestrator.stages.train import another_model_text
+    from orchestrator.train.checkpoint import CheckpointInfo, shape_mismatch
+    from orchestrator.train.engine import state_shapes
+
+    tiny = ModelConfig()
+    saved = state_shapes(tiny)  # any layout saves these: DTensors by their global shape
+    assert saved["model.blocks.3.mlp.w_up.weight"] == (384, 128)
+    assert saved["optim.lm_head.weight.exp_avg_sq"] == (512, 128)
+    assert shape_mismatch(saved, state_shapes(ModelConfig(heads=2, kv_heads=1))) is None
+    shallower = shape_mismatch(saved, {k: v for k, v in saved.items() if ".3." not in k})
+    assert shallower is None  # keys the checkpoint has beyond the model's are left out
+    deeper = shape_mismatch(saved, state_shapes(ModelConfig(layers=5)))
+    assert deeper.startswith("27 keys missing (model.blocks.4.attn_norm.weight, "), deeper
+    wider = shape_mismatch(saved, state_shapes(ModelConfig(vocab=1024)))
+    assert wider.startswith("other shapes: model.tok_emb.weight (512, 128) saved, (1024, 128) "
+                            "here; "), wider
+    info = CheckpointInfo(4, Path("/ck/step_00000004"),
+                          {"model": {**vars(ModelConfig()), "dtype": "fp32"}})
+    line = another_model_text("/ck", info, ModelConfig(layers=5), deeper)
+    assert line.startswith("train.load=/ck: checkpoint /ck/step_00000004 is of another model "
+                           "(model tiny, model.layers=4; here model tiny, layers=5): 27 keys "
+                           "missing"), line
+    assert line.endswith("Give train.load a checkpoint of tiny, or train the model it was "
+                         "saved by (model.layers=4)"), line

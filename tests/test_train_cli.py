@@ -145,6 +145,19 @@ def test_a_checkpoint_reloads_in_another_layout(profiles):
     common = ["train.steps=6", "train.checkpoint_every=3", *SHORT]
     run_cli("stage=train", "train.pp=1", "train.tp=1", *common, profiles_dir=profiles, check=0)
     dp4 = profiles / "local" / "train" / "tiny" / "pp1-tp1-dp4-zero0-mbs1x2-1f1b"
+    # Another model's load is refused before launch (the ranks would refuse it after).
+    runs = set((profiles / "local" / "runs").iterdir())
+    proc = run_cli("stage=train", "model=tiny_moe", "train.pp=1", "train.tp=1", *common,
+                   f"train.load={dp4}.ckpt", profiles_dir=profiles)
+    line = one_error_line(proc, 2)
+    for words in (f"checkpoint {dp4}.ckpt/step_00000006 is of another model (model tiny, "
+                  f"model.experts=0", "here model tiny_moe, experts=8", "keys missing",
+                  "(model.blocks.1.mlp.router.weight, model.blocks.1.mlp.experts.w_gate, ",
+                  "a checkpoint of tiny_moe",
+                  "(model=tiny)"):
+        assert words in line, line
+    assert set((profiles / "local" / "runs").iterdir()) == runs  # nothing launched
+    assert "train/tiny_moe" not in ledger(profiles)
     proc = run_cli("stage=train", "train.pp=2", "train.tp=2", *common,
                    f"train.load={dp4}.ckpt/step_00000003", profiles_dir=profiles, check=0)
     assert "loaded" in proc.stdout

@@ -4,7 +4,7 @@ Kept free of torch so the CLI and the planner can import it cheaply.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 from orchestrator.choices import Dtype
@@ -50,6 +50,12 @@ class ModelConfig:
             self.dtype = Dtype.parse(self.dtype)
         except ValueError:
             pass  # validate_model names it, with the other shape errors
+
+
+def model_fields(cfg: ModelConfig) -> dict:
+    """{field: value} of `cfg` as JSON values (the dtype by its name)."""
+    return {f.name: getattr(getattr(cfg, f.name), "value", getattr(cfg, f.name))
+            for f in fields(cfg)}
 
 
 def validate_model(cfg: ModelConfig, tp: int = 1) -> None:

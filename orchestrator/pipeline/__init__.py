@@ -45,17 +45,42 @@ def validate_cluster(cfg: Config) -> None:
 
 def check_launchable(plan: StagePlan, cfg: Config) -> None:
     """Raise ConfigError when this launcher cannot start the plan's ranks."""
-    local = cfg.launcher.name == LauncherName.local
-    if plan.ranks == Ranks.cluster and local and cfg.cluster.nodes != 1:
-        raise ConfigError(f"launcher=local runs {plan.stage} on this machine only: cluster.nodes"
-                          f"({cfg.cluster.nodes}) must be 1 (use launcher=slurm for "
-                          f"{cfg.cluster.nodes} nodes)")
-    if plan.ranks == Ranks.cluster and local:  # each a process on this machine
-        from orchestrator.limits import check_limit
+    check_ranks_reachable(plan.stage, plan.ranks, cfg)
+    if plan.ranks == Ranks.cluster and cfg.launcher.name == LauncherName.local:
+        from orchestrator.limits import check_limit  # each rank a process on this machine
 
         check_limit(cfg.limits, "max_local_ranks", plan.world_size,
                     f"cluster.tasks_per_node={cfg.cluster.tasks_per_node}",
                     "ranks launcher=local starts on this machine")
+
+
+def check_ranks_reachable(stage: str, ranks: Ranks, cfg: Config) -> None:
+    """ConfigError when this launcher cannot start `ranks` of `stage`: the local launcher runs
+    on this machine only. A stage calls it before its other checks, so that no message about
+    the node count (a layout for other ranks, say) sends the user into a command that this
+    launcher refuses anyway. Both commands it prints run as printed."""
+    if ranks == Ranks.cluster and local_cannot_reach(cfg.launcher.name, cfg.cluster.nodes):
+        slurm, here = commands_that_launch(stage, cfg)
+        raise ConfigError(f"launcher=local runs {stage} on this machine only: cluster.nodes"
+                          f"({cfg.cluster.nodes}) must be 1. On {cfg.cluster.nodes} nodes: "
+                          f"{slurm}; here: {here}")
+
+
+def local_cannot_reach(launcher: LauncherName, nodes: int) -> bool:
+    """True when `launcher` is the local one, which runs on this machine only, and `nodes` is
+    not 1."""
+    return launcher == LauncherName.local and nodes != 1
+
+
+def commands_that_launch(stage: str, cfg: Config) -> List[str]:
+    """The command that runs `stage` with this command's overrides; where the local launcher
+    cannot start the cluster's nodes, two instead: on Slurm with them (launcher=slurm), and
+    here on one node (cluster.nodes=1)."""
+    from orchestrator.commands import rerun_command
+
+    if local_cannot_reach(cfg.launcher.name, cfg.cluster.nodes):
+        return [rerun_command(stage, "launcher=slurm"), rerun_command(stage, "cluster.nodes=1")]
+    return [rerun_command(stage)]
 
 
 def _drop(section: dict, dotted: str) -> None:

@@ -6,7 +6,9 @@ stay apart), sp_time_*, overlap_coefficient.json; model/<model>.json -> computat
 and memory_profiling_* in Galvatron 2.4's layout; strategy/<model>.json's Galvatron form ->
 galvatron_config_<model>_<N>nodes_<G>gpus_per_node_<M>GB_<dtype>.json. What exists is exported
 (at least one of the three); `stage=import import.path=<dir>` reads the folder back. Runs in one
-process, every time it is asked.
+process, every time it is asked. The folder is the user's: a file there that export did not
+write, or one changed since it wrote it, is kept as `<name>.orig-<time>` before it is replaced,
+and the stage says which (store/user_folder.py; force=true changes nothing of this).
 """
 from __future__ import annotations
 
@@ -16,8 +18,7 @@ from typing import Dict, List
 from orchestrator.choices import Ranks
 from orchestrator.errors import ConfigError, ProfileError
 from orchestrator.stages import Stage
-from orchestrator.store import (hardware_path, model_profile_path, read_profile, strategy_path,
-                                write_json)
+from orchestrator.store import hardware_path, model_profile_path, read_profile, strategy_path
 from orchestrator.store.schema import HardwareProfile, ModelProfile, StrategyProfile
 
 FORMATS = ("galvatron",)
@@ -38,20 +39,18 @@ def strategy_file_name(model: str, nodes: int, gpus_per_node: int, memory_GiB: f
             f"{memory_GiB:g}GB_{dtype}.json")
 
 
-def run_export(ctx, run) -> dict:
-    from orchestrator.interop.galvatron.hardware import write_galvatron_dir
-    from orchestrator.interop.galvatron.model import write_galvatron_model
+def galvatron_files(cfg, sources: Dict[str, Path]) -> Dict[str, object]:
+    """File name -> JSON body of every Galvatron file our profiles and strategy make."""
+    from orchestrator.interop.galvatron.hardware import to_galvatron
+    from orchestrator.interop.galvatron.model import galvatron_model_files
 
-    cfg = run.cfg
-    out = Path(cfg.export.path).expanduser()
-    written: List[Path] = []
-    sources = _sources(cfg)
+    files: Dict[str, object] = {}
     if "hardware" in sources:
         hardware = read_profile(sources["hardware"], HardwareProfile, _rebuild("profile_hardware"))
-        written += write_galvatron_dir(hardware.to_dict(), out)
+        files.update(to_galvatron(hardware.to_dict()))
     if "model" in sources:
         model = read_profile(sources["model"], ModelProfile, _rebuild("profile_model"))
-        written += write_galvatron_model(model, out)
+        files.update(galvatron_model_files(model))
     if "strategy" in sources:
         strategy = read_profile(sources["strategy"], StrategyProfile, _rebuild("search"))
         if strategy.exports.galvatron is None:
@@ -60,14 +59,29 @@ def run_export(ctx, run) -> dict:
         c = cfg.cluster
         name = strategy_file_name(cfg.model.name, c.nodes, c.gpus_per_node or c.tasks_per_node,
                                   strategy.space.memory_GiB, str(cfg.model.dtype))
-        written.append(write_json(out / name, strategy.exports.galvatron))
+        files[name] = strategy.exports.galvatron
+    return files
+
+
+def run_export(ctx, run) -> dict:
     from rich.markup import escape
 
     from orchestrator.console import stage_console
+    from orchestrator.store.user_folder import UserFolder
 
-    stage_console().print(f"wrote {len(written)} Galvatron files to {escape(str(out))}: "
-                          + escape(", ".join(p.name for p in written)))
-    return {"path": str(out), "files": [str(p) for p in written]}
+    cfg = run.cfg
+    out = Path(cfg.export.path).expanduser()
+    files = galvatron_files(cfg, _sources(cfg))  # every profile read before anything is written
+    # The folder is the user's: a file there we did not write, or one edited since, is kept.
+    with UserFolder(out) as folder:
+        written: List[Path] = [folder.write_json(name, body) for name, body in files.items()]
+    console = stage_console()
+    console.print(f"wrote {len(written)} Galvatron files to {escape(str(out))}: "
+                  + escape(", ".join(p.name for p in written)))
+    for kept in folder.kept:
+        console.print(f"[yellow]{escape(kept.describe())}[/]")
+    return {"path": str(out), "files": [str(p) for p in written],
+            "kept": [str(k.copy) for k in folder.kept]}
 
 
 def _rebuild(stage: str) -> str:

@@ -12,12 +12,14 @@ All of it runs in the CLI's process, like `status`. The one launch is the check 
 stage's plan on the cluster's ranks through the Slurm launcher, as any stage's (MPI's world,
 then one all_reduce over torch.distributed with the cluster's backend). That job is in the ledger
 like every launch (`stage=status` re-attaches to it after a Ctrl-C; `always_runs`, so never
-skipped as done). Writing the file is not: the file is its own record, and force=true rewrites it.
+skipped as done). Writing the file is not: the file is its own record, and force=true rewrites it
+(a file init did not write, or one edited since, is kept as `<name>.yaml.orig-<time>`).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import socket
 import time
@@ -38,7 +40,7 @@ from orchestrator.errors import ConfigError, LaunchError, OrchestratorError
 from orchestrator.launch import slurm_discovery
 from orchestrator.launch.slurm_discovery import SlurmCluster
 from orchestrator.stages import Stage
-from orchestrator.store import atomic_write
+from orchestrator.store.user_folder import KeptCopy, UserFolder
 
 # The PMI the mpich wheel (what `pip install` brings for mpi4py here) speaks under srun.
 WHEEL_PMI = "pmi2"
@@ -289,9 +291,11 @@ def load_cluster(name: str) -> ClusterConfig:
 
 
 def write_cluster_file(init: InitConfig, slurm: SlurmCluster,
-                       force: bool = False) -> Tuple[Path, ClusterConfig]:
+                       force: bool = False) -> Tuple[Path, ClusterConfig, List[KeptCopy]]:
     """Write conf/cluster/<name>.yaml for this cluster; ConfigError (exit 2) when it exists
-    and not `force`. Returns the file and the cluster as `cluster=<name>` loads it."""
+    and not `force`. The site folder is the user's: a file init did not write, or one edited
+    since, is kept as `<name>.yaml.orig-<time>` (store/user_folder.py). Returns the file, the
+    cluster as `cluster=<name>` loads it, and the file kept (if any)."""
     name = cluster_name(init, slurm.name)
     path = site_folder() / "cluster" / f"{name}.yaml"
     if path.exists() and not force:
@@ -303,11 +307,15 @@ def write_cluster_file(init: InitConfig, slurm: SlurmCluster,
     stamp = time.strftime("%Y-%m-%d %H:%M")
     text = cluster_yaml(guess, f"written by `python -m orchestrator stage=init` on "
                                f"{socket.gethostname()}, {stamp}")
-    atomic_write(path, lambda f: f.write(text))
+    with UserFolder(path.parent) as folder:
+        folder.write_text(path.name, text)
     try:
-        return path, load_cluster(name)
+        return path, load_cluster(name), folder.kept
     except ConfigError:
-        path.unlink()  # a file that does not load is init's bug; leave none behind
+        # A file that does not load is init's bug: leave none behind, the user's back in place.
+        path.unlink()
+        for kept in folder.kept:
+            os.replace(kept.copy, kept.path)
         raise
 
 
@@ -514,10 +522,13 @@ def init_cluster(cfg: Config, launch: Callable[[Config], List[dict]],
                               "cluster=<name> (conf/cluster/<name>.yaml)")
         cluster = cfg.cluster
     else:
-        path, cluster = write_cluster_file(cfg.init, slurm_discovery.discover(), cfg.force)
+        path, cluster, kept = write_cluster_file(cfg.init, slurm_discovery.discover(),
+                                                 cfg.force)
         console.print(escape(f"wrote {path}: partition {cluster.partition}, {cluster.nodes} "
                              f"node(s) x {cluster.tasks_per_node} rank(s), {cluster.backend}; "
                              f"read it, GUESSED and FILL IN mark what to check"))
+        for copy in kept:
+            console.print(f"[yellow]{escape(copy.describe())}[/]")
         if not cfg.init.preflight:
             return []
     cfg = dataclasses.replace(cfg, cluster=cluster)

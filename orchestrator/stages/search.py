@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 from orchestrator.config import cluster_world_size
 from orchestrator import errors
@@ -21,8 +22,9 @@ from orchestrator.commands import rerun_command
 from orchestrator.errors import ConfigError, InvalidLayout, ProfileError
 from orchestrator.choices import Ranks
 from orchestrator.stages import Stage, StageInput
-from orchestrator.store import (atomic_write, cluster_dir, file_sha256, hardware_path,
-                                model_profile_path, read_profile, strategy_path, write_json,
+from orchestrator.store import (STRATEGY_SUFFIXES, atomic_write, cluster_dir, file_sha256,
+                                hardware_path, kept_strategy_path, model_profile_path,
+                                read_json, read_profile, strategy_path, write_json,
                                 write_profile)
 from orchestrator.store.schema import (Alternative, HardwareProfile, ModelProfile,
                                        PredictionRecord, Provenance, SpaceSummary, Source,
@@ -252,6 +254,7 @@ def run_search(ctx, run):
     trained = _trained_layout(inputs[2:], space, result, notes)
     strategy = _strategy(cfg, result, space, inputs, notes,
                          Provenance.from_dict(run.provenance()))
+    kept = keep_other_world(out, space.world_size)
     write_profile(out, strategy)  # first: an export that fails must not cost the answer
     write_json(out.with_suffix(".layout.json"),
                {"model": cfg.model.name, "seq_len": space.seq_len, "layout": trained.to_dict()})
@@ -263,6 +266,16 @@ def run_search(ctx, run):
 
         for note in notes[len(read.notes):]:
             stage_console().print(f"search: {note}", markup=False, highlight=False)
+    if kept is not None:
+        from orchestrator.console import stage_console
+        from orchestrator.train.plan import train_command
+
+        kept_world = searched_world(kept)
+        stage_console().print(
+            f"search: the strategy it replaces was for {kept_world} ranks: kept as {kept.name} "
+            f"and its files (train it: "
+            f"{train_command(cfg, kept.with_suffix('.layout.json'), kept_world)})",
+            markup=False, highlight=False)
     if cfg.search.compare:
         _compare(cfg, space, result, model_cost(cfg, mp), HardwareModel.from_profile(hw))
     summary = {"path": str(out), "layout": result.best.describe(),
@@ -274,6 +287,36 @@ def run_search(ctx, run):
 
         summary["plot"] = str(plot_strategy(strategy, out.with_suffix(".png")))
     return summary
+
+
+def searched_world(strategy: Path) -> Optional[int]:
+    """The number of ranks the strategy at `strategy` was searched for (its layout file's, else
+    the strategy's own record); None when there is none or neither reads."""
+    for path, section in ((strategy.with_suffix(".layout.json"), "layout"), (strategy, "space")):
+        try:
+            return int(read_json(path)[section]["world_size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def keep_other_world(out: Path, world_size: int) -> Optional[Path]:
+    """Before a search for `world_size` ranks writes `out`: a strategy there searched for
+    another number of ranks (what `stage=train` trains on the cluster's ranks) is moved, with
+    every file beside it, to kept_strategy_path (an older copy of that size replaced), so a
+    search for another cluster size never costs it. Returns where it went (None: nothing
+    moved: no strategy there, or one of the same size, which a new search replaces)."""
+    old_world = searched_world(out)
+    if old_world is None or old_world == world_size:
+        return None
+    kept = kept_strategy_path(out, old_world)
+    for suffix in STRATEGY_SUFFIXES:
+        src, dst = out.with_suffix(suffix), kept.with_suffix(suffix)
+        if src.exists():
+            os.replace(src, dst)
+        elif dst.exists():
+            dst.unlink()  # an older copy's file this strategy did not have (its plot, say)
+    return kept
 
 
 def _trained_layout(calibration_inputs, space, result, notes: List[str]):

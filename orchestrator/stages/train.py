@@ -54,8 +54,11 @@ class Train(Stage):
     requeues = 50  # each run keeps its checkpoints: a short time limit only costs restarts
 
     def plan(self, cfg):
+        from orchestrator.pipeline import check_ranks_reachable
         from orchestrator.sweep import point_label
 
+        # First: a layout for the cluster's ranks is no use where the launcher cannot run them.
+        check_ranks_reachable(self.name, Ranks.cluster, cfg)
         inputs, outputs, target = [], [], None
         explicit = (cfg.train.pp is not None or cfg.train.tp is not None
                     or cfg.train.cp is not None or cfg.train.layout is not None)
@@ -79,13 +82,8 @@ class Train(Stage):
         # search's: search.seq_len, else model.seq_len.
         check_length_mean(cfg.train, target.seq_len if target else
                           cfg.train.seq_len or cfg.search.seq_len or cfg.model.seq_len)
-        if cfg.train.load:  # a path with no checkpoint is a config error, before launch
-            from orchestrator.train.checkpoint import CheckpointError, checkpoint_to_load
-
-            try:
-                checkpoint_to_load(cfg.train.load)
-            except CheckpointError as e:
-                raise ConfigError(f"train.load={cfg.train.load}: {e}") from None
+        if cfg.train.load:  # no checkpoint there, or another model's: refused before launch
+            check_load(cfg)
         if cfg.train.data:  # a bad corpus path is a config error, before launch
             from orchestrator.train.data import make_data
 
@@ -112,6 +110,53 @@ class Train(Stage):
 
 
 STAGE = Train()
+
+
+def check_load(cfg) -> None:
+    """ConfigError (exit 2, before launch: on Slurm before the queue wait) when train.load names
+    no complete checkpoint, or one the ranks would refuse for this model: a tensor missing or of
+    another global shape (`shape_mismatch`, their rule; any layout is fine, DCP reshards). Reads
+    complete.json and DCP's .metadata only."""
+    from orchestrator.train.checkpoint import (CheckpointError, checkpoint_to_load, saved_shapes,
+                                               shape_mismatch)
+    from orchestrator.train.engine import state_shapes
+    from orchestrator.train.plan import model_config
+
+    load = cfg.train.load
+    try:
+        found, _ = checkpoint_to_load(load)
+        saved = saved_shapes(found.path)
+    except CheckpointError as e:
+        raise ConfigError(f"train.load={load}: {e}") from None
+    model = model_config(cfg, cfg.model.seq_len)  # the shapes do not depend on the length
+    mismatch = shape_mismatch(saved, state_shapes(model))
+    if mismatch:
+        raise ConfigError(another_model_text(load, found, model, mismatch))
+
+
+# Fields that never change what a checkpoint holds of a model: left out of its differences.
+_NOT_SAVED = ("seq_len",)
+
+
+def another_model_text(load: str, found, model, mismatch: str) -> str:
+    """The line refusing `found` (train.load=`load`) for `model`: which model saved it (from the
+    model fields its complete.json records, where it does), what differs, what to do."""
+    from orchestrator.models.config import model_fields
+
+    saved = found.extra.get("model")
+    saved = saved if isinstance(saved, dict) else {}  # older checkpoints record none
+    here = model_fields(model)
+    differ = [k for k in here if k not in _NOT_SAVED + ("name",) and k in saved
+              and str(saved[k]) != str(here[k])]
+    by, fix = "its tensors say", "model= and the model.* values it was trained with"
+    if differ or saved.get("name", model.name) != model.name:
+        by = (f"model {saved.get('name')}" + "".join(f", model.{k}={saved[k]}" for k in differ)
+              + f"; here model {model.name}" + "".join(f", {k}={here[k]}" for k in differ))
+        fix = (f"model={saved.get('name')}" if saved.get("name") != model.name else
+               " ".join(f"model.{k}={saved[k]}" for k in differ))
+    return (f"train.load={load}: checkpoint {found.path} is of another model ({by}): "
+            f"{mismatch}. Give train.load a checkpoint of {model.name}, or train the model "
+            f"it was saved by ({fix})")
 
 
 # ---------------------------------------------------------------------- on every rank

@@ -52,6 +52,18 @@ def strategy_path(profiles_dir, cluster_name, model_name) -> Path:
     return cluster_dir(profiles_dir, cluster_name) / "strategy" / f"{model_name}.json"
 
 
+# Every file search writes for a model: the strategy, and beside it the layout train reads, the
+# exports and the plot (each `<strategy>.with_suffix(...)`).
+STRATEGY_SUFFIXES = (".json", ".layout.json", ".megatron.args", ".galvatron.json", ".png")
+
+
+def kept_strategy_path(strategy: Path, world_size: int) -> Path:
+    """Where search keeps the strategy at `strategy` (searched for `world_size` ranks) when a
+    search for another number of ranks replaces it: `strategy/<model>@<N>-ranks.json`, its
+    layout file `<model>@<N>-ranks.layout.json` beside it."""
+    return strategy.with_name(f"{strategy.stem}@{world_size}-ranks{strategy.suffix}")
+
+
 def calibration_path(profiles_dir, cluster_name, model_name) -> Path:
     return cluster_dir(profiles_dir, cluster_name) / "calibration" / f"{model_name}.json"
 
@@ -128,12 +140,14 @@ def write_json(path: str | os.PathLike, obj: Any,
         return _write_json(path, obj)
 
 
-def _write_json(path: str | os.PathLike, obj: Any) -> Path:
-    def dump(f):
-        json.dump(obj, f, indent=1, default=_json_default)
-        f.write("\n")
+def json_text(obj: Any) -> str:
+    """`obj` as the text `write_json` writes."""
+    return json.dumps(obj, indent=1, default=_json_default) + "\n"
 
-    return atomic_write(path, dump)
+
+def _write_json(path: str | os.PathLike, obj: Any) -> Path:
+    text = json_text(obj)  # serialised first: a value that is not JSON leaves the file as it was
+    return atomic_write(path, lambda f: f.write(text))
 
 
 PNG_DPI = 110  # every plot's resolution

@@ -102,6 +102,7 @@ class ComputePricer:
 def make_pricer(cfg, tps) -> ComputePricer:
     """The pricer for this cluster and model: the model profile when it exists and covers every
     TP degree traced, else the device sheet (trace.device, or h100)."""
+    from orchestrator.commands import rerun_command
     from orchestrator.errors import ProfileError
     from orchestrator.planner.profiles import ModelCost
     from orchestrator.device import load_device_sheet
@@ -114,7 +115,7 @@ def make_pricer(cfg, tps) -> ComputePricer:
         return ComputePricer(sheet, note=f"no model profile {path}: device sheet "
                                          f"{sheet['name']} for every op")
     try:
-        profile = read_profile(path, ModelProfile, "python -m orchestrator stage=profile_model")
+        profile = read_profile(path, ModelProfile, rerun_command("profile_model"))
         cost = ModelCost.from_profile(profile)
         missing = sorted(set(tps) - set(cost.tps))
     except ProfileError as e:

@@ -8,8 +8,10 @@ crash mid-save leaves only a `.tmp_` folder: never read, removed by the next sav
 
 Every function that takes a `state` is collective: all ranks of the default process group call
 it, and all of them return the same outcome or raise the same error. The file checks
-(`find_checkpoints`, `checkpoint_to_load`) are local and torch-free: torch is imported where it
-is used, so the CLI checks `train.load` before launch without loading it.
+(`find_checkpoints`, `checkpoint_to_load`) are local and torch-free, and `saved_shapes` reads
+the DCP .metadata alone (no tensor data, no process group): torch is imported where it is used,
+so the CLI checks `train.load` (its files, and that it fits the model: `shape_mismatch`, the
+ranks' own rule) before launch without loading it.
 """
 from __future__ import annotations
 
@@ -20,13 +22,10 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from orchestrator.errors import OrchestratorError
 from orchestrator.store import read_json, write_json
-
-if TYPE_CHECKING:
-    from torch.distributed.checkpoint.metadata import Metadata
 
 COMPLETE = "complete.json"
 _STEP_DIR = re.compile(r"step_(\d{8})")
@@ -224,15 +223,14 @@ def load_checkpoint(info: CheckpointInfo, state: dict) -> dict:
     Raises CheckpointMismatchError when `state` has keys or shapes the checkpoint lacks, and
     CheckpointError when its files do not read. Collective."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
 
-    metadata, error = None, None
+    saved, error = None, None
     try:
-        metadata = FileSystemReader(str(info.path)).read_metadata()
-    except Exception as e:  # a damaged pickle raises anything; every case means "cannot read"
-        error = f"checkpoint {info.path}: .metadata unreadable ({type(e).__name__}: {e})"
+        saved = saved_shapes(info.path)
+    except CheckpointError as e:
+        error = str(e)
     _raise_if(_agreed(error))
-    mismatch = _mismatch(metadata, state)
+    mismatch = shape_mismatch(saved, _state_shapes(state))
     mismatch = _agreed(f"checkpoint {info.path} does not fit this model: {mismatch}"
                        if mismatch else None)
     if mismatch:
@@ -279,23 +277,47 @@ def _flatten(state: Mapping, prefix: str = "") -> dict:
     return flat
 
 
-def _mismatch(metadata: "Metadata", state: dict) -> Optional[str]:
-    """What of `state` this rank cannot fill from the checkpoint: a few missing keys and global
-    shapes that differ; None when everything fits."""
-    import torch
+def saved_shapes(path: str | os.PathLike) -> Dict[str, Optional[Tuple[int, ...]]]:
+    """{DCP key: global shape} of what the checkpoint in `path` holds (None for a non-tensor
+    value), read from its DCP .metadata alone (no tensor data, no process group). Raises
+    CheckpointError naming the file when it does not read."""
+    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    stored = metadata.state_dict_metadata
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a damaged pickle raises anything; every case means "cannot read"
+        raise CheckpointError(f"checkpoint {path}: .metadata unreadable "
+                              f"({type(e).__name__}: {e})") from None
+    return {key: tuple(saved.size) if isinstance(saved, TensorStorageMetadata) else None
+            for key, saved in metadata.state_dict_metadata.items()}
+
+
+def _state_shapes(state: Mapping) -> Dict[str, Optional[Tuple[int, ...]]]:
+    """{DCP key: global shape} of a state dict (a DTensor's shape is the global one; None for a
+    non-tensor value)."""
+    import torch
+
+    return {key: tuple(value.shape) if isinstance(value, torch.Tensor) else None
+            for key, value in _flatten(state).items()}
+
+
+def shape_mismatch(saved: Mapping[str, Optional[Tuple[int, ...]]],
+                   wanted: Mapping[str, Optional[Tuple[int, ...]]]) -> Optional[str]:
+    """What of `wanted` ({DCP key: global shape, None: no shape to compare}) a checkpoint
+    holding `saved` cannot fill: a few missing keys and the shapes that differ; None when
+    everything fits. Keys the checkpoint has beyond `wanted` are fine (left out), and so is any
+    layout: DCP reshards by global shape. The one rule for the ranks' load and the CLI's check
+    before launch."""
     missing, shapes = [], []
-    for key, value in _flatten(state).items():
+    for key, shape in wanted.items():
         # A list of tensors is stored as one key per element ("key.0").
-        if key not in stored and not any(k.startswith(f"{key}.") for k in stored):
+        if key not in saved and not any(k.startswith(f"{key}.") for k in saved):
             missing.append(key)
             continue
-        saved = stored.get(key)
-        if isinstance(value, torch.Tensor) and isinstance(saved, TensorStorageMetadata) \
-                and tuple(saved.size) != tuple(value.shape):  # DTensor: the global shape
-            shapes.append(f"{key} {tuple(saved.size)} saved, {tuple(value.shape)} here")
+        have = saved.get(key)
+        if shape is not None and have is not None and tuple(have) != tuple(shape):
+            shapes.append(f"{key} {tuple(have)} saved, {tuple(shape)} here")
     lines = []
     if missing:
         lines.append(f"{len(missing)} keys missing ({', '.join(missing[:3])}"

@@ -44,6 +44,9 @@ from orchestrator.train.executor import (MicroBatchInput, PipelineExecutor, run_
 from orchestrator.train.grads import (ExpertAdamW, FsdpAdamW, ShardedAdamW, is_expert_param,
                                      local_tensor)
 
+# AdamW's moments a checkpoint keeps per parameter ("optim.<parameter>.<moment>").
+OPTIM_MOMENTS = ("exp_avg", "exp_avg_sq")
+
 
 @dataclass(frozen=True)
 class OptimSettings:
@@ -498,8 +501,20 @@ class Engine:
         states = {}
         for name, p in self.named_parameters().items():
             states[p] = {key: _local_like(state["optim"][f"{name}.{key}"], p)
-                         for key in ("exp_avg", "exp_avg_sq")}
+                         for key in OPTIM_MOMENTS}
         self.optim.load_state_tensors(states, step)
+
+
+def state_shapes(model: ModelConfig) -> Dict[str, tuple]:
+    """{DCP key: global shape} of what `Engine.state()` saves for `model` on all ranks together,
+    in any layout (a sharded parameter keeps its global shape): each parameter under "model."
+    and its two AdamW moments under "optim.". Built on the meta device: nothing is allocated."""
+    with torch.device("meta"):
+        whole = GPT(dataclasses.replace(model, dtype=Dtype.fp32))
+    params = {name: tuple(p.shape) for name, p in whole.named_parameters()}
+    return {**{f"model.{name}": shape for name, shape in params.items()},
+            **{f"optim.{name}.{key}": shape for name, shape in params.items()
+               for key in OPTIM_MOMENTS}}
 
 
 def _placed_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

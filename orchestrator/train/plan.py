@@ -27,7 +27,7 @@ LAYOUT_FIELDS = ("zero", "sequence_parallel", "micro_batch_size", "num_micro_bat
 class TrainTarget:
     layout: ParallelLayout
     seq_len: int
-    source: str  # "strategy" or "explicit"
+    source: str  # "strategy", "file" (train.layout) or "explicit"
     strategy_file: Optional[Path]  # the layout.json read, when from the strategy
 
 
@@ -249,15 +249,51 @@ def check_work(cfg, target: TrainTarget) -> None:
     check_train(cfg.limits, target.layout, batch_key(cfg, target), dynamic)
 
 
+def train_command(cfg, layout: Path, world_size: int) -> str:
+    """A command that trains the layout file `layout` on its `world_size` ranks: this command's
+    overrides with train.layout, the cluster.nodes that make those ranks, and launcher=slurm
+    where that is more than one node and this command runs the local launcher. Only the key
+    (`train.layout=<layout> on <n> ranks`) when no number of nodes makes them."""
+    from orchestrator.pipeline import local_cannot_reach
+
+    per_node = cfg.cluster.tasks_per_node
+    if world_size % per_node:
+        return f"train.layout={layout} on {world_size} ranks"
+    nodes = world_size // per_node
+    extra = [] if nodes == cfg.cluster.nodes else [f"cluster.nodes={nodes}"]
+    if local_cannot_reach(cfg.launcher.name, nodes):
+        extra.append("launcher=slurm")
+    return rerun_command("train", *extra, f"train.layout={layout}")
+
+
+def world_mismatch_text(cfg, target: TrainTarget, world: int) -> str:
+    """Why a layout for other ranks cannot train here, and what does: the strategy of this many
+    ranks an earlier search kept (stage=search keeps the one it replaces for another size), a
+    search for these ranks (which keeps this one in turn), or train.pp/train.tp."""
+    from orchestrator.store import kept_strategy_path
+
+    have = target.layout.world_size
+    head = (f"the layout is for {have} ranks but cluster {cfg.cluster.name} has {world} "
+            f"(nodes x tasks_per_node)")
+    if target.source != "strategy":
+        return f"{head}; give train.layout a layout for {world} ranks or give train.pp/train.tp"
+    strategy = strategy_path(cfg.profiles_dir, cfg.cluster.name, cfg.model.name)
+    kept = kept_strategy_path(strategy, world).with_suffix(".layout.json")
+    train_kept = (f"train the {world}-rank strategy an earlier search kept: "
+                  f"{train_command(cfg, kept, world)}; or " if kept.exists() else "")
+    return (f"{head}; {train_kept}search for {world} ranks: {rerun_command('search')} (it "
+            f"keeps the {have}-rank strategy as "
+            f"{kept_strategy_path(strategy, have).with_suffix('.layout.json').name}); or give "
+            f"train.pp/train.tp")
+
+
 def check_target(cfg, target: TrainTarget, world: int) -> None:
     """LayoutError when the layout cannot run this model on these ranks."""
     from orchestrator.models.config import validate_model
 
     layout, model = target.layout, cfg.model
     if layout.world_size != world:
-        raise LayoutError(f"the layout is for {layout.world_size} ranks but cluster "
-                          f"{cfg.cluster.name} has {world} (nodes x tasks_per_node); search "
-                          f"again for it ({rerun_command('search')}) or give train.pp/train.tp")
+        raise LayoutError(world_mismatch_text(cfg, target, world))
     layout.check_model_layers(model.layers, model.name)
     if layout.cp > 1 and layout.cp_comm in ("a2a", "a2a+p2p"):
         try:

@@ -22,6 +22,7 @@ class StepLog:
 
     def __init__(self, ctx, run, layout, seq_len: int, train_cfg):
         self.ctx, self.run, self.layout, self.t = ctx, run, layout, train_cfg
+        self.seq_len = seq_len
         self.tokens_per_step = layout.global_batch_size * seq_len
         self.steps: List[Dict[str, Any]] = []  # this run's steps (this rank's times)
         self.losses: Dict[int, float] = {}  # step -> loss, across resumes
@@ -47,9 +48,17 @@ class StepLog:
 
     def extra(self) -> dict:
         """What a checkpoint carries besides tensors."""
-        return {"identity": self.identity,
+        return {"identity": self.identity, "model": self._model(),
                 "losses": {str(k): v for k, v in sorted(self.losses.items())},
                 "layout": self.layout.describe(), "notes": list(self.notes), "time": time.time()}
+
+    def _model(self) -> Dict[str, Any]:
+        """The model's fields, kept with a checkpoint: a `train.load` of it by another model
+        names them when it refuses it."""
+        from orchestrator.models.config import model_fields
+        from orchestrator.train.plan import model_config
+
+        return model_fields(model_config(self.run.cfg, self.seq_len))
 
     def note(self, text: str) -> None:
         self.notes.append(text)
