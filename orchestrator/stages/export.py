@@ -47,10 +47,12 @@ def run_export(ctx, run) -> dict:
     written: List[Path] = []
     sources = _sources(cfg)
     if "hardware" in sources:
-        hardware = read_profile(sources["hardware"], HardwareProfile, _rebuild("profile_hardware"))
+        hardware = read_profile(sources["hardware"], HardwareProfile, _rebuild("profile_hardware"),
+                                config=cfg)
         written += write_galvatron_dir(hardware.to_dict(), out)
     if "model" in sources:
-        model = read_profile(sources["model"], ModelProfile, _rebuild("profile_model"))
+        model = read_profile(sources["model"], ModelProfile, _rebuild("profile_model"),
+                             config=cfg)
         written += write_galvatron_model(model, out)
     if "strategy" in sources:
         strategy = read_profile(sources["strategy"], StrategyProfile, _rebuild("search"))
