@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, ProfileError
 from orchestrator.layout import LayoutError, ParallelLayout
 
 
@@ -167,3 +168,26 @@ def test_a_good_layout_file_reads_back(tmp_path):
     path.write_text(json.dumps(_layout_file()))
     assert read_layout_file(path) == (ParallelLayout.uniform(4, 1, 2, 4, num_micro_batches=2),
                                       256)
+
+
+def test_the_fix_named_is_for_the_file_that_is_wrong(tmp_path):
+    """search rewrites its own layout.json; a file given as train.layout is the user's to fix
+    (search never writes it)."""
+    from orchestrator.train.plan import strategy_layout
+
+    cfg = SimpleNamespace(profiles_dir=tmp_path, cluster=SimpleNamespace(name="local"),
+                          model=SimpleNamespace(name="tiny"), train=SimpleNamespace(layout=None))
+    strategy = tmp_path / "local" / "strategy" / "tiny.layout.json"
+    strategy.parent.mkdir(parents=True)
+    strategy.write_text(json.dumps(_layout_file(pp="two")))
+    with pytest.raises(ProfileError) as err:
+        strategy_layout(cfg)
+    assert str(err.value) == (f'{strategy}: layout.pp: expected an integer, got "two"; rewrite '
+                              f"it with python -m orchestrator stage=search force=true")
+    own = tmp_path / "mine.layout.json"
+    own.write_text(json.dumps({"layout": _layout_file()["layout"]}))
+    cfg.train.layout = str(own)
+    with pytest.raises(ProfileError) as err:
+        strategy_layout(cfg)
+    assert str(err.value) == (f"train.layout={own}: seq_len: missing; fix that file (the form "
+                              f"of {strategy}: docs/stages/train.md) or leave train.layout unset")

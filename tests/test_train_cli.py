@@ -40,24 +40,15 @@ def test_without_a_strategy_names_the_command_that_writes_one(profiles):
     assert "train.pp" in proc.stderr  # or give a layout
 
 
-def test_a_garbled_layout_file_names_its_field_and_the_fix_for_that_file(profiles, tmp_path):
-    """The strategy's layout.json is rewritten by search; a file the user gave with
-    train.layout is the user's to fix (search never writes it)."""
-    strategy = profiles / "local" / "strategy" / "tiny.layout.json"
-    strategy.parent.mkdir(parents=True)
-    strategy.write_text(json.dumps({"model": "tiny", "seq_len": 64, "layout": {
-        "world_size": 4, "pp": "two", "tp": 1, "dp": 4, "layers_per_stage": [4]}}))
-    line = one_error_line(run_cli("stage=train", profiles_dir=profiles), 4)
-    assert line == (f'error: {strategy}: layout.pp: expected an integer, got "two"; rewrite it '
-                    f"with python -m orchestrator stage=search profiles_dir={profiles} "
-                    f"force=true")
+def test_a_garbled_layout_file_is_one_line_exit_4_before_launch(profiles, tmp_path):
     own = tmp_path / "mine.layout.json"
     own.write_text('{"seq_len": 64, "layout": {"pp": 1,}}')
     line = one_error_line(run_cli("stage=train", f"train.layout={own}", profiles_dir=profiles),
                           4)
-    assert line.startswith(f"error: train.layout={own}: not JSON: Expecting property name "
-                           f"enclosed in double quotes at line 1, column 36; fix that file")
-    assert "stage=search" not in line
+    assert line == (f"error: train.layout={own}: not JSON: Expecting property name enclosed in "
+                    f"double quotes at line 1, column 36; fix that file (the form of "
+                    f"{profiles / 'local' / 'strategy' / 'tiny.layout.json'}: "
+                    f"docs/stages/train.md) or leave train.layout unset")
     assert not (profiles / "local" / "runs").exists()  # nothing launched
 
 
