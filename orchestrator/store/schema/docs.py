@@ -33,6 +33,7 @@ known. Records with an `extras` field keep keys they do not declare (notes no re
 own level in the file; other records refuse unknown keys.
 """
 
+
 def _codes(names) -> str:
     return ", ".join(f"`{name}`" for name in names)
 
