@@ -161,13 +161,15 @@ def test_a_layout_file_says_what_is_wrong_with_which_field(tmp_path, text, probl
     assert str(err.value) == problem
 
 
-def test_a_good_layout_file_reads_back(tmp_path):
+def test_a_good_layout_file_reads_back_and_a_folder_is_refused(tmp_path):
     from orchestrator.train.plan import read_layout_file
 
     path = tmp_path / "tiny.layout.json"
     path.write_text(json.dumps(_layout_file()))
     assert read_layout_file(path) == (ParallelLayout.uniform(4, 1, 2, 4, num_micro_batches=2),
                                       256)
+    with pytest.raises(ValueError, match="^cannot be read: Is a directory$"):
+        read_layout_file(tmp_path)
 
 
 def test_the_fix_named_is_for_the_file_that_is_wrong(tmp_path):

@@ -169,7 +169,8 @@ def read_layout_file(path: Path) -> Tuple[ParallelLayout, int]:
     """(layout, seq_len) of a layout file (`{"seq_len": int, "layout": {...}}`, the form of
     strategy/<model>.layout.json; other keys, such as "model" or "source", are notes);
     LayoutFileError saying what is wrong with which field: not JSON (at line and column),
-    missing, of the wrong JSON type, or a layout ParallelLayout refuses (its numbers)."""
+    missing, of the wrong JSON type, or a layout ParallelLayout refuses (its numbers); or that
+    the file cannot be read at all (a folder)."""
     from orchestrator.store.schema.record import FieldError, convert, show
 
     try:
@@ -178,6 +179,8 @@ def read_layout_file(path: Path) -> Tuple[ParallelLayout, int]:
         raise LayoutFileError(f"not JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
     except UnicodeDecodeError:
         raise LayoutFileError("not JSON: not UTF-8 text") from None
+    except OSError as e:  # a folder, no permission
+        raise LayoutFileError(f"cannot be read: {e.strerror}") from None
     if not isinstance(raw, dict):
         raise LayoutFileError(f"expected a JSON object with seq_len and layout, got {show(raw)}")
     for key in ("seq_len", "layout"):
