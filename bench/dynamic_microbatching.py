@@ -69,8 +69,8 @@ def analytic_model_profile(cfg) -> dict:
     from orchestrator.profiling.model.memory import memory_summary
     from orchestrator.profiling.model.plan import plan_profile
     from orchestrator.profiling.model.runner import point_runner
-    from orchestrator.stages.profile_model import _model_summary
     from orchestrator.store import new_profile
+    from orchestrator.store.schema.identity import model_summary
 
     plan = plan_profile(cfg)
     if plan.source != "analytic":
@@ -82,7 +82,7 @@ def analytic_model_profile(cfg) -> dict:
     for tp in plan.tps:
         with runner.for_tp(tp, max(plan.seq_lens)):
             points += [runner.point(seq, tp) for seq in plan.seq_lens]
-    return new_profile("model", "analytic", {}, model=_model_summary(cfg.model),
+    return new_profile("model", "analytic", {}, model=model_summary(cfg.model),
                        micro_batch_size=batch, method=runner.timing.method(plan), points=points,
                        fits=fit_points(points), memory=memory_summary(points, cfg.model, batch))
 

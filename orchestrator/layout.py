@@ -21,6 +21,8 @@ etp * ep only (the dense weights over dp x cp). EP may span the attention's TP, 
 """
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
@@ -349,18 +351,38 @@ class ParallelLayout:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ParallelLayout":
-        """Inverse of to_dict; `global_batch_size`, when present, must match the product."""
+    def from_dict(cls, d: Mapping[str, Any], where: str = "") -> "ParallelLayout":
+        """Inverse of to_dict; `global_batch_size`, when present, must match the product.
+        LayoutError naming the key (under `where`, e.g. "layout": "layout.pp") that is missing,
+        unknown or not of its JSON type, or the numbers of a layout that cannot run."""
+        # the schema's JSON reader (imported here: the schema imports this module)
+        from orchestrator.store.schema.record import FieldError, convert, join, show
+
+        prefix = f"{where}: " if where else ""
+        if not isinstance(d, Mapping):
+            raise LayoutError(f"{where or 'layout'}: expected an object, got {show(d)}")
         known = {f for f in cls.__dataclass_fields__}
         unknown = set(d) - known - {"global_batch_size"}
         if unknown:
-            raise LayoutError(f"unknown layout keys {sorted(unknown)}; known: {sorted(known)}")
-        layout = cls(**{k: (tuple(tuple(x) if isinstance(x, list) else x for x in v)
-                            if isinstance(v, list) else v)
-                        for k, v in d.items() if k in known})
-        gbs = d.get("global_batch_size")
+            raise LayoutError(f"{prefix}unknown layout keys {sorted(unknown)}; known: "
+                              f"{sorted(known)}")
+        hints, values = typing.get_type_hints(cls), {}
+        try:
+            for f in dataclasses.fields(cls):
+                if f.name in d:
+                    values[f.name] = convert(d[f.name], hints[f.name], join(where, f.name))
+                elif f.default is dataclasses.MISSING:
+                    raise FieldError(join(where, f.name), "missing")
+            gbs = convert(d.get("global_batch_size"), Optional[int],
+                          join(where, "global_batch_size"))
+        except FieldError as e:
+            raise LayoutError(str(e)) from None
+        try:
+            layout = cls(**values)
+        except LayoutError as e:
+            raise LayoutError(f"{prefix}{e}") from None
         if gbs is not None and gbs != layout.global_batch_size:
-            raise LayoutError(f"global_batch_size({gbs}) != dp({layout.dp}) * micro_batch_size"
-                              f"({layout.micro_batch_size}) * num_micro_batches"
+            raise LayoutError(f"{prefix}global_batch_size({gbs}) != dp({layout.dp}) * "
+                              f"micro_batch_size({layout.micro_batch_size}) * num_micro_batches"
                               f"({layout.num_micro_batches}) = {layout.global_batch_size}")
         return layout

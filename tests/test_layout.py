@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, ProfileError
 from orchestrator.layout import LayoutError, ParallelLayout
 
 
@@ -119,3 +120,76 @@ def test_context_parallel_needs_a_sequence_of_2cp_chunks_over_tp():
         ParallelLayout(world_size=8, pp=1, tp=2, dp=2, cp=4, layers_per_stage=(8,))
     with pytest.raises(LayoutError, match="cp_comm must be one of"):
         ParallelLayout.uniform(8, 2, 1, 8, cp=2, cp_comm="ring")
+
+
+# ---------------------------------------------------------------- layout files
+def _layout_file(**changes) -> dict:
+    """A layout file as search writes strategy/<model>.layout.json, with `changes` to its
+    layout (None: the key left out)."""
+    layout = {**ParallelLayout.uniform(4, 1, 2, 4, num_micro_batches=2).to_dict(), **changes}
+    return {"model": "tiny", "seq_len": 256,
+            "layout": {k: v for k, v in layout.items() if v is not None}}
+
+
+@pytest.mark.parametrize("text, problem", [
+    ('{"seq_len": 256,\n "layout": {', "not JSON: Expecting property name enclosed in double "
+                                       "quotes at line 2, column 13"),
+    ("[]", "expected a JSON object with seq_len and layout, got []"),
+    (json.dumps({"seq_len": 256}), "layout: missing"),
+    (json.dumps({**_layout_file(), "seq_len": "long"}), 'seq_len: expected an integer, got "long"'),
+    (json.dumps({**_layout_file(), "layout": "pp2"}), 'layout: expected an object, got "pp2"'),
+    (json.dumps(_layout_file(pp=None)), "layout.pp: missing"),
+    (json.dumps(_layout_file(pp="two")), 'layout.pp: expected an integer, got "two"'),
+    (json.dumps(_layout_file(sequence_parallel="yes")),
+     'layout.sequence_parallel: expected true or false, got "yes"'),
+    (json.dumps(_layout_file(layers_per_stage=4)), "layout.layers_per_stage: expected a list, "
+                                                   "got 4"),
+    (json.dumps(_layout_file(recompute=[["none"], ["none", 0]])),
+     'layout.recompute[0]: expected a list of 2 items, got ["none"]'),
+    (json.dumps(_layout_file(pipeline=2)), "layout: unknown layout keys ['pipeline']; known: "
+                                           + str(sorted(ParallelLayout.__dataclass_fields__))),
+    (json.dumps(_layout_file(dp=1)), "layout: dp(1) * tp(1) * pp(2) != world_size(4)"),
+], ids=["not-json", "not-an-object", "no-layout", "seq-len-type", "layout-type", "no-pp",
+        "pp-type", "bool-type", "list-type", "pair-length", "unknown-key", "refused"])
+def test_a_layout_file_says_what_is_wrong_with_which_field(tmp_path, text, problem):
+    from orchestrator.train.plan import LayoutFileError, read_layout_file
+
+    path = tmp_path / "tiny.layout.json"
+    path.write_text(text)
+    with pytest.raises(LayoutFileError) as err:
+        read_layout_file(path)
+    assert str(err.value) == problem
+
+
+def test_a_good_layout_file_reads_back_and_a_folder_is_refused(tmp_path):
+    from orchestrator.train.plan import read_layout_file
+
+    path = tmp_path / "tiny.layout.json"
+    path.write_text(json.dumps(_layout_file()))
+    assert read_layout_file(path) == (ParallelLayout.uniform(4, 1, 2, 4, num_micro_batches=2),
+                                      256)
+    with pytest.raises(ValueError, match="^cannot be read: Is a directory$"):
+        read_layout_file(tmp_path)
+
+
+def test_the_fix_named_is_for_the_file_that_is_wrong(tmp_path):
+    """search rewrites its own layout.json; a file given as train.layout is the user's to fix
+    (search never writes it)."""
+    from orchestrator.train.plan import strategy_layout
+
+    cfg = SimpleNamespace(profiles_dir=tmp_path, cluster=SimpleNamespace(name="local"),
+                          model=SimpleNamespace(name="tiny"), train=SimpleNamespace(layout=None))
+    strategy = tmp_path / "local" / "strategy" / "tiny.layout.json"
+    strategy.parent.mkdir(parents=True)
+    strategy.write_text(json.dumps(_layout_file(pp="two")))
+    with pytest.raises(ProfileError) as err:
+        strategy_layout(cfg)
+    assert str(err.value) == (f'{strategy}: layout.pp: expected an integer, got "two"; rewrite '
+                              f"it with python -m orchestrator stage=search force=true")
+    own = tmp_path / "mine.layout.json"
+    own.write_text(json.dumps({"layout": _layout_file()["layout"]}))
+    cfg.train.layout = str(own)
+    with pytest.raises(ProfileError) as err:
+        strategy_layout(cfg)
+    assert str(err.value) == (f"train.layout={own}: seq_len: missing; fix that file (the form "
+                              f"of {strategy}: docs/stages/train.md) or leave train.layout unset")

@@ -40,6 +40,18 @@ def test_without_a_strategy_names_the_command_that_writes_one(profiles):
     assert "train.pp" in proc.stderr  # or give a layout
 
 
+def test_a_garbled_layout_file_is_one_line_exit_4_before_launch(profiles, tmp_path):
+    own = tmp_path / "mine.layout.json"
+    own.write_text('{"seq_len": 64, "layout": {"pp": 1,}}')
+    line = one_error_line(run_cli("stage=train", f"train.layout={own}", profiles_dir=profiles),
+                          4)
+    assert line == (f"error: train.layout={own}: not JSON: Expecting property name enclosed in "
+                    f"double quotes at line 1, column 36; fix that file (the form of "
+                    f"{profiles / 'local' / 'strategy' / 'tiny.layout.json'}: "
+                    f"docs/stages/train.md) or leave train.layout unset")
+    assert not (profiles / "local" / "runs").exists()  # nothing launched
+
+
 def test_a_layout_that_does_not_divide_is_one_line_before_launch(profiles):
     proc = run_cli("stage=train", "train.pp=3", profiles_dir=profiles)
     assert proc.returncode == 2, proc.stderr

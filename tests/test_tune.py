@@ -206,7 +206,9 @@ def test_tune_on_slurm_runs_a_job_per_candidate(slurm_cluster, measured_chain, t
     """The same path under launcher=slurm: each candidate its own Slurm job, then the fit."""
     profiles = tmp_path / "profiles"
     (profiles / "dev" / "model").mkdir(parents=True)
-    shutil.copy(measured_chain / "local" / "hardware.json", profiles / "dev" / "hardware.json")
+    # dev's own hardware profile (local's is another cluster's: refused), from its links
+    run_cli("stage=profile_hardware", "cluster=dev", "profile_hardware.source=analytic",
+            "profile_hardware.plot=false", profiles_dir=profiles, check=0)
     shutil.copy(measured_chain / "local" / "model" / "tiny.json",
                 profiles / "dev" / "model" / "tiny.json")
     run_cli(*TUNE, *SLURM, "tune.top_k=2", "tune.controls=false", "tune.min_runs=2",

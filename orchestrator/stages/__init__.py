@@ -38,6 +38,13 @@ class StageInput:
         matter to the producer (profiles_dir, cluster, model, ...), shell-quoted."""
         return rerun_command(self.producer)
 
+    def read(self, cfg):
+        """The input as its profile record, checked against the model and cluster `cfg` asks
+        for (store.read_profile): ProfileError naming the file and `rebuild()`."""
+        from orchestrator.store import read_profile
+
+        return read_profile(self.path, self.profile, self.rebuild(), config=cfg)
+
 
 @dataclass(frozen=True)
 class StagePlan:
@@ -82,12 +89,11 @@ class Stage:
         raise NotImplementedError
 
     def read_inputs(self, cfg: Config, plan: StagePlan) -> List[str]:
-        """Read and check the plan's input profiles (ProfileError, exit 4, naming the file and
-        the command that rebuilds it); the notes on what is extrapolated from them."""
-        from orchestrator.store import read_profile
-
+        """Read and check the plan's input profiles, each against the model and cluster `cfg`
+        asks for (ProfileError, exit 4, naming the file and the command that rebuilds it); the
+        notes on what is extrapolated from them."""
         for needed in plan.inputs:
-            read_profile(needed.path, needed.profile, needed.rebuild())
+            needed.read(cfg)
         return []
 
     def run(self, ctx, run) -> Optional[dict]:

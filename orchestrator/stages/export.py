@@ -46,10 +46,12 @@ def galvatron_files(cfg, sources: Dict[str, Path]) -> Dict[str, object]:
 
     files: Dict[str, object] = {}
     if "hardware" in sources:
-        hardware = read_profile(sources["hardware"], HardwareProfile, _rebuild("profile_hardware"))
+        hardware = read_profile(sources["hardware"], HardwareProfile, _rebuild("profile_hardware"),
+                               config=cfg)
         files.update(to_galvatron(hardware.to_dict()))
     if "model" in sources:
-        model = read_profile(sources["model"], ModelProfile, _rebuild("profile_model"))
+        model = read_profile(sources["model"], ModelProfile, _rebuild("profile_model"),
+                             config=cfg)
         files.update(galvatron_model_files(model))
     if "strategy" in sources:
         strategy = read_profile(sources["strategy"], StrategyProfile, _rebuild("search"))

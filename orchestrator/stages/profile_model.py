@@ -16,22 +16,15 @@ from __future__ import annotations
 import logging
 
 from orchestrator.choices import ModelSource, Ranks
-from orchestrator.models.config import ModelConfig, is_moe
+from orchestrator.models.config import ModelConfig
 from orchestrator.profiling.model.plan import (MOE_PART, ProfilePlan, parse_point, plan_profile,
                                                point_name)
 from orchestrator.stages import Stage
 from orchestrator.store import model_profile_path, write_profile
 from orchestrator.store.schema import ModelProfile
+from orchestrator.store.schema.identity import model_summary
 
 log = logging.getLogger("orchestrator.profile_model")
-
-
-MOE_FIELDS = ("experts", "top_k", "expert_ffn", "shared_expert_ffn", "dense_layers")
-
-
-def _model_summary(model: ModelConfig) -> dict:
-    keys = ("name", "hidden", "ffn", "layers", "heads", "kv_heads", "vocab", "seq_len", "dtype")
-    return {k: getattr(model, k) for k in keys + (MOE_FIELDS if is_moe(model) else ())}
 
 
 def _merge_point(profile: dict, point: dict) -> None:
@@ -82,7 +75,7 @@ def run_profile(ctx, run):
     profile = None
     if ctx.is_root:
         profile = run.resume_profile(path, "model", plan.source, identity="model",
-                                     model=_model_summary(model), micro_batch_size=batch,
+                                     model=model_summary(model), micro_batch_size=batch,
                                      points=[], fits={}, memory={})
         _drop_unplanned(profile, run.plan)
         profile["method"] = runner.timing.method(plan)

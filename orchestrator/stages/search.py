@@ -18,13 +18,12 @@ from typing import List, Optional
 
 from orchestrator.config import cluster_world_size
 from orchestrator import errors
-from orchestrator.commands import rerun_command
-from orchestrator.errors import ConfigError, InvalidLayout, ProfileError
+from orchestrator.errors import ConfigError, InvalidLayout
 from orchestrator.choices import Ranks
 from orchestrator.stages import Stage, StageInput
 from orchestrator.store import (STRATEGY_SUFFIXES, atomic_write, cluster_dir, file_sha256,
                                 hardware_path, kept_strategy_path, model_profile_path,
-                                read_json, read_profile, strategy_path, write_json,
+                                read_json, strategy_path, write_json,
                                 write_profile)
 from orchestrator.store.schema import (Alternative, HardwareProfile, ModelProfile,
                                        PredictionRecord, Provenance, SpaceSummary, Source,
@@ -50,10 +49,6 @@ def _inputs(cfg):
     return inputs
 
 
-# What changes a block's time and memory; not `layers` (the planner multiplies by it).
-MODEL_SHAPE = ("hidden", "ffn", "heads", "kv_heads", "vocab", "dtype")
-
-
 @dataclass(frozen=True)
 class SearchInputs:
     hardware: HardwareProfile
@@ -61,32 +56,9 @@ class SearchInputs:
     notes: List[str]  # what is extrapolated from them (printed once, kept in the strategy)
 
 
-def _plain(value):
-    return getattr(value, "value", value)
-
-
-def _check_model(cfg, path: Path, made) -> None:
-    """ProfileError when the model profile was made for another block shape."""
-    asked = {f: _plain(getattr(cfg.model, f)) for f in MODEL_SHAPE}
-    asked["kv_heads"] = asked["kv_heads"] or asked["heads"]
-    have = {f: _plain(getattr(made, f)) for f in MODEL_SHAPE}
-    differ = [f for f in MODEL_SHAPE if str(have[f]) != str(asked[f])]
-    if differ:
-        raise ProfileError(
-            f"{path} was profiled for " + ", ".join(f"model.{f}={have[f]}" for f in differ)
-            + "; this search asks for " + ", ".join(f"{f}={asked[f]}" for f in differ)
-            + f": rebuild it with {rerun_command('profile_model')}")
-
-
-def _check_hardware(cfg, path: Path, made, world_size: int) -> List[str]:
-    """ProfileError when the ranks per node differ (intra-node groups never measured); a note
-    when the search plans more ranks than were profiled (priced from the inter-node fits)."""
-    per_node = cfg.cluster.tasks_per_node
-    if made.tasks_per_node != per_node:
-        raise ProfileError(
-            f"{path} was measured with cluster.tasks_per_node={made.tasks_per_node}; this search "
-            f"asks for tasks_per_node={per_node}: groups within a node of {per_node} were never "
-            f"measured: rebuild it with {rerun_command('profile_hardware')}")
+def _extrapolation_notes(path: Path, made, world_size: int, per_node: int) -> List[str]:
+    """A note when the search plans more ranks than were profiled (priced from the inter-node
+    fits); [] otherwise."""
     if world_size <= made.world_size:
         return []
     nodes = -(-world_size // per_node)
@@ -100,13 +72,13 @@ def _check_hardware(cfg, path: Path, made, world_size: int) -> List[str]:
 
 
 def read_inputs(cfg, plan) -> SearchInputs:
-    """The search's input profiles, checked against the model and cluster it is asked about:
-    ProfileError (exit 4) naming the difference and the command that rebuilds the input."""
+    """The search's input profiles, checked against the model and cluster it is asked about
+    (store.schema.identity): ProfileError (exit 4) naming the difference and the command that
+    rebuilds the input."""
     hw_in, model_in = plan.inputs[:2]
-    hw = read_profile(hw_in.path, hw_in.profile, hw_in.rebuild())
-    mp = read_profile(model_in.path, model_in.profile, model_in.rebuild())
-    _check_model(cfg, model_in.path, mp.model)
-    notes = _check_hardware(cfg, hw_in.path, hw.cluster, plan.detail.world_size)
+    hw, mp = hw_in.read(cfg), model_in.read(cfg)
+    notes = _extrapolation_notes(hw_in.path, hw.cluster, plan.detail.world_size,
+                                 cfg.cluster.tasks_per_node)
     return SearchInputs(hardware=hw, model=mp, notes=notes)
 
 
@@ -248,7 +220,7 @@ def run_search(ctx, run):
     notes = list(read.notes) + moe_note(cfg, space)
     folder = cluster_dir(cfg.profiles_dir, cfg.cluster.name)
     for extra in run.plan.inputs[2:]:  # the calibration its costs were scaled by
-        inputs.append((extra.path, read_profile(extra.path, extra.profile, extra.rebuild())))
+        inputs.append((extra.path, extra.read(cfg)))
         notes.append(f"cost model {space.options.calibration.describe()} "
                      f"({extra.path.relative_to(folder)})")
     trained = _trained_layout(inputs[2:], space, result, notes)

@@ -98,11 +98,9 @@ class Train(Stage):
         strategy = [x for x in plan.inputs if x.profile is StrategyLayout]
         if strategy and not strategy[0].path.exists():
             resolve(cfg)  # the ProfileError naming the search command
-        from orchestrator.store import read_profile
-
         for needed in plan.inputs:
             if needed.profile is not StrategyLayout:
-                read_profile(needed.path, needed.profile, needed.rebuild())
+                needed.read(cfg)
         return []
 
     def run(self, ctx, run):

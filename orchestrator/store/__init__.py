@@ -260,11 +260,13 @@ def parse_profile(raw: Any, cls: Type[P], where: str, rebuild: Optional[str] = N
 
 
 def read_profile(path: str | os.PathLike, cls: Type[P], rebuild: str,
-                 expect_hash: Optional[str] = None) -> P:
+                 expect_hash: Optional[str] = None, config: Any = None) -> P:
     """Read and validate a profile file as the dataclass `cls` (HardwareProfile, ...).
 
     `rebuild` is the command that writes it; every error names the file and that command.
     With `expect_hash`, a file written under another config (provenance.config_hash) is stale.
+    With `config` (the command's composed Config), a model or hardware profile that is not the
+    model or cluster the config asks for (schema/identity.py) is stale, each field named.
     """
     path = Path(path)
     kind = cls.KIND
@@ -285,4 +287,17 @@ def read_profile(path: str | os.PathLike, cls: Type[P], rebuild: str,
     if expect_hash is not None and got_hash != expect_hash:
         raise ProfileError(f"{path}: written under another config (hash {got_hash}, "
                            f"now {expect_hash}): stale. Rerun: {rebuild}")
+    if config is not None:
+        check_identity(path, profile, config, rebuild)
     return profile
+
+
+def check_identity(path: str | os.PathLike, profile: Profile, config: Any, rebuild: str) -> None:
+    """ProfileError (exit 4) when `profile` is not the model or cluster `config` asks for
+    (schema/identity.py): the file, each differing field in the profile and in the command,
+    and `rebuild`."""
+    from orchestrator.store.schema.identity import differences, mismatch_message
+
+    found = differences(profile, config)
+    if found:
+        raise ProfileError(mismatch_message(path, found, rebuild))

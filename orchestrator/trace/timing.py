@@ -99,27 +99,43 @@ class ComputePricer:
                 r["time_source"] = source
 
 
-def make_pricer(cfg, tps) -> ComputePricer:
-    """The pricer for this cluster and model: the model profile when it exists and covers every
-    TP degree traced, else the device sheet (trace.device, or h100)."""
+def model_profile(cfg):
+    """(ModelProfile or None, note): the cluster's profile of cfg.model; None, with why, when
+    there is none or it is unreadable (the device sheet prices then). ProfileError (exit 4)
+    when it is a profile of another model (store.schema.identity): a file that claims to be
+    this model but is not is stale, not a fallback."""
     from orchestrator.commands import rerun_command
     from orchestrator.errors import ProfileError
-    from orchestrator.planner.profiles import ModelCost
-    from orchestrator.device import load_device_sheet
-    from orchestrator.store import model_profile_path, read_profile
+    from orchestrator.store import check_identity, model_profile_path, read_profile
     from orchestrator.store.schema import ModelProfile
 
-    sheet = load_device_sheet(cfg.trace.device)
     path = model_profile_path(cfg.profiles_dir, cfg.cluster.name, cfg.model.name)
     if not path.exists():
-        return ComputePricer(sheet, note=f"no model profile {path}: device sheet "
-                                         f"{sheet['name']} for every op")
+        return None, f"no model profile {path}"
+    rebuild = rerun_command("profile_model")
     try:
-        profile = read_profile(path, ModelProfile, rerun_command("profile_model"))
-        cost = ModelCost.from_profile(profile)
-        missing = sorted(set(tps) - set(cost.tps))
+        profile = read_profile(path, ModelProfile, rebuild)
     except ProfileError as e:
-        return ComputePricer(sheet, note=f"model profile unusable ({e}); device sheet")
+        return None, f"model profile unusable ({e})"
+    check_identity(path, profile, cfg, rebuild)
+    return profile, ""
+
+
+def make_pricer(cfg, tps) -> ComputePricer:
+    """The pricer for this cluster and model: the model profile when it exists and covers every
+    TP degree traced, else the device sheet (trace.device, or h100); ProfileError when the
+    profile is another model's (model_profile)."""
+    from orchestrator.planner.profiles import ModelCost
+    from orchestrator.device import load_device_sheet
+    from orchestrator.store import model_profile_path
+
+    sheet = load_device_sheet(cfg.trace.device)
+    profile, why = model_profile(cfg)
+    if profile is None:
+        return ComputePricer(sheet, note=f"{why}: device sheet {sheet['name']} for every op")
+    path = model_profile_path(cfg.profiles_dir, cfg.cluster.name, cfg.model.name)
+    cost = ModelCost.from_profile(profile)
+    missing = sorted(set(tps) - set(cost.tps))
     if missing:
         return ComputePricer(sheet, note=f"{path} has no fit for tp {missing} (profiled "
                                          f"{list(cost.tps)}): device sheet {sheet['name']}")

@@ -7,7 +7,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 from orchestrator.choices import Backend, Dtype
 from orchestrator.commands import rerun_command
@@ -161,9 +161,46 @@ def chosen_layout_file(cfg) -> Path:
     return Path(cfg.train.layout) if cfg.train.layout else layout_file(cfg)
 
 
+class LayoutFileError(ValueError):
+    """A layout file that cannot be read; the message says which field and what is wrong."""
+
+
+def read_layout_file(path: Path) -> Tuple[ParallelLayout, int]:
+    """(layout, seq_len) of a layout file (`{"seq_len": int, "layout": {...}}`, the form of
+    strategy/<model>.layout.json; other keys, such as "model" or "source", are notes);
+    LayoutFileError saying what is wrong with which field: not JSON (at line and column),
+    missing, of the wrong JSON type, or a layout ParallelLayout refuses (its numbers); or that
+    the file cannot be read at all (a folder)."""
+    from orchestrator.store.schema.record import FieldError, convert, show
+
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise LayoutFileError(f"not JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+    except UnicodeDecodeError:
+        raise LayoutFileError("not JSON: not UTF-8 text") from None
+    except OSError as e:  # a folder, no permission
+        raise LayoutFileError(f"cannot be read: {e.strerror}") from None
+    if not isinstance(raw, dict):
+        raise LayoutFileError(f"expected a JSON object with seq_len and layout, got {show(raw)}")
+    for key in ("seq_len", "layout"):
+        if key not in raw:
+            raise LayoutFileError(f"{key}: missing")
+    try:
+        seq_len = convert(raw["seq_len"], int, "seq_len")
+        layout = ParallelLayout.from_dict(raw["layout"], "layout")
+    except (FieldError, LayoutError) as e:
+        raise LayoutFileError(str(e)) from None
+    if seq_len < 1:
+        raise LayoutFileError(f"seq_len: must be >= 1, got {seq_len}")
+    return layout, seq_len
+
+
 def strategy_layout(cfg) -> tuple:
     """(layout, seq_len) of the strategy search wrote (or of train.layout); ProfileError naming
-    the command that writes it when there is none (or it is unreadable)."""
+    the command that writes it when there is none, or, when it cannot be read, what is wrong
+    with which field and the fix of that file: search rewrites its own, a file given as
+    train.layout is the user's to fix."""
     path = chosen_layout_file(cfg)
     fix = rerun_command("search")
     if cfg.train.layout and not path.exists():
@@ -174,10 +211,13 @@ def strategy_layout(cfg) -> tuple:
                            f"{cfg.cluster.name} yet ({path} missing): write one with {fix}, "
                            f"or give a layout (train.pp=... train.tp=...)")
     try:
-        raw = json.loads(path.read_text())
-        return ParallelLayout.from_dict(raw["layout"]), int(raw["seq_len"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise ProfileError(f"{path}: unreadable ({e}); rewrite it with {fix} force=true")
+        return read_layout_file(path)
+    except LayoutFileError as e:
+        if cfg.train.layout:
+            raise ProfileError(f"train.layout={cfg.train.layout}: {e}; fix that file (the form "
+                               f"of {layout_file(cfg)}: docs/stages/train.md) or leave "
+                               f"train.layout unset") from None
+        raise ProfileError(f"{path}: {e}; rewrite it with {fix} force=true") from None
 
 
 def _override(layout: ParallelLayout, cfg) -> ParallelLayout:
@@ -383,15 +423,15 @@ def predict(cfg, layout: ParallelLayout, seq_len: int):
 
 def planner_profiles(cfg):
     """(ModelCost, HardwareModel) of the cluster's profiles; ProfileError naming the command
-    that writes a missing or unreadable one."""
+    that writes a missing or unreadable one, or one made for another model or cluster."""
     from orchestrator.planner import HardwareModel, ModelCost
     from orchestrator.store import read_profile
     from orchestrator.store.schema import HardwareProfile, ModelProfile
 
     hw_path = hardware_path(cfg.profiles_dir, cfg.cluster.name)
     mp_path = model_profile_path(cfg.profiles_dir, cfg.cluster.name, cfg.model.name)
-    hw = read_profile(hw_path, HardwareProfile, rerun_command("profile_hardware"))
-    mp = read_profile(mp_path, ModelProfile, rerun_command("profile_model"))
+    hw = read_profile(hw_path, HardwareProfile, rerun_command("profile_hardware"), config=cfg)
+    mp = read_profile(mp_path, ModelProfile, rerun_command("profile_model"), config=cfg)
     return ModelCost.from_profile(mp).with_moe(cfg.model), HardwareModel.from_profile(hw)
 
 

@@ -33,6 +33,7 @@ from orchestrator.models.config import ModelConfig, count_block_params, validate
 from orchestrator.profiling.model.analytic import CAUSAL_ATTENTION_FRACTION
 from orchestrator.store import write_json
 from orchestrator.store.schema import ModelProfile
+from orchestrator.store.schema.identity import model_summary
 
 MiB = 1024 * 1024
 GALVATRON_STATE_BYTES_PER_PARAM = 16  # model_states = 4 x parameter_size (fp32 MiB)
@@ -350,9 +351,7 @@ def import_model(in_dir, model: ModelConfig, *, max_tp: Optional[int] = None) ->
                            f"splits model {model.name} (max_tp={max_tp})")
     timing = {"block": block_t, "other": other_t}
     body = {
-        "model": {"name": model.name, "hidden": model.hidden, "ffn": model.ffn,
-                  "layers": model.layers, "heads": model.heads, "kv_heads": model.kv_heads,
-                  "vocab": model.vocab, "seq_len": model.seq_len, "dtype": dtype.value},
+        "model": model_summary(model),
         "points": points, "fits": fits, "memory": memory, "micro_batch_size": 1,
         "method": {"source": Source.galvatron.value,
                    "why": f"imported from Galvatron's {time_path.name} and {memory_path.name}",

@@ -10,6 +10,7 @@ from typing import Iterator, List
 from orchestrator.store.schema.calibration import CalibrationProfile
 from orchestrator.store.schema.hardware import HardwareProfile
 from orchestrator.store.schema.header import Profile, Provenance
+from orchestrator.store.schema.identity import CLUSTER_IDENTITY, MODEL_IDENTITY, MOE_IDENTITY
 from orchestrator.store.schema.model import ModelProfile
 from orchestrator.store.schema.record import Record, field_rows
 from orchestrator.store.schema.strategy import StrategyProfile
@@ -30,6 +31,38 @@ object, `"a" | "b"` one of those strings, `or null` may be null. "When absent": 
 must be there; one with a default reads as that default; "left out" fields are written only when
 known. Records with an `extras` field keep keys they do not declare (notes no reader uses) at their
 own level in the file; other records refuse unknown keys.
+"""
+
+
+def _codes(names) -> str:
+    return ", ".join(f"`{name}`" for name in names)
+
+
+IDENTITY = f"""\
+## What a profile claims to be
+
+A profile is named for the cluster and model it was made for (`<cluster>/hardware.json`,
+`<cluster>/model/<model>.json`); every stage that reads one (search, train's prediction and its
+variable-length planner, tune, trace, export) also compares what the file records with its own
+config, by one rule (`orchestrator/store/schema/identity.py`). A file that differs is stale,
+exit 4, in one line: the file, each field's value in the profile and in the command, and the
+command that rebuilds it (`model/tiny_moe.json was profiled for model.name=tiny,
+model.experts=0; this command asks for model.name=tiny_moe, model.experts=8: stale. Rerun: ...`).
+
+- Model (`model`), compared:
+  {_codes(MODEL_IDENTITY)};
+  `experts` (0 or absent: a dense model, which records no other MoE field);
+  for a mixture-of-experts model also
+  {_codes(MOE_IDENTITY[1:])},
+  each written (a null `capacity_factor` is dropless; a MoE profile without them predates them
+  and is stale). Not compared: `seq_len` (profile_model times a list of lengths and the fits
+  carry them to any other; search and train choose their own), `rope_theta` and `norm_eps`
+  (constants inside the same ops).
+- Hardware (`cluster`), compared:
+  {_codes(CLUSTER_IDENTITY)}, and for a measured profile `backend` (gloo ranks run on CPUs,
+  nccl ranks on GPUs). Not compared: `nodes` and `world_size` (a search over more ranks prices
+  them from the fits, with a note), `gpus_per_node`, and the backend of analytic and imported
+  profiles (a link sheet's or Galvatron's GPU figures).
 """
 
 PROSE = {
@@ -110,7 +143,7 @@ def _table(cls: type, header_fields: bool) -> str:
 
 def markdown() -> str:
     """The whole of docs/profile-schema.md."""
-    parts = [INTRO, "## Every file\n", _table(Profile, True), _table(Provenance, True)]
+    parts = [INTRO, IDENTITY, "## Every file\n", _table(Profile, True), _table(Provenance, True)]
     for profile in (HardwareProfile, ModelProfile, StrategyProfile, CalibrationProfile):
         parts.append(f"## {profile.__name__}: {inspect.cleandoc(profile.__doc__)}\n")
         parts.append(PROSE[profile])

@@ -11,6 +11,9 @@ from orchestrator.store.schema.record import FieldError, Record, doc
 
 @dataclass(kw_only=True)
 class ClusterSummary(Record):
+    """The cluster profiled: what the profile claims to be (schema/identity.py says which
+    fields every reader compares with its own cluster config, and why the others are not)."""
+
     name: str = doc("cluster.name", default="cluster")
     nodes: int = doc("nodes profiled", default=1)
     tasks_per_node: int = doc("ranks per node (GPUs per node on a GPU cluster)")

@@ -6,11 +6,15 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from orchestrator.choices import Dtype, MoePart, Recompute, Source
 from orchestrator.store.schema.header import PartMade, Profile
-from orchestrator.store.schema.record import FieldError, Record, doc
+from orchestrator.store.schema.identity import MOE_IDENTITY
+from orchestrator.store.schema.record import FieldError, Record, doc, join
 
 
 @dataclass(kw_only=True)
 class ModelSummary(Record):
+    """The model profiled: what the profile claims to be (schema/identity.py says which fields
+    every reader compares with its own model config, and why the others are not)."""
+
     name: str = doc("model.name", default="model")
     hidden: int = doc("hidden size")
     ffn: int = doc("MLP inner size")
@@ -26,10 +30,32 @@ class ModelSummary(Record):
     shared_expert_ffn: Optional[int] = doc("the shared expert's width, 0: none (MoE)",
                                            default=None)
     dense_layers: Optional[int] = doc("leading blocks with a dense FFN (MoE)", default=None)
+    capacity_factor: Optional[float] = doc("tokens each expert keeps, x its even share; null: "
+                                           "dropless (MoE: written, null too)", default=None)
+    aux_loss_coef: Optional[float] = doc("the balance loss's weight (MoE)", default=None)
 
     def __post_init__(self) -> None:
         if self.kv_heads is None:
             self.kv_heads = self.heads
+
+    @classmethod
+    def from_dict(cls, raw: Any, path: str = "") -> "ModelSummary":
+        """The summary; a MoE model's must hold every MoE field (identity.MOE_IDENTITY; a null
+        capacity_factor is dropless): one without them was written before profiles recorded
+        them and cannot say what its MoE parts timed."""
+        summary = super().from_dict(raw, path)
+        if summary.experts:
+            for name in MOE_IDENTITY:
+                if name not in raw:
+                    raise FieldError(join(path, name), "missing (a MoE profile written before "
+                                                       "profiles recorded it: stale)")
+        return summary
+
+    def to_dict(self) -> Dict[str, Any]:
+        out = super().to_dict()
+        if self.experts:  # every MoE field, a null capacity_factor (dropless) too
+            out.update({name: getattr(self, name) for name in MOE_IDENTITY if name not in out})
+        return out
 
 
 @dataclass(kw_only=True)

@@ -61,7 +61,8 @@ def _scalar(value: Any, tp: type, path: str) -> Any:
 
 def convert(value: Any, tp: Any, path: str) -> Any:
     """`value` read from JSON as type `tp` (scalars, Enums, records, Optional, List, Tuple[X, ...],
-    Dict); FieldError naming `path` when it does not fit."""
+    Tuple[X, Y] (a list of one item per type), Dict); FieldError naming `path` when it does not
+    fit."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is Any:
         return value
@@ -72,6 +73,10 @@ def convert(value: Any, tp: Any, path: str) -> Any:
     if origin in (list, tuple):
         if not isinstance(value, list):
             raise FieldError(path, f"expected a list, got {show(value)}")
+        if origin is tuple and args and args[-1] is not Ellipsis:  # Tuple[str, int]: by position
+            if len(value) != len(args):
+                raise FieldError(path, f"expected a list of {len(args)} items, got {show(value)}")
+            return tuple(convert(v, t, f"{path}[{i}]") for i, (v, t) in enumerate(zip(value, args)))
         items = [convert(v, args[0], f"{path}[{i}]") for i, v in enumerate(value)]
         return items if origin is list else tuple(items)
     if origin is dict:
