@@ -88,6 +88,18 @@ def quote_equals(arg: str) -> str:
     return rewritten if _parses(rewritten) else arg
 
 
+_QUOTED_ITEM = re.compile(r"'([^'\\]*=[^'\\]*)'")  # an item quote_equals quoted
+
+
+def typed_form(arg: str) -> str:
+    """The inverse of quote_equals: `key='--mpi=pmix'` as the user may type it,
+    `key=--mpi=pmix`, when quote_equals makes exactly `arg` of that; else `arg`. A printed fix
+    command shows what the user typed, not the quotes added for Hydra."""
+    key, eq, value = arg.partition("=")
+    plain = key + eq + _QUOTED_ITEM.sub(r"\1", value)
+    return plain if plain != arg and quote_equals(plain) == arg else arg
+
+
 def check_equals_quoted(argv: Sequence[str]) -> None:
     """ConfigError (one line, exit 2) for an argument Hydra's grammar refuses because its value
     holds an unquoted '=' that quote_equals could not place; other grammar errors are Hydra's

@@ -73,3 +73,16 @@ def test_equals_on_the_command_line_runs_or_is_one_line_exit_2(profiles):
                                   profiles_dir=profiles), 2)
     assert line.startswith("error: cluster.sbatch_args={a: b=c}: Hydra's override grammar")
     assert not profiles.exists()
+
+
+def test_a_fix_command_shows_such_a_value_as_typed():
+    from orchestrator.commands import rerun_command, set_user_overrides
+
+    typed = ["cluster.mpi_flag=--mpi=none", "cluster.srun_args=[--cpu-bind=cores,-v]",
+             "model=tiny"]
+    set_user_overrides(hydra_argv(typed))  # what Hydra's overrides.task then holds
+    try:
+        command = rerun_command("search")
+    finally:
+        set_user_overrides([])
+    assert shlex.split(command)[3:] == ["stage=search", *typed]
