@@ -145,10 +145,13 @@ def test_a_disk_filled_during_a_run_still_ends_its_ledger_entry(tmp_path):
         proc = start_cli("stage=noop", "noop.sleep_s=3", profiles_dir=disk)
         try:
             deadline = time.monotonic() + 120
-            while ledger(disk).get("noop", {}).get("state") != "running":
+            # Running, with its job recorded: the CLI's writes are done (the run folder, the
+            # job id) and the ranks are starting: rank 0's next ledger write fails.
+            while not (entry := ledger(disk).get("noop", {})).get("job_id"):
                 assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read()
                 time.sleep(0.05)
-            fill_disk(disk)  # the ranks are starting: rank 0's next ledger write fails
+            assert entry["state"] == "running", entry
+            fill_disk(disk)
             out, _ = proc.communicate(timeout=120)
         finally:
             if proc.poll() is None:

@@ -11,7 +11,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from conftest import ledger, run_cli
+from conftest import ledger, one_error_line, run_cli
 from orchestrator.config import CONF_DIR, register_configs
 from orchestrator.errors import ConfigError
 from orchestrator.pipeline import plan_stage
@@ -205,13 +205,23 @@ def test_a_train_row_names_its_predicted_and_measured_peaks_apart():
 
 
 def test_an_invalid_point_is_a_row_and_the_sweep_exits_with_its_code(inputs):
-    proc = run_cli("-m", "stage=search", "search.pp=0,4,1", "search.tp=2", "search.plot=false",
-                   profiles_dir=inputs, check=2)
+    """A point whose layout cannot exist here is skipped; one the stage refuses (a budget below
+    its own reserve) fails: a row each, the others run, and the sweep exits with the failed
+    point's code."""
+    proc = run_cli("-m", "stage=search", "search.pp=4,1", "search.memory_GiB=1,16",
+                   "search.tp=2", "search.plot=false", profiles_dir=inputs, check=2)
     rows = _sweep_table(inputs)
-    assert [r["state"] for r in rows] == ["failed", "skipped", "done"]
-    assert "search.pp" in rows[0]["error"] and "search.tp" in rows[1]["error"]
-    assert ledger(inputs)["search/tiny@pp=1"]["state"] == "done"  # tp is not swept
-    assert "search.pp" in proc.stdout + proc.stderr
+    assert [r["state"] for r in rows] == ["failed", "skipped", "failed", "done"]
+    assert "search.tp" in rows[1]["error"] and "search.memory_GiB" in rows[2]["error"]
+    assert ledger(inputs)["search/tiny@pp=1,memory_GiB=16.0"]["state"] == "done"  # tp not swept
+    assert "search.memory_GiB" in proc.stdout + proc.stderr
+
+
+def test_a_value_out_of_range_in_any_point_refuses_the_sweep_before_it_runs(inputs):
+    line = one_error_line(run_cli("-m", "stage=search", "search.pp=1,0", "search.plot=false",
+                                  profiles_dir=inputs), 2)
+    assert "search.pp(0) must be >= 1" in line, line
+    assert not (inputs / "local" / "multirun").exists() and "search/tiny@pp=1" not in ledger(inputs)
 
 
 def test_infeasible_names_config_keys_and_a_command(inputs):

@@ -81,11 +81,12 @@ def test_a_load_path_without_a_checkpoint_is_one_line_before_launch(profiles, tm
 
 def test_a_length_mean_beyond_seq_len_is_refused_before_launch(profiles):
     """Every sample is capped at seq_len: a mean above it would silently train the fixed run."""
-    for mean in (100000, 0, -5):
+    for mean, words in ((100000, "must be in (0, seq_len(256)]"), (0, "must be >= 1"),
+                        (-5, "must be >= 1")):  # the last two: the value rules' own range
         proc = run_cli("stage=train", "train.microbatching=dynamic",
                        f"train.length_mean={mean}", profiles_dir=profiles)
         line = one_error_line(proc, 2)
-        assert f"train.length_mean({mean}) must be in (0, seq_len(256)]" in line, line
+        assert f"train.length_mean({mean}) {words}" in line, line
     proc = run_cli("stage=train", "train.pp=1", "train.tp=1", "train.microbatching=dynamic",
                    "train.length_mean=65", *SHORT, profiles_dir=profiles)
     line = one_error_line(proc, 2)
