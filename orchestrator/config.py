@@ -604,6 +604,16 @@ def schema_has_key(dotted_key: str, node: type = Config) -> bool:
     return schema_has_key(rest, hint)
 
 
+def inside_free_form(dotted_key: str, node: type = Config) -> bool:
+    """Whether `dotted_key` lies below a free-form Dict field (cluster.sbatch_args.<flag>): a
+    key the schema cannot list, which Hydra takes only with `+` or `++` in front."""
+    head, _, rest = dotted_key.partition(".")
+    hint = _field_type(node, head)
+    if hint is None or not rest:
+        return False
+    return _is_free_form(hint) or inside_free_form(rest, hint)
+
+
 def schema_keys(node: type = Config, prefix: str = "") -> List[str]:
     """Every dotted key of the schema (sections and fields), e.g. "search", "search.max_tp"."""
     keys = []

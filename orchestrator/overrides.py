@@ -92,9 +92,11 @@ _QUOTED_ITEM = re.compile(r"'([^'\\]*=[^'\\]*)'")  # an item quote_equals quoted
 
 
 def typed_form(arg: str) -> str:
-    """The inverse of quote_equals: `key='--mpi=pmix'` as the user may type it,
-    `key=--mpi=pmix`, when quote_equals makes exactly `arg` of that; else `arg`. A printed fix
+    """The inverse of quote_equals and free_form_spelling: `key='--mpi=pmix'` as the user may
+    type it, `key=--mpi=pmix`, when quote_equals makes exactly `arg` of that; else `arg`. A printed fix
     command shows what the user typed, not the quotes added for Hydra."""
+    if arg.startswith("++") and free_form_spelling(arg[2:]) == arg:
+        arg = arg[2:]
     key, eq, value = arg.partition("=")
     plain = key + eq + _QUOTED_ITEM.sub(r"\1", value)
     return plain if plain != arg and quote_equals(plain) == arg else arg
@@ -124,6 +126,17 @@ _VALUED_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir",
                  "--experimental-rerun", "--package", "-p", "--cfg", "-c", "--info", "-i")
 
 
+def free_form_spelling(arg: str) -> str:
+    """`cluster.sbatch_args.<flag>=v` as Hydra takes it, `++cluster.sbatch_args.<flag>=v`
+    (added, or replaced where a cluster file sets it): Hydra refuses a key its config lacks
+    without `+`, and a free-form key is one the user names (docs/config.md); any other argument
+    unchanged."""
+    from orchestrator.config import inside_free_form
+
+    key, eq, _ = arg.partition("=")
+    return f"++{arg}" if eq and key[:1] not in "+~" and inside_free_form(key) else arg
+
+
 def hydra_argv(argv: Sequence[str]) -> List[str]:
     """The command line as Hydra is to read it: each override as the schema spells it
     (`import.` -> `import_.`, config.schema_spelling) with its '=' values quoted
@@ -136,7 +149,7 @@ def hydra_argv(argv: Sequence[str]) -> List[str]:
         if arg.startswith("-") or (i and argv[i - 1] in _VALUED_FLAGS):
             rewritten.append(arg)
             continue
-        rewritten.append(quote_equals(schema_spelling(arg)))
+        rewritten.append(quote_equals(free_form_spelling(schema_spelling(arg))))
         overrides.append(rewritten[-1])
     check_equals_quoted(overrides)
     return rewritten

@@ -29,6 +29,9 @@ def _composed(argv):
     ("cluster.srun_args=['--cpu-bind=cores',-v]", "srun_args", ["--cpu-bind=cores", "-v"]),
     ("cluster.srun_args=[]", "srun_args", []),
     ("+cluster.sbatch_args.constraint=a=b", "sbatch_args", {"constraint": "a=b"}),
+    # a free-form key as docs/config.md writes it: Hydra alone wants a `+` in front
+    ("cluster.sbatch_args.constraint=a100", "sbatch_args", {"constraint": "a100"}),
+    ("cluster.sbatch_args.constraint=a=b", "sbatch_args", {"constraint": "a=b"}),
     ("++cluster.sbatch_args={a: 'b=c'}", "sbatch_args", {"a": "b=c"}),
 ])
 def test_a_value_holding_equals_is_taken_as_typed(arg, key, value):
@@ -79,7 +82,7 @@ def test_a_fix_command_shows_such_a_value_as_typed():
     from orchestrator.commands import rerun_command, set_user_overrides
 
     typed = ["cluster.mpi_flag=--mpi=none", "cluster.srun_args=[--cpu-bind=cores,-v]",
-             "model=tiny"]
+             "cluster.sbatch_args.constraint=a100", "model=tiny"]
     set_user_overrides(hydra_argv(typed))  # what Hydra's overrides.task then holds
     try:
         command = rerun_command("search")
