@@ -160,6 +160,12 @@ def cluster_world_size(cluster) -> int:
     return int(cluster.nodes) * int(cluster.tasks_per_node)
 
 
+def local_cannot_reach(launcher: LauncherName, nodes: int) -> bool:
+    """True when `launcher` is the local one, which runs on this machine only, and `nodes` is
+    not 1."""
+    return launcher == LauncherName.local and nodes != 1
+
+
 # Cluster fields that only say how to submit: changing them does not invalidate a profile.
 SUBMISSION_ONLY_FIELDS = (
     "partition", "account", "qos", "time_min", "cpus_per_task", "mem_GiB", "mpi_flag",

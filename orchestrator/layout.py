@@ -28,6 +28,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 from orchestrator.choices import Recompute, Schedule
 from orchestrator.errors import ConfigError
+from orchestrator.records import FieldError, convert, join, show
 
 SCHEDULES = tuple(Schedule)
 RECOMPUTE_MODES = tuple(Recompute)
@@ -355,9 +356,6 @@ class ParallelLayout:
         """Inverse of to_dict; `global_batch_size`, when present, must match the product.
         LayoutError naming the key (under `where`, e.g. "layout": "layout.pp") that is missing,
         unknown or not of its JSON type, or the numbers of a layout that cannot run."""
-        # the schema's JSON reader (imported here: the schema imports this module)
-        from orchestrator.store.schema.record import FieldError, convert, join, show
-
         prefix = f"{where}: " if where else ""
         if not isinstance(d, Mapping):
             raise LayoutError(f"{where or 'layout'}: expected an object, got {show(d)}")

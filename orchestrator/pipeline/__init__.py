@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from orchestrator.choices import Backend, LauncherName, Ranks
-from orchestrator.config import SUBMISSION_ONLY_FIELDS, Config
+from orchestrator.config import SUBMISSION_ONLY_FIELDS, Config, local_cannot_reach
 from orchestrator.errors import ConfigError
 from orchestrator.stages import PIPELINE, Stage, StagePlan, get_stage
 from orchestrator.store import cluster_dir, config_hash, file_sha256, read_json
@@ -64,12 +64,6 @@ def check_ranks_reachable(stage: str, ranks: Ranks, cfg: Config) -> None:
         raise ConfigError(f"launcher=local runs {stage} on this machine only: cluster.nodes"
                           f"({cfg.cluster.nodes}) must be 1. On {cfg.cluster.nodes} nodes: "
                           f"{slurm}; here: {here}")
-
-
-def local_cannot_reach(launcher: LauncherName, nodes: int) -> bool:
-    """True when `launcher` is the local one, which runs on this machine only, and `nodes` is
-    not 1."""
-    return launcher == LauncherName.local and nodes != 1
 
 
 def commands_that_launch(stage: str, cfg: Config) -> List[str]:

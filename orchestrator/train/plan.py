@@ -171,7 +171,7 @@ def read_layout_file(path: Path) -> Tuple[ParallelLayout, int]:
     LayoutFileError saying what is wrong with which field: not JSON (at line and column),
     missing, of the wrong JSON type, or a layout ParallelLayout refuses (its numbers); or that
     the file cannot be read at all (a folder)."""
-    from orchestrator.store.schema.record import FieldError, convert, show
+    from orchestrator.records import FieldError, convert, show
 
     try:
         raw = json.loads(path.read_text())
@@ -294,7 +294,7 @@ def train_command(cfg, layout: Path, world_size: int) -> str:
     overrides with train.layout, the cluster.nodes that make those ranks, and launcher=slurm
     where that is more than one node and this command runs the local launcher. Only the key
     (`train.layout=<layout> on <n> ranks`) when no number of nodes makes them."""
-    from orchestrator.pipeline import local_cannot_reach
+    from orchestrator.config import local_cannot_reach
 
     per_node = cfg.cluster.tasks_per_node
     if world_size % per_node:

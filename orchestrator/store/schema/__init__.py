@@ -13,7 +13,7 @@ from orchestrator.store.schema.header import (SCHEMA_VERSION, ImportRecord, Part
                                               Provenance)
 from orchestrator.store.schema.model import (MemoryPart, ModelPoint, ModelProfile, ModelSummary,
                                              MoePoint, MoeSection, TokenFit, TpFits, TpMemory)
-from orchestrator.store.schema.record import FieldError, Record
+from orchestrator.records import FieldError, Record
 from orchestrator.store.schema.strategy import (Alternative, Exports, PredictionRecord,
                                                 SpaceSummary, StrategyInput, StrategyProfile)
 

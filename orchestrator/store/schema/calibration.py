@@ -7,7 +7,7 @@ from typing import Dict, List, Optional
 
 from orchestrator.layout import ParallelLayout
 from orchestrator.store.schema.header import Profile
-from orchestrator.store.schema.record import Record, doc
+from orchestrator.records import Record, doc
 from orchestrator.store.schema.strategy import StrategyInput
 
 

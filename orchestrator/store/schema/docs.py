@@ -12,7 +12,7 @@ from orchestrator.store.schema.hardware import HardwareProfile
 from orchestrator.store.schema.header import Profile, Provenance
 from orchestrator.store.schema.identity import CLUSTER_IDENTITY, MODEL_IDENTITY, MOE_IDENTITY
 from orchestrator.store.schema.model import ModelProfile
-from orchestrator.store.schema.record import Record, field_rows
+from orchestrator.records import Record, field_rows
 from orchestrator.store.schema.strategy import StrategyProfile
 
 INTRO = """\

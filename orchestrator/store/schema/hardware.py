@@ -6,7 +6,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from orchestrator.choices import Dtype, LinkLayout, Op
 from orchestrator.store.schema.header import PartMade, Profile
-from orchestrator.store.schema.record import FieldError, Record, doc
+from orchestrator.records import FieldError, Record, doc
 
 
 @dataclass(kw_only=True)

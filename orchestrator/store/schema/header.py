@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Optional
 
 from orchestrator.choices import Source
-from orchestrator.store.schema.record import FieldError, Record, doc, show
+from orchestrator.records import FieldError, Record, doc, show
 
 SCHEMA_VERSION = 1
 

@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from orchestrator.choices import Dtype, MoePart, Recompute, Source
 from orchestrator.store.schema.header import PartMade, Profile
 from orchestrator.store.schema.identity import MOE_IDENTITY
-from orchestrator.store.schema.record import FieldError, Record, doc, join
+from orchestrator.records import FieldError, Record, doc, join
 
 
 @dataclass(kw_only=True)

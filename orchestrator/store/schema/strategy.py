@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional
 from orchestrator.layout import ParallelLayout
 from orchestrator.choices import Source
 from orchestrator.store.schema.header import Profile
-from orchestrator.store.schema.record import Record, doc
+from orchestrator.records import Record, doc
 
 
 @dataclass(kw_only=True)
