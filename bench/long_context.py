@@ -33,7 +33,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from orchestrator.device import model_flops  # noqa: E402
-from orchestrator.layout import CP_COMMS, ParallelLayout  # noqa: E402
+from orchestrator.choices import CpComm  # noqa: E402
+from orchestrator.layout import ParallelLayout  # noqa: E402
 from orchestrator.models.config import ModelConfig, count_params  # noqa: E402
 from orchestrator.planner import (CostOptions, HardwareModel, ModelCost, SearchSpace,  # noqa: E402
                                   evaluate, search)
@@ -117,7 +118,7 @@ def main() -> None:
         print(f"  tokens/s with CP / without: {gain:.2f}x")
         auto = auto_max_cp(SEQ)  # search.max_cp's default
         searched(model, hw, 8192, 512, auto, f"pick, max_cp {auto}")
-        searched(model, hw, 8192, 512, auto, "every flavour", cp_comms=CP_COMMS)
+        searched(model, hw, 8192, 512, auto, "every flavour", cp_comms=tuple(CpComm))
         # stage=train's engine: its ring (or all-gather) and every byte it holds
         ours_today = searched(model, hw, 8192, 512, 1, "stage=train's, no CP", "orchestrator")
         searched(model, hw, 8192, 512, 16, "stage=train's, cp 16", "orchestrator")
@@ -136,7 +137,7 @@ def main() -> None:
               f"({100 * (got['tflops'] / 380 - 1):+.0f}%)")
         searched(model, hw, 16384, 128, 1, "pick without CP")
         searched(model, hw, 16384, 128, 16, "pick, max_cp 16")
-        searched(model, hw, 16384, 128, 16, "every flavour", cp_comms=CP_COMMS)
+        searched(model, hw, 16384, 128, 16, "every flavour", cp_comms=tuple(CpComm))
 
         print("\nllama2_7b, 128K, 128 H100s, global batch 32 (NeMo's layouts)")
         hw, model = profiles("llama2_7b", 16, folder + "/n", ["model.seq_len=131072"])
@@ -148,7 +149,7 @@ def main() -> None:
         print(f"  {'':<22} CP / no CP: {cp['tokens_per_s'] / nocp['tokens_per_s']:.2f}x "
               f"(NeMo measured 1.31x)")
         searched(model, hw, 128, 32, 16, "pick, max_cp 16")
-        searched(model, hw, 128, 32, 16, "every flavour", cp_comms=CP_COMMS)
+        searched(model, hw, 128, 32, 16, "every flavour", cp_comms=tuple(CpComm))
 
 
 if __name__ == "__main__":

@@ -73,6 +73,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from orchestrator.choices import CpComm
+
 COMM_TYPES = ("NONE", "ALLREDUCE", "ALLGATHER", "REDUCESCATTER", "ALLTOALL")
 # Context parallelism's collectives: SimAI has no CP group; its EP group is (MockNcclGroup.cc)
 # ep ranks of stride tp inside blocks of tp x ep, which in Megatron's rank order tp-cp-dp-pp is
@@ -339,7 +341,7 @@ def unexportable(layout, moe: bool = False) -> Optional[str]:
     or None: SimAI has one group beside TP and DP for CP or experts (EP, with DP_EP), and its
     expert grid has expert tensor parallelism = TP (MockNcclGroup.cc builds EP from the TP
     groups)."""
-    if layout.cp > 1 and layout.cp_comm == "a2a+p2p":
+    if layout.cp > 1 and layout.cp_comm == CpComm["a2a+p2p"]:
         return ("cp_comm a2a+p2p has no SimAI workload: SimAI has one group that can stand for "
                 "CP (EP), the hierarchical flavour needs two")
     if not moe:
