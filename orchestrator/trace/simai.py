@@ -24,7 +24,9 @@ Format (learned from the public AICB and SimAI sources, not copied):
 - One group per line (AICB's convention: its MoE layer is an EP dispatch line, TP lines and an
   EP combine line): Layer.cc files a line's forward and ig communication under EP only when the
   forward type is EP's, so an item with collectives of several groups gets one line per
-  collective and group (`_lines`).
+  collective and group (`_lines`). A line whose forward is NONE (a group with more ig than
+  forward collectives: the all-gather flavour's K/V re-gather under recompute) is filed under
+  TP by that report whatever its ig type; AICB writes no such line.
 - TIME UNIT: integer nanoseconds. AICB's AIOB times kernels with CUDA events in us
   (utils/utils.py, cuda_timing_decorator: `elapsed_time(...) * 1000`) and extract_averages
   multiplies those by 1000 again before rounding to int (`avg_value = float(...) * 1000`); SimAI
