@@ -39,6 +39,7 @@ import dynamic_microbatching as B  # noqa: E402
 
 from orchestrator.layout import ParallelLayout  # noqa: E402
 from orchestrator.planner import HardwareModel, ModelCost  # noqa: E402
+from orchestrator.planner.terms import MODE_NAMES  # noqa: E402
 from orchestrator.planner.dynamic import (MicroBatch, MicroBatchCosts, plan_iteration,  # noqa
                                           price_plan, _price_micro_batches)
 
@@ -48,7 +49,7 @@ from dynapipe.model import DynaPipeCluster, DynaPipeMinibatch, DynaPipeMicrobatc
 from dynapipe.model import TransformerModelSpec  # noqa: E402
 
 MB = 1e6
-RC = ("none", "selective", "full")
+RC = MODE_NAMES  # the planner's recompute codes: RC[code]
 ROUND = 8
 
 

@@ -32,8 +32,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from orchestrator.choices import CpComm, Engine, Recompute  # noqa: E402
 from orchestrator.device import model_flops  # noqa: E402
-from orchestrator.layout import CP_COMMS, ParallelLayout  # noqa: E402
+from orchestrator.layout import ParallelLayout  # noqa: E402
 from orchestrator.models.config import ModelConfig, count_params  # noqa: E402
 from orchestrator.planner import (CostOptions, HardwareModel, ModelCost, SearchSpace,  # noqa: E402
                                   evaluate, search)
@@ -65,7 +66,7 @@ def model_config(model: ModelCost) -> ModelConfig:
                        seq_len=SEQ, dtype=model.dtype)
 
 
-def options(engine: str = "megatron") -> CostOptions:
+def options(engine: Engine = Engine.megatron) -> CostOptions:
     return CostOptions(engine=engine,
                        reserve_bytes=memory_reserve_GiB(BUDGET_GiB, 0.10, 1.0) * GiB)
 
@@ -77,7 +78,7 @@ def line(label: str, layout: ParallelLayout, pred, model: ModelCost, extra: str 
     seconds = pred.iteration_time_us / 1e6
     tflops = model_flops(count_params(cfg), cfg.layers, cfg.hidden, SEQ, tokens) / seconds \
         / layout.world_size / 1e12
-    recomputed = sum(k for mode, k in layout.recompute if mode == "full")
+    recomputed = sum(k for mode, k in layout.recompute if mode == Recompute.full)
     b = {k: v / 1e3 for k, v in pred.breakdown_us.items()}
     fits = "" if pred.feasible else "  DOES NOT FIT"
     print(f"  {label:<22} {layout.describe()}")
@@ -90,7 +91,7 @@ def line(label: str, layout: ParallelLayout, pred, model: ModelCost, extra: str 
 
 
 def searched(model, hw, world: int, gbs: int, max_cp: int, label: str,
-             engine: str = "megatron", cp_comms=("p2p", "a2a")) -> dict:
+             engine: Engine = Engine.megatron, cp_comms=(CpComm.p2p, CpComm.a2a)) -> dict:
     space = SearchSpace(world_size=world, memory_budget_bytes=BUDGET_GiB * GiB,
                         global_batch_size=gbs, seq_len=SEQ, max_cp=max_cp,
                         options=options(engine), cp_comms=tuple(cp_comms))
@@ -117,11 +118,12 @@ def main() -> None:
         print(f"  tokens/s with CP / without: {gain:.2f}x")
         auto = auto_max_cp(SEQ)  # search.max_cp's default
         searched(model, hw, 8192, 512, auto, f"pick, max_cp {auto}")
-        searched(model, hw, 8192, 512, auto, "every flavour", cp_comms=CP_COMMS)
+        searched(model, hw, 8192, 512, auto, "every flavour", cp_comms=tuple(CpComm))
         # stage=train's engine: its ring (or all-gather) and every byte it holds
-        ours_today = searched(model, hw, 8192, 512, 1, "stage=train's, no CP", "orchestrator")
-        searched(model, hw, 8192, 512, 16, "stage=train's, cp 16", "orchestrator")
-        ours = searched(model, hw, 8192, 512, auto, f"stage=train's, cp {auto}", "orchestrator")
+        ours_today = searched(model, hw, 8192, 512, 1, "stage=train's, no CP", Engine.orchestrator)
+        searched(model, hw, 8192, 512, 16, "stage=train's, cp 16", Engine.orchestrator)
+        ours = searched(model, hw, 8192, 512, auto, f"stage=train's, cp {auto}",
+                        Engine.orchestrator)
         print(f"  stage=train's engine, tokens/s with CP (max_cp {auto}) / without: "
               f"{ours['tokens_per_s'] / ours_today['tokens_per_s']:.2f}x")
 
@@ -136,19 +138,19 @@ def main() -> None:
               f"({100 * (got['tflops'] / 380 - 1):+.0f}%)")
         searched(model, hw, 16384, 128, 1, "pick without CP")
         searched(model, hw, 16384, 128, 16, "pick, max_cp 16")
-        searched(model, hw, 16384, 128, 16, "every flavour", cp_comms=CP_COMMS)
+        searched(model, hw, 16384, 128, 16, "every flavour", cp_comms=tuple(CpComm))
 
         print("\nllama2_7b, 128K, 128 H100s, global batch 32 (NeMo's layouts)")
         hw, model = profiles("llama2_7b", 16, folder + "/n", ["model.seq_len=131072"])
         cp = priced(model, hw, ParallelLayout.uniform(128, 4, 1, 32, cp=4, sequence_parallel=True,
                                                        num_micro_batches=4), "NeMo TP4 CP4 DP8")
         nocp = priced(model, hw, ParallelLayout.uniform(128, 4, 1, 32, sequence_parallel=True,
-                                                         recompute="full"),
+                                                         recompute=Recompute.full),
                       "TP4 DP32, full recompute")
         print(f"  {'':<22} CP / no CP: {cp['tokens_per_s'] / nocp['tokens_per_s']:.2f}x "
               f"(NeMo measured 1.31x)")
         searched(model, hw, 128, 32, 16, "pick, max_cp 16")
-        searched(model, hw, 128, 32, 16, "every flavour", cp_comms=CP_COMMS)
+        searched(model, hw, 128, 32, 16, "every flavour", cp_comms=tuple(CpComm))
 
 
 if __name__ == "__main__":

@@ -101,6 +101,7 @@ def main() -> None:
     summary = json.loads((folder / "summary.json").read_text())
 
     sys.path.insert(0, str(REPO))
+    from orchestrator.choices import Engine
     from orchestrator.layout import ParallelLayout
     from orchestrator.planner import CostOptions, HardwareModel, ModelCost, evaluate
     from orchestrator.store import read_profile
@@ -112,7 +113,7 @@ def main() -> None:
     links = raw["provenance"]["config"]["cluster"]["links"]
     layout = ParallelLayout.from_dict(summary["layout"])
     ours = evaluate(layout, ModelCost.from_profile(mp), HardwareModel.from_profile(hw),
-                    seq_len=args.seq, options=CostOptions(engine="megatron", dtype="bf16",
+                    seq_len=args.seq, options=CostOptions(engine=Engine.megatron, dtype="bf16",
                                                          device="cuda"))
 
     table = Table(title=f"llama2_7b {layout.describe()} seq {args.seq}: SimAI (analytical) "
