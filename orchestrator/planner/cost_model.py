@@ -52,23 +52,22 @@ from orchestrator import choices
 from orchestrator.choices import Engine, Recompute, Schedule
 from orchestrator.layout import LayoutError, ParallelLayout
 from orchestrator.models.config import ModelConfig
-from orchestrator.planner.calibration import Calibration, contention_factor
+from orchestrator.planner.calibration import Calibration
 from orchestrator.planner.profiles import HardwareModel, ModelCost
 from orchestrator.planner.schedule import (in_flight_micro_batches, schedule_coefficients,
                                            simulate as simulate_schedule)
 from orchestrator.planner.terms import MODE_CODES, FwdBwd, overlap_extra_us
-from orchestrator.planner.terms.compute import LayerCompute
+from orchestrator.planner.terms.compute import StageCompute
 from orchestrator.planner.terms.cp_comm import CpComm, cp_group_intra_node, cp_kv_message_bytes
 from orchestrator.planner.terms.memory import (ActivationBytes, comm_buffer_bytes,
                                                stage_activation_bytes)
 from orchestrator.planner.terms.moe import (MoeComm, MoeParams, activation_delta_bytes,
-                                            linear_scale, moe_block_delta_us)
+                                            moe_imbalance)
 from orchestrator.planner.terms.pipeline import (boundary_intra_node, boundary_us,
                                                  on_end_stages, p2p_message_bytes, stage_sends)
 from orchestrator.planner.terms.tp_comm import LOSS_VALUE_BYTES, TpComm, tp_message_bytes
 from orchestrator.planner.terms.zero import ZeroSharding, ZeroTraffic, dp_sync_parts_us
 from orchestrator.workload.memory import BlockActivations, StageMemory, StageNumels
-from orchestrator.workload.moe import default_imbalance
 
 GiB = float(1 << 30)
 MEMORY_KINDS = ("params", "grads", "optim", "activations", "comm_buffers", "reserve")
@@ -108,15 +107,6 @@ class CostOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine", Engine.parse(self.engine))
-
-
-def moe_imbalance(model: ModelCost, options: CostOptions) -> float:
-    """The load imbalance the cost model prices a MoE model at (1.0 for a dense one)."""
-    if model.moe is None:
-        return 1.0
-    if options.moe_imbalance is not None:
-        return float(options.moe_imbalance)
-    return default_imbalance(model.moe)
 
 
 def _engine_memory(key: "ConfigKey", model: ModelCost, block, seq_len: int,
@@ -273,23 +263,15 @@ class StageCosts:
             self.other_param_bytes = self.other_grad_bytes = 4.0 * numels.other
             if self.moe is not None:
                 self.expert_param_bytes = self.expert_grad_bytes = 4.0 * numels.expert
-        block_optim_us, other_optim_us = model.optimizer_us(key.tp)
-        # ZeRO >= 1: each data-parallel rank steps 1/dp of the masters (1/(dp x cp) with CP).
-        optim_shard = key.replicas if key.zero >= 1 else 1
-        self.calibration = cal = options.calibration
-        self.block_optim_us = block_optim_us / optim_shard * cal.optimizer
-        if self.moe is not None:  # the dense part's share over dp x cp, the experts' over edp
-            self.block_optim_us = block_optim_us * cal.optimizer / counts.block0 * (
-                counts.dense / optim_shard
-                + counts.experts / (key.edp if key.zero >= 1 else 1))
-        self.other_optim_us = other_optim_us * share / optim_shard * cal.optimizer
-        # How much slower (or faster) compute runs with this schedule's ranks busy at once than
-        # in the profile (planner/calibration.py), times the cluster's calibrated factor.
-        self.contention = contention_factor(model.concurrency, key.pp, key.num_micro_batches,
-                                            key.virtual_stages)
+        self.calibration = options.calibration
+        # Compute, recompute's and the optimizer step's: one account, which trace reads too.
+        self.stage_compute = StageCompute.of(key, model, seq_len, options)
+        self.contention = self.stage_compute.contention
+        self.block_optim_us = self.stage_compute.block_optim_us
+        self.other_optim_us = self.stage_compute.other_optim_us
 
         self._price_layer(model, seq_len, tp_bytes)
-        self._price_other(options.other_time_first_share)
+        self._price_other()
         self._price_sends(model)
         sharding = ZeroSharding.of(key.zero, key.replicas)
         self.layer_static = sharding.shard(block.param_bytes, block.grad_bytes, block.optim_bytes)
@@ -337,20 +319,7 @@ class StageCosts:
         """Time per layer: compute, TP communication, ZeRO 2/3 traffic sticking out of both."""
         key = self.key
         cal = self.calibration
-        compute = LayerCompute.from_model(model, seq_len, key.tp, key.micro_batch_size, key.cp)
-        if self.moe is not None:  # a MoE block on the busiest rank
-            if model.moe_costs is not None:  # profile_model timed its parts beside the block
-                extra_fwd, extra_bwd = moe_block_delta_us(model.moe_costs, self.moe, key,
-                                                          seq_len, self.imbalance)
-            else:  # the profiled block's matmuls scaled to the MoE block's
-                scale = linear_scale(model, self.moe, self.imbalance) - 1.0
-                lin_fwd, lin_bwd = model.block_linear_us(seq_len, key.tp,
-                                                         key.micro_batch_size / key.cp)
-                extra_fwd, extra_bwd = scale * lin_fwd, scale * lin_bwd
-            compute = LayerCompute(FwdBwd(compute.block.fwd_us + extra_fwd,
-                                          compute.block.bwd_us + extra_bwd),
-                                   compute.selective_recompute_us, compute.other)
-        self.compute = compute.scaled(self.contention * cal.compute)
+        self.compute = self.stage_compute.layer  # a MoE block on the busiest rank (terms/moe)
         loss_bytes = self.tokens * LOSS_VALUE_BYTES
         self.tp = TpComm.from_hardware(self.hardware, key.tp, key.sequence_parallel, tp_bytes,
                                        self.engine, loss_bytes, cal.tp_latency,
@@ -393,19 +362,16 @@ class StageCosts:
         self.zero_layer = FwdBwd(float(exposed.fwd_us) * dp, float(exposed.bwd_us) * dp)
         self.layer = window + self.zero_layer
         # reruns the forward, the TP collectives the engine repeats (workload.tp) and the ring
-        self.full_recompute_us = (self.compute.block.fwd_us + self.tp.recompute_us
-                                  + self.cp.layer.fwd_us)
+        self.full_recompute_comm_us = self.tp.recompute_us + self.cp.layer.fwd_us
         if self.moe is not None:
-            self.full_recompute_us = self.full_recompute_us + self.moe_comm.layer.fwd_us
+            self.full_recompute_comm_us = self.full_recompute_comm_us + self.moe_comm.layer.fwd_us
+        self.full_recompute_us = self.compute.block.fwd_us + self.full_recompute_comm_us
 
-    def _price_other(self, time_first_share: float) -> None:
-        """Time per stage of "other": compute split between the first and the last stage, the
-        embedding's and LM head's TP collectives, their ZeRO 2/3 traffic."""
+    def _price_other(self) -> None:
+        """Time per stage of "other": compute split between the first and the last stage
+        (StageCompute), the embedding's and LM head's TP collectives, their ZeRO 2/3 traffic."""
         pp = self.key.pp
-        c = self.compute.other
-        self.other_compute = FwdBwd(
-            on_end_stages(time_first_share * c.fwd_us, (1.0 - time_first_share) * c.fwd_us, pp),
-            on_end_stages(time_first_share * c.bwd_us, (1.0 - time_first_share) * c.bwd_us, pp))
+        self.other_compute = self.stage_compute.other
         self.other_tp = FwdBwd(on_end_stages(self.tp.embedding.fwd_us, self.tp.head.fwd_us, pp),
                                on_end_stages(self.tp.embedding.bwd_us, self.tp.head.bwd_us, pp))
         traffic = ZeroTraffic.from_hardware(self.hardware, self.key.zero, self.key.replicas,
@@ -432,12 +398,7 @@ class StageCosts:
     def recompute_us(self, n, mode_code, k):
         """Recompute time (us per micro-batch) of a stage of n layers: selective reruns the
         attention core of every layer, full reruns the forward of k layers."""
-        n = np.asarray(n, dtype=float)
-        k = np.asarray(k, dtype=float)
-        mode_code = np.asarray(mode_code)
-        return self.calibration.recompute * np.where(
-            mode_code == 1, n * self.compute.selective_recompute_us,
-            np.where(mode_code == 2, k * self.full_recompute_us, 0.0))
+        return self.stage_compute.recompute_us(n, mode_code, k, self.full_recompute_comm_us)
 
     def stage_fwd_us(self, j: int, n):
         """Forward time (us per micro-batch) of stage j holding n layers, sends included."""
@@ -514,7 +475,7 @@ class StageCosts:
 
     def optimizer_us(self, j: int, n):
         """Optimizer step time (us) of stage j holding n layers, on one rank after ZeRO."""
-        return np.asarray(n, dtype=float) * self.block_optim_us + self.other_optim_us[j]
+        return self.stage_compute.optimizer_us(j, n)
 
     def tail_us(self, j: int, n):
         """What stage j adds after its last backward: its exposed gradient sync, then its
