@@ -33,7 +33,8 @@ CASES = [
      ((Recompute.full, 1), (Recompute.full, 1))),
     ("interleaved", "tiny", [8, 2, 1], {"schedule": Schedule.interleaved}, None),
     ("cp2_ring_selective", "tiny", [16, 2, 2, 2], {"recompute": Recompute.selective}, None),
-    ("moe_ep2_etp2", "tiny_moe", [16, 2, 2, 1, 2, 2], {}, None),
+    ("moe_ep2_etp2_full_recompute_k1", "tiny_moe", [16, 2, 2, 1, 2, 2],
+     {"recompute": Recompute.full}, ((Recompute.full, 1), (Recompute.full, 1))),
 ]
 IDS = [case[0] for case in CASES]
 
