@@ -103,7 +103,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.ranks, args.max_mib, args.iters = 2, 1 / 16, 2
-    if "PMI_RANK" not in os.environ:  # not an MPI job (MPICH's mpiexec sets it): start one
+    if not {"PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK"} & set(os.environ):  # no MPI job
         raise SystemExit(subprocess.run(["mpiexec", "-n", str(args.ranks), sys.executable,
                                          os.path.abspath(__file__), *sys.argv[1:]]).returncode)
     import torch.distributed as dist

@@ -4,13 +4,13 @@
   python bench/profile_model_gpu_vs_analytic.py     # tiny, profiled here both ways first
 
 Both files are profile_model outputs of the same model (e.g. `cluster=gpu_node` measured on an
-H100, and `profile_model.source=analytic profile_model.device=h100`). Without them, `model=tiny`
+H100, and `profile_model.source=analytic profile_model.device=h100`); without them `model=tiny`
 is profiled on cluster=local into a temporary folder, measured on one rank and analytic (its
-device sheet), and those two are compared. For every (seq_len, tp)
-point in both it prints block forward/backward ms (measured / analytic), the block's MFU
-(FLOPs / measured time / peak; peak defaults to the analytic file's device sheet for the model's
-dtype) and the block's activation MiB per recompute mode (measured / analytic), plus the
-measured forward peak. Prints figures; asserts nothing.
+device sheet), and those two are compared. For every (seq_len, tp) point in both it prints
+block forward/backward ms (measured / analytic), the block's MFU (FLOPs / measured time / peak;
+peak defaults to the analytic file's device sheet for the model's dtype) and the block's
+activation MiB per recompute mode (measured / analytic), plus the measured forward peak. Prints
+figures; asserts nothing.
 """
 from __future__ import annotations
 

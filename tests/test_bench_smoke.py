@@ -23,6 +23,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bench"
 N = r"[\d,]+(?:\.\d+)?"  # a printed figure
+B = r"[\u2502|]"  # a table's column rule (rich draws "|" where the output cannot take UTF-8)
 
 
 def _cuda() -> bool:
@@ -50,7 +51,7 @@ SMOKES = {
         r"local: re-predicted by this code",
         rf"iteration, as profiled \(all\): mean \|error\| {N}%, max {N}% over 1"]),
     "dynamic_microbatching": (["--smoke"], [
-        r"tiny: pp2 tp1 dp2, budget", rf"│\s+8 │\s+{N} │\s+{N} │\s+{N} │"]),
+        r"tiny: pp2 tp1 dp2, budget", rf"{B}\s+8 {B}\s+{N} {B}\s+{N} {B}\s+{N} {B}"]),
     "dynapipe_side_by_side": (["--smoke"], _dynapipe),
     "galvatron_engine": (["--smoke"], [
         r"smoke, llama-7b 1x8 36 GB bsz 16: not run: no hetu_galvatron-2.4.0 in "]),
@@ -61,7 +62,7 @@ SMOKES = {
         rf"CP / no CP: {N}x", r"pick, max_cp 16\s+tp\d"]),
     "moe": (["--smoke"], [
         r"256 H100s, global batch 1024 x 4096 tokens",
-        rf"mixtral_8x7b Megatron-LM example\s+│ tp2 pp4 dp32 ep8 .*│\s+{N} │\s+{N} │"]),
+        rf"mixtral_8x7b Megatron-LM example\s+{B} tp2 pp4 dp32 ep8 .*{B}\s+{N} {B}\s+{N} {B}"]),
     "overhead": (["--smoke"], [
         rf"local, 4 ranks: orchestrator {N} s, bare {N} s, overhead [+-]{N} s"]),
     "profile_hardware_agreement": (["--smoke"], [
@@ -83,10 +84,10 @@ SMOKES = {
     "search_speed": (["--smoke"], [rf"llama2_7b\s+16 dev: exact\s+{N} s\s+fast\s+{N} s"]),
     "simai_iteration": (["--smoke"], [
         r"tiny tp2 pp2 dp2 .*SimAI \(analytical\) vs the trace and the planner",
-        rf"│\s+1 │\s+- │\s+{N} │", r"SimAI: not run \(--smoke\)"]),
+        rf"{B}\s+1 {B}\s+- {B}\s+{N} {B}", r"SimAI: not run \(--smoke\)"]),
     "trace_speed": (["--smoke"], [
         rf"tiny small world \(GBS 64, seq 256, SP\): wall {N} s",
-        r"│\s+64 │\s+4 │\s+4 │\s+4 │\s+16 │\s+4 │"]),
+        rf"{B}\s+64 {B}\s+4 {B}\s+4 {B}\s+4 {B}\s+16 {B}\s+4 {B}"]),
     "train_memory": (["--smoke"], [
         rf"model tiny x1 layers, {N} M params, seq 32", rf"peak counted: {N} MiB"]),
     "train_overhead": (["--smoke"], [
