@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO))
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+from orchestrator.choices import Schedule  # noqa: E402
 from orchestrator.config import CONF_DIR, cluster_world_size, register_configs  # noqa: E402
 from orchestrator.layout import ParallelLayout  # noqa: E402
 from orchestrator.planner import HardwareModel, ModelCost  # noqa: E402
@@ -122,7 +123,7 @@ def best_order_us(plan, costs, budget) -> float:
     from orchestrator.planner.dynamic import price_plan
 
     layout = costs.layout
-    extras = range(layout.pp) if layout.schedule == "1f1b" else range(1)
+    extras = range(layout.pp) if layout.schedule == Schedule["1f1b"] else range(1)
     worst = 0.0
     for mbs, rows in zip(plan.micro_batches, plan.packed_rows):
         if len(mbs) > EXHAUSTIVE_MAX_MBS:

@@ -40,6 +40,7 @@ import dynamic_microbatching as B  # noqa: E402
 
 from orchestrator.layout import ParallelLayout  # noqa: E402
 from orchestrator.planner import HardwareModel, ModelCost  # noqa: E402
+from orchestrator.planner.terms import MODE_NAMES  # noqa: E402
 from orchestrator.planner.dynamic import (MicroBatch, MicroBatchCosts, plan_iteration,  # noqa
                                           price_plan, _price_micro_batches)
 
@@ -54,7 +55,7 @@ else:
     DYNAPIPE_MISSING = ""
 
 MB = 1e6
-RC = ("none", "selective", "full")
+RC = MODE_NAMES  # the planner's recompute codes: RC[code]
 ROUND = 8
 
 

@@ -35,8 +35,9 @@ from typing import Optional
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from orchestrator.choices import CpComm, Engine, Recompute  # noqa: E402
 from orchestrator.device import model_flops  # noqa: E402
-from orchestrator.layout import CP_COMMS, ParallelLayout  # noqa: E402
+from orchestrator.layout import ParallelLayout  # noqa: E402
 from orchestrator.models.config import ModelConfig, count_params  # noqa: E402
 from orchestrator.planner import (CostOptions, HardwareModel, InfeasibleError,  # noqa: E402
                                   ModelCost, SearchSpace, evaluate, search)
@@ -68,7 +69,7 @@ def model_config(model: ModelCost) -> ModelConfig:
                        seq_len=SEQ, dtype=model.dtype)
 
 
-def options(engine: str = "megatron") -> CostOptions:
+def options(engine: Engine = Engine.megatron) -> CostOptions:
     return CostOptions(engine=engine,
                        reserve_bytes=memory_reserve_GiB(BUDGET_GiB, 0.10, 1.0) * GiB)
 
@@ -80,7 +81,7 @@ def line(label: str, layout: ParallelLayout, pred, model: ModelCost, extra: str 
     seconds = pred.iteration_time_us / 1e6
     tflops = model_flops(count_params(cfg), cfg.layers, cfg.hidden, SEQ, tokens) / seconds \
         / layout.world_size / 1e12
-    recomputed = sum(k for mode, k in layout.recompute if mode == "full")
+    recomputed = sum(k for mode, k in layout.recompute if mode == Recompute.full)
     b = {k: v / 1e3 for k, v in pred.breakdown_us.items()}
     fits = "" if pred.feasible else "  DOES NOT FIT"
     print(f"  {label:<22} {layout.describe()}")
@@ -93,7 +94,7 @@ def line(label: str, layout: ParallelLayout, pred, model: ModelCost, extra: str 
 
 
 def searched(model, hw, world: int, gbs: int, max_cp: int, label: str,
-             engine: str = "megatron", cp_comms=("p2p", "a2a")) -> Optional[dict]:
+             engine: Engine = Engine.megatron, cp_comms=(CpComm.p2p, CpComm.a2a)) -> Optional[dict]:
     """Print the search's pick (None, and the search's reason, when no layout exists)."""
     space = SearchSpace(world_size=world, memory_budget_bytes=BUDGET_GiB * GiB,
                         global_batch_size=gbs, seq_len=SEQ, max_cp=max_cp,
@@ -130,13 +131,14 @@ def qwen_100b(folder: str) -> None:
     print(f"  tokens/s with CP / without: {gain(with_cp, today)}")
     auto = auto_max_cp(SEQ)  # search.max_cp's default
     searched(model, hw, 8192, 512, auto, f"pick, max_cp {auto}")
-    searched(model, hw, 8192, 512, auto, "every flavour", cp_comms=CP_COMMS)
+    searched(model, hw, 8192, 512, auto, "every flavour", cp_comms=tuple(CpComm))
     # stage=train's engine: its ring (or all-gather) and every byte it holds. Without CP it has
     # no layout here: 8192 / tp (<= 8) ranks leave pp >= 2 stages a replica 1 micro-batch of
     # the 512 at most, and torch's pipeline schedules want one per stage.
-    ours_today = searched(model, hw, 8192, 512, 1, "stage=train's, no CP", "orchestrator")
-    searched(model, hw, 8192, 512, 16, "stage=train's, cp 16", "orchestrator")
-    ours = searched(model, hw, 8192, 512, auto, f"stage=train's, cp {auto}", "orchestrator")
+    ours_today = searched(model, hw, 8192, 512, 1, "stage=train's, no CP", Engine.orchestrator)
+    searched(model, hw, 8192, 512, 16, "stage=train's, cp 16", Engine.orchestrator)
+    ours = searched(model, hw, 8192, 512, auto, f"stage=train's, cp {auto}",
+                    Engine.orchestrator)
     print(f"  stage=train's engine, tokens/s with CP (max_cp {auto}) / without: "
           f"{gain(ours, ours_today)}")
 
@@ -153,7 +155,7 @@ def llama3_405b(folder: str) -> None:
           f"({100 * (got['tflops'] / 380 - 1):+.0f}%)")
     searched(model, hw, 16384, 128, 1, "pick without CP")
     searched(model, hw, 16384, 128, 16, "pick, max_cp 16")
-    searched(model, hw, 16384, 128, 16, "every flavour", cp_comms=CP_COMMS)
+    searched(model, hw, 16384, 128, 16, "every flavour", cp_comms=tuple(CpComm))
 
 
 def synthetic_profiles(model: str, nodes: int):
@@ -174,13 +176,13 @@ def llama2_7b_nemo(folder: str, smoke: bool = False) -> None:
     cp = priced(model, hw, ParallelLayout.uniform(128, 4, 1, 32, cp=4, sequence_parallel=True,
                                                    num_micro_batches=4), "NeMo TP4 CP4 DP8")
     nocp = priced(model, hw, ParallelLayout.uniform(128, 4, 1, 32, sequence_parallel=True,
-                                                     recompute="full"),
+                                                     recompute=Recompute.full),
                   "TP4 DP32, full recompute")
     print(f"  {'':<22} CP / no CP: {cp['tokens_per_s'] / nocp['tokens_per_s']:.2f}x "
           f"(NeMo measured 1.31x)")
     searched(model, hw, 128, 32, 16, "pick, max_cp 16")
     if not smoke:
-        searched(model, hw, 128, 32, 16, "every flavour", cp_comms=CP_COMMS)
+        searched(model, hw, 128, 32, 16, "every flavour", cp_comms=tuple(CpComm))
 
 
 def main() -> None:

@@ -44,6 +44,7 @@ from rich.table import Table  # noqa: E402
 
 import yaml  # noqa: E402
 
+from orchestrator.choices import Engine, Recompute  # noqa: E402
 from orchestrator.layout import ParallelLayout  # noqa: E402
 from orchestrator.models.config import ModelConfig, count_active_params  # noqa: E402
 from orchestrator.planner import (CostOptions, HardwareModel, ModelCost, SearchSpace,  # noqa: E402
@@ -59,7 +60,7 @@ MODELS = ("mixtral_8x7b", "qwen3_30b_a3b", "deepseek_v3")
 WORLDS = (256, 1024, 8192)
 
 
-def options(engine: str) -> CostOptions:
+def options(engine: Engine) -> CostOptions:
     return CostOptions(engine=engine,
                        reserve_bytes=memory_reserve_GiB(BUDGET_GiB, 0.10, 1.0) * GiB)
 
@@ -123,7 +124,7 @@ def row(table: Table, label: str, cfg, pred, search_s=None, considered=None) -> 
                   "" if search_s is None else f"{search_s:.2f} ({considered})")
 
 
-def searched(model, hw, world: int, engine: str):
+def searched(model, hw, world: int, engine: Engine):
     space = SearchSpace(world_size=world, memory_budget_bytes=BUDGET_GiB * GiB,
                         global_batch_size=GBS[world], seq_len=SEQ, options=options(engine))
     t0 = time.perf_counter()
@@ -138,7 +139,7 @@ def published(name: str, world: int, layers: int):
         dp = world // pp
         return ("DeepSeek-V3 report", ParallelLayout.uniform(
             world, 1, pp, layers, zero=1, ep=ep, micro_batch_size=1,
-            num_micro_batches=GBS[world] // dp, recompute="selective"))
+            num_micro_batches=GBS[world] // dp, recompute=Recompute.selective))
     if name == "mixtral_8x7b":
         tp, pp = 2, 4
         dp = world // (tp * pp)
@@ -173,15 +174,16 @@ def main() -> None:
                 table.add_column(col, justify="left" if col in ("model / source", "layout")
                                  else "right")
             for name, (model, cfg) in models.items():
-                imb = moe_imbalance(model, options("megatron"))
-                for engine in ("megatron", "orchestrator"):
+                imb = moe_imbalance(model, options(Engine.megatron))
+                for engine in (Engine.megatron, Engine.orchestrator):
                     result, elapsed = searched(model, hw, world, engine)
                     row(table, f"{name} pick ({engine}, imb {imb:g})", cfg, result.prediction,
                         elapsed, result.considered)
                 found = published(name, world, model.layers)
                 if found is not None:
                     label, layout = found
-                    pred = evaluate(layout, model, hw, SEQ, BUDGET_GiB * GiB, options("megatron"))
+                    pred = evaluate(layout, model, hw, SEQ, BUDGET_GiB * GiB,
+                                    options(Engine.megatron))
                     row(table, f"{name} {label}", cfg, pred)
             console.print(table)
 

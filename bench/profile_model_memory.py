@@ -18,13 +18,14 @@ import argparse
 
 import torch
 
+from orchestrator.choices import Recompute
 from orchestrator.models.config import ModelConfig
 from orchestrator.models.gpt import torch_dtype
 from orchestrator.profiling.model import analytic as an
 from orchestrator.profiling.model import memory as mem
 from orchestrator.profiling.model.timing import build_point_model, memory_point
 
-MODES = mem.RECOMPUTE_MODES
+MODES = tuple(Recompute)
 
 
 def live_bytes(pm, seq_len: int, mode: str) -> int:

@@ -118,6 +118,7 @@ def main() -> None:
     summary = json.loads((folder / "summary.json").read_text())
 
     sys.path.insert(0, str(REPO))
+    from orchestrator.choices import Engine
     from orchestrator.layout import ParallelLayout
     from orchestrator.planner import CostOptions, HardwareModel, ModelCost, evaluate
     from orchestrator.store import read_profile
@@ -138,7 +139,7 @@ def main() -> None:
         raw = json.loads((profiles / "dgx_h100" / "hardware.json").read_text())
         links = raw["provenance"]["config"]["cluster"]["links"]
     ours = evaluate(layout, model, hw, seq_len=args.seq,
-                    options=CostOptions(engine="megatron", dtype="bf16", device="cuda"))
+                    options=CostOptions(engine=Engine.megatron, dtype="bf16", device="cuda"))
 
     table = Table(title=f"{args.model} {layout.describe()} seq {args.seq}: SimAI (analytical) "
                         f"vs the trace and the planner, ms")

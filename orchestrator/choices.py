@@ -95,8 +95,20 @@ class Recompute(Choice):
     full = "full"
 
 
-# "1f1b" is not a Python identifier, so this one is built with the functional API.
+# "1f1b" is not a Python identifier, so this one is built with the functional API (its members:
+# Schedule["1f1b"], Schedule.interleaved).
 Schedule = Choice("Schedule", [("1f1b", "1f1b"), ("interleaved", "interleaved")], module=__name__)
+
+# How context-parallel attention reaches the other ranks' tokens (Megatron's --cp-comm-type):
+# "p2p", a ring of K/V sends overlapped with the attention of the chunk held; "a2a" (DeepSpeed's
+# Ulysses), all-to-alls that trade the sequence split for a head split around the attention
+# core (heads and KV heads must divide over tp x cp); "allgather", K and V of the whole sequence
+# gathered before the attention core, their gradients reduce-scattered after (Llama 3's);
+# "a2a+p2p" (hierarchical) Ulysses inside groups of `cp_a2a` CP ranks (a node's, typically) and
+# the ring across those groups (Megatron's --hierarchical-context-parallel-sizes cp_a2a
+# cp/cp_a2a). "a2a+p2p" is not a Python identifier: CpComm["a2a+p2p"].
+CpComm = Choice("CpComm", [("p2p", "p2p"), ("a2a", "a2a"), ("allgather", "allgather"),
+                           ("a2a+p2p", "a2a+p2p")], module=__name__)
 
 
 class HardwareExport(Choice):

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from orchestrator.choices import (BENCHMARK_NAMES, Backend, Dtype, Engine, HardwareExport,
-                                  HardwareSource, LauncherName, Microbatching, ModelSource,
-                                  Recompute, Schedule)
+from orchestrator.choices import (BENCHMARK_NAMES, Backend, CpComm, Dtype, Engine,
+                                  HardwareExport, HardwareSource, LauncherName, Microbatching,
+                                  ModelSource, Recompute, Schedule)
 from orchestrator.errors import ConfigError
 from orchestrator.limits import LimitsConfig
 from orchestrator.models.config import ModelConfig
@@ -229,7 +229,7 @@ class SearchConfig:
     # 4096, each rank keeping at least 4K tokens; so none below 8K), in the flavours of
     # cp_comms (p2p, a2a, allgather: both engines run each).
     max_cp: Optional[int] = None  # >= 1
-    cp_comms: List[str] = field(default_factory=lambda: ["p2p", "a2a"])  # flavours of cp > 1
+    cp_comms: List[CpComm] = field(default_factory=lambda: [CpComm.p2p, CpComm.a2a])  # cp > 1
     # Mixture-of-experts models (model.experts > 0): expert parallelism up to max_ep and expert
     # tensor parallelism up to max_etp, folded onto each stage's tp x cp x dp ranks; ep / etp
     # fix them (None: searched). Dense models ignore these.
@@ -283,7 +283,7 @@ class TrainConfig:
     # the default), allgather, a2a (Ulysses) or a2a+p2p (Ulysses over cp_a2a ranks, the ring
     # across; models/context_parallel.py); None: the strategy's, else p2p.
     cp: Optional[int] = None
-    cp_comm: Optional[str] = None
+    cp_comm: Optional[CpComm] = None
     cp_a2a: Optional[int] = None  # a2a+p2p: the all-to-all degree inside the CP group
     # Mixture-of-experts models: experts split over ep ranks (all-to-all token dispatch), each
     # expert's width over etp; the expert grid folds onto the tp x dp ranks of a stage
@@ -366,7 +366,7 @@ class TraceConfig:
     # and how attention reaches the other CP ranks' tokens (Megatron's --cp-comm-type):
     # p2p (ring), allgather, a2a (Ulysses), a2a+p2p (hierarchical).
     cp: int = 1
-    cp_comm: str = "p2p"
+    cp_comm: CpComm = CpComm.p2p
     cp_a2a: int = 1  # a2a+p2p: the all-to-all degree inside the CP group (the ring over cp/it)
     # Mixture-of-experts models (model.experts > 0): expert parallelism (experts / ep per rank,
     # all-to-all token dispatch) and expert tensor parallelism (each expert's width over etp)

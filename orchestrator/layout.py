@@ -26,33 +26,31 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from orchestrator.choices import Recompute, Schedule
+from orchestrator.choices import CpComm, Recompute, Schedule
 from orchestrator.errors import ConfigError
 from orchestrator.records import FieldError, convert, join, show
 
-SCHEDULES = tuple(Schedule)
-RECOMPUTE_MODES = tuple(Recompute)
 ZERO_STAGES = (0, 1, 2, 3)
-# How context-parallel attention reaches the other ranks' tokens (Megatron's --cp-comm-type):
-# "p2p", a ring of K/V sends overlapped with the attention of the chunk held; "a2a" (DeepSpeed's
-# Ulysses), all-to-alls that trade the sequence split for a head split around the attention
-# core (heads and KV heads must divide over tp x cp); "allgather", K and V of the whole sequence
-# gathered before the attention core, their gradients reduce-scattered after (Llama 3's);
-# "a2a+p2p" (hierarchical) Ulysses inside groups of `cp_a2a` CP ranks (a node's, typically) and
-# the ring across those groups (Megatron's --hierarchical-context-parallel-sizes cp_a2a
-# cp/cp_a2a).
-CP_COMMS = ("p2p", "a2a", "allgather", "a2a+p2p")
-# stage=train's engine runs every flavour (models/context_parallel.py); its default:
-ENGINE_CP_COMM = "p2p"
+# stage=train's engine runs every CpComm flavour (models/context_parallel.py); its default:
+ENGINE_CP_COMM = CpComm.p2p
 
 # (mode, k_layers): how many layers of the stage use `mode`; the others keep all activations.
 # "none" has k == 0, "selective" covers every layer of the stage (Megatron cannot do part of a
 # stage), "full" recomputes the first k layers of the stage (Megatron's --recompute-method block).
-StageRecompute = Tuple[str, int]
+StageRecompute = Tuple[Recompute, int]
 
 
 class LayoutError(ConfigError, ValueError):
     """A ParallelLayout that cannot run; the message prints the offending numbers."""
+
+
+def _choice(kind: type, value: Any, what: str):
+    """`value` as a member of the Choice `kind`; LayoutError naming `what` and the allowed
+    values when it is none."""
+    try:
+        return kind.parse(value)
+    except ValueError:
+        raise LayoutError(f"{what} must be one of {tuple(kind)}, got {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -61,7 +59,7 @@ class ParallelLayout:
 
     - world_size = dp * tp * cp * pp; cp > 1 splits every sequence over cp ranks (context
       parallelism, models/context_parallel.py; `cp_comm` how attention reaches the other ranks'
-      keys and values, CP_COMMS; `cp_a2a` the all-to-all degree of "a2a+p2p", 1 < cp_a2a < cp
+      keys and values, a CpComm; `cp_a2a` the all-to-all degree of "a2a+p2p", 1 < cp_a2a < cp
       dividing it, 1 otherwise).
     - zero: 0 (plain data parallel), 1 (optimizer states sharded over dp), 2 (+ gradients),
       3 (+ parameters). `distributed_optimizer` is Megatron's name for sharded optimizer states:
@@ -85,10 +83,10 @@ class ParallelLayout:
     sequence_parallel: bool = False
     micro_batch_size: int = 1
     num_micro_batches: int = 1
-    schedule: str = "1f1b"
+    schedule: Schedule = Schedule["1f1b"]
     virtual_stages: int = 1
     cp: int = 1
-    cp_comm: str = "p2p"
+    cp_comm: CpComm = CpComm.p2p
     cp_a2a: int = 1
     ep: int = 1
     etp: int = 1
@@ -96,15 +94,16 @@ class ParallelLayout:
     def __post_init__(self) -> None:
         # Normalise containers first so that lists from JSON or callers compare and hash.
         object.__setattr__(self, "layers_per_stage", tuple(int(n) for n in self.layers_per_stage))
-        recompute = self.recompute or tuple(("none", 0) for _ in self.layers_per_stage)
-        object.__setattr__(self, "recompute",
-                           tuple((str(mode), int(k)) for mode, k in recompute))
+        recompute = self.recompute or tuple((Recompute.none, 0) for _ in self.layers_per_stage)
+        object.__setattr__(self, "recompute", tuple(
+            (_choice(Recompute, mode, f"recompute[{stage}] mode"), int(k))
+            for stage, (mode, k) in enumerate(recompute)))
+        object.__setattr__(self, "schedule", _choice(Schedule, self.schedule, "schedule"))
+        object.__setattr__(self, "cp_comm", _choice(CpComm, self.cp_comm, "cp_comm"))
         if self.distributed_optimizer is None:
             object.__setattr__(self, "distributed_optimizer", self.zero >= 1)
-        if self.cp_comm not in CP_COMMS:
-            raise LayoutError(f"cp_comm must be one of {CP_COMMS}, got {self.cp_comm!r}")
         if self.cp == 1:  # no context parallelism, no flavour: one layout, one equality
-            object.__setattr__(self, "cp_comm", CP_COMMS[0])
+            object.__setattr__(self, "cp_comm", CpComm.p2p)
             object.__setattr__(self, "cp_a2a", 1)
         self._validate()
 
@@ -119,12 +118,12 @@ class ParallelLayout:
             cp = f" * cp({self.cp})" if self.cp > 1 else ""
             raise LayoutError(f"dp({self.dp}) * tp({self.tp}){cp} * pp({self.pp}) != "
                               f"world_size({self.world_size})")
-        if self.cp_comm == "a2a+p2p" and not (1 < self.cp_a2a < self.cp
+        if self.cp_comm == CpComm["a2a+p2p"] and not (1 < self.cp_a2a < self.cp
                                                and self.cp % self.cp_a2a == 0):
             raise LayoutError(f"cp_comm a2a+p2p needs cp_a2a (the all-to-all degree inside the "
                               f"CP group, Megatron's --hierarchical-context-parallel-sizes) with "
                               f"1 < cp_a2a({self.cp_a2a}) < cp({self.cp}), dividing it")
-        if self.cp_comm != "a2a+p2p" and self.cp_a2a != 1:
+        if self.cp_comm != CpComm["a2a+p2p"] and self.cp_a2a != 1:
             raise LayoutError(f"cp_a2a({self.cp_a2a}) is the all-to-all degree of cp_comm "
                               f"a2a+p2p, not of cp_comm {self.cp_comm}")
         stage_ranks = self.tp * self.cp * self.dp
@@ -146,13 +145,11 @@ class ParallelLayout:
         if self.sequence_parallel and self.tp == 1:
             raise LayoutError("sequence_parallel needs tp > 1 (tp(1)); it shards activations "
                               "over the tensor-parallel group")
-        if self.schedule not in SCHEDULES:
-            raise LayoutError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         v = self.virtual_stages
-        if self.schedule == "1f1b" and v != 1:
+        if self.schedule == Schedule["1f1b"] and v != 1:
             raise LayoutError(f"schedule '1f1b' has virtual_stages 1, got virtual_stages({v}); "
                               f"use schedule 'interleaved' for v > 1")
-        if self.schedule == "interleaved":
+        if self.schedule == Schedule.interleaved:
             if v < 2:
                 raise LayoutError(f"schedule 'interleaved' needs virtual_stages >= 2, got {v}")
             if self.pp < 2:
@@ -173,16 +170,13 @@ class ParallelLayout:
             raise LayoutError(f"len(recompute)={len(self.recompute)} != pp({self.pp}): give one "
                               f"(mode, k_layers) per pipeline stage")
         for stage, ((mode, k), n) in enumerate(zip(self.recompute, self.layers_per_stage)):
-            if mode not in RECOMPUTE_MODES:
-                raise LayoutError(f"recompute[{stage}] mode must be one of {RECOMPUTE_MODES}, "
-                                  f"got {mode!r}")
-            if mode == "none" and k != 0:
+            if mode == Recompute.none and k != 0:
                 raise LayoutError(f"recompute[{stage}]=('none', {k}): k_layers must be 0")
-            if mode == "selective" and k != n:
+            if mode == Recompute.selective and k != n:
                 raise LayoutError(f"recompute[{stage}]=('selective', {k}): selective recompute "
                                   f"covers the whole stage, k_layers must be "
                                   f"layers_per_stage[{stage}]={n}")
-            if mode == "full":
+            if mode == Recompute.full:
                 if not 1 <= k <= n:
                     raise LayoutError(f"recompute[{stage}]=('full', {k}): k_layers must be in "
                                       f"1..layers_per_stage[{stage}]={n}")
@@ -202,9 +196,9 @@ class ParallelLayout:
         """Raise LayoutError unless tp splits the heads and KV heads (and, for the all-to-all
         flavour of CP, tp x cp does; tp x cp_a2a for the hierarchical one)."""
         split, what = self.tp, f"tp({self.tp})"
-        if self.cp > 1 and self.cp_comm == "a2a":
+        if self.cp > 1 and self.cp_comm == CpComm.a2a:
             split, what = self.tp * self.cp, f"tp({self.tp}) * cp({self.cp}) (cp_comm a2a)"
-        elif self.cp_comm == "a2a+p2p":
+        elif self.cp_comm == CpComm["a2a+p2p"]:
             split = self.tp * self.cp_a2a
             what = f"tp({self.tp}) * cp_a2a({self.cp_a2a}) (cp_comm a2a+p2p)"
         if heads % split or kv_heads % split:
@@ -296,11 +290,11 @@ class ParallelLayout:
 
     def describe(self) -> str:
         """One line for logs, e.g. `tp4 pp2 dp8 zero1 sp mbs1 x16 1f1b [18,18] rc[full2,none]`."""
-        rc = ",".join(mode if mode != "full" else f"full{k}" for mode, k in self.recompute)
+        rc = ",".join(mode if mode != Recompute.full else f"full{k}" for mode, k in self.recompute)
         sched = (self.schedule if self.virtual_stages == 1
                  else f"{self.schedule}(v{self.virtual_stages})")
-        comm = f"a2a{self.cp_a2a}+p2p" if self.cp_comm == "a2a+p2p" else self.cp_comm
-        cp = "" if self.cp == 1 else f" cp{self.cp}" + ("" if comm == "p2p" else f"({comm})")
+        comm = f"a2a{self.cp_a2a}+p2p" if self.cp_comm == CpComm["a2a+p2p"] else self.cp_comm
+        cp = "" if self.cp == 1 else f" cp{self.cp}" + ("" if comm == CpComm.p2p else f"({comm})")
         ep = (f" ep{self.ep}" if self.ep > 1 else "") + (f" etp{self.etp}" if self.etp > 1 else "")
         return (f"tp{self.tp}{cp} pp{self.pp} dp{self.dp}{ep} zero{self.zero}"
                 f"{' sp' if self.sequence_parallel else ''} mbs{self.micro_batch_size}"
@@ -310,7 +304,8 @@ class ParallelLayout:
     # ---------------------------------------------------------------- construction / JSON
     @classmethod
     def uniform(cls, world_size: int, tp: int, pp: int, layers: int, *,
-                recompute: StageRecompute | str = "none", **kwargs: Any) -> "ParallelLayout":
+                recompute: StageRecompute | Recompute = Recompute.none,
+                **kwargs: Any) -> "ParallelLayout":
         """A layout with dp = world_size / (tp * cp * pp), layers split as evenly as possible (the
         first stages take the remainder) and the same recompute on every stage ("none",
         "selective", "full" for the whole stage, or an explicit (mode, k_layers))."""
@@ -324,7 +319,7 @@ class ParallelLayout:
         base, extra = divmod(chunks, pp)
         stages = tuple((base + (1 if s < extra else 0)) * v for s in range(pp))
         if isinstance(recompute, str):
-            per_stage = tuple((recompute, 0 if recompute == "none" else n) for n in stages)
+            per_stage = tuple((recompute, 0 if recompute == Recompute.none else n) for n in stages)
         else:
             per_stage = tuple(recompute for _ in stages)
         return cls(world_size=world_size, pp=pp, tp=tp, dp=world_size // (tp * cp * pp),
@@ -335,7 +330,7 @@ class ParallelLayout:
         cp_comm appear only with context parallelism (files written before it read as cp 1),
         cp_a2a only with a2a+p2p, ep and etp only with expert parallelism."""
         cp = {} if self.cp == 1 else {"cp": self.cp, "cp_comm": self.cp_comm}
-        if self.cp_comm == "a2a+p2p":
+        if self.cp_comm == CpComm["a2a+p2p"]:
             cp["cp_a2a"] = self.cp_a2a
         if self.ep * self.etp > 1:
             cp.update(ep=self.ep, etp=self.etp)

@@ -99,7 +99,7 @@ def check_sweep_size(argv: Sequence[str]) -> None:
 
 def _label_value(value: Any) -> str:
     items = value if isinstance(value, (list, tuple)) else [value]
-    text = "+".join(str(getattr(v, "value", v)) for v in items)  # an enum by its value
+    text = "+".join(str(v) for v in items)  # a Choice by its value
     return re.sub(r"[^A-Za-z0-9._+=-]", "_", text)
 
 

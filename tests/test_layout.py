@@ -122,6 +122,36 @@ def test_context_parallel_needs_a_sequence_of_2cp_chunks_over_tp():
         ParallelLayout.uniform(8, 2, 1, 8, cp=2, cp_comm="ring")
 
 
+def test_closed_choices_are_members_of_one_enum_each_and_read_as_their_strings():
+    """schedule, cp_comm and the recompute modes of a layout, and the config keys that give
+    them or the cost model's engine, are members of one Choice each (orchestrator/choices.py),
+    given as strings or members; equality, JSON and config hashes see the strings."""
+    from orchestrator.choices import CpComm, Engine, Recompute, Schedule
+    from orchestrator.config import choice_type
+    from orchestrator.planner import CostOptions
+
+    layout = ParallelLayout.uniform(32, 1, 2, 8, cp=4, cp_comm="a2a+p2p", cp_a2a=2,
+                                    schedule="interleaved", virtual_stages=2,
+                                    num_micro_batches=2, recompute="selective")
+    assert layout.cp_comm is CpComm["a2a+p2p"] and layout.schedule is Schedule.interleaved
+    assert {mode for mode, _ in layout.recompute} == {Recompute.selective}
+    assert layout.cp_comm == "a2a+p2p" and layout.schedule == "interleaved"
+    text = json.dumps(layout.to_dict())
+    assert '"cp_comm": "a2a+p2p"' in text and '"schedule": "interleaved"' in text
+    assert '"recompute": [["selective", 4], ["selective", 4]]' in text
+    back = ParallelLayout.from_dict(json.loads(text))
+    assert back == layout and back.cp_comm is CpComm["a2a+p2p"]
+    assert hash(back) == hash(ParallelLayout.uniform(
+        32, 1, 2, 8, cp=4, cp_comm=CpComm["a2a+p2p"], cp_a2a=2, schedule=Schedule.interleaved,
+        virtual_stages=2, num_micro_batches=2, recompute=Recompute.selective))
+    for key in ("train.cp_comm", "trace.cp_comm", "search.cp_comms"):
+        assert choice_type(key) is CpComm, key
+    assert choice_type("search.engine") is Engine and choice_type("trace.schedule") is Schedule
+    assert CostOptions(engine="megatron").engine is Engine.megatron
+    with pytest.raises(ValueError, match="allowed: orchestrator, megatron"):
+        CostOptions(engine="deepspeed")
+
+
 # ---------------------------------------------------------------- layout files
 def _layout_file(**changes) -> dict:
     """A layout file as search writes strategy/<model>.layout.json, with `changes` to its

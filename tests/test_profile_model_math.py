@@ -7,6 +7,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from orchestrator.choices import Recompute
 from orchestrator.config import CONF_DIR, register_configs
 from orchestrator.errors import ConfigError
 from orchestrator.models.config import ModelConfig, count_block_params
@@ -246,7 +247,7 @@ def test_analytic_memory_equals_measured_memory_on_the_same_kernels():
     # each record's Megatron comparison is its own block bytes over the formula
     for rec in records.values():
         assert rec["megatron_ratio"] == {m: rec["block_act_bytes"][m] / rec["megatron_act_bytes"][m]
-                                         for m in mem.RECOMPUTE_MODES}
+                                         for m in Recompute}
     cfg_m = ModelConfig()
     n = count_block_params(cfg_m)
     norms = 2 * cfg_m.hidden

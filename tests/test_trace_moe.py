@@ -189,7 +189,7 @@ def test_simai_workload_has_the_expert_parallel_items():
     layer and micro-batch a moelayer item with the all-to-alls as ALLTOALL_EP lines (counts,
     dispatch, combine forward; two backward) and the ETP messages un-suffixed (the TP group),
     the expert gradients as ALLREDUCE_DP_EP / ALLGATHER_DP_EP."""
-    from test_trace_simai import parse
+    from test_trace_simai import check_one_group_per_line, parse
 
     from orchestrator.trace.simai import (COMM_TYPES, MOE_COMM_TYPES, simai_file_name,
                                           simai_workload, unexportable)
@@ -220,6 +220,7 @@ def test_simai_workload_has_the_expert_parallel_items():
           and row[9] != "NONE"}
     assert wg["ALLREDUCE_DP_EP"] == wg["ALLGATHER_DP_EP"] == expert_grad_sync_bytes(
         MoeShape.of(MOE), lay.ep, lay.etp, layers=2)
+    check_one_group_per_line(items, records, lay.cp)
     assert "-ep2-" in simai_file_name(spec, MOE.name, 1, moe=True)
     assert "-MOE-True-" in simai_file_name(spec, MOE.name, 1, moe=True)
     # SimAI's expert tensor parallelism is TP's; CP and experts cannot share its EP group

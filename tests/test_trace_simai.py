@@ -260,6 +260,61 @@ def test_cp_all_gather_and_a2a_flavours_keep_their_collectives_on_the_ep_group()
     assert comms_of(a2a_items, col, 6) == {"ALLTOALL_EP": 2 * q + 2 * (q // 2)}
 
 
+# SimAI's group of a collective by its column (Workload.cc): the suffix, else TP in the forward
+# and input-gradient columns and DP in the weight-gradient one.
+def _simai_group(comm_type: str, column: int) -> str:
+    for suffix in ("_DP_EP", "_EP"):
+        if comm_type.endswith(suffix):
+            return suffix[1:]
+    return "DP" if column == 9 else "TP"
+
+
+# The SimAI group each of the trace's groups is exported to: CP and EP on SimAI's EP group, the
+# expert replicas on DP_EP, the dp (x cp) replicas on DP; the grad-norm all-reduce over the
+# world goes in a forward column as AICB writes it (optimizer items), TP's.
+TRACE_TO_SIMAI = {"tp": "TP", "etp": "TP", "world": "TP", "cp": "EP", "ep": "EP",
+                  "edp": "DP_EP", "dp": "DP", "dp_cp": "DP"}
+
+
+def check_one_group_per_line(items, records, cp: int) -> None:
+    """Every line of an export carries the collectives of one SimAI group (SimAI files a
+    line's forward and input-gradient time under EP only when its forward type is EP's, so a
+    line mixing TP and EP misfiles one of them), and each group's bytes over the lines are
+    the trace's records of that group (the CP ring's sends as the all-gather moving them)."""
+    exported = {}
+    for row in items:
+        groups = {_simai_group(row[c], c) for c in (3, 6, 9) if row[c] != "NONE"}
+        assert len(groups) <= 1, row
+        for c in (3, 6, 9):
+            if row[c] != "NONE":
+                group = _simai_group(row[c], c)
+                exported[group] = exported.get(group, 0) + int(row[c + 1])
+    traced = {}
+    for r in records:
+        n_bytes = (r["bytes"] if r["kind"] == "coll" else r["bytes"] * cp // (cp - 1)
+                   if r["kind"] == "p2p" and r.get("group") == "cp" and r["op"] == "send"
+                   else 0)
+        if n_bytes:
+            group = TRACE_TO_SIMAI[r["group"]]
+            traced[group] = traced.get(group, 0) + n_bytes
+    assert exported == traced
+    assert "EP" in exported
+
+
+@pytest.mark.parametrize("cp_comm,config,recompute", [
+    ("p2p", [16, 2, 2, 2], "selective"), ("allgather", [16, 2, 2, 2], "selective"),
+    ("a2a", [8, 2, 1, 2], "none")])
+def test_cp_export_writes_one_group_per_line(cp_comm, config, recompute):
+    settings = TraceSettings(global_batch_size=16, micro_batch_size=MBS, seq_len=SEQ,
+                             sequence_parallel=config[2] > 1, cp_comm=cp_comm,
+                             recompute=recompute)
+    (cp_spec,), skipped = plan_configs([config], settings, MODEL)
+    assert not skipped
+    records = _priced(cp_spec, MODEL, cp_spec.layout.world_size // 2)
+    items = parse(simai_workload(records, cp_spec, "tiny"))[3]
+    check_one_group_per_line(items, records, cp_spec.layout.cp)
+
+
 def test_cp_heads_that_do_not_split_are_skipped_with_the_reason():
     settings = TraceSettings(global_batch_size=16, micro_batch_size=MBS, seq_len=SEQ,
                              sequence_parallel=True, cp_comm="a2a")

@@ -39,7 +39,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from orchestrator.layout import CP_COMMS
+from orchestrator.choices import CpComm
 from orchestrator.workload.cp import SCORE_TILE_BYTES, score_tile_rows
 
 
@@ -68,22 +68,23 @@ def ring_of(group):
 
 class ContextParallel:
     """This rank's share of context-parallel sequences: its CP group and flavour (one of
-    layout.CP_COMMS), and for a sequence of `seq_len` tokens the global positions of its
+    CpComm), and for a sequence of `seq_len` tokens the global positions of its
     tokens and of the all-gathered sequence's (every rank's chunks, in CP-rank order)."""
 
-    def __init__(self, group, comm: str = "p2p", score_tile_bytes: int = SCORE_TILE_BYTES,
+    def __init__(self, group, comm: CpComm = CpComm.p2p, score_tile_bytes: int = SCORE_TILE_BYTES,
                  levels=None):
         """`levels`: for a2a+p2p, (this rank's group of cp_a2a CP ranks, its ring group)."""
         import torch.distributed as dist
 
-        if comm not in CP_COMMS:
+        if comm not in tuple(CpComm):
             raise ValueError(f"cp_comm {comm!r}: context parallelism runs "
-                             f"{' or '.join(CP_COMMS)}")
+                             f"{' or '.join(CpComm)}")
+        comm = CpComm(comm)
         self.group, self.comm, self.score_tile_bytes = group, comm, score_tile_bytes
         self.cp, self.cp_rank, self.next_rank, self.prev_rank = ring_of(group)
         self._positions = {}
         self._cache = {}  # masks and rotary tables, per sequence length and device
-        if comm == "a2a+p2p":
+        if comm == CpComm["a2a+p2p"]:
             inner, ring = levels
             self.inner = SimpleNamespace(group=inner, cp=dist.get_world_size(inner))
             self.ring = _RingLevel(self, ring, self.inner.cp)
@@ -143,11 +144,11 @@ class ContextParallel:
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of this rank's queries over the whole sequence's keys and values:
         q, k, v (batch, heads, local seq, head_dim), K/V heads may be fewer (GQA)."""
-        if self.comm == "p2p":
+        if self.comm == CpComm.p2p:
             return _RingAttention.apply(q, k, v, self)
-        if self.comm == "a2a":
+        if self.comm == CpComm.a2a:
             return self._ulysses_attention(q, k, v)
-        if self.comm == "a2a+p2p":
+        if self.comm == CpComm["a2a+p2p"]:
             hq, hk, hv = (SwapSplit.apply(t, self.inner, True) for t in (q, k, v))
             return SwapSplit.apply(_RingAttention.apply(hq, hk, hv, self.ring), self.inner,
                                    False)

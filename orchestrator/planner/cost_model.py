@@ -48,6 +48,8 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from orchestrator import choices
+from orchestrator.choices import Engine, Recompute, Schedule
 from orchestrator.layout import LayoutError, ParallelLayout
 from orchestrator.models.config import ModelConfig
 from orchestrator.planner.calibration import Calibration, contention_factor
@@ -98,11 +100,14 @@ class CostOptions:
     other_time_first_share: float = 0.05
     other_memory_first_share: float = 0.5
     reserve_bytes: float = 0.0
-    engine: str = "orchestrator"  # what runs the layout: orchestrator (stage=train) | megatron
+    engine: Engine = Engine.orchestrator  # what runs the layout: stage=train's | megatron
     dtype: str = ""
     device: str = "cuda"
     calibration: Calibration = Calibration()
     moe_imbalance: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "engine", Engine.parse(self.engine))
 
 
 def moe_imbalance(model: ModelCost, options: CostOptions) -> float:
@@ -121,7 +126,7 @@ def _engine_memory(key: "ConfigKey", model: ModelCost, block, seq_len: int,
     local = seq_len // key.cp  # a rank's tokens of each sequence
     tokens = float(local * key.micro_batch_size)
     per_mode = [block.act_bytes_per_token_at(mode, local) * tokens
-                for mode in ("none", "selective", "full")]
+                for mode in Recompute]
     if model.moe is not None:  # the MoE FFN's activations in block 0's FFN's place
         delta = activation_delta_bytes(model, model.moe, seq_len, key.micro_batch_size, key.tp,
                                        key.cp, key.etp, moe_imbalance(model, options))
@@ -169,10 +174,10 @@ class ConfigKey:
     sequence_parallel: bool
     micro_batch_size: int
     num_micro_batches: int
-    schedule: str
+    schedule: Schedule
     virtual_stages: int
     cp: int = 1
-    cp_comm: str = "p2p"
+    cp_comm: choices.CpComm = choices.CpComm.p2p  # (CpComm here is the term, terms/cp_comm)
     cp_a2a: int = 1
     ep: int = 1
     etp: int = 1
@@ -261,7 +266,7 @@ class StageCosts:
         # never asks one; its parameter counts are all the traffic needs.
         self._engine_memory = None
         self._engine_memory_args = ((key, model, block, seq_len, options)
-                                    if self.engine == "orchestrator" else None)
+                                    if self.engine == Engine.orchestrator else None)
         if self._engine_memory_args is not None:
             numels = StageNumels.of(_engine_config(model, seq_len), key)
             self.block_param_bytes = self.block_grad_bytes = 4.0 * numels.layer
@@ -304,7 +309,7 @@ class StageCosts:
             self.act = ActivationBytes(self.act.none + delta, self.act.selective + delta,
                                        self.act.full)
         self.other_act = on_end_stages(
-            0.0, self.tokens * other.act_bytes_per_token_at("none", seq_len), key.pp)
+            0.0, self.tokens * other.act_bytes_per_token_at(Recompute.none, seq_len), key.pp)
         self.in_flight = in_flight_micro_batches(key.schedule, key.pp, key.num_micro_batches,
                                                  key.virtual_stages)
         self._comm_buffers = np.full(key.pp, comm_buffer_bytes(key.zero, key.replicas, key.tp,
@@ -351,13 +356,13 @@ class StageCosts:
                                        self.engine, loss_bytes, cal.tp_latency,
                                        cal.tp_bandwidth)
         head_dim = model.hidden // model.heads
-        if key.cp_comm == "allgather":
+        if key.cp_comm == choices.CpComm.allgather:
             self.cp = CpComm.all_gather(self.hardware, key.cp, key.tp, self.tokens,
                                         model.kv_heads, head_dim, model.dtype_bytes)
-        elif key.cp_comm == "a2a":
+        elif key.cp_comm == choices.CpComm.a2a:
             self.cp = CpComm.all_to_all(self.hardware, key.cp, key.tp, self.tokens,
                                         model.heads, model.kv_heads, head_dim, model.dtype_bytes)
-        elif key.cp_comm == "a2a+p2p":
+        elif key.cp_comm == choices.CpComm["a2a+p2p"]:
             self.cp = CpComm.hierarchical(
                 self.hardware, key.cp, key.cp_a2a, key.tp, self.tokens, model.heads,
                 model.kv_heads, head_dim, model.dtype_bytes, self.compute.selective_recompute_us,

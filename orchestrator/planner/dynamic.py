@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from orchestrator.choices import Microbatching, Recompute, Schedule
 from orchestrator.errors import ConfigError
 from orchestrator.layout import ParallelLayout
 from orchestrator.planner.cost_model import GiB
@@ -38,8 +39,7 @@ from orchestrator.planner.microbatch_costs import (Candidates, MicroBatchCosts,
 from orchestrator.planner.profiles import HardwareModel, ModelCost
 from orchestrator.planner.order_search import best_order, problem_of
 from orchestrator.planner.schedule import simulate
-
-RECOMPUTE_MODES = ("none", "selective", "full")
+from orchestrator.planner.terms import MODE_CODES, MODE_NAMES
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class MicroBatch:
 
     samples: Tuple[int, ...]
     padded_len: int
-    recompute: str = "none"
+    recompute: Recompute = Recompute.none
 
     @property
     def size(self) -> int:
@@ -107,12 +107,12 @@ class ExecutionPlan:
     more warm-up forwards per stage (workload.order.stage_order; () or 0: plain 1F1B)."""
 
     micro_batches: Tuple[Tuple[MicroBatch, ...], ...]
-    schedule: str
+    schedule: Schedule
     iteration_time_us: float
     rank_time_us: Tuple[float, ...]
     stage_peak_memory_bytes: Tuple[float, ...]
     memory_budget_bytes: float
-    kind: str = "dynamic"
+    kind: Microbatching = Microbatching.dynamic
     mode: str = "normal"
     planning_ms: float = 0.0
     skipped: Tuple[Tuple[int, int, int, str], ...] = ()
@@ -183,10 +183,11 @@ def _price_micro_batches(costs: MicroBatchCosts, mbs: Sequence[MicroBatch],
     sample)."""
     b = [len(rows) or mb.size for mb, rows in zip(mbs, packed_rows)]
     return costs.price(b, [mb.padded_len for mb in mbs],
-                       [RECOMPUTE_MODES.index(mb.recompute) for mb in mbs])
+                       [MODE_CODES[mb.recompute] for mb in mbs])
 
 
-def _make_plan(costs: MicroBatchCosts, results: Sequence[_RankResult], budget: float, kind: str,
+def _make_plan(costs: MicroBatchCosts, results: Sequence[_RankResult], budget: float,
+               kind: Microbatching,
                mode: str, t0: float, skipped=()) -> ExecutionPlan:
     times = tuple(r.time_us for r in results)
     peak = np.max(np.array([r.stage_bytes for r in results]), axis=0)
@@ -201,7 +202,7 @@ def _make_plan(costs: MicroBatchCosts, results: Sequence[_RankResult], budget: f
 
 
 def price_plan(micro_batches_per_rank: Sequence[Sequence[MicroBatch]], costs: MicroBatchCosts,
-               memory_budget_bytes: float, kind: str = "dynamic",
+               memory_budget_bytes: float, kind: Microbatching = Microbatching.dynamic,
                packed_rows: Optional[Sequence[Sequence[Tuple]]] = None,
                extra_warmup: Optional[Sequence[int]] = None) -> ExecutionPlan:
     """The ExecutionPlan of given micro-batches (in execution order, per dp rank; packed_rows
@@ -413,7 +414,7 @@ class _RankSearch:
         over plain 1F1B and every eager warm-up, by branch and bound (planner/order_search.py)
         from `order` under self.extra (exact unless it runs out of its node_limit prefixes);
         self.extra becomes the best one's. Returns (order, time_us, mem)."""
-        if self.costs.layout.schedule != "1f1b" or not 1 < self.m <= max_runs:
+        if self.costs.layout.schedule != Schedule["1f1b"] or not 1 < self.m <= max_runs:
             return order, time_us, mem
         key = self.key(time_us, mem)
         # every extra warm-up, the current one first (its order is the incumbent)
@@ -533,7 +534,7 @@ def _plan_rank(costs: MicroBatchCosts, lengths: np.ndarray, indices: np.ndarray,
     sort = np.argsort(lengths[indices], kind="stable")
     ordered = indices[sort]
     padded = padded_length(lengths[ordered], multiple, max_seq_len)
-    groups = layout.pp if layout.schedule == "interleaved" else 1
+    groups = layout.pp if layout.schedule == Schedule.interleaved else 1
     fill_drain = (layout.pp - 1) / layout.virtual_stages
     steps = options.fast_adjustments if fast else options.normal_adjustments
     dp_budget = budget
@@ -586,7 +587,7 @@ def _plan_rank(costs: MicroBatchCosts, lengths: np.ndarray, indices: np.ndarray,
         (i, j), (a, c) = runs[r], grid_runs[r]
         samples = tuple(int(x) for x in ordered[i:j])
         row_len = int(cands.row_len[a, c])
-        mbs.append(MicroBatch(samples, row_len, RECOMPUTE_MODES[modes[r]]))
+        mbs.append(MicroBatch(samples, row_len, MODE_NAMES[modes[r]]))
         packed.append(_rows_of(samples, lengths, row_len) if cands.rows[a, c] < j - i else ())
     return _RankResult(tuple(mbs), time_us, mem, tuple(packed), search.extra)
 
@@ -658,7 +659,7 @@ def _order_and_recompute(costs: MicroBatchCosts, cands, grid_runs, budget: float
 def _extra_warmups(layout: ParallelLayout, m: int) -> range:
     """The eager 1F1B warm-ups worth simulating beside plain 1F1B: 1 .. min(p - 1, m - 1)
     (stage 0 can hold at most m in flight); none for one stage or the interleaved schedule."""
-    if layout.schedule != "1f1b":
+    if layout.schedule != Schedule["1f1b"]:
         return range(0)
     return range(1, min(layout.pp - 1, m - 1) + 1)
 
@@ -710,14 +711,14 @@ def plan_iteration(lengths_per_rank: Sequence[Sequence[int]], layout: ParallelLa
     if not bad:
         results = _keep_faster_baselines(costs, results, lengths_per_rank, memory_budget_bytes,
                                          max_seq_len)
-    return _make_plan(costs, results, memory_budget_bytes, "dynamic",
+    return _make_plan(costs, results, memory_budget_bytes, Microbatching.dynamic,
                       "fast" if fast else "normal", t0, skipped=bad)
 
 
 # ====================================================================== baselines
-def _baseline_mode(layout: ParallelLayout) -> str:
+def _baseline_mode(layout: ParallelLayout) -> Recompute:
     """One recompute mode for every micro-batch: the layout's strongest over its stages."""
-    return max((mode for mode, _ in layout.recompute), key=RECOMPUTE_MODES.index)
+    return max((mode for mode, _ in layout.recompute), key=MODE_CODES.__getitem__)
 
 
 def _keep_faster_baselines(costs: MicroBatchCosts, results: List[_RankResult],
@@ -728,7 +729,7 @@ def _keep_faster_baselines(costs: MicroBatchCosts, results: List[_RankResult],
     layout = costs.layout
     for build in (_padded_micro_batches, _packed_micro_batches):
         mbs, packed = build(lengths_per_rank, layout, max_seq_len)
-        if layout.schedule == "interleaved" and any(len(x) % layout.pp for x in mbs):
+        if layout.schedule == Schedule.interleaved and any(len(x) % layout.pp for x in mbs):
             continue  # interleaving needs a multiple of pp micro-batches
         for rank, other in enumerate(_price_ranks(costs, mbs, packed)):
             if other.time_us < results[rank].time_us and (other.stage_bytes <= budget).all():
@@ -767,7 +768,8 @@ def padded_plan(lengths_per_rank: Sequence[Sequence[int]], layout: ParallelLayou
     parallelism), the layout's recompute; priced like plan_iteration."""
     costs = costs or MicroBatchCosts(layout, model, hardware)
     mbs, packed = _padded_micro_batches(lengths_per_rank, layout, max_seq_len)
-    return price_plan(mbs, costs, memory_budget_bytes, kind="padded", packed_rows=packed)
+    return price_plan(mbs, costs, memory_budget_bytes, kind=Microbatching.padded,
+                      packed_rows=packed)
 
 
 def packed_plan(lengths_per_rank: Sequence[Sequence[int]], layout: ParallelLayout,
@@ -778,4 +780,5 @@ def packed_plan(lengths_per_rank: Sequence[Sequence[int]], layout: ParallelLayou
     the whole row), the layout's recompute."""
     costs = costs or MicroBatchCosts(layout, model, hardware)
     mbs, packed = _packed_micro_batches(lengths_per_rank, layout, max_seq_len)
-    return price_plan(mbs, costs, memory_budget_bytes, kind="packed", packed_rows=packed)
+    return price_plan(mbs, costs, memory_budget_bytes, kind=Microbatching.packed,
+                      packed_rows=packed)

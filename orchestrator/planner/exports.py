@@ -8,6 +8,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Dict, List
 
+from orchestrator.choices import CpComm, Recompute, Schedule
 from orchestrator.errors import ConfigError
 from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig, expert_width, is_moe
@@ -44,7 +45,7 @@ def megatron_args(layout: ParallelLayout, strict: bool = True) -> List[str]:
             "--global-batch-size", str(layout.global_batch_size)]
     if layout.cp > 1:
         args += ["--context-parallel-size", str(layout.cp), "--cp-comm-type", layout.cp_comm]
-    if layout.cp_comm == "a2a+p2p":  # the all-to-all inside, the ring across
+    if layout.cp_comm == CpComm["a2a+p2p"]:  # the all-to-all inside, the ring across
         args += ["--hierarchical-context-parallel-sizes", str(layout.cp_a2a),
                  str(layout.cp // layout.cp_a2a)]
     if layout.ep * layout.etp > 1:
@@ -65,15 +66,16 @@ def megatron_args(layout: ParallelLayout, strict: bool = True) -> List[str]:
 
     # Recompute: one setting for all stages.
     modes = {mode for mode, _ in layout.recompute}
-    settings = set(layout.recompute) if modes != {"selective"} else {("selective", 0)}
-    full_k = max((k for mode, k in layout.recompute if mode == "full"), default=0)
+    settings = (set(layout.recompute) if modes != {Recompute.selective}
+                else {(Recompute.selective, 0)})
+    full_k = max((k for mode, k in layout.recompute if mode == Recompute.full), default=0)
     if len(settings) > 1:
         _problem(strict, f"Megatron-LM applies one recompute setting to every stage, got "
                          f"{list(layout.recompute)}")
     if full_k:
         args += ["--recompute-granularity", "full", "--recompute-method", "block",
                  "--recompute-num-layers", str(full_k // v)]
-    elif "selective" in modes:
+    elif Recompute.selective in modes:
         args += ["--recompute-granularity", "selective"]
     return args
 
@@ -164,25 +166,25 @@ def galvatron_strategy(layout: ParallelLayout, strict: bool = True) -> Dict[str,
     L = layout.num_layers
     # Galvatron's per-layer use_sp is Ulysses in place of TP: our a2a flavour without TP. The
     # others are not approximated: a layout without CP needs cp times the activations.
-    ulysses = layout.cp > 1 and layout.cp_comm == "a2a" and layout.tp == 1
+    ulysses = layout.cp > 1 and layout.cp_comm == CpComm.a2a and layout.tp == 1
     if layout.cp > 1 and not ulysses:
         why = ("Galvatron has no ring, all-gather or hierarchical context parallelism"
-               if layout.cp_comm != "a2a"
+               if layout.cp_comm != CpComm.a2a
                else f"Galvatron's Ulysses (use_sp) replaces TP, it does not combine with "
                     f"tp({layout.tp})")
         raise ExportError(f"cp({layout.cp}) with cp_comm {layout.cp_comm}: not written for "
                           f"Galvatron: {why}")
     degree = layout.cp if ulysses else layout.tp
-    if layout.schedule != "1f1b":
+    if layout.schedule != Schedule["1f1b"]:
         _problem(strict, "Galvatron has no interleaved pipeline schedule; it would run "
                          "pipedream_flush (1F1B)")
     checkpoint: List[int] = []
     for (mode, k), n in zip(layout.recompute, layout.layers_per_stage):
-        if mode == "selective":
+        if mode == Recompute.selective:
             _problem(strict, "Galvatron has no selective recompute; those layers would be "
                              "fully checkpointed")
             checkpoint += [1] * n
-        elif mode == "full":
+        elif mode == Recompute.full:
             # Megatron's block method recomputes the first k layers of each chunk; Galvatron
             # flags layers one by one, so mark the same layers.
             v = layout.virtual_stages

@@ -13,6 +13,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from orchestrator.choices import Recompute
 from orchestrator.layout import ParallelLayout
 from orchestrator.planner.cost_model import (ConfigKey, CostOptions, StageCosts,
                                              check_layout_for_model)
@@ -132,9 +133,9 @@ class MicroBatchCosts:
             act = ActivationBytes.from_block(block, new, tp, self.layout.sequence_parallel,
                                              m.hidden, m.dtype_bytes)
             columns = (m.attention_core_fwd_us(new, tp), act.none, act.selective, act.full,
-                       other.act_bytes_per_token_at("none", new),
+                       other.act_bytes_per_token_at(Recompute.none, new),
                        *(block.act_bytes_per_token_at(mode, new)
-                         for mode in ("none", "selective", "full")))
+                         for mode in Recompute))
             rows = np.stack([np.broadcast_to(np.asarray(c, dtype=float), new.shape)
                              for c in columns], axis=1)
             self._per_seq = np.concatenate([self._per_seq, rows])

@@ -22,6 +22,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from orchestrator.choices import Schedule
 from orchestrator.workload.order import stage_order
 
 
@@ -73,7 +74,8 @@ class _Search:
         self.pr = problem
         p, m = problem.fwd_us.shape
         self.p, self.m = p, m
-        self.ops = [stage_order(p, s, m, "1f1b", 1, problem.extra_warmup) for s in range(p)]
+        self.ops = [stage_order(p, s, m, Schedule["1f1b"], 1, problem.extra_warmup)
+                    for s in range(p)]
         # where each op sits in its stage's list: a dependency is done when its stage is past it
         self.index_f = np.zeros((p, m), dtype=int)
         self.index_b = np.zeros((p, m), dtype=int)

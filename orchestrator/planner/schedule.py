@@ -21,6 +21,7 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
+from orchestrator.choices import Schedule
 from orchestrator.workload.order import stage_order  # noqa: F401 (the op order, defined once)
 
 
@@ -38,24 +39,24 @@ class ScheduleResult:
     stage_peak_act_bytes: Optional[Tuple[float, ...]] = None
 
 
-def schedule_coefficients(schedule: str, num_micro_batches: int,
+def schedule_coefficients(schedule: Schedule, num_micro_batches: int,
                           virtual_stages: int = 1) -> Tuple[float, float]:
     """(alpha, beta) of T = alpha * sum_j t_j + beta * max_j t_j: 1F1B (1, m - 1), interleaved
     (1 / v, m - 1 / v). For p equal stages of time t, T = m t + (p - 1) t / v."""
     m, v = num_micro_batches, virtual_stages
-    if schedule == "interleaved":
+    if schedule == Schedule.interleaved:
         return 1.0 / v, m - 1.0 / v
     return 1.0, float(m - 1)
 
 
-def in_flight_micro_batches(schedule: str, pp: int, num_micro_batches: int,
+def in_flight_micro_batches(schedule: Schedule, pp: int, num_micro_batches: int,
                             virtual_stages: int = 1) -> np.ndarray:
     """Micro-batches whose activations stage j holds at its peak, per stage: 1F1B
     min(p - j, m); interleaved, Megatron's min((p - j - 1) * 2 + (v - 1) * p + 1, m v) chunks
     of 1/v of the stage each, counted in whole stages."""
     m, v = num_micro_batches, virtual_stages
     j = np.arange(pp)
-    if schedule == "interleaved":
+    if schedule == Schedule.interleaved:
         return np.minimum((pp - j - 1) * 2 + (v - 1) * pp + 1, m * v) / v
     return np.minimum(pp - j, m).astype(float)
 
@@ -87,7 +88,7 @@ def _boundaries(p2p_us, p: int, m: int) -> np.ndarray:
     return _per_micro_batch(arr, p, m, "p2p_us")
 
 
-def simulate(fwd_us, bwd_us, num_micro_batches: int, schedule: str = "1f1b",
+def simulate(fwd_us, bwd_us, num_micro_batches: int, schedule: Schedule = Schedule["1f1b"],
              virtual_stages: int = 1, p2p_us=0.0, act_bytes=None,
              extra_warmup: int = 0) -> ScheduleResult:
     """Simulate one iteration; returns times in us (and peak in-flight bytes per stage).

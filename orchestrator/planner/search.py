@@ -31,8 +31,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from orchestrator import errors
-from orchestrator.choices import Recompute, Schedule
-from orchestrator.layout import CP_COMMS, SCHEDULES, ParallelLayout
+from orchestrator.choices import CpComm, Engine, Recompute, Schedule
+from orchestrator.layout import ParallelLayout
 from orchestrator.planner.cost_model import (GiB, ConfigKey, CostOptions, Prediction, StageCosts,
                                              evaluate)
 from orchestrator.planner.profiles import HardwareModel, ModelCost
@@ -54,9 +54,9 @@ class SearchSpace:
     max_pp: int = 64
     tp_within_node: bool = True
     zero_stages: Tuple[int, ...] = (0, 1, 2, 3)
-    recompute: Tuple[str, ...] = tuple(Recompute)
+    recompute: Tuple[Recompute, ...] = tuple(Recompute)
     micro_batch_sizes: Tuple[int, ...] = (1, 2, 4)
-    schedules: Tuple[str, ...] = tuple(Schedule)
+    schedules: Tuple[Schedule, ...] = tuple(Schedule)
     virtual_stages: Tuple[int, ...] = (2, 4)
     sequence_parallel: Tuple[bool, ...] = (True, False)
     fast_mode: bool = False
@@ -69,7 +69,7 @@ class SearchSpace:
     # allgather and a2a; a2a+p2p at every all-to-all degree). search.max_cp's default is
     # auto_max_cp(seq_len).
     max_cp: int = 1
-    cp_comms: Tuple[str, ...] = ("p2p", "a2a")
+    cp_comms: Tuple[CpComm, ...] = (CpComm.p2p, CpComm.a2a)
     # Mixture-of-experts models (ModelCost.moe): expert parallelism ep up to max_ep and expert
     # tensor parallelism etp up to max_etp, folded onto each stage's tp x cp x dp ranks
     # (ep x etp dividing them, ep the experts, etp the expert width); fixed ep / etp (None:
@@ -94,18 +94,22 @@ class SearchSpace:
         if bad or not self.recompute:
             raise errors.ConfigError(f"recompute modes must be a non-empty subset of "
                                      f"{MODE_NAMES}, got {self.recompute}")
-        bad = [c for c in self.cp_comms if c not in CP_COMMS]
+        bad = [c for c in self.cp_comms if c not in tuple(CpComm)]
         if bad or not self.cp_comms:
-            raise errors.ConfigError(f"cp_comms must be a non-empty subset of {CP_COMMS}, got "
-                                     f"{self.cp_comms}")
+            raise errors.ConfigError(f"cp_comms must be a non-empty subset of {tuple(CpComm)}, "
+                                     f"got {self.cp_comms}")
         for name in ("max_ep", "max_etp", "ep", "etp"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise errors.ConfigError(f"{name}({value}) must be >= 1")
-        bad = [s for s in self.schedules if s not in SCHEDULES]
+        bad = [s for s in self.schedules if s not in tuple(Schedule)]
         if bad or not self.schedules:
-            raise errors.ConfigError(f"schedules must be a non-empty subset of ('1f1b', "
-                                     f"'interleaved'), got {self.schedules}")
+            raise errors.ConfigError(f"schedules must be a non-empty subset of "
+                                     f"{tuple(Schedule)}, got {self.schedules}")
+        # As members: the configs and layouts the search builds carry them.
+        for name, kind in (("recompute", Recompute), ("schedules", Schedule),
+                           ("cp_comms", CpComm)):
+            object.__setattr__(self, name, tuple(kind(v) for v in getattr(self, name)))
 
 
 @dataclass(frozen=True)
@@ -210,8 +214,9 @@ def enumerate_configs(model: ModelCost, hardware: HardwareModel, space: SearchSp
             if cp > 1 and space.seq_len % (2 * cp * tp):
                 reject("cp_splits_sequence")
                 continue
-            for cp_comm, a2a in _cp_flavours(space.cp_comms if cp > 1 else ("p2p",), cp):
-                split = {"a2a": cp, "a2a+p2p": a2a}.get(cp_comm, 1)  # Ulysses' share of heads
+            for cp_comm, a2a in _cp_flavours(space.cp_comms if cp > 1 else (CpComm.p2p,), cp):
+                # Ulysses' share of the heads
+                split = {CpComm.a2a: cp, CpComm["a2a+p2p"]: a2a}.get(cp_comm, 1)
                 if model.heads % (tp * split) or model.kv_heads % (tp * split):
                     reject("cp_a2a_splits_heads")
                     continue
@@ -262,7 +267,7 @@ def _cp_flavours(cp_comms, cp: int):
     """(cp_comm, cp_a2a) of each flavour for `cp` ranks: a2a+p2p once per all-to-all degree a,
     1 < a < cp dividing cp (none for cp < 4); the others with cp_a2a 1."""
     for cp_comm in cp_comms:
-        if cp_comm == "a2a+p2p":
+        if cp_comm == CpComm["a2a+p2p"]:
             yield from ((cp_comm, a) for a in _divisors(cp) if 1 < a < cp)
         else:
             yield cp_comm, 1
@@ -284,19 +289,19 @@ def _batch_configs(space: SearchSpace, schedules, L: int, W: int, tp: int, conte
             reject("batch_not_divisible")
             continue
         m = per_replica // mbs
-        if 1 < pp and m < pp and space.options.engine == "orchestrator":
+        if 1 < pp and m < pp and space.options.engine == Engine.orchestrator:
             reject("fewer_micro_batches_than_stages")  # torch's pipeline schedules refuse it
             continue
         scheds = []
         for sched in schedules:
-            if sched == "1f1b":
-                scheds.append(("1f1b", 1))
+            if sched == Schedule["1f1b"]:
+                scheds.append((sched, 1))
                 continue
             for v in space.virtual_stages:
                 if v < 2 or pp < 2 or m % pp or L % v or pp * v > L:
                     reject("interleave_not_divisible")
                     continue
-                scheds.append(("interleaved", v))
+                scheds.append((Schedule.interleaved, v))
         for sp in space.sequence_parallel:
             if sp and tp == 1:
                 continue
@@ -308,7 +313,7 @@ def _batch_configs(space: SearchSpace, schedules, L: int, W: int, tp: int, conte
                 for sched, v in scheds:
                     for ep, etp in grids:
                         if (moe and zero == 3 and etp > 1
-                                and space.options.engine == "orchestrator"):
+                                and space.options.engine == Engine.orchestrator):
                             # stage=train: FSDP shards an expert split over one dim only
                             reject("engine_moe_zero3_etp")
                             continue
@@ -351,13 +356,13 @@ def _stage_options(costs: StageCosts, L: int, budget: float, modes: Sequence[str
         best_code[better] = opt_code
         best_k[better] = opt_k[better]
 
-    if "none" in modes:
+    if Recompute.none in modes:
         ok = costs.memory_bytes(j, n, 0, zeros) <= budget
         offer(costs.stage_time_us(j, n, 0, zeros), ok, 0, zeros.astype(np.int64))
-    if "selective" in modes:
+    if Recompute.selective in modes:
         ok = costs.memory_bytes(j, n, 1, n) <= budget
         offer(costs.stage_time_us(j, n, 1, n), ok, 1, n.astype(np.int64))
-    if "full" in modes:
+    if Recompute.full in modes:
         if fast:
             k = n.copy()
         else:
@@ -659,7 +664,7 @@ def _raise_infeasible(model: ModelCost, hardware: HardwareModel, space: SearchSp
 def _relaxations(model: ModelCost, space: SearchSpace, needed_bytes: float) -> Dict[str, str]:
     """SearchSpace field -> how to relax it so that more layouts fit, most direct first."""
     relax = {"memory_budget_bytes": f">= {needed_bytes / GiB:.2f} GiB"}
-    if "full" not in space.recompute:
+    if Recompute.full not in space.recompute:
         relax["recompute"] = "add 'full'"
     if 3 not in space.zero_stages:
         relax["zero_stages"] = "add 3"

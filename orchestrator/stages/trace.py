@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Tuple
 
-from orchestrator.choices import Ranks
+from orchestrator.choices import CpComm, Ranks
 from orchestrator.errors import ConfigError
-from orchestrator.layout import CP_COMMS
 from orchestrator.limits import check_trace
 from orchestrator.models.config import is_moe
 from orchestrator.stages import Stage
@@ -67,9 +66,7 @@ def settings(cfg) -> TraceSettings:
     for name in ("cp", "ep", "etp"):
         if getattr(t, name) < 1:
             raise ConfigError(f"trace.{name}({getattr(t, name)}) must be >= 1")
-    if t.cp_comm not in CP_COMMS:
-        raise ConfigError(f"trace.cp_comm={t.cp_comm!r}; allowed: {', '.join(CP_COMMS)}")
-    if t.cp_comm == "a2a+p2p" and t.export == "simai":
+    if t.cp_comm == CpComm["a2a+p2p"] and t.export == "simai":
         raise ConfigError("trace.export=simai with trace.cp_comm=a2a+p2p: SimAI has one group "
                           "that can stand for CP (its EP group), the hierarchical flavour needs "
                           "two; trace without the export (the trace's files hold every message)")
@@ -79,8 +76,7 @@ def settings(cfg) -> TraceSettings:
     return TraceSettings(
         global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
         seq_len=t.seq_len or cfg.model.seq_len, sequence_parallel=t.sequence_parallel,
-        schedule=str(getattr(t.schedule, "value", t.schedule)), virtual_stages=t.virtual_stages,
-        zero=t.zero, recompute=str(getattr(t.recompute, "value", t.recompute)),
+        schedule=t.schedule, virtual_stages=t.virtual_stages, zero=t.zero, recompute=t.recompute,
         layers_per_stage=tuple(t.layers_per_stage) if t.layers_per_stage else None,
         cp=t.cp, cp_comm=t.cp_comm, cp_a2a=t.cp_a2a, ep=t.ep, etp=t.etp)
 

@@ -19,7 +19,7 @@ import signal
 import time
 from typing import List, Optional
 
-from orchestrator.choices import Ranks
+from orchestrator.choices import Microbatching, Ranks
 from orchestrator.errors import ConfigError
 from orchestrator.stages import Stage, StageInput
 from orchestrator.train.plan import (check_length_mean, check_memory, check_work, layout_file,
@@ -39,8 +39,8 @@ def summary_path(cfg, layout, label: str = ""):
     checkpoints beside the fixed-length run of the same layout."""
     from orchestrator.sweep import labelled
 
-    kind = str(cfg.train.microbatching)
-    suffix = "" if kind == "fixed" else f"-{kind}"
+    kind = cfg.train.microbatching
+    suffix = "" if kind == Microbatching.fixed else f"-{kind}"
     return labelled(train_dir(cfg) / f"{layout_tag(layout)}{suffix}.json", label)
 
 
@@ -64,7 +64,8 @@ class Train(Stage):
                     or cfg.train.cp is not None or cfg.train.layout is not None)
         if not explicit:
             inputs.append(StageInput(layout_file(cfg), StrategyLayout, "search"))
-        if str(cfg.train.microbatching) != "fixed":  # the per-iteration planner prices with them
+        # the per-iteration planner prices with them
+        if cfg.train.microbatching != Microbatching.fixed:
             from orchestrator.store import hardware_path, model_profile_path
             from orchestrator.store.schema import HardwareProfile, ModelProfile
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from orchestrator.choices import Ranks, Source
+from orchestrator.choices import Microbatching, Ranks, Source
 from orchestrator.errors import ConfigError, InfeasibleError, OrchestratorError
 from orchestrator.layout import LayoutError, ParallelLayout
 from orchestrator.stages import Stage
@@ -137,7 +137,7 @@ def _check(cfg) -> None:
                           f"({t.timing_warmup_steps}): no step would be timed")
     if t.min_runs < 2:
         raise ConfigError(f"tune.min_runs({t.min_runs}) must be >= 2")
-    if str(cfg.train.microbatching) != "fixed":
+    if cfg.train.microbatching != Microbatching.fixed:
         raise ConfigError("stage=tune measures fixed-length layouts; leave train.microbatching "
                           "at fixed")
 

@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+from orchestrator.choices import CpComm, Recompute, Schedule
 from orchestrator.layout import LayoutError, ParallelLayout
 from orchestrator.models.config import expert_width, is_moe, validate_model
 
@@ -96,13 +97,13 @@ class TraceSettings:
     micro_batch_size: int
     seq_len: int
     sequence_parallel: bool
-    schedule: str = "1f1b"
+    schedule: Schedule = Schedule["1f1b"]
     virtual_stages: int = 2
     zero: int = 1
-    recompute: str = "none"
+    recompute: Recompute = Recompute.none
     layers_per_stage: Optional[Tuple[int, ...]] = None
     cp: int = 1  # context parallelism of a configuration that gives none
-    cp_comm: str = "p2p"  # Megatron's --cp-comm-type: p2p | allgather | a2a | a2a+p2p
+    cp_comm: CpComm = CpComm.p2p  # Megatron's --cp-comm-type
     cp_a2a: int = 1  # a2a+p2p: the all-to-all degree inside the CP group
     ep: int = 1  # expert parallelism of a configuration that gives none (MoE models)
     etp: int = 1  # expert tensor parallelism of a configuration that gives none
@@ -154,17 +155,17 @@ def check_config(index: int, config: Sequence[int], settings: TraceSettings, mod
     gbs, mbs = settings.global_batch_size, settings.micro_batch_size
     if gbs % (dp * mbs):
         raise ValueError(f"GBS({gbs}) % (DP({dp}) * MBS({mbs})) != 0")
-    schedule = settings.schedule if pp > 1 else "1f1b"
-    v = settings.virtual_stages if schedule == "interleaved" else 1
+    schedule = settings.schedule if pp > 1 else Schedule["1f1b"]
+    v = settings.virtual_stages if schedule == Schedule.interleaved else 1
     mode = settings.recompute
-    recompute = tuple((mode, 0 if mode == "none" else n) for n in layers)
+    recompute = tuple((mode, 0 if mode == Recompute.none else n) for n in layers)
     try:
         layout = ParallelLayout(
             world_size=ws, pp=pp, tp=tp, dp=dp, layers_per_stage=layers, recompute=recompute,
             zero=settings.zero, sequence_parallel=settings.sequence_parallel and tp > 1,
             micro_batch_size=mbs, num_micro_batches=gbs // (dp * mbs), schedule=schedule,
             virtual_stages=v, cp=cp, cp_comm=settings.cp_comm,
-            cp_a2a=settings.cp_a2a if settings.cp_comm == "a2a+p2p" and cp > 1 else 1,
+            cp_a2a=settings.cp_a2a if settings.cp_comm == CpComm["a2a+p2p"] and cp > 1 else 1,
             ep=ep, etp=etp)
         layout.check_sequence(settings.seq_len)
         layout.check_heads(model.heads, model.kv_heads, model.name)

@@ -37,6 +37,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from orchestrator.choices import CpComm
 from orchestrator.models.context_parallel import SwapSplit, ring_of
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention
@@ -73,12 +74,12 @@ class MegatronContextParallel:
     set as `Attention.context` of the traced model, like models/context_parallel's in train.
     a2a+p2p: `levels` is (the cp_a2a group, the cp_ring group)."""
 
-    def __init__(self, group, comm: str, levels=None):  # as models/context_parallel's
+    def __init__(self, group, comm: CpComm, levels=None):  # as models/context_parallel's
         self.group, self.comm = group, comm
-        if comm == "a2a+p2p":
+        if comm == CpComm["a2a+p2p"]:
             inner, ring = levels
             self.inner = SimpleNamespace(group=inner, cp=dist.get_world_size(inner))
-            self.ring = MegatronContextParallel(ring, "p2p")
+            self.ring = MegatronContextParallel(ring, CpComm.p2p)
         self.cp, self.cp_rank, self.next_rank, self.prev_rank = ring_of(group)
 
     def rotary(self, cos: torch.Tensor, sin: torch.Tensor, local_len: int):
@@ -86,11 +87,11 @@ class MegatronContextParallel:
         return cos[:local_len], sin[:local_len]
 
     def attention(self, q, k, v):
-        if self.comm == "p2p":
+        if self.comm == CpComm.p2p:
             return _Ring.apply(q, k, v, self)
-        if self.comm == "allgather":
+        if self.comm == CpComm.allgather:
             return _AllGather.apply(q, k, v, self)
-        if self.comm == "a2a+p2p":
+        if self.comm == CpComm["a2a+p2p"]:
             return _head_split(q, k, v, self.inner,
                                lambda *qkv: _Ring.apply(*qkv, self.ring))
         return _head_split(q, k, v, self, lambda *qkv: _flash(*qkv, True)[0])

@@ -21,6 +21,12 @@ Format (learned from the public AICB and SimAI sources, not copied):
   the EP and DP_EP groups). Workload.cc maps an un-suffixed type to the TP group in the forward
   and ig columns and to the DP group in the wg column, so the DP gradient collectives go in the
   wg column of their own items, as AICB's `grad_param_comm` / `grad_gather` items do.
+- One group per line (AICB's convention: its MoE layer is an EP dispatch line, TP lines and an
+  EP combine line): Layer.cc files a line's forward and ig communication under EP only when the
+  forward type is EP's, so an item with collectives of several groups gets one line per
+  collective and group (`_lines`). A line whose forward is NONE (a group with more ig than
+  forward collectives: the all-gather flavour's K/V re-gather under recompute) is filed under
+  TP by that report whatever its ig type; AICB writes no such line.
 - TIME UNIT: integer nanoseconds. AICB's AIOB times kernels with CUDA events in us
   (utils/utils.py, cuda_timing_decorator: `elapsed_time(...) * 1000`) and extract_averages
   multiplies those by 1000 again before rounding to int (`avg_value = float(...) * 1000`); SimAI
@@ -72,6 +78,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
+
+from orchestrator.choices import CpComm
 
 COMM_TYPES = ("NONE", "ALLREDUCE", "ALLGATHER", "REDUCESCATTER", "ALLTOALL")
 # Context parallelism's collectives: SimAI has no CP group; its EP group is (MockNcclGroup.cc)
@@ -279,20 +287,39 @@ def _ns(time_us: float) -> int:
     return int(round(time_us * 1000.0))
 
 
+def _simai_group(comm_type: str, column: int) -> str:
+    """The group SimAI runs a collective of `comm_type` on in pass `column` (0 forward, 1 input
+    gradient, 2 weight gradient; Workload.cc): its suffix's, else TP's in the forward and
+    input-gradient columns and DP's in the weight-gradient one."""
+    for suffix in ("_DP_EP", "_EP"):
+        if comm_type.endswith(suffix):
+            return suffix[1:]
+    return "DP" if column == 2 else "TP"
+
+
 def _lines(item: _Item) -> List[str]:
-    """The item's line, then one comm-only line per extra comm type of a pass (AICB writes
-    several lines with one name when a layer issues several collectives, as for its MoE)."""
+    """The item's lines: per SimAI group, in the order the item first issues it, one line per
+    collective of a pass of that group (its forward, input-gradient and weight-gradient
+    columns side by side); the compute times on the first. One group per line, as AICB writes
+    a layer (its MoE layer: EP dispatch, TP, EP combine lines): SimAI files a line's forward and
+    input-gradient time under EP only when its forward type is EP's (Layer.cc), so a TP
+    collective beside an EP one would be counted under the other group."""
     passes = (item.fwd, item.ig, item.wg)
-    comms = [[(c[0], c[1]) for c in p.comm] or [("NONE", 0)] for p in passes]
+    by_group: Dict[str, List[List[tuple]]] = {}
+    for column, p in enumerate(passes):
+        for comm_type, n_bytes, _ in p.comm:
+            group = by_group.setdefault(_simai_group(comm_type, column), [[], [], []])
+            group[column].append((comm_type, n_bytes))
     rows = []
-    for k in range(max(len(c) for c in comms)):
-        cols = [item.name, "-1"]
-        for p, c in zip(passes, comms):
-            comm_type, n_bytes = c[k] if k < len(c) else ("NONE", 0)
-            cols += [str(_ns(p.time_us) if k == 0 else 0), comm_type,
-                     str(int(round(n_bytes)) if comm_type != "NONE" else 0)]
-        cols.append("0")  # the update-time column: the optimizer's time is compute
-        rows.append("\t".join(cols))
+    for comms in list(by_group.values()) or [[[], [], []]]:
+        for k in range(max(1, *(len(c) for c in comms))):
+            cols = [item.name, "-1"]
+            for p, c in zip(passes, comms):
+                comm_type, n_bytes = c[k] if k < len(c) else ("NONE", 0)
+                cols += [str(_ns(p.time_us) if not rows and k == 0 else 0), comm_type,
+                         str(int(round(n_bytes)) if comm_type != "NONE" else 0)]
+            cols.append("0")  # the update-time column: the optimizer's time is compute
+            rows.append("\t".join(cols))
     return rows
 
 
@@ -339,7 +366,7 @@ def unexportable(layout, moe: bool = False) -> Optional[str]:
     or None: SimAI has one group beside TP and DP for CP or experts (EP, with DP_EP), and its
     expert grid has expert tensor parallelism = TP (MockNcclGroup.cc builds EP from the TP
     groups)."""
-    if layout.cp > 1 and layout.cp_comm == "a2a+p2p":
+    if layout.cp > 1 and layout.cp_comm == CpComm["a2a+p2p"]:
         return ("cp_comm a2a+p2p has no SimAI workload: SimAI has one group that can stand for "
                 "CP (EP), the hierarchical flavour needs two")
     if not moe:

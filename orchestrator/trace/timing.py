@@ -15,13 +15,14 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
+from orchestrator.choices import Recompute, Source
 from orchestrator.device import op_flops_per_us
 
 
 class ComputePricer:
     """Prices compute records in place (`time_us`, `time_source`)."""
 
-    def __init__(self, sheet: dict, model_cost=None, profile_source: str = "",
+    def __init__(self, sheet: dict, model_cost=None, profile_source: Source | str = "",
                  note: str = ""):
         self.sheet = sheet
         self.model_cost = model_cost
@@ -47,7 +48,7 @@ class ComputePricer:
         return t
 
     def chunk_targets_us(self, spec, layers: int, last: bool, tp: int,
-                         recompute: str) -> Optional[Tuple[float, float]]:
+                         recompute: Recompute) -> Optional[Tuple[float, float]]:
         """(forward, backward) of one micro-batch of a chunk from the profile, or None."""
         cost = self.model_cost
         if cost is None:
@@ -58,9 +59,9 @@ class ComputePricer:
         seq, mbs = spec.seq_len, spec.layout.micro_batch_size / spec.layout.cp
         fwd = layers * cost.block_fwd_us(seq, tp, mbs)
         bwd = layers * cost.block_bwd_us(seq, tp, mbs)
-        if recompute == "full":
+        if recompute == Recompute.full:
             bwd += fwd
-        elif recompute == "selective":
+        elif recompute == Recompute.selective:
             bwd += layers * mbs * cost.attention_core_fwd_us(seq, tp)
         if last:
             fwd += cost.other_fwd_us(seq, tp, mbs)
@@ -139,5 +140,5 @@ def make_pricer(cfg, tps) -> ComputePricer:
     if missing:
         return ComputePricer(sheet, note=f"{path} has no fit for tp {missing} (profiled "
                                          f"{list(cost.tps)}): device sheet {sheet['name']}")
-    return ComputePricer(sheet, cost, str(getattr(profile.source, "value", profile.source)),
+    return ComputePricer(sheet, cost, profile.source,
                          note=f"compute times from {path} ({profile.source})")

@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from orchestrator.choices import CpComm
 from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig, is_moe, is_moe_block
 from orchestrator.trace.configs import TraceSpec
@@ -175,7 +176,7 @@ def make_rank_groups(layout: ParallelLayout, rank: int, experts: bool = False) -
     groups, ranks = {"world": world}, {"world": layout.group_ranks("world", rank)}
     # With context parallelism also its CP group and the dp x cp replicas (gradients, ZeRO).
     dims = ("pp", "dp", "dp_cp", "cp", "tp") if layout.cp > 1 else ("pp", "dp", "tp")
-    if layout.cp_comm == "a2a+p2p":  # its all-to-all and ring levels
+    if layout.cp_comm == CpComm["a2a+p2p"]:  # its all-to-all and ring levels
         dims += ("cp_a2a", "cp_ring")
     for dim in dims:
         ranks[dim] = layout.group_ranks(dim, rank)

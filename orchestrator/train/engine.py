@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from orchestrator.choices import Dtype
+from orchestrator.choices import CpComm, Dtype, Recompute
 from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig
 from orchestrator.models.context_parallel import ContextParallel
@@ -100,7 +100,7 @@ class Engine:
                              f"{dist.get_world_size()} ranks running")
         self.layout, self.device, self.dtype = layout, device, Dtype.parse(dtype)
         levels = None
-        if layout.cp_comm == "a2a+p2p":
+        if layout.cp_comm == CpComm["a2a+p2p"]:
             # The CP dimension as its ring over groups of cp_a2a consecutive CP ranks (Megatron's
             # hierarchical groups); flattened back into the CP group and dp x cp.
             a = layout.cp_a2a
@@ -211,7 +211,7 @@ class Engine:
         """Tell the MoE layers which ranks hold the other tokens of their sequences (TP's
         sequence shards, CP's chunks): the balance loss sums its statistics over them."""
         layout = self.layout
-        cp_dims = (("cp_ring", "cp_a2a") if layout.cp_comm == "a2a+p2p" else ("cp",)) \
+        cp_dims = (("cp_ring", "cp_a2a") if layout.cp_comm == CpComm["a2a+p2p"] else ("cp",)) \
             if layout.cp > 1 else ()
         dims = cp_dims + (("tp",) if layout.tp > 1 else ())
         if not dims:
@@ -225,12 +225,12 @@ class Engine:
         mode, k = self.layout.recompute[self.pp_rank]
         per_chunk = k // self.layout.virtual_stages
         for mod in self.modules:
-            set_recompute(mod, "none")
+            set_recompute(mod, Recompute.none)
             names = list(mod.blocks.keys())
-            if mode == "selective":
+            if mode == Recompute.selective:
                 for block in mod.blocks.values():
                     block.attn.recompute_core = True
-            elif mode == "full":
+            elif mode == Recompute.full:
                 mod.recompute_blocks = frozenset(names[:per_chunk])
 
     def _apply_fsdp(self) -> None:

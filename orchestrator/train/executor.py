@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from orchestrator.planner.dynamic import RECOMPUTE_MODES
+from orchestrator.choices import Recompute
 from orchestrator.workload.order import stage_order
 
 
@@ -33,20 +33,21 @@ class MicroBatchInput:
 
     tokens: torch.Tensor
     targets: torch.Tensor
-    recompute: str = "none"
+    recompute: Recompute = Recompute.none
 
     def to(self, device: torch.device) -> "MicroBatchInput":
         return MicroBatchInput(self.tokens.to(device), self.targets.to(device), self.recompute)
 
 
-def set_recompute(module, mode: str) -> None:
+def set_recompute(module, mode: Recompute) -> None:
     """Set a pipeline stage module's recompute flags for every block: "full" reruns whole
     blocks in backward, "selective" the attention core, "none" keeps every activation."""
-    if mode not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {mode!r}")
-    module.recompute_blocks = frozenset(module.blocks.keys()) if mode == "full" else frozenset()
+    if mode not in tuple(Recompute):
+        raise ValueError(f"recompute must be one of {tuple(Recompute)}, got {mode!r}")
+    module.recompute_blocks = (frozenset(module.blocks.keys()) if mode == Recompute.full
+                               else frozenset())
     for block in module.blocks.values():
-        block.attn.recompute_core = mode == "selective"
+        block.attn.recompute_core = mode == Recompute.selective
 
 
 def message_tag(backward: bool, virtual_stage: int, micro_batch: int, num_virtual: int) -> int:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Tuple
 
-from orchestrator.choices import Backend, Dtype
+from orchestrator.choices import Backend, CpComm, Dtype, Microbatching, Recompute, Schedule
 from orchestrator.commands import rerun_command
 from orchestrator.config import cluster_world_size
 from orchestrator.errors import ConfigError, InfeasibleError, InvalidLayout, ProfileError
@@ -49,7 +49,8 @@ def layout_tag(layout: ParallelLayout) -> str:
     uneven split and recompute appended when they are not the defaults."""
     cp = ""
     if layout.cp > 1:
-        comm = (f"a2a{layout.cp_a2a}+p2p" if layout.cp_comm == "a2a+p2p" else layout.cp_comm)
+        comm = (f"a2a{layout.cp_a2a}+p2p" if layout.cp_comm == CpComm["a2a+p2p"]
+                else layout.cp_comm)
         cp = f"-cp{layout.cp}" + ("" if comm == ENGINE_CP_COMM else comm)
     ep = (f"-ep{layout.ep}" if layout.ep > 1 else "") + (f"-etp{layout.etp}" if layout.etp > 1
                                                           else "")
@@ -61,8 +62,9 @@ def layout_tag(layout: ParallelLayout) -> str:
     if len(set(layout.layers_per_stage)) > 1:
         tag += "-L" + ".".join(map(str, layout.layers_per_stage))
     modes = {mode for mode, _ in layout.recompute}
-    if modes != {"none"}:
-        tag += "-rc" + ".".join(m if m != "full" else f"full{k}" for m, k in layout.recompute)
+    if modes != {Recompute.none}:
+        tag += "-rc" + ".".join(m if m != Recompute.full else f"full{k}"
+                                for m, k in layout.recompute)
     return tag
 
 
@@ -122,7 +124,7 @@ def explicit_layout(cfg, world: int) -> ParallelLayout:
     defaults."""
     t, layers = cfg.train, cfg.model.layers
     pp, tp, cp = t.pp or 1, t.tp or 1, t.cp or 1
-    if t.cp_comm == "a2a+p2p" and not t.cp_a2a:
+    if t.cp_comm == CpComm["a2a+p2p"] and not t.cp_a2a:
         raise LayoutError(f"train.cp_comm=a2a+p2p needs train.cp_a2a: the all-to-all degree "
                           f"inside the CP group (1 < it < train.cp({cp}), dividing it; the ring "
                           f"runs over train.cp / it groups)")
@@ -138,18 +140,18 @@ def explicit_layout(cfg, world: int) -> ParallelLayout:
                           f"micro_batch_size({mbs}); set train.global_batch_size or "
                           f"train.num_micro_batches")
     m = t.num_micro_batches or gbs // (dp * mbs)
-    schedule = str(getattr(t.schedule, "value", t.schedule) or "1f1b")
-    v = t.virtual_stages or (2 if schedule == "interleaved" else 1)
+    schedule = t.schedule or Schedule["1f1b"]
+    v = t.virtual_stages or (2 if schedule == Schedule.interleaved else 1)
     kwargs = dict(zero=t.zero or 0, micro_batch_size=mbs, num_micro_batches=m, cp=cp,
                   cp_comm=t.cp_comm or ENGINE_CP_COMM, cp_a2a=t.cp_a2a or 1,
                   ep=t.ep or 1, etp=t.etp or 1,
                   schedule=schedule, virtual_stages=v,
                   sequence_parallel=tp > 1 if t.sequence_parallel is None
                   else bool(t.sequence_parallel))
-    recompute = str(getattr(t.recompute, "value", t.recompute) or "none")
+    recompute = t.recompute or Recompute.none
     if t.layers_per_stage:
         stages = tuple(int(n) for n in t.layers_per_stage)
-        per_stage = tuple((recompute, 0 if recompute == "none" else n) for n in stages)
+        per_stage = tuple((recompute, 0 if recompute == Recompute.none else n) for n in stages)
         return ParallelLayout(world_size=world, pp=pp, tp=tp, dp=dp, layers_per_stage=stages,
                               recompute=per_stage, **kwargs)
     return ParallelLayout.uniform(world, tp, pp, layers, recompute=recompute, **kwargs)
@@ -225,8 +227,7 @@ def _override(layout: ParallelLayout, cfg) -> ParallelLayout:
     t = cfg.train
     changes = {f: getattr(t, f) for f in LAYOUT_FIELDS if getattr(t, f) is not None}
     if "schedule" in changes:
-        changes["schedule"] = str(getattr(changes["schedule"], "value", changes["schedule"]))
-        if changes["schedule"] == "1f1b":
+        if changes["schedule"] == Schedule["1f1b"]:
             changes.setdefault("virtual_stages", 1)
         elif layout.virtual_stages == 1:
             changes.setdefault("virtual_stages", 2)
@@ -234,12 +235,12 @@ def _override(layout: ParallelLayout, cfg) -> ParallelLayout:
         changes["layers_per_stage"] = tuple(int(n) for n in changes["layers_per_stage"])
     if "zero" in changes:
         changes["distributed_optimizer"] = None
-    if changes.get("cp_comm", "a2a+p2p") != "a2a+p2p":
+    if changes.get("cp_comm", CpComm["a2a+p2p"]) != CpComm["a2a+p2p"]:
         changes["cp_a2a"] = 1  # the all-to-all degree belongs to the hierarchical flavour
     stages = changes.get("layers_per_stage", layout.layers_per_stage)
     if t.recompute is not None:
-        mode = str(getattr(t.recompute, "value", t.recompute))
-        changes["recompute"] = tuple((mode, 0 if mode == "none" else n) for n in stages)
+        mode = t.recompute
+        changes["recompute"] = tuple((mode, 0 if mode == Recompute.none else n) for n in stages)
     elif "layers_per_stage" in changes:
         changes["recompute"] = ()
     if t.global_batch_size and t.num_micro_batches is None:
@@ -285,7 +286,7 @@ def check_work(cfg, target: TrainTarget) -> None:
     samples per data-parallel rank than limits.max_dynamic_samples (limits.check_train)."""
     from orchestrator.limits import check_train
 
-    dynamic = str(cfg.train.microbatching) == "dynamic" and not cfg.search.fast_mode
+    dynamic = cfg.train.microbatching == Microbatching.dynamic and not cfg.search.fast_mode
     check_train(cfg.limits, target.layout, batch_key(cfg, target), dynamic)
 
 
@@ -335,13 +336,13 @@ def check_target(cfg, target: TrainTarget, world: int) -> None:
     if layout.world_size != world:
         raise LayoutError(world_mismatch_text(cfg, target, world))
     layout.check_model_layers(model.layers, model.name)
-    if layout.cp > 1 and layout.cp_comm in ("a2a", "a2a+p2p"):
+    if layout.cp > 1 and layout.cp_comm in (CpComm.a2a, CpComm["a2a+p2p"]):
         try:
             layout.check_heads(model.heads, model.kv_heads, model.name)
         except LayoutError as e:
             raise LayoutError(f"train.cp_comm={layout.cp_comm}: {e} (Ulysses splits the heads "
                               f"over the CP ranks); use train.cp_comm=p2p or allgather") from None
-    if layout.cp > 1 and str(cfg.train.microbatching) != "fixed":
+    if layout.cp > 1 and cfg.train.microbatching != Microbatching.fixed:
         raise LayoutError(f"train.microbatching={cfg.train.microbatching} with cp({layout.cp}): "
                           f"variable-length micro-batches are not split over context-parallel "
                           f"ranks; use train.microbatching=fixed")
@@ -361,7 +362,7 @@ def check_target(cfg, target: TrainTarget, world: int) -> None:
         raise LayoutError(str(e)) from None
     if target.seq_len > cfg.model.seq_len:
         raise LayoutError(f"train.seq_len({target.seq_len}) > model.seq_len({cfg.model.seq_len})")
-    if str(cfg.train.microbatching) != "fixed" and layout.zero == 3:
+    if cfg.train.microbatching != Microbatching.fixed and layout.zero == 3:
         raise LayoutError(f"train.microbatching={cfg.train.microbatching} runs ZeRO 0-2: with "
                           f"ZeRO-3 the dp ranks' different micro-batch counts would stall "
                           f"FSDP's gathers; set train.zero=2 (or 0/1)")
@@ -385,7 +386,7 @@ def check_moe(cfg, layout: ParallelLayout) -> None:
     if layout.zero == 3 and layout.etp > 1:
         raise LayoutError(f"zero 3 with etp({layout.etp}): FSDP shards a parameter split over "
                           f"one mesh dimension only (the experts' ep); use etp 1 or zero <= 2")
-    if str(cfg.train.microbatching) != "fixed":
+    if cfg.train.microbatching != Microbatching.fixed:
         raise LayoutError(f"train.microbatching={cfg.train.microbatching} with the "
                           f"mixture-of-experts model {model.name}: the dynamic planner prices "
                           f"dense blocks only; use train.microbatching=fixed")
@@ -440,7 +441,7 @@ def check_length_mean(train, seq_len: int) -> None:
     for with a mean length outside (0, seq_len] tokens: every sample is capped at seq_len, so a
     larger mean trains the fixed-length run under another name."""
     mean = train.length_mean
-    if str(train.microbatching) == "fixed" or mean is None or 0 < mean <= seq_len:
+    if train.microbatching == Microbatching.fixed or mean is None or 0 < mean <= seq_len:
         return
     raise ConfigError(f"train.length_mean({mean}) must be in (0, seq_len({seq_len})]: samples "
                       f"are capped at seq_len, so train.microbatching={train.microbatching} "
@@ -460,7 +461,7 @@ def check_memory(cfg, prediction) -> None:
     budget = memory_budget_GiB(cfg)
     if prediction is None or not budget or cfg.train.allow_oom_risk:
         return
-    if str(cfg.train.microbatching) != "fixed":
+    if cfg.train.microbatching != Microbatching.fixed:
         return  # variable-length samples: each iteration's plan keeps to the budget itself
     from orchestrator.planner.cost_model import memory_reserve_GiB
 

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from orchestrator.choices import Backend, Dtype
 from orchestrator.store import cluster_dir, file_sha256, new_profile, write_json
 
 log = logging.getLogger("orchestrator.train")
@@ -288,7 +289,7 @@ def _microbatching(cfg, steps_log: StepLog) -> Dict[str, Any]:
 def _mfu(cfg, target, iteration_ms: float, layout) -> Optional[float]:
     """Model FLOPs utilisation on GPUs: 6 N tokens + attention FLOPs per iteration over the
     devices' bf16 dense peak (conf/device/<name>.yaml); None on CPUs."""
-    if str(getattr(cfg.cluster.backend, "value", cfg.cluster.backend)) != "nccl":
+    if cfg.cluster.backend != Backend.nccl:
         return None
     from orchestrator.device import dense_peak_flops, load_device_sheet, model_flops
     from orchestrator.errors import ConfigError
@@ -297,7 +298,7 @@ def _mfu(cfg, target, iteration_ms: float, layout) -> Optional[float]:
     model = cfg.model
     tokens = layout.global_batch_size * target.seq_len
     flops = model_flops(count_active_params(model), model.layers, model.hidden, target.seq_len, tokens)
-    dtype = str(getattr(cfg.train.dtype, "value", cfg.train.dtype) or "bf16")
+    dtype = cfg.train.dtype or Dtype.bf16
     try:
         peak = dense_peak_flops(load_device_sheet(cfg.profile_model.device or "h100"), dtype)
     except (ConfigError, ValueError, OSError):  # no sheet for it: no MFU, the rest stands

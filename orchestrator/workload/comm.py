@@ -73,7 +73,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
-from orchestrator.choices import Dtype
+from orchestrator.choices import CpComm, Dtype, Engine, Recompute
 from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig
 from orchestrator.workload.buckets import plan_buckets
@@ -81,7 +81,6 @@ from orchestrator.workload.params import rank_chunks, virtual_stage_ranges
 from orchestrator.workload.tp import tp_counts
 
 RESIDUAL = Dtype.fp32  # the engine keeps fp32 parameters and residual stream (autocast)
-ENGINES = ("orchestrator", "megatron")
 
 
 @dataclass(frozen=True)
@@ -103,16 +102,16 @@ class Comm:
 
 
 def rank_comms(model: ModelConfig, layout: ParallelLayout, rank: int,
-               engine: str = "orchestrator", dtype: Dtype | str = Dtype.fp32,
+               engine: Engine = Engine.orchestrator, dtype: Dtype | str = Dtype.fp32,
                bucket_MiB: float = 25.0) -> List[Comm]:
     """Every message `rank` issues in one iteration of `layout` training `model` with the
     given compute dtype and gradient buckets of `bucket_MiB` (train's OptimSettings); see the
     module docstring."""
-    if engine not in ENGINES:
+    if engine not in tuple(Engine):
         raise ValueError(f"engine={engine!r}: the per-rank message list describes "
-                         f"{' and '.join(ENGINES)}")
+                         f"{' and '.join(Engine)}")
     compute = Dtype.parse(dtype)
-    megatron = engine == "megatron"
+    megatron = engine == Engine.megatron
     residual = compute if megatron else RESIDUAL
     out: List[Comm] = []
     out += _tp_comms(model, layout, rank, compute, residual, engine)
@@ -141,18 +140,19 @@ def _layers(model, layout, rank) -> Tuple[int, int]:
     return layers, recomputed
 
 
-def _cp_comms(model, layout, rank, compute: Dtype, engine: str = "orchestrator") -> List[Comm]:
+def _cp_comms(model, layout, rank, compute: Dtype,
+              engine: Engine = Engine.orchestrator) -> List[Comm]:
     if layout.cp == 1:
         return []
-    if layout.cp_comm == "a2a+p2p":  # Ulysses over cp_a2a ranks, then the ring over the rest
+    if layout.cp_comm == CpComm["a2a+p2p"]:  # Ulysses over cp_a2a ranks, then the ring
         a = layout.cp_a2a
-        return (_cp_messages(model, layout, rank, compute, engine, "a2a", a, "cp_a2a")
-                + _cp_messages(model, layout, rank, compute, engine, "p2p", layout.cp // a,
+        return (_cp_messages(model, layout, rank, compute, engine, CpComm.a2a, a, "cp_a2a")
+                + _cp_messages(model, layout, rank, compute, engine, CpComm.p2p, layout.cp // a,
                                "cp_ring"))
     return _cp_messages(model, layout, rank, compute, engine, layout.cp_comm, layout.cp, "cp")
 
 
-def _cp_messages(model, layout, rank, compute: Dtype, engine: str, comm: str, cp: int,
+def _cp_messages(model, layout, rank, compute: Dtype, engine: Engine, comm: CpComm, cp: int,
                  group: str) -> List[Comm]:
     """The messages of one CP flavour `comm` over a group of `cp` ranks named `group`; sizes
     from the rank's tokens of the layout (the ring of a2a+p2p moves cp_a2a x the tokens and
@@ -160,15 +160,15 @@ def _cp_messages(model, layout, rank, compute: Dtype, engine: str, comm: str, cp
     m = layout.num_micro_batches
     layers, recomputed = _layers(model, layout, rank)
     mode = layout.recompute[layout.coordinate(rank, "pp")][0]
-    reruns = layers if mode == "selective" else recomputed  # the core's forward, again
+    reruns = layers if mode == Recompute.selective else recomputed  # the core's forward, again
     head_bytes = rank_tokens(model, layout) * (model.hidden // model.heads) * compute.bytes
     kv = 2 * head_bytes * (model.kv_heads // layout.tp)
     dt = compute.value
-    if comm == "a2a":
+    if comm == CpComm.a2a:
         q = head_bytes * (model.heads // layout.tp)  # Q or the output
         # torch's checkpoint stops a selective rerun once the core's saved tensors are back:
         # the output's all-to-all back is not rerun (Megatron reruns all four)
-        out_reruns = recomputed + (reruns - recomputed) * (engine == "megatron")
+        out_reruns = recomputed + (reruns - recomputed) * (engine == Engine.megatron)
         out = []
         for size, what, again in ((q, "Q, output", reruns + out_reruns),
                                   (kv // 2, "K, V", 2 * reruns)):
@@ -178,7 +178,7 @@ def _cp_messages(model, layout, rank, compute: Dtype, engine: str, comm: str, cp
                     Comm("all_to_all", group, size, dt, "bwd", 2 * layers * m,
                          f"{what} gradients")]
         return out
-    if comm == "allgather":
+    if comm == CpComm.allgather:
         gathered = kv // 2 * cp
         return [Comm("all_gather", group, gathered, dt, "fwd", 2 * layers * m, "K, V"),
                 Comm("all_gather", group, gathered, dt, "bwd", 2 * reruns * m,
@@ -207,11 +207,11 @@ def _chunk_flags(model: ModelConfig, layout: ParallelLayout, rank: int):
 def _recomputed_blocks(layout: ParallelLayout, rank: int, blocks_in_chunk: int) -> int:
     """Blocks of a chunk whose forward reruns in backward (full recompute: the first k / v)."""
     mode, k = layout.recompute[layout.coordinate(rank, "pp")]
-    return min(blocks_in_chunk, k // layout.virtual_stages) if mode == "full" else 0
+    return min(blocks_in_chunk, k // layout.virtual_stages) if mode == Recompute.full else 0
 
 
 def _tp_comms(model, layout, rank, compute: Dtype, residual_dtype: Dtype,
-              engine: str) -> List[Comm]:
+              engine: Engine) -> List[Comm]:
     tp, m = layout.tp, layout.num_micro_batches
     if tp == 1:
         return []

@@ -53,7 +53,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from orchestrator.choices import Dtype
+from orchestrator.choices import CpComm, Dtype, Recompute
 from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig
 from orchestrator.workload.buckets import plan_buckets
@@ -68,7 +68,6 @@ INT64 = 8
 INT32 = 4
 STEP_COUNTER_BYTES = 4  # AdamW keeps `step` as a float32 scalar tensor per parameter it updates
 NORM_CHUNK = 1 << 24  # elements per float64 slice of the gradient norm (train/grads.py's)
-RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -175,10 +174,11 @@ def sequence_shard(seq_len: int, layout: ParallelLayout) -> int:
 # Bytes per token and hidden unit (of a 2-byte dtype) a layer keeps whole without SP that SP
 # would shard over tp (Korthikanti et al.): the norms' inputs and outputs, the residual, the
 # gathered matmul inputs; full recompute keeps only the layer input.
-NO_SP_EXTRA_BYTES_PER_HIDDEN = {"none": 10.0, "selective": 10.0, "full": 2.0}
+NO_SP_EXTRA_BYTES_PER_HIDDEN = {Recompute.none: 10.0, Recompute.selective: 10.0,
+                                Recompute.full: 2.0}
 
 
-def no_sp_extra_bytes_per_token(mode: str, tp: int, hidden: int, dtype_bytes: int) -> float:
+def no_sp_extra_bytes_per_token(mode: Recompute, tp: int, hidden: int, dtype_bytes: int) -> float:
     """Bytes per token and layer that plain TP keeps whole and sequence parallelism would shard
     over tp: NO_SP_EXTRA_BYTES_PER_HIDDEN[mode] * h * (1 - 1/t), scaled to the dtype."""
     return NO_SP_EXTRA_BYTES_PER_HIDDEN[mode] * hidden * (dtype_bytes / 2.0) * (1.0 - 1.0 / tp)
@@ -209,7 +209,8 @@ def input_bytes(model: ModelConfig, layout, seq_len: int) -> int:
     if layout.cp > 1:
         local = seq_len // layout.cp
         # a2a: the whole sequence's queries; a2a+p2p: its ring member's (a x its own)
-        queries = {"a2a": seq_len, "a2a+p2p": local * layout.cp_a2a}.get(layout.cp_comm, local)
+        queries = {CpComm.a2a: seq_len,
+                   CpComm["a2a+p2p"]: local * layout.cp_a2a}.get(layout.cp_comm, local)
         out += (local + seq_len) * INT64 + queries * seq_len + 2 * local * half_dim * FP32
     return out
 
@@ -267,7 +268,7 @@ class BlockActivations:
     full: float
     elem_bytes: int = 4
 
-    def at(self, mode: str) -> float:
+    def at(self, mode: Recompute) -> float:
         return getattr(self, mode)
 
 
@@ -313,7 +314,7 @@ class _Part:
     head (final norm, LM head and loss)."""
 
     kind: str  # embed | block | head
-    mode: str  # recompute mode of a block
+    mode: Recompute  # of a block
     params: Tuple[int, ...]  # positions in the rank's parameter list
 
 
@@ -323,7 +324,7 @@ def _chunk_parts(chunk: List[Param], offset: int, modes: List[str]) -> List[_Par
     head: List[int] = []
     for i, p in enumerate(chunk):
         if p.name.startswith("tok_emb"):
-            parts.append(_Part("embed", "none", (offset + i,)))
+            parts.append(_Part("embed", Recompute.none, (offset + i,)))
         elif p.unit.startswith("blocks."):
             blocks.setdefault(p.unit, []).append(offset + i)
         else:
@@ -331,20 +332,20 @@ def _chunk_parts(chunk: List[Param], offset: int, modes: List[str]) -> List[_Par
     for b, (unit, idx) in enumerate(blocks.items()):
         parts.append(_Part("block", modes[b], tuple(idx)))
     if head:
-        parts.append(_Part("head", "none", tuple(head)))
+        parts.append(_Part("head", Recompute.none, tuple(head)))
     return parts
 
 
-def _chunk_modes(layout: ParallelLayout, pp_rank: int, layers: int) -> List[str]:
+def _chunk_modes(layout: ParallelLayout, pp_rank: int, layers: int) -> List[Recompute]:
     """Recompute mode of each layer of one chunk: the stage's mode, full for its first k / v."""
     mode, k = layout.recompute[pp_rank]
-    if mode == "full":
+    if mode == Recompute.full:
         per_chunk = k // layout.virtual_stages
-        return ["full" if i < per_chunk else "none" for i in range(layers)]
+        return [Recompute.full if i < per_chunk else Recompute.none for i in range(layers)]
     return [mode] * layers
 
 
-def engine_block_bytes(act: BlockActivations, mode: str, model: ModelConfig,
+def engine_block_bytes(act: BlockActivations, mode: Recompute, model: ModelConfig,
                        layout: ParallelLayout, dtype: Dtype, tokens: int,
                        block_local_numel: int) -> float:
     """What one layer of the engine keeps per micro-batch of `tokens` tokens (the model
@@ -353,11 +354,11 @@ def engine_block_bytes(act: BlockActivations, mode: str, model: ModelConfig,
     autocast = dtype != Dtype.fp32
     elem = dtype.bytes if autocast else FP32
     kept = act.at(mode) * (elem / act.elem_bytes)
-    kept += cp_attention_bytes(model, layout, tokens, dtype)[2] if mode != "full" else 0.0
+    kept += cp_attention_bytes(model, layout, tokens, dtype)[2] if mode != Recompute.full else 0.0
     if t > 1 and not layout.sequence_parallel:  # the tokens SP would shard, whole
         kept += no_sp_extra_bytes_per_token(mode, t, h, elem) * tokens
     if autocast:
-        if mode == "full":
+        if mode == Recompute.full:
             kept += tokens * (FP32 - elem) * h / t_sp  # the kept input is fp32
         else:
             kept += tokens * ((FP32 - elem) * 2 * h / t_sp + 3 * elem * h)
@@ -422,17 +423,17 @@ def cp_attention_bytes(model: ModelConfig, layout, tokens, dtype: Dtype = Dtype.
     elem = Dtype.parse(dtype).bytes if autocast else FP32
     head_dim = model.hidden // model.heads
     kv = 2.0 * tokens * (model.kv_heads // layout.tp) * head_dim * elem  # one ring message
-    if layout.cp_comm == "allgather":
+    if layout.cp_comm == CpComm.allgather:
         return 0.0, cp * kv, (cp - 1) * kv
     b, heads = layout.micro_batch_size, model.heads // layout.tp
     # an all-to-all's contiguous send buffer and its receive buffer, then the head-split copy:
     # 3 of the tensor at once (Q the largest); the backward the same for the gradient
     swap = 2.0 * tokens * heads * head_dim * elem
-    if layout.cp_comm == "a2a":
+    if layout.cp_comm == CpComm.a2a:
         return swap, swap, 0.0
     # the ring: over every CP rank, or (a2a+p2p) over groups of a, each member holding its
     # group's a x seq / cp tokens of 1 / a of the heads
-    a = layout.cp_a2a if layout.cp_comm == "a2a+p2p" else 1
+    a = layout.cp_a2a if layout.cp_comm == CpComm["a2a+p2p"] else 1
     rows = int(tokens) // b * a  # a sequence's tokens on a ring member
     scores = FP32 * b * (heads // a) * score_tile_rows(b, heads // a, rows, rows) * rows
     one = FP32 * tokens * heads * head_dim  # a query-sized fp32 tensor
@@ -517,9 +518,10 @@ def rank_memory(model: ModelConfig, layout: ParallelLayout, rank: int, act: Bloc
                                                                       fsdp_units)
                 if part.kind == "head":
                     transient["logits"] = head_fwd
-                elif part.kind == "block" and part.mode != "none":
+                elif part.kind == "block" and part.mode != Recompute.none:
                     # A recomputed layer's forward holds what it does not keep while it runs.
-                    transient["recompute"] = kept(_Part("block", "none", part.params)) - kept(part)
+                    transient["recompute"] = (kept(_Part("block", Recompute.none, part.params))
+                                              - kept(part))
                 if part.kind == "block":
                     transient["attention working"] = attention_fwd
                 live.add("activations", kept(part))
@@ -529,8 +531,8 @@ def rank_memory(model: ModelConfig, layout: ParallelLayout, rank: int, act: Bloc
             transient = {}
             if part.kind == "block":
                 transient["backward working"] = _block_working(model, layout, tokens, dtype)
-                if part.mode != "none":
-                    transient["recompute"] = (kept(_Part("block", "none", part.params))
+                if part.mode != Recompute.none:
+                    transient["recompute"] = (kept(_Part("block", Recompute.none, part.params))
                                               - kept(part))
             elif part.kind == "head":
                 transient["loss backward"] = head_bwd
@@ -744,7 +746,7 @@ class StageMemory:
 
         # Activations per micro-batch.
         self.act = np.array([engine_block_bytes(act, mode, model, layout, dtype, tokens, layer)
-                             for mode in RECOMPUTE_MODES])
+                             for mode in Recompute])
         head_kept, head_fwd, head_bwd = _head_bytes(model, layout, dtype, tokens, cuda,
                                                     vocab_local)
         self.head_kept = np.where(last > 0, head_kept, 0.0)
@@ -862,7 +864,7 @@ class StageMemory:
         act = BlockActivations(*(np.asarray(a, dtype=float) * tokens for a in per_token),
                                elem_bytes=self.profile_elem)
         kept = [engine_block_bytes(act, mode, self.model, layout, self.dtype, tokens,
-                                   self.block_numel) for mode in RECOMPUTE_MODES]
+                                   self.block_numel) for mode in Recompute]
         layer = np.where(code == 1, kept[1], np.where(code == 2, kept[2], kept[0]))
         recompute = np.where(code == 1, kept[0] - kept[1],
                              np.where(code == 2, kept[0] - kept[2], 0.0))

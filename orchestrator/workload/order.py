@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
-from orchestrator.layout import SCHEDULES
+from orchestrator.choices import Schedule
 
 
-def stage_order(pp: int, stage: int, num_micro_batches: int, schedule: str = "1f1b",
+def stage_order(pp: int, stage: int, num_micro_batches: int,
+                schedule: Schedule = Schedule["1f1b"],
                 virtual_stages: int = 1, extra_warmup: int = 0) -> List[Tuple[str, int, int]]:
     """The operations of `stage` in execution order: ("F" | "B", chunk, micro_batch).
 
@@ -22,16 +23,16 @@ def stage_order(pp: int, stage: int, num_micro_batches: int, schedule: str = "1f
     micro-batches go in groups of p through chunk 0, 1, ..., v-1 (backwards through v-1, ...,
     0), with (p - stage - 1) * 2 + (v - 1) * p warm-up forwards."""
     m, v, p = num_micro_batches, virtual_stages, pp
-    if extra_warmup < 0 or (extra_warmup and schedule != "1f1b"):
+    if extra_warmup < 0 or (extra_warmup and schedule != Schedule["1f1b"]):
         raise ValueError(f"extra_warmup must be >= 0, and 0 unless schedule=1f1b, got "
                          f"{extra_warmup} with {schedule}")
-    if schedule == "1f1b":
+    if schedule == Schedule["1f1b"]:
         if v != 1:
             raise ValueError(f"1f1b has virtual_stages 1, got {v}")
         warmup = min(p - stage - 1 + min(extra_warmup, p - stage - 1), m)
         fwd = [("F", 0, i) for i in range(m)]
         bwd = [("B", 0, i) for i in range(m)]
-    elif schedule == "interleaved":
+    elif schedule == Schedule.interleaved:
         if m % p:
             raise ValueError(f"interleaved schedule: num_micro_batches({m}) % pp({p}) != 0")
         total = m * v
@@ -47,7 +48,7 @@ def stage_order(pp: int, stage: int, num_micro_batches: int, schedule: str = "1f
         fwd = [("F", *chunk_mb(k, True)) for k in range(total)]
         bwd = [("B", *chunk_mb(k, False)) for k in range(total)]
     else:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        raise ValueError(f"schedule must be one of {tuple(Schedule)}, got {schedule!r}")
     order = fwd[:warmup]
     steady = len(fwd) - warmup
     for i in range(steady):

@@ -24,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict
 
-ENGINES = ("orchestrator", "megatron")
+from orchestrator.choices import Engine
+
 VOCAB_PARALLEL_LOSS_REDUCES = 3  # max, sum of exponentials, target logit: fp32, one per token
 
 
@@ -43,15 +44,15 @@ class TpCounts:
     loss_all_reduce: int = VOCAB_PARALLEL_LOSS_REDUCES
 
 
-def check_engine(engine: str) -> None:
-    if engine not in ENGINES:
-        raise ValueError(f"engine={engine!r}: the workload model describes {list(ENGINES)}")
+def check_engine(engine: Engine) -> None:
+    if engine not in tuple(Engine):
+        raise ValueError(f"engine={engine!r}: the workload model describes {list(Engine)}")
 
 
-def tp_counts(engine: str, sequence_parallel: bool) -> TpCounts:
+def tp_counts(engine: Engine, sequence_parallel: bool) -> TpCounts:
     """The TP collectives `engine` issues per micro-batch (module docstring)."""
     check_engine(engine)
-    ours = engine == "orchestrator"
+    ours = engine == Engine.orchestrator
     if sequence_parallel:
         fwd = {"all_gather": 2, "reduce_scatter": 2}
         return TpCounts(

@@ -209,7 +209,8 @@ def _block_memory(layer: Mapping, sp: bool, tp: int, seq: int, model: ModelConfi
     params = float(layer["parameter_size"]) * MiB / 4
     return {**_state_bytes(params, Dtype.parse(model.dtype), tp), "params": params / tp,
             "act_seq_len": seq,
-            "act_bytes_per_token": {"none": none, "selective": selective, "full": full}}
+            "act_bytes_per_token": {Recompute.none: none, Recompute.selective: selective,
+                                    Recompute.full: full}}
 
 
 def _other_memory(other: Mapping, tp: int, seq: int, dtype: Dtype) -> Dict:
@@ -395,12 +396,12 @@ def galvatron_model_files(profile: ModelProfile,
     acts, states, other_acts = {}, {}, {}
     for tp in cost.tps:
         block, other = cost.memory(tp)
-        acts[str(tp)] = block.act_bytes_per_token_at("none", seq) * seq / MiB
+        acts[str(tp)] = block.act_bytes_per_token_at(Recompute.none, seq) * seq / MiB
         states[str(tp)] = (other.param_bytes / dtype.bytes * GALVATRON_STATE_BYTES_PER_PARAM
                            / MiB)
-        other_acts[str(tp)] = other.act_bytes_per_token_at("none", seq) * seq / MiB
+        other_acts[str(tp)] = other.act_bytes_per_token_at(Recompute.none, seq) * seq / MiB
     block0, _ = cost.memory(tp0)
-    acts["checkpoint"] = block0.act_bytes_per_token_at("full", seq) * seq * tp0 / MiB
+    acts["checkpoint"] = block0.act_bytes_per_token_at(Recompute.full, seq) * seq * tp0 / MiB
     other_off = {"model_states": states, "activation": other_acts}
     memory = {
         "layertype_0_sp": {str(seq): {

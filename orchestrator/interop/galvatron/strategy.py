@@ -24,6 +24,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
 
+from orchestrator.choices import CpComm, Recompute
 from orchestrator.errors import ProfileError
 from orchestrator.layout import LayoutError, ParallelLayout, StageRecompute
 
@@ -83,7 +84,7 @@ def read_strategy(source: Union[str, Path, Mapping[str, Any]], *, world_size: in
         tp, cp = 1, tp
     try:
         layout = ParallelLayout(
-            world_size=world_size, pp=pp, tp=tp, dp=dp, cp=cp, cp_comm="a2a",
+            world_size=world_size, pp=pp, tp=tp, dp=dp, cp=cp, cp_comm=CpComm.a2a,
             zero=zero, sequence_parallel=sp,
             micro_batch_size=mbs, num_micro_batches=micro_batches, layers_per_stage=stages,
             recompute=_recompute(flags["checkpoint"], stages, notes))
@@ -218,7 +219,7 @@ def _recompute(checkpoint: List[int], stages: Sequence[int],
     for stage, n in enumerate(stages):
         flags = checkpoint[start:start + n]
         k = sum(flags)
-        out.append(("full", k) if k else ("none", 0))
+        out.append((Recompute.full, k) if k else (Recompute.none, 0))
         if k and flags != [1] * k + [0] * (n - k):
             flagged = [start + i for i, f in enumerate(flags) if f]
             notes.append(f"checkpoint: stage {stage} recomputes layers {flagged}, not its first "

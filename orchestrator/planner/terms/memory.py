@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from orchestrator.choices import Recompute
 from orchestrator.planner.profiles import PartMemory
 # defined once, with the rest of a layout's memory
 from orchestrator.workload.memory import no_sp_extra_bytes_per_token
@@ -32,12 +33,12 @@ class ActivationBytes:
                    hidden: int, dtype_bytes: int) -> "ActivationBytes":
         """The profile's (sequence-parallel) figures at `seq_len`, plus what SP would have
         sharded when tp > 1 runs without it."""
-        def at(mode: str) -> float:
+        def at(mode: Recompute) -> float:
             extra = (no_sp_extra_bytes_per_token(mode, tp, hidden, dtype_bytes)
                      if tp > 1 and not sequence_parallel else 0.0)
             return block.act_bytes_per_token_at(mode, seq_len) + extra
 
-        return cls(none=at("none"), selective=at("selective"), full=at("full"))
+        return cls(*(at(mode) for mode in Recompute))
 
 
 def stage_activation_bytes(act: ActivationBytes, tokens: float, in_flight, n, mode_code, k):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator.bandwidth import benchmark_of
+from orchestrator.choices import Engine
 from orchestrator.planner.profiles import HardwareModel
 from orchestrator.planner.terms import FwdBwd
 from orchestrator.workload.tp import TpCounts, priced_us, tp_counts
@@ -57,7 +58,7 @@ class TpComm:
 
     @classmethod
     def from_hardware(cls, hardware: HardwareModel, tp: int, sequence_parallel: bool,
-                      message_bytes, engine: str = "orchestrator",
+                      message_bytes, engine: Engine = Engine.orchestrator,
                       loss_bytes=0.0, latency_factor: float = 1.0,
                       bandwidth_factor: float = 1.0) -> "TpComm":
         """Price `engine`'s collectives on a group of `tp` consecutive ranks (Megatron rank

@@ -29,6 +29,7 @@ from typing import Any, Tuple
 import numpy as np
 
 from orchestrator.bandwidth import benchmark_of
+from orchestrator.choices import Engine
 from orchestrator.planner.profiles import HardwareModel
 from orchestrator.planner.terms import FwdBwd, overlap_extra_us
 
@@ -75,11 +76,11 @@ class ZeroTraffic:
 
     @classmethod
     def from_hardware(cls, hardware: HardwareModel, zero: int, dp: int, tp: int, param_bytes,
-                      grad_bytes, engine: str = "megatron", pp: int = 1,
+                      grad_bytes, engine: Engine = Engine.megatron, pp: int = 1,
                       num_micro_batches: int = 1) -> "ZeroTraffic":
         """Price the per-micro-batch traffic of a part holding `param_bytes` / `grad_bytes`
         unsharded (the engine's own dtypes)."""
-        if engine == "orchestrator":
+        if engine == Engine.orchestrator:
             if zero < 3 or dp == 1:
                 return cls(gather_us=0.0, reduce_scatter_us=0.0, active=False)
             gather = collective_us(hardware, "all_gather", dp, tp, param_bytes)
@@ -106,13 +107,13 @@ class ZeroTraffic:
 
 
 def dp_sync_parts_us(hardware: HardwareModel, zero: int, dp: int, tp: int, grad_bytes,
-                     param_bytes, engine: str = "megatron"):
+                     param_bytes, engine: Engine = Engine.megatron):
     """(during the last backward, after the optimizer step): the data-parallel sync (us) of a
     stage holding `grad_bytes` of gradients and `param_bytes` of parameters unsharded. Megatron:
     all of dp_sync_us during. Orchestrator: the buckets' all-reduce (ZeRO 0/1), reduce-scatter
     (ZeRO 2) or FSDP's reduce-scatter (ZeRO 3) during; ZeRO 1/2's all-gather of the fp32
     parameters after."""
-    if engine != "orchestrator":
+    if engine != Engine.orchestrator:
         return (dp_sync_us(hardware, zero, dp, tp, grad_bytes, param_bytes),
                 np.zeros_like(grad_bytes))
     if dp == 1:

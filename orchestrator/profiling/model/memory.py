@@ -29,7 +29,6 @@ from torch.utils.checkpoint import checkpoint
 
 from orchestrator.choices import Recompute
 
-RECOMPUTE_MODES = tuple(Recompute)
 BYTES_PER_PARAM_NOTE = ("Adam, mixed precision (Megatron): params in model dtype, fp32 gradient "
                         "buffer, fp32 master weights + exp_avg + exp_avg_sq (12 B); an fp32 model "
                         "keeps no master copy (8 B)")
@@ -168,18 +167,18 @@ def count_block_activations(block, x, cos, sin, mode: str, exclude: Iterable[tor
     Counted on this rank (a DTensor's local shard); the block's input is included (the previous
     layer's output, which the layer saves for its first norm).
     """
-    if mode not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute mode {mode!r}; allowed: {RECOMPUTE_MODES}")
+    if mode not in tuple(Recompute):
+        raise ValueError(f"recompute mode {mode!r}; allowed: {tuple(Recompute)}")
     counter = SavedTensorCounter(exclude)
     modes = contextlib.ExitStack()
     with modes:
         if gpu_kernels:
             modes.enter_context(GpuKernelsMode())
         modes.enter_context(counter.hooks())
-        if mode == "full":
+        if mode == Recompute.full:
             counter.add(x)  # the one tensor full recompute keeps (cos/sin are buffers)
             y = checkpoint(block, x, cos, sin, use_reentrant=False)
-        elif mode == "selective":
+        elif mode == Recompute.selective:
             with CheckpointAttention(counter):
                 y = block(x, cos, sin)
         else:
@@ -212,9 +211,9 @@ def count_other_activations(model, tokens, targets, exclude: Iterable[torch.Tens
 
 def forward_in_mode(block, x, cos, sin, mode: str):
     """The block's forward under recompute `mode` (no counting)."""
-    if mode == "full":
+    if mode == Recompute.full:
         return checkpoint(block, x, cos, sin, use_reentrant=False)
-    if mode == "selective":
+    if mode == Recompute.selective:
         with CheckpointAttention():
             return block(x, cos, sin)
     return block(x, cos, sin)
@@ -257,7 +256,7 @@ def allocator_block_activations(block, x, cos, sin, mode: str) -> Dict[str, int]
     torch.cuda.synchronize()
     live = torch.cuda.memory_allocated() - start
     peak = torch.cuda.max_memory_allocated() - start
-    act = live_to_layer_bytes(live, x, y, seen["saved"] or mode == "full")
+    act = live_to_layer_bytes(live, x, y, seen["saved"] or mode == Recompute.full)
     del y
     return {"act": act, "peak": int(peak)}
 
@@ -288,14 +287,14 @@ def megatron_act_bytes(seq_len: int, batch: int, hidden: int, heads: int, tp: in
     16-bit activations (and 1-byte dropout masks); `elem_bytes` = 4 scales it to an fp32 model.
     """
     s, b, h, a, t = seq_len, batch, hidden, heads, tp
-    if mode == "none":
+    if mode == Recompute.none:
         base = s * b * h * (34 + 5 * a * s / h) / t
-    elif mode == "selective":
+    elif mode == Recompute.selective:
         base = 34 * s * b * h / t
-    elif mode == "full":
+    elif mode == Recompute.full:
         base = 2 * s * b * h / t
     else:
-        raise ValueError(f"recompute mode {mode!r}; allowed: {RECOMPUTE_MODES}")
+        raise ValueError(f"recompute mode {mode!r}; allowed: {tuple(Recompute)}")
     return base * elem_bytes / 2
 
 
@@ -326,7 +325,7 @@ def memory_summary(points, model, batch: int) -> dict:
             states = dict(pts[-1]["states"][part])
             numel = states.pop("numel")
             fits, per_token = {}, {}
-            for mode in RECOMPUTE_MODES:
+            for mode in Recompute:
                 values = [p[f"{part}_act_bytes"][mode] for p in pts]
                 fits[mode] = fit_activation_bytes(seqs, values)
                 at = (exact[f"{part}_act_bytes"][mode] if exact is not None
@@ -338,7 +337,7 @@ def memory_summary(points, model, batch: int) -> dict:
         entry["block"]["megatron_ratio"] = {
             mode: entry["block"]["act_bytes_per_token"][mode] * length * batch
             / megatron_act_bytes(length, batch, model.hidden, model.heads, tp, mode, elem)
-            for mode in RECOMPUTE_MODES}
+            for mode in Recompute}
         sources = sorted({p.get("source", "measured") for p in pts})
         entry["source"] = sources[0] if len(sources) == 1 else "mixed"
         out[str(tp)] = entry
@@ -353,6 +352,6 @@ def megatron_comparison(seq_len: int, tp: int, block_act_bytes: Dict[str, float]
 
     elem = torch_dtype(model.dtype).itemsize
     mega = {m: megatron_act_bytes(seq_len, batch, model.hidden, model.heads, tp, m, elem)
-            for m in RECOMPUTE_MODES}
+            for m in Recompute}
     return {"megatron_act_bytes": mega,
-            "megatron_ratio": {m: block_act_bytes[m] / mega[m] for m in RECOMPUTE_MODES}}
+            "megatron_ratio": {m: block_act_bytes[m] / mega[m] for m in Recompute}}

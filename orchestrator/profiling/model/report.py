@@ -13,7 +13,6 @@ from orchestrator.profiling.measure import format_bytes
 from orchestrator.profiling.model.fit import predict_poly
 from orchestrator.store import save_figure
 
-MODES = tuple(Recompute)
 FIT_WARN_REL_ERR = 0.2  # a block time fit missing a point by more is flagged (plot and report)
 
 
@@ -69,7 +68,7 @@ def point_line(record: Optional[dict], batch: int, markup: bool = True) -> str:
     if not record:
         return ""
     tag = _source_tag(record["source"]) if markup else record["source"]
-    act = record["block_act_bytes"]["none"] / (record["seq_len"] * batch)
+    act = record["block_act_bytes"][Recompute.none] / (record["seq_len"] * batch)
     return (f"  seq {record['seq_len']:>6} tp {record['tp']}: block fwd "
             f"{record['block_fwd_us']:.0f} us bwd {record['block_bwd_us']:.0f} us, other fwd "
             f"{record['other_fwd_us']:.0f} us bwd {record['other_bwd_us']:.0f} us, block act "
@@ -95,7 +94,7 @@ def points_table(profile: Mapping) -> Table:
         table.add_row(str(p["tp"]), str(p["seq_len"]), f"{p['block_fwd_us']:.1f}",
                       f"{p['block_bwd_us']:.1f}", f"{p['other_fwd_us']:.1f}",
                       f"{p['other_bwd_us']:.1f}", f"{comm:.0f}" if comm else "-",
-                      *(f"{act[m] / tokens:.0f}" for m in MODES),
+                      *(f"{act[m] / tokens:.0f}" for m in Recompute),
                       f"{ratio.get('none', 0):.2f} / {ratio.get('selective', 0):.2f}",
                       _source_tag(p.get("source", "measured")))
     return table
@@ -133,8 +132,8 @@ def memory_table(profile: Mapping) -> Table:
             ratio = e.get("megatron_ratio")
             table.add_row(tp, part, f"{e.get('params', 0) / 1e6:.2f}M", format_bytes(e["param_bytes"]),
                           format_bytes(e["grad_bytes"]), format_bytes(e["optim_bytes"]),
-                          *(f"{act[mode]:.0f}" for mode in MODES),
-                          " / ".join(f"{ratio[mode]:.2f}" for mode in MODES) if ratio else "-",
+                          *(f"{act[mode]:.0f}" for mode in Recompute),
+                          " / ".join(f"{ratio[mode]:.2f}" for mode in Recompute) if ratio else "-",
                           _source_tag(m.get("source", "measured")))
     return table
 
@@ -242,10 +241,10 @@ def _time_panel(ax, profile: Mapping, by_tp: Dict[int, List[Mapping]], colours) 
 
 def _memory_panel(ax, by_tp: Dict[int, List[Mapping]], colours) -> None:
     """Block activations (MiB) against seq per TP degree and recompute mode."""
-    styles = {"none": "-", "selective": "--", "full": ":"}
+    styles = {Recompute.none: "-", Recompute.selective: "--", Recompute.full: ":"}
     for i, (tp, pts) in enumerate(by_tp.items()):
         s = [p["seq_len"] for p in pts]
-        for mode in MODES:
+        for mode in Recompute:
             ax.plot(s, [p["block_act_bytes"][mode] / 2**20 for p in pts], styles[mode],
                     marker="o", markersize=3, color=colours[i % len(colours)],
                     label=f"tp={tp} {mode}")

@@ -23,6 +23,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.utils._python_dispatch
 
+from orchestrator.choices import Recompute
 from orchestrator.models.config import ModelConfig
 from orchestrator.profiling.measure import Stopwatch, is_cuda, median_of_group_max, summarize
 from orchestrator.profiling.model import memory as mem
@@ -380,14 +381,14 @@ def memory_point(pm: PointModel, seq_len: int, gpu_kernels: bool = False,
     block_states = pm.block_states()
     saved = {mode: mem.count_block_activations(pm.block, x, cos, sin, mode, block_states,
                                                gpu_kernels)
-             for mode in mem.RECOMPUTE_MODES}
+             for mode in Recompute}
     tokens, targets = pm.tokens(seq_len)
     other = mem.count_other_activations(pm.model, tokens, targets, mem.states_of(pm.model),
                                         pm.loss_ctx, gpu_kernels)
-    out = {"block_act_bytes": saved, "other_act_bytes": {m: other for m in mem.RECOMPUTE_MODES}}
+    out = {"block_act_bytes": saved, "other_act_bytes": {m: other for m in Recompute}}
     if allocator:
         alloc = {m: mem.allocator_block_activations(pm.block, x, cos, sin, m)
-                 for m in mem.RECOMPUTE_MODES}
+                 for m in Recompute}
         out["block_act_bytes"] = {m: a["act"] for m, a in alloc.items()}
         out["block_act_bytes_saved"] = saved
         out["block_act_peak_bytes"] = {m: a["peak"] for m, a in alloc.items()}
