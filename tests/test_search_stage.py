@@ -163,7 +163,7 @@ def test_advice_for_another_node_count_works_and_never_costs_the_strategy(chain)
     Now the launcher is named first with two commands that run; a search for another size keeps
     the strategy it replaces, and train points at it."""
     from orchestrator.errors import ConfigError
-    from orchestrator.pipeline import commands_that_launch
+    from orchestrator.commands import commands_that_launch
 
     folder = chain / "local" / "strategy"
     four = (folder / "tiny.layout.json").read_text()

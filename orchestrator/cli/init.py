@@ -8,12 +8,13 @@
 3. checks the cluster with it (`preflight`): one table, check | result | what to fix; exit 0
    when nothing failed. `init.preflight_only=true cluster=<name>` runs only this.
 
-All of it runs in the CLI's process, like `status`. The one launch is the check job: this
-stage's plan on the cluster's ranks through the Slurm launcher, as any stage's (MPI's world,
-then one all_reduce over torch.distributed with the cluster's backend). That job is in the ledger
-like every launch (`stage=status` re-attaches to it after a Ctrl-C; `always_runs`, so never
-skipped as done). Writing the file is not: the file is its own record, and force=true rewrites it
-(a file init did not write, or one edited since, is kept as `<name>.yaml.orig-<time>`).
+All of it runs in the CLI's process, like `status`. The one launch is the check job: the init
+stage's plan (orchestrator/stages/init.py) on the cluster's ranks through the Slurm launcher, as
+any stage's (MPI's world, then one all_reduce over torch.distributed with the cluster's
+backend). That job is in the ledger like every launch (`stage=status` re-attaches to it after a
+Ctrl-C; `always_runs`, so never skipped as done). Writing the file is not: the file is its own
+record, and force=true rewrites it (a file init did not write, or one edited since, is kept as
+`<name>.yaml.orig-<time>`).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from orchestrator.config import (CONF_DIR, ClusterConfig, Config, InitConfig, Li
 from orchestrator.errors import ConfigError, LaunchError, OrchestratorError
 from orchestrator.launch import slurm_discovery
 from orchestrator.launch.slurm_discovery import SlurmCluster
-from orchestrator.stages import Stage
+from orchestrator.pipeline import ledger_for
 from orchestrator.store.user_folder import KeptCopy, UserFolder
 
 # The PMI the mpich wheel (what `pip install` brings for mpi4py here) speaks under srun.
@@ -439,8 +440,6 @@ def run_check_job(cfg: Config, launch: Callable[[Config], List[dict]]) -> Tuple[
                                                                                  Optional[str]]:
     """The check job (this stage's plan on min(init.preflight_nodes, cluster.nodes) nodes),
     launched by `launch` (the CLI's run_stages); its two rows and its job id."""
-    from orchestrator.pipeline import ledger_for
-
     c = cfg.cluster
     probe = dataclasses.replace(
         cfg, launcher=dataclasses.replace(cfg.launcher, name=LauncherName.slurm),
@@ -544,28 +543,3 @@ def init_cluster(cfg: Config, launch: Callable[[Config], List[dict]],
     console.print(escape(f"cluster {cluster.name} is ready: python -m orchestrator stage=all "
                          f"launcher=slurm cluster={cluster.name}"))
     return rows
-
-
-# ---------------------------------------------------------------- the check job's ranks
-class Init(Stage):
-    """Its plan is the check job: every rank of the cluster (as the preflight narrows it)."""
-
-    name = "init"
-    hash_sections = ("cluster",)
-    always_runs = True  # a check of the cluster now: never skipped as done
-
-    def plan(self, cfg):
-        return self.make_plan(cfg, key="init")
-
-    def run(self, ctx, run):
-        """One all_reduce of rank + 1 over the backend; what rank 0 saw."""
-        import torch
-        import torch.distributed as dist
-
-        value = torch.tensor([float(ctx.rank + 1)], device=ctx.device)
-        dist.all_reduce(value)
-        return {"world_size": ctx.world_size, "num_nodes": ctx.num_nodes, "backend": ctx.backend,
-                "allreduce_sum": value.item(), "hosts": sorted(set(ctx.hostnames))}
-
-
-STAGE = Init()

@@ -23,10 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from orchestrator.choices import Microbatching, Ranks, Source
+from orchestrator.choices import Microbatching, Source
 from orchestrator.errors import ConfigError, InfeasibleError, OrchestratorError
 from orchestrator.layout import LayoutError, ParallelLayout
-from orchestrator.stages import Stage
+from orchestrator.pipeline import decide, ledger_for, plan_stage
+from orchestrator.stages.search import check_work, search_space, validate
 from orchestrator.store import (calibration_path, cluster_dir, file_sha256, hardware_path,
                                 model_profile_path, provenance, strategy_path, write_json,
                                 write_profile)
@@ -55,7 +56,6 @@ def choose_candidates(cfg, model_cost, hardware) -> Tuple[List[Candidate], int, 
     from orchestrator.planner import search
     from orchestrator.planner.calibration import Calibration
     from orchestrator.planner.search import InfeasibleError as PlannerInfeasible
-    from orchestrator.stages.search import search_space
     from orchestrator.train.plan import layout_tag
 
     t, space = cfg.tune, search_space(cfg)
@@ -145,7 +145,6 @@ def _check(cfg) -> None:
 def _run_candidate(cfg, cand: Candidate, seq_len: int, work: Path, run_stages,
                    console) -> Tuple[Optional[Path], Optional[str]]:
     """Train one candidate: (its summary, None) or (None, why it failed)."""
-    from orchestrator.pipeline import decide, ledger_for, plan_stage
     from orchestrator.sweep import labelled
     from orchestrator.train.plan import layout_tag
 
@@ -187,7 +186,6 @@ def _price(cfg, model_cost, hardware, seq_len: int):
 
 def tune(cfg, run_stages: Callable, console) -> List[dict]:
     """stage=tune: candidates, one train launch each, the fit, the pick; one report row."""
-    from orchestrator.pipeline import plan_stage
     from orchestrator.planner.calibration import Calibration, Observation, fit_calibration
     from orchestrator.store import read_json
     from orchestrator.store.schema import (CalibrationProfile, Provenance, StrategyInput,
@@ -197,8 +195,6 @@ def tune(cfg, run_stages: Callable, console) -> List[dict]:
 
     started = time.time()
     _check(cfg)
-    from orchestrator.stages.search import check_work, validate
-
     check_work(cfg, validate(cfg))  # the searches that choose the candidates
     model_cost, hardware = planner_profiles(cfg)
     candidates, seq_len, notes = choose_candidates(cfg, model_cost, hardware)
@@ -308,24 +304,3 @@ def _report(profile, fit, console) -> None:
         console.print(f"tune: pick (measured fastest): {profile.pick_describe}; stage=train "
                       f"trains it, the next search prices with the calibration",
                       highlight=False)
-
-
-class Tune(Stage):
-    """Planned like any stage (its key and hash); launched by the command line itself."""
-
-    name = "tune"
-    # Search lists the calibration among its inputs, so this hash is part of search's (and
-    # train's): tune's own knobs must not make them stale; the calibration's digest does.
-    hash_sections = ("cluster", "model")
-
-    def plan(self, cfg):
-        return self.make_plan(cfg, key=f"tune/{cfg.model.name}", ranks=Ranks.one,
-                              outputs=[calibration_path(cfg.profiles_dir, cfg.cluster.name,
-                                                        cfg.model.name)])
-
-    def run(self, ctx, run):
-        raise ConfigError("stage=tune runs from the command line: python -m orchestrator "
-                          "stage=tune")
-
-
-STAGE = Tune()
