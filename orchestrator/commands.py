@@ -23,7 +23,7 @@ _user_overrides: List[str] = []
 def set_user_overrides(overrides: Iterable[str]) -> None:
     """Record the overrides of this command (Hydra's `hydra.overrides.task`), once, in the CLI,
     as the user spells them (`import.path`, which the schema calls `import_.path`)."""
-    from orchestrator.config import user_spelling
+    from orchestrator.config_keys import user_spelling
     from orchestrator.overrides import typed_form
 
     _user_overrides[:] = [typed_form(user_spelling(str(o))) for o in overrides]

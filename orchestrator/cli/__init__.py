@@ -23,11 +23,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from orchestrator.choices import Ranks
-from orchestrator.config import (CONF_DIR, PATH_NAME_KEYS, Config,
-                                 check_path_name, check_path_names, choice_type, config_dirs,
-                                 group_options, group_source, override_type_error,
-                                 register_configs, schema_has_key, site_conf_dir,
-                                 unknown_key_message)
+from orchestrator.conf_folders import (CONF_DIR, config_dirs, group_options, group_source,
+                                       site_conf_dir)
+from orchestrator.config import Config, register_configs
+from orchestrator.config_keys import (PATH_NAME_KEYS, check_path_name, check_path_names,
+                                      choice_type, override_type_error, schema_has_key,
+                                      unknown_key_message)
 from orchestrator.console import err_console, print_error, report_error
 from orchestrator.commands import commands_that_launch, parse_overrides, set_user_overrides
 from orchestrator.errors import (ConfigError, InvalidLayout, LaunchError, OrchestratorError,

@@ -35,8 +35,10 @@ from rich.table import Table
 
 from orchestrator.choices import Backend, LauncherName
 from orchestrator.commands import rerun_command, user_overrides
-from orchestrator.config import (CONF_DIR, ClusterConfig, Config, InitConfig, LinkSheetConfig,
-                                 check_path_name, register_configs, site_conf_dir)
+from orchestrator.conf_folders import CONF_DIR, site_conf_dir
+from orchestrator.config import (ClusterConfig, Config, InitConfig, LinkSheetConfig,
+                                 register_configs)
+from orchestrator.config_keys import check_path_name
 from orchestrator.errors import ConfigError, LaunchError, OrchestratorError
 from orchestrator.launch import slurm_discovery
 from orchestrator.launch.slurm_discovery import SlurmCluster
