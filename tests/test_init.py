@@ -13,6 +13,8 @@ import yaml
 
 from conftest import ledger, run_cli
 from test_slurm import all_completed, sacct, wait_for
+from orchestrator.cli.init import cluster_yaml, guess_cluster, load_cluster, published_links
+from orchestrator.cli.preflight import Verdict, check_pmi, check_shared_hosts, diagnose
 from orchestrator.config import ClusterConfig, InitConfig
 from orchestrator.errors import ConfigError
 from orchestrator.launch.slurm_discovery import (SlurmCluster, parse_config_value,
@@ -20,8 +22,6 @@ from orchestrator.launch.slurm_discovery import (SlurmCluster, parse_config_valu
                                                  parse_partitions, parse_records,
                                                  parse_sinfo_nodes, parse_time_min,
                                                  slurm_command)
-from orchestrator.cli.init import (Verdict, check_pmi, check_shared_hosts, cluster_yaml,
-                                      diagnose, guess_cluster, load_cluster, published_links)
 
 # `sinfo -h -N -o "%N|%n|%P|%T|%c|%m|%G"` on a GPU cluster: gpu is the default partition (`*`),
 # gpu003 is in two partitions, one node is down, one powered off (idle~), one untyped Gres.
