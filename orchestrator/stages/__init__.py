@@ -22,8 +22,9 @@ from orchestrator.errors import ConfigError
 
 # `stage=all` runs these in order, skipping what is done.
 PIPELINE = ("profile_hardware", "profile_model", "search", "train")
-# Stages a user can name (plus `all` and `status`, which the CLI handles itself). `init` runs in
-# the CLI's process too (it writes a cluster file, then launches its check job itself).
+# Stages a user can name (plus `all` and `status`, which the CLI handles itself). `init` and
+# `tune` are commands of the CLI's process (cli/init.py, cli/tune.py); their stages here plan
+# init's check job and tune's ledger key and calibration file.
 STAGES = PIPELINE + ("import", "export", "trace", "noop", "init", "tune")
 
 
