@@ -23,20 +23,21 @@ from rich.markup import escape
 from rich.table import Table
 
 from orchestrator.choices import Ranks
-from orchestrator.config import (CONF_DIR, PATH_NAME_KEYS, Config,
-                                 check_path_name, check_path_names, choice_type, config_dirs,
-                                 group_options, group_source, override_type_error,
-                                 register_configs, schema_has_key, site_conf_dir,
-                                 unknown_key_message)
+from orchestrator.conf_folders import (CONF_DIR, config_dirs, group_options, group_source,
+                                       site_conf_dir)
+from orchestrator.config import Config, register_configs
+from orchestrator.config_keys import (PATH_NAME_KEYS, check_path_name, check_path_names,
+                                      choice_type, override_type_error, schema_has_key,
+                                      unknown_key_message)
 from orchestrator.console import err_console, print_error, report_error
-from orchestrator.commands import parse_overrides, set_user_overrides
+from orchestrator.commands import commands_that_launch, parse_overrides, set_user_overrides
 from orchestrator.errors import (ConfigError, InvalidLayout, LaunchError, OrchestratorError,
                                  file_error)
 from orchestrator.launch import make_launcher, refresh_ledger
 from orchestrator.overrides import config_dir_args, hydra_argv, unknown_choice_message
 from orchestrator.site_files import check_group_file, composed_error
-from orchestrator.pipeline import (check_launchable, commands_that_launch, decide, ledger_for,
-                                   plan_stage, stages_for, validate_cluster)
+from orchestrator.pipeline import (check_launchable, decide, ledger_for, plan_stage, stages_for,
+                                   validate_cluster)
 from orchestrator.runtime.request import StageRequest
 from orchestrator.stages import STAGES, StagePlan, disk_need_text, get_stage
 from orchestrator.store import DISK_FULL, atomic_write, cluster_dir, read_json
@@ -500,11 +501,11 @@ def orchestrate(composed: DictConfig):
         if cfg.stage.name == "status":
             return print_status(cfg)
         if cfg.stage.name == "init":  # on the login node; its check job goes through run_stages
-            from orchestrator.stages.init import init_cluster
+            from orchestrator.cli.init import init_cluster
 
             return init_cluster(cfg, run_stages, console)
         if cfg.stage.name == "tune":  # launches train once per candidate, then fits
-            from orchestrator.stages.tune import tune
+            from orchestrator.cli.tune import tune
 
             return tune(cfg, run_stages, console)
         return run_stages(cfg)
