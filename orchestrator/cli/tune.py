@@ -27,7 +27,7 @@ from orchestrator.choices import Microbatching, Source
 from orchestrator.errors import ConfigError, InfeasibleError, OrchestratorError
 from orchestrator.layout import LayoutError, ParallelLayout
 from orchestrator.pipeline import decide, ledger_for, plan_stage
-from orchestrator.stages.search import check_work, search_space, validate
+from orchestrator.stages.search_config import check_work, search_space, validate
 from orchestrator.store import (calibration_path, cluster_dir, file_sha256, hardware_path,
                                 model_profile_path, provenance, strategy_path, write_json,
                                 write_profile)
