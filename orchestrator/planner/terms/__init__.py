@@ -40,6 +40,12 @@ class FwdBwd(NamedTuple):
         return self.fwd_us + self.bwd_us
 
 
+def as_value(x):
+    """A float for a scalar (the search's per-layer terms stay plain floats), else the numpy
+    array (the dynamic planner's terms over K micro-batches)."""
+    return float(x) if np.ndim(x) == 0 else np.asarray(x, dtype=float)
+
+
 def overlap_extra_us(window_us, comm_us, overlap_coe: float):
     """Time (us) beyond `window_us` of compute when `comm_us` of communication runs beside it,
     both slowed by `overlap_coe` while they overlap: max(W, C) + min(W, C) (c - 1) - W. Works on
