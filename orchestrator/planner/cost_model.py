@@ -363,7 +363,9 @@ class StageCosts:
     def _per_stage(self, values: np.ndarray) -> np.ndarray:
         """A per-stage array [pp] as a column [pp, 1] when the terms are over micro-batches
         (at()), so it broadcasts against their [pp, K] terms; itself otherwise."""
-        return np.reshape(values, (-1,) + (1,) * np.ndim(self.tokens))
+        if not isinstance(self.tokens, np.ndarray):
+            return values
+        return np.reshape(values, (-1,) + (1,) * self.tokens.ndim)
 
     @property
     def block_activations(self) -> BlockActivations:

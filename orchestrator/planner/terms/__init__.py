@@ -43,7 +43,9 @@ class FwdBwd(NamedTuple):
 def as_value(x):
     """A float for a scalar (the search's per-layer terms stay plain floats), else the numpy
     array (the dynamic planner's terms over K micro-batches)."""
-    return float(x) if np.ndim(x) == 0 else np.asarray(x, dtype=float)
+    if isinstance(x, np.ndarray) and x.ndim:
+        return x.astype(float, copy=False)
+    return float(x)
 
 
 def overlap_extra_us(window_us, comm_us, overlap_coe: float):

@@ -59,7 +59,10 @@ def on_end_stages(first, last, pp: int) -> np.ndarray:
     """Per-stage array with `first` on stage 0 and `last` on stage pp - 1 (both on a single
     stage): where the embedding and the LM head live. [pp], or [pp, K] when first or last are
     K micro-batches' (numpy arrays)."""
-    out = np.zeros((pp,) + np.broadcast_shapes(np.shape(first), np.shape(last)))
+    if isinstance(first, np.ndarray) or isinstance(last, np.ndarray):
+        out = np.zeros((pp,) + np.broadcast_shapes(np.shape(first), np.shape(last)))
+    else:  # the search's scalars: the cheap path
+        out = np.zeros(pp)
     out[0] += first
     out[pp - 1] += last
     return out
