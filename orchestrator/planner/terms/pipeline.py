@@ -38,10 +38,11 @@ def boundary_us(hardware: HardwareModel, message_bytes,
     """Time (us) of one send across each boundary (see boundary_intra_node); zeros for pp = 1.
     [pp], or [pp, K] for K micro-batches' message sizes (a numpy array)."""
     pp = len(intra)
+    over_micro_batches = isinstance(message_bytes, np.ndarray)
     if pp == 1:
-        return np.zeros((1,) + np.shape(message_bytes))
+        return np.zeros((1,) + message_bytes.shape) if over_micro_batches else np.zeros(1)
     times = [hardware.p2p_time_us(message_bytes, x, pp) for x in intra]
-    if np.ndim(message_bytes):  # an empty message is priced 0.0: as long as the others
+    if over_micro_batches:  # an empty message is priced 0.0: as long as the others
         times = np.broadcast_arrays(*times, message_bytes)[:-1]
     return np.array(times, dtype=float)
 
