@@ -2,6 +2,7 @@
 memory under the budget, fast mode, bad input and the baselines."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -100,6 +101,33 @@ def test_cp_and_moe_micro_batches_price_as_the_cost_model(case, extra, mode):
         peak = max(plan.stage_peak_memory_bytes)
         assert peak == pytest.approx(pred.peak_memory_bytes, rel=memory_rel), options.engine
         assert peak >= pred.peak_memory_bytes * (1 - 1e-3)
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(cp=2), dict(cp=2, cp_comm="a2a"),
+                                   dict(ep=2), dict(ep=2, etp=2, cp=2)])
+def test_micro_batch_costs_are_stage_costs_of_the_same_shape(extra):
+    """Micro-batches of different shapes priced at once (StageCosts.at) equal, column by
+    column, StageCosts built for each shape alone: one cost model, term by term."""
+    from orchestrator.planner.cost_model import ConfigKey, StageCosts
+
+    model = _moe_model(True) if "ep" in extra else MODEL
+    tp, pp = 2, 2
+    lay = ParallelLayout.uniform(16, tp, pp, model.layers, zero=1, sequence_parallel=True,
+                                 num_micro_batches=4, **extra)
+    b, s, code = np.array([1, 3, 2]), np.array([128, 320, 512]), np.array([0, 2, 1])
+    costs = MicroBatchCosts(lay, model, HW)
+    priced = costs.price(b, s, code)
+    j, n = np.arange(pp), np.array(lay.layers_per_stage, dtype=float)
+    for k in range(len(b)):
+        shape = dataclasses.replace(lay, micro_batch_size=int(b[k]))
+        alone = StageCosts(ConfigKey.of(shape), model, HW, int(s[k]))
+        np.testing.assert_allclose(priced.stage_time_us[:, k],
+                                   alone.stage_time_us(j, n, code[k], n), rtol=1e-12)
+        np.testing.assert_allclose(priced.fwd_us[:, k],
+                                   alone.stage_fwd_us(j, n, sends=False), rtol=1e-12)
+        np.testing.assert_allclose(priced.boundary_us[:, k], alone.boundary_us, rtol=1e-12)
+        np.testing.assert_allclose(priced.sync_window_us[:, k], alone.sync_window_us(j, n),
+                                   rtol=1e-12)
 
 
 def test_lockstep_groups_are_the_dp_ranks_an_expert_group_spans():
