@@ -344,7 +344,8 @@ def _planned_step(engine, planner, iteration, data, lr: float, grad_clip: float,
     inputs = rank_inputs(iteration, data, engine.dp_rank, planner.samples_per_rank)
     stats = engine.train_step_micro_batches(
         inputs, lr, grad_clip, iteration.total_tokens, stop=stop,
-        extra_warmup=iteration.plan.extra_warmup_of(engine.dp_rank))
+        extra_warmup=iteration.plan.extra_warmup_of(engine.dp_rank),
+        total_rows=iteration.total_rows)
     steps_log.planned(record, stats)
     return stats
 
