@@ -42,7 +42,8 @@ from orchestrator.layout import ParallelLayout  # noqa: E402
 from orchestrator.planner import HardwareModel, ModelCost  # noqa: E402
 from orchestrator.planner.terms import MODE_NAMES  # noqa: E402
 from orchestrator.planner.dynamic import (MicroBatch, MicroBatchCosts, plan_iteration,  # noqa
-                                          price_plan, _price_micro_batches)
+                                          price_plan)
+from orchestrator.planner.execution_plan import _price_micro_batches  # noqa: E402
 
 try:
     import dynapipe.schedule_opt.execution_planner as EP  # noqa: E402

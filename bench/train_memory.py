@@ -32,7 +32,7 @@ from orchestrator.layout import ParallelLayout  # noqa: E402
 from orchestrator.models.config import ModelConfig  # noqa: E402
 from orchestrator.train.engine import Engine  # noqa: E402
 from orchestrator.train.live_memory import LiveTensorBytes  # noqa: E402
-from orchestrator.workload.memory import rank_states  # noqa: E402
+from orchestrator.workload.states import rank_states  # noqa: E402
 
 MiB = float(1 << 20)
 

@@ -70,7 +70,8 @@ from orchestrator.planner.terms.pipeline import (boundary_intra_node, boundary_u
                                                  on_end_stages, p2p_message_bytes, stage_sends)
 from orchestrator.planner.terms.tp_comm import LOSS_VALUE_BYTES, TpComm, tp_message_bytes
 from orchestrator.planner.terms.zero import ZeroSharding, ZeroTraffic, dp_sync_parts_us
-from orchestrator.workload.memory import BlockActivations, StageMemory, StageNumels
+from orchestrator.workload.memory import BlockActivations
+from orchestrator.workload.stage_memory import StageMemory, StageNumels
 
 GiB = float(1 << 30)
 MEMORY_KINDS = ("params", "grads", "optim", "activations", "comm_buffers", "reserve")

@@ -16,7 +16,7 @@ import numpy as np
 from orchestrator.choices import Recompute
 from orchestrator.planner.profiles import PartMemory
 # defined once, with the rest of a layout's memory
-from orchestrator.workload.memory import no_sp_extra_bytes_per_token
+from orchestrator.workload.states import no_sp_extra_bytes_per_token
 
 
 
