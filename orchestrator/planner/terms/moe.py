@@ -36,11 +36,22 @@ import numpy as np
 from orchestrator.models.config import count_attention_params
 from orchestrator.planner.profiles import HardwareModel, ModelCost
 from orchestrator.planner.terms import FwdBwd
-from orchestrator.workload.moe import (MoeShape, counts_bytes, dense_ffn_params_per_rank,
+from orchestrator.workload.moe import (MoeShape, counts_bytes, default_imbalance,
+                                       dense_ffn_params_per_rank,
                                        dense_mlp_activation_bytes, dispatch_bytes,
                                        expert_params_per_rank, expert_tokens,
                                        moe_activation_bytes, moe_dense_params_per_rank,
                                        moe_matmul_params_per_token, tokens_per_rank)
+
+
+def moe_imbalance(model: ModelCost, options) -> float:
+    """The load imbalance the cost model prices a MoE model at (1.0 for a dense one):
+    `options.moe_imbalance` (CostOptions) when given, else workload/moe.default_imbalance."""
+    if model.moe is None:
+        return 1.0
+    if options.moe_imbalance is not None:
+        return float(options.moe_imbalance)
+    return default_imbalance(model.moe)
 
 
 def attention_params_per_rank(model: ModelCost, tp: int) -> float:
