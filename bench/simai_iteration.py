@@ -126,7 +126,7 @@ def main() -> None:
     for stage in range(layout.pp):
         workload = next(folder.glob(f"*-stage{stage}.txt"))
         simai = run_simai(binary, args.simai, workload, layout.world_size, links)
-        rank = stage * layout.tp * layout.cp * layout.dp
+        rank = stage * layout.stage_ranks
         records = [json.loads(line) for line in (folder / f"fake_rank_{rank}.jsonl").open()]
         compute_us = sum(r.get("time_us", 0.0) for r in records if r["kind"] == "compute")
         table.add_row(str(stage), f"{simai['total comp'] / 1e3:.1f}", f"{compute_us / 1e3:.1f}",

@@ -114,15 +114,10 @@ def replicated_over_tp(p: Param, layout: ParallelLayout) -> bool:
     return is_dtensor(p, layout) and not p.tp_sharded and not is_expert(p)
 
 
-def replicas(layout) -> int:
-    """Ranks holding the same weights (dp x cp): gradients are reduced, ZeRO shards, over them."""
-    return layout.dp * layout.cp
-
-
 def _bucket_states(params: List[Param], layout: ParallelLayout, bucket_MiB: float,
                    dp: Optional[int] = None) -> dict:
     """The bucketed states of `params` sharded over `dp` ranks (default the dense replicas)."""
-    dp, zero = dp or replicas(layout), layout.zero
+    dp, zero = dp or layout.replicas, layout.zero
     out = dict(params=0, master=0, grads=0, optim=0, norm_index=0)
     plans = plan_buckets([p.local_numel for p in params], dp, bucket_MiB)
     for plan in plans:
@@ -155,7 +150,7 @@ def fsdp_shard_numel(p: Param, dp: int, dp_rank: int) -> int:
 
 
 def _fsdp_states(params: List[Param], layout: ParallelLayout, dp_rank: int) -> dict:
-    shard = sum(fsdp_shard_numel(p, replicas(layout), dp_rank) for p in params)
+    shard = sum(fsdp_shard_numel(p, layout.replicas, dp_rank) for p in params)
     return dict(params=FP32 * shard, master=0, grads=0,
                 optim=2 * FP32 * shard + STEP_COUNTER_BYTES * len(params), norm_index=0)
 
@@ -466,7 +461,7 @@ def rank_memory(model: ModelConfig, layout: ParallelLayout, rank: int, act: Bloc
     params = rank_parameters(model, layout, rank)
     numel = [p.local_numel for p in params]
     pp_rank, dp_rank = layout.coordinate(rank, "pp"), layout.coordinate(rank, "dp_cp")
-    dp, zero, m = replicas(layout), layout.zero, layout.num_micro_batches
+    dp, zero, m = layout.replicas, layout.zero, layout.num_micro_batches
     tokens = layout.micro_batch_size * seq_len // layout.cp  # this rank's
     vocab_local = chunk_size(model.vocab, layout.tp, layout.coordinate(rank, "tp"))
     head_kept, head_fwd, head_bwd = _head_bytes(model, layout, dtype, tokens, cuda, vocab_local)
@@ -597,7 +592,7 @@ def _fsdp_gathered(part, unit_of_part, fsdp_units, prefetch: bool = False) -> fl
 def _gradients(part, count, m, params, numel, layout, plans, bucket_of, viewable, owned,
                allocated, fsdp_units, unit_of_part, live) -> None:
     """What the backward of `part` (its `count`-th of m this iteration) leaves allocated."""
-    zero, dp = layout.zero, replicas(layout)
+    zero, dp = layout.zero, layout.replicas
     size = FP32 * sum(numel[i] for i in part.params)
     if zero == 3:
         if count == 1 and m > 1:
@@ -701,7 +696,7 @@ class StageMemory:
                  dtype: Dtype | str, device: str, seq_len: int, bucket_MiB: float = 25.0):
         self.model, self.layout = model, layout
         dtype = Dtype.parse(dtype)
-        tp, pp, dp, zero = layout.tp, layout.pp, replicas(layout), layout.zero
+        tp, pp, dp, zero = layout.tp, layout.pp, layout.replicas, layout.zero
         m, v = layout.num_micro_batches, layout.virtual_stages
         cuda = device.startswith("cuda")
         h, vocab = model.hidden, model.vocab
