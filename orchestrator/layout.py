@@ -330,7 +330,7 @@ class ParallelLayout:
         (pp, dp, cp | cp_ring, cp_a2a, tp) and, with `experts`, of the expert grid (pp, edp, ep,
         etp), one named dimension per Group. Every rank of the world calls it (a real backend
         makes every group of the world)."""
-        from orchestrator.mesh import build_mesh
+        from orchestrator.mesh import build_mesh  # torch: only where a mesh is built
 
         return build_mesh(self, device_type, experts)
 
