@@ -33,6 +33,7 @@ from orchestrator.choices import Microbatching, Recompute, Schedule
 from orchestrator.errors import ConfigError
 from orchestrator.layout import ParallelLayout
 from orchestrator.planner.cost_model import GiB
+from orchestrator.planner.lockstep import align, lockstep_groups
 from orchestrator.planner.microbatch_costs import (Candidates, MicroBatchCosts,
                                                    PricedMicroBatches, pack_rows, padded_length,
                                                    price_candidates)
@@ -66,7 +67,8 @@ class MicroBatch:
 # ====================================================================== the plan
 @dataclass(frozen=True)
 class PlanOptions:
-    """pad_multiple: padded lengths are rounded up to it (and to tp under sequence parallelism);
+    """pad_multiple: padded lengths are rounded up to it (and to what SP and CP cut:
+    _pad_multiple);
     normal_adjustments / fast_adjustments: most recompute changes tried per rank;
     normal_order_sims / fast_order_sims: most simulations spent improving the best candidate
     order (_RankSearch.improve: DynaPipe's group orders, then moves of one micro-batch);
@@ -493,10 +495,15 @@ def _fast_mode(fast_mode: Optional[bool]) -> bool:
 
 
 def _pad_multiple(layout: ParallelLayout, options: PlanOptions) -> int:
-    """Padded lengths are multiples of pad_multiple, and of tp under sequence parallelism."""
+    """Padded lengths are multiples of pad_multiple, of tp under sequence parallelism, and of
+    2 x cp x tp under context parallelism (a sequence cut into 2 cp equal chunks, each split
+    over tp: layout.check_sequence)."""
+    multiple = options.pad_multiple
     if layout.sequence_parallel:
-        return math.lcm(options.pad_multiple, layout.tp)
-    return options.pad_multiple
+        multiple = math.lcm(multiple, layout.tp)
+    if layout.cp > 1:
+        multiple = math.lcm(multiple, 2 * layout.cp * layout.tp)
+    return multiple
 
 
 def _bad_samples(lengths_per_rank, costs: MicroBatchCosts, budget: float, max_seq_len: int,
@@ -711,8 +718,26 @@ def plan_iteration(lengths_per_rank: Sequence[Sequence[int]], layout: ParallelLa
     if not bad:
         results = _keep_faster_baselines(costs, results, lengths_per_rank, memory_budget_bytes,
                                          max_seq_len)
+    results = _in_lockstep(costs, results)
     return _make_plan(costs, results, memory_budget_bytes, Microbatching.dynamic,
                       "fast" if fast else "normal", t0, skipped=bad)
+
+
+def _in_lockstep(costs: MicroBatchCosts, results: List[_RankResult]) -> List[_RankResult]:
+    """The ranks' results with a MoE model's expert groups in lockstep (planner/lockstep.py),
+    the ranks that changed priced again."""
+    groups = lockstep_groups(costs.layout, costs.model.moe is not None)
+    if not groups:
+        return results
+    mbs, rows, extra, changed = align(costs.layout, groups, [r.micro_batches for r in results],
+                                      [r.packed_rows for r in results],
+                                      [r.extra_warmup for r in results])
+    priced = _price_ranks(costs, [mbs[r] for r in changed], [rows[r] for r in changed],
+                          [extra[r] for r in changed])
+    results = list(results)
+    for r, result in zip(changed, priced):
+        results[r] = result
+    return results
 
 
 # ====================================================================== baselines
@@ -768,8 +793,7 @@ def padded_plan(lengths_per_rank: Sequence[Sequence[int]], layout: ParallelLayou
     parallelism), the layout's recompute; priced like plan_iteration."""
     costs = costs or MicroBatchCosts(layout, model, hardware)
     mbs, packed = _padded_micro_batches(lengths_per_rank, layout, max_seq_len)
-    return price_plan(mbs, costs, memory_budget_bytes, kind=Microbatching.padded,
-                      packed_rows=packed)
+    return _baseline_plan(costs, mbs, packed, memory_budget_bytes, Microbatching.padded)
 
 
 def packed_plan(lengths_per_rank: Sequence[Sequence[int]], layout: ParallelLayout,
@@ -780,5 +804,13 @@ def packed_plan(lengths_per_rank: Sequence[Sequence[int]], layout: ParallelLayou
     the whole row), the layout's recompute."""
     costs = costs or MicroBatchCosts(layout, model, hardware)
     mbs, packed = _packed_micro_batches(lengths_per_rank, layout, max_seq_len)
-    return price_plan(mbs, costs, memory_budget_bytes, kind=Microbatching.packed,
-                      packed_rows=packed)
+    return _baseline_plan(costs, mbs, packed, memory_budget_bytes, Microbatching.packed)
+
+
+def _baseline_plan(costs: MicroBatchCosts, mbs, packed, budget: float,
+                   kind: Microbatching) -> ExecutionPlan:
+    """A baseline's micro-batches priced as price_plan does, a MoE model's expert groups in
+    lockstep."""
+    t0 = time.perf_counter()
+    results = _in_lockstep(costs, _price_ranks(costs, mbs, packed))
+    return _make_plan(costs, results, budget, kind, "normal", t0)

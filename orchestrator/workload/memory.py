@@ -342,14 +342,16 @@ def _chunk_modes(layout: ParallelLayout, pp_rank: int, layers: int) -> List[Reco
 
 def engine_block_bytes(act: BlockActivations, mode: Recompute, model: ModelConfig,
                        layout: ParallelLayout, dtype: Dtype, tokens: int,
-                       block_local_numel: int) -> float:
-    """What one layer of the engine keeps per micro-batch of `tokens` tokens (the model
-    profile's count plus the engine's own, see the module's docstring)."""
+                       block_local_numel: int, micro_batch_size=None) -> float:
+    """What one layer of the engine keeps per micro-batch of `tokens` tokens in
+    `micro_batch_size` sequences (default the layout's) (the model profile's count plus the
+    engine's own, see the module's docstring)."""
     h, t, t_sp = model.hidden, layout.tp, sp_degree(layout)
     autocast = dtype != Dtype.fp32
     elem = dtype.bytes if autocast else FP32
     kept = act.at(mode) * (elem / act.elem_bytes)
-    kept += cp_attention_bytes(model, layout, tokens, dtype)[2] if mode != Recompute.full else 0.0
+    if mode != Recompute.full:
+        kept += cp_attention_bytes(model, layout, tokens, dtype, micro_batch_size)[2]
     if t > 1 and not layout.sequence_parallel:  # the tokens SP would shard, whole
         kept += no_sp_extra_bytes_per_token(mode, t, h, elem) * tokens
     if autocast:
@@ -389,17 +391,20 @@ def _head_bytes(model: ModelConfig, layout: ParallelLayout, dtype: Dtype, tokens
 
 
 def _block_working(model: ModelConfig, layout: ParallelLayout, tokens: int,
-                   dtype: Dtype = Dtype.fp32) -> float:
+                   dtype: Dtype = Dtype.fp32, micro_batch_size=None) -> float:
     """A layer's backward, beyond its kept activations: the gradients flowing through it (the
     residual's and the MLP's intermediate ones) while its weights' gradients are made, and
     context-parallel attention's own (cp_attention_bytes)."""
     return (FP32 * tokens * (2 * model.hidden / sp_degree(layout) + 2 * model.ffn / layout.tp)
-            + cp_attention_bytes(model, layout, tokens, dtype)[1])
+            + cp_attention_bytes(model, layout, tokens, dtype, micro_batch_size)[1])
 
 
-def cp_attention_bytes(model: ModelConfig, layout, tokens, dtype: Dtype = Dtype.fp32):
+def cp_attention_bytes(model: ModelConfig, layout, tokens, dtype: Dtype = Dtype.fp32,
+                       micro_batch_size=None):
     """(forward working, backward working, kept beyond one-rank attention) bytes of one layer's
-    context-parallel attention for a micro-batch of `tokens` of this rank's (0 without CP).
+    context-parallel attention for a micro-batch of `tokens` of this rank's (0 without CP) in
+    `micro_batch_size` sequences (default the layout's; numpy arrays: the dynamic planner's
+    micro-batches).
 
     The ring (p2p) computes in fp32 (workload/cp.py): a tile of a block's scores (query rows x
     seq / cp keys per head) and its exponential; forward the output's running sum and the
@@ -420,7 +425,8 @@ def cp_attention_bytes(model: ModelConfig, layout, tokens, dtype: Dtype = Dtype.
     kv = 2.0 * tokens * (model.kv_heads // layout.tp) * head_dim * elem  # one ring message
     if layout.cp_comm == CpComm.allgather:
         return 0.0, cp * kv, (cp - 1) * kv
-    b, heads = layout.micro_batch_size, model.heads // layout.tp
+    b = layout.micro_batch_size if micro_batch_size is None else micro_batch_size
+    heads = model.heads // layout.tp
     # an all-to-all's contiguous send buffer and its receive buffer, then the head-split copy:
     # 3 of the tensor at once (Q the largest); the backward the same for the gradient
     swap = 2.0 * tokens * heads * head_dim * elem
@@ -429,13 +435,14 @@ def cp_attention_bytes(model: ModelConfig, layout, tokens, dtype: Dtype = Dtype.
     # the ring: over every CP rank, or (a2a+p2p) over groups of a, each member holding its
     # group's a x seq / cp tokens of 1 / a of the heads
     a = layout.cp_a2a if layout.cp_comm == CpComm["a2a+p2p"] else 1
-    rows = int(tokens) // b * a  # a sequence's tokens on a ring member
+    # a sequence's tokens on a ring member
+    rows = np.floor(tokens) // b * a if np.ndim(tokens) else int(tokens) // b * a
     scores = FP32 * b * (heads // a) * score_tile_rows(b, heads // a, rows, rows) * rows
     one = FP32 * tokens * heads * head_dim  # a query-sized fp32 tensor
     copies = one if autocast else 0.0
     ring = (2 * scores + 3 * one + copies + 2 * kv, 2 * scores + 5 * one + 2 * copies + 4 * kv)
     if a > 1:  # the all-to-alls come before and after the ring, not beside it
-        return max(swap, ring[0]), max(swap, ring[1]), 0.0
+        return np.maximum(swap, ring[0]), np.maximum(swap, ring[1]), 0.0
     return ring[0], ring[1], 0.0
 
 
@@ -843,23 +850,23 @@ class StageMemory:
         peak = np.maximum(start, end).max(axis=-1)
         return np.maximum(peak + always, self.tail_above_states(j, n))
 
-    def micro_batch_bytes(self, layers, tokens, per_token, code):
-        """For micro-batches of their own sizes (the dynamic planner's): (stored [p, K], extra
-        [p, K], fixed [p]) bytes: what one in flight keeps on each stage (its layers, the
+    def micro_batch_bytes(self, layers, act: BlockActivations, tokens, micro_batch_size,
+                          code):
+        """For K micro-batches of their own sizes (the dynamic planner's): (stored [p, K],
+        extra [p, K], fixed [p]) bytes: what one in flight keeps on each stage (its layers, the
         embedding's), what it needs on top while its backward runs (a layer's working set and
         recompute, or the loss and the head's activations on the last stage, the embedding's
         gradient on the first), and per stage what does not depend on the micro-batch (DTensor
         or FSDP gradients accumulated, FSDP's gathered units). `layers`: each stage's layer
-        count; `per_token`: the profile's (none, selective, full) bytes per token of a layer at
-        each micro-batch's length."""
+        count; `act`: a layer's activations of each micro-batch by mode (the model profile's,
+        arrays [K]); `tokens`: each one's on this rank (b x s / cp) in `micro_batch_size`
+        sequences; `code`: its recompute."""
         tokens = np.asarray(tokens, dtype=float)
         code = np.asarray(code)
         layout, pp = self.layout, self.layout.pp
         n = np.asarray(layers, dtype=float)[:, None]
-        act = BlockActivations(*(np.asarray(a, dtype=float) * tokens for a in per_token),
-                               elem_bytes=self.profile_elem)
         kept = [engine_block_bytes(act, mode, self.model, layout, self.dtype, tokens,
-                                   self.block_numel) for mode in Recompute]
+                                   self.block_numel, micro_batch_size) for mode in Recompute]
         layer = np.where(code == 1, kept[1], np.where(code == 2, kept[2], kept[0]))
         recompute = np.where(code == 1, kept[0] - kept[1],
                              np.where(code == 2, kept[0] - kept[2], 0.0))
@@ -871,7 +878,8 @@ class StageMemory:
         fresh = (FP32 * self.largest_block_param if self.zero < 3 else
                  (0.0 if pp > 1 else FP32 * self.block_numel))
         fresh_end = FP32 * self.largest_param[:, None] if self.zero < 3 else 0.0
-        block = _block_working(self.model, layout, tokens) + recompute + fresh
+        block = (_block_working(self.model, layout, tokens, self.dtype, micro_batch_size)
+                 + recompute + fresh)
         end = np.where(first, FP32 * self.vocab_local * self.model.hidden + fresh_end, 0.0)
         extra = np.maximum(np.maximum(block, end),
                            np.where(last, head_kept + head_bwd + fresh_end, 0.0))

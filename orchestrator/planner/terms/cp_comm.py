@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator.planner.profiles import HardwareModel
-from orchestrator.planner.terms import FwdBwd, overlap_extra_us
+from orchestrator.planner.terms import FwdBwd, as_value, overlap_extra_us
 
 # Attention's backward (flash: recomputes the scores, then dQ, dK, dV) against its forward.
 ATTENTION_BWD_OVER_FWD = 2.5
@@ -74,7 +74,7 @@ class CpComm:
         fwd = overlap_extra_us(attention_fwd_us * hidden_steps, (cp - 1) * hop_us, overlap_coe)
         bwd = overlap_extra_us(ATTENTION_BWD_OVER_FWD * attention_fwd_us * hidden_steps,
                                (cp - 1) * 2.0 * hop_us, overlap_coe)
-        return cls(FwdBwd(float(fwd), float(bwd)), float(hop_us))
+        return cls(FwdBwd(as_value(fwd), as_value(bwd)), as_value(hop_us))
 
     @classmethod
     def all_to_all(cls, hardware: HardwareModel, cp: int, tp: int, tokens: float, heads: int,

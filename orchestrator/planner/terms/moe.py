@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from orchestrator.models.config import count_attention_params
 from orchestrator.planner.profiles import HardwareModel, ModelCost
 from orchestrator.planner.terms import FwdBwd
@@ -55,13 +57,16 @@ def linear_scale(model: ModelCost, shape: MoeShape, imbalance: float) -> float:
             / (attention + 3.0 * model.hidden * model.ffn))
 
 
-def moe_block_delta_us(costs, shape: MoeShape, key, seq_len: int, imbalance: float):
+def moe_block_delta_us(costs, shape: MoeShape, key, seq_len: int, imbalance: float,
+                       micro_batch_size=None):
     """(forward, backward) us a MoE block takes on the busiest rank beyond the profiled dense
     block, from profile_model's MoE parts (profiling/model/moe_costs.MoeCosts): routing of the
     rank's T tokens, its experts / ep experts each on the token copies its EP (and ETP) group
     sends it, T x top_k x ep x etp / experts x imbalance, the shared expert, less the dense
-    block's MLP (both on the TP-gathered tokens)."""
-    tokens = tokens_per_rank(seq_len, key.micro_batch_size, key.tp, key.cp)
+    block's MLP (both on the TP-gathered tokens). Micro-batches of `micro_batch_size` sequences
+    (default the key's; numpy arrays with seq_len: the dynamic planner's)."""
+    b = key.micro_batch_size if micro_batch_size is None else micro_batch_size
+    tokens = tokens_per_rank(seq_len, b, key.tp, key.cp)
     local_experts = shape.experts // key.ep
     per_expert = expert_tokens(tokens, shape, key.etp, imbalance) / local_experts
     return costs.moe_block_delta_us(tokens, tokens * key.tp, per_expert, local_experts,
@@ -116,14 +121,17 @@ class MoeComm:
         tokens = tokens_per_rank(seq_len, micro_batch_size, tp, cp)
         sizes = dispatch_bytes(tokens, shape, ep, etp, elem_bytes, imbalance)
         a2a = counts = 0.0
-        if ep > 1 and sizes.a2a > 0:
+        moving = np.asarray(sizes.a2a) > 0  # per micro-batch (numpy arrays) or one
+        if ep > 1 and moving.any():
             alpha, per_byte = hardware.all2all_line(ep, etp)
-            a2a = alpha + sizes.a2a * per_byte * bandwidth_factor
+            a2a = (alpha + sizes.a2a * per_byte * bandwidth_factor) * moving
             # the forward exchanges the tokens' counts per expert first (the split sizes,
             # workload/moe.counts_bytes); the backward reuses them
-            counts = alpha + counts_bytes(shape) * per_byte * bandwidth_factor
+            counts = (alpha + counts_bytes(shape) * per_byte * bandwidth_factor) * moving
+            if not np.ndim(a2a):
+                a2a, counts = float(a2a), float(counts)
         pair = 0.0
-        if etp > 1 and sizes.etp > 0:
+        if etp > 1:
             pair = (hardware.collective_time_us("all_gather", etp, 1, sizes.etp)
                     + hardware.collective_time_us("reduce_scatter", etp, 1, sizes.etp))
         one_way = 2.0 * a2a + pair

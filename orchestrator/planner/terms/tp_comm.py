@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from orchestrator.bandwidth import benchmark_of
 from orchestrator.choices import Engine
 from orchestrator.planner.profiles import HardwareModel
-from orchestrator.planner.terms import FwdBwd
+from orchestrator.planner.terms import FwdBwd, as_value
 from orchestrator.workload.tp import TpCounts, priced_us, tp_counts
 
 LOSS_VALUE_BYTES = 4  # the vocab-parallel loss reduces one fp32 value per token, thrice
@@ -21,8 +21,9 @@ LOSS_VALUE_BYTES = 4  # the vocab-parallel loss reduces one fp32 value per token
 
 def tp_message_bytes(seq_len: int, micro_batch_size: int, hidden: int,
                      dtype_bytes: int) -> float:
-    """Bytes of one layer activation of a micro-batch: s * b * h * dtype_bytes."""
-    return float(seq_len * micro_batch_size) * hidden * dtype_bytes
+    """Bytes of one layer activation of a micro-batch: s * b * h * dtype_bytes (floats, or
+    numpy arrays over micro-batches)."""
+    return as_value(seq_len * micro_batch_size) * hidden * dtype_bytes
 
 
 @dataclass(frozen=True)
