@@ -150,7 +150,7 @@ def main() -> None:
         table.add_column(column, justify="right")
     for stage in range(layout.pp):
         workload = next(folder.glob(f"*-stage{stage}.txt"))
-        rank = stage * layout.tp * layout.cp * layout.dp
+        rank = stage * layout.stage_ranks
         records = [json.loads(line) for line in (folder / f"fake_rank_{rank}.jsonl").open()]
         compute_us = sum(r.get("time_us", 0.0) for r in records if r["kind"] == "compute")
         if binary is None:

@@ -111,6 +111,26 @@ CpComm = Choice("CpComm", [("p2p", "p2p"), ("a2a", "a2a"), ("allgather", "allgat
                            ("a2a+p2p", "a2a+p2p")], module=__name__)
 
 
+class Group(Choice):
+    """A parallel layout's process groups, by name: ParallelLayout.group_ranks gives a rank's
+    members of each, ParallelLayout.build_mesh the DeviceMesh dimension of each, and workload/
+    and trace name every message by its group. Rank order tp, cp, dp, pp (Megatron's); the
+    expert grid etp, ep, edp, pp over the same ranks (layout.py)."""
+
+    world = "world"  # every rank: the gradient norm, the loss
+    pp = "pp"  # pipeline stages
+    dp = "dp"  # data parallel
+    cp = "cp"  # context parallel: the ranks holding one sequence's chunks
+    tp = "tp"  # tensor parallel
+    dp_cp = "dp_cp"  # dp x cp, the replicas: the ranks holding the same weights
+    cp_a2a = "cp_a2a"  # a2a+p2p: the all-to-all level of the CP group (cp_a2a ranks)
+    cp_ring = "cp_ring"  # a2a+p2p: the ring over those groups (cp / cp_a2a ranks)
+    tp_cp = "tp_cp"  # tp x cp: the ranks holding one sequence's tokens (MoE balance statistics)
+    etp = "etp"  # expert tensor parallel
+    ep = "ep"  # expert parallel: different experts, tokens by all-to-all
+    edp = "edp"  # expert data parallel: the ranks holding the same experts
+
+
 class HardwareExport(Choice):
     galvatron = "galvatron"
 

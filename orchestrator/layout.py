@@ -9,7 +9,9 @@ Rank order is Megatron's (tp fastest, then cp, then dp, then pp): global rank = 
 tp * cp_rank + tp * cp * dp_rank + tp * cp * dp * pp_rank. Tensor-parallel groups are consecutive
 ranks, context-parallel groups have stride tp, data-parallel groups stride tp * cp (gradients are
 reduced, and ZeRO shards, over the dp x cp ranks of stride tp that hold the same weights),
-pipeline neighbours are tp * cp * dp ranks apart.
+pipeline neighbours are tp * cp * dp ranks apart. The groups are named by choices.Group;
+`group_ranks` gives a rank's members of each, `rank_groups` all of one rank's (trace makes only
+those), `build_mesh` the DeviceMeshes train runs on (orchestrator/mesh.py).
 
 Experts (mixture-of-experts models, models/moe.py) have their own grid over the same ranks of a
 pipeline stage, Megatron's "MoE parallel folding": etp x ep x edp = tp x cp x dp, in the order
@@ -26,7 +28,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from orchestrator.choices import CpComm, Recompute, Schedule
+from orchestrator.choices import CpComm, Group, Recompute, Schedule
 from orchestrator.errors import ConfigError
 from orchestrator.records import FieldError, convert, join, show
 
@@ -126,7 +128,7 @@ class ParallelLayout:
         if self.cp_comm != CpComm["a2a+p2p"] and self.cp_a2a != 1:
             raise LayoutError(f"cp_a2a({self.cp_a2a}) is the all-to-all degree of cp_comm "
                               f"a2a+p2p, not of cp_comm {self.cp_comm}")
-        stage_ranks = self.tp * self.cp * self.dp
+        stage_ranks = self.stage_ranks
         if stage_ranks % (self.ep * self.etp):
             raise LayoutError(f"ep({self.ep}) * etp({self.etp}) must divide the tp({self.tp}) * "
                               f"cp({self.cp}) * dp({self.dp}) = {stage_ranks} ranks of a pipeline "
@@ -237,9 +239,25 @@ class ParallelLayout:
         return sum(self.layers_per_stage)
 
     @property
+    def stage_ranks(self) -> int:
+        """Ranks of one pipeline stage: tp x cp x dp (the expert grid folds onto them)."""
+        return self.tp * self.cp * self.dp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same weights, dp x cp: gradients are reduced, and ZeRO shards,
+        over them (the CP ranks of a sequence each hold the whole model)."""
+        return self.dp * self.cp
+
+    @property
+    def replica_group(self) -> Group:
+        """The group of the `replicas`: dp, or dp_cp under context parallelism."""
+        return Group.dp_cp if self.cp > 1 else Group.dp
+
+    @property
     def edp(self) -> int:
         """Expert data parallel: ranks of a stage holding the same experts' shard."""
-        return self.tp * self.cp * self.dp // (self.ep * self.etp)
+        return self.stage_ranks // (self.ep * self.etp)
 
     @property
     def global_batch_size(self) -> int:
@@ -248,41 +266,73 @@ class ParallelLayout:
 
     # ---------------------------------------------------------------- rank order
     def _size_stride(self, dim: str):
-        """(group size, stride between its ranks) of `dim` in the rank order tp, cp, dp, pp;
-        "dp_cp" is the dp x cp ranks that hold the same weights (gradient reduction, ZeRO);
-        "cp_a2a" and "cp_ring" split a CP group for a2a+p2p: cp_a2a consecutive CP ranks, and
-        the ring over those groups (Megatron's hierarchical CP groups); "etp", "ep" and "edp"
-        are the expert grid's (etp, ep, edp, pp order over the same ranks)."""
+        """(group size, stride between its ranks) of Group `dim` in the rank order tp, cp, dp,
+        pp; (None, None) for "world" and unknown names. dp_cp is the dp x cp ranks that hold
+        the same weights (gradient reduction, ZeRO); cp_a2a and cp_ring split a CP group for
+        a2a+p2p: cp_a2a consecutive CP ranks, and the ring over those groups (Megatron's
+        hierarchical CP groups); tp_cp the tp x cp ranks of one sequence; etp, ep and edp are
+        the expert grid's (etp, ep, edp, pp order over the same ranks)."""
         tp, cp, dp, a = self.tp, self.cp, self.dp, self.cp_a2a
-        return {"tp": (tp, 1), "cp": (cp, tp), "dp": (dp, tp * cp), "dp_cp": (dp * cp, tp),
-                "pp": (self.pp, tp * cp * dp), "cp_a2a": (a, tp),
-                "cp_ring": (cp // a, tp * a), "etp": (self.etp, 1), "ep": (self.ep, self.etp),
-                "edp": (self.edp, self.etp * self.ep)}.get(dim, (None, None))
+        return {Group.tp: (tp, 1), Group.cp: (cp, tp), Group.dp: (dp, tp * cp),
+                Group.dp_cp: (dp * cp, tp), Group.pp: (self.pp, tp * cp * dp),
+                Group.cp_a2a: (a, tp), Group.cp_ring: (cp // a, tp * a),
+                Group.tp_cp: (tp * cp, 1), Group.etp: (self.etp, 1),
+                Group.ep: (self.ep, self.etp),
+                Group.edp: (self.edp, self.etp * self.ep)}.get(dim, (None, None))
 
     def coordinate(self, rank: int, dim: str) -> int:
-        """`rank`'s index along `dim` ("tp", "cp", "dp", "dp_cp", "pp", "cp_a2a", "cp_ring",
-        "etp", "ep" or "edp") in the rank order tp, cp, dp, pp (etp, ep, edp, pp)."""
+        """`rank`'s index along Group `dim` (any but "world") in the rank order tp, cp, dp, pp
+        (etp, ep, edp, pp)."""
         self._check_rank(rank)
         size, stride = self._size_stride(dim)
         if size is None:
-            raise LayoutError(f"dim must be 'tp', 'cp', 'dp', 'dp_cp', 'pp', 'cp_a2a', "
-                              f"'cp_ring', 'etp', 'ep' or 'edp', got {dim!r}")
+            raise LayoutError(f"dim must be one of {tuple(g for g in Group if g != Group.world)}"
+                              f", got {dim!r}")
         return rank // stride % size
 
     def group_ranks(self, dim: str, rank: int) -> range:
-        """The global ranks of `rank`'s `dim` group ("tp", "cp", "dp", "dp_cp", "pp", "cp_a2a",
-        "cp_ring", "etp", "ep", "edp" or "world"),
-        in group-rank order (the group a (pp, dp, cp, tp) DeviceMesh gives `rank`), as a range:
-        the same cost at any world size."""
-        if dim == "world":
+        """The global ranks of `rank`'s Group `dim`, in group-rank order (the group the layout's
+        DeviceMesh, build_mesh, gives `rank`), as a range: the same cost at any world size."""
+        if dim == Group.world:
             self._check_rank(rank)
             return range(self.world_size)
         size, stride = self._size_stride(dim)
         if size is None:
-            raise LayoutError(f"dim must be 'tp', 'cp', 'dp', 'dp_cp', 'pp', 'cp_a2a', "
-                              f"'cp_ring', 'etp', 'ep', 'edp' or 'world', got {dim!r}")
+            raise LayoutError(f"dim must be one of {tuple(Group)}, got {dim!r}")
         first = rank - self.coordinate(rank, dim) * stride
         return range(first, first + size * stride, stride)
+
+    def groups(self, experts: bool = False) -> Tuple[Group, ...]:
+        """The groups of this layout, those build_mesh makes: world, pp, dp, tp; cp and dp_cp
+        with context parallelism, cp_a2a and cp_ring for a2a+p2p; with `experts` (a
+        mixture-of-experts model) the expert grid's etp, ep and edp, and tp_cp where a sequence
+        spans both TP and CP ranks (otherwise its ranks are the tp or the cp group's)."""
+        out = [Group.world, Group.pp, Group.dp]
+        if self.cp > 1:
+            out += [Group.cp, Group.dp_cp]
+            if self.cp_comm == CpComm["a2a+p2p"]:
+                out += [Group.cp_a2a, Group.cp_ring]
+        out.append(Group.tp)
+        if experts:
+            out += [Group.etp, Group.ep, Group.edp]
+            if self.tp > 1 and self.cp > 1:
+                out.append(Group.tp_cp)
+        return tuple(out)
+
+    def rank_groups(self, rank: int, experts: bool = False) -> Dict[Group, range]:
+        """`rank`'s members of each of the layout's `groups(experts)`: the only groups one rank
+        joins, at the same cost at any world size (trace makes just these on its fake
+        backend; build_mesh makes every rank's)."""
+        return {name: self.group_ranks(name, rank) for name in self.groups(experts)}
+
+    def build_mesh(self, device_type: str, experts: bool = False):
+        """This rank's LayoutMesh (orchestrator/mesh.py): the DeviceMeshes of the dense grid
+        (pp, dp, cp | cp_ring, cp_a2a, tp) and, with `experts`, of the expert grid (pp, edp, ep,
+        etp), one named dimension per Group. Every rank of the world calls it (a real backend
+        makes every group of the world)."""
+        from orchestrator.mesh import build_mesh  # torch: only where a mesh is built
+
+        return build_mesh(self, device_type, experts)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:

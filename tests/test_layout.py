@@ -122,6 +122,106 @@ def test_context_parallel_needs_a_sequence_of_2cp_chunks_over_tp():
         ParallelLayout.uniform(8, 2, 1, 8, cp=2, cp_comm="ring")
 
 
+def _engine_matrix():
+    """(layout, a mixture-of-experts model) for every layout train's engine tests run on 4 gloo
+    ranks (tests/test_train_engine.py dense, tests/test_moe_train.py MoE), and a few at 8192
+    ranks: hierarchical CP under TP, the expert grid folded over TP, CP and DP."""
+    import test_moe_train
+    import test_train_engine
+
+    out = [(test_train_engine._layout(*case), False) for case in test_train_engine.LAYOUTS]
+    out += [(test_moe_train._layout(4, *case), True) for case in test_moe_train.LAYOUTS]
+    big = dict(world_size=8192, micro_batch_size=1, num_micro_batches=8)
+    out += [(ParallelLayout(pp=4, tp=8, dp=64, cp=4, cp_comm="a2a+p2p", cp_a2a=2,
+                            layers_per_stage=(2,) * 4, **big), False),
+            (ParallelLayout(pp=8, tp=4, dp=128, cp=2, ep=16, etp=2, sequence_parallel=True,
+                            layers_per_stage=(1,) * 8, **big), True),
+            (ParallelLayout(pp=2, tp=2, dp=2048, ep=64, sequence_parallel=True,
+                            layers_per_stage=(1, 1), **big), True)]
+    return out
+
+
+def test_the_mesh_s_grids_give_every_group_the_layout_s_rank_order():
+    """Pure (no process group, world size a number): mesh.build_mesh lays its ranks out as
+    torch.arange(world) over the grid's dimensions (init_device_mesh's order); each group it
+    makes (mesh.mesh_dims: a dimension, or several flattened) then holds, for every rank, exactly
+    ParallelLayout.group_ranks' members in their order, for every layout of the engine matrix
+    incl. each CP flavour and EP; and it makes exactly the layout's groups."""
+    import torch
+
+    from orchestrator.choices import Group
+    from orchestrator.mesh import dense_dims, expert_dims, mesh_dims
+
+    for layout, experts in _engine_matrix():
+        grids = {False: dense_dims(layout), True: expert_dims(layout)}
+        dims = mesh_dims(layout, experts)
+        assert {Group.world, *dims} == set(layout.groups(experts)), layout.describe()
+        world = layout.world_size
+        sample = range(world) if world <= 64 else range(0, world, 997)
+        for name, (on_experts, spanned) in dims.items():
+            names = [g for g, _ in grids[on_experts]]
+            grid = torch.arange(world).view(*(n for _, n in grids[on_experts]))
+            # the spanned dimensions last, in their order: one row per group
+            order = [i for i, g in enumerate(names) if g not in spanned] + \
+                [names.index(g) for g in spanned]
+            rows = grid.permute(order).reshape(-1, len(layout.group_ranks(name, 0)))
+            for rank in sample:
+                row = rows[(rows == rank).any(dim=1)]
+                assert row.tolist() == [list(layout.group_ranks(name, rank))], \
+                    (layout.describe(), name, rank)
+
+
+# (layout fields, a mixture-of-experts model): world 8, each group of the enum in at least one
+MESH_LAYOUTS = [
+    (dict(pp=2, tp=2, dp=2), False),
+    (dict(pp=2, tp=1, dp=1, cp=4, cp_comm="a2a+p2p", cp_a2a=2), False),  # Megatron's levels
+    (dict(pp=1, tp=2, dp=2, cp=2, ep=2, etp=2, sequence_parallel=True), True),  # tp_cp too
+    (dict(pp=2, tp=1, dp=4, ep=4), True),  # EP over the data-parallel ranks
+    (dict(pp=1, tp=2, dp=4, ep=2, sequence_parallel=True), True),  # etp 1, ep = dp's stride
+]
+
+
+@pytest.mark.parametrize("fields,experts", MESH_LAYOUTS)
+def test_the_mesh_and_a_rank_s_own_groups_hold_the_ranks_group_ranks_says(fields, experts):
+    """On torch's fake backend, every rank of world 8: ParallelLayout.build_mesh (train's
+    DeviceMeshes, every group of the world) and mesh.rank_mesh (trace's, the rank's own groups
+    only) give each of the layout's groups exactly ParallelLayout.group_ranks' members, each
+    rank at the layout's coordinate, the experts placed on the same ep x etp block, and the
+    same sequence group (a MoE layer's balance statistics)."""
+    from torch.distributed import get_process_group_ranks
+
+    from orchestrator.choices import Group
+    from orchestrator.mesh import rank_mesh
+    from orchestrator.trace.tracer import fake_world
+
+    layout = ParallelLayout(world_size=8, layers_per_stage=(1,) * fields["pp"], **fields)
+    for rank in range(8):
+        wanted = layout.rank_groups(rank, experts)
+        assert tuple(wanted) == layout.groups(experts)
+        with fake_world(rank, 8):
+            built = layout.build_mesh("cpu", experts=experts)
+            assert set(built.groups) == set(wanted), rank
+            for name, ranks in wanted.items():
+                assert built.ranks(name) == tuple(ranks), (rank, name)
+                if name != Group.world:
+                    assert built.mesh(name).get_local_rank() == layout.coordinate(rank, name)
+            placed = built.experts.mesh.tolist() if built.experts is not None else None
+            sequence = built.sequence_group()
+            sequence = get_process_group_ranks(sequence) if sequence is not None else None
+        with fake_world(rank, 8):
+            own = rank_mesh(layout, rank, experts=experts)
+            # an expert dimension of size 1 sends nothing: trace makes no group for it
+            assert set(own.groups) == {name for name, ranks in wanted.items()
+                                       if len(ranks) > 1 or name not in (Group.ep, Group.etp)}
+            for name in own.groups:
+                assert own.ranks(name) == tuple(wanted[name]), (rank, name)
+            assert (own.experts.mesh.tolist() if own.experts is not None else None) == placed
+            mine = own.sequence_group()
+            assert (get_process_group_ranks(mine) if mine is not None else None) == sequence
+    if experts:
+        assert placed is not None
+
+
 def test_closed_choices_are_members_of_one_enum_each_and_read_as_their_strings():
     """schedule, cp_comm and the recompute modes of a layout, and the config keys that give
     them or the cost model's engine, are members of one Choice each (orchestrator/choices.py),

@@ -36,6 +36,9 @@ CASES = {
     "no_sp_selective": ([16, 2, 2], False, 0, "1f1b", {"recompute": "selective"}),
     "sp_zero2_uneven": ([16, 2, 2], True, 2, "1f1b", {"layers_per_stage": (6, 2)}),
     "pp2_no_tp": ([8, 2, 1], False, 1, "1f1b"),
+    # no pipeline, no TP, ZeRO-0: every rank holds the whole reduced gradient, so the norm needs
+    # no all-reduce (train's replicas_only)
+    "dp_only_zero0": ([4, 1, 1], False, 0, "1f1b"),
     # context parallelism ([ws, pp, tp, cp]): the ring, all-gather and Ulysses flavours
     "cp2_ring": ([16, 2, 2, 2], True, 1, "1f1b"),
     "cp4_ring_full_recompute": ([16, 2, 1, 4], False, 2, "1f1b", {"recompute": "full"}),

@@ -245,3 +245,18 @@ def test_memory_monitor_reads_the_cuda_allocator():
     del block
     assert monitor.peak_MiB() >= after["allocated_MiB"]
     assert build_memory_figure({0: monitor.samples}).axes[0].get_ylabel() == "allocated (MiB)"
+
+
+def test_measured_parts_takes_each_stage_s_ranks_in_the_layout_s_rank_order():
+    """CP 2 x PP 2 on 4 ranks: ranks 0 and 1 (one sequence's CP ranks) are stage 0, 2 and 3
+    stage 1 (rank order tp, cp, dp, pp); each stage's compute is its own ranks' median."""
+    from orchestrator.layout import ParallelLayout
+    from orchestrator.train.report import measured_parts
+
+    layout = ParallelLayout(world_size=4, pp=2, tp=1, dp=1, cp=2, layers_per_stage=(2, 2))
+    per_rank = [{"rank": r, "peak_MiB": 1.0, "process_peak_MiB": 1.0,
+                 "medians_s": {"step_s": 1.0, "compute_s": 0.1 * (1 + r // 2), "fwd_bwd_s": 0.5,
+                               "norm_s": 0.0, "sync_wait_s": 0.0, "optimizer_s": 0.0}}
+                for r in range(4)]
+    stages = measured_parts(per_rank, layout)["stages"]
+    assert [round(s["compute_ms"]) for s in stages] == [100, 200]

@@ -186,17 +186,11 @@ class ConfigKey:
     ep: int = 1
     etp: int = 1
 
-    @property
-    def replicas(self) -> int:
-        """Ranks holding the same weights (dp x cp): gradients are reduced, ZeRO shards over
-        them."""
-        return self.dp * self.cp
-
-    @property
-    def edp(self) -> int:
-        """Ranks holding the same experts (ParallelLayout.edp): their gradients reduce, and
-        ZeRO shards them, over these."""
-        return self.tp * self.cp * self.dp // (self.ep * self.etp)
+    # The layout's derived degrees, as ParallelLayout defines them (its properties).
+    stage_ranks = ParallelLayout.stage_ranks
+    replicas = ParallelLayout.replicas
+    replica_group = ParallelLayout.replica_group
+    edp = ParallelLayout.edp
 
     @classmethod
     def of(cls, layout: ParallelLayout) -> "ConfigKey":
@@ -450,7 +444,7 @@ class StageCosts:
         key = self.key
         p2p_bytes = p2p_message_bytes(self.tokens, model.hidden, model.dtype_bytes, key.tp,
                                       key.sequence_parallel)
-        intra = boundary_intra_node(key.pp, key.tp * key.cp * key.dp,
+        intra = boundary_intra_node(key.pp, key.stage_ranks,
                                     self.hardware.tasks_per_node)
         self.boundary_us = boundary_us(self.hardware, p2p_bytes, intra) * self.calibration.p2p
         self.sends = stage_sends(self.boundary_us, key.virtual_stages)

@@ -1,11 +1,12 @@
 """Trace one rank of a configuration in this process, at the configuration's full world size.
 
 - A fake process group (torch's "fake" backend) of WORLD_SIZE ranks with this process as `rank`;
-  this rank's own TP, DP and PP groups (the ones train's (pp, dp, tp) DeviceMesh gives it, from
-  the layout's rank order; only these, so the set-up costs the same at any world size), TP/SP
-  sharding over its TP group (models/parallelize.py), pipeline split and the pipeline executor
-  are the ones train uses (train/executor.py), on meta tensors: no memory for weights or
-  activations, no communication.
+  this rank's own groups (mesh.rank_mesh: the members train's mesh gives it, from the layout's
+  rank order; only these, so the set-up costs the same at any world size); train's model and
+  optimizer builder (train/build.py: TP/SP sharding, experts, pipeline split, recompute, ZeRO
+  buckets) with the tracer's hooks added (trace_chunks), and train's pipeline executor
+  (train/executor.py), on meta tensors: no memory for weights or activations, no
+  communication.
 - Parameters are in the model's dtype (Megatron's bf16 training: bf16 weights and activations,
   fp32 gradient buckets and optimizer masters), attention is the fused kernel a GPU runs (flash
   attention's meta kernels), not the CPU's math fallback, and the loss is vocab-parallel
@@ -26,7 +27,7 @@
   data-parallel gradient collectives of train's ZeRO 0/1/2 optimizer (train/grads.py: one per
   bucket), the gradient-norm all-reduce and the optimizer step with its parameter all-gather.
 - Mixture of experts (models/moe.py): the rank's own expert groups too (ETP, EP, EDP of the
-  layout's expert grid, the groups train's (pp, edp, ep, etp) DeviceMesh gives it), its experts
+  layout's expert grid, the groups train's expert mesh (pp, edp, ep, etp) gives it), its experts
   sharded over them (parallelize.apply_expert_parallel) and train's all-to-all dispatcher issuing
   its collectives on meta (`issue_on_meta`): per MoE layer and micro-batch forward the counts
   exchange over EP (int64, experts per rank), the tokens' all-to-all over EP, with etp > 1 the
@@ -52,25 +53,27 @@ import dataclasses
 import functools
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from orchestrator.choices import CpComm
-from orchestrator.layout import ParallelLayout
+from orchestrator.choices import Group
+from orchestrator.mesh import EXPERT_GROUPS, LayoutMesh, rank_mesh
 from orchestrator.models.config import ModelConfig, is_moe, is_moe_block
 from orchestrator.trace.configs import TraceSpec
 from orchestrator.trace.recorder import OpRecorder
 
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
 META = torch.device("meta")
-CP_GROUPS = ("cp", "cp_a2a", "cp_ring")  # context parallelism's groups (a2a+p2p: two levels)
+# context parallelism's groups (a2a+p2p: two levels)
+CP_GROUPS = (Group.cp, Group.cp_a2a, Group.cp_ring)
 # Groups a captured chunk's collectives are renamed to another rank's by their first rank.
-RENAMED_GROUPS = ("tp", "ep", "etp")
+RENAMED_GROUPS = (Group.tp, Group.tp_cp, Group.ep, Group.etp)
+# The groups a record is named after by its ranks, in this order: where two have the same
+# ranks the later name wins (tp_cp first: a sequence's ranks spanning the world stay "world").
+NAMED_BY_RANKS = (Group.tp_cp, Group.world, Group.pp, Group.dp, Group.dp_cp, Group.cp,
+                  Group.cp_a2a, Group.cp_ring, Group.tp)
 
 
 @dataclass
@@ -132,135 +135,41 @@ def gpu_attention():
         gpt._attention_core = original
 
 
-@dataclass(frozen=True)
-class RankGroups:
-    """One rank's process groups in its fake world, by dimension ("tp", "dp", "pp", "world";
-    "cp" and "dp_cp" with context parallelism):
-    the group and its global ranks (a range, from the layout); and the 1-D DeviceMesh over its
-    TP group that its DTensors are placed on."""
-
-    groups: Dict[str, dist.ProcessGroup]
-    ranks: Dict[str, range]
-    tp_mesh: DeviceMesh
-    # Mixture of experts: the DeviceMesh over this rank's ep x etp sub-grid the experts are
-    # placed on (dims of size 1 left out; None when ep = etp = 1 or the model is dense).
-    expert_mesh: Optional[DeviceMesh] = None
-
-    def names(self) -> Dict[str, str]:
-        """Process-group name -> dimension for the expert groups, which have groups of their
-        own even where their ranks are a dense group's (ep = tp, edp = dp): the recorder names
-        their collectives by group, not by ranks."""
-        return {self.groups[dim].group_name: dim for dim in EXPERT_GROUPS
-                if dim in self.groups and self.groups[dim] is not dist.group.WORLD}
-
-
-EXPERT_GROUPS = ("etp", "ep", "edp")  # the expert grid's, fastest first (layout.py)
-
-
-def make_rank_groups(layout: ParallelLayout, rank: int, experts: bool = False) -> RankGroups:
-    """`rank`'s TP, DP and PP groups, and CP + DP x CP under context parallelism (the default
-    group where one spans the world, as
-    init_device_mesh does) and a 1-D TP DeviceMesh over its TP group, in this process's fake
-    process group.
-
-    init_device_mesh((pp, dp, cp, tp)) would make every group of the world, because a real backend
-    needs every rank to join each new_group: world/tp + world/dp + world/pp groups, and a mesh of
-    world_size ranks that DTensor compares rank by rank (seconds a rank at 1,000,000 ranks). The
-    fake backend needs only this rank's three, the same work at any world size.
-
-    `experts` (a mixture-of-experts model): also its ETP and EP groups (when > 1) and its EDP
-    group, each a group of its own, and a DeviceMesh over its ep x etp ranks only."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    world = dist.group.WORLD
-    groups, ranks = {"world": world}, {"world": layout.group_ranks("world", rank)}
-    # With context parallelism also its CP group and the dp x cp replicas (gradients, ZeRO).
-    dims = ("pp", "dp", "dp_cp", "cp", "tp") if layout.cp > 1 else ("pp", "dp", "tp")
-    if layout.cp_comm == CpComm["a2a+p2p"]:  # its all-to-all and ring levels
-        dims += ("cp_a2a", "cp_ring")
-    for dim in dims:
-        ranks[dim] = layout.group_ranks(dim, rank)
-        groups[dim] = world if len(ranks[dim]) == layout.world_size \
-            else dist.new_group(list(ranks[dim]))
-    tp_mesh = DeviceMesh.from_group(groups["tp"], "cpu", mesh_dim_names=("tp",))
-    expert_mesh = None
-    if experts:
-        for dim in EXPERT_GROUPS:
-            ranks[dim] = layout.group_ranks(dim, rank)
-            if dim == "edp" or len(ranks[dim]) > 1:
-                groups[dim] = world if len(ranks[dim]) == layout.world_size \
-                    else dist.new_group(list(ranks[dim]))
-        dims = tuple(d for d in ("ep", "etp") if len(ranks[d]) > 1)
-        if dims:
-            # this rank's ep x etp block of the expert grid (etp fastest): its ranks only
-            first = ranks["ep"][0] - layout.coordinate(rank, "etp")
-            grid = torch.arange(layout.ep * layout.etp).view(layout.ep, layout.etp) + first
-            mesh = grid if len(dims) == 2 else grid.flatten()
-            expert_mesh = DeviceMesh.from_group(
-                [groups[d] for d in dims] if len(dims) == 2 else groups[dims[0]], "cpu",
-                mesh=mesh.tolist(), mesh_dim_names=dims)
-    return RankGroups(groups=groups, ranks=ranks, tp_mesh=tp_mesh, expert_mesh=expert_mesh)
-
-
-def build_chunks(spec: TraceSpec, model: ModelConfig, tp_mesh: DeviceMesh,
-                 pp_rank: int, cp_group=None, cp_levels=None,
-                 expert_groups: Optional[RankGroups] = None) -> List[nn.Module]:
-    """This rank's model chunks (virtual stage c * pp + pp_rank), TP/SP-sharded over `tp_mesh`
-    (1-D), attention context-parallel over `cp_group` (the layout's cp_comm) when given, routed
-    experts sharded over `expert_groups`' expert mesh with train's dispatcher issuing its
-    collectives on meta (mixture of experts, ep x etp > 1), on meta."""
-    from orchestrator.models.gpt import GPT
-    from orchestrator.models.parallelize import (apply_tensor_parallel, split_pipeline,
-                                                 stage_layer_ranges)
-    from orchestrator.train.engine import virtual_stage_layers
-    from orchestrator.train.executor import set_recompute
+def trace_chunks(spec: TraceSpec, model: ModelConfig, mesh: LayoutMesh,
+                 pp_rank: int) -> List[nn.Module]:
+    """This rank's model chunks as train builds them (train/build.build_chunks) on meta, in the
+    model's dtype, attention context-parallel as Megatron's (trace/cp.py), with the tracer's
+    hooks added: a sequence-parallel sub-layer's and the LM head's second all-gather in the
+    backward (Megatron's), and the experts' dispatcher issuing its collectives on meta."""
+    from orchestrator.models.moe import MoE
+    from orchestrator.trace.cp import MegatronContextParallel
+    from orchestrator.train.build import build_chunks, context_parallel
 
     layout = spec.layout
-    with torch.device("meta"):
-        whole = GPT(dataclasses.replace(model, seq_len=spec.seq_len))
-    per_virtual = virtual_stage_layers(layout)
-    parts_ranges = stage_layer_ranges(per_virtual, model.layers)
-    mine = [c * layout.pp + pp_rank for c in range(layout.virtual_stages)]
-    blocks = {i for s in mine for i in parts_ranges[s]}
-    if layout.tp > 1:
-        # Vocab-parallel loss (Megatron's): the logits stay sharded over the vocabulary.
-        apply_tensor_parallel(whole, tp_mesh, layout.sequence_parallel, loss_parallel=True,
-                              blocks=blocks)
-        if layout.sequence_parallel:
-            for index in blocks:
-                for sub_layer in (whole.blocks[index].attn, whole.blocks[index].mlp):
-                    sub_layer.register_forward_pre_hook(_gather_again_in_backward)
-            whole.lm_head.register_forward_pre_hook(_gather_again_in_backward)
-            for index in blocks:
-                shared = getattr(whole.blocks[index].mlp, "shared", None)
-                if shared is not None:  # a MoE block's shared expert: a TP-sharded SwiGLU too
-                    shared.register_forward_pre_hook(_gather_again_in_backward)
-    if expert_groups is not None and expert_groups.expert_mesh is not None:
-        from orchestrator.models.moe import MoE
-        from orchestrator.models.parallelize import apply_expert_parallel
-
-        groups = expert_groups.groups
-        apply_expert_parallel(whole, expert_groups.expert_mesh, layout.ep, layout.etp,
-                              groups.get("ep"), groups.get("etp"), blocks=blocks)
-        for index in blocks:
-            moe = whole.blocks[index].mlp
-            if isinstance(moe, MoE) and moe.dispatch is not None:
-                moe.dispatch.issue_on_meta = True  # train's collectives, on the fake groups
-    parts = split_pipeline(whole, per_virtual)
-    chunks = [parts[s] for s in mine]
-    if cp_group is not None:
-        from orchestrator.models.gpt import Attention
-        from orchestrator.trace.cp import MegatronContextParallel
-
-        context = MegatronContextParallel(cp_group, layout.cp_comm, cp_levels)
-        for chunk in chunks:
-            for sub in chunk.modules():
-                if isinstance(sub, Attention):
-                    sub.context = context
-    mode, _ = layout.recompute[pp_rank]
+    chunks = build_chunks(layout, dataclasses.replace(model, seq_len=spec.seq_len), mesh,
+                          pp_rank, context=context_parallel(layout, mesh,
+                                                            MegatronContextParallel))
     for chunk in chunks:
-        set_recompute(chunk, mode)
+        if layout.sequence_parallel:
+            for block in chunk.blocks.values():
+                # a MoE block's shared expert is a TP-sharded SwiGLU too
+                for sub in (block.attn, block.mlp, getattr(block.mlp, "shared", None)):
+                    if sub is not None:
+                        sub.register_forward_pre_hook(_gather_again_in_backward)
+            if chunk.lm_head is not None:
+                chunk.lm_head.register_forward_pre_hook(_gather_again_in_backward)
+        for sub in chunk.modules():
+            if isinstance(sub, MoE) and sub.dispatch is not None:
+                sub.dispatch.issue_on_meta = True  # train's collectives, on the fake groups
     return chunks
+
+
+def _expert_group_names(mesh: LayoutMesh) -> Dict[str, str]:
+    """Process-group name -> Group for the expert groups, which have groups of their own even
+    where their ranks are a dense group's (ep = tp, edp = dp): the recorder names their
+    collectives by group, not by ranks."""
+    return {mesh.groups[name].group_name: name.value for name in EXPERT_GROUPS
+            if name in mesh.groups and mesh.groups[name] is not dist.group.WORLD}
 
 
 def _gather_again_in_backward(module: nn.Module, args: tuple) -> None:
@@ -526,21 +435,19 @@ class _RankTracer:
 
         from orchestrator.models.gpt import token_loss_sum
         from orchestrator.train.executor import MicroBatchInput, PipelineExecutor, run_plain
+        from orchestrator.train.build import OptimSettings, build_optimizer
         from orchestrator.train.grads import full_grad
 
         spec, layout = self.spec, self.spec.layout
         experts = is_moe(self.model)
-        rank_groups = make_rank_groups(layout, self.rank, experts=experts)
-        tp_mesh = rank_groups.tp_mesh
+        mesh = rank_mesh(layout, self.rank, experts=experts)
+        ranks = layout.rank_groups(self.rank, experts)
+        tp_mesh = mesh.mesh(Group.tp)
         # A group is named by its ranks; where two coincide (a degree of 1, or one spanning the
         # world) the later name wins.
-        names = {rank_groups.ranks[dim]: dim
-                 for dim in ("world", "pp", "dp", "dp_cp", "cp", "cp_a2a", "cp_ring", "tp")
-                 if dim in rank_groups.ranks}
-        pp_rank = layout.coordinate(self.rank, "pp")
-        chunks = build_chunks(spec, self.model, tp_mesh, pp_rank, rank_groups.groups.get("cp"),
-                              (rank_groups.groups.get("cp_a2a"), rank_groups.groups.get("cp_ring")),
-                              expert_groups=rank_groups if experts else None)
+        names = {ranks[name]: name.value for name in NAMED_BY_RANKS if name in ranks}
+        pp_rank = layout.coordinate(self.rank, Group.pp)
+        chunks = trace_chunks(spec, self.model, mesh, pp_rank)
         dtype = next(p.dtype for c in chunks for p in c.parameters())
         # a CP rank holds s / cp of each sequence
         mbs, seq = layout.micro_batch_size, spec.seq_len // layout.cp
@@ -548,9 +455,9 @@ class _RankTracer:
         num_virtual = layout.pp * layout.virtual_stages
         tracker = ModuleTracker()
         recorder = OpRecorder(names, context=self.context, group_ranks={
-            rank_groups.groups[dim].group_name: ranks
-            for dim, ranks in rank_groups.ranks.items() if dim in rank_groups.groups},
-            process_group_names=rank_groups.names())
+            mesh.groups[name].group_name: members
+            for name, members in ranks.items() if name in mesh.groups},
+            process_group_names=_expert_group_names(mesh))
         recorder.records = self.records
         recorder.watch_weights(p.to_local() if isinstance(p, DTensor) else p
                                for c in chunks for p in c.parameters())
@@ -559,8 +466,8 @@ class _RankTracer:
             return torch.zeros((mbs, seq), dtype=torch.int64, device=META)
 
         modules: List[nn.Module] = chunks
-        group_firsts = {dim: rank_groups.ranks[dim][0] for dim in RENAMED_GROUPS
-                        if dim in rank_groups.ranks}
+        group_firsts = {name.value: ranks[name][0] for name in RENAMED_GROUPS
+                        if name in ranks}
         partial_grads = []  # replayed chunks: (chunk, its partial_grads)
         with gpu_attention():
             if replay:
@@ -594,7 +501,8 @@ class _RankTracer:
                 recorder.tracker = tracker
             # Made outside the recorder: building the buckets is set-up, not the iteration.
             params = [p for chunk in chunks for p in chunk.parameters()]
-            optim = _optimizer(chunks, layout, rank_groups, self.bucket_MiB, experts)
+            optim = build_optimizer(chunks, layout, mesh, OptimSettings(bucket_MiB=self.bucket_MiB),
+                                    moe=experts)
             # No gradient reaches a parameter during a replayed run, and the buckets' collectives
             # are issued after the last backward (finish_backward), in bucket order.
             optim.begin_step(10**9)
@@ -607,7 +515,7 @@ class _RankTracer:
             self.state = {"phase": "F", "chunk": 0, "mb": 0}
             if layout.pp > 1:
                 executor = PipelineExecutor(modules, pp_rank, layout.pp, layout.schedule,
-                                            rank_groups.groups["pp"], META, self.model.hidden,
+                                            mesh.group(Group.pp), META, self.model.hidden,
                                             seq_divisor, token_loss_sum, lambda: 0.0,
                                             wire_dtype=dtype)
                 executor.run(batches)
@@ -633,27 +541,6 @@ class _RankTracer:
         _fix_p2p(self.records, layout.pp, num_virtual)
         _etp_reduce_scatter(self.records)
         return self.records
-
-
-def _optimizer(chunks: List[nn.Module], layout: ParallelLayout, rank_groups: RankGroups,
-               bucket_MiB: float, experts: bool):
-    """Train's optimizer for this rank's chunks (train/engine.py): ShardedAdamW over the dense
-    replicas (DP, x CP); for a mixture-of-experts model ExpertAdamW, the routed experts' own
-    ShardedAdamW over the EDP group averaging over the dense replicas' losses."""
-    from orchestrator.train.grads import ExpertAdamW, ShardedAdamW, is_expert_param
-
-    replicas = "dp_cp" if layout.cp > 1 else "dp"  # ranks holding the same weights
-    named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
-    routed = [p for n, p in named if experts and is_expert_param(n)]
-    dense = ShardedAdamW([p for n, p in named if not (experts and is_expert_param(n))],
-                         layout.zero, rank_groups.groups[replicas], layout.dp * layout.cp,
-                         layout.num_micro_batches, bucket_MiB=bucket_MiB)
-    if not routed:  # a dense model, or a stage of dense blocks only
-        return dense
-    return ExpertAdamW(dense, ShardedAdamW(routed, layout.zero, rank_groups.groups["edp"],
-                                           layout.edp, layout.num_micro_batches,
-                                           bucket_MiB=bucket_MiB,
-                                           mean_over=layout.dp * layout.cp))
 
 
 def _etp_reduce_scatter(records: List[dict]) -> None:

@@ -1,8 +1,10 @@
-"""The training engine: a GPT split by a ParallelLayout over this rank's slice of a
-(pp, dp, tp) DeviceMesh, torch-native and applied from outside the model.
+"""The training engine: a GPT split by a ParallelLayout over this rank's slice of the layout's
+DeviceMesh, torch-native and applied from outside the model.
 
-- Mesh: (pp, dp, tp) in ParallelLayout's rank order (tp fastest, then dp, then pp).
-- TP + sequence parallel: models/parallelize.apply_tensor_parallel on mesh["tp"]; the loss is
+- Mesh: ParallelLayout.build_mesh (orchestrator/mesh.py), (pp, dp, cp, tp) in the layout's rank
+  order (tp fastest, then cp, dp, pp) and the expert grid (pp, edp, ep, etp); this rank's model
+  chunks and optimizer from train/build.py (the builder trace records too).
+- TP + sequence parallel: models/parallelize.apply_tensor_parallel on the TP mesh; the loss is
   vocab-parallel (Megatron's): the logits stay sharded over TP and the forward and backward run
   inside torch's `loss_parallel()`, three all-reduces of one value per token instead of an
   all-gather of the whole logits (and 1/tp of their memory).
@@ -30,30 +32,18 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from orchestrator.choices import CpComm, Dtype, Recompute
+from orchestrator.choices import Dtype, Group
 from orchestrator.layout import ParallelLayout
-from orchestrator.models.config import ModelConfig
-from orchestrator.models.context_parallel import ContextParallel
-from orchestrator.models.config import expert_width, is_moe
-from orchestrator.models.gpt import GPT, Attention, cross_entropy_loss, token_loss_sum
+from orchestrator.models.config import ModelConfig, expert_width, is_moe
+from orchestrator.models.gpt import GPT, cross_entropy_loss, token_loss_sum
 from orchestrator.models.moe import MoE
-from orchestrator.models.parallelize import (apply_expert_parallel, apply_tensor_parallel,
-                                             split_pipeline)
-from orchestrator.train.executor import (MicroBatchInput, PipelineExecutor, run_plain,
-                                         set_recompute)
-from orchestrator.train.grads import (ExpertAdamW, FsdpAdamW, ShardedAdamW, is_expert_param,
-                                     local_tensor)
+from orchestrator.train.build import (OptimSettings, apply_recompute, build_chunks,
+                                      build_optimizer, context_parallel)
+from orchestrator.train.executor import MicroBatchInput, PipelineExecutor, run_plain
+from orchestrator.train.grads import local_tensor
 
 # AdamW's moments a checkpoint keeps per parameter ("optim.<parameter>.<moment>").
 OPTIM_MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-@dataclass(frozen=True)
-class OptimSettings:
-    weight_decay: float = 0.1
-    betas: tuple = (0.9, 0.95)
-    eps: float = 1e-8
-    bucket_MiB: float = 25.0
 
 
 @dataclass
@@ -76,12 +66,6 @@ class StepStats:
     tokens_per_expert: Optional[List[int]] = None
 
 
-def virtual_stage_layers(layout: ParallelLayout) -> List[int]:
-    """Layers of each virtual stage s = chunk * pp + rank (pp * v of them)."""
-    v, pp = layout.virtual_stages, layout.pp
-    return [layout.layers_per_stage[s % pp] // v for s in range(pp * v)]
-
-
 def _device_type(device: torch.device) -> str:
     return "cuda" if device.type == "cuda" else "cpu"
 
@@ -92,40 +76,11 @@ class Engine:
     def __init__(self, layout: ParallelLayout, model: ModelConfig, device: torch.device,
                  dtype: Dtype = Dtype.fp32, seed: int = 0,
                  optim: OptimSettings = OptimSettings()):
-        from torch.distributed.device_mesh import init_device_mesh
-
         layout.check_model_layers(model.layers, model.name)
         if dist.get_world_size() != layout.world_size:
             raise ValueError(f"layout world_size({layout.world_size}) != the "
                              f"{dist.get_world_size()} ranks running")
         self.layout, self.device, self.dtype = layout, device, Dtype.parse(dtype)
-        levels = None
-        if layout.cp_comm == CpComm["a2a+p2p"]:
-            # The CP dimension as its ring over groups of cp_a2a consecutive CP ranks (Megatron's
-            # hierarchical groups); flattened back into the CP group and dp x cp.
-            a = layout.cp_a2a
-            self.mesh = init_device_mesh(
-                _device_type(device), (layout.pp, layout.dp, layout.cp // a, a, layout.tp),
-                mesh_dim_names=("pp", "dp", "cp_ring", "cp_a2a", "tp"))
-            self.mesh["cp_ring", "cp_a2a"]._flatten("cp")
-            self.replicas_mesh = self.mesh["dp", "cp_ring", "cp_a2a"]._flatten("dp_cp")
-            levels = (self.mesh["cp_a2a"].get_group(), self.mesh["cp_ring"].get_group())
-        elif layout.cp > 1:
-            # Rank order tp-cp-dp-pp; the dp x cp ranks hold the same weights: gradients are
-            # reduced, and ZeRO shards, over them (one flattened group).
-            self.mesh = init_device_mesh(_device_type(device),
-                                         (layout.pp, layout.dp, layout.cp, layout.tp),
-                                         mesh_dim_names=("pp", "dp", "cp", "tp"))
-            self.replicas_mesh = self.mesh["dp", "cp"]._flatten("dp_cp")
-        else:
-            self.mesh = init_device_mesh(_device_type(device), (layout.pp, layout.dp, layout.tp),
-                                         mesh_dim_names=("pp", "dp", "tp"))
-            self.replicas_mesh = self.mesh["dp"]
-        self.pp_rank = self.mesh.get_local_rank("pp")
-        self.dp_rank = self.mesh.get_local_rank("dp")
-        self.context = (ContextParallel(self.mesh["cp"].get_group(), layout.cp_comm,
-                                        levels=levels)
-                        if layout.cp > 1 else None)
         self.moe = is_moe(model)
         self.layout_experts = model.experts
         if self.moe:
@@ -133,47 +88,17 @@ class Engine:
             if layout.zero == 3 and layout.etp > 1:
                 raise ValueError(f"ZeRO-3 with etp({layout.etp}): FSDP shards a parameter "
                                  f"split over one mesh dimension only; use etp 1 or ZeRO 0-2")
-            # The expert grid (etp fastest, then ep, then edp) over the same ranks of a stage.
-            self.expert_mesh = init_device_mesh(
-                _device_type(device), (layout.pp, layout.edp, layout.ep, layout.etp),
-                mesh_dim_names=("pp", "edp", "ep", "etp"))
+        self.mesh = layout.build_mesh(_device_type(device), experts=self.moe)
+        rank = dist.get_rank()
+        self.pp_rank = layout.coordinate(rank, Group.pp)
+        self.dp_rank = layout.coordinate(rank, Group.dp)
+        self.context = context_parallel(layout, self.mesh)
         self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == layout.pp - 1
-        self.modules = self._build(dataclasses.replace(model, dtype=Dtype.fp32), seed)
-        if self.moe:
-            self._split_sequences()
-        self._apply_recompute()
-        if layout.zero == 3:
-            self._apply_fsdp()
-        params = [p for mod in self.modules for p in mod.parameters()]
-        if self.moe and layout.zero < 3:
-            named = [(n, p) for mod in self.modules for n, p in mod.named_parameters()]
-            kwargs = dict(bucket_MiB=optim.bucket_MiB, weight_decay=optim.weight_decay,
-                          betas=optim.betas, eps=optim.eps)
-            dense = ShardedAdamW([p for n, p in named if not is_expert_param(n)], layout.zero,
-                                 self.replicas_mesh.get_group(), layout.dp * layout.cp,
-                                 layout.num_micro_batches, **kwargs)
-            expert_params = [p for n, p in named if is_expert_param(n)]
-            experts = (ShardedAdamW(expert_params, layout.zero,
-                                    self.expert_mesh["edp"].get_group(), layout.edp,
-                                    layout.num_micro_batches, mean_over=layout.dp * layout.cp,
-                                    **kwargs)
-                       if expert_params else None)  # a stage of dense blocks only
-            self.optim = ExpertAdamW(dense, experts)
-        elif layout.zero == 3:
-            rescale = {}
-            if self.moe:
-                factor = layout.edp / (layout.dp * layout.cp)
-                rescale = {p: factor for mod in self.modules
-                           for n, p in mod.named_parameters() if is_expert_param(n)}
-            self.optim = FsdpAdamW(params, layout.num_micro_batches, rescale=rescale,
-                                   weight_decay=optim.weight_decay, betas=optim.betas,
-                                   eps=optim.eps)
-        else:
-            self.optim = ShardedAdamW(params, layout.zero, self.replicas_mesh.get_group(),
-                                      layout.dp * layout.cp, layout.num_micro_batches,
-                                      bucket_MiB=optim.bucket_MiB,
-                                      weight_decay=optim.weight_decay, betas=optim.betas,
-                                      eps=optim.eps, replicas_only=layout.pp * layout.tp == 1)
+        self.modules = build_chunks(
+            layout, dataclasses.replace(model, dtype=Dtype.fp32), self.mesh, self.pp_rank,
+            context=self.context, device=device, seed=seed,
+            autocast=None if self.dtype == Dtype.fp32 else self.dtype.torch)
+        self.optim = build_optimizer(self.modules, layout, self.mesh, optim, self.moe)
         # fp16: dynamic loss scale (GradScaler's rule: halve on overflow, double every 2000 steps)
         self.loss_scale = 2.0**16 if self.dtype == Dtype.fp16 else 1.0
         self._good_steps = 0
@@ -183,79 +108,16 @@ class Engine:
         self._executor = None  # built on the first train_step_micro_batches
 
     # ------------------------------------------------------------------ build
-    def _build(self, model: ModelConfig, seed: int) -> list:
-        layout = self.layout
-        with torch.device("meta"):
-            whole = GPT(model, seed)
-        if layout.tp > 1:
-            apply_tensor_parallel(whole, self.mesh["tp"], layout.sequence_parallel,
-                                  loss_parallel=True)
-        if self.moe and layout.ep * layout.etp > 1:
-            dims = tuple(d for d, n in (("ep", layout.ep), ("etp", layout.etp)) if n > 1)
-            apply_expert_parallel(whole, self.expert_mesh[dims], layout.ep, layout.etp,
-                                  self.expert_mesh["ep"].get_group(),
-                                  self.expert_mesh["etp"].get_group())
-        parts = split_pipeline(whole, virtual_stage_layers(layout))
-        mine = [parts[c * layout.pp + self.pp_rank] for c in range(layout.virtual_stages)]
-        autocast = None if self.dtype == Dtype.fp32 else self.dtype.torch
-        for mod in mine:
-            mod.to_empty(device=self.device)
-            mod.init_weights(seed)
-            mod.autocast_dtype = autocast
-            for sub in mod.modules():
-                if isinstance(sub, Attention):
-                    sub.context = self.context
-        return mine
-
-    def _split_sequences(self) -> None:
-        """Tell the MoE layers which ranks hold the other tokens of their sequences (TP's
-        sequence shards, CP's chunks): the balance loss sums its statistics over them."""
-        layout = self.layout
-        cp_dims = (("cp_ring", "cp_a2a") if layout.cp_comm == CpComm["a2a+p2p"] else ("cp",)) \
-            if layout.cp > 1 else ()
-        dims = cp_dims + (("tp",) if layout.tp > 1 else ())
-        if not dims:
-            return
-        mesh = self.mesh[dims]._flatten("seq_split") if len(dims) > 1 else self.mesh[dims[0]]
-        for moe in self._moe_layers():
-            moe.sequence_group, moe.sequence_parts = mesh.get_group(), layout.tp * layout.cp
-
     def _apply_recompute(self) -> None:
         """The layout's recompute (also restored after a step of per-micro-batch modes)."""
-        mode, k = self.layout.recompute[self.pp_rank]
-        per_chunk = k // self.layout.virtual_stages
-        for mod in self.modules:
-            set_recompute(mod, Recompute.none)
-            names = list(mod.blocks.keys())
-            if mode == Recompute.selective:
-                for block in mod.blocks.values():
-                    block.attn.recompute_core = True
-            elif mode == Recompute.full:
-                mod.recompute_blocks = frozenset(names[:per_chunk])
-
-    def _apply_fsdp(self) -> None:
-        from torch.distributed.fsdp import fully_shard
-
-        # With a pipeline, keep parameters gathered between a micro-batch's forward and backward
-        # (torchtitan's choice): resharding would all-gather them again for every micro-batch.
-        reshard = self.layout.pp == 1
-        for mod in self.modules:
-            for block in mod.blocks.values():
-                if isinstance(block.mlp, MoE):
-                    # The experts shard over the ranks holding them (edp), their own unit
-                    # (FSDP averages their gradients over edp: FsdpAdamW rescales them to the
-                    # dense replicas' mean, dp x cp; gloo has no pre-multiplied reduce).
-                    fully_shard(block.mlp.experts, mesh=self.expert_mesh["edp"],
-                                reshard_after_forward=reshard)
-                fully_shard(block, mesh=self.replicas_mesh, reshard_after_forward=reshard)
-            fully_shard(mod, mesh=self.replicas_mesh, reshard_after_forward=reshard)
+        apply_recompute(self.modules, self.layout, self.pp_rank)
 
     def _make_schedule(self):
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import (Schedule1F1B,
                                                             ScheduleInterleaved1F1B)
 
-        layout, group = self.layout, self.mesh["pp"].get_group()
+        layout, group = self.layout, self.mesh.group(Group.pp)
         n_virtual = layout.pp * layout.virtual_stages
         stages = [PipelineStage(mod, stage_index=c * layout.pp + self.pp_rank,
                                 num_stages=n_virtual, device=self.device, group=group)
@@ -327,7 +189,7 @@ class Engine:
             # a vocab-parallel loss is a DTensor, replicated over TP
             losses = [local_tensor(loss) for loss in self._forward_backward(tokens, targets)]
         local = torch.stack([loss.double() for loss in losses]).mean() if losses else 0.0
-        return self._finish_step(start, local, self.layout.dp * self.layout.tp * self.layout.cp,
+        return self._finish_step(start, local, self.layout.replicas * self.layout.tp,
                                  lr, grad_clip, stop)
 
     def train_step_micro_batches(self, batches: Sequence[MicroBatchInput], lr: float,
@@ -410,7 +272,7 @@ class Engine:
             layout = self.layout
             self._executor = PipelineExecutor(
                 self.modules, self.pp_rank, layout.pp, layout.schedule,
-                self.mesh["pp"].get_group(), self.device, self.hidden,
+                self.mesh.group(Group.pp), self.device, self.hidden,
                 layout.tp if layout.sequence_parallel else 1, self._token_loss, self._now)
         return self._executor
 
@@ -578,7 +440,7 @@ def _local_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 def _is_fsdp(p: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
-    # FSDP's mesh is the dp group, or the flattened dp x cp one with context parallelism
-    # (the experts': the expert-data-parallel one)
+    # FSDP's mesh is the replicas' (dp, or dp_cp with context parallelism; the experts': edp)
     return isinstance(p, DTensor) and any(
-        name in ("dp", "dp_cp", "edp") for name in (p.device_mesh.mesh_dim_names or ()))
+        name in (Group.dp, Group.dp_cp, Group.edp)
+        for name in (p.device_mesh.mesh_dim_names or ()))

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from orchestrator.choices import Backend, Dtype
+from orchestrator.choices import Backend, Dtype, Group
 from orchestrator.store import cluster_dir, file_sha256, new_profile, write_json
 
 log = logging.getLogger("orchestrator.train")
@@ -155,11 +155,6 @@ def _memory_MiB(device) -> float:
     return rss_MiB()
 
 
-def stage_of_rank(rank: int, layout) -> int:
-    """The pipeline stage of a global rank (rank order tp, dp, pp)."""
-    return rank // (layout.tp * layout.dp)
-
-
 def measured_parts(per_rank: List[dict], layout) -> Dict[str, Any]:
     """Iteration time (the slowest rank's median), and per pipeline stage the compute,
     pipeline waits (bubble + p2p), exposed gradient sync and optimizer time (ms, medians of
@@ -168,7 +163,7 @@ def measured_parts(per_rank: List[dict], layout) -> Dict[str, Any]:
     step_ms = max(m["step_s"] for m in med) * 1e3
     stages = []
     for j in range(layout.pp):
-        ranks = [m for r, m in zip(per_rank, med) if stage_of_rank(r["rank"], layout) == j]
+        ranks = [m for r, m in zip(per_rank, med) if layout.coordinate(r["rank"], Group.pp) == j]
 
         def ms(key):
             return statistics.median(m[key] for m in ranks) * 1e3

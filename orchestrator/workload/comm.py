@@ -273,13 +273,8 @@ def _pp_comms(model, layout, rank, residual_dtype: Dtype) -> List[Comm]:
             for (op, peer, phase), n in sorted(counts.items())]
 
 
-def replica_group(layout: ParallelLayout) -> str:
-    """The group whose ranks hold the same weights: "dp", or "dp_cp" under CP."""
-    return "dp_cp" if layout.cp > 1 else "dp"
-
-
 def _dp_comms(model, layout, rank, bucket_MiB: float) -> List[Comm]:
-    dp = layout.dp * layout.cp  # the replicas: gradients reduced, ZeRO sharded over them
+    dp = layout.replicas  # gradients reduced, ZeRO sharded over them
     if dp == 1:
         return []
     chunks = rank_chunks(model, layout, rank)
@@ -287,7 +282,7 @@ def _dp_comms(model, layout, rank, bucket_MiB: float) -> List[Comm]:
         return _fsdp_comms(chunks, layout)
     params = [p for chunk in chunks for p in chunk]
     out = []
-    group = replica_group(layout)
+    group = layout.replica_group
     for plan in plan_buckets([p.local_numel for p in params], dp, bucket_MiB):
         grad_op = "reduce_scatter" if layout.zero == 2 else "all_reduce"
         out.append(Comm(grad_op, group, plan.bytes, "fp32", "bwd", 1, "gradient bucket"))
@@ -298,7 +293,7 @@ def _dp_comms(model, layout, rank, bucket_MiB: float) -> List[Comm]:
 
 
 def _fsdp_comms(chunks, layout) -> List[Comm]:
-    dp, m, group = layout.dp * layout.cp, layout.num_micro_batches, replica_group(layout)
+    dp, m, group = layout.replicas, layout.num_micro_batches, layout.replica_group
     gathers = 1 if layout.pp > 1 else 2 * m  # kept gathered under a pipeline
     out = []
     for chunk in chunks:

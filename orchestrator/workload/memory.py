@@ -48,7 +48,7 @@ from orchestrator.workload.states import (FP32, INT64, NORM_CHUNK,
                                           cp_split_input_bytes, embedding_bytes,
                                           fsdp_shard_numel, is_dtensor,
                                           no_sp_extra_bytes_per_token, rank_parameters,
-                                          rank_states, replicas, sp_degree)
+                                          rank_states, sp_degree)
 
 
 @dataclass(frozen=True)
@@ -267,7 +267,7 @@ def rank_memory(model: ModelConfig, layout: ParallelLayout, rank: int, act: Bloc
     params = rank_parameters(model, layout, rank)
     numel = [p.local_numel for p in params]
     pp_rank, dp_rank = layout.coordinate(rank, "pp"), layout.coordinate(rank, "dp_cp")
-    dp, zero, m = replicas(layout), layout.zero, layout.num_micro_batches
+    dp, zero, m = layout.replicas, layout.zero, layout.num_micro_batches
     tokens = layout.micro_batch_size * seq_len // layout.cp  # this rank's
     vocab_local = chunk_size(model.vocab, layout.tp, layout.coordinate(rank, "tp"))
     head_kept, head_fwd, head_bwd = _head_bytes(model, layout, dtype, tokens, cuda, vocab_local)
@@ -398,7 +398,7 @@ def _fsdp_gathered(part, unit_of_part, fsdp_units, prefetch: bool = False) -> fl
 def _gradients(part, count, m, params, numel, layout, plans, bucket_of, viewable, owned,
                allocated, fsdp_units, unit_of_part, live) -> None:
     """What the backward of `part` (its `count`-th of m this iteration) leaves allocated."""
-    zero, dp = layout.zero, replicas(layout)
+    zero, dp = layout.zero, layout.replicas
     size = FP32 * sum(numel[i] for i in part.params)
     if zero == 3:
         if count == 1 and m > 1:

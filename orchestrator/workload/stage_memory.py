@@ -18,8 +18,7 @@ from orchestrator.workload.memory import (BlockActivations, _block_working, _hea
                                           engine_block_bytes)
 from orchestrator.workload.states import (FP32, FP64, INT64, NORM_CHUNK,
                                           cp_split_input_bytes,
-                                          embedding_bytes, input_bytes, replicas,
-                                          stage_buffer_bytes)
+                                          embedding_bytes, input_bytes, stage_buffer_bytes)
 
 
 def _b_events(pp: int, stage: int, m: int, schedule: str, v: int) -> List[Tuple[int, int, bool]]:
@@ -97,7 +96,7 @@ class StageMemory:
                  dtype: Dtype | str, device: str, seq_len: int, bucket_MiB: float = 25.0):
         self.model, self.layout = model, layout
         dtype = Dtype.parse(dtype)
-        tp, pp, dp, zero = layout.tp, layout.pp, replicas(layout), layout.zero
+        tp, pp, dp, zero = layout.tp, layout.pp, layout.replicas, layout.zero
         m, v = layout.num_micro_batches, layout.virtual_stages
         cuda = device.startswith("cuda")
         h, vocab = model.hidden, model.vocab

@@ -83,15 +83,10 @@ def replicated_over_tp(p: Param, layout: ParallelLayout) -> bool:
     return is_dtensor(p, layout) and not p.tp_sharded and not is_expert(p)
 
 
-def replicas(layout) -> int:
-    """Ranks holding the same weights (dp x cp): gradients are reduced, ZeRO shards, over them."""
-    return layout.dp * layout.cp
-
-
 def _bucket_states(params: List[Param], layout: ParallelLayout, bucket_MiB: float,
                    dp: Optional[int] = None) -> dict:
     """The bucketed states of `params` sharded over `dp` ranks (default the dense replicas)."""
-    dp, zero = dp or replicas(layout), layout.zero
+    dp, zero = dp or layout.replicas, layout.zero
     out = dict(params=0, master=0, grads=0, optim=0, norm_index=0)
     plans = plan_buckets([p.local_numel for p in params], dp, bucket_MiB)
     for plan in plans:
@@ -124,7 +119,7 @@ def fsdp_shard_numel(p: Param, dp: int, dp_rank: int) -> int:
 
 
 def _fsdp_states(params: List[Param], layout: ParallelLayout, dp_rank: int) -> dict:
-    shard = sum(fsdp_shard_numel(p, replicas(layout), dp_rank) for p in params)
+    shard = sum(fsdp_shard_numel(p, layout.replicas, dp_rank) for p in params)
     return dict(params=FP32 * shard, master=0, grads=0,
                 optim=2 * FP32 * shard + STEP_COUNTER_BYTES * len(params), norm_index=0)
 
