@@ -22,8 +22,9 @@ from orchestrator.planner.schedule import in_flight_micro_batches
 from orchestrator.planner.terms import FwdBwd, overlap_extra_us
 from orchestrator.planner.terms.memory import ActivationBytes, comm_buffer_bytes
 from orchestrator.planner.terms.pipeline import boundary_intra_node
-from orchestrator.planner.terms.tp_comm import LOSS_VALUE_BYTES, TpComm
+from orchestrator.planner.terms.tp_comm import TpComm
 from orchestrator.planner.terms.zero import ZeroTraffic
+from orchestrator.workload.comm import layer_activation_bytes, pp_message_bytes, tp_messages
 
 @dataclass(frozen=True)
 class PricedMicroBatches:
@@ -77,6 +78,7 @@ class MicroBatchCosts:
         self.pp, self.tp, self.v = layout.pp, layout.tp, layout.virtual_stages
         self.n = np.array(layout.layers_per_stage, dtype=float)[:, None]
         whole = StageCosts(ConfigKey.of(layout), model, hardware, model.seq_len, options)
+        self.compute_dtype, self.residual_dtype = whole.compute_dtype, whole.residual_dtype
         j = np.arange(self.pp)
         params, grads, optim = whole.static_bytes(j, self.n[:, 0])
         block, _ = model.memory(layout.tp)
@@ -141,11 +143,12 @@ class MicroBatchCosts:
             self._per_seq = np.concatenate([self._per_seq, rows])
         return self._per_seq[np.asarray(s) - 1]
 
-    def _tp_comm(self, tp_bytes: np.ndarray, loss_bytes: np.ndarray) -> TpComm:
-        """TpComm.from_hardware with the message sizes arrays."""
+    def _tp_comm(self, tokens: np.ndarray) -> TpComm:
+        """TpComm.from_hardware for micro-batches of `tokens` tokens (an array)."""
         cal = self.options.calibration
-        return TpComm.from_hardware(self.hardware, self.tp, self.layout.sequence_parallel,
-                                    tp_bytes, self.options.engine, loss_bytes, cal.tp_latency,
+        messages = tp_messages(self.options.engine, self.layout.sequence_parallel, tokens,
+                               self.model.hidden, self.compute_dtype)
+        return TpComm.from_hardware(self.hardware, self.tp, messages, cal.tp_latency,
                                     cal.tp_bandwidth)
 
     def price(self, b, s, mode_code) -> PricedMicroBatches:
@@ -159,8 +162,8 @@ class MicroBatchCosts:
          *profile_per_token) = self._per_sequence(s).T
         m, pp, v, n = self.model, self.pp, self.v, self.n
         tokens = b * s
-        tp_bytes = tokens * m.hidden * m.dtype_bytes
-        tpc = self._tp_comm(tp_bytes, tokens * LOSS_VALUE_BYTES)
+        tp_bytes = layer_activation_bytes(tokens, m.hidden, self.residual_dtype)
+        tpc = self._tp_comm(tokens)
         # A micro-batch is one call: the fits' constant once, the rest per sequence (ModelCost).
         tp = self.tp
         bf, bb = m.block_fwd_us(s, tp, b), m.block_bwd_us(s, tp, b)
@@ -178,8 +181,8 @@ class MicroBatchCosts:
         recompute = np.where(code == 1, n * (b * attn), np.where(code == 2, full_us, 0.0))
         fwd = n * layer.fwd_us + other_t.fwd_us
         bwd = n * layer.bwd_us + recompute + other_t.bwd_us
-        p2p_bytes = tokens * m.hidden * m.dtype_bytes / (self.tp if self.layout.sequence_parallel
-                                                          else 1)
+        p2p_bytes = pp_message_bytes(tokens, m.hidden, self.tp, self.layout.sequence_parallel,
+                                     self.residual_dtype)
         if pp == 1:
             boundary = np.zeros((1, k))
         else:
