@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -75,6 +76,11 @@ from orchestrator.workload.comm import (Comm, cp_messages, layer_activation_byte
 from orchestrator.workload.moe import default_imbalance, moe_messages, tokens_per_rank
 
 GiB = float(1 << 30)
+# A layer's messages depend on a few scalars that many configs of a search share (tokens per
+# rank, flavour, dtype): each list built once (Comm tuples are immutable).
+_tp_messages = lru_cache(maxsize=4096)(tp_messages)
+_cp_messages = lru_cache(maxsize=4096)(cp_messages)
+_moe_messages = lru_cache(maxsize=4096)(moe_messages)
 MEMORY_KINDS = ("params", "grads", "optim", "activations", "comm_buffers", "reserve")
 BREAKDOWN_KINDS = ("compute", "tp_comm", "cp_comm", "pp_comm", "bubble", "dp_sync_exposed",
                    "recompute")
@@ -362,13 +368,13 @@ class StageCosts:
         self.compute = compute.scaled(self.contention * cal.compute)
         # The messages are the workload model's (workload/comm.py, moe.py); the terms price them
         # and messages() lists them.
-        self.tp_messages = tp_messages(self.engine, key.sequence_parallel, self.tokens,
-                                       model.hidden, self.compute_dtype)
+        self.tp_messages = _tp_messages(self.engine, key.sequence_parallel, self.tokens,
+                                        model.hidden, self.compute_dtype)
         self.tp = TpComm.from_hardware(self.hardware, key.tp, self.tp_messages, cal.tp_latency,
                                        cal.tp_bandwidth)
-        self.cp_messages = cp_messages(key.cp_comm, key.cp, key.cp_a2a, self.tokens, model.heads,
-                                       model.kv_heads, model.hidden // model.heads, key.tp,
-                                       self.compute_dtype, self.engine)
+        self.cp_messages = _cp_messages(key.cp_comm, key.cp, key.cp_a2a, self.tokens,
+                                        model.heads, model.kv_heads, model.hidden // model.heads,
+                                        key.tp, self.compute_dtype, self.engine)
         self.cp = CpComm.from_hardware(self.hardware, self.cp_messages, key.cp, key.cp_a2a,
                                        key.tp, self.compute.selective_recompute_us,
                                        self.overlap_coe)
@@ -378,7 +384,7 @@ class StageCosts:
                                             self.engine, key.pp, key.num_micro_batches)
         if self.moe is not None:
             # the dispatcher, exposed; the experts' ZeRO traffic over edp beside the dense's
-            self.moe_messages = moe_messages(
+            self.moe_messages = _moe_messages(
                 tokens_per_rank(seq_len, key.micro_batch_size, key.tp, key.cp), self.moe, key.ep,
                 key.etp, self.engine, self.compute_dtype, self.imbalance)
             self.moe_comm = MoeComm.from_hardware(self.hardware, self.moe_messages, key.ep,

@@ -278,14 +278,16 @@ def _cp_flavour(comm: CpComm, cp: int, group: str, q, kv, compute: Dtype,
     if comm == CpComm.allgather:
         gathered = k * cp
         fwd = (Comm("all_gather", group, gathered, dt, "fwd", 2, "K, V"),)
+        again = rerun(fwd)
         return CpMessages(fwd, (Comm("reduce_scatter", group, gathered, dt, "bwd", 2,
-                                     "K, V gradients"),), rerun(fwd), rerun(fwd))
+                                     "K, V gradients"),), again, again)
     # the ring: cp - 1 hops forward; backward the K/V blocks again and cp - 1 + 1 hops of their
     # gradients (each block's gradient returns to its owner)
     fwd = _ring(group, kv, dt, "fwd", cp - 1, "K/V block")
     bwd = (_ring(group, kv, dt, "bwd", cp - 1, "K/V block, again")
            + _ring(group, kv, dt, "bwd", cp, "K/V block gradient"))
-    return CpMessages(fwd, bwd, rerun(fwd), rerun(fwd))
+    again = rerun(fwd)
+    return CpMessages(fwd, bwd, again, again)
 
 
 def _ring(group: str, size, dt: str, phase: str, hops: int, what: str) -> Tuple[Comm, ...]:

@@ -76,14 +76,20 @@ class CpComm:
             return hardware.collective_time_us(benchmark_of(op), sizes[group], tp, size)
 
         def exposed_us(comms, window_us) -> float:
-            sends = sum(c.count for c in comms if c.op == "send")
-            others = sum(c.count * collective_us(c.op, c.bytes, c.group) for c in comms
-                         if c.op not in ("send", "recv"))
+            sends, others = 0, 0.0
+            for c in comms:
+                if c.op == "send":
+                    sends += c.count
+                elif c.op != "recv":  # a receive is its send's message, priced on the sender
+                    others += c.count * collective_us(c.op, c.bytes, c.group)
             ring_us = (overlap_extra_us(window_us, sends * hop_us, overlap_coe) if sends
                        else 0.0)
             return float(others + ring_us)
 
         fwd = exposed_us(messages.fwd, hidden_us)
+        selective = exposed_us(messages.selective_rerun, hidden_us)
+        # most flavours rerun the same messages under both recomputes (cp_messages shares them)
+        full = (selective if messages.full_rerun is messages.selective_rerun
+                else exposed_us(messages.full_rerun, hidden_us))
         return cls(FwdBwd(fwd, exposed_us(messages.bwd, ATTENTION_BWD_OVER_FWD * hidden_us)),
-                   selective_rerun_us=exposed_us(messages.selective_rerun, hidden_us),
-                   full_rerun_us=exposed_us(messages.full_rerun, hidden_us), hop_us=hop_us)
+                   selective_rerun_us=selective, full_rerun_us=full, hop_us=hop_us)

@@ -56,7 +56,8 @@ def stage_sends(boundary: np.ndarray, virtual_stages: int) -> FwdBwd:
     next stage over boundary j (the last stage's wrapping to stage 0), backward to the previous
     one over boundary j - 1 (stage 0's wrapping to the last)."""
     fwd, bwd = stage_send_counts(len(boundary), virtual_stages)
-    return FwdBwd(fwd * boundary, bwd * np.roll(boundary, 1))
+    previous = np.concatenate([boundary[-1:], boundary[:-1]])  # boundary j - 1 (0: the wrap)
+    return FwdBwd(fwd * boundary, bwd * previous)
 
 
 def on_end_stages(first, last, pp: int) -> np.ndarray:

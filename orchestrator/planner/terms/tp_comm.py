@@ -43,9 +43,13 @@ class TpComm:
         if tp == 1:
             return cls.zero(messages.layer_fwd[0].bytes if messages.layer_fwd else 0.0)
 
+        lines = {}  # op -> (latency, time per byte), calibrated: looked up once per op
+
         def op_us(op: str, size):
-            alpha_us, us_per_byte = hardware.collective_line(benchmark_of(op), tp, 1)
-            alpha_us, us_per_byte = alpha_us * latency_factor, us_per_byte * bandwidth_factor
+            if op not in lines:
+                alpha_us, us_per_byte = hardware.collective_line(benchmark_of(op), tp, 1)
+                lines[op] = alpha_us * latency_factor, us_per_byte * bandwidth_factor
+            alpha_us, us_per_byte = lines[op]
             return (alpha_us + size * us_per_byte) * (size > 0)  # nothing to move: no latency
 
         def us(comms):
