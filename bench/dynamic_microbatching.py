@@ -17,6 +17,7 @@ normal's time from 64 up; with --exhaustive, within 0.5% of the best order and s
 
     python bench/dynamic_microbatching.py [--iterations 20] [--quick] [--no-measure] [--exhaustive]
                                           [--analytic-model]
+    python bench/dynamic_microbatching.py --smoke   # tiny alone (synthetic profiles), 8 sequences
 """
 from __future__ import annotations
 
@@ -248,10 +249,20 @@ def tiny_profiles(cfg):
     return analytic_hardware_profile(cfg), analytic_model_profile(cfg)
 
 
-def tiny_case(sizes, iterations) -> None:
+def synthetic_tiny_profiles():
+    """(hardware, model) dicts of the test fixtures (tests/planner_fixtures.py) for cluster=local
+    and tiny's shape: no torch, for --smoke; round numbers, not this machine's."""
+    sys.path.insert(0, str(REPO / "tests"))
+    import planner_fixtures
+
+    console.print("tiny: the test fixtures' synthetic profiles (--smoke)")
+    return planner_fixtures.synthetic_hardware(1, 4), planner_fixtures.shaped_like("tiny")
+
+
+def tiny_case(sizes, iterations, smoke: bool = False) -> None:
     cfg = compose_cfg(["stage=profile_model", "cluster=local", "model=tiny",
                        "profile_model.source=analytic"])
-    hw_profile, model_profile = tiny_profiles(cfg)
+    hw_profile, model_profile = synthetic_tiny_profiles() if smoke else tiny_profiles(cfg)
     hw, model = HardwareModel.from_dict(hw_profile), ModelCost.from_dict(model_profile)
     layout = ParallelLayout.uniform(4, 1, 2, model.layers, micro_batch_size=1)
     case("tiny", layout, model, hw, budget_bytes(cfg), model.seq_len / 4, model.seq_len, sizes,
@@ -318,7 +329,10 @@ def main() -> None:
                              "(default: measured on the 4 ranks first, ~30 s)")
     parser.add_argument("--iterations", type=int, default=None,
                         help="iterations per batch size (default 20, 5 with --quick)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 8 and 64 sequences")
+    parser.add_argument("--quick", action="store_true", help="8 and 64 sequences")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the tiny case alone on the test fixtures' synthetic profiles: 8 "
+                             "sequences, 1 iteration, no training")
     parser.add_argument("--exhaustive", action="store_true",
                         help=f"also every order of each rank's micro-batches where it has at "
                              f"most {EXHAUSTIVE_MAX_MBS} (the gap of the planner's order to "
@@ -327,6 +341,10 @@ def main() -> None:
     sizes = (8, 64) if args.quick else (8, 16, 64, 256)
     iterations = args.iterations or (5 if args.quick else 20)
     t0 = time.perf_counter()
+    if args.smoke:
+        tiny_case((8,), 1, smoke=True)
+        console.print(f"total {time.perf_counter() - t0:.1f} s")
+        return
     llama_case(sizes, iterations, args.exhaustive)
     tiny_case(sizes, iterations)
     if not args.no_measure:

@@ -1,6 +1,12 @@
 """Run Galvatron 2.4.0's own search engine from its sdist, on CPU, for a side-by-side bench.
 
     python bench/galvatron_engine.py [--sdist DIR] [--work-dir DIR]
+    python bench/galvatron_engine.py --smoke   # the first case's inputs only: no venv, no search
+
+The sdist is the one bench/galvatron_side_by_side.py uses (`pip download`ed once into
+<tmp>/galvatron-sdist; without network and without it the cases say "not run"), the venv
+theirs too (<tmp>/galvatron-sdist/engine). --smoke never downloads: with the sdist there it
+converts the first case's profiles and prints Galvatron's search command.
 
 What it takes to run (found by trying, hetu-galvatron 2.4.0, torch 2.13 CPU):
 - A throw-away virtualenv in `work_dir/venv` (never the project's environment) with torch 2.13
@@ -38,11 +44,15 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
+from typing import Optional, Tuple
 
-SDIST_DIR = Path("/tmp/galv/hetu_galvatron-2.4.0")
-WORK_DIR = Path("/tmp/galvatron_engine")
+SDIST = "hetu-galvatron==2.4.0"
+ROOT = "hetu_galvatron-2.4.0"
+CACHE = Path(tempfile.gettempdir()) / "galvatron-sdist"  # the unpacked sdist and the engine's venv
 VENV_PACKAGES = ("torch==2.13.0", "transformers", "scipy", "tqdm", "numpy", "pybind11", "einops")
 SEARCH_TIMEOUT_S = 600
 LLAMA_DIR = Path("galvatron/models/llama_hf")
@@ -78,6 +88,25 @@ engine.initialize_search_engine()
 engine.parallelism_optimization()
 print("SEARCH_ELAPSED_S %.6f" % (time.perf_counter() - start))
 '''
+
+
+def fetch_sdist(cache: Path, download: bool = True) -> Tuple[Optional[Path], str]:
+    """(the unpacked sdist's root, "") — downloading it into `cache` when absent and `download`
+    — or (None, why not)."""
+    root = cache / ROOT
+    if root.is_dir():
+        return root, ""
+    if not download:
+        return None, f"no {ROOT} in {cache} (a run without --smoke downloads it)"
+    cache.mkdir(parents=True, exist_ok=True)
+    got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", SDIST,
+                          "-d", str(cache)], capture_output=True, text=True)
+    archives = sorted(cache.glob(f"{ROOT}*.tar.gz"))
+    if got.returncode or not archives:
+        return None, f"cannot download {SDIST} ({got.stderr.strip().splitlines()[-1:] or '?'})"
+    with tarfile.open(archives[0]) as tar:
+        tar.extractall(cache, filter="data")
+    return root, ""
 
 
 class Missing(Exception):
@@ -290,14 +319,50 @@ def describe(config: dict) -> str:
             f"ckpt_layers={checkpointed} dp_type={config['default_dp_type']}")
 
 
+def case_label(nodes: int, gpus: int, memory_GB: float, batch: int) -> str:
+    return f"llama-7b {nodes}x{gpus} {memory_GB} GB bsz {batch}"
+
+
+def smoke(sdist_dir: Path, nodes: int, gpus: int, memory_GB: float, batch: int,
+          model: str = "llama-7b") -> None:
+    """The first case's inputs: the shipped profiles converted (into a temporary folder) and
+    Galvatron's search command, without its venv or its search."""
+    with tempfile.TemporaryDirectory() as tmp:
+        profiles = Path(tmp) / "profiles"
+        try:
+            convert_model_profiles(sdist_dir, profiles, model)
+            convert_hardware_profiles(sdist_dir, profiles, nodes, gpus)
+        except Missing as exc:
+            print(f"  inputs not converted: {exc}")
+            return
+        for path in sorted(profiles.iterdir()):
+            print(f"  converted {path.name}: {len(json.loads(path.read_text()))} entries")
+        args = search_args(profiles, Path(tmp) / "out", nodes=nodes, gpus_per_node=gpus,
+                           memory_GB=memory_GB, global_batch_size=batch, model=model)
+        print("search_driver.py " + " ".join(args))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sdist", type=Path, default=SDIST_DIR)
-    parser.add_argument("--work-dir", type=Path, default=WORK_DIR)
+    parser.add_argument("--sdist", type=Path, default=None,
+                        help=f"an unpacked sdist (default: {CACHE / ROOT}, downloaded if absent)")
+    parser.add_argument("--work-dir", type=Path, default=CACHE / "engine")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the first case's converted inputs and command, no download")
     opts = parser.parse_args()
+    sdist, why = ((opts.sdist, "") if opts.sdist is not None
+                  else fetch_sdist(CACHE, download=not opts.smoke))
+    if opts.smoke:
+        print(f"smoke, {case_label(*CASES[0])}" + (f": not run: {why}" if sdist is None else ""))
+        if sdist is not None:
+            smoke(sdist, *CASES[0])
+        return
     for nodes, gpus, memory_GB, batch in CASES:
-        label = f"llama-7b {nodes}x{gpus} {memory_GB} GB bsz {batch}"
-        found = run_galvatron_search(opts.sdist, opts.work_dir, nodes=nodes, gpus_per_node=gpus,
+        label = case_label(nodes, gpus, memory_GB, batch)
+        if sdist is None:
+            print(f"{label}: Galvatron search not run: {why}")
+            continue
+        found = run_galvatron_search(sdist, opts.work_dir, nodes=nodes, gpus_per_node=gpus,
                                      memory_GB=memory_GB, global_batch_size=batch)
         if not found["ok"]:
             print(f"{label}: Galvatron search not run: {found['reason']}")

@@ -1,6 +1,7 @@
 """Galvatron's own llama-7b profiles through our import and search, next to Galvatron's picks.
 
     python bench/galvatron_side_by_side.py [--cache DIR] [--no-engine]
+    python bench/galvatron_side_by_side.py --smoke   # the first scenario, no engine, no download
 
 Downloads the hetu-galvatron 2.4.0 sdist (`pip download --no-deps`; skips with a message when it
 cannot), imports its llama-7b hardware and model profiles with `stage=import` as a user would
@@ -15,14 +16,13 @@ import argparse
 import json
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-SDIST = "hetu-galvatron==2.4.0"
-ROOT = "hetu_galvatron-2.4.0"
+from galvatron_engine import CACHE, fetch_sdist  # bench/, beside this file
+
 MODEL = ["model=llama2_7b", "model.seq_len=2048"]
 SCENARIOS = (
     # (label, nodes, memory GB per GPU, global batch, shipped strategy files of that shape)
@@ -32,23 +32,6 @@ SCENARIOS = (
      ["galvatron_config_llama-7b_2nodes_8gpus_per_node_40GB_bf16_example.json",
       "galvatron_config_llama-7b_2nodes_8gpus_per_node_40GB_bf16_3D_example.json"]),
 )
-
-
-def fetch_sdist(cache: Path) -> Optional[Path]:
-    """The unpacked sdist's root, downloading it into `cache` when absent; None when it cannot."""
-    root = cache / ROOT
-    if root.is_dir():
-        return root
-    cache.mkdir(parents=True, exist_ok=True)
-    got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", SDIST,
-                          "-d", str(cache)], capture_output=True, text=True)
-    archives = sorted(cache.glob("hetu_galvatron-2.4.0*.tar.gz"))
-    if got.returncode or not archives:
-        print(f"skipped: cannot download {SDIST} ({got.stderr.strip().splitlines()[-1:] or '?'})")
-        return None
-    with tarfile.open(archives[0]) as tar:
-        tar.extractall(cache, filter="data")
-    return root
 
 
 def orchestrator(args: List[str], cwd: Path) -> str:
@@ -135,20 +118,23 @@ def scenario(root: Path, work: Path, label: str, nodes: int, memory_GB: float, b
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cache", type=Path,
-                        default=Path(tempfile.gettempdir()) / "galvatron-sdist")
+    parser.add_argument("--cache", type=Path, default=CACHE)
     parser.add_argument("--engine-dir", type=Path, default=None,
                         help="where Galvatron's engine venv is built (default: <cache>/engine)")
     parser.add_argument("--no-engine", action="store_true",
                         help="do not try to build and run Galvatron's own search engine")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the first scenario, --no-engine, and no download (the cache's "
+                             "sdist or a skip)")
     args = parser.parse_args()
-    root = fetch_sdist(args.cache)
+    root, why = fetch_sdist(args.cache, download=not args.smoke)
     if root is None:
+        print(f"skipped: {why}")
         return
-    for label, nodes, memory_GB, batch, shipped in SCENARIOS:
+    for label, nodes, memory_GB, batch, shipped in SCENARIOS[:1] if args.smoke else SCENARIOS:
         engine = None
-        if not args.no_engine:
-            from galvatron_engine import run_galvatron_search  # bench/, beside this file
+        if not (args.no_engine or args.smoke):
+            from galvatron_engine import run_galvatron_search
 
             engine = run_galvatron_search(root, args.engine_dir or args.cache / "engine",
                                           nodes=nodes,

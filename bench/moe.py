@@ -3,6 +3,7 @@
 
     python bench/moe.py            # all cases
     python bench/moe.py --quick    # 256 and 1024 devices only
+    python bench/moe.py --smoke    # mixtral_8x7b on 256, the test fixtures' synthetic profiles
 
 Profiles are the project's analytic ones, written once by the CLI into a temporary folder:
 `cluster=dgx_h100` hardware (published H100 / NDR figures) for the case's node count, and each
@@ -87,6 +88,24 @@ def model_cost(name: str, folder: str):
     return ModelCost.from_dict(json.loads(path.read_text())).with_moe(cfg), cfg
 
 
+def synthetic_model_cost(name: str):
+    """(ModelCost with the experts attached, ModelConfig) of the test fixtures' dense profile
+    of the model's shape (tests/planner_fixtures.py): no CLI, no torch, for --smoke."""
+    sys.path.insert(0, str(REPO / "tests"))
+    import planner_fixtures
+
+    cfg = ModelConfig(**yaml.safe_load(
+        (REPO / "orchestrator" / "conf" / "model" / f"{name}.yaml").read_text()))
+    return ModelCost.from_dict(planner_fixtures.shaped_like(name)).with_moe(cfg), cfg
+
+
+def synthetic_hardware(world: int) -> HardwareModel:
+    sys.path.insert(0, str(REPO / "tests"))
+    import planner_fixtures
+
+    return HardwareModel.from_dict(planner_fixtures.synthetic_hardware(world // 8, 8))
+
+
 def mfu(cfg, pred) -> float:
     """Model FLOPs utilisation: 6 x active parameters per token (attention's s^2 left out)
     over the H100's peak."""
@@ -133,15 +152,23 @@ def published(name: str, world: int, layers: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="256 and 1024 devices only")
+    parser.add_argument("--smoke", action="store_true",
+                        help="mixtral_8x7b on 256 devices, the test fixtures' synthetic profiles "
+                             "(no CLI): a few seconds")
     args = parser.parse_args()
-    worlds = WORLDS[:2] if args.quick else WORLDS
+    worlds = WORLDS[:1] if args.smoke else WORLDS[:2] if args.quick else WORLDS
     console = Console(width=200)
     with tempfile.TemporaryDirectory() as folder:
-        models = {name: model_cost(name, f"{folder}/{name}") for name in MODELS}
+        if args.smoke:
+            models = {MODELS[0]: synthetic_model_cost(MODELS[0])}
+        else:
+            models = {name: model_cost(name, f"{folder}/{name}") for name in MODELS}
         for world in worlds:
-            hw = hardware(world, f"{folder}/hw{world}")
+            hw = (synthetic_hardware(world) if args.smoke
+                  else hardware(world, f"{folder}/hw{world}"))
+            source = "the test fixtures' synthetic profiles" if args.smoke else "analytic profiles"
             table = Table(title=f"{world} H100s, global batch {GBS[world]} x {SEQ} tokens, "
-                                f"{BUDGET_GiB} GiB per GPU (analytic profiles)")
+                                f"{BUDGET_GiB} GiB per GPU ({source})")
             for col in ("model / source", "layout", "s/iter", "MFU %", "ep_comm ms",
                         "dp exposed ms", "bubble ms", "peak GiB", "search s (configs)"):
                 table.add_column(col, justify="left" if col in ("model / source", "layout")

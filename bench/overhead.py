@@ -2,6 +2,7 @@
 
   python bench/overhead.py            # local: stage=noop on 4 ranks vs `mpiexec -n 4 python -c pass`
   python bench/overhead.py --slurm    # also: stage=noop on the dev Slurm cluster vs `sbatch --wait`
+  python bench/overhead.py --smoke    # local, once each
 
 Target: at most 2 s above each baseline. Prints figures; asserts nothing.
 """
@@ -37,7 +38,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--slurm", action="store_true", help="also time the dev Slurm cluster")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="local only, --repeats 1")
     args = parser.parse_args()
+    if args.smoke:
+        args.slurm, args.repeats = False, 1
     with tempfile.TemporaryDirectory() as tmp:
         noop = [sys.executable, "-m", "orchestrator", "stage=noop", "force=true",
                 f"profiles_dir={tmp}"]

@@ -9,11 +9,14 @@ torch loop; MPI uses another implementation, so it is context, not a target), an
 relative error of the alpha-beta fit on held-out sizes (fit on every other size).
 
     mpiexec -n 4 python bench/profile_hardware_agreement.py [--max-mib 64] [--iters 10]
+    python bench/profile_hardware_agreement.py [--ranks 4]   # starts mpiexec -n 4 itself
+    python bench/profile_hardware_agreement.py --smoke       # 2 ranks, 64 KiB, 2 iterations
 """
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 from typing import Dict
@@ -94,7 +97,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-mib", type=float, default=64)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--ranks", type=int, default=4,
+                        help="started outside mpiexec: run under `mpiexec -n RANKS` (>= 2)")
+    parser.add_argument("--smoke", action="store_true", help="2 ranks, 64 KiB, 2 iterations")
     args = parser.parse_args()
+    if args.smoke:
+        args.ranks, args.max_mib, args.iters = 2, 1 / 16, 2
+    if not {"PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK"} & set(os.environ):  # no MPI job
+        raise SystemExit(subprocess.run(["mpiexec", "-n", str(args.ranks), sys.executable,
+                                         os.path.abspath(__file__), *sys.argv[1:]]).returncode)
     import torch.distributed as dist
 
     from mpi4py import MPI

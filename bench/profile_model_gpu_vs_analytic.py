@@ -1,19 +1,28 @@
 """Measured against analytic model profiles: block times, MFU and activation memory per point.
 
   python bench/profile_model_gpu_vs_analytic.py MEASURED.json ANALYTIC.json [--peak-TFLOPs 989.4]
+  python bench/profile_model_gpu_vs_analytic.py     # tiny, profiled here both ways first
 
 Both files are profile_model outputs of the same model (e.g. `cluster=gpu_node` measured on an
-H100, and `profile_model.source=analytic profile_model.device=h100`). For every (seq_len, tp)
-point in both it prints block forward/backward ms (measured / analytic), the block's MFU
-(FLOPs / measured time / peak; peak defaults to the analytic file's device sheet for the model's
-dtype) and the block's activation MiB per recompute mode (measured / analytic), plus the
-measured forward peak. Prints figures; asserts nothing.
+H100, and `profile_model.source=analytic profile_model.device=h100`); without them `model=tiny`
+is profiled on cluster=local into a temporary folder, measured on one rank and analytic (its
+device sheet), and those two are compared. For every (seq_len, tp) point in both it prints
+block forward/backward ms (measured / analytic), the block's MFU (FLOPs / measured time / peak;
+peak defaults to the analytic file's device sheet for the model's dtype) and the block's
+activation MiB per recompute mode (measured / analytic), plus the measured forward peak. Prints
+figures; asserts nothing.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 from typing import Dict, Optional, Tuple
+
+REPO = Path(__file__).resolve().parent.parent
 
 MODES = ("none", "selective", "full")
 
@@ -78,13 +87,39 @@ def memory_rows(meas: dict, ana: dict, keys) -> None:
               + f" {peak_txt:>14}")
 
 
+def profile_tiny(folder: Path) -> Tuple[str, str]:
+    """(measured, analytic) model profiles of tiny on cluster=local, written under `folder`."""
+    paths = []
+    for source, extra in (("measured", ["cluster.tasks_per_node=1", "profile_model.max_tp=1"]),
+                          ("analytic", [])):
+        out = folder / source
+        subprocess.run([sys.executable, "-m", "orchestrator", "stage=profile_model", "model=tiny",
+                        f"profile_model.source={source}", "profile_model.plot=false", *extra,
+                        f"profiles_dir={out}"], cwd=REPO, check=True, capture_output=True)
+        paths.append(str(out / "local" / "model" / "tiny.json"))
+    return paths[0], paths[1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("measured")
-    ap.add_argument("analytic")
+    ap.add_argument("measured", nargs="?", help="default: tiny measured here (one CPU rank)")
+    ap.add_argument("analytic", nargs="?", help="default: tiny analytic (cluster=local's sheet)")
     ap.add_argument("--peak-TFLOPs", type=float, default=None,
                     help="dense peak for MFU (default: the analytic file's device sheet)")
     args = ap.parse_args()
+    if (args.measured is None) != (args.analytic is None):
+        ap.error("give both files, or neither")
+    if args.measured is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            print("tiny profiled on cluster=local: measured on one rank, and analytic")
+            args.measured, args.analytic = profile_tiny(Path(tmp))
+            compare(args)
+        return
+    compare(args)
+
+
+def compare(args) -> None:
+    """Print both tables for the two files args names."""
     meas_profile, meas = load_points(args.measured)
     ana_profile, ana = load_points(args.analytic)
     keys = sorted(set(meas) & set(ana))

@@ -7,12 +7,14 @@
 - Megatron: sbh(34 + 5as/h), 34sbh/t (selective), 2sbh/t (full), scaled to the model's dtype.
 
   python bench/profile_model_memory.py
+  python bench/profile_model_memory.py --smoke    # tiny alone
 
 Shapes: tiny (fp32), a 1024-wide bf16 GQA model (CPU) and qwen_100b (analytic, FakeTensorMode:
 no live figure). Prints figures; asserts nothing.
 """
 from __future__ import annotations
 
+import argparse
 
 import torch
 
@@ -60,6 +62,9 @@ def row(name, cfg, seq_len, tp, saved, live=None):
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="the tiny shape alone")
+    args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = [("tiny fp32", ModelConfig(), 256),
               ("1024-wide bf16", ModelConfig(name="mid", hidden=1024, ffn=2816, heads=16,
@@ -69,6 +74,8 @@ def main() -> None:
         saved = memory_point(pm, s)["block_act_bytes"]
         live = {m: live_bytes(pm, s, m) for m in MODES}
         row(f"{name} ({device})", cfg, s, 1, saved, live)
+        if args.smoke:
+            return
     # analytic: a 100B model at 128k tokens, per TP degree (fake process group, no data)
     import yaml
 

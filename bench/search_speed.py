@@ -2,6 +2,7 @@
 
     python bench/search_speed.py            # all cases
     python bench/search_speed.py --quick    # skip the 4096/8192-device cases
+    python bench/search_speed.py --smoke    # the 16-device case on the test fixtures' profiles
 
 Profiles are the project's own analytic ones, as a user planning from a laptop gets them:
 hardware from `profile_hardware.source=analytic cluster=dgx_h100` (published H100/NDR figures),
@@ -102,8 +103,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="skip the 4096/8192-device cases")
     parser.add_argument("--repeat", type=int, default=1, help="best of N timings")
     parser.add_argument("--synthetic", action="store_true", help="the test fixtures' profiles")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the smallest case (16 devices), --synthetic: a second or so")
     args = parser.parse_args()
-    cases = CASES[:3] if args.quick else CASES
+    cases = CASES[:1] if args.smoke else CASES[:3] if args.quick else CASES
+    args.synthetic = args.synthetic or args.smoke
     with tempfile.TemporaryDirectory() as folder:
         cache = {}
         for label, name, world, gbs, seq_len, mem in cases:

@@ -3,13 +3,18 @@
   python bench/simai_iteration.py --simai /path/to/SimAI      # its repo root, built (below)
   python bench/simai_iteration.py --simai ... --keep /tmp/sim --pp 2 --tp 4 --gbs 32
   python bench/simai_iteration.py --simai ... --cp 2 --seq 16384   # context parallelism (ring)
+  python bench/simai_iteration.py            # without SimAI: the export, the trace and the planner
+  python bench/simai_iteration.py --smoke    # tiny, WS 8 PP 2 TP 2: the export alone (seconds)
 
 In a scratch folder (analytic profiles, nothing measured): the dgx_h100 hardware profile and
 llama2_7b's model profile, then `stage=trace trace.export=simai` of WS 64 PP 2 TP 4 SP, GBS 32,
 seq 4096 (issue 22's configuration), then SimAI's analytical simulator on each stage's file.
 Prints per stage what SimAI reports (total compute, exposed TP / DP / PP communication, bubble,
 total) next to the trace's own compute sum for that rank, and the planner's iteration for the
-same layout (`search.engine=megatron`, the flavour trace records). Asserts nothing.
+same layout (`search.engine=megatron`, the flavour trace records). Without --simai (or
+$SIMAI_ROOT) SimAI's columns say "-" and the rest is printed. --smoke traces tiny on a small
+layout without SimAI and prices it on the test fixtures' synthetic profiles (no profile stages).
+Asserts nothing.
 
 SimAI: aliyun/SimAI at f5efb5a9 (its 1.6 release), analytical build:
   git clone https://github.com/aliyun/SimAI && cd SimAI && git checkout f5efb5a9
@@ -33,7 +38,8 @@ from rich.console import Console
 from rich.table import Table
 
 REPO = Path(__file__).resolve().parent.parent
-SITE = ["cluster=dgx_h100", "model=llama2_7b"]
+# --smoke: the tiny model on the smallest layout with every parallelism the export writes
+SMOKE = dict(model="tiny", world_size=8, pp=2, tp=2, gbs=8, seq=256)
 
 
 def cli(args, cwd: Path) -> None:
@@ -74,7 +80,10 @@ def run_simai(binary: Path, simai: Path, workload: Path, gpus: int, links) -> di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--simai", type=Path, required=True, help="the built SimAI repo root")
+    parser.add_argument("--simai", type=Path, default=os.environ.get("SIMAI_ROOT"),
+                        help="the built SimAI repo root (default: $SIMAI_ROOT; none: SimAI's "
+                             "columns say -)")
+    parser.add_argument("--model", default="llama2_7b")
     parser.add_argument("--keep", type=Path, help="scratch folder to keep (default: a temp one)")
     parser.add_argument("--world-size", type=int, default=64)
     parser.add_argument("--pp", type=int, default=2)
@@ -83,21 +92,29 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--cp-comm", default="p2p")
+    parser.add_argument("--smoke", action="store_true",
+                        help=" ".join(f"--{k.replace('_', '-')} {v}" for k, v in SMOKE.items())
+                        + ": the trace and its export, no SimAI, the planner on the test "
+                          "fixtures' synthetic profiles")
     args = parser.parse_args()
-    binary = find_binary(args.simai)
+    if args.smoke:
+        vars(args).update(SMOKE, simai=None)
+    binary = find_binary(Path(args.simai)) if args.simai else None
     scratch = args.keep or Path(tempfile.mkdtemp(prefix="simai_iteration_"))
     scratch.mkdir(parents=True, exist_ok=True)
     profiles = scratch / "profiles"
-    common = [*SITE, f"profiles_dir={profiles}"]
-    cli(["stage=profile_hardware", "profile_hardware.source=analytic", *common], scratch)
-    cli(["stage=profile_model", "profile_model.source=analytic", "profile_model.plot=false",
-         *common], scratch)
+    common = ["cluster=dgx_h100", f"model={args.model}", f"profiles_dir={profiles}"]
+    if not args.smoke:
+        cli(["stage=profile_hardware", "profile_hardware.source=analytic",
+             "profile_hardware.plot=false", *common], scratch)
+        cli(["stage=profile_model", "profile_model.source=analytic", "profile_model.plot=false",
+             *common], scratch)
     cli(["stage=trace", f"trace.world_size={args.world_size}", f"trace.pp={args.pp}",
          f"trace.tp={args.tp}", f"trace.global_batch_size={args.gbs}",
          f"trace.seq_len={args.seq}", f"trace.cp={args.cp}", f"trace.cp_comm={args.cp_comm}",
          "trace.export=simai", *common], scratch)
     (folder,) = (profiles / "dgx_h100" / "trace").glob(
-        f"SIM_llama2_7b_*_WS{args.world_size}_PP{args.pp}_TP{args.tp}_*")
+        f"SIM_{args.model}_*_WS{args.world_size}_PP{args.pp}_TP{args.tp}_*")
     summary = json.loads((folder / "summary.json").read_text())
 
     sys.path.insert(0, str(REPO))
@@ -107,16 +124,24 @@ def main() -> None:
     from orchestrator.store import read_profile
     from orchestrator.store.schema import HardwareProfile, ModelProfile
 
-    hw = read_profile(profiles / "dgx_h100" / "hardware.json", HardwareProfile, "")
-    mp = read_profile(profiles / "dgx_h100" / "model" / "llama2_7b.json", ModelProfile, "")
-    raw = json.loads((profiles / "dgx_h100" / "hardware.json").read_text())
-    links = raw["provenance"]["config"]["cluster"]["links"]
     layout = ParallelLayout.from_dict(summary["layout"])
-    ours = evaluate(layout, ModelCost.from_profile(mp), HardwareModel.from_profile(hw),
-                    seq_len=args.seq, options=CostOptions(engine=Engine.megatron, dtype="bf16",
-                                                         device="cuda"))
+    if args.smoke:
+        sys.path.insert(0, str(REPO / "tests"))
+        import planner_fixtures
 
-    table = Table(title=f"llama2_7b {layout.describe()} seq {args.seq}: SimAI (analytical) "
+        hw = HardwareModel.from_dict(planner_fixtures.synthetic_hardware(1, 8))
+        model = ModelCost.from_dict(planner_fixtures.shaped_like(args.model))
+    else:
+        hw = HardwareModel.from_profile(
+            read_profile(profiles / "dgx_h100" / "hardware.json", HardwareProfile, ""))
+        model = ModelCost.from_profile(read_profile(
+            profiles / "dgx_h100" / "model" / f"{args.model}.json", ModelProfile, ""))
+        raw = json.loads((profiles / "dgx_h100" / "hardware.json").read_text())
+        links = raw["provenance"]["config"]["cluster"]["links"]
+    ours = evaluate(layout, model, hw, seq_len=args.seq,
+                    options=CostOptions(engine=Engine.megatron, dtype="bf16", device="cuda"))
+
+    table = Table(title=f"{args.model} {layout.describe()} seq {args.seq}: SimAI (analytical) "
                         f"vs the trace and the planner, ms")
     for column in ("stage", "SimAI total comp", "trace compute", "SimAI exposed TP",
                    "SimAI exposed DP", "SimAI exposed EP (CP)", "SimAI exposed PP",
@@ -125,19 +150,24 @@ def main() -> None:
         table.add_column(column, justify="right")
     for stage in range(layout.pp):
         workload = next(folder.glob(f"*-stage{stage}.txt"))
-        simai = run_simai(binary, args.simai, workload, layout.world_size, links)
         rank = stage * layout.tp * layout.cp * layout.dp
         records = [json.loads(line) for line in (folder / f"fake_rank_{rank}.jsonl").open()]
         compute_us = sum(r.get("time_us", 0.0) for r in records if r["kind"] == "compute")
-        table.add_row(str(stage), f"{simai['total comp'] / 1e3:.1f}", f"{compute_us / 1e3:.1f}",
-                      f"{simai['Expose TP comm'] / 1e3:.1f}",
-                      f"{simai['Expose DP comm'] / 1e3:.1f}",
-                      f"{simai['Expose_EP_comm'] / 1e3:.1f}",
-                      f"{simai['Expose_PP_comm'] / 1e3:.1f}", f"{simai['bubble time'] / 1e3:.1f}",
-                      f"{simai['Total time'] / 1e3:.1f}",
+        if binary is None:
+            simai = ["-"] * 7
+        else:
+            sim = run_simai(binary, Path(args.simai), workload, layout.world_size, links)
+            simai = [f"{sim[k] / 1e3:.1f}" for k in (
+                "total comp", "Expose TP comm", "Expose DP comm", "Expose_EP_comm",
+                "Expose_PP_comm", "bubble time", "Total time")]
+        table.add_row(str(stage), simai[0], f"{compute_us / 1e3:.1f}", *simai[1:],
                       f"{ours.stage_time_us[stage] * layout.num_micro_batches / 1e3:.1f}",
                       f"{ours.iteration_time_us / 1e3:.1f}")
     Console(width=200).print(table)
+    if args.smoke:
+        print("SimAI: not run (--smoke); the planner on the test fixtures' synthetic profiles")
+    elif binary is None:
+        print("SimAI: not given (--simai or $SIMAI_ROOT; this file's docstring builds it)")
     print("planner breakdown (ms): " + ", ".join(f"{k} {v / 1e3:.1f}" for k, v in ours.breakdown_us.items()))
     print(f"files: {folder}")
     if args.keep is None:

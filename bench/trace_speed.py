@@ -5,6 +5,7 @@ ranks only), its peak memory, and what tracing every rank would cost instead.
     python bench/trace_speed.py --quick   # the first two
     python bench/trace_speed.py --only-scale   # WS 8192 vs 131072 vs 1000000 alone
     python bench/trace_speed.py --moe --no-small --no-scale   # the seeds, mixtral_8x7b EP 8
+    python bench/trace_speed.py --smoke   # the small world's representatives alone: seconds
 
 What `stage=trace` runs, minus the ledger: plan_configs, then trace_configuration per
 configuration (each traced rank priced from the h100 device sheet, its .jsonl and .log written
@@ -122,8 +123,10 @@ def trace_alone(configs, settings, model, out_dir: Path):
     return ranks, time.perf_counter() - start, records
 
 
-def seed_table(rows, wall_s: float, name: str = "llama2_7b") -> Table:
-    table = Table(title=f"{name} seed configurations (GBS 1024, seq 4096, SP): wall "
+def seed_table(rows, wall_s: float, name: str = "llama2_7b", what: str = "seed configurations",
+               settings: TraceSettings = SEED_SETTINGS) -> Table:
+    table = Table(title=f"{name} {what} (GBS {settings.global_batch_size}, seq "
+                        f"{settings.seq_len}{', SP' if settings.sequence_parallel else ''}): wall "
                         f"{wall_s:.1f} s (target <= {TARGET_S:.0f} s), peak RSS "
                         f"{peak_rss_GiB():.2f} GiB (target <= {TARGET_RSS_GiB:.0f} GiB)")
     for col in ("WS", "PP", "TP", "DP", "micro-batches", "ranks traced", "time s",
@@ -215,8 +218,18 @@ def main() -> None:
                         help=f"the seed configurations of mixtral_8x7b with EP {MOE_EP}")
     parser.add_argument("--repeats", type=int, default=2,
                         help="times each world of the world-size comparison is traced")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"the small world alone (tiny, WS {SMALL_WORLD[0]} PP "
+                             f"{SMALL_WORLD[1]} TP {SMALL_WORLD[2]}), its representative ranks")
     args = parser.parse_args()
     console = Console(width=150)
+    if args.smoke:
+        with tempfile.TemporaryDirectory(prefix="trace_speed_") as tmp:
+            start = time.perf_counter()
+            rows = trace_configs([SMALL_WORLD], SMALL_SETTINGS, TINY, Path(tmp))
+            console.print(seed_table(rows, time.perf_counter() - start, TINY.name,
+                                     "small world", SMALL_SETTINGS))
+        return
     configs = SEED_CONFIGS[:2] if args.quick else SEED_CONFIGS
     model = llama2_7b()
     if args.moe:

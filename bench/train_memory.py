@@ -5,6 +5,7 @@ torch.cuda.max_memory_allocated.
 One process (world size 1: dp = tp = pp = 1), the engine of `stage=train`, random tokens.
 
     python bench/train_memory.py                                   # tiny, CPU
+    python bench/train_memory.py --smoke                           # tiny, 1 layer, seq 32
     python bench/train_memory.py --model llama2_7b --layers 4 --seq 2048 --mbs 2 --gbs 8 \
         --dtype bf16 --device cuda [--recompute full] [--zero 0]
 
@@ -31,7 +32,7 @@ from orchestrator.layout import ParallelLayout  # noqa: E402
 from orchestrator.models.config import ModelConfig  # noqa: E402
 from orchestrator.train.engine import Engine  # noqa: E402
 from orchestrator.train.live_memory import LiveTensorBytes  # noqa: E402
-from orchestrator.workload.memory import rank_states  # noqa: E402
+from orchestrator.workload.states import rank_states  # noqa: E402
 
 MiB = float(1 << 20)
 
@@ -73,7 +74,11 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json", default=None, help="also write the figures here")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the smallest step: tiny with 1 layer at seq 32 (the rest as given)")
     args = ap.parse_args()
+    if args.smoke:
+        args.layers, args.seq = 1, 32
 
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:

@@ -23,7 +23,7 @@ _user_overrides: List[str] = []
 def set_user_overrides(overrides: Iterable[str]) -> None:
     """Record the overrides of this command (Hydra's `hydra.overrides.task`), once, in the CLI,
     as the user spells them (`import.path`, which the schema calls `import_.path`)."""
-    from orchestrator.config import user_spelling
+    from orchestrator.config_keys import user_spelling
     from orchestrator.overrides import typed_form
 
     _user_overrides[:] = [typed_form(user_spelling(str(o))) for o in overrides]
@@ -67,3 +67,14 @@ def rerun_command(stage: str, *extra: str, overrides: Optional[Sequence[str]] = 
     kept = [o for o in given if _kept(o, stage) and _key(o) not in extra_keys]
     args = [f"stage={stage}", *kept, *extra]
     return "python -m orchestrator " + " ".join(shlex.quote(a) for a in args)
+
+
+def commands_that_launch(stage: str, cfg) -> List[str]:
+    """The command that runs `stage` with this command's overrides; where the local launcher
+    cannot start the cluster's nodes (`cfg`: the Config), two instead: on Slurm with them
+    (launcher=slurm), and here on one node (cluster.nodes=1)."""
+    from orchestrator.config import local_cannot_reach
+
+    if local_cannot_reach(cfg.launcher.name, cfg.cluster.nodes):
+        return [rerun_command(stage, "launcher=slurm"), rerun_command(stage, "cluster.nodes=1")]
+    return [rerun_command(stage)]

@@ -15,6 +15,8 @@ from rich.markup import escape
 from orchestrator.errors import OrchestratorError
 
 # The CLI's error lines (wide enough for one line when stderr is a file or a pipe).
+# Wide enough for the status table when output goes to a file or a pipe (rich would use 80).
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 err_console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 200)
 
 

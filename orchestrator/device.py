@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 from orchestrator.choices import Dtype
-from orchestrator.config import CONF_DIR, config_dirs, group_options
+from orchestrator.conf_folders import CONF_DIR, config_dirs, group_options
 from orchestrator.errors import ConfigError
 
 DEVICE_DIR = CONF_DIR / "device"  # the package's sheets; a site's device/ folder comes first

@@ -131,7 +131,7 @@ def free_form_spelling(arg: str) -> str:
     (added, or replaced where a cluster file sets it): Hydra refuses a key its config lacks
     without `+`, and a free-form key is one the user names (docs/config.md); any other argument
     unchanged."""
-    from orchestrator.config import inside_free_form
+    from orchestrator.config_keys import inside_free_form
 
     key, eq, _ = arg.partition("=")
     return f"++{arg}" if eq and key[:1] not in "+~" and inside_free_form(key) else arg
@@ -142,7 +142,7 @@ def hydra_argv(argv: Sequence[str]) -> List[str]:
     (`import.` -> `import_.`, config.schema_spelling) with its '=' values quoted
     (quote_equals); ConfigError for a value holding '=' that cannot be quoted for the user.
     Options and their values (`--config-dir /a=b`) pass unchanged."""
-    from orchestrator.config import schema_spelling
+    from orchestrator.config_keys import schema_spelling
 
     rewritten, overrides = [], []
     for i, arg in enumerate(argv):

@@ -205,8 +205,9 @@ def check_group_file(group: str, path: Path) -> None:
     from omegaconf.errors import (ConfigKeyError, InterpolationKeyError,
                                   OmegaConfBaseException, UnsupportedInterpolationType)
 
-    from orchestrator.config import (PATH_NAME_KEYS, Config, _field_type, check_path_name,
-                                     override_type_error, unknown_key_message)
+    from orchestrator.config import Config
+    from orchestrator.config_keys import (PATH_NAME_KEYS, _field_type, check_path_name,
+                                          override_type_error, unknown_key_message)
 
     root, node, text = read_group_file(path, group)
     if node is None:

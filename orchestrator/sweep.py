@@ -70,7 +70,7 @@ def _values_count(override) -> int:
     if isinstance(value, RangeSweep):
         return max(0, math.ceil((value.stop - value.start) / value.step)) if value.step else 0
     if isinstance(value, Glob):
-        from orchestrator.config import config_dirs, group_options
+        from orchestrator.conf_folders import config_dirs, group_options
 
         return max(1, len(value.filter(group_options(override.key_or_group, config_dirs()))))
     return len(value.list)
@@ -175,7 +175,7 @@ class SweepTable(Callback):
         # Hydra makes the sweep folder, profiles/<cluster.name>/multirun/..., before any point
         # runs: a name from a cluster file is checked here (the command line's before Hydra).
         from orchestrator.console import report_error
-        from orchestrator.config import check_path_name
+        from orchestrator.config_keys import check_path_name
         from orchestrator.errors import ConfigError
 
         try:

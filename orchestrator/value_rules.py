@@ -165,7 +165,7 @@ def value_error(key: str, value: Any) -> Optional[str]:
     """One line naming `key` when `value` (or an item of it) is out of RULES[key]'s range;
     None when it is in range, unset (None), not a number (the type check says so), or the key
     has no rule."""
-    from orchestrator.config import user_spelling
+    from orchestrator.config_keys import user_spelling
 
     bound = RULES.get(key)
     if bound is None:
@@ -207,7 +207,7 @@ def _as_typed(key: str, value: Any) -> Any:
     reads the same before and after Hydra composes; lists item by item."""
     import typing
 
-    from orchestrator.config import _schema_hint
+    from orchestrator.config_keys import _schema_hint
 
     hint = _schema_hint(key)
     while True:  # Optional[X] -> X, List[X] -> X

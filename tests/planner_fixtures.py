@@ -4,11 +4,13 @@ node, InfiniBand between nodes); they are test inputs, not measurements. `hand_h
 `hand_model` build the planner's adapters directly with round numbers a test can work by hand."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Dict, Iterable, Mapping, Optional, Tuple
 
 from orchestrator.planner.profiles import HardwareModel, LinkFit, ModelCost, PartMemory, TpFit
 
 GiB = 1 << 30
+CONF_MODEL = Path(__file__).resolve().parent.parent / "orchestrator" / "conf" / "model"
 
 
 def _factor(op: str, n: int) -> float:
@@ -103,6 +105,16 @@ def synthetic_model(name: str = "tiny", *, hidden: int = 256, ffn: int = 1024, l
                   "kv_heads": kv_heads, "vocab": vocab, "seq_len": seq_len, "dtype": "bf16"},
         "points": points, "fits": fits, "memory": memory,
     }
+
+
+def shaped_like(name: str, **kw) -> Dict:
+    """synthetic_model with the shape of orchestrator/conf/model/<name>.yaml (the bench's
+    --smoke runs; a MoE model's experts are ModelCost.with_moe's to add)."""
+    import yaml
+
+    cfg = yaml.safe_load((CONF_MODEL / f"{name}.yaml").read_text())
+    return synthetic_model(name, **{k: cfg[k] for k in ("hidden", "ffn", "layers", "heads",
+                                                         "kv_heads", "vocab", "seq_len")}, **kw)
 
 
 # Named models of the bench (GPT-like shapes).

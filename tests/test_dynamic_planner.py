@@ -2,6 +2,7 @@
 memory under the budget, fast mode, bad input and the baselines."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -47,6 +48,140 @@ def test_equal_micro_batches_price_as_the_cost_model(pp, tp, dp, sp, zero, sched
         peak = max(plan.stage_peak_memory_bytes)
         assert peak == pytest.approx(pred.peak_memory_bytes, rel=memory_rel)
         assert peak >= pred.peak_memory_bytes * (1 - 1e-3)
+
+
+def _moe_model(profiled_parts: bool):
+    """A MoE model on the synthetic profile (MODEL's shape with 8 experts, top 2, a shared
+    expert), its MoE blocks priced from profile_model's MoE parts or (without them) scaled
+    from the dense block."""
+    from orchestrator.models.config import ModelConfig
+    from orchestrator.profiling.model.moe_costs import moe_costs
+
+    cfg = ModelConfig(name="moe", hidden=MODEL.hidden, ffn=MODEL.ffn, layers=MODEL.layers,
+                      heads=MODEL.heads, kv_heads=MODEL.kv_heads, vocab=MODEL.vocab,
+                      seq_len=MODEL.seq_len, experts=8, top_k=2, expert_ffn=256,
+                      shared_expert_ffn=256, dense_layers=1, aux_loss_coef=0.01)
+    model = MODEL.with_moe(cfg)
+    if profiled_parts:
+        def fit(c0, c1, act):
+            return {"fwd_us": [c0, c1], "bwd_us": [2 * c0, 2 * c1], "act_bytes": [0.0, act],
+                    "tokens": [8, 64, 512], "source": "measured"}
+        split = {str(k): fit(5.0, 0.02 / k, 4000.0 / k) for k in (1, 2, 4)}
+        model.moe_costs = moe_costs({"moe": {
+            "kernel": "loop", "block": "dense", "experts_timed": 8, "source": "measured",
+            "routing": fit(10.0, 0.01, 300.0), "experts": split, "mlp": split,
+            "shared": split}})
+    return model
+
+
+@pytest.mark.parametrize("case,extra", [
+    ("cp2 ring", dict(cp=2)), ("cp2 allgather", dict(cp=2, cp_comm="allgather")),
+    ("cp2 ulysses", dict(cp=2, cp_comm="a2a")),
+    ("cp4 hierarchical", dict(cp=4, cp_comm="a2a+p2p", cp_a2a=2)),
+    ("moe ep2", dict(ep=2)), ("moe ep2 profiled parts", dict(ep=2)),
+    ("moe ep2 etp2 cp2", dict(ep=2, etp=2, cp=2))])
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_cp_and_moe_micro_batches_price_as_the_cost_model(case, extra, mode):
+    """As above for context parallelism (every flavour: each micro-batch's sequences split over
+    the CP ranks as the static model splits them) and mixture-of-experts blocks (their compute,
+    dispatcher, experts' traffic and memory): one cost model, so m equal micro-batches take
+    evaluate(simulate=True)'s time and memory."""
+    model = _moe_model("profiled" in case) if case.startswith("moe") else MODEL
+    b, m, s, tp, pp = 2, 4, 320, 2, 2
+    dp = 16 // (pp * tp * extra.get("cp", 1))
+    lay = ParallelLayout.uniform(16, tp, pp, model.layers, zero=1,
+                                 sequence_parallel=True, micro_batch_size=b,
+                                 num_micro_batches=m, recompute=mode, **extra)
+    for options, memory_rel in ((CostOptions(engine="megatron"), 1e-6), (CostOptions(), 0.15)):
+        pred = evaluate(lay, model, HW, seq_len=s, simulate=True, options=options)
+        plan = price_plan([[MicroBatch(tuple(range(b)), s, mode)] * m] * dp,
+                          MicroBatchCosts(lay, model, HW, options), 1e15)
+        assert plan.iteration_time_us == pytest.approx(pred.simulated_iteration_time_us,
+                                                       rel=1e-6), (case, options.engine)
+        peak = max(plan.stage_peak_memory_bytes)
+        assert peak == pytest.approx(pred.peak_memory_bytes, rel=memory_rel), options.engine
+        assert peak >= pred.peak_memory_bytes * (1 - 1e-3)
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(cp=2), dict(cp=2, cp_comm="a2a"),
+                                   dict(ep=2), dict(ep=2, etp=2, cp=2)])
+def test_micro_batch_costs_are_stage_costs_of_the_same_shape(extra):
+    """Micro-batches of different shapes priced at once (StageCosts.at) equal, column by
+    column, StageCosts built for each shape alone: one cost model, term by term."""
+    from orchestrator.planner.cost_model import ConfigKey, StageCosts
+
+    model = _moe_model(True) if "ep" in extra else MODEL
+    tp, pp = 2, 2
+    lay = ParallelLayout.uniform(16, tp, pp, model.layers, zero=1, sequence_parallel=True,
+                                 num_micro_batches=4, **extra)
+    b, s, code = np.array([1, 3, 2]), np.array([128, 320, 512]), np.array([0, 2, 1])
+    costs = MicroBatchCosts(lay, model, HW)
+    priced = costs.price(b, s, code)
+    j, n = np.arange(pp), np.array(lay.layers_per_stage, dtype=float)
+    for k in range(len(b)):
+        shape = dataclasses.replace(lay, micro_batch_size=int(b[k]))
+        alone = StageCosts(ConfigKey.of(shape), model, HW, int(s[k]))
+        np.testing.assert_allclose(priced.stage_time_us[:, k],
+                                   alone.stage_time_us(j, n, code[k], n), rtol=1e-12)
+        np.testing.assert_allclose(priced.fwd_us[:, k],
+                                   alone.stage_fwd_us(j, n, sends=False), rtol=1e-12)
+        np.testing.assert_allclose(priced.boundary_us[:, k], alone.boundary_us, rtol=1e-12)
+        np.testing.assert_allclose(priced.sync_window_us[:, k], alone.sync_window_us(j, n),
+                                   rtol=1e-12)
+
+
+def test_lockstep_groups_are_the_dp_ranks_an_expert_group_spans():
+    from orchestrator.planner.lockstep import lockstep_groups
+
+    def groups(tp, dp, ep, etp=1, cp=1, moe=True):
+        lay = ParallelLayout.uniform(tp * cp * dp, tp, 1, MODEL.layers, cp=cp, ep=ep, etp=etp,
+                                     sequence_parallel=tp > 1)
+        return lockstep_groups(lay, moe)
+    assert groups(1, 4, 2) == [(0, 1), (2, 3)]
+    assert groups(1, 4, 4) == [(0, 1, 2, 3)]
+    assert groups(1, 4, 2, etp=2) == [(0, 1, 2, 3)]
+    assert groups(2, 4, 2) == []  # each expert group within one dp rank's tp pair
+    assert groups(1, 4, 2, cp=2) == []  # within one dp rank's CP pair
+    assert groups(2, 4, 4) == [(0, 1), (2, 3)]
+    assert groups(1, 4, 2, moe=False) == []
+
+
+@pytest.mark.parametrize("schedule,kind", [("1f1b", "dynamic"), ("1f1b", "packed"),
+                                           ("interleaved", "dynamic")])
+def test_moe_expert_groups_run_their_micro_batches_in_lockstep(schedule, kind):
+    """A MoE model with ep 2 over dp 4: the dp ranks of an expert group exchange tokens in every
+    MoE layer's forward (and again under full recompute), so their plans have as many
+    micro-batches, full recompute at the same positions and the same warm-up, every sample
+    kept once; ranks of different groups plan on their own."""
+    model = _moe_model(False)
+    lay = ParallelLayout.uniform(8, 1, 2, model.layers, ep=2, schedule=schedule,
+                                 virtual_stages=2 if schedule == "interleaved" else 1,
+                                 num_micro_batches=2)
+    rng = np.random.default_rng(3)
+    # rank 0: many short samples (few packed micro-batches); rank 1: long ones (many)
+    lengths = [rng.integers(8, 40, 16).tolist(), rng.integers(400, 512, 16).tolist(),
+               rng.integers(8, 512, 16).tolist(), rng.integers(8, 512, 16).tolist()]
+    costs = MicroBatchCosts(lay, model, HW)
+    static = costs.alone_bytes(costs.price(np.ones(1), np.full(1, 512), np.full(1, 2))).max()
+    for budget in (1e15, static * 1.02):
+        if kind == "dynamic":
+            plan = plan_iteration(lengths, lay, model, HW, budget, max_seq_len=512, costs=costs)
+        else:
+            plan = packed_plan(lengths, lay, model, HW, budget, max_seq_len=512, costs=costs)
+        for group in ((0, 1), (2, 3)):
+            mbs = [plan.micro_batches[r] for r in group]
+            assert len(mbs[0]) == len(mbs[1]) >= 1, (budget, [len(x) for x in mbs])
+            full = [[mb.recompute == "full" for mb in x] for x in mbs]
+            assert full[0] == full[1], budget
+            assert plan.extra_warmup_of(group[0]) == plan.extra_warmup_of(group[1])
+        for rank, x in enumerate(plan.micro_batches):
+            assert sorted(s for mb in x for s in mb.samples) == list(range(16)), rank
+            if schedule == "interleaved":
+                assert len(x) % lay.pp == 0
+    # the lockstep plan is priced as it runs
+    again = price_plan(plan.micro_batches, costs, budget, packed_rows=plan.packed_rows,
+                       extra_warmup=plan.extra_warmup or None)
+    assert again.iteration_time_us == pytest.approx(plan.iteration_time_us, rel=1e-12)
 
 
 def brute_force(t_us, fill_drain, groups):

@@ -13,6 +13,8 @@ import yaml
 
 from conftest import ledger, run_cli
 from test_slurm import all_completed, sacct, wait_for
+from orchestrator.cli.init import cluster_yaml, guess_cluster, load_cluster, published_links
+from orchestrator.cli.preflight import Verdict, check_pmi, check_shared_hosts, diagnose
 from orchestrator.config import ClusterConfig, InitConfig
 from orchestrator.errors import ConfigError
 from orchestrator.launch.slurm_discovery import (SlurmCluster, parse_config_value,
@@ -20,8 +22,6 @@ from orchestrator.launch.slurm_discovery import (SlurmCluster, parse_config_valu
                                                  parse_partitions, parse_records,
                                                  parse_sinfo_nodes, parse_time_min,
                                                  slurm_command)
-from orchestrator.stages.init import (Verdict, check_pmi, check_shared_hosts, cluster_yaml,
-                                      diagnose, guess_cluster, load_cluster, published_links)
 
 # `sinfo -h -N -o "%N|%n|%P|%T|%c|%m|%G"` on a GPU cluster: gpu is the default partition (`*`),
 # gpu003 is in two partitions, one node is down, one powered off (idle~), one untyped Gres.
@@ -186,7 +186,7 @@ def test_force_keeps_a_cluster_file_init_did_not_write_or_that_was_edited(tmp_pa
                                                                          monkeypatch):
     """force=true rewrites the cluster file; the site folder is the user's, so a file init did
     not write, or one edited since, is kept beside it (store/user_folder), never lost."""
-    from orchestrator.stages.init import write_cluster_file
+    from orchestrator.cli.init import write_cluster_file
 
     monkeypatch.setenv("ORCHESTRATOR_CONF", str(tmp_path))
     path = tmp_path / "cluster" / "site.yaml"

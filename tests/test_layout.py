@@ -127,7 +127,7 @@ def test_closed_choices_are_members_of_one_enum_each_and_read_as_their_strings()
     them or the cost model's engine, are members of one Choice each (orchestrator/choices.py),
     given as strings or members; equality, JSON and config hashes see the strings."""
     from orchestrator.choices import CpComm, Engine, Recompute, Schedule
-    from orchestrator.config import choice_type
+    from orchestrator.config_keys import choice_type
     from orchestrator.planner import CostOptions
 
     layout = ParallelLayout.uniform(32, 1, 2, 8, cp=4, cp_comm="a2a+p2p", cp_a2a=2,

@@ -12,7 +12,7 @@ from orchestrator.models.config import ModelConfig
 from orchestrator.planner import CostOptions, HardwareModel, ModelCost, SearchSpace, evaluate, search
 from orchestrator.planner.search import InfeasibleError, enumerate_configs
 from orchestrator.workload import moe as wm
-from orchestrator.workload.memory import rank_states
+from orchestrator.workload.states import rank_states
 from orchestrator.workload.params import block_parameters, is_expert
 
 GiB = 2**30

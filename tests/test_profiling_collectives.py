@@ -134,3 +134,13 @@ def test_a_context_with_the_wrong_node_list_is_refused(results):
 def test_sizes_that_do_not_split_evenly_are_rounded_and_recorded(results):
     (point,) = results[0]["tiny"]["points"]
     assert point["size_bytes"] == 16  # 4 fp32 elements, one per rank
+
+
+@pytest.mark.parametrize("given", ["fp32", "float32"])
+def test_a_sweep_dtype_given_by_name_is_parsed(given):
+    # profile_hardware.dtype=fp32 reached SweepConfig and stopped every rank (frozen dataclass)
+    from orchestrator.choices import Dtype
+    from orchestrator.profiling.hardware.collectives import SweepConfig
+
+    assert SweepConfig(dtype=given).dtype is Dtype.fp32
+    assert SweepConfig(dtype=Dtype.bf16).dtype is Dtype.bf16

@@ -13,7 +13,8 @@ from orchestrator.layout import ParallelLayout
 from orchestrator.planner import HardwareModel, InfeasibleError as PlannerInfeasible, evaluate
 from orchestrator.planner import search
 from orchestrator.planner.cost_model import CostOptions, budget_for_GiB, memory_reserve_GiB
-from orchestrator.stages.search import _report, _strategy, infeasible_advice, validate
+from orchestrator.stages.search import _report, _strategy
+from orchestrator.stages.search_config import infeasible_advice, validate
 from orchestrator.store.schema import Provenance
 from orchestrator.train.plan import check_memory
 

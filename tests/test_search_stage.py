@@ -162,8 +162,8 @@ def test_advice_for_another_node_count_works_and_never_costs_the_strategy(chain)
     that search overwrote the 4-rank strategy, and train (one node here) refused the 8-rank one.
     Now the launcher is named first with two commands that run; a search for another size keeps
     the strategy it replaces, and train points at it."""
+    from orchestrator.commands import commands_that_launch
     from orchestrator.errors import ConfigError
-    from orchestrator.pipeline import commands_that_launch
 
     folder = chain / "local" / "strategy"
     four = (folder / "tiny.layout.json").read_text()

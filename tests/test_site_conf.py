@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, one_error_line, run_cli
-from orchestrator.config import check_path_name
+from orchestrator.config_keys import check_path_name
 from orchestrator.errors import ConfigError
 
 MYSITE = """\

@@ -1,5 +1,6 @@
 """Training on variable-length micro-batches (train/executor.py) on 4 real CPU processes over
-gloo, against today's train_step and a single-process reference on the whole batch; and the
+gloo, against today's train_step and a single-process reference on the whole batch, also under
+context parallelism and for a mixture-of-experts model with expert parallelism; and the
 variable-length data it eats. One launch for every case (a launch costs seconds)."""
 from __future__ import annotations
 
@@ -28,13 +29,23 @@ UNEQUAL_1F1B = [[((0, 1), "none"), ((2, 3), "full")],
 UNEQUAL_PP4 = [[((0,), "none"), ((1,), "full"), ((2,), "selective"), ((3,), "none")]]
 UNEQUAL_INTERLEAVED = [[((0, 1), "selective"), ((2, 3), "none")],
                        [((0,), "none"), ((1,), "full"), ((2,), "none"), ((3,), "selective")]]
+# cp2 pp2: one pipeline, each micro-batch's sequences split over the CP pair
+UNEQUAL_CP = [[((0,), "none"), ((1, 2), "full"), ((3,), "selective")]]
+# MoE dp4 ep2: the dp ranks of an EP group (0 and 1, 2 and 3) run as many micro-batches, full
+# recompute (which reruns the dispatcher's all-to-alls) at the same places; the pairs differ
+UNEQUAL_MOE = [[((0, 1), "none"), ((2, 3), "full")],
+               [((0,), "selective"), ((1, 2, 3), "full")],
+               [((0,), "none"), ((1,), "full"), ((2, 3), "selective")],
+               [((0, 1), "selective"), ((2,), "full"), ((3,), "none")]]
+MOE = dict(experts=4, top_k=2, expert_ffn=64, shared_expert_ffn=64, dense_layers=1,
+           aux_loss_coef=0.01)
 
 
-def _model():
+def _model(moe: bool = False):
     from orchestrator.models.config import ModelConfig
 
     return ModelConfig(hidden=64, ffn=128, layers=4, heads=4, kv_heads=2, vocab=128,
-                       seq_len=SEQ_LEN)
+                       seq_len=SEQ_LEN, **(MOE if moe else {}))
 
 
 def _layout(pp, tp, m, **extra):
@@ -81,20 +92,30 @@ def _max_diff(a: dict, b: dict, masks: dict | None = None) -> float:
     return max(float(d.max()) if d.numel() else 0.0 for d in diffs)
 
 
-def _reference(windows, plan_by_dp):
+def _reference(windows, plan_by_dp, moe=False, multiple=2):
     """One process, the whole model: (loss = the mean over real tokens, gradient norm, the
-    parameters after one AdamW step) on every dp rank's micro-batches."""
+    parameters after one AdamW step) on every dp rank's micro-batches; for a MoE model the
+    balance loss's mean over its layers' calls (the step log's) after the parameters, each
+    micro-batch's balance loss counted by its share of the batch's rows."""
     from orchestrator.models.gpt import GPT, token_loss_sum
+    from orchestrator.models.moe import MoE
 
-    model = GPT(_model(), seed=1)
+    model = GPT(_model(moe), seed=1)
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
     total = _real_tokens(windows)
+    rows = sum(len(samples) for plan in plan_by_dp for samples, _ in plan)
     loss_sum = 0.0
     for dp_rank, plan in enumerate(plan_by_dp):
-        for mb in _micro_batches(windows[4 * dp_rank:4 * dp_rank + 4], plan):
+        for mb in _micro_batches(windows[4 * dp_rank:4 * dp_rank + 4], plan, multiple=multiple):
+            for layer in layers:
+                layer.aux_grad_scale = len(mb.tokens) / rows
             loss = token_loss_sum(model(mb.tokens), mb.targets) / total
             loss.backward()
             loss_sum += float(loss.detach())
     norm = float(torch.sqrt(sum(p.grad.double().square().sum() for p in model.parameters())))
+    if moe:
+        return loss_sum, norm, (sum(m.aux_loss_sum for m in layers)
+                                / sum(m.aux_calls for m in layers))
     optim = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8,
                               weight_decay=0.1)
     # Adam's first step moves a weight by about lr * sign(grad): where the gradient is within
@@ -104,49 +125,60 @@ def _reference(windows, plan_by_dp):
     return loss_sum, norm, {n: p.detach().clone() for n, p in model.named_parameters()}, clear
 
 
-def _equal_shapes(rank, out, pp, tp):
+def _equal_shapes(rank, out, name, layout, moe=False):
     """Today's train_step and the executor on the same equal micro-batches (1 x seq_len)."""
     from orchestrator.train.engine import Engine
     from orchestrator.train.executor import MicroBatchInput
 
-    layout = _layout(pp, tp, m=2)
     data = make_data(None, 128, SEQ_LEN, seed=0)
     results = []
     for dynamic in (False, True):
-        engine = Engine(layout, _model(), torch.device("cpu"), seed=1)
+        engine = Engine(layout, _model(moe), torch.device("cpu"), seed=1)
         tokens, targets = data.rank_batch(0, engine.dp_rank, layout.dp, 2)
         if dynamic:
             batches = [MicroBatchInput(tokens[i:i + 1], targets[i:i + 1]) for i in range(2)]
             stats = engine.train_step_micro_batches(batches, LR, 1.0,
-                                                    total_tokens=layout.dp * 2 * SEQ_LEN)
+                                                    total_tokens=layout.dp * 2 * SEQ_LEN,
+                                                    total_rows=layout.dp * 2)
         else:
             stats = engine.train_step(tokens, targets, LR, 1.0)
-        results.append((stats.loss, stats.grad_norm, _params(engine)))
-    (loss0, norm0, p0), (loss1, norm1, p1) = results
-    out[(f"equal pp{pp} tp{tp}", rank)] = (loss0, loss1, norm0, norm1, _max_diff(p0, p1))
+        results.append((stats.loss, stats.grad_norm, _params(engine), stats.aux_loss))
+    (loss0, norm0, p0, aux0), (loss1, norm1, p1, aux1) = results
+    out[(name, rank)] = (loss0, loss1, norm0, norm1, _max_diff(p0, p1), aux0, aux1)
 
 
-def _unequal(rank, out, name, layout, plan_by_dp, pad_to_max=False, extra_warmup=0):
-    """The executor on this dp rank's plan (eager 1F1B with extra_warmup) against the
-    whole-batch reference."""
+def _unequal(rank, out, name, layout, plan_by_dp, pad_to_max=False, extra_warmup=0,
+             moe=False, multiple=2):
+    """The executor on this dp rank's plan (eager 1F1B with extra_warmup; padded lengths a
+    multiple of `multiple`) against the whole-batch reference."""
     from orchestrator.train.engine import Engine
 
     data = make_data(None, 128, SEQ_LEN, seed=0)
     windows = _global_samples(data, 4 * len(plan_by_dp))  # 4 per dp rank
-    engine = Engine(layout, _model(), torch.device("cpu"), seed=1)
+    engine = Engine(layout, _model(moe), torch.device("cpu"), seed=1)
     mine = windows[4 * engine.dp_rank:4 * engine.dp_rank + 4]
-    batches = _micro_batches(mine, plan_by_dp[engine.dp_rank], pad_to_max)
+    batches = _micro_batches(mine, plan_by_dp[engine.dp_rank], pad_to_max, multiple)
+    rows = sum(len(samples) for plan in plan_by_dp for samples, _ in plan)
     stats = engine.train_step_micro_batches(batches, LR, 0.0, _real_tokens(windows),
-                                            extra_warmup=extra_warmup)
-    loss, norm, params, clear = _reference(windows, plan_by_dp)
+                                            extra_warmup=extra_warmup, total_rows=rows)
+    if moe:  # the experts are sharded over EP: compare the step's numbers
+        loss, norm, aux = _reference(windows, plan_by_dp, moe, multiple)
+        out[(name, rank)] = (stats.loss, loss, stats.grad_norm, norm, stats.aux_loss, aux)
+        return
+    loss, norm, params, clear = _reference(windows, plan_by_dp, multiple=multiple)
     mine_params = _params(engine)
     diff = _max_diff(mine_params, {k: params[k] for k in mine_params}, clear)
     out[(name, rank)] = (stats.loss, loss, stats.grad_norm, norm, diff)
 
 
 def _worker(rank: int, out: dict) -> None:
-    _equal_shapes(rank, out, pp=2, tp=1)
-    _equal_shapes(rank, out, pp=2, tp=2)
+    _equal_shapes(rank, out, "equal pp2 tp1", _layout(2, 1, m=2))
+    _equal_shapes(rank, out, "equal pp2 tp2", _layout(2, 2, m=2))
+    # context parallelism (the ring, with SP inside each CP rank) and MoE with EP over dp ranks
+    _equal_shapes(rank, out, "equal cp2 tp2", _layout(1, 2, m=2, cp=2))
+    _equal_shapes(rank, out, "equal moe pp2 ep2", _layout(2, 1, m=2, ep=2), moe=True)
+    _unequal(rank, out, "cp2 pp2", _layout(2, 1, m=2, cp=2), UNEQUAL_CP, multiple=4)
+    _unequal(rank, out, "moe dp4 ep2", _layout(1, 1, m=1, ep=2), UNEQUAL_MOE, moe=True)
     _unequal(rank, out, "1f1b", _layout(2, 1, m=2), UNEQUAL_1F1B)
     _unequal(rank, out, "1f1b padded", _layout(2, 1, m=2), UNEQUAL_1F1B, pad_to_max=True)
     _unequal(rank, out, "eager 1f1b pp2", _layout(2, 1, m=2), UNEQUAL_1F1B, extra_warmup=1)
@@ -163,17 +195,36 @@ def results():
     return spawn_ranks(_worker, WORLD_SIZE)
 
 
-@pytest.mark.parametrize("case", ["equal pp2 tp1", "equal pp2 tp2"])
+@pytest.mark.parametrize("case", ["equal pp2 tp1", "equal pp2 tp2", "equal cp2 tp2",
+                                  "equal moe pp2 ep2"])
 def test_executor_matches_train_step_on_equal_micro_batches(results, case):
+    """Also with context parallelism (each micro-batch's sequences split over the CP ranks)
+    and for a MoE model (experts over EP ranks of two dp ranks; the balance loss's gradient
+    and value as train_step's)."""
     for rank in range(WORLD_SIZE):
-        loss_today, loss_new, norm_today, norm_new, param_diff = results[(case, rank)]
+        loss_today, loss_new, norm_today, norm_new, param_diff, aux_today, aux_new = \
+            results[(case, rank)]
         assert loss_new == pytest.approx(loss_today, rel=1e-6), (case, rank)
         assert norm_new == pytest.approx(norm_today, rel=1e-5), (case, rank)
         assert param_diff < 1e-5, (case, rank, param_diff)
+        assert (aux_new is aux_today is None) == ("moe" not in case), (case, rank)
+        if aux_today is not None:
+            assert aux_new == pytest.approx(aux_today, rel=1e-6), (case, rank)
+
+
+def test_moe_unequal_micro_batches_give_the_whole_batch_losses(results):
+    """MoE with EP over pairs of dp ranks, micro-batches of different sizes, lengths and
+    recompute (as many, full recompute at the same places within a pair): the token-mean
+    loss, gradient norm and balance loss of one process on the whole batch."""
+    for rank in range(WORLD_SIZE):
+        loss, want_loss, norm, want_norm, aux, want_aux = results[("moe dp4 ep2", rank)]
+        assert loss == pytest.approx(want_loss, rel=1e-5), rank
+        assert norm == pytest.approx(want_norm, rel=1e-4), rank
+        assert aux == pytest.approx(want_aux, rel=1e-5), rank
 
 
 @pytest.mark.parametrize("case", ["1f1b", "interleaved", "dp4 zero2", "eager 1f1b pp2",
-                                  "eager 1f1b pp4"])
+                                  "eager 1f1b pp4", "cp2 pp2"])
 def test_unequal_micro_batches_give_the_whole_batch_token_mean(results, case):
     """Different micro-batch counts per dp rank (2 vs 3, 2 vs 4): loss, gradient norm and the
     updated parameters are those of one process on the whole batch, padding ignored; also

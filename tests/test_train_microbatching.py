@@ -95,3 +95,43 @@ def test_packed_rows_and_a_sample_over_the_budget_is_skipped_and_counted(profile
                    "train.memory_GiB=0.005", *budget[1:], profiles_dir=profiles)
     assert proc.returncode != 0
     assert "fits train.memory_GiB=0.005" in " ".join((proc.stderr + proc.stdout).split())
+
+
+def test_dynamic_trains_context_parallel_and_moe_with_expert_parallelism(profiles):
+    """train.microbatching=dynamic with cp 2 over dp 2 (each micro-batch's sequences split over
+    the CP pair, padded lengths multiples of 2 x cp) and tiny_moe with ep 2 over dp 4 (the dp
+    ranks of an expert group run their micro-batches in lockstep) trains on 4 ranks, every
+    sample once per step. (Its losses against the fixed run's and a one-process reference:
+    test_train_dynamic.py, on the same engine path; a CLI run's dynamic plan may pack samples
+    into rows, which changes attention, so its loss is not the padded run's.)"""
+    _analytic_profiles(profiles)
+    run_cli("stage=profile_model", "model=tiny_moe", "profile_model.source=analytic",
+            "profile_model.plot=false", profiles_dir=profiles, check=0)
+    cases = {"tiny": ["train.pp=1", "train.tp=1", "train.cp=2", "train.seq_len=128"],
+             "tiny_moe": ["model=tiny_moe", "train.pp=1", "train.tp=1", "train.ep=2",
+                          "train.seq_len=64"]}
+    for model, layout in cases.items():
+        proc = run_cli("stage=train", *layout, "train.global_batch_size=16", "train.plot=false",
+                       "train.memory_interval_s=0.2", "train.timing_warmup_steps=1",
+                       "train.microbatching=dynamic", "train.steps=2", profiles_dir=profiles)
+        assert proc.returncode == 0, (model, proc.stderr + proc.stdout)
+        (path,) = (Path(profiles) / "local" / "train" / model).glob("*-dynamic.json")
+        summary = json.loads(path.read_text())
+        losses = _losses(summary)
+        assert len(losses) == 2 and all(0 < x < 10 for x in losses), (model, losses)
+        steps = summary["microbatching"]["steps"]
+        assert len(steps) == 2 and summary["microbatching"]["skipped_samples"] == 0
+        for step in steps:
+            sizes = [sum(size for size, _, _, _ in rank) for rank in step["micro_batches"]]
+            assert sizes == [16 // len(sizes)] * len(sizes), (model, sizes)  # each sample once
+            if model == "tiny":  # the CP pair cuts each sequence into 2 x cp chunks
+                assert all(p % 4 == 0 for rank in step["micro_batches"] for _, p, _, _ in rank)
+            else:  # the expert groups (dp ranks 0, 1 and 2, 3) in lockstep
+                counts = [len(rank) for rank in step["micro_batches"]]
+                assert counts[0] == counts[1] and counts[2] == counts[3], counts
+                full = [[mode == "full" for _, _, mode, _ in rank]
+                        for rank in step["micro_batches"]]
+                assert full[0] == full[1] and full[2] == full[3], full
+        if model == "tiny_moe":
+            aux = summary["moe"]["aux_loss"]  # the balance loss, over every micro-batch
+            assert len(aux) == 2 and all(0 < v < 1 for v in aux.values()), aux

@@ -12,7 +12,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from conftest import REPO, one_error_line, run_cli
-from orchestrator.config import CONF_DIR, Config, _optional_inner, register_configs
+from orchestrator.config import CONF_DIR, Config, register_configs
+from orchestrator.config_keys import _optional_inner
 from orchestrator.errors import ConfigError
 from orchestrator.value_rules import (NOT_RULED, RULES, check_override_values, check_values,
                                       value_error)

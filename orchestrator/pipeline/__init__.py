@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from orchestrator.choices import Backend, LauncherName, Ranks
-from orchestrator.config import SUBMISSION_ONLY_FIELDS, Config, local_cannot_reach
+from orchestrator.config import SUBMISSION_ONLY_FIELDS, Config
 from orchestrator.errors import ConfigError
-from orchestrator.stages import PIPELINE, Stage, StagePlan, get_stage
+from orchestrator.stages import (PIPELINE, Stage, StagePlan, check_ranks_reachable,
+                                 get_stage)
 from orchestrator.store import cluster_dir, config_hash, file_sha256, read_json
 from orchestrator.store.ledger import Ledger, LedgerEntry, State
 from orchestrator.sweep import labelled, point_label
@@ -52,29 +53,6 @@ def check_launchable(plan: StagePlan, cfg: Config) -> None:
         check_limit(cfg.limits, "max_local_ranks", plan.world_size,
                     f"cluster.tasks_per_node={cfg.cluster.tasks_per_node}",
                     "ranks launcher=local starts on this machine")
-
-
-def check_ranks_reachable(stage: str, ranks: Ranks, cfg: Config) -> None:
-    """ConfigError when this launcher cannot start `ranks` of `stage`: the local launcher runs
-    on this machine only. A stage calls it before its other checks, so that no message about
-    the node count (a layout for other ranks, say) sends the user into a command that this
-    launcher refuses anyway. Both commands it prints run as printed."""
-    if ranks == Ranks.cluster and local_cannot_reach(cfg.launcher.name, cfg.cluster.nodes):
-        slurm, here = commands_that_launch(stage, cfg)
-        raise ConfigError(f"launcher=local runs {stage} on this machine only: cluster.nodes"
-                          f"({cfg.cluster.nodes}) must be 1. On {cfg.cluster.nodes} nodes: "
-                          f"{slurm}; here: {here}")
-
-
-def commands_that_launch(stage: str, cfg: Config) -> List[str]:
-    """The command that runs `stage` with this command's overrides; where the local launcher
-    cannot start the cluster's nodes, two instead: on Slurm with them (launcher=slurm), and
-    here on one node (cluster.nodes=1)."""
-    from orchestrator.commands import rerun_command
-
-    if local_cannot_reach(cfg.launcher.name, cfg.cluster.nodes):
-        return [rerun_command(stage, "launcher=slurm"), rerun_command(stage, "cluster.nodes=1")]
-    return [rerun_command(stage)]
 
 
 def _drop(section: dict, dotted: str) -> None:

@@ -43,6 +43,7 @@ plus the LM head's activations on the last stage; comm_buffers; reserve
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
@@ -58,11 +59,12 @@ from orchestrator.planner.calibration import Calibration, contention_factor
 from orchestrator.planner.profiles import HardwareModel, ModelCost
 from orchestrator.planner.schedule import (in_flight_micro_batches, schedule_coefficients,
                                            simulate as simulate_schedule)
-from orchestrator.planner.terms import MODE_CODES, FwdBwd, overlap_extra_us
+from orchestrator.planner.terms import MODE_CODES, FwdBwd, as_value, overlap_extra_us
 from orchestrator.planner.terms.compute import LayerCompute
 from orchestrator.planner.terms.cp_comm import CpComm
-from orchestrator.planner.terms.memory import (ActivationBytes, comm_buffer_bytes,
-                                               stage_activation_bytes)
+from orchestrator.planner.terms.memory import (ActivationBytes, micro_batch_activation_bytes,
+                                               stage_activation_bytes, tp_buffer_bytes,
+                                               zero_buffer_bytes)
 from orchestrator.planner.terms.moe import (MoeComm, MoeParams, activation_delta_bytes,
                                             linear_scale, moe_block_delta_us)
 from orchestrator.planner.terms.pipeline import (boundary_intra_node, boundary_us,
@@ -70,17 +72,26 @@ from orchestrator.planner.terms.pipeline import (boundary_intra_node, boundary_u
 from orchestrator.planner.terms.tp_comm import TpComm
 from orchestrator.planner.terms.zero import (ZeroSharding, ZeroTraffic, dp_sync_parts_us,
                                              zero_messages)
-from orchestrator.workload.memory import BlockActivations, StageMemory, StageNumels
 from orchestrator.workload.comm import (Comm, cp_messages, layer_activation_bytes,
                                         pp_message_bytes, residual_dtype, times, tp_messages)
+from orchestrator.workload.memory import BlockActivations
+from orchestrator.workload.stage_memory import StageMemory, StageNumels
 from orchestrator.workload.moe import default_imbalance, moe_messages, tokens_per_rank
 
 GiB = float(1 << 30)
 # A layer's messages depend on a few scalars that many configs of a search share (tokens per
-# rank, flavour, dtype): each list built once (Comm tuples are immutable).
-_tp_messages = lru_cache(maxsize=4096)(tp_messages)
-_cp_messages = lru_cache(maxsize=4096)(cp_messages)
-_moe_messages = lru_cache(maxsize=4096)(moe_messages)
+# rank, flavour, dtype): each list built once (Comm tuples are immutable). Sizes over K
+# micro-batches (numpy arrays, at()) are built each time.
+_MESSAGES = {tp_messages: lru_cache(maxsize=4096)(tp_messages),
+             cp_messages: lru_cache(maxsize=4096)(cp_messages),
+             moe_messages: lru_cache(maxsize=4096)(moe_messages)}
+
+
+def _messages(build, *args):
+    """build(*args), from the cache when every argument is hashable (no numpy array)."""
+    if any(isinstance(a, np.ndarray) for a in args):
+        return build(*args)
+    return _MESSAGES[build](*args)
 MEMORY_KINDS = ("params", "grads", "optim", "activations", "comm_buffers", "reserve")
 BREAKDOWN_KINDS = ("compute", "tp_comm", "cp_comm", "pp_comm", "bubble", "dp_sync_exposed",
                    "recompute")
@@ -129,19 +140,29 @@ def moe_imbalance(model: ModelCost, options: CostOptions) -> float:
     return default_imbalance(model.moe)
 
 
-def _engine_memory(key: "ConfigKey", model: ModelCost, block, seq_len: int,
-                   options: CostOptions) -> StageMemory:
-    """workload/memory.py's closed form for this config, fed the model profile's activations
-    (per token at `seq_len`, counted in the profile's dtype)."""
+def _block_activations(key: "ConfigKey", model: ModelCost, block, seq_len, micro_batch_size,
+                       imbalance: float) -> BlockActivations:
+    """A layer's activations per micro-batch of `micro_batch_size` sequences of `seq_len`
+    tokens on one rank (the model profile's, per token at the rank's s / cp, counted in the
+    profile's dtype; a MoE block's FFN in block 0's FFN's place), by recompute mode: what
+    workload/memory.py's closed form starts from. Floats, or arrays over micro-batches."""
     local = seq_len // key.cp  # a rank's tokens of each sequence
-    tokens = float(local * key.micro_batch_size)
+    tokens = as_value(local * micro_batch_size)
     per_mode = [block.act_bytes_per_token_at(mode, local) * tokens
                 for mode in Recompute]
     if model.moe is not None:  # the MoE FFN's activations in block 0's FFN's place
-        delta = activation_delta_bytes(model, model.moe, seq_len, key.micro_batch_size, key.tp,
-                                       key.cp, key.etp, moe_imbalance(model, options))
+        delta = activation_delta_bytes(model, model.moe, seq_len, micro_batch_size, key.tp,
+                                       key.cp, key.etp, imbalance)
         per_mode = [per_mode[0] + delta, per_mode[1] + delta, per_mode[2]]
-    act = BlockActivations(*per_mode, elem_bytes=model.dtype_bytes)
+    return BlockActivations(*per_mode, elem_bytes=model.dtype_bytes)
+
+
+def _engine_memory(key: "ConfigKey", model: ModelCost, block, seq_len: int,
+                   options: CostOptions) -> StageMemory:
+    """workload/memory.py's closed form for this config, fed the model profile's activations
+    (_block_activations)."""
+    act = _block_activations(key, model, block, seq_len, key.micro_batch_size,
+                             moe_imbalance(model, options))
     return StageMemory(_engine_config(model, seq_len), key, act, options.dtype or model.dtype,
                        options.device, seq_len)
 
@@ -231,23 +252,24 @@ class StageCosts:
     `other`, the pipeline `sends`, `in_flight` micro-batches, and the memory of "other". Every
     method works elementwise on numpy arrays (stage index j, layer count n, recompute code and
     k), so the search tabulates all stage sizes at once and evaluate() prices all stages of one
-    layout with the same arithmetic (both agree to the last bit)."""
+    layout with the same arithmetic (both agree to the last bit).
+
+    at(b, s) evaluates the same terms for K micro-batches of their own shapes (the dynamic
+    planner's, planner/microbatch_costs.py): every term of the micro-batch's shape (what
+    _price_micro_batch sets) becomes an array, [K] per layer and [pp, K] per stage."""
 
     def __init__(self, key: ConfigKey, model: ModelCost, hardware: HardwareModel, seq_len: int,
                  options: CostOptions = CostOptions()):
         self.key = key
         self.hardware = hardware
+        self.model, self.options = model, options
         self.engine = options.engine
         # The messages' dtypes (workload/comm.py): the compute dtype training runs in, and the
         # residual stream's (fp32 in our engine under autocast).
         self.compute_dtype = Dtype.parse(options.dtype or model.dtype)
         self.residual_dtype = residual_dtype(self.engine, self.compute_dtype)
-        # A CP rank holds s / cp of each sequence (its tokens), a 1 / cp share of every layer.
-        self.tokens = float(seq_len * key.micro_batch_size) / key.cp
         self.overlap_coe = hardware.overlap_coe
-        block, other = model.memory(key.tp)
-        # Megatron's TP buffer: one gathered activation of the residual stream
-        tp_bytes = layer_activation_bytes(self.tokens, model.hidden, self.residual_dtype)
+        self._block, self._other = block, other = model.memory(key.tp)
         self.block_param_bytes = block.param_bytes
         self.block_grad_bytes = block.grad_bytes
         # A MoE model (terms/moe.py): every block priced as a MoE block, its bytes split into
@@ -302,9 +324,7 @@ class StageCosts:
         self.contention = contention_factor(model.concurrency, key.pp, key.num_micro_batches,
                                             key.virtual_stages)
 
-        self._price_layer(model, seq_len)
-        self._price_other(options.other_time_first_share)
-        self._price_sends(model)
+        self._price_micro_batch(seq_len, key.micro_batch_size)
         sharding = ZeroSharding.of(key.zero, key.replicas)
         self.layer_static = sharding.shard(block.param_bytes, block.grad_bytes, block.optim_bytes)
         if self.moe is not None:
@@ -315,23 +335,67 @@ class StageCosts:
             self.layer_static = tuple(d + e for d, e in zip(dense, experts))
         self.other_static = sharding.shard(self.other_param_bytes, self.other_grad_bytes,
                                            other_optim_bytes)
-        self.act = ActivationBytes.from_block(block, seq_len, key.tp, key.sequence_parallel,
-                                              model.hidden, model.dtype_bytes)
-        if self.moe is not None:  # the MoE FFN's activations in block 0's FFN's place
-            delta = activation_delta_bytes(model, self.moe, seq_len, key.micro_batch_size,
-                                           key.tp, key.cp, key.etp, self.imbalance) / self.tokens
-            self.act = ActivationBytes(self.act.none + delta, self.act.selective + delta,
-                                       self.act.full)
-        self.other_act = on_end_stages(
-            0.0, self.tokens * other.act_bytes_per_token_at(Recompute.none, seq_len), key.pp)
         self.in_flight = in_flight_micro_batches(key.schedule, key.pp, key.num_micro_batches,
                                                  key.virtual_stages)
-        self._comm_buffers = np.full(key.pp, comm_buffer_bytes(key.zero, key.replicas, key.tp,
-                                                               block.param_bytes, tp_bytes))
+        self._zero_buffers = zero_buffer_bytes(key.zero, key.replicas, block.param_bytes)
+        self._comm_buffers = np.full(key.pp, self._zero_buffers + self.tp_buffer)
         self.reserve = float(options.reserve_bytes)
         # T = alpha * sum_j t_j + beta * max_j t_j + e_0
         self.alpha, self.beta = schedule_coefficients(key.schedule, key.num_micro_batches,
                                                       key.virtual_stages)
+
+    def _price_micro_batch(self, seq_len, micro_batch_size) -> None:
+        """Every term of the micro-batch's shape (b = micro_batch_size sequences of seq_len
+        tokens): per layer, per stage, the sends, the activations and the TP buffer; floats, or
+        arrays over K micro-batches (at())."""
+        key, model = self.key, self.model
+        self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
+        # A CP rank holds s / cp of each sequence (its tokens), a 1 / cp share of every layer.
+        self.tokens = as_value(seq_len * micro_batch_size) / key.cp
+        # Megatron's TP buffer: one gathered activation of the residual stream
+        tp_bytes = layer_activation_bytes(self.tokens, model.hidden, self.residual_dtype)
+        self._price_layer(model, seq_len, micro_batch_size)
+        self._price_other(self.options.other_time_first_share)
+        self._price_sends(model)
+        self.act = ActivationBytes.from_block(self._block, seq_len, key.tp,
+                                              key.sequence_parallel, model.hidden,
+                                              model.dtype_bytes)
+        if self.moe is not None:  # the MoE FFN's activations in block 0's FFN's place
+            delta = activation_delta_bytes(model, self.moe, seq_len, micro_batch_size, key.tp,
+                                           key.cp, key.etp, self.imbalance) / self.tokens
+            self.act = ActivationBytes(self.act.none + delta, self.act.selective + delta,
+                                       self.act.full)
+        self.other_act = on_end_stages(
+            0.0, self.tokens * self._other.act_bytes_per_token_at(Recompute.none, seq_len),
+            key.pp)
+        self.tp_buffer = tp_buffer_bytes(key.tp, tp_bytes)
+
+    def at(self, micro_batch_size, seq_len) -> "StageCosts":
+        """This config's costs for K micro-batches of their own shapes: micro_batch_size[k]
+        sequences (rows) of seq_len[k] tokens (numpy arrays), each split over the CP ranks as
+        the layout's own. The same terms (_price_micro_batch) as arrays, [K] per layer and
+        [pp, K] per stage (so stage methods take j = arange(pp) and n as a column [pp, 1]);
+        what does not depend on the micro-batch (states, gradient sync, optimizer step,
+        in-flight counts, the engine's memory model) is this one's."""
+        _ = self.engine_memory  # built once here, shared by every copy
+        out = copy.copy(self)
+        out._price_micro_batch(np.asarray(seq_len, dtype=np.int64),
+                               np.asarray(micro_batch_size, dtype=float))
+        return out
+
+    def _per_stage(self, values: np.ndarray) -> np.ndarray:
+        """A per-stage array [pp] as a column [pp, 1] when the terms are over micro-batches
+        (at()), so it broadcasts against their [pp, K] terms; itself otherwise."""
+        if not isinstance(self.tokens, np.ndarray):
+            return values
+        return np.reshape(values, (-1,) + (1,) * self.tokens.ndim)
+
+    @property
+    def block_activations(self) -> BlockActivations:
+        """A layer's activations per micro-batch by recompute mode, as the engine's memory
+        model takes them (_block_activations)."""
+        return _block_activations(self.key, self.model, self._block, self.seq_len,
+                                  self.micro_batch_size, self.imbalance)
 
     @property
     def engine_memory(self) -> Optional[StageMemory]:
@@ -347,20 +411,21 @@ class StageCosts:
         memory = self.engine_memory
         return memory.buffers if memory is not None else self._comm_buffers
 
-    def _price_layer(self, model: ModelCost, seq_len: int) -> None:
+    def _price_layer(self, model: ModelCost, seq_len: int, micro_batch_size) -> None:
         """Time per layer: compute, TP and CP communication, the MoE dispatcher, ZeRO 2/3
         traffic sticking out of them; what selective and full recompute rerun."""
         key = self.key
         cal = self.calibration
-        compute = LayerCompute.from_model(model, seq_len, key.tp, key.micro_batch_size, key.cp)
+        compute = LayerCompute.from_model(model, seq_len, key.tp, micro_batch_size, key.cp)
         if self.moe is not None:  # a MoE block on the busiest rank
             if model.moe_costs is not None:  # profile_model timed its parts beside the block
                 extra_fwd, extra_bwd = moe_block_delta_us(model.moe_costs, self.moe, key,
-                                                          seq_len, self.imbalance)
+                                                          seq_len, self.imbalance,
+                                                          micro_batch_size)
             else:  # the profiled block's matmuls scaled to the MoE block's
                 scale = linear_scale(model, self.moe, self.imbalance) - 1.0
                 lin_fwd, lin_bwd = model.block_linear_us(seq_len, key.tp,
-                                                         key.micro_batch_size / key.cp)
+                                                         micro_batch_size / key.cp)
                 extra_fwd, extra_bwd = scale * lin_fwd, scale * lin_bwd
             compute = LayerCompute(FwdBwd(compute.block.fwd_us + extra_fwd,
                                           compute.block.bwd_us + extra_bwd),
@@ -368,13 +433,13 @@ class StageCosts:
         self.compute = compute.scaled(self.contention * cal.compute)
         # The messages are the workload model's (workload/comm.py, moe.py); the terms price them
         # and messages() lists them.
-        self.tp_messages = _tp_messages(self.engine, key.sequence_parallel, self.tokens,
-                                        model.hidden, self.compute_dtype)
+        self.tp_messages = _messages(tp_messages, self.engine, key.sequence_parallel,
+                                     self.tokens, model.hidden, self.compute_dtype)
         self.tp = TpComm.from_hardware(self.hardware, key.tp, self.tp_messages, cal.tp_latency,
                                        cal.tp_bandwidth)
-        self.cp_messages = _cp_messages(key.cp_comm, key.cp, key.cp_a2a, self.tokens,
-                                        model.heads, model.kv_heads, model.hidden // model.heads,
-                                        key.tp, self.compute_dtype, self.engine)
+        self.cp_messages = _messages(cp_messages, key.cp_comm, key.cp, key.cp_a2a, self.tokens,
+                                     model.heads, model.kv_heads, model.hidden // model.heads,
+                                     key.tp, self.compute_dtype, self.engine)
         self.cp = CpComm.from_hardware(self.hardware, self.cp_messages, key.cp, key.cp_a2a,
                                        key.tp, self.compute.selective_recompute_us,
                                        self.overlap_coe)
@@ -384,9 +449,9 @@ class StageCosts:
                                             self.engine, key.pp, key.num_micro_batches)
         if self.moe is not None:
             # the dispatcher, exposed; the experts' ZeRO traffic over edp beside the dense's
-            self.moe_messages = _moe_messages(
-                tokens_per_rank(seq_len, key.micro_batch_size, key.tp, key.cp), self.moe, key.ep,
-                key.etp, self.engine, self.compute_dtype, self.imbalance)
+            self.moe_messages = _messages(
+                moe_messages, tokens_per_rank(seq_len, micro_batch_size, key.tp, key.cp),
+                self.moe, key.ep, key.etp, self.engine, self.compute_dtype, self.imbalance)
             self.moe_comm = MoeComm.from_hardware(self.hardware, self.moe_messages, key.ep,
                                                   key.etp).scaled(self.calibration.ep_comm)
             window = window + self.moe_comm.layer
@@ -395,7 +460,7 @@ class StageCosts:
                 self.expert_grad_bytes, self.engine, key.pp, key.num_micro_batches))
         exposed = traffic.exposed(window, self.overlap_coe)
         dp = self.calibration.dp_sync
-        self.zero_layer = FwdBwd(float(exposed.fwd_us) * dp, float(exposed.bwd_us) * dp)
+        self.zero_layer = FwdBwd(as_value(exposed.fwd_us) * dp, as_value(exposed.bwd_us) * dp)
         self.layer = window + self.zero_layer
         # selective reruns the attention core and the CP messages it needs again; full reruns
         # the forward, the TP collectives the engine repeats (workload.tp) and the CP and
@@ -418,9 +483,9 @@ class StageCosts:
         self.other_tp = FwdBwd(on_end_stages(self.tp.embedding.fwd_us, self.tp.head.fwd_us, pp),
                                on_end_stages(self.tp.embedding.bwd_us, self.tp.head.bwd_us, pp))
         traffic = ZeroTraffic.from_hardware(self.hardware, self.key.zero, self.key.replicas,
-                                            self.key.tp, self.other_param_bytes,
-                                            self.other_grad_bytes, self.engine, self.key.pp,
-                                            self.key.num_micro_batches)
+                                            self.key.tp, self._per_stage(self.other_param_bytes),
+                                            self._per_stage(self.other_grad_bytes), self.engine,
+                                            self.key.pp, self.key.num_micro_batches)
         window = self.other_compute + self.other_tp
         exposed = traffic.exposed(window, self.overlap_coe)
         dp = self.calibration.dp_sync
@@ -509,18 +574,26 @@ class StageCosts:
             mode_code == 1, n * self.selective_recompute_us,
             np.where(mode_code == 2, k * self.full_recompute_us, 0.0))
 
-    def stage_fwd_us(self, j: int, n):
-        """Forward time (us per micro-batch) of stage j holding n layers, sends included."""
-        return (np.asarray(n, dtype=float) * self.layer.fwd_us + self.other.fwd_us[j]
-                + self.sends.fwd_us[j])
+    def stage_fwd_us(self, j: int, n, sends: bool = True):
+        """Forward time (us per micro-batch) of stage j holding n layers, sends included
+        (sends=False: without them, as the event simulation takes it)."""
+        out = np.asarray(n, dtype=float) * self.layer.fwd_us + self.other.fwd_us[j]
+        return out + self.sends.fwd_us[j] if sends else out
 
-    def stage_bwd_us(self, j: int, n, mode_code, k, recompute_us=None):
+    def stage_bwd_us(self, j: int, n, mode_code, k, recompute_us=None, sends: bool = True):
         """Backward time (us per micro-batch) of stage j, recompute and sends included
-        (`recompute_us`: recompute_us(n, mode_code, k) when the caller has it already)."""
+        (`recompute_us`: recompute_us(n, mode_code, k) when the caller has it already;
+        sends=False: without the sends)."""
         if recompute_us is None:
             recompute_us = self.recompute_us(n, mode_code, k)
-        return (np.asarray(n, dtype=float) * self.layer.bwd_us + recompute_us
-                + self.other.bwd_us[j] + self.sends.bwd_us[j])
+        out = (np.asarray(n, dtype=float) * self.layer.bwd_us + recompute_us
+               + self.other.bwd_us[j])
+        return out + self.sends.bwd_us[j] if sends else out
+
+    def sync_window_us(self, j: int, n):
+        """The backward of stage j's last micro-batch (recompute excluded), which its gradient
+        sync runs beside (us)."""
+        return np.asarray(n, dtype=float) * self.layer.bwd_us + self.other.bwd_us[j]
 
     def stage_time_us(self, j: int, n, mode_code, k):
         """t_j: forward + backward (us per micro-batch)."""
@@ -536,6 +609,39 @@ class StageCosts:
             return self.engine_memory.peak_above_states(j, n, mode_code, k)
         return (stage_activation_bytes(self.act, self.tokens, self.in_flight[j], n, mode_code, k)
                 + self.other_act[j])
+
+    def micro_batch_bytes(self, n, mode_code):
+        """Per micro-batch of at()'s, on every stage (n: each stage's layers as a column
+        [pp, 1]; mode_code [K]: its recompute on every layer): (stored, extra) [pp, K] bytes,
+        what one keeps while in flight and what it needs on top while it runs, so a stage holds
+        fixed_bytes + in-flight stored + the largest extra (the dynamic planner's memory, where
+        activation_bytes places each by the schedule). Orchestrator engine: workload/memory.py's
+        (StageMemory.micro_batch_bytes, gradients accumulating from the first micro-batch on
+        in extra); Megatron: the stored activations, and the layer being recomputed, the LM
+        head's activations on the last stage and the TP buffer."""
+        if self.engine_memory is not None:
+            stored, extra, fixed = self.engine_memory.micro_batch_bytes(
+                n[:, 0], self.block_activations, self.tokens, self.micro_batch_size, mode_code)
+            return stored, extra + fixed[:, None]
+        stored, working = micro_batch_activation_bytes(self.act, self.tokens, n, mode_code, n)
+        return stored, working + self.other_act + self.tp_buffer
+
+    def fixed_bytes(self, j, n):
+        """What stage j of n layers holds whatever its micro-batches (bytes): params, grads,
+        optim, the buffers no micro-batch sizes (ZeRO 3's gathered layers; the engine's
+        receive buffers and inputs) and the reserve; micro_batch_bytes adds theirs."""
+        params, grads, optim = self.static_bytes(j, n)
+        buffers = (self.engine_memory.buffers[j] if self.engine_memory is not None
+                   else self._zero_buffers)
+        return params + grads + optim + buffers + self.reserve
+
+    def tail_bytes(self, j, n):
+        """Stage j's bytes beyond its states after the last backward (the orchestrator
+        engine's gradient norm, optimizer step and ZeRO buckets: workload/memory.py; 0 for
+        Megatron)."""
+        if self.engine_memory is not None:
+            return self.engine_memory.tail_above_states(j, n)
+        return np.zeros(np.shape(np.asarray(n)))
 
     def static_bytes(self, j: int, n):
         """(params, grads, optim) bytes of stage j holding n layers, after ZeRO sharding
@@ -591,12 +697,14 @@ class StageCosts:
         optimizer step (us); e_0 + o_0 of the iteration time for j = 0."""
         return self.dp_exposed_us(j, n) + self.optimizer_us(j, n)
 
-    def dp_exposed_us(self, j: int, n):
+    def dp_exposed_us(self, j: int, n, window_us=None, parts_us=None):
         """Part of stage j's gradient sync (us) not hidden under the backward of its last
-        micro-batch (recompute excluded from the window)."""
+        micro-batch (recompute excluded from the window): `window_us` that backward (default
+        sync_window_us: this config's micro-batch), `parts_us` dp_sync_parts_us(j, n) when the
+        caller has them."""
         n = np.asarray(n, dtype=float)
-        window = n * self.layer.bwd_us + self.other.bwd_us[j]
-        during, after = self.dp_sync_parts_us(j, n)
+        window = self.sync_window_us(j, n) if window_us is None else window_us
+        during, after = self.dp_sync_parts_us(j, n) if parts_us is None else parts_us
         return overlap_extra_us(window, during, self.overlap_coe) + after
 
 

@@ -54,6 +54,23 @@ def _half_fit(fit: LinkFit) -> LinkFit:
     return LinkFit(fit.group_size, *half_allreduce_line(fit.alpha_us, fit.algbw_GBps))
 
 
+def _none_moves(size_bytes) -> bool:
+    """True when no buffer of `size_bytes` (a float, or a numpy array of sizes: the dynamic
+    planner's micro-batches) has a byte to move (the search's scalars take the cheap test)."""
+    if isinstance(size_bytes, np.ndarray):
+        return not (size_bytes > 0).any()
+    return size_bytes <= 0
+
+
+def _linear_us(line: Tuple[float, float], size_bytes):
+    """alpha + size x us_per_byte of a (alpha_us, us_per_byte) line, 0 for an empty buffer (a
+    float, or a numpy array of sizes)."""
+    alpha_us, us_per_byte = line
+    if isinstance(size_bytes, np.ndarray):
+        return np.where(size_bytes > 0, alpha_us + size_bytes * us_per_byte, 0.0)
+    return alpha_us + size_bytes * us_per_byte if size_bytes > 0 else 0.0
+
+
 def _pick_line(op: str, fits: Tuple[LinkFit, ...], group_size: int) -> Tuple[float, float]:
     """(alpha_us, us_per_byte) from fits sorted by group size: the exact size, else the nearest
     larger, else ring extrapolation from the largest (p2p: the largest as is)."""
@@ -183,13 +200,13 @@ class HardwareModel:
     def time_us(self, op: str, group_size: int, layout: str, size_bytes: float) -> float:
         """Time in us of one `op` on a group of `group_size` ranks in `layout` ("consec" |
         "strided" for collectives, "intra" | "inter" for p2p) with a per-rank buffer of
-        `size_bytes` (nccl-tests convention). A group of one rank costs nothing."""
+        `size_bytes` (nccl-tests convention; a float or a numpy array of sizes). A group of one
+        rank costs nothing."""
         if group_size <= 1 and op != "p2p":
             return 0.0
-        if size_bytes <= 0:
+        if _none_moves(size_bytes):
             return 0.0
-        alpha, us_per_byte = self._line(op, int(group_size), layout)
-        return alpha + size_bytes * us_per_byte
+        return _linear_us(self._line(op, int(group_size), layout), size_bytes)
 
     def group_layout(self, group_size: int, stride: int) -> str:
         """Measured layout standing for a group of `group_size` ranks `stride` apart when the
@@ -236,11 +253,11 @@ class HardwareModel:
     def collective_time_us(self, op: str, group_size: int, stride: int,
                            size_bytes: float) -> float:
         """Time in us of `op` on a group of `group_size` ranks `stride` apart (tp groups: stride 1;
-        Megatron dp groups: stride tp) for a per-rank buffer of `size_bytes`."""
-        if group_size <= 1 or size_bytes <= 0:
+        Megatron dp groups: stride tp) for a per-rank buffer of `size_bytes` (a float or a numpy
+        array of sizes)."""
+        if group_size <= 1 or _none_moves(size_bytes):
             return 0.0
-        alpha_us, us_per_byte = self.collective_line(op, group_size, stride)
-        return alpha_us + size_bytes * us_per_byte
+        return _linear_us(self.collective_line(op, group_size, stride), size_bytes)
 
     def all2all_line(self, group_size: int, stride: int) -> Tuple[float, float]:
         """(alpha_us, us_per_byte) of an all-to-all on `group_size` ranks `stride` apart for a
@@ -275,9 +292,8 @@ class HardwareModel:
         return intra_alpha + inter_alpha / 2.0, max(on_node, off_node)
 
     def p2p_time_us(self, size_bytes: float, intra: bool, pp: int) -> float:
-        """Time in us of one send/recv of `size_bytes` between pipeline neighbours."""
-        if size_bytes <= 0:
-            return 0.0
+        """Time in us of one send/recv of `size_bytes` (a float or a numpy array) between
+        pipeline neighbours."""
         return self.time_us("p2p", max(pp, 2), "intra" if intra else "inter", size_bytes)
 
     @property

@@ -16,14 +16,15 @@ from pathlib import Path
 from typing import Any, ClassVar, List, Optional, Tuple
 
 from orchestrator.choices import Ranks
-from orchestrator.commands import rerun_command, user_overrides
-from orchestrator.config import Config, cluster_world_size
+from orchestrator.commands import commands_that_launch, rerun_command, user_overrides
+from orchestrator.config import Config, cluster_world_size, local_cannot_reach
 from orchestrator.errors import ConfigError
 
 # `stage=all` runs these in order, skipping what is done.
 PIPELINE = ("profile_hardware", "profile_model", "search", "train")
-# Stages a user can name (plus `all` and `status`, which the CLI handles itself). `init` runs in
-# the CLI's process too (it writes a cluster file, then launches its check job itself).
+# Stages a user can name (plus `all` and `status`, which the CLI handles itself). `init` and
+# `tune` are commands of the CLI's process (cli/init.py, cli/tune.py); their stages here plan
+# init's check job and tune's ledger key and calibration file.
 STAGES = PIPELINE + ("import", "export", "trace", "noop", "init", "tune")
 
 
@@ -115,6 +116,18 @@ class Stage:
                          inputs=tuple(inputs),
                          outputs=tuple(Path(p) for p in outputs), detail=detail,
                          user_overrides=tuple(user_overrides()))
+
+
+def check_ranks_reachable(stage: str, ranks: Ranks, cfg: Config) -> None:
+    """ConfigError when this launcher cannot start `ranks` of `stage`: the local launcher runs
+    on this machine only. A stage calls it before its other checks, so that no message about
+    the node count (a layout for other ranks, say) sends the user into a command that this
+    launcher refuses anyway. Both commands it prints run as printed."""
+    if ranks == Ranks.cluster and local_cannot_reach(cfg.launcher.name, cfg.cluster.nodes):
+        slurm, here = commands_that_launch(stage, cfg)
+        raise ConfigError(f"launcher=local runs {stage} on this machine only: cluster.nodes"
+                          f"({cfg.cluster.nodes}) must be 1. On {cfg.cluster.nodes} nodes: "
+                          f"{slurm}; here: {here}")
 
 
 def get_stage(name: str) -> Stage:

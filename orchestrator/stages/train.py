@@ -21,7 +21,7 @@ from typing import List, Optional
 
 from orchestrator.choices import Microbatching, Ranks
 from orchestrator.errors import ConfigError
-from orchestrator.stages import Stage, StageInput
+from orchestrator.stages import Stage, StageInput, check_ranks_reachable
 from orchestrator.train.plan import (check_length_mean, check_memory, check_work, layout_file,
                                      layout_tag, predict, resolve, train_dir)
 
@@ -54,7 +54,6 @@ class Train(Stage):
     requeues = 50  # each run keeps its checkpoints: a short time limit only costs restarts
 
     def plan(self, cfg):
-        from orchestrator.pipeline import check_ranks_reachable
         from orchestrator.sweep import point_label
 
         # First: a layout for the cluster's ranks is no use where the launcher cannot run them.
@@ -345,7 +344,8 @@ def _planned_step(engine, planner, iteration, data, lr: float, grad_clip: float,
     inputs = rank_inputs(iteration, data, engine.dp_rank, planner.samples_per_rank)
     stats = engine.train_step_micro_batches(
         inputs, lr, grad_clip, iteration.total_tokens, stop=stop,
-        extra_warmup=iteration.plan.extra_warmup_of(engine.dp_rank))
+        extra_warmup=iteration.plan.extra_warmup_of(engine.dp_rank),
+        total_rows=iteration.total_rows)
     steps_log.planned(record, stats)
     return stats
 

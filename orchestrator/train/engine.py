@@ -332,12 +332,18 @@ class Engine:
 
     def train_step_micro_batches(self, batches: Sequence[MicroBatchInput], lr: float,
                                  grad_clip: float, total_tokens: int, stop: bool = False,
-                                 extra_warmup: int = 0) -> StepStats:
+                                 extra_warmup: int = 0,
+                                 total_rows: Optional[int] = None) -> StepStats:
         """One iteration over this data-parallel rank's planned micro-batches, each of its own
         shape and recompute mode, run in order (pp > 1: the planner's 1F1B, eager 1F1B with
-        `extra_warmup` more warm-up forwards per stage, or interleaved op order). `total_tokens`: the real (non-padded) targets of the whole global batch, over
-        every dp rank; the loss and the gradients are the mean over exactly those tokens.
-        StepStats as train_step (loss in nats per real token)."""
+        `extra_warmup` more warm-up forwards per stage, or interleaved op order). `total_tokens`:
+        the real (non-padded) targets of the whole global batch, over every dp rank; the loss
+        and the gradients are the mean over exactly those tokens. Under context parallelism
+        each micro-batch's sequences are split over the CP ranks as train_step splits them (its
+        padded length a multiple of 2 x cp, x tp with sequence parallelism). A mixture-of-experts
+        model's balance loss (per sequence) counts each micro-batch by its share of the
+        `total_rows` rows (sequences) of the global batch: for equal micro-batches the mean
+        over them, as train_step. StepStats as train_step (loss in nats per real token)."""
         if not batches or total_tokens < 1:
             raise ValueError(f"train_step_micro_batches needs micro-batches and total_tokens "
                              f">= 1, got {len(batches)} and {total_tokens}")
@@ -347,14 +353,16 @@ class Engine:
             raise NotImplementedError("variable-length micro-batches with ZeRO-3 are not "
                                       "supported (dp ranks run different micro-batch counts): "
                                       "use zero<=2")
-        if self.moe:
-            raise NotImplementedError("variable-length micro-batches with a mixture-of-experts "
-                                      "model are not supported: use train.microbatching=fixed")
+        if self.moe and not total_rows:
+            raise ValueError("train_step_micro_batches of a mixture-of-experts model needs "
+                             "total_rows (the global batch's rows): its balance loss is per "
+                             "sequence")
         start = self._now()
         self.compute_s = 0.0
+        self._begin_moe_step()
         self.optim.begin_step(len(batches), grad_divisor=float(total_tokens))
-        batches = [mb.to(self.device) for mb in batches]
-        with self._loss_parallel():
+        batches = [self._rank_micro_batch(mb, total_tokens, total_rows) for mb in batches]
+        with self._loss_parallel(), self._recording_moe():
             if self.layout.pp > 1:
                 losses, self.compute_s = self._pipeline_executor().run(batches, extra_warmup)
             else:
@@ -365,6 +373,37 @@ class Engine:
         local = torch.stack([loss.double() for loss in losses]).sum() if losses else 0.0
         return self._finish_step(start, local, self.layout.tp * total_tokens, lr, grad_clip,
                                  stop)
+
+    def _rank_micro_batch(self, mb: MicroBatchInput, total_tokens: int,
+                          total_rows: Optional[int]) -> MicroBatchInput:
+        """A planned micro-batch as this rank runs it: on its device, its share of each
+        sequence under context parallelism, and (MoE) its balance loss's gradient: the global
+        gradient divides by total_tokens (the summed token losses'), so its rows' share of the
+        batch's balance loss is injected times total_tokens (the CP ranks of a sequence each
+        carry their part of its one loss, summed over them)."""
+        mb = mb.to(self.device)
+        if self.context is not None:
+            mb = dataclasses.replace(mb, tokens=self.context.split(mb.tokens),
+                                     targets=self.context.split(mb.targets))
+        if self.moe:
+            share = mb.tokens.shape[0] / total_rows
+            mb = dataclasses.replace(mb, aux_grad_scale=self.loss_scale * total_tokens * share)
+        return mb
+
+    @contextlib.contextmanager
+    def _recording_moe(self):
+        """MoE layers log their routing (balance loss, tokens per expert) inside: the torch
+        pipeline schedule turns it off outside its own chunks (_time_chunks), and the
+        executor runs every forward itself."""
+        layers = self._moe_layers()
+        before = [moe.record_stats for moe in layers]
+        for moe in layers:
+            moe.record_stats = True
+        try:
+            yield
+        finally:
+            for moe, flag in zip(layers, before):
+                moe.record_stats = flag
 
     def _pipeline_executor(self) -> PipelineExecutor:
         if self._executor is None:

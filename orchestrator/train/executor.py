@@ -16,27 +16,44 @@ Losses are token sums (padding ignored); the caller divides by the global token 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from orchestrator.choices import Recompute
+from orchestrator.models.moe import MoE
 from orchestrator.workload.order import stage_order
 
 
 @dataclass(frozen=True)
 class MicroBatchInput:
     """One micro-batch to run: int64 (batch, padded_len) tokens and targets (IGNORE_INDEX at
-    padding), and its recompute mode ("none" | "selective" | "full")."""
+    padding), its recompute mode ("none" | "selective" | "full"), and for a mixture-of-experts
+    model the gradient its MoE layers' balance loss is injected with (aux_grad_scale; None:
+    left as set)."""
 
     tokens: torch.Tensor
     targets: torch.Tensor
     recompute: Recompute = Recompute.none
+    aux_grad_scale: Optional[float] = None
 
     def to(self, device: torch.device) -> "MicroBatchInput":
-        return MicroBatchInput(self.tokens.to(device), self.targets.to(device), self.recompute)
+        return dataclasses.replace(self, tokens=self.tokens.to(device),
+                                   targets=self.targets.to(device))
+
+
+def prepare(module, mb: MicroBatchInput) -> None:
+    """Set a stage module up for one micro-batch's forward or backward: its recompute mode
+    (set_recompute) and its MoE layers' balance-loss gradient (when the micro-batch gives one;
+    a forward captures it, so each micro-batch keeps its own)."""
+    set_recompute(module, mb.recompute)
+    if mb.aux_grad_scale is not None:
+        for layer in module.modules():
+            if isinstance(layer, MoE):
+                layer.aux_grad_scale = mb.aux_grad_scale
 
 
 def set_recompute(module, mode: Recompute) -> None:
@@ -101,7 +118,7 @@ class PipelineExecutor:
         compute_s = 0.0
         for kind, chunk, i in order:
             stage = chunk * self.pp + self.pp_rank
-            set_recompute(self.modules[chunk], batches[i].recompute)
+            prepare(self.modules[chunk], batches[i])
             if kind == "F":
                 compute_s += self._forward(chunk, stage, i, batches[i], in_flight, sends, losses)
             else:
@@ -166,7 +183,7 @@ def run_plain(module, batches: Sequence[MicroBatchInput], loss_fn: LossFn,
     seconds of compute)."""
     losses, compute_s = [], 0.0
     for mb in batches:
-        set_recompute(module, mb.recompute)
+        prepare(module, mb)
         start = now()
         loss = loss_fn(module(mb.tokens), mb.targets)
         loss.backward()

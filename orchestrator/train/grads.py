@@ -26,7 +26,7 @@ from torch import nn
 from orchestrator.workload.buckets import plan_buckets
 # elements per float64 slice of the gradient norm: bounded temporaries on big buckets (the
 # memory model prices the same slices)
-from orchestrator.workload.memory import NORM_CHUNK
+from orchestrator.workload.states import NORM_CHUNK
 
 
 # torch renamed all_gather_into_tensor (2.13 warns on the old name; 2.11 has only the old one).

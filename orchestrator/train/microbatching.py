@@ -33,6 +33,15 @@ class Iteration:
     plan: ExecutionPlan
     total_tokens: int
 
+    @property
+    def total_rows(self) -> int:
+        """The rows (sequences as the model sees them: a packed row is one) of the whole
+        global batch, over every dp rank: a mixture-of-experts model's balance loss is a mean
+        over them."""
+        plan = self.plan
+        return sum(len(rows) or mb.size for r, rank in enumerate(plan.micro_batches)
+                   for mb, rows in zip(rank, _rows(plan, r)))
+
     def record(self) -> Dict[str, Any]:
         """What the run summary keeps of the plan (predicted_ms; measured_ms is added later):
         per dp rank its micro-batches as [sequences, padded_len, recompute, packed rows] and its

@@ -342,10 +342,6 @@ def check_target(cfg, target: TrainTarget, world: int) -> None:
         except LayoutError as e:
             raise LayoutError(f"train.cp_comm={layout.cp_comm}: {e} (Ulysses splits the heads "
                               f"over the CP ranks); use train.cp_comm=p2p or allgather") from None
-    if layout.cp > 1 and cfg.train.microbatching != Microbatching.fixed:
-        raise LayoutError(f"train.microbatching={cfg.train.microbatching} with cp({layout.cp}): "
-                          f"variable-length micro-batches are not split over context-parallel "
-                          f"ranks; use train.microbatching=fixed")
     layout.check_sequence(target.seq_len)
     check_moe(cfg, layout)
     if 1 < layout.pp and layout.num_micro_batches < layout.pp:
@@ -386,10 +382,6 @@ def check_moe(cfg, layout: ParallelLayout) -> None:
     if layout.zero == 3 and layout.etp > 1:
         raise LayoutError(f"zero 3 with etp({layout.etp}): FSDP shards a parameter split over "
                           f"one mesh dimension only (the experts' ep); use etp 1 or zero <= 2")
-    if cfg.train.microbatching != Microbatching.fixed:
-        raise LayoutError(f"train.microbatching={cfg.train.microbatching} with the "
-                          f"mixture-of-experts model {model.name}: the dynamic planner prices "
-                          f"dense blocks only; use train.microbatching=fixed")
 
 
 def _model_config(model):

@@ -35,6 +35,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+import numpy as np
+
 from orchestrator.choices import Dtype, Engine
 from orchestrator.models.config import ModelConfig
 from orchestrator.models.config import capacity as expert_capacity
@@ -85,7 +87,10 @@ def tokens_per_rank(seq_len: int, micro_batch_size: int, tp: int, cp: int = 1) -
 
 def capacity(tokens: float, shape: MoeShape) -> int:
     """Assignments each expert takes from one rank's `tokens` under a capacity factor
-    (models/config.capacity)."""
+    (models/config.capacity; each micro-batch's for a numpy array of tokens)."""
+    if np.ndim(tokens):
+        return np.vectorize(expert_capacity, otypes=[float])(
+            tokens, shape.top_k, shape.experts, shape.capacity_factor)
     return expert_capacity(tokens, shape.top_k, shape.experts, shape.capacity_factor)
 
 
@@ -93,7 +98,7 @@ def assignments_sent(tokens: float, shape: MoeShape) -> float:
     """Token copies one rank sends to the experts per layer and micro-batch: T x top_k
     (dropless), experts x capacity with a capacity factor (padded)."""
     if shape.capacity_factor is not None:
-        return float(shape.experts * capacity(tokens, shape))
+        return shape.experts * capacity(tokens, shape) * 1.0
     return tokens * shape.top_k
 
 
@@ -102,7 +107,7 @@ def assignments_received(tokens: float, shape: MoeShape, imbalance: float = 1.0)
     T x top_k x imbalance (dropless; 1.0 is uniform load), experts x capacity with a capacity
     factor (padded: the same on every rank)."""
     if shape.capacity_factor is not None:
-        return float(shape.experts * capacity(tokens, shape))
+        return shape.experts * capacity(tokens, shape) * 1.0
     return tokens * shape.top_k * imbalance
 
 
@@ -119,7 +124,7 @@ def a2a_buffer_bytes(tokens: float, shape: MoeShape, elem_bytes: int,
     or receive buffer, whichever is larger): assignments x hidden x elem_bytes."""
     sent = assignments_sent(tokens, shape)
     received = assignments_received(tokens, shape, imbalance)
-    return max(sent, received) * shape.hidden * elem_bytes
+    return np.maximum(sent, received) * shape.hidden * elem_bytes
 
 
 def counts_bytes(shape: MoeShape) -> int:

@@ -55,6 +55,14 @@ def price_comms(comms, op_us):
     return total
 
 
+def as_value(x):
+    """A float for a scalar (the search's per-layer terms stay plain floats), else the numpy
+    array (the dynamic planner's terms over K micro-batches)."""
+    if isinstance(x, np.ndarray) and x.ndim:
+        return x.astype(float, copy=False)
+    return float(x)
+
+
 def overlap_extra_us(window_us, comm_us, overlap_coe: float):
     """Time (us) beyond `window_us` of compute when `comm_us` of communication runs beside it,
     both slowed by `overlap_coe` while they overlap: max(W, C) + min(W, C) (c - 1) - W. Works on

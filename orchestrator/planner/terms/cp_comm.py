@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from orchestrator.bandwidth import benchmark_of
 from orchestrator.planner.profiles import HardwareModel
-from orchestrator.planner.terms import FwdBwd, overlap_extra_us
+from orchestrator.planner.terms import FwdBwd, as_value, overlap_extra_us
 from orchestrator.workload.comm import CpMessages
 
 # Attention's backward (flash: recomputes the scores, then dQ, dK, dV) against its forward.
@@ -68,7 +68,7 @@ class CpComm:
         sizes = {"cp": cp, "cp_a2a": cp_a2a, "cp_ring": cp // max(1, cp_a2a)}
         intra = cp_group_intra_node(tp, cp, hardware.tasks_per_node)
         hops = [c for c in messages.fwd if c.op == "send"]
-        hop_us = float(hardware.p2p_time_us(hops[0].bytes, intra, 2)) if hops else 0.0
+        hop_us = as_value(hardware.p2p_time_us(hops[0].bytes, intra, 2)) if hops else 0.0
         ring = sizes[hops[0].group] if hops else 1
         hidden_us = attention_fwd_us * (ring - 1) / ring  # the first step: the rank's own K/V
 
@@ -84,7 +84,7 @@ class CpComm:
                     others += c.count * collective_us(c.op, c.bytes, c.group)
             ring_us = (overlap_extra_us(window_us, sends * hop_us, overlap_coe) if sends
                        else 0.0)
-            return float(others + ring_us)
+            return as_value(others + ring_us)
 
         fwd = exposed_us(messages.fwd, hidden_us)
         selective = exposed_us(messages.selective_rerun, hidden_us)

@@ -16,7 +16,7 @@ import numpy as np
 from orchestrator.choices import Recompute
 from orchestrator.planner.profiles import PartMemory
 # defined once, with the rest of a layout's memory
-from orchestrator.workload.memory import no_sp_extra_bytes_per_token
+from orchestrator.workload.states import no_sp_extra_bytes_per_token
 
 
 
@@ -41,11 +41,10 @@ class ActivationBytes:
         return cls(*(at(mode) for mode in Recompute))
 
 
-def stage_activation_bytes(act: ActivationBytes, tokens: float, in_flight, n, mode_code, k):
-    """Peak activation bytes of a stage of n layers (numpy arrays broadcast): `in_flight`
-    micro-batches of `tokens` tokens each holding the stored activations (selective: every
-    layer at `act.selective`; full: k layers keep their input, the other n - k everything),
-    plus one layer's worth while it is recomputed."""
+def _per_token(act: ActivationBytes, n, mode_code, k):
+    """(stored, working) bytes per token of a stage of n layers (numpy arrays broadcast):
+    what a micro-batch keeps (selective: every layer at `act.selective`; full: k layers keep
+    their input, the other n - k everything), and one layer's worth while it is recomputed."""
     n = np.asarray(n, dtype=float)
     k = np.asarray(k, dtype=float)
     mode_code = np.asarray(mode_code)
@@ -54,16 +53,38 @@ def stage_activation_bytes(act: ActivationBytes, tokens: float, in_flight, n, mo
                                n * act.none))
     working = np.where(mode_code == 1, act.none - act.selective,
                        np.where(mode_code == 2, act.none - act.full, 0.0))
+    return stored, working
+
+
+def stage_activation_bytes(act: ActivationBytes, tokens: float, in_flight, n, mode_code, k):
+    """Peak activation bytes of a stage of n layers (numpy arrays broadcast): `in_flight`
+    micro-batches of `tokens` tokens each holding the stored activations, plus one layer's
+    worth while it is recomputed (_per_token)."""
+    stored, working = _per_token(act, n, mode_code, k)
     return tokens * (in_flight * stored + working)
+
+
+def micro_batch_activation_bytes(act: ActivationBytes, tokens, n, mode_code, k):
+    """(stored, working) bytes of one micro-batch of `tokens` tokens on a stage of n layers:
+    what it keeps while in flight, and what it needs on top while a layer is recomputed
+    (stage_activation_bytes = in_flight x stored + working)."""
+    stored, working = _per_token(act, n, mode_code, k)
+    return tokens * stored, tokens * working
+
+
+def zero_buffer_bytes(zero: int, dp: int, layer_param_bytes: float) -> float:
+    """ZeRO 3's communication buffers (bytes): two layers' gathered parameters (current +
+    prefetch)."""
+    return 2 * layer_param_bytes if zero >= 3 and dp > 1 else 0.0
+
+
+def tp_buffer_bytes(tp: int, tp_message_bytes):
+    """Tensor parallelism's communication buffer (bytes): one gathered activation."""
+    return tp_message_bytes if tp > 1 else 0.0 * tp_message_bytes
 
 
 def comm_buffer_bytes(zero: int, dp: int, tp: int, layer_param_bytes: float,
                       tp_message_bytes: float) -> float:
-    """Communication buffers (bytes): ZeRO 3 holds two layers' gathered parameters (current +
-    prefetch); tensor parallelism one gathered activation."""
-    buffers = 0.0
-    if zero >= 3 and dp > 1:
-        buffers += 2 * layer_param_bytes
-    if tp > 1:
-        buffers += tp_message_bytes
-    return buffers
+    """Communication buffers (bytes): ZeRO 3's (zero_buffer_bytes) and tensor parallelism's
+    (tp_buffer_bytes)."""
+    return zero_buffer_bytes(zero, dp, layer_param_bytes) + tp_buffer_bytes(tp, tp_message_bytes)

@@ -32,10 +32,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from orchestrator.bandwidth import benchmark_of
 from orchestrator.models.config import count_attention_params
 from orchestrator.planner.profiles import HardwareModel, ModelCost
-from orchestrator.planner.terms import FwdBwd
+from orchestrator.planner.terms import FwdBwd, as_value
 from orchestrator.workload.moe import (MoeMessages, MoeShape, dense_ffn_params_per_rank,
                                        dense_mlp_activation_bytes,
                                        expert_params_per_rank, expert_tokens,
@@ -57,13 +59,16 @@ def linear_scale(model: ModelCost, shape: MoeShape, imbalance: float) -> float:
             / (attention + 3.0 * model.hidden * model.ffn))
 
 
-def moe_block_delta_us(costs, shape: MoeShape, key, seq_len: int, imbalance: float):
+def moe_block_delta_us(costs, shape: MoeShape, key, seq_len: int, imbalance: float,
+                       micro_batch_size=None):
     """(forward, backward) us a MoE block takes on the busiest rank beyond the profiled dense
     block, from profile_model's MoE parts (profiling/model/moe_costs.MoeCosts): routing of the
     rank's T tokens, its experts / ep experts each on the token copies its EP (and ETP) group
     sends it, T x top_k x ep x etp / experts x imbalance, the shared expert, less the dense
-    block's MLP (both on the TP-gathered tokens)."""
-    tokens = tokens_per_rank(seq_len, key.micro_batch_size, key.tp, key.cp)
+    block's MLP (both on the TP-gathered tokens). Micro-batches of `micro_batch_size` sequences
+    (default the key's; numpy arrays with seq_len: the dynamic planner's)."""
+    b = key.micro_batch_size if micro_batch_size is None else micro_batch_size
+    tokens = tokens_per_rank(seq_len, b, key.tp, key.cp)
     local_experts = shape.experts // key.ep
     per_expert = expert_tokens(tokens, shape, key.etp, imbalance) / local_experts
     return costs.moe_block_delta_us(tokens, tokens * key.tp, per_expert, local_experts,
@@ -113,17 +118,16 @@ class MoeComm:
                       bandwidth_factor: float = 1.0) -> "MoeComm":
         """Price `messages` (workload/moe.moe_messages) on the EP group (ep ranks, stride etp)
         and the ETP group (etp consecutive ranks)."""
-        def op_us(comm) -> float:
-            if comm.bytes <= 0:
-                return 0.0
+        def op_us(comm):
             if comm.op == "all_to_all":
                 alpha, per_byte = hardware.all2all_line(ep, etp)
             else:
                 alpha, per_byte = hardware.collective_line(benchmark_of(comm.op), etp, 1)
-            return alpha + comm.bytes * per_byte * bandwidth_factor
+            # nothing to move: no latency (per micro-batch with numpy arrays of sizes)
+            return (alpha + comm.bytes * per_byte * bandwidth_factor) * (np.asarray(comm.bytes) > 0)
 
-        def us(comms) -> float:
-            return float(sum(c.count * op_us(c) for c in comms))
+        def us(comms):
+            return as_value(sum(c.count * op_us(c) for c in comms))
         return cls(FwdBwd(us(messages.fwd), us(messages.bwd)))
 
     def scaled(self, factor: float) -> "MoeComm":

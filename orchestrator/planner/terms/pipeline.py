@@ -29,13 +29,18 @@ def boundary_intra_node(pp: int, ranks_per_stage: int, tasks_per_node: int) -> L
             + [pp * r <= n])
 
 
-def boundary_us(hardware: HardwareModel, message_bytes: float,
+def boundary_us(hardware: HardwareModel, message_bytes,
                 intra: Sequence[bool]) -> np.ndarray:
-    """Time (us) of one send across each boundary (see boundary_intra_node); zeros for pp = 1."""
+    """Time (us) of one send across each boundary (see boundary_intra_node); zeros for pp = 1.
+    [pp], or [pp, K] for K micro-batches' message sizes (a numpy array)."""
     pp = len(intra)
+    over_micro_batches = isinstance(message_bytes, np.ndarray)
     if pp == 1:
-        return np.zeros(1)
-    return np.array([hardware.p2p_time_us(message_bytes, x, pp) for x in intra])
+        return np.zeros((1,) + message_bytes.shape) if over_micro_batches else np.zeros(1)
+    times = [hardware.p2p_time_us(message_bytes, x, pp) for x in intra]
+    if over_micro_batches:  # an empty message is priced 0.0: as long as the others
+        times = np.broadcast_arrays(*times, message_bytes)[:-1]
+    return np.array(times, dtype=float)
 
 
 def stage_send_counts(pp: int, virtual_stages: int):
@@ -54,16 +59,23 @@ def stage_send_counts(pp: int, virtual_stages: int):
 def stage_sends(boundary: np.ndarray, virtual_stages: int) -> FwdBwd:
     """Send time (us per micro-batch) of each stage (stage_send_counts' sends): forward to the
     next stage over boundary j (the last stage's wrapping to stage 0), backward to the previous
-    one over boundary j - 1 (stage 0's wrapping to the last)."""
+    one over boundary j - 1 (stage 0's wrapping to the last). Rows are stages (boundary [pp]
+    or [pp, K])."""
     fwd, bwd = stage_send_counts(len(boundary), virtual_stages)
+    if boundary.ndim > 1:  # [pp, K]: the counts per row
+        fwd, bwd = fwd[:, None], bwd[:, None]
     previous = np.concatenate([boundary[-1:], boundary[:-1]])  # boundary j - 1 (0: the wrap)
     return FwdBwd(fwd * boundary, bwd * previous)
 
 
 def on_end_stages(first, last, pp: int) -> np.ndarray:
     """Per-stage array with `first` on stage 0 and `last` on stage pp - 1 (both on a single
-    stage): where the embedding and the LM head live."""
-    out = np.zeros(pp)
+    stage): where the embedding and the LM head live. [pp], or [pp, K] when first or last are
+    K micro-batches' (numpy arrays)."""
+    if isinstance(first, np.ndarray) or isinstance(last, np.ndarray):
+        out = np.zeros((pp,) + np.broadcast_shapes(np.shape(first), np.shape(last)))
+    else:  # the search's scalars: the cheap path
+        out = np.zeros(pp)
     out[0] += first
     out[pp - 1] += last
     return out

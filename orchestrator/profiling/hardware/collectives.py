@@ -63,7 +63,7 @@ class SweepConfig:
             raise ConfigError(f"sweep max_bytes ({self.max_bytes}) < min_bytes ({self.min_bytes})")
         if self.dtype is not None:
             try:
-                self.dtype = Dtype.parse(self.dtype)
+                object.__setattr__(self, "dtype", Dtype.parse(self.dtype))  # frozen
             except ValueError as e:
                 raise ConfigError(f"sweep dtype: {e}") from None
 

@@ -19,10 +19,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional, Sequence, Tuple, Union
 
+import numpy as np
+
 from orchestrator.store.schema.model import ModelProfile, MoeSection, TokenFit
 
 
 def _line(coeffs: Sequence[float], x: float) -> float:
+    """c0 + c1 x + ... at x (a float, or a numpy array: the dynamic planner's micro-batches)."""
+    if np.ndim(x):
+        return sum(c * np.asarray(x, dtype=float) ** i for i, c in enumerate(coeffs))
     return float(sum(c * float(x) ** i for i, c in enumerate(coeffs)))
 
 
