@@ -82,7 +82,16 @@ GiB = float(1 << 30)
 # A layer's messages depend on a few scalars that many configs of a search share (tokens per
 # rank, flavour, dtype): each list built once (Comm tuples are immutable). Sizes over K
 # micro-batches (numpy arrays, at()) are built each time.
-_MESSAGES = {tp_messages: lru_cache(maxsize=4096)(tp_messages),
+def _tp_priced(hardware: HardwareModel, tp: int, latency_factor: float,
+               bandwidth_factor: float, *message_args) -> Tuple[Any, TpComm]:
+    """(tp_messages(*message_args), their TpComm on `hardware`): configs that differ only in
+    pp, dp or ZeRO share both."""
+    messages = tp_messages(*message_args)
+    return messages, TpComm.from_hardware(hardware, tp, messages, latency_factor,
+                                          bandwidth_factor)
+
+
+_MESSAGES = {_tp_priced: lru_cache(maxsize=4096)(_tp_priced),
              cp_messages: lru_cache(maxsize=4096)(cp_messages),
              moe_messages: lru_cache(maxsize=4096)(moe_messages)}
 
@@ -433,10 +442,9 @@ class StageCosts:
         self.compute = compute.scaled(self.contention * cal.compute)
         # The messages are the workload model's (workload/comm.py, moe.py); the terms price them
         # and messages() lists them.
-        self.tp_messages = _messages(tp_messages, self.engine, key.sequence_parallel,
-                                     self.tokens, model.hidden, self.compute_dtype)
-        self.tp = TpComm.from_hardware(self.hardware, key.tp, self.tp_messages, cal.tp_latency,
-                                       cal.tp_bandwidth)
+        self.tp_messages, self.tp = _messages(
+            _tp_priced, self.hardware, key.tp, cal.tp_latency, cal.tp_bandwidth, self.engine,
+            key.sequence_parallel, self.tokens, model.hidden, self.compute_dtype)
         self.cp_messages = _messages(cp_messages, key.cp_comm, key.cp, key.cp_a2a, self.tokens,
                                      model.heads, model.kv_heads, model.hidden // model.heads,
                                      key.tp, self.compute_dtype, self.engine)

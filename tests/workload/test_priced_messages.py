@@ -218,6 +218,19 @@ def test_the_dispatcher_is_priced_at_the_engines_dtypes():
             "all_gather", "all_reduce" if engine == "orchestrator" else "reduce_scatter"}
 
 
+@pytest.mark.parametrize("pp,v", [(1, 1), (2, 1), (4, 1), (2, 2), (4, 3)])
+def test_stage_sends_are_priced_at_the_listed_counts(pp, v):
+    """terms/pipeline.stage_sends (the search's closed form) sends what stage_send_counts (what
+    messages() lists, held equal to the workload above) counts, over the boundary it takes."""
+    from orchestrator.planner.terms.pipeline import stage_send_counts, stage_sends
+
+    boundary = np.arange(1.0, pp + 1.0) ** 2  # a time per boundary j -> j + 1 (last: the wrap)
+    fwd, bwd = stage_send_counts(pp, v)
+    sends = stage_sends(boundary, v)
+    assert sends.fwd_us.tolist() == (fwd * boundary).tolist()
+    assert sends.bwd_us.tolist() == (bwd * np.roll(boundary, 1)).tolist()
+
+
 def test_priced_times_do_not_depend_on_the_listing():
     """messages() only reads what the terms priced: building it leaves every time as it was."""
     lay = layout(2, 2, {"cp": 1})

@@ -61,11 +61,9 @@ def stage_sends(boundary: np.ndarray, virtual_stages: int) -> FwdBwd:
     next stage over boundary j (the last stage's wrapping to stage 0), backward to the previous
     one over boundary j - 1 (stage 0's wrapping to the last). Rows are stages (boundary [pp]
     or [pp, K])."""
-    fwd, bwd = stage_send_counts(len(boundary), virtual_stages)
-    if boundary.ndim > 1:  # [pp, K]: the counts per row
-        fwd, bwd = fwd[:, None], bwd[:, None]
-    previous = np.concatenate([boundary[-1:], boundary[:-1]])  # boundary j - 1 (0: the wrap)
-    return FwdBwd(fwd * boundary, bwd * previous)
+    v = virtual_stages  # the counts written out: the search calls this per config
+    inner, wrap = v * boundary[:-1], (v - 1) * boundary[-1:]
+    return FwdBwd(np.concatenate([inner, wrap]), np.concatenate([wrap, inner]))
 
 
 def on_end_stages(first, last, pp: int) -> np.ndarray:
