@@ -60,13 +60,14 @@ from orchestrator.planner.profiles import HardwareModel, ModelCost
 from orchestrator.planner.schedule import (in_flight_micro_batches, schedule_coefficients,
                                            simulate as simulate_schedule)
 from orchestrator.planner.terms import MODE_CODES, FwdBwd, as_value, overlap_extra_us
-from orchestrator.planner.terms.compute import LayerCompute
+from orchestrator.planner.terms.compute import (layer_compute, optimizer_step_us,
+                                                other_on_stages, recompute_rerun_us)
 from orchestrator.planner.terms.cp_comm import CpComm
 from orchestrator.planner.terms.memory import (ActivationBytes, micro_batch_activation_bytes,
                                                stage_activation_bytes, tp_buffer_bytes,
                                                zero_buffer_bytes)
 from orchestrator.planner.terms.moe import (MoeComm, MoeParams, activation_delta_bytes,
-                                            linear_scale, moe_block_delta_us)
+                                            moe_imbalance)
 from orchestrator.planner.terms.pipeline import (boundary_intra_node, boundary_us,
                                                  on_end_stages, stage_send_counts, stage_sends)
 from orchestrator.planner.terms.tp_comm import TpComm
@@ -76,7 +77,7 @@ from orchestrator.workload.comm import (Comm, cp_messages, layer_activation_byte
                                         pp_message_bytes, residual_dtype, times, tp_messages)
 from orchestrator.workload.memory import BlockActivations
 from orchestrator.workload.stage_memory import StageMemory, StageNumels
-from orchestrator.workload.moe import default_imbalance, moe_messages, tokens_per_rank
+from orchestrator.workload.moe import moe_messages, tokens_per_rank
 
 GiB = float(1 << 30)
 # A layer's messages depend on a few scalars that many configs of a search share (tokens per
@@ -138,15 +139,6 @@ class CostOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine", Engine.parse(self.engine))
-
-
-def moe_imbalance(model: ModelCost, options: CostOptions) -> float:
-    """The load imbalance the cost model prices a MoE model at (1.0 for a dense one)."""
-    if model.moe is None:
-        return 1.0
-    if options.moe_imbalance is not None:
-        return float(options.moe_imbalance)
-    return default_imbalance(model.moe)
 
 
 def _block_activations(key: "ConfigKey", model: ModelCost, block, seq_len, micro_batch_size,
@@ -318,16 +310,9 @@ class StageCosts:
             self.other_param_bytes = self.other_grad_bytes = 4.0 * numels.other
             if self.moe is not None:
                 self.expert_param_bytes = self.expert_grad_bytes = 4.0 * numels.expert
-        block_optim_us, other_optim_us = model.optimizer_us(key.tp)
+        self.calibration = options.calibration
         # ZeRO >= 1: each data-parallel rank steps 1/dp of the masters (1/(dp x cp) with CP).
-        optim_shard = key.replicas if key.zero >= 1 else 1
-        self.calibration = cal = options.calibration
-        self.block_optim_us = block_optim_us / optim_shard * cal.optimizer
-        if self.moe is not None:  # the dense part's share over dp x cp, the experts' over edp
-            self.block_optim_us = block_optim_us * cal.optimizer / counts.block0 * (
-                counts.dense / optim_shard
-                + counts.experts / (key.edp if key.zero >= 1 else 1))
-        self.other_optim_us = other_optim_us * share / optim_shard * cal.optimizer
+        self.block_optim_us, self.other_optim_us = optimizer_step_us(key, model, options)
         # How much slower (or faster) compute runs with this schedule's ranks busy at once than
         # in the profile (planner/calibration.py), times the cluster's calibrated factor.
         self.contention = contention_factor(model.concurrency, key.pp, key.num_micro_batches,
@@ -425,21 +410,9 @@ class StageCosts:
         traffic sticking out of them; what selective and full recompute rerun."""
         key = self.key
         cal = self.calibration
-        compute = LayerCompute.from_model(model, seq_len, key.tp, micro_batch_size, key.cp)
-        if self.moe is not None:  # a MoE block on the busiest rank
-            if model.moe_costs is not None:  # profile_model timed its parts beside the block
-                extra_fwd, extra_bwd = moe_block_delta_us(model.moe_costs, self.moe, key,
-                                                          seq_len, self.imbalance,
-                                                          micro_batch_size)
-            else:  # the profiled block's matmuls scaled to the MoE block's
-                scale = linear_scale(model, self.moe, self.imbalance) - 1.0
-                lin_fwd, lin_bwd = model.block_linear_us(seq_len, key.tp,
-                                                         micro_batch_size / key.cp)
-                extra_fwd, extra_bwd = scale * lin_fwd, scale * lin_bwd
-            compute = LayerCompute(FwdBwd(compute.block.fwd_us + extra_fwd,
-                                          compute.block.bwd_us + extra_bwd),
-                                   compute.selective_recompute_us, compute.other)
-        self.compute = compute.scaled(self.contention * cal.compute)
+        # a MoE block on the busiest rank (terms/compute.layer_compute, which trace reads too)
+        self.compute = layer_compute(model, key, seq_len, micro_batch_size, self.imbalance,
+                                     self.contention * cal.compute)
         # The messages are the workload model's (workload/comm.py, moe.py); the terms price them
         # and messages() lists them.
         self.tp_messages, self.tp = _messages(
@@ -484,10 +457,7 @@ class StageCosts:
         """Time per stage of "other": compute split between the first and the last stage, the
         embedding's and LM head's TP collectives, their ZeRO 2/3 traffic."""
         pp = self.key.pp
-        c = self.compute.other
-        self.other_compute = FwdBwd(
-            on_end_stages(time_first_share * c.fwd_us, (1.0 - time_first_share) * c.fwd_us, pp),
-            on_end_stages(time_first_share * c.bwd_us, (1.0 - time_first_share) * c.bwd_us, pp))
+        self.other_compute = other_on_stages(self.compute.other, time_first_share, pp)
         self.other_tp = FwdBwd(on_end_stages(self.tp.embedding.fwd_us, self.tp.head.fwd_us, pp),
                                on_end_stages(self.tp.embedding.bwd_us, self.tp.head.bwd_us, pp))
         traffic = ZeroTraffic.from_hardware(self.hardware, self.key.zero, self.key.replicas,
@@ -575,12 +545,8 @@ class StageCosts:
         """Recompute time (us per micro-batch) of a stage of n layers: selective reruns the
         attention core of every layer (and the CP messages it needs), full reruns the forward
         of k layers."""
-        n = np.asarray(n, dtype=float)
-        k = np.asarray(k, dtype=float)
-        mode_code = np.asarray(mode_code)
-        return self.calibration.recompute * np.where(
-            mode_code == 1, n * self.selective_recompute_us,
-            np.where(mode_code == 2, k * self.full_recompute_us, 0.0))
+        return recompute_rerun_us(n, mode_code, k, self.selective_recompute_us,
+                                  self.full_recompute_us, self.calibration.recompute)
 
     def stage_fwd_us(self, j: int, n, sends: bool = True):
         """Forward time (us per micro-batch) of stage j holding n layers, sends included

@@ -106,6 +106,7 @@ class _Pass:
     """One pass (forward, input-gradient or weight-gradient) of an item."""
 
     time_us: float = 0.0
+    flops: float = 0.0  # of its compute (not written: SimAI reads times)
     # [SimAI type, bytes, whether later ones of its type add to it], issue order
     comm: List[list] = field(default_factory=list)
 
@@ -243,6 +244,7 @@ def _chunk_items(mine: List[dict], cp: int) -> List[_Item]:
 def _add(target: _Pass, record: dict, cp: int = 1) -> None:
     if record["kind"] == "compute":
         target.time_us += _time_us(record)
+        target.flops += record["flops"]
     elif record["kind"] == "coll":
         target.add_comm(_comm_type(record), int(record["bytes"]),
                         merge=record.get("group") not in _SEPARATE_GROUPS)
@@ -277,7 +279,7 @@ def _end_items(records: List[dict]) -> Tuple[List[_Item], List[_Item]]:
             # AICB writes the grad-norm all-reduce as a forward ALLREDUCE (optimizer1..4 items).
             optimizer.fwd.add_comm(_comm_type(r), int(r["bytes"]))
         elif r["phase"] == "optimizer" and r["kind"] == "compute":
-            optimizer.fwd.time_us += _time_us(r)  # SimAI's analytical mode reads no update
+            _add(optimizer.fwd, r)  # a compute column: SimAI's analytical mode reads no update
     before = [i for i in (norm_item, reduce_item, gather_item)
               if i.ig.comm or i.wg.comm or i.wg.time_us]
     return before, [optimizer]
@@ -329,11 +331,10 @@ def _pp_comm_bytes(records: List[dict]) -> int:
                 if r["kind"] == "p2p" and r.get("group") != "cp"), default=0)
 
 
-def simai_workload(records: List[dict], spec, model_name: str) -> str:
-    """The SimAI workload text of one representative rank's records (compute records need
-    time_us; compute columns in integer ns, comm sizes in bytes). `model_name` is only used for
-    the file name, kept here for a uniform signature."""
-    del model_name
+def workload_items(records: List[dict], spec) -> List[_Item]:
+    """The items of one representative rank's records, in file order: the end items before
+    the layers, every micro-batch's chunk items, the optimizer (compute records need time_us).
+    ValueError when the layout has no SimAI workload or micro-batches are missing."""
     lay = spec.layout
     reason = unexportable(lay, moe=bool(_moe_layers(records)) or lay.ep * lay.etp > 1)
     if reason is not None:
@@ -349,9 +350,17 @@ def simai_workload(records: List[dict], spec, model_name: str) -> str:
         raise ValueError(f"the records hold micro-batches {micro_batches}, the layout "
                          f"{lay.num_micro_batches}: SimAI needs every micro-batch's items")
     before, after = _end_items(records)
-    items = before + [i for key in sorted(parts) for i in _chunk_items(parts[key], lay.cp)] \
+    return before + [i for key in sorted(parts) for i in _chunk_items(parts[key], lay.cp)] \
         + after
-    rows = [row for item in items for row in _lines(item)]
+
+
+def simai_workload(records: List[dict], spec, model_name: str) -> str:
+    """The SimAI workload text of one representative rank's records (compute records need
+    time_us; compute columns in integer ns, comm sizes in bytes). `model_name` is only used for
+    the file name, kept here for a uniform signature."""
+    del model_name
+    lay = spec.layout
+    rows = [row for item in workload_items(records, spec) for row in _lines(item)]
     # SimAI's EP group: the experts' (MoE) or the CP group (a dense model, see the module doc)
     ep = lay.ep if lay.ep > 1 else lay.cp
     header = (f"{HEADER_KIND} model_parallel_NPU_group: {lay.tp} ep: {ep} pp: {lay.pp} "

@@ -38,11 +38,22 @@ from orchestrator.bandwidth import benchmark_of
 from orchestrator.models.config import count_attention_params
 from orchestrator.planner.profiles import HardwareModel, ModelCost
 from orchestrator.planner.terms import FwdBwd, as_value
-from orchestrator.workload.moe import (MoeMessages, MoeShape, dense_ffn_params_per_rank,
+from orchestrator.workload.moe import (MoeMessages, MoeShape, default_imbalance,
+                                       dense_ffn_params_per_rank,
                                        dense_mlp_activation_bytes,
                                        expert_params_per_rank, expert_tokens,
                                        moe_activation_bytes, moe_dense_params_per_rank,
                                        moe_matmul_params_per_token, tokens_per_rank)
+
+
+def moe_imbalance(model: ModelCost, options) -> float:
+    """The load imbalance the cost model prices a MoE model at (1.0 for a dense one):
+    `options.moe_imbalance` (CostOptions) when given, else workload/moe.default_imbalance."""
+    if model.moe is None:
+        return 1.0
+    if options.moe_imbalance is not None:
+        return float(options.moe_imbalance)
+    return default_imbalance(model.moe)
 
 
 def attention_params_per_rank(model: ModelCost, tp: int) -> float:
