@@ -130,19 +130,22 @@ def test_cp_splits_each_rank_compute_and_activations_and_prices_its_ring():
 
 
 def test_the_ring_hides_under_attention_until_its_sends_take_longer():
+    from orchestrator.choices import CpComm as Flavour
     from orchestrator.planner.terms.cp_comm import ATTENTION_BWD_OVER_FWD, CpComm
+    from orchestrator.workload.comm import cp_messages
 
-    _, hw = _planner_inputs()
+    _, hw = _planner_inputs()  # 8 ranks a node
+    # a rank's K and V: 4096 tokens x 1 KV head of 64 x bf16, twice: 1 MiB a hop
+    ring = cp_messages(Flavour.p2p, 4, 1, 4096, 1, 1, 64, 1, "bf16")
     hop = hw.p2p_time_us(1 << 20, True, 2)
-    slow = CpComm.from_hardware(hw, 4, 1 << 20, attention_fwd_us=0.0, intra_node=True,
-                                overlap_coe=1.0)
-    assert (slow.layer.fwd_us, slow.layer.bwd_us) == pytest.approx((3 * hop, 6 * hop))
-    hidden = CpComm.from_hardware(hw, 4, 1 << 20, attention_fwd_us=1e6, intra_node=True,
-                                  overlap_coe=1.0)
+    slow = CpComm.from_hardware(hw, ring, 4, 1, 1, attention_fwd_us=0.0, overlap_coe=1.0)
+    # forward cp - 1 hops; backward the K/V blocks again and their gradients: 2cp - 1 (issue 40)
+    assert (slow.layer.fwd_us, slow.layer.bwd_us) == pytest.approx((3 * hop, 7 * hop))
+    hidden = CpComm.from_hardware(hw, ring, 4, 1, 1, attention_fwd_us=1e6, overlap_coe=1.0)
     assert (hidden.layer.fwd_us, hidden.layer.bwd_us) == (0.0, 0.0)
-    # across nodes the same message takes the inter-node link
-    far = CpComm.from_hardware(hw, 4, 1 << 20, 0.0, intra_node=False, overlap_coe=1.0)
-    assert far.hop_us > slow.hop_us
+    # across nodes (tp 4 x cp 4 > 8 ranks a node) the same message takes the inter-node link
+    far = CpComm.from_hardware(hw, ring, 4, 1, 4, 0.0, overlap_coe=1.0)
+    assert far.hop_us > slow.hop_us == pytest.approx(hop)
     assert ATTENTION_BWD_OVER_FWD > 1
 
 
@@ -249,11 +252,13 @@ def test_the_all_gather_flavour_gathers_k_v_forward_and_reduce_scatters_their_gr
     model, hw = _planner_inputs()
     layout = ParallelLayout.uniform(8, 2, 1, 8, cp=4, cp_comm="allgather", num_micro_batches=4)
     costs = StageCosts(ConfigKey.of(layout), model, hw, 8192, _options())
-    gathered = 2 * 8192 * 8 / 2 * 32 * 2  # K and V of the whole sequence, 8 KV heads / tp, bf16
+    # K and V of the whole sequence, 8 KV heads / tp, bf16: each its own collective, as the
+    # engine runs them (workload/comm.py; issue 40: priced from its list)
+    gathered = 8192 * 8 / 2 * 32 * 2
     assert costs.cp.layer.fwd_us == pytest.approx(
-        hw.collective_time_us("all_gather", 4, 2, gathered))
+        2 * hw.collective_time_us("all_gather", 4, 2, gathered))
     assert costs.cp.layer.bwd_us == pytest.approx(
-        hw.collective_time_us("reduce_scatter", 4, 2, gathered))
+        2 * hw.collective_time_us("reduce_scatter", 4, 2, gathered))
 
 
 def test_search_offers_a2a_only_where_the_heads_split():
@@ -285,7 +290,10 @@ def test_hierarchical_a2a_inside_ring_across_is_validated_priced_searched_and_ex
     from orchestrator.planner.cost_model import ConfigKey, StageCosts, evaluate
     from orchestrator.planner.exports import ExportError, galvatron_strategy, megatron_args
     from orchestrator.planner.search import SearchSpace, enumerate_configs
-    from orchestrator.planner.terms.cp_comm import CpComm, cp_kv_message_bytes
+    from orchestrator.choices import CpComm as Flavour
+    from orchestrator.planner.terms import overlap_extra_us
+    from orchestrator.planner.terms.cp_comm import ATTENTION_BWD_OVER_FWD, CpComm
+    from orchestrator.workload.comm import cp_messages
 
     model, hw = _planner_inputs()  # 8 heads, 8 KV heads, hidden 256: head_dim 32, bf16
     layout = ParallelLayout.uniform(32, 2, 1, 8, cp=8, cp_comm="a2a+p2p", cp_a2a=2,
@@ -302,12 +310,20 @@ def test_hierarchical_a2a_inside_ring_across_is_validated_priced_searched_and_ex
             dataclasses.replace(layout, **bad)
     costs = StageCosts(ConfigKey.of(layout), model, hw, 8192, _options())
     tokens = 8192 / 8
-    inner = CpComm.all_to_all(hw, 2, 2, tokens, 8, 8, 32, 2)
-    ring = CpComm.from_hardware(hw, 4, cp_kv_message_bytes(tokens, 8, 32, 2, 2),
-                                costs.compute.selective_recompute_us, False, hw.overlap_coe)
-    assert costs.cp.layer.fwd_us == pytest.approx(inner.layer.fwd_us + ring.layer.fwd_us)
-    assert costs.cp.layer.bwd_us == pytest.approx(inner.layer.bwd_us + ring.layer.bwd_us)
-    assert inner.layer.fwd_us > 0 and ring.layer.bwd_us > 0
+    attention_us = costs.compute.selective_recompute_us
+    inner = CpComm.from_hardware(hw, cp_messages(Flavour.a2a, 2, 1, tokens, 8, 8, 32, 2, "bf16",
+                                                 "megatron"), 2, 1, 2, attention_us,
+                                 hw.overlap_coe)
+    # the ring over the 4 pairs: each hop this rank's K and V (its tokens, 8 / tp KV heads of
+    # 32, bf16) across nodes (tp 2 x cp 8 > 8 ranks a node), beside 3 / 4 of its attention
+    hop = hw.p2p_time_us(2 * tokens * 4 * 32 * 2, False, 2)
+    window_us = attention_us * 3 / 4
+    ring = (overlap_extra_us(window_us, 3 * hop, hw.overlap_coe),
+            overlap_extra_us(ATTENTION_BWD_OVER_FWD * window_us, 7 * hop, hw.overlap_coe))
+    assert costs.cp.layer.fwd_us == pytest.approx(inner.layer.fwd_us + ring[0])
+    assert costs.cp.layer.bwd_us == pytest.approx(inner.layer.bwd_us + ring[1])
+    assert costs.cp.hop_us == pytest.approx(hop)
+    assert inner.layer.fwd_us > 0 and ring[1] > 0
     # stage=train's engine runs it too (models/context_parallel.py)
     assert evaluate(layout, model, hw, 8192).breakdown_us["cp_comm"] > 0
     args = megatron_args(layout)

@@ -20,49 +20,14 @@ import pytest
 import torch
 
 from conftest import one_error_line, run_cli, spawn_ranks
+from engine_matrix import GBS, WORLD_SIZE
+from engine_matrix import MOE_LAYOUTS as LAYOUTS
+from engine_matrix import MOE_MODEL as MODEL
+from engine_matrix import moe_layout as _layout
 
-WORLD_SIZE = 4
 STEPS = 3
-GBS = 4
 LR = 5e-3
 RECORDED_STEP = 1  # its collectives recorded (the first also sends pipeline metadata)
-MODEL = dict(hidden=64, ffn=128, layers=4, heads=4, kv_heads=2, vocab=128, seq_len=32,
-             experts=4, top_k=2, expert_ffn=64, shared_expert_ffn=64, dense_layers=1,
-             aux_loss_coef=0.01)
-# (pp, tp, extra ParallelLayout fields)
-LAYOUTS = [
-    (1, 1, {}),  # experts replicated, reduced over dp
-    (1, 1, {"ep": 2}),
-    (1, 1, {"ep": 4, "zero": 1}),
-    (1, 1, {"ep": 2, "etp": 2, "zero": 2}),
-    (1, 1, {"ep": 2, "zero": 3}),  # FSDP2: experts their own unit over edp
-    (1, 2, {"ep": 4, "zero": 3}),
-    (2, 1, {"ep": 2, "zero": 3}),
-    (1, 2, {"ep": 2}),  # the EP group is the TP pair (folding)
-    (1, 2, {"ep": 4, "recompute": "selective"}),  # EP over TP and DP ranks
-    (1, 2, {}),  # experts replicated over TP x DP: reduced over all four
-    (1, 2, {"ep": 2, "etp": 2, "zero": 1}),
-    (2, 1, {"ep": 2, "recompute": "full"}),
-    (2, 2, {"ep": 2}),
-    (4, 1, {}),  # stage 0 holds the dense block only: no experts there
-    (2, 1, {"ep": 2, "schedule": "interleaved", "virtual_stages": 2}),
-    # context parallelism: a sequence's tokens over cp (x tp) ranks, EP folded over them
-    (1, 1, {"cp": 2, "ep": 2}),
-    (1, 2, {"cp": 2, "ep": 4}),
-    (1, 1, {"cp": 4, "ep": 2, "cp_comm": "a2a+p2p", "cp_a2a": 2, "zero": 1}),
-    (1, 1, {"cp": 2, "ep": 4, "cp_comm": "allgather", "recompute": "full"}),
-]
-
-
-def _layout(world, pp, tp, extra, mbs=1):
-    from orchestrator.layout import ParallelLayout
-
-    extra = dict(extra)
-    recompute = extra.pop("recompute", "none")
-    dp = world // (pp * tp * extra.get("cp", 1))
-    return ParallelLayout.uniform(world, tp, pp, MODEL["layers"], recompute=recompute,
-                                  micro_batch_size=mbs, num_micro_batches=GBS // (dp * mbs),
-                                  sequence_parallel=tp > 1, **extra)
 
 
 def _train(rank, out, layouts, world, mbs=1):

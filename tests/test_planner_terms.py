@@ -11,10 +11,12 @@ from orchestrator.planner.terms import FwdBwd, overlap_extra_us
 from orchestrator.planner.terms.compute import LayerCompute
 from orchestrator.planner.terms.memory import (ActivationBytes, comm_buffer_bytes,
                                                stage_activation_bytes)
+from orchestrator.choices import Dtype
 from orchestrator.planner.terms.pipeline import (boundary_intra_node, boundary_us,
-                                                 on_end_stages, p2p_message_bytes, stage_sends)
-from orchestrator.planner.terms.tp_comm import TpComm, tp_message_bytes
+                                                 on_end_stages, stage_sends)
+from orchestrator.planner.terms.tp_comm import TpComm
 from orchestrator.planner.terms.zero import ZeroSharding, ZeroTraffic, dp_sync_us
+from orchestrator.workload.comm import layer_activation_bytes, pp_message_bytes, tp_messages
 from planner_fixtures import hand_hardware, hand_model
 
 # s = 1024 tokens, b = 2, h = 4096, bf16: 2sbh = 16 MiB per TP collective.
@@ -47,14 +49,19 @@ def test_layer_compute_reads_the_fits_times_the_micro_batch():
 
 # ------------------------------------------------------------------ tensor parallel
 def test_tp_message_is_2sbh_bytes_in_bf16():
-    assert tp_message_bytes(S, B, H, 2) == 2 * S * B * H == MSG
+    assert layer_activation_bytes(S * B, H, Dtype.bf16) == 2 * S * B * H == MSG
+
+
+def _tp(engine: str, sequence_parallel: bool, dtype: str = "bf16"):
+    """The TP messages of a micro-batch of b = 2 sequences of s tokens (workload/comm.py)."""
+    return tp_messages(engine, sequence_parallel, S * B, H, dtype)
 
 
 def test_megatron_with_sequence_parallel_is_2ag_2rs_forward_4ag_2rs_backward(tp_hw):
     ag = 10 + MSG / 100e3  # 177.77216 us
     rs = 12 + MSG / 100e3  # 179.77216 us
     loss_ar = 30 + LOSS_BYTES / 50e3
-    comm = TpComm.from_hardware(tp_hw, 4, True, MSG, engine="megatron", loss_bytes=LOSS_BYTES)
+    comm = TpComm.from_hardware(tp_hw, 4, _tp("megatron", True))
     assert comm.layer.fwd_us == pytest.approx(715.08864) == pytest.approx(2 * ag + 2 * rs)
     assert comm.layer.bwd_us == pytest.approx(1070.63296) == pytest.approx(4 * ag + 2 * rs)
     assert comm.embedding == FwdBwd(pytest.approx(rs), pytest.approx(ag))
@@ -66,38 +73,48 @@ def test_megatron_with_sequence_parallel_is_2ag_2rs_forward_4ag_2rs_backward(tp_
 
 def test_our_engine_with_sequence_parallel_gathers_once_and_reduces_the_loss(tp_hw):
     """stage=train's engine (DTensor) keeps the gathered inputs: 2 AG + 2 RS each way (the
-    counts test_train_engine checks against the real engine); its loss is vocab-parallel."""
-    ag = 10 + MSG / 100e3
-    rs = 12 + MSG / 100e3
+    counts test_train_engine checks against the real engine); its loss is vocab-parallel.
+    Under bf16 autocast its residual stream is fp32: the gathers of norm outputs forward and
+    the reduce-scatters of their gradients backward move twice the bytes (issue 40)."""
+    ag, ag32 = 10 + MSG / 100e3, 10 + 2 * MSG / 100e3
+    rs, rs32 = 12 + MSG / 100e3, 12 + 2 * MSG / 100e3
     loss_ar = 30 + LOSS_BYTES / 50e3
-    comm = TpComm.from_hardware(tp_hw, 4, True, MSG, loss_bytes=LOSS_BYTES)
-    assert comm.layer == FwdBwd(pytest.approx(2 * ag + 2 * rs), pytest.approx(2 * ag + 2 * rs))
-    assert comm.head == FwdBwd(pytest.approx(ag + 3 * loss_ar), pytest.approx(rs))
-    assert comm.recompute_us == pytest.approx(2 * ag + rs)  # checkpointing stops early
+    comm = TpComm.from_hardware(tp_hw, 4, _tp("orchestrator", True))
+    assert comm.layer == FwdBwd(pytest.approx(2 * ag32 + 2 * rs), pytest.approx(2 * ag + 2 * rs32))
+    assert comm.head == FwdBwd(pytest.approx(ag32 + 3 * loss_ar), pytest.approx(rs32))
+    assert comm.recompute_us == pytest.approx(2 * ag32 + rs)  # checkpointing stops early
+    # in fp32 every message is the fp32 activation
+    fp32 = TpComm.from_hardware(tp_hw, 4, _tp("orchestrator", True, "fp32"))
+    assert fp32.layer == FwdBwd(pytest.approx(2 * ag32 + 2 * rs32),
+                                pytest.approx(2 * ag32 + 2 * rs32))
 
 
 def test_tp_without_sequence_parallel_is_2_allreduce_each_way(tp_hw):
     ar = 30 + MSG / 50e3  # 365.54432 us
-    comm = TpComm.from_hardware(tp_hw, 4, False, MSG)
+    comm = TpComm.from_hardware(tp_hw, 4, _tp("megatron", False))  # all bf16
     assert comm.layer == FwdBwd(pytest.approx(731.08864), pytest.approx(731.08864))
     assert comm.embedding == FwdBwd(pytest.approx(ar), 0.0)
-    assert comm.head == FwdBwd(0.0, pytest.approx(ar))
+    # the head's forward: only the vocab-parallel loss's three all-reduces (always priced now:
+    # the messages are the workload's, which has no loss-free variant)
+    assert comm.head == FwdBwd(pytest.approx(3 * (30 + LOSS_BYTES / 50e3)), pytest.approx(ar))
 
 
 def test_tp_of_one_rank_communicates_nothing(tp_hw):
-    comm = TpComm.from_hardware(tp_hw, 1, False, MSG)
+    comm = TpComm.from_hardware(tp_hw, 1, _tp("orchestrator", False))
     assert comm.layer.total_us == comm.embedding.total_us == comm.head.total_us == 0.0
 
 
 def test_stage_costs_use_the_tp_term_with_consecutive_ranks(tp_hw):
     model = hand_model(tp=4, hidden=H, heads=8, seq_len=S)
     costs = StageCosts(ConfigKey(4, 4, 1, 1, 0, True, B, 1, "1f1b", 1), model, tp_hw, S)
-    assert costs.tp == TpComm.from_hardware(tp_hw, 4, True, MSG, loss_bytes=LOSS_BYTES)
+    assert costs.tp == TpComm.from_hardware(tp_hw, 4, _tp("orchestrator", True))
     # One stage holds everything: fwd = n (block + TP) + other + embedding + head (its input's
-    # all-gather and the loss's three all-reduces).
+    # all-gather and the loss's three all-reduces); the residual stream's messages (the
+    # gathers, the embedding's output) in fp32, the matmul outputs' in the profile's bf16.
     c = costs.compute
-    expected_fwd = (4 * (c.block.fwd_us + 715.08864) + c.other.fwd_us
-                    + (12 + MSG / 100e3) + (10 + MSG / 100e3) + 3 * (30 + LOSS_BYTES / 50e3))
+    ag32, rs, rs32 = 10 + 2 * MSG / 100e3, 12 + MSG / 100e3, 12 + 2 * MSG / 100e3
+    expected_fwd = (4 * (c.block.fwd_us + 2 * ag32 + 2 * rs) + c.other.fwd_us
+                    + rs32 + ag32 + 3 * (30 + LOSS_BYTES / 50e3))
     assert costs.stage_fwd_us(0, 4) == pytest.approx(expected_fwd)
 
 
@@ -148,8 +165,8 @@ def test_gradient_sync_by_zero_stage(dp_hw, zero, dp, sync_us):
 
 # ------------------------------------------------------------------ pipeline p2p
 def test_p2p_message_is_sbh_and_sharded_by_sequence_parallel():
-    assert p2p_message_bytes(float(S * B), H, 2, 4, False) == MSG
-    assert p2p_message_bytes(float(S * B), H, 2, 4, True) == MSG / 4
+    assert pp_message_bytes(float(S * B), H, 4, False, Dtype.bf16) == MSG
+    assert pp_message_bytes(float(S * B), H, 4, True, Dtype.bf16) == MSG / 4
 
 
 def test_boundaries_inside_a_node_are_intra():

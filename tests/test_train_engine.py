@@ -12,84 +12,16 @@ import torch
 import torch.distributed as dist
 
 from conftest import spawn_ranks
+from engine_matrix import BF16_LAYOUTS, GBS, LAYOUTS, MODEL, WORLD_SIZE
+from engine_matrix import layout as _layout
 
-WORLD_SIZE = 4
 STEPS = 10  # each layout trains this many steps, every one of them equal to dp4's
 CP_STEPS = 3  # context-parallel layouts: their losses equal dp4's first ones (which fall)
 PEAK_LR = 5e-3
 LOSS_DROP = 0.5  # the mean of the last 5 losses under the first by this much (0.95 seen)
-GBS = 4
-# (pp, tp, extra ParallelLayout fields): dp4, tp2*dp2, pp2*dp2, pp2*tp2, pp4 1F1B, pp2 v2
-# interleaved, ZeRO 1/2/3 (FSDP2, also under a pipeline and with TP), each recompute mode,
-# an uneven split, TP without SP, full recompute of k < n layers with TP, selective with ZeRO-2.
-LAYOUTS = [
-    (1, 1, {}),
-    (1, 2, {}),
-    (2, 1, {}),
-    (2, 2, {}),
-    (4, 1, {}),
-    (2, 1, {"schedule": "interleaved", "virtual_stages": 2}),
-    (1, 1, {"zero": 1}),
-    (1, 1, {"zero": 2}),
-    (1, 1, {"zero": 3}),
-    (2, 1, {"zero": 3}),
-    (1, 2, {"zero": 3}),
-    (1, 1, {"recompute": "selective"}),
-    (2, 1, {"recompute": "full"}),
-    (2, 1, {"layers_per_stage": (3, 1)}),
-    (1, 2, {"sequence_parallel": False}),
-    (2, 2, {"recompute": ("full", 1)}),
-    (1, 2, {"zero": 2, "recompute": "selective"}),
-    # context parallelism (each sequence split over cp ranks): the ring (p2p) over 4 ranks,
-    # with TP+SP, a pipeline (1F1B and interleaved), ZeRO-3 and each recompute; K/V all-gathered with ZeRO-1 and with
-    # TP and selective recompute; Ulysses with ZeRO-2 and with a pipeline and full recompute;
-    # the hierarchical flavour with ZeRO-1
-    (1, 1, {"cp": 4}),
-    (1, 2, {"cp": 2}),
-    (2, 1, {"cp": 2}),
-    (1, 1, {"cp": 2, "zero": 3}),
-    (1, 1, {"cp": 2, "recompute": "selective"}),
-    (2, 1, {"cp": 2, "recompute": "full"}),
-    (2, 1, {"cp": 2, "schedule": "interleaved", "virtual_stages": 2}),
-    (1, 1, {"cp": 2, "cp_comm": "allgather", "zero": 1}),
-    (1, 2, {"cp": 2, "cp_comm": "allgather", "recompute": "selective"}),
-    # Ulysses (a2a): tp x cp must divide the 2 KV heads
-    (1, 1, {"cp": 2, "cp_comm": "a2a", "zero": 2}),
-    (2, 1, {"cp": 2, "cp_comm": "a2a", "recompute": "full"}),
-    # hierarchical: Ulysses over pairs of CP ranks, the ring over the two pairs
-    (1, 1, {"cp": 4, "cp_comm": "a2a+p2p", "cp_a2a": 2, "zero": 1}),
-]
-# Traced once each under bf16 autocast (not trained): the dtype of every message.
-BF16_LAYOUTS = [
-    (2, 2, {}),
-    (1, 2, {"sequence_parallel": False, "zero": 1}),
-    (2, 2, {"sequence_parallel": False, "recompute": ("full", 1)}),
-    (1, 2, {"cp": 2}),
-    (1, 1, {"cp": 2, "cp_comm": "allgather"}),
-    (1, 1, {"cp": 2, "cp_comm": "a2a", "recompute": "selective"}),
-    (1, 1, {"cp": 4, "cp_comm": "a2a+p2p", "cp_a2a": 2, "recompute": "selective"}),
-]
 RECORDED_STEP = 1  # the first step also sends the pipeline's shape metadata
 MEMORY_STEP = 2  # after the optimizer's first step made its states
 PEAK_TOLERANCE = 0.05  # the workload model's peak against every live tensor byte counted
-
-
-def _layout(pp, tp, extra):
-    from orchestrator.layout import ParallelLayout
-
-    extra = dict(extra)
-    recompute = extra.pop("recompute", "none")
-    dp = WORLD_SIZE // (pp * tp * extra.get("cp", 1))
-    common = dict(micro_batch_size=1, num_micro_batches=GBS // dp,
-                  sequence_parallel=extra.pop("sequence_parallel", tp > 1))
-    stages = extra.pop("layers_per_stage", None)
-    if stages:
-        return ParallelLayout(world_size=WORLD_SIZE, pp=pp, tp=tp, dp=dp, layers_per_stage=stages,
-                              **common, **extra)
-    return ParallelLayout.uniform(WORLD_SIZE, tp, pp, 4, recompute=recompute, **common, **extra)
-
-
-MODEL = dict(hidden=64, ffn=128, layers=4, heads=4, kv_heads=2, vocab=128, seq_len=32)
 
 
 def _recorded(records) -> list:

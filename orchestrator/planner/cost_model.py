@@ -44,13 +44,15 @@ plus the LM head's activations on the last stage; comm_buffers; reserve
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from functools import lru_cache
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from orchestrator import choices
-from orchestrator.choices import Engine, Recompute, Schedule
+from orchestrator.choices import Dtype, Engine, Recompute, Schedule
 from orchestrator.layout import LayoutError, ParallelLayout
 from orchestrator.models.config import ModelConfig
 from orchestrator.planner.calibration import Calibration, contention_factor
@@ -60,20 +62,46 @@ from orchestrator.planner.schedule import (in_flight_micro_batches, schedule_coe
 from orchestrator.planner.terms import MODE_CODES, FwdBwd, as_value, overlap_extra_us
 from orchestrator.planner.terms.compute import (layer_compute, optimizer_step_us,
                                                 other_on_stages, recompute_rerun_us)
-from orchestrator.planner.terms.cp_comm import CpComm, cp_group_intra_node, cp_kv_message_bytes
+from orchestrator.planner.terms.cp_comm import CpComm
 from orchestrator.planner.terms.memory import (ActivationBytes, micro_batch_activation_bytes,
                                                stage_activation_bytes, tp_buffer_bytes,
                                                zero_buffer_bytes)
 from orchestrator.planner.terms.moe import (MoeComm, MoeParams, activation_delta_bytes,
                                             moe_imbalance)
 from orchestrator.planner.terms.pipeline import (boundary_intra_node, boundary_us,
-                                                 on_end_stages, p2p_message_bytes, stage_sends)
-from orchestrator.planner.terms.tp_comm import LOSS_VALUE_BYTES, TpComm, tp_message_bytes
-from orchestrator.planner.terms.zero import ZeroSharding, ZeroTraffic, dp_sync_parts_us
+                                                 on_end_stages, stage_send_counts, stage_sends)
+from orchestrator.planner.terms.tp_comm import TpComm
+from orchestrator.planner.terms.zero import (ZeroSharding, ZeroTraffic, dp_sync_parts_us,
+                                             zero_messages)
+from orchestrator.workload.comm import (Comm, cp_messages, layer_activation_bytes,
+                                        pp_message_bytes, residual_dtype, times, tp_messages)
 from orchestrator.workload.memory import BlockActivations
 from orchestrator.workload.stage_memory import StageMemory, StageNumels
+from orchestrator.workload.moe import moe_messages, tokens_per_rank
 
 GiB = float(1 << 30)
+# A layer's messages depend on a few scalars that many configs of a search share (tokens per
+# rank, flavour, dtype): each list built once (Comm tuples are immutable). Sizes over K
+# micro-batches (numpy arrays, at()) are built each time.
+def _tp_priced(hardware: HardwareModel, tp: int, latency_factor: float,
+               bandwidth_factor: float, *message_args) -> Tuple[Any, TpComm]:
+    """(tp_messages(*message_args), their TpComm on `hardware`): configs that differ only in
+    pp, dp or ZeRO share both."""
+    messages = tp_messages(*message_args)
+    return messages, TpComm.from_hardware(hardware, tp, messages, latency_factor,
+                                          bandwidth_factor)
+
+
+_MESSAGES = {_tp_priced: lru_cache(maxsize=4096)(_tp_priced),
+             cp_messages: lru_cache(maxsize=4096)(cp_messages),
+             moe_messages: lru_cache(maxsize=4096)(moe_messages)}
+
+
+def _messages(build, *args):
+    """build(*args), from the cache when every argument is hashable (no numpy array)."""
+    if any(isinstance(a, np.ndarray) for a in args):
+        return build(*args)
+    return _MESSAGES[build](*args)
 MEMORY_KINDS = ("params", "grads", "optim", "activations", "comm_buffers", "reserve")
 BREAKDOWN_KINDS = ("compute", "tp_comm", "cp_comm", "pp_comm", "bubble", "dp_sync_exposed",
                    "recompute")
@@ -231,6 +259,10 @@ class StageCosts:
         self.hardware = hardware
         self.model, self.options = model, options
         self.engine = options.engine
+        # The messages' dtypes (workload/comm.py): the compute dtype training runs in, and the
+        # residual stream's (fp32 in our engine under autocast).
+        self.compute_dtype = Dtype.parse(options.dtype or model.dtype)
+        self.residual_dtype = residual_dtype(self.engine, self.compute_dtype)
         self.overlap_coe = hardware.overlap_coe
         self._block, self._other = block, other = model.memory(key.tp)
         self.block_param_bytes = block.param_bytes
@@ -308,9 +340,9 @@ class StageCosts:
         self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
         # A CP rank holds s / cp of each sequence (its tokens), a 1 / cp share of every layer.
         self.tokens = as_value(seq_len * micro_batch_size) / key.cp
-        tp_bytes = tp_message_bytes(seq_len, micro_batch_size, model.hidden,
-                                    model.dtype_bytes) / key.cp
-        self._price_layer(model, seq_len, micro_batch_size, tp_bytes)
+        # Megatron's TP buffer: one gathered activation of the residual stream
+        tp_bytes = layer_activation_bytes(self.tokens, model.hidden, self.residual_dtype)
+        self._price_layer(model, seq_len, micro_batch_size)
         self._price_other(self.options.other_time_first_share)
         self._price_sends(model)
         self.act = ActivationBytes.from_block(self._block, seq_len, key.tp,
@@ -367,47 +399,36 @@ class StageCosts:
         memory = self.engine_memory
         return memory.buffers if memory is not None else self._comm_buffers
 
-    def _price_layer(self, model: ModelCost, seq_len: int, micro_batch_size,
-                     tp_bytes: float) -> None:
-        """Time per layer: compute, TP communication, ZeRO 2/3 traffic sticking out of both."""
+    def _price_layer(self, model: ModelCost, seq_len: int, micro_batch_size) -> None:
+        """Time per layer: compute, TP and CP communication, the MoE dispatcher, ZeRO 2/3
+        traffic sticking out of them; what selective and full recompute rerun."""
         key = self.key
         cal = self.calibration
         # a MoE block on the busiest rank (terms/compute.layer_compute, which trace reads too)
         self.compute = layer_compute(model, key, seq_len, micro_batch_size, self.imbalance,
                                      self.contention * cal.compute)
-        loss_bytes = self.tokens * LOSS_VALUE_BYTES
-        self.tp = TpComm.from_hardware(self.hardware, key.tp, key.sequence_parallel, tp_bytes,
-                                       self.engine, loss_bytes, cal.tp_latency,
-                                       cal.tp_bandwidth)
-        head_dim = model.hidden // model.heads
-        if key.cp_comm == choices.CpComm.allgather:
-            self.cp = CpComm.all_gather(self.hardware, key.cp, key.tp, self.tokens,
-                                        model.kv_heads, head_dim, model.dtype_bytes)
-        elif key.cp_comm == choices.CpComm.a2a:
-            self.cp = CpComm.all_to_all(self.hardware, key.cp, key.tp, self.tokens,
-                                        model.heads, model.kv_heads, head_dim, model.dtype_bytes)
-        elif key.cp_comm == choices.CpComm["a2a+p2p"]:
-            self.cp = CpComm.hierarchical(
-                self.hardware, key.cp, key.cp_a2a, key.tp, self.tokens, model.heads,
-                model.kv_heads, head_dim, model.dtype_bytes, self.compute.selective_recompute_us,
-                self.overlap_coe)
-        else:
-            self.cp = CpComm.from_hardware(
-                self.hardware, key.cp,
-                cp_kv_message_bytes(self.tokens, model.kv_heads, head_dim, key.tp,
-                                    model.dtype_bytes),
-                self.compute.selective_recompute_us,
-                cp_group_intra_node(key.tp, key.cp, self.hardware.tasks_per_node),
-                self.overlap_coe)
+        # The messages are the workload model's (workload/comm.py, moe.py); the terms price them
+        # and messages() lists them.
+        self.tp_messages, self.tp = _messages(
+            _tp_priced, self.hardware, key.tp, cal.tp_latency, cal.tp_bandwidth, self.engine,
+            key.sequence_parallel, self.tokens, model.hidden, self.compute_dtype)
+        self.cp_messages = _messages(cp_messages, key.cp_comm, key.cp, key.cp_a2a, self.tokens,
+                                     model.heads, model.kv_heads, model.hidden // model.heads,
+                                     key.tp, self.compute_dtype, self.engine)
+        self.cp = CpComm.from_hardware(self.hardware, self.cp_messages, key.cp, key.cp_a2a,
+                                       key.tp, self.compute.selective_recompute_us,
+                                       self.overlap_coe)
         window = self.compute.block + self.tp.layer + self.cp.layer
         traffic = ZeroTraffic.from_hardware(self.hardware, key.zero, key.replicas, key.tp,
                                             self.block_param_bytes, self.block_grad_bytes,
                                             self.engine, key.pp, key.num_micro_batches)
         if self.moe is not None:
             # the dispatcher, exposed; the experts' ZeRO traffic over edp beside the dense's
-            self.moe_comm = MoeComm.from_hardware(
-                self.hardware, self.moe, seq_len, micro_batch_size, key.tp, key.cp, key.ep,
-                key.etp, model.dtype_bytes, self.imbalance).scaled(self.calibration.ep_comm)
+            self.moe_messages = _messages(
+                moe_messages, tokens_per_rank(seq_len, micro_batch_size, key.tp, key.cp),
+                self.moe, key.ep, key.etp, self.engine, self.compute_dtype, self.imbalance)
+            self.moe_comm = MoeComm.from_hardware(self.hardware, self.moe_messages, key.ep,
+                                                  key.etp).scaled(self.calibration.ep_comm)
             window = window + self.moe_comm.layer
             traffic = _joint_traffic(traffic, ZeroTraffic.from_hardware(
                 self.hardware, key.zero, key.edp, key.ep * key.etp, self.expert_param_bytes,
@@ -416,9 +437,13 @@ class StageCosts:
         dp = self.calibration.dp_sync
         self.zero_layer = FwdBwd(as_value(exposed.fwd_us) * dp, as_value(exposed.bwd_us) * dp)
         self.layer = window + self.zero_layer
-        # reruns the forward, the TP collectives the engine repeats (workload.tp) and the ring
+        # selective reruns the attention core and the CP messages it needs again; full reruns
+        # the forward, the TP collectives the engine repeats (workload.tp) and the CP and
+        # dispatcher messages of the forward
+        self.selective_recompute_us = (self.compute.selective_recompute_us
+                                       + self.cp.selective_rerun_us)
         self.full_recompute_us = (self.compute.block.fwd_us + self.tp.recompute_us
-                                  + self.cp.layer.fwd_us)
+                                  + self.cp.full_rerun_us)
         if self.moe is not None:
             self.full_recompute_us = self.full_recompute_us + self.moe_comm.layer.fwd_us
 
@@ -442,18 +467,79 @@ class StageCosts:
     def _price_sends(self, model: ModelCost) -> None:
         """Pipeline send time per boundary and per stage."""
         key = self.key
-        p2p_bytes = p2p_message_bytes(self.tokens, model.hidden, model.dtype_bytes, key.tp,
-                                      key.sequence_parallel)
+        self.p2p_bytes = pp_message_bytes(self.tokens, model.hidden, key.tp,
+                                          key.sequence_parallel, self.residual_dtype)
         intra = boundary_intra_node(key.pp, key.stage_ranks,
                                     self.hardware.tasks_per_node)
-        self.boundary_us = boundary_us(self.hardware, p2p_bytes, intra) * self.calibration.p2p
+        self.boundary_us = (boundary_us(self.hardware, self.p2p_bytes, intra)
+                            * self.calibration.p2p)
         self.sends = stage_sends(self.boundary_us, key.virtual_stages)
+
+    # ------------------------------------------------------------------ what it priced
+    def messages(self, j: int, n: int, mode: Recompute = Recompute.none,
+                 k: int = 0) -> List[Comm]:
+        """Every message this model prices for a rank of stage j holding n layers (recompute
+        `mode`, k of them in full), in one iteration: workload Comm entries with their counts
+        per iteration (the pipeline's receives too, priced on the sender). The same objects the
+        terms price, so tests/workload/ can hold them equal to workload.comm.rank_comms of the
+        stage's ranks. Not priced: the per-step scalars (gradient norm, loss) and the SP norm
+        weights' gradient all-reduces (workload/comm.UNPRICED: tiny, latency only)."""
+        key = self.key
+        m, pp, v = key.num_micro_batches, key.pp, key.virtual_stages
+        mode = Recompute.parse(mode)
+        full = k if mode == Recompute.full else 0
+        selective = n if mode == Recompute.selective else 0
+        out: List[Comm] = []
+        if key.tp > 1:
+            tp = self.tp_messages
+            out += times(tp.layer_fwd + tp.layer_bwd, n * m) + times(tp.recompute, full * m)
+            if j == 0:
+                out += times(tp.embedding_fwd + tp.embedding_bwd, m)
+            if j == pp - 1:
+                out += times(tp.head_fwd + tp.head_bwd, m)
+        cp = self.cp_messages
+        out += (times(cp.fwd + cp.bwd, n * m) + times(cp.selective_rerun, selective * m)
+                + times(cp.full_rerun, full * m))
+        if self.moe is not None:
+            moe = self.moe_messages
+            out += times(moe.fwd + moe.bwd, n * m) + times(
+                tuple(dataclasses.replace(c, phase="bwd") for c in moe.fwd), full * m)
+        if pp > 1:
+            sends_fwd, sends_bwd = stage_send_counts(pp, v)
+            size, dt = self.p2p_bytes, self.residual_dtype.value
+            # what stage j receives is what its neighbours send it
+            for op, peer, phase, count in (
+                    ("send", "next", "fwd", sends_fwd[j]), ("recv", "prev", "fwd",
+                                                            sends_fwd[j - 1]),
+                    ("send", "prev", "bwd", sends_bwd[j]), ("recv", "next", "bwd",
+                                                            sends_bwd[(j + 1) % pp])):
+                out.append(Comm(op, "pp", size, dt, phase, int(count) * m,
+                                "activations" if phase == "fwd" else "activation gradients",
+                                peer))
+        out += self._dp_messages(j, n)
+        return [c for c in out if c.count > 0]
+
+    def _dp_messages(self, j: int, n: int) -> List[Comm]:
+        """The data-parallel messages messages() lists (terms/zero.py's pricing): the dense
+        part over the dp x cp replicas, a MoE model's experts over edp."""
+        key = self.key
+        other = (float(self.other_param_bytes[j]), float(self.other_grad_bytes[j]))
+        layer = (self.block_param_bytes, self.block_grad_bytes)
+        parts = [(key.replica_group, key.replicas,
+                  [layer] * n + ([other] if other[0] else []))]
+        if self.moe is not None:
+            parts.append(("edp", key.edp, [(self.expert_param_bytes, self.expert_grad_bytes)] * n))
+        return [c for group, size, units in parts if size > 1
+                for c in zero_messages(self.engine, key.zero, key.pp, key.num_micro_batches,
+                                       group, sum(u[0] for u in units),
+                                       sum(u[1] for u in units), units)]
 
     # ------------------------------------------------------------------ per stage, vectorised
     def recompute_us(self, n, mode_code, k):
         """Recompute time (us per micro-batch) of a stage of n layers: selective reruns the
-        attention core of every layer, full reruns the forward of k layers."""
-        return recompute_rerun_us(n, mode_code, k, self.compute.selective_recompute_us,
+        attention core of every layer (and the CP messages it needs), full reruns the forward
+        of k layers."""
+        return recompute_rerun_us(n, mode_code, k, self.selective_recompute_us,
                                   self.full_recompute_us, self.calibration.recompute)
 
     def stage_fwd_us(self, j: int, n, sends: bool = True):

@@ -69,6 +69,7 @@ the stop flag (2 x fp64).
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
@@ -78,9 +79,16 @@ from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig
 from orchestrator.workload.buckets import plan_buckets
 from orchestrator.workload.params import rank_chunks, virtual_stage_ranges
-from orchestrator.workload.tp import tp_counts
+from orchestrator.workload.tp import LOSS_VALUE_BYTES, tp_counts
 
 RESIDUAL = Dtype.fp32  # the engine keeps fp32 parameters and residual stream (autocast)
+GRADIENT_NORM = "gradient norm"
+LOSS_AND_STOP = "loss and stop flag"
+NORM_WEIGHT_GRADIENTS = "SP norm weight gradients (partial over TP)"
+# What the planner does not price (planner/cost_model.StageCosts.messages): scalars and norm
+# weights, once per iteration, latency only (2 world all-reduces, and 2 x layers + 1 TP
+# all-reduces of hidden fp32 values with SP).
+UNPRICED = frozenset({GRADIENT_NORM, LOSS_AND_STOP, NORM_WEIGHT_GRADIENTS})
 
 
 @dataclass(frozen=True)
@@ -111,19 +119,185 @@ def rank_comms(model: ModelConfig, layout: ParallelLayout, rank: int,
         raise ValueError(f"engine={engine!r}: the per-rank message list describes "
                          f"{' and '.join(Engine)}")
     compute = Dtype.parse(dtype)
-    megatron = engine == Engine.megatron
-    residual = compute if megatron else RESIDUAL
     out: List[Comm] = []
-    out += _tp_comms(model, layout, rank, compute, residual, engine)
+    out += _tp_comms(model, layout, rank, compute, engine)
     out += _cp_comms(model, layout, rank, compute, engine)
-    out += _pp_comms(model, layout, rank, residual)
+    out += _pp_comms(model, layout, rank, residual_dtype(engine, compute))
     out += _dp_comms(model, layout, rank, bucket_MiB)
-    if layout.world_size > 1:
-        if not (layout.pp * layout.tp == 1 and layout.zero == 0):
-            out.append(Comm("all_reduce", "world", 8, "fp64", "step", 1, "gradient norm"))
-    if not megatron:
-        out.append(Comm("all_reduce", "world", 16, "fp64", "step", 1, "loss and stop flag"))
+    out += step_comms(layout, engine)
     return [c for c in out if c.count > 0]
+
+
+def step_comms(layout: ParallelLayout, engine: Engine = Engine.orchestrator) -> List[Comm]:
+    """The scalars every rank all-reduces over all ranks once per iteration, after the
+    backward: the global gradient norm (fp64; none when pp = tp = 1 with ZeRO 0, where every
+    rank holds the whole gradient) and, in our engine, the loss and the stop flag."""
+    if layout.world_size == 1:
+        return []
+    out = []
+    if not (layout.pp * layout.tp == 1 and layout.zero == 0):
+        out.append(Comm("all_reduce", "world", 8, "fp64", "step", 1, GRADIENT_NORM))
+    if engine != Engine.megatron:
+        out.append(Comm("all_reduce", "world", 16, "fp64", "step", 1, LOSS_AND_STOP))
+    return out
+
+
+def residual_dtype(engine: Engine, compute: Dtype | str) -> Dtype:
+    """The residual stream's dtype (norm inputs and outputs, the embedding's output, pipeline
+    messages): fp32 in our engine, whose parameters are fp32 masters (autocast casts only the
+    matmul inputs), the compute dtype in Megatron's."""
+    return Dtype.parse(compute) if engine == Engine.megatron else RESIDUAL
+
+
+def times(comms, count) -> List[Comm]:
+    """`comms` (counts per unit: a layer, a micro-batch) issued `count` times each."""
+    return [dataclasses.replace(c, count=c.count * count) for c in comms]
+
+
+# ---------------------------------------------------------------- per layer and micro-batch
+# What one layer, the embedding or the LM head moves per micro-batch: Comm with `count` per unit,
+# the sizes from a rank's `tokens` (b x s / cp; floats or numpy arrays work too). rank_comms
+# multiplies them out for a rank; the planner (planner/terms/) prices the same objects.
+@dataclass(frozen=True)
+class TpMessages:
+    """Tensor-parallel messages of one micro-batch (module docstring): each layer's forward and
+    backward, what a layer recomputed in full reruns in the backward, the embedding's and the LM
+    head's (its forward with the vocab-parallel loss's all-reduces)."""
+
+    layer_fwd: Tuple[Comm, ...]
+    layer_bwd: Tuple[Comm, ...]
+    recompute: Tuple[Comm, ...]
+    embedding_fwd: Tuple[Comm, ...]
+    embedding_bwd: Tuple[Comm, ...]
+    head_fwd: Tuple[Comm, ...]
+    head_bwd: Tuple[Comm, ...]
+
+
+def layer_activation_bytes(tokens, hidden: int, dtype: Dtype):
+    """One layer activation of a micro-batch on a rank: tokens x hidden elements of `dtype`."""
+    return tokens * hidden * dtype.bytes
+
+
+def tp_messages(engine: Engine, sequence_parallel: bool, tokens, hidden: int,
+                compute: Dtype | str) -> TpMessages:
+    """The TP messages of one micro-batch (workload/tp.py's counts) for a rank of `tokens`
+    tokens: forward gathers move norm outputs (the residual dtype), reductions matmul outputs
+    (the compute dtype); each backward collective moves the gradient of a forward one, in its
+    dtype; the embedding's and LM head's move the residual stream; the loss reduces three fp32
+    values per token."""
+    compute = Dtype.parse(compute)
+    residual = residual_dtype(engine, compute)
+    counts = tp_counts(engine, sequence_parallel)
+    fwd = {"all_gather": residual, "reduce_scatter": compute, "all_reduce": compute}
+    bwd = {"all_gather": compute, "reduce_scatter": residual, "all_reduce": residual}
+    same = dict.fromkeys(fwd, residual)
+
+    def comms(ops, dtypes, phase, what):
+        return tuple(Comm(op, "tp", layer_activation_bytes(tokens, hidden, dtypes[op]),
+                          dtypes[op].value, phase, n, what) for op, n in ops.items())
+
+    loss = Comm("all_reduce", "tp", tokens * LOSS_VALUE_BYTES, Dtype.fp32.value, "fwd",
+                counts.loss_all_reduce, "vocab-parallel loss: per-token max, sum, target logit")
+    return TpMessages(
+        layer_fwd=comms(counts.layer_fwd, fwd, "fwd", "layer activations"),
+        layer_bwd=comms(counts.layer_bwd, bwd, "bwd", "layer activation gradients"),
+        recompute=comms(counts.recompute, fwd, "bwd", "layer activations, recomputed"),
+        embedding_fwd=comms(counts.embedding_fwd, same, "fwd", "embedding output"),
+        embedding_bwd=comms(counts.embedding_bwd, same, "bwd", "embedding output gradient"),
+        head_fwd=comms(counts.head_fwd, same, "fwd", "LM head input") + (loss,),
+        head_bwd=comms(counts.head_bwd, same, "bwd", "LM head input gradient"))
+
+
+def pp_message_bytes(tokens, hidden: int, tp: int, sequence_parallel: bool,
+                     residual: Dtype):
+    """One pipeline send (a chunk's output or its input's gradient): the rank's tokens x hidden
+    of the residual stream, 1 / tp of them with sequence parallelism (each TP rank sends its
+    shard)."""
+    size = layer_activation_bytes(tokens, hidden, residual)
+    if not sequence_parallel:
+        return size
+    return size // tp if isinstance(size, int) and size % tp == 0 else size / tp
+
+
+@dataclass(frozen=True)
+class CpMessages:
+    """Context-parallel messages of one layer and micro-batch (module docstring): forward,
+    backward, and what the backward reruns first under selective recompute (the attention
+    core) and under full recompute (the whole forward)."""
+
+    fwd: Tuple[Comm, ...]
+    bwd: Tuple[Comm, ...]
+    selective_rerun: Tuple[Comm, ...]
+    full_rerun: Tuple[Comm, ...]
+
+    def __add__(self, other: "CpMessages") -> "CpMessages":
+        return CpMessages(*(a + b for a, b in zip(self.as_tuple(), other.as_tuple())))
+
+    def as_tuple(self):
+        return self.fwd, self.bwd, self.selective_rerun, self.full_rerun
+
+
+NO_CP = CpMessages((), (), (), ())
+
+
+def cp_messages(comm: CpComm, cp: int, cp_a2a: int, tokens, heads: int, kv_heads: int,
+                head_dim: int, tp: int, compute: Dtype | str,
+                engine: Engine = Engine.orchestrator) -> CpMessages:
+    """The CP messages of one layer and micro-batch for flavour `comm` over `cp` ranks (a2a+p2p:
+    all-to-alls over `cp_a2a` of them, the ring over cp / cp_a2a), a rank holding `tokens`
+    tokens (b x s / cp) of `heads` / tp query and `kv_heads` / tp KV heads in the compute
+    dtype; nothing for cp = 1."""
+    if cp == 1:
+        return NO_CP
+    compute = Dtype.parse(compute)
+    head_bytes = tokens * head_dim * compute.bytes  # one head of the rank's tokens
+    kv = 2 * head_bytes * (kv_heads // tp)  # this rank's K and V
+    q = head_bytes * (heads // tp)  # its Q, or the attention's output
+    if comm == CpComm["a2a+p2p"]:  # Ulysses over cp_a2a ranks, then the ring (as many bytes)
+        return (_cp_flavour(CpComm.a2a, cp_a2a, "cp_a2a", q, kv, compute, engine)
+                + _cp_flavour(CpComm.p2p, cp // cp_a2a, "cp_ring", q, kv, compute, engine))
+    return _cp_flavour(comm, cp, "cp", q, kv, compute, engine)
+
+
+def _cp_flavour(comm: CpComm, cp: int, group: str, q, kv, compute: Dtype,
+                engine: Engine) -> CpMessages:
+    dt = compute.value
+    k = kv // 2 if isinstance(kv, int) else kv / 2  # K or V alone
+    if comm == CpComm.a2a:
+        fwd = (Comm("all_to_all", group, q, dt, "fwd", 2, "Q, output"),
+               Comm("all_to_all", group, k, dt, "fwd", 2, "K, V"))
+        # torch's checkpoint stops a selective rerun once the core's saved tensors are back:
+        # the output's all-to-all back is not rerun (Megatron reruns all four)
+        selective = (Comm("all_to_all", group, q, dt, "bwd", 2 if engine == Engine.megatron
+                          else 1, "Q, output, recomputed"),
+                     Comm("all_to_all", group, k, dt, "bwd", 2, "K, V, recomputed"))
+        return CpMessages(fwd,
+                          (Comm("all_to_all", group, q, dt, "bwd", 2, "Q, output gradients"),
+                           Comm("all_to_all", group, k, dt, "bwd", 2, "K, V gradients")),
+                          selective, rerun(fwd))
+    if comm == CpComm.allgather:
+        gathered = k * cp
+        fwd = (Comm("all_gather", group, gathered, dt, "fwd", 2, "K, V"),)
+        again = rerun(fwd)
+        return CpMessages(fwd, (Comm("reduce_scatter", group, gathered, dt, "bwd", 2,
+                                     "K, V gradients"),), again, again)
+    # the ring: cp - 1 hops forward; backward the K/V blocks again and cp - 1 + 1 hops of their
+    # gradients (each block's gradient returns to its owner)
+    fwd = _ring(group, kv, dt, "fwd", cp - 1, "K/V block")
+    bwd = (_ring(group, kv, dt, "bwd", cp - 1, "K/V block, again")
+           + _ring(group, kv, dt, "bwd", cp, "K/V block gradient"))
+    again = rerun(fwd)
+    return CpMessages(fwd, bwd, again, again)
+
+
+def _ring(group: str, size, dt: str, phase: str, hops: int, what: str) -> Tuple[Comm, ...]:
+    return (Comm("send", group, size, dt, phase, hops, what, "next"),
+            Comm("recv", group, size, dt, phase, hops, what, "prev"))
+
+
+def rerun(fwd) -> Tuple[Comm, ...]:
+    """The forward's messages again, in the backward (recompute)."""
+    return tuple(dataclasses.replace(c, phase="bwd", what=f"{c.what}, recomputed") for c in fwd)
 
 
 def rank_tokens(model: ModelConfig, layout: ParallelLayout) -> int:
@@ -144,53 +318,25 @@ def _cp_comms(model, layout, rank, compute: Dtype,
               engine: Engine = Engine.orchestrator) -> List[Comm]:
     if layout.cp == 1:
         return []
-    if layout.cp_comm == CpComm["a2a+p2p"]:  # Ulysses over cp_a2a ranks, then the ring
-        a = layout.cp_a2a
-        return (_cp_messages(model, layout, rank, compute, engine, CpComm.a2a, a, "cp_a2a")
-                + _cp_messages(model, layout, rank, compute, engine, CpComm.p2p, layout.cp // a,
-                               "cp_ring"))
-    return _cp_messages(model, layout, rank, compute, engine, layout.cp_comm, layout.cp, "cp")
-
-
-def _cp_messages(model, layout, rank, compute: Dtype, engine: Engine, comm: CpComm, cp: int,
-                 group: str) -> List[Comm]:
-    """The messages of one CP flavour `comm` over a group of `cp` ranks named `group`; sizes
-    from the rank's tokens of the layout (the ring of a2a+p2p moves cp_a2a x the tokens and
-    1 / cp_a2a of the KV heads: the same bytes)."""
     m = layout.num_micro_batches
     layers, recomputed = _layers(model, layout, rank)
     mode = layout.recompute[layout.coordinate(rank, "pp")][0]
-    reruns = layers if mode == Recompute.selective else recomputed  # the core's forward, again
-    head_bytes = rank_tokens(model, layout) * (model.hidden // model.heads) * compute.bytes
-    kv = 2 * head_bytes * (model.kv_heads // layout.tp)
-    dt = compute.value
-    if comm == CpComm.a2a:
-        q = head_bytes * (model.heads // layout.tp)  # Q or the output
-        # torch's checkpoint stops a selective rerun once the core's saved tensors are back:
-        # the output's all-to-all back is not rerun (Megatron reruns all four)
-        out_reruns = recomputed + (reruns - recomputed) * (engine == Engine.megatron)
-        out = []
-        for size, what, again in ((q, "Q, output", reruns + out_reruns),
-                                  (kv // 2, "K, V", 2 * reruns)):
-            out += [Comm("all_to_all", group, size, dt, "fwd", 2 * layers * m, what),
-                    Comm("all_to_all", group, size, dt, "bwd", again * m,
-                         f"{what}, recomputed"),
-                    Comm("all_to_all", group, size, dt, "bwd", 2 * layers * m,
-                         f"{what} gradients")]
-        return out
-    if comm == CpComm.allgather:
-        gathered = kv // 2 * cp
-        return [Comm("all_gather", group, gathered, dt, "fwd", 2 * layers * m, "K, V"),
-                Comm("all_gather", group, gathered, dt, "bwd", 2 * reruns * m,
-                     "K, V, recomputed"),
-                Comm("reduce_scatter", group, gathered, dt, "bwd", 2 * layers * m,
-                     "K, V gradients")]
+    msgs = cp_messages(layout.cp_comm, layout.cp, layout.cp_a2a, rank_tokens(model, layout),
+                       model.heads, model.kv_heads, model.hidden // model.heads, layout.tp,
+                       compute, engine)
+    selective = layers if mode == Recompute.selective else 0  # the core's forward, again
+    return (times(msgs.fwd, layers * m) + times(msgs.bwd, layers * m)
+            + times(msgs.selective_rerun, selective * m)
+            + times(msgs.full_rerun, recomputed * m))
+
+
+def rank_blocks(model: ModelConfig, layout: ParallelLayout, rank: int) -> List[Tuple[int, bool]]:
+    """(block index, recomputed in full?) of every block `rank` holds, chunk by chunk (a full
+    recompute of k layers reruns the first k / v blocks of each of the v chunks)."""
     out = []
-    for phase, sends, what in (("fwd", (cp - 1) * layers, "K/V block"),
-                               ("bwd", (cp - 1) * (layers + reruns), "K/V block, again"),
-                               ("bwd", cp * layers, "K/V block gradient")):
-        out += [Comm("send", group, kv, dt, phase, sends * m, what, "next"),
-                Comm("recv", group, kv, dt, phase, sends * m, what, "prev")]
+    for _, blocks, _, _ in _chunk_flags(model, layout, rank):
+        again = _recomputed_blocks(layout, rank, len(blocks))
+        out += [(block, i < again) for i, block in enumerate(blocks)]
     return out
 
 
@@ -210,56 +356,35 @@ def _recomputed_blocks(layout: ParallelLayout, rank: int, blocks_in_chunk: int) 
     return min(blocks_in_chunk, k // layout.virtual_stages) if mode == Recompute.full else 0
 
 
-def _tp_comms(model, layout, rank, compute: Dtype, residual_dtype: Dtype,
-              engine: Engine) -> List[Comm]:
+def _tp_comms(model, layout, rank, compute: Dtype, engine: Engine) -> List[Comm]:
     tp, m = layout.tp, layout.num_micro_batches
     if tp == 1:
         return []
-    tokens = rank_tokens(model, layout)
-    act = tokens * model.hidden  # elements of one layer activation of a micro-batch
     layers, recomputed = _layers(model, layout, rank)
     flags = [(is_first, is_last) for _, _, is_first, is_last in _chunk_flags(model, layout, rank)]
     first, last = any(f for f, _ in flags), any(la for _, la in flags)
-    counts = tp_counts(engine, layout.sequence_parallel)
-    # forward: gathers move norm outputs (residual dtype), reductions matmul outputs (compute
-    # dtype); each backward collective moves the gradient of a forward one, in its dtype
-    fwd = {"all_gather": residual_dtype, "reduce_scatter": compute, "all_reduce": compute}
-    bwd = {"all_gather": compute, "reduce_scatter": residual_dtype, "all_reduce": residual_dtype}
-    residual = dict.fromkeys(fwd, residual_dtype)
-    out: List[Comm] = []
-
-    def add(ops, times, dtypes, phase, what, elements=act):
-        for op, n in ops.items():
-            out.append(Comm(op, "tp", elements * dtypes[op].bytes, dtypes[op].value, phase,
-                            n * times, what))
-
-    add(counts.layer_fwd, layers * m, fwd, "fwd", "layer activations")
-    add(counts.recompute, recomputed * m, fwd, "bwd", "layer activations, recomputed")
-    add(counts.layer_bwd, layers * m, bwd, "bwd", "layer activation gradients")
+    msgs = tp_messages(engine, layout.sequence_parallel, rank_tokens(model, layout),
+                       model.hidden, compute)
+    out = (times(msgs.layer_fwd, layers * m) + times(msgs.recompute, recomputed * m)
+           + times(msgs.layer_bwd, layers * m))
     if first:
-        add(counts.embedding_fwd, m, residual, "fwd", "embedding output")
-        add(counts.embedding_bwd, m, residual, "bwd", "embedding output gradient")
+        out += times(msgs.embedding_fwd + msgs.embedding_bwd, m)
     if last:
-        add(counts.head_fwd, m, residual, "fwd", "LM head input")
-        add(counts.head_bwd, m, residual, "bwd", "LM head input gradient")
-        add({"all_reduce": counts.loss_all_reduce}, m, {"all_reduce": Dtype.fp32}, "fwd",
-            "vocab-parallel loss: per-token max, sum, target logit", elements=tokens)
+        out += times(msgs.head_fwd + msgs.head_bwd, m)
     if layout.sequence_parallel:
+        residual = residual_dtype(engine, compute)
         norms = 2 * layers + (1 if last else 0)
-        out.append(Comm("all_reduce", "tp", model.hidden * residual_dtype.bytes,
-                        residual_dtype.value, "bwd", norms,
-                        "SP norm weight gradients (partial over TP)"))
+        out.append(Comm("all_reduce", "tp", model.hidden * residual.bytes, residual.value,
+                        "bwd", norms, NORM_WEIGHT_GRADIENTS))
     return out
 
 
-def _pp_comms(model, layout, rank, residual_dtype: Dtype) -> List[Comm]:
+def _pp_comms(model, layout, rank, residual: Dtype) -> List[Comm]:
     if layout.pp == 1:
         return []
     m = layout.num_micro_batches
-    size = rank_tokens(model, layout) * model.hidden * residual_dtype.bytes
-    if layout.sequence_parallel:
-        size //= layout.tp
-    rn = residual_dtype.value
+    size = pp_message_bytes(rank_tokens(model, layout), model.hidden, layout.tp,
+                            layout.sequence_parallel, residual)
     counts: Counter = Counter()
     for _, _, is_first, is_last in _chunk_flags(model, layout, rank):
         if not is_last:
@@ -269,7 +394,7 @@ def _pp_comms(model, layout, rank, residual_dtype: Dtype) -> List[Comm]:
             counts["recv", "prev", "fwd"] += m
             counts["send", "prev", "bwd"] += m
     what = {"fwd": "activations", "bwd": "activation gradients"}
-    return [Comm(op, "pp", size, rn, phase, n, what[phase], peer)
+    return [Comm(op, "pp", size, residual.value, phase, n, what[phase], peer)
             for (op, peer, phase), n in sorted(counts.items())]
 
 

@@ -31,14 +31,18 @@ the block (attention, norms, router, shared expert) over the dense dp x cp repli
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 
+from orchestrator.choices import Dtype, Engine
 from orchestrator.models.config import ModelConfig
 from orchestrator.models.config import capacity as expert_capacity
-from orchestrator.models.config import count_attention_params, expert_width, is_moe
+from orchestrator.models.config import (count_attention_params, expert_width, is_moe,
+                                        is_moe_block)
+from orchestrator.workload.comm import Comm, rank_blocks, rerun, residual_dtype, times
 
 # Bytes per element of the router's logits and probabilities (fp32, models/moe.py).
 ROUTER_ELEM_BYTES = 4
@@ -159,6 +163,85 @@ def dispatch_bytes(tokens: float, shape: MoeShape, ep: int, etp: int, elem_bytes
     etp_sent = 2 * gathered * (etp - 1) / etp  # all-gather + reduce-scatter
     return DispatchBytes(a2a=a2a, etp=gathered, sent_fwd=a2a_sent + etp_sent,
                          sent_bwd=a2a_sent + etp_sent)
+
+
+@dataclass(frozen=True)
+class MoeMessages:
+    """The dispatcher's messages of one MoE block and micro-batch on the busiest rank (Comm,
+    count per unit): forward and backward; a block recomputed in full reruns the forward."""
+
+    fwd: Tuple[Comm, ...]
+    bwd: Tuple[Comm, ...]
+
+
+def moe_messages(tokens: float, shape: MoeShape, ep: int, etp: int, engine: Engine,
+                 compute: Dtype | str, imbalance: float = 1.0) -> MoeMessages:
+    """What a rank routing `tokens` tokens (T) moves per MoE block and micro-batch: forward the
+    tokens' counts per expert (int64, the all-to-all's split sizes) and the tokens over EP (the
+    residual stream's dtype: the block's input), over ETP the counts and the tokens gathered and
+    the experts' partial outputs summed back (the compute dtype: matmul outputs; our engine
+    all-reduces the gathered rows and keeps its own, Megatron reduce-scatters), and the
+    combine back over EP (compute dtype); backward the combine's and the dispatch's gradients
+    over EP and the ETP pair swapped, each in its forward's dtype. Sizes: module docstring
+    (all-to-all: the busiest rank's buffer; `imbalance` 1.0 is uniform routing)."""
+    compute = Dtype.parse(compute)
+    residual = residual_dtype(engine, compute)
+    fwd: list = []
+    bwd: list = []
+    if ep > 1:
+        def a2a(dtype: Dtype) -> float:
+            return a2a_buffer_bytes(tokens, shape, dtype.bytes, imbalance)
+        fwd += [Comm("all_to_all", "ep", counts_bytes(shape), "int64", "fwd", 1,
+                     "tokens per expert"),
+                Comm("all_to_all", "ep", a2a(residual), residual.value, "fwd", 1,
+                     "token dispatch")]
+        bwd += [Comm("all_to_all", "ep", a2a(compute), compute.value, "bwd", 1,
+                     "token combine gradient")]
+    if etp > 1:
+        received = assignments_received(tokens, shape, imbalance)
+
+        def gathered(dtype: Dtype) -> float:
+            return etp * received * shape.hidden * dtype.bytes
+        reduce = "reduce_scatter" if engine == Engine.megatron else "all_reduce"
+        fwd += [Comm("all_gather", "etp", etp * (shape.experts // ep) * 8, "int64", "fwd", 1,
+                     "ETP tokens per expert"),
+                Comm("all_gather", "etp", gathered(residual), residual.value, "fwd", 1,
+                     "ETP tokens"),
+                Comm(reduce, "etp", gathered(compute), compute.value, "fwd", 1,
+                     "ETP expert outputs")]
+        bwd += [Comm("all_gather", "etp", gathered(compute), compute.value, "bwd", 1,
+                     "ETP expert output gradients"),
+                Comm(reduce, "etp", gathered(residual), residual.value, "bwd", 1,
+                     "ETP token gradients")]
+    if ep > 1:
+        fwd.append(Comm("all_to_all", "ep", a2a(compute), compute.value, "fwd", 1,
+                        "token combine"))
+        bwd.append(Comm("all_to_all", "ep", a2a(residual), residual.value, "bwd", 1,
+                        "token dispatch gradient"))
+    return MoeMessages(tuple(fwd), tuple(bwd))
+
+
+def rank_moe_comms(model: ModelConfig, layout, rank: int,
+                   engine: Engine = Engine.orchestrator,
+                   dtype: Dtype | str = Dtype.fp32) -> List[Comm]:
+    """The dispatcher's messages `rank` issues in one iteration (counts per iteration) under
+    uniform routing, every rank sending and receiving T x top_k token copies: moe_messages for
+    each of its MoE blocks and micro-batches, and the forward's again for each block recomputed
+    in full. With real routing the combine's and the dispatch gradient's buffers follow the
+    load (what the rank received); their op, group, dtype and count do not. Not here: the
+    experts' gradient buckets over edp and the balance statistics' reductions."""
+    shape = MoeShape.of(model)
+    if shape is None:
+        return []
+    tokens = tokens_per_rank(model.seq_len, layout.micro_batch_size, layout.tp, layout.cp)
+    messages = moe_messages(tokens, shape, layout.ep, layout.etp, engine, dtype)
+    blocks = [again for block, again in rank_blocks(model, layout, rank)
+              if is_moe_block(model, block)]
+    m = layout.num_micro_batches
+    out = (times(messages.fwd + messages.bwd, len(blocks) * m)
+           + times(rerun(messages.fwd), sum(blocks) * m))
+    return [dataclasses.replace(c, bytes=int(c.bytes)) if float(c.bytes).is_integer() else c
+            for c in out if c.count > 0]
 
 
 # ---------------------------------------------------------------------------- parameters

@@ -1,5 +1,5 @@
-"""Tensor-parallel collectives per layer and micro-batch, by engine: what the planner prices
-and what workload.comm lists for a rank.
+"""Tensor-parallel collectives per layer and micro-batch, by engine: what workload.comm sizes
+(tp_messages), lists for a rank (rank_comms) and the planner prices.
 
 engine "orchestrator" (stage=train, DTensor; checked against the real engine by
 tests/test_train_engine.py): with sequence parallelism a layer moves 2 all-gathers + 2 reduce-
@@ -27,6 +27,7 @@ from typing import Dict
 from orchestrator.choices import Engine
 
 VOCAB_PARALLEL_LOSS_REDUCES = 3  # max, sum of exponentials, target logit: fp32, one per token
+LOSS_VALUE_BYTES = 4  # each of them one fp32 value per token
 
 
 @dataclass(frozen=True)
@@ -68,10 +69,3 @@ def tp_counts(engine: Engine, sequence_parallel: bool) -> TpCounts:
         embedding_fwd={"all_reduce": 1}, embedding_bwd={},
         head_fwd={}, head_bwd={"all_reduce": 1})
 
-
-def priced_us(counts: Dict[str, int], op_us: Dict[str, object]):
-    """sum(count * time of one) over the ops in `counts` (floats or numpy arrays)."""
-    total = 0.0
-    for op, n in counts.items():
-        total = total + n * op_us[op]
-    return total

@@ -3,13 +3,19 @@ dataclass with a `from_...` builder that a test can check against Megatron's for
 
     compute.py      per-layer forward / backward / selective-recompute time from the model profile
     tp_comm.py      tensor-parallel collectives per layer, embedding and LM head
+    cp_comm.py      context parallelism's messages per layer, by flavour, exposed
+    moe.py          mixture-of-experts blocks: compute, the token dispatcher, memory
     memory.py       activations per token and per stage, communication buffers
     zero.py         data parallelism: ZeRO sharding, per-layer ZeRO 2/3 traffic, gradient sync
     pipeline.py     pipeline send/recv per boundary and stage, "other" on the end stages
     ../schedule.py  schedule coefficients (alpha, beta) and in-flight micro-batches
 
-cost_model.StageCosts composes them. This module holds what they share: the recompute codes,
-the forward/backward pair and the overlap rule.
+The messages the communication terms price, with their sizes and counts, are the workload
+model's (orchestrator/workload/comm.py, moe.py: one definition, checked against the real
+engine); a term prices them, it does not size them. cost_model.StageCosts composes the terms
+and lists what it priced (StageCosts.messages), which tests/workload/ holds equal to the
+workload's per-rank list. This module holds what they share: the recompute codes, the
+forward/backward pair, the pricing of a list of messages and the overlap rule.
 """
 from __future__ import annotations
 
@@ -38,6 +44,15 @@ class FwdBwd(NamedTuple):
     def total_us(self) -> Any:
         """Forward + backward (us)."""
         return self.fwd_us + self.bwd_us
+
+
+def price_comms(comms, op_us):
+    """sum(count x op_us(op, bytes)) over workload Comm entries (us; floats or numpy arrays):
+    the time of a list of messages that run one after the other."""
+    total = 0.0
+    for c in comms:
+        total = total + c.count * op_us(c.op, c.bytes)
+    return total
 
 
 def as_value(x):

@@ -21,11 +21,12 @@ profile's time per matmul parameter and token at that tp carries over (the exper
 taken as efficient as the dense block's: small experts run below it, not modelled).
 
 Communication, per layer and micro-batch, exposed (stage=train does not overlap the dispatcher
-with compute; Megatron-LM can, the planner does not price that): forward the counts exchange, an
-all-to-all over the EP group (ep ranks, stride etp) to dispatch and one to combine, an
-all-gather and a reduce-scatter over the ETP group (etp consecutive ranks); backward the same
-but the counts. The all-to-alls are priced by HardwareModel.all2all_line (a node's NVLink, or
-the NICs across nodes), the ETP collectives by collective_line.
+with compute; Megatron-LM can, the planner does not price that): the messages of
+workload/moe.moe_messages (forward the counts exchange, an all-to-all over the EP group (ep
+ranks, stride etp) to dispatch in the residual stream's dtype and one to combine in the compute
+dtype, the ETP group's (etp consecutive ranks) gathers and sums; backward their gradients). The
+all-to-alls are priced by HardwareModel.all2all_line (a node's NVLink, or the NICs across
+nodes), the ETP collectives by collective_line.
 """
 from __future__ import annotations
 
@@ -33,12 +34,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from orchestrator.bandwidth import benchmark_of
 from orchestrator.models.config import count_attention_params
 from orchestrator.planner.profiles import HardwareModel, ModelCost
-from orchestrator.planner.terms import FwdBwd
-from orchestrator.workload.moe import (MoeShape, counts_bytes, default_imbalance,
+from orchestrator.planner.terms import FwdBwd, as_value
+from orchestrator.workload.moe import (MoeMessages, MoeShape, default_imbalance,
                                        dense_ffn_params_per_rank,
-                                       dense_mlp_activation_bytes, dispatch_bytes,
+                                       dense_mlp_activation_bytes,
                                        expert_params_per_rank, expert_tokens,
                                        moe_activation_bytes, moe_dense_params_per_rank,
                                        moe_matmul_params_per_token, tokens_per_rank)
@@ -118,39 +120,29 @@ def activation_delta_bytes(model: ModelCost, shape: MoeShape, seq_len: int,
 @dataclass(frozen=True)
 class MoeComm:
     """The dispatcher's time (us per MoE layer and micro-batch), forward and backward, all
-    exposed; `a2a_us`: one all-to-all, `etp_us`: one all-gather + reduce-scatter pair."""
+    exposed."""
 
     layer: FwdBwd
-    a2a_us: float
-    etp_us: float
 
     @classmethod
-    def from_hardware(cls, hardware: HardwareModel, shape: MoeShape, seq_len: int,
-                      micro_batch_size: int, tp: int, cp: int, ep: int, etp: int,
-                      elem_bytes: int, imbalance: float,
+    def from_hardware(cls, hardware: HardwareModel, messages: MoeMessages, ep: int, etp: int,
                       bandwidth_factor: float = 1.0) -> "MoeComm":
-        tokens = tokens_per_rank(seq_len, micro_batch_size, tp, cp)
-        sizes = dispatch_bytes(tokens, shape, ep, etp, elem_bytes, imbalance)
-        a2a = counts = 0.0
-        moving = np.asarray(sizes.a2a) > 0  # per micro-batch (numpy arrays) or one
-        if ep > 1 and moving.any():
-            alpha, per_byte = hardware.all2all_line(ep, etp)
-            a2a = (alpha + sizes.a2a * per_byte * bandwidth_factor) * moving
-            # the forward exchanges the tokens' counts per expert first (the split sizes,
-            # workload/moe.counts_bytes); the backward reuses them
-            counts = (alpha + counts_bytes(shape) * per_byte * bandwidth_factor) * moving
-            if not np.ndim(a2a):
-                a2a, counts = float(a2a), float(counts)
-        pair = 0.0
-        if etp > 1:
-            pair = (hardware.collective_time_us("all_gather", etp, 1, sizes.etp)
-                    + hardware.collective_time_us("reduce_scatter", etp, 1, sizes.etp))
-        one_way = 2.0 * a2a + pair
-        return cls(FwdBwd(one_way + counts, one_way), a2a, pair)
+        """Price `messages` (workload/moe.moe_messages) on the EP group (ep ranks, stride etp)
+        and the ETP group (etp consecutive ranks)."""
+        def op_us(comm):
+            if comm.op == "all_to_all":
+                alpha, per_byte = hardware.all2all_line(ep, etp)
+            else:
+                alpha, per_byte = hardware.collective_line(benchmark_of(comm.op), etp, 1)
+            # nothing to move: no latency (per micro-batch with numpy arrays of sizes)
+            return (alpha + comm.bytes * per_byte * bandwidth_factor) * (np.asarray(comm.bytes) > 0)
+
+        def us(comms):
+            return as_value(sum(c.count * op_us(c) for c in comms))
+        return cls(FwdBwd(us(messages.fwd), us(messages.bwd)))
 
     def scaled(self, factor: float) -> "MoeComm":
         """Every term times `factor` (the calibration's ep_comm)."""
         if factor == 1.0:
             return self
-        return MoeComm(FwdBwd(self.layer.fwd_us * factor, self.layer.bwd_us * factor),
-                       self.a2a_us * factor, self.etp_us * factor)
+        return MoeComm(FwdBwd(self.layer.fwd_us * factor, self.layer.bwd_us * factor))

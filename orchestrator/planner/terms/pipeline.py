@@ -1,8 +1,10 @@
 """Pipeline point-to-point traffic and what only the end stages hold.
 
-Stage j sends its output activation forward to j + 1 and its input gradient back to j - 1:
-s * b * h * dtype_bytes per micro-batch (/ tp with sequence parallelism: each TP rank sends its
-shard). Megatron's send/recv block the stage, so each send adds to the sender's time. With v
+Stage j sends its output activation forward to j + 1 and its input gradient back to j - 1, one
+message per micro-batch of workload/comm.pp_message_bytes (the rank's tokens x hidden in the
+residual stream's dtype, fp32 in stage=train's engine; / tp with sequence parallelism: each TP
+rank sends its shard); a send is priced on the sender (its receive is the same message).
+Megatron's send/recv block the stage, so each send adds to the sender's time. With v
 model chunks per stage (interleaved), each of a stage's chunks sends once, and the last stage's
 chunks but the final one wrap around to stage 0 (boundary p - 1 -> 0).
 
@@ -17,12 +19,6 @@ import numpy as np
 
 from orchestrator.planner.profiles import HardwareModel
 from orchestrator.planner.terms import FwdBwd
-
-
-def p2p_message_bytes(tokens: float, hidden: int, dtype_bytes: int, tp: int,
-                      sequence_parallel: bool) -> float:
-    """Bytes of one pipeline send: tokens * h * dtype_bytes, / tp with sequence parallelism."""
-    return tokens * hidden * dtype_bytes / (tp if sequence_parallel else 1)
 
 
 def boundary_intra_node(pp: int, ranks_per_stage: int, tasks_per_node: int) -> List[bool]:
@@ -47,11 +43,25 @@ def boundary_us(hardware: HardwareModel, message_bytes,
     return np.array(times, dtype=float)
 
 
-def stage_sends(boundary: np.ndarray, virtual_stages: int) -> FwdBwd:
-    """Send time (us per micro-batch) of each stage: forward v sends to the next stage (the last
-    stage v - 1 wrapping to stage 0), backward v sends to the previous one (stage 0: v - 1
-    wrapping to the last). Rows are stages (boundary [pp] or [pp, K])."""
+def stage_send_counts(pp: int, virtual_stages: int):
+    """(forward, backward) sends per micro-batch of each stage (int arrays of length pp): each
+    of a stage's v chunks sends its output on and its input's gradient back, but the model's
+    last chunk (on the last stage) sends nothing forward and its first (on stage 0) nothing
+    back."""
     v = virtual_stages
+    fwd = np.full(pp, v)
+    bwd = np.full(pp, v)
+    fwd[-1] -= 1
+    bwd[0] -= 1
+    return fwd, bwd
+
+
+def stage_sends(boundary: np.ndarray, virtual_stages: int) -> FwdBwd:
+    """Send time (us per micro-batch) of each stage (stage_send_counts' sends): forward to the
+    next stage over boundary j (the last stage's wrapping to stage 0), backward to the previous
+    one over boundary j - 1 (stage 0's wrapping to the last). Rows are stages (boundary [pp]
+    or [pp, K])."""
+    v = virtual_stages  # the counts written out: the search calls this per config
     inner, wrap = v * boundary[:-1], (v - 1) * boundary[-1:]
     return FwdBwd(np.concatenate([inner, wrap]), np.concatenate([wrap, inner]))
 

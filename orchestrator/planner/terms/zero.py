@@ -24,7 +24,7 @@ iteration with one (kept gathered).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Tuple
+from typing import Any, List, Tuple
 
 import numpy as np
 
@@ -32,6 +32,7 @@ from orchestrator.bandwidth import benchmark_of
 from orchestrator.choices import Engine
 from orchestrator.planner.profiles import HardwareModel
 from orchestrator.planner.terms import FwdBwd, overlap_extra_us
+from orchestrator.workload.comm import Comm
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class ZeroTraffic:
             if zero < 3 or dp == 1:
                 return cls(gather_us=0.0, reduce_scatter_us=0.0, active=False)
             gather = collective_us(hardware, "all_gather", dp, tp, param_bytes)
-            if pp > 1:  # gathered once per iteration: the first micro-batch's forward
+            if zero3_gathers(engine, pp, num_micro_batches) == 1:  # the first forward's
                 return cls(gather_us=gather / num_micro_batches, reduce_scatter_us=0.0,
                            gather_bwd_us=0.0)
             return cls(gather_us=gather, reduce_scatter_us=0.0)
@@ -106,23 +107,74 @@ class ZeroTraffic:
                                        overlap_coe))
 
 
+def sync_ops(engine: Engine, zero: int) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+    """(during the last backward, after the optimizer step): the ops of the once-per-iteration
+    data-parallel sync, each on the stage's gradients ("reduce_scatter", "all_reduce") or its
+    parameters ("all_gather"). Ours: ZeRO 0/1 all-reduce the gradient buckets, ZeRO 2 and 3
+    reduce-scatter them, ZeRO 1/2 all-gather the stepped parameters after. Megatron's, all
+    during: all-reduce (ZeRO 0), reduce-scatter + all-gather (1), all-gather (2), none (3)."""
+    if engine == Engine.orchestrator:
+        during = ("all_reduce",) if zero < 2 else ("reduce_scatter",)
+        return during, ("all_gather",) if zero in (1, 2) else ()
+    return {0: ("all_reduce",), 1: ("reduce_scatter", "all_gather"), 2: ("all_gather",),
+            3: ()}[zero], ()
+
+
+def zero3_gathers(engine: Engine, pp: int, num_micro_batches: int) -> int:
+    """How often ZeRO 3 all-gathers each unit's parameters per iteration: in forward and again
+    in backward for every micro-batch, but once per iteration under our engine's pipeline
+    (FSDP2 keeps them gathered, torchtitan's choice)."""
+    if engine == Engine.orchestrator and pp > 1:
+        return 1
+    return 2 * num_micro_batches
+
+
+def zero_messages(engine: Engine, zero: int, pp: int, num_micro_batches: int, group: str,
+                  param_bytes: float, grad_bytes: float, units) -> List[Comm]:
+    """The data-parallel messages of one iteration the planner prices for a stage holding
+    `param_bytes` / `grad_bytes` unsharded over `group` (workload Comm entries, counts per
+    iteration; `units`: (parameter, gradient) bytes of each part priced on its own, a layer or
+    the rest): sync_ops' and, with ZeRO 3 (Megatron's: ZeRO 2 and 3), the per-micro-batch
+    traffic of each unit. Our engine's are
+    fp32; Megatron's parameters are the profile's bf16."""
+    m = num_micro_batches
+    orchestrator = engine == Engine.orchestrator
+    params_dt = "fp32" if orchestrator else "bf16"
+    during, after = sync_ops(engine, zero)
+
+    def one(op: str, phase: str, count: int, params: float, grads: float) -> Comm:
+        gathered = op == "all_gather"
+        return Comm(op, group, params if gathered else grads, params_dt if gathered else "fp32",
+                    phase, count, "parameters" if gathered else "gradients")
+    out = ([one(op, "bwd", 1, param_bytes, grad_bytes) for op in during]
+           + [one(op, "step", 1, param_bytes, grad_bytes) for op in after])
+    if zero == 3:
+        gathers = zero3_gathers(engine, pp, m)
+        out += [one("all_gather", "fwd", gathers, params, 0.0) for params, _ in units]
+    if not orchestrator and zero >= 2:  # Megatron reduce-scatters after every backward
+        out += [one("reduce_scatter", "bwd", m, 0.0, grads) for _, grads in units]
+    return out
+
+
 def dp_sync_parts_us(hardware: HardwareModel, zero: int, dp: int, tp: int, grad_bytes,
                      param_bytes, engine: Engine = Engine.megatron):
     """(during the last backward, after the optimizer step): the data-parallel sync (us) of a
-    stage holding `grad_bytes` of gradients and `param_bytes` of parameters unsharded. Megatron:
-    all of dp_sync_us during. Orchestrator: the buckets' all-reduce (ZeRO 0/1), reduce-scatter
-    (ZeRO 2) or FSDP's reduce-scatter (ZeRO 3) during; ZeRO 1/2's all-gather of the fp32
-    parameters after."""
+    stage holding `grad_bytes` of gradients and `param_bytes` of parameters unsharded
+    (sync_ops' ops; Megatron's all during)."""
     if engine != Engine.orchestrator:
         return (dp_sync_us(hardware, zero, dp, tp, grad_bytes, param_bytes),
                 np.zeros_like(grad_bytes))
     if dp == 1:
         return np.zeros_like(grad_bytes), np.zeros_like(grad_bytes)
-    op = "all_reduce" if zero < 2 else "reduce_scatter"
-    during = collective_us(hardware, op, dp, tp, grad_bytes)
-    after = (collective_us(hardware, "all_gather", dp, tp, param_bytes) if zero in (1, 2)
-             else np.zeros_like(grad_bytes))
-    return during, after
+    during, after = sync_ops(engine, zero)
+
+    def us(ops):
+        total = np.zeros_like(grad_bytes)
+        for op in ops:
+            total = total + collective_us(hardware, op, dp, tp, param_bytes if op == "all_gather"
+                                          else grad_bytes)
+        return total
+    return us(during), us(after)
 
 
 def dp_sync_us(hardware: HardwareModel, zero: int, dp: int, tp: int, grad_bytes, param_bytes):
@@ -131,11 +183,10 @@ def dp_sync_us(hardware: HardwareModel, zero: int, dp: int, tp: int, grad_bytes,
     same shape): all-reduce (ZeRO 0), reduce-scatter + all-gather (ZeRO 1), all-gather (ZeRO 2),
     nothing (ZeRO 3 or dp = 1). The dp group is `dp` ranks `tp` apart, priced by the nodes it
     spans."""
-    if dp == 1 or zero >= 3:
-        return np.zeros_like(grad_bytes)
-    if zero == 0:
-        return collective_us(hardware, "all_reduce", dp, tp, grad_bytes)
-    gather = collective_us(hardware, "all_gather", dp, tp, param_bytes)
-    if zero == 2:
-        return gather
-    return collective_us(hardware, "reduce_scatter", dp, tp, grad_bytes) + gather
+    total = np.zeros_like(grad_bytes)
+    if dp == 1:
+        return total
+    for op in sync_ops(Engine.megatron, zero)[0]:
+        total = total + collective_us(hardware, op, dp, tp,
+                                      param_bytes if op == "all_gather" else grad_bytes)
+    return total
