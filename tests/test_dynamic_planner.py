@@ -371,7 +371,7 @@ def test_a_few_micro_batches_get_the_best_of_every_order(schedule):
 @pytest.mark.parametrize("fast", [False, True])
 def test_the_order_search_is_never_worse_than_the_candidate_orders(fast):
     """Against the same planner without the search (its four candidate orders only), on
-    long-tailed batches of 16 to 64 samples per rank: never slower, faster on most, and the
+    long-tailed batches of 16 to 64 samples per rank: never slower, faster on several, and the
     budget still holds for every plan (the memory check is exact for every order tried)."""
     lay = layout(4, 1, 2)
     costs = MicroBatchCosts(lay, MODEL, HW)
@@ -390,4 +390,7 @@ def test_the_order_search_is_never_worse_than_the_candidate_orders(fast):
             assert max(searched.stage_peak_memory_bytes) <= budget
             check_valid(searched, lengths)
             faster += searched.iteration_time_us < candidates.iteration_time_us * (1 - 1e-3)
-    assert faster >= 5  # of 9
+    # of 9: 4 (normal) and 5 (fast) since pipeline sends are priced in the residual stream's
+    # fp32 (issue 40; 6 and 6 when they were priced in bf16): a candidate order is already the
+    # best on the others
+    assert faster >= 4
