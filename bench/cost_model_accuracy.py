@@ -107,7 +107,7 @@ def pricer(folder: Path, model: str):
     """price(layout, seq_len, calibration) -> the parts train measures (ms), from this code's
     cost model and the run's profiles (this code's fits of the kept points)."""
     from orchestrator.planner import CostOptions, HardwareModel, ModelCost
-    from orchestrator.planner.cost_model import run_parts_ms
+    from orchestrator.planner.prediction import run_parts_ms
     from orchestrator.profiling.model.fit import fit_points
 
     raw = json.loads((folder / "model" / f"{model}.json").read_text())

@@ -111,7 +111,7 @@ def test_cp_splits_each_rank_compute_and_activations_and_prices_its_ring():
     of each of twice the micro-batches, each call's own cost paid twice as often), holds half
     the activations of one micro-batch, and pays a ring the dp layout does not."""
     from orchestrator.layout import ParallelLayout
-    from orchestrator.planner.cost_model import evaluate
+    from orchestrator.planner.prediction import evaluate
 
     model, hw = _planner_inputs()
     dp8 = ParallelLayout.uniform(8, 1, 1, 8, num_micro_batches=2)
@@ -165,7 +165,7 @@ def test_gradients_reduce_and_zero_shards_over_dp_times_cp():
 
 def test_engines_and_sequences_that_cannot_take_cp_are_refused():
     from orchestrator.layout import LayoutError, ParallelLayout
-    from orchestrator.planner.cost_model import evaluate
+    from orchestrator.planner.prediction import evaluate
 
     model, hw = _planner_inputs()
     cp2 = ParallelLayout.uniform(8, 1, 1, 8, cp=2, num_micro_batches=4)
@@ -229,7 +229,8 @@ def test_ulysses_all_to_alls_price_four_each_way_and_need_the_heads_to_split():
     """a2a: Q, K, V and the output through an all-to-all over the CP group (stride tp) forward
     and again backward, none hidden; kv_heads must divide over tp x cp."""
     from orchestrator.layout import LayoutError, ParallelLayout
-    from orchestrator.planner.cost_model import ConfigKey, StageCosts, evaluate
+    from orchestrator.planner.cost_model import ConfigKey, StageCosts
+    from orchestrator.planner.prediction import evaluate
 
     model, hw = _planner_inputs()  # 8 heads, 8 KV heads, hidden 256
     a2a = ParallelLayout.uniform(8, 2, 1, 8, cp=4, cp_comm="a2a", num_micro_batches=4)
@@ -287,7 +288,8 @@ def test_hierarchical_a2a_inside_ring_across_is_validated_priced_searched_and_ex
     import dataclasses
 
     from orchestrator.layout import LayoutError, ParallelLayout
-    from orchestrator.planner.cost_model import ConfigKey, StageCosts, evaluate
+    from orchestrator.planner.cost_model import ConfigKey, StageCosts
+    from orchestrator.planner.prediction import evaluate
     from orchestrator.planner.exports import ExportError, galvatron_strategy, megatron_args
     from orchestrator.planner.search import SearchSpace, enumerate_configs
     from orchestrator.choices import CpComm as Flavour

@@ -16,7 +16,7 @@ from orchestrator.layout import ParallelLayout
 from orchestrator.planner import CostOptions, HardwareModel, ModelCost, evaluate
 from orchestrator.planner.calibration import (Calibration, Concurrency, Observation, busy_stages,
                                               contention_factor, fit_calibration)
-from orchestrator.planner.cost_model import run_parts_ms
+from orchestrator.planner.prediction import run_parts_ms
 
 TUNE = ["stage=tune", "search.max_tp=2", "tune.steps=3", "tune.timing_warmup_steps=1",
         "tune.plot=false"]

@@ -173,7 +173,7 @@ def _run_candidate(cfg, cand: Candidate, seq_len: int, work: Path, run_stages,
 def _price(cfg, model_cost, hardware, seq_len: int):
     """price(layout, calibration) -> the parts train measures, from the cost model as profiled
     (contention included) under that calibration."""
-    from orchestrator.planner.cost_model import run_parts_ms
+    from orchestrator.planner.prediction import run_parts_ms
     from orchestrator.train.plan import engine_options
 
     base = engine_options(cfg, engine="orchestrator")  # what train runs, no reserve

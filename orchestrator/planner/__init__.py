@@ -1,6 +1,7 @@
 """The planner: cost model, pipeline schedules and the exact layout search (pure functions over
 plain data: the JSON profiles loaded as dicts, ParallelLayout, SearchSpace)."""
-from orchestrator.planner.cost_model import CostOptions, Prediction, evaluate
+from orchestrator.planner.options import CostOptions
+from orchestrator.planner.prediction import Prediction, evaluate
 from orchestrator.planner.exports import galvatron_strategy, megatron_args
 from orchestrator.planner.profiles import HardwareModel, ModelCost
 from orchestrator.planner.schedule import ScheduleResult, simulate

@@ -16,8 +16,8 @@ from rich.table import Table
 from orchestrator.errors import ProfileError
 from orchestrator.interop.galvatron.strategy import read_strategy
 from orchestrator.layout import LayoutError
-from orchestrator.planner.cost_model import (BREAKDOWN_KINDS, GiB, CostOptions, Prediction,
-                                             evaluate)
+from orchestrator.planner.options import BREAKDOWN_KINDS, CostOptions, GiB
+from orchestrator.planner.prediction import Prediction, evaluate
 from orchestrator.planner.profiles import HardwareModel, ModelCost
 
 

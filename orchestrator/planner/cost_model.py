@@ -1,4 +1,5 @@
-"""Cost model: iteration time and per-device memory of a ParallelLayout.
+"""Cost model: iteration time and per-device memory of a ParallelLayout, per stage (StageCosts;
+prediction.evaluate puts a layout's stages together, options.py holds what a price is asked for).
 
 Time of one iteration (p stages, m micro-batches, v chunks per stage):
 
@@ -45,21 +46,22 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
-from orchestrator import choices
-from orchestrator.choices import Dtype, Engine, Recompute, Schedule
-from orchestrator.layout import LayoutError, ParallelLayout
+from orchestrator.choices import Dtype, Engine, Recompute
+from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig
-from orchestrator.planner.calibration import Calibration, contention_factor
+from orchestrator.planner.calibration import contention_factor
+# CostOptions, ConfigKey and the budget's reserve live in options.py; importable from here too
+from orchestrator.planner.options import (BREAKDOWN_KINDS, MEMORY_KINDS, ConfigKey,  # noqa: F401
+                                          CostOptions, GiB, budget_for_GiB,  # noqa: F401
+                                          memory_reserve_GiB)  # noqa: F401
 from orchestrator.planner.profiles import HardwareModel, ModelCost
-from orchestrator.planner.schedule import (in_flight_micro_batches, schedule_coefficients,
-                                           simulate as simulate_schedule)
-from orchestrator.planner.terms import MODE_CODES, FwdBwd, as_value, overlap_extra_us
+from orchestrator.planner.schedule import (in_flight_micro_batches, schedule_coefficients)
+from orchestrator.planner.terms import FwdBwd, as_value, overlap_extra_us
 from orchestrator.planner.terms.compute import (layer_compute, optimizer_step_us,
                                                 other_on_stages, recompute_rerun_us)
 from orchestrator.planner.terms.cp_comm import CpComm
@@ -79,7 +81,6 @@ from orchestrator.workload.memory import BlockActivations
 from orchestrator.workload.stage_memory import StageMemory, StageNumels
 from orchestrator.workload.moe import moe_messages, tokens_per_rank
 
-GiB = float(1 << 30)
 # A layer's messages depend on a few scalars that many configs of a search share (tokens per
 # rank, flavour, dtype): each list built once (Comm tuples are immutable). Sizes over K
 # micro-batches (numpy arrays, at()) are built each time.
@@ -102,45 +103,6 @@ def _messages(build, *args):
     if any(isinstance(a, np.ndarray) for a in args):
         return build(*args)
     return _MESSAGES[build](*args)
-MEMORY_KINDS = ("params", "grads", "optim", "activations", "comm_buffers", "reserve")
-BREAKDOWN_KINDS = ("compute", "tp_comm", "cp_comm", "pp_comm", "bubble", "dp_sync_exposed",
-                   "recompute")
-
-
-@dataclass(frozen=True)
-class CostOptions:
-    """Knobs of the cost model that are not part of a layout.
-
-    other_time_first_share: share of "other" compute on the first stage (embedding lookup); the
-      rest (final norm, LM head, loss) is on the last stage.
-    other_memory_first_share: share of "other" params/grads/optim on the first stage (untied
-      embedding and LM head are the same size: 0.5).
-    reserve_bytes: memory kept free on every device (CUDA context, allocator fragmentation,
-      what the model profile does not count): the stage computes it by memory_reserve_GiB.
-    engine: the engine whose communication and memory are priced (orchestrator/workload/):
-      stage=train's ("orchestrator") or Megatron-LM's ("megatron", what the Megatron export runs).
-    dtype: the compute dtype training runs in ("" = the model profile's); device: "cuda" (fused
-      AdamW and RMSNorm kernels) or "cpu" (foreach AdamW's temporary, CPU norms keep more):
-      the orchestrator engine's memory depends on both.
-    calibration: per-cluster factors on the terms (planner/calibration.py, `stage=tune`);
-      the identity by default.
-    moe_imbalance: a mixture-of-experts model's busiest EP rank's token copies over the mean
-      (>= 1; search.moe_imbalance); None: workload/moe.default_imbalance of the model.
-    """
-
-    other_time_first_share: float = 0.05
-    other_memory_first_share: float = 0.5
-    reserve_bytes: float = 0.0
-    engine: Engine = Engine.orchestrator  # what runs the layout: stage=train's | megatron
-    dtype: str = ""
-    device: str = "cuda"
-    calibration: Calibration = Calibration()
-    moe_imbalance: Optional[float] = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "engine", Engine.parse(self.engine))
-
-
 def _block_activations(key: "ConfigKey", model: ModelCost, block, seq_len, micro_batch_size,
                        imbalance: float) -> BlockActivations:
     """A layer's activations per micro-batch of `micro_batch_size` sequences of `seq_len`
@@ -181,61 +143,27 @@ def _engine_config(model: ModelCost, seq_len: int) -> ModelConfig:
                        seq_len=seq_len, dtype=model.dtype, **moe)
 
 
-def memory_reserve_GiB(budget_GiB: float, reserve_fraction: float, reserve_GiB: float) -> float:
-    """Memory kept free per device (GiB) out of a `budget_GiB` budget: reserve_fraction * budget +
-    reserve_GiB (search.* keys; what the planner does not count grows with the model, see
-    docs/gpu.md "Memory reserve"). Search and train's pre-launch check both use it."""
-    return reserve_fraction * budget_GiB + reserve_GiB
+def check_layout_for_model(layout: ParallelLayout, model: ModelCost) -> None:
+    """Raise LayoutError when the layout cannot hold this model (layer count, head split,
+    experts over ep and etp)."""
+    layout.check_model_layers(model.layers, model.name)
+    layout.check_heads(model.heads, model.kv_heads, model.name)
+    moe = model.moe
+    layout.check_experts(moe.experts if moe else 0, moe.width if moe else 1, model.name)
 
 
-def budget_for_GiB(own_GiB: float, reserve_fraction: float, reserve_GiB: float) -> float:
-    """The smallest budget (GiB) whose reserve (memory_reserve_GiB) leaves `own_GiB` for the
-    model: (own + reserve_GiB) / (1 - reserve_fraction)."""
-    return (own_GiB + reserve_GiB) / (1.0 - reserve_fraction)
+def _joint_traffic(dense: ZeroTraffic, experts: ZeroTraffic) -> ZeroTraffic:
+    """The dense part's and the experts' per-micro-batch ZeRO traffic, one after the other."""
+    if not experts.active:
+        return dense
+    if not dense.active:
+        return experts
 
-
-@dataclass(frozen=True)
-class ConfigKey:
-    """A layout minus its pipeline partition and recompute: what fixes the per-layer costs."""
-
-    world_size: int
-    tp: int
-    pp: int
-    dp: int
-    zero: int
-    sequence_parallel: bool
-    micro_batch_size: int
-    num_micro_batches: int
-    schedule: Schedule
-    virtual_stages: int
-    cp: int = 1
-    cp_comm: choices.CpComm = choices.CpComm.p2p  # (CpComm here is the term, terms/cp_comm)
-    cp_a2a: int = 1
-    ep: int = 1
-    etp: int = 1
-
-    # The layout's derived degrees, as ParallelLayout defines them (its properties).
-    stage_ranks = ParallelLayout.stage_ranks
-    replicas = ParallelLayout.replicas
-    replica_group = ParallelLayout.replica_group
-    edp = ParallelLayout.edp
-
-    @classmethod
-    def of(cls, layout: ParallelLayout) -> "ConfigKey":
-        return cls(layout.world_size, layout.tp, layout.pp, layout.dp, layout.zero,
-                   layout.sequence_parallel, layout.micro_batch_size, layout.num_micro_batches,
-                   layout.schedule, layout.virtual_stages, layout.cp, layout.cp_comm,
-                   layout.cp_a2a, layout.ep, layout.etp)
-
-    def layout(self, layers_per_stage, recompute) -> ParallelLayout:
-        return ParallelLayout(world_size=self.world_size, pp=self.pp, tp=self.tp, dp=self.dp,
-                              zero=self.zero, sequence_parallel=self.sequence_parallel,
-                              micro_batch_size=self.micro_batch_size,
-                              num_micro_batches=self.num_micro_batches, schedule=self.schedule,
-                              virtual_stages=self.virtual_stages, cp=self.cp,
-                              cp_comm=self.cp_comm, cp_a2a=self.cp_a2a, ep=self.ep,
-                              etp=self.etp, layers_per_stage=tuple(layers_per_stage),
-                              recompute=tuple(recompute))
+    def bwd(t):
+        return t.gather_us if t.gather_bwd_us is None else t.gather_bwd_us
+    return ZeroTraffic(gather_us=dense.gather_us + experts.gather_us,
+                       reduce_scatter_us=dense.reduce_scatter_us + experts.reduce_scatter_us,
+                       gather_bwd_us=bwd(dense) + bwd(experts))
 
 
 class StageCosts:
@@ -674,200 +602,3 @@ class StageCosts:
         window = self.sync_window_us(j, n) if window_us is None else window_us
         during, after = self.dp_sync_parts_us(j, n) if parts_us is None else parts_us
         return overlap_extra_us(window, during, self.overlap_coe) + after
-
-
-# ====================================================================== prediction
-@dataclass(frozen=True)
-class Prediction:
-    """What evaluate() predicts for one layout. Times in us, memory in bytes.
-
-    stage_time_us[j] = stage_fwd_us[j] + stage_bwd_us[j] (one micro-batch); breakdown_us sums to
-    iteration_time_us and describes the slowest stage: its compute, tp_comm, recompute and
-    pp_comm over all micro-batches, the pipeline fill/drain (bubble) and the data-parallel sync
-    not hidden (dp_sync_exposed, per-micro-batch ZeRO 2/3 traffic included); compute also
-    holds the first stage's optimizer step (o_0). memory_bytes[j]
-    maps each kind (params, grads, optim, activations, comm_buffers, reserve) and "total" to
-    bytes.
-    simulated_iteration_time_us: the event-driven schedule's makespan with each stage's exposed
-    gradient sync and optimizer step after its own finish (None unless evaluate(simulate=True)).
-    """
-
-    layout: ParallelLayout
-    iteration_time_us: float
-    tokens_per_s: float
-    stage_fwd_us: Tuple[float, ...]
-    stage_bwd_us: Tuple[float, ...]
-    stage_time_us: Tuple[float, ...]
-    breakdown_us: Dict[str, float]
-    memory_bytes: Tuple[Dict[str, float], ...]
-    peak_memory_bytes: float
-    feasible: bool
-    reason: str = ""
-    simulated_iteration_time_us: Optional[float] = None
-
-    def to_dict(self) -> Dict[str, Any]:
-        """JSON-ready dict."""
-        return {
-            "layout": self.layout.to_dict(),
-            "iteration_time_us": self.iteration_time_us,
-            "tokens_per_s": self.tokens_per_s,
-            "stage_fwd_us": list(self.stage_fwd_us),
-            "stage_bwd_us": list(self.stage_bwd_us),
-            "stage_time_us": list(self.stage_time_us),
-            "breakdown_us": dict(self.breakdown_us),
-            "memory_bytes": [dict(m) for m in self.memory_bytes],
-            "peak_memory_bytes": self.peak_memory_bytes,
-            "feasible": self.feasible,
-            "reason": self.reason,
-            "simulated_iteration_time_us": self.simulated_iteration_time_us,
-        }
-
-
-def _joint_traffic(dense: ZeroTraffic, experts: ZeroTraffic) -> ZeroTraffic:
-    """The dense part's and the experts' per-micro-batch ZeRO traffic, one after the other."""
-    if not experts.active:
-        return dense
-    if not dense.active:
-        return experts
-
-    def bwd(t):
-        return t.gather_us if t.gather_bwd_us is None else t.gather_bwd_us
-    return ZeroTraffic(gather_us=dense.gather_us + experts.gather_us,
-                       reduce_scatter_us=dense.reduce_scatter_us + experts.reduce_scatter_us,
-                       gather_bwd_us=bwd(dense) + bwd(experts))
-
-
-def check_layout_for_model(layout: ParallelLayout, model: ModelCost) -> None:
-    """Raise LayoutError when the layout cannot hold this model (layer count, head split,
-    experts over ep and etp)."""
-    layout.check_model_layers(model.layers, model.name)
-    layout.check_heads(model.heads, model.kv_heads, model.name)
-    moe = model.moe
-    layout.check_experts(moe.experts if moe else 0, moe.width if moe else 1, model.name)
-
-
-def _breakdown_us(costs: StageCosts, layout: ParallelLayout, t: np.ndarray,
-                  recompute_us: np.ndarray, e0_us: float, o0_us: float,
-                  iteration_us: float) -> Dict[str, float]:
-    """Prediction.breakdown_us: the slowest stage k's (first on ties) compute, tp_comm,
-    recompute and pp_comm over all micro-batches (compute with the first stage's optimizer step
-    o0_us), the exposed data-parallel sync, and the rest of the iteration as the bubble."""
-    m = layout.num_micro_batches
-    k = int(np.argmax(t))
-    n_k = float(layout.layers_per_stage[k])
-    compute = m * (n_k * costs.compute.block.total_us + float(costs.other_compute.fwd_us[k])
-                   + float(costs.other_compute.bwd_us[k])) + o0_us
-    tp_comm = m * (n_k * costs.tp.layer.total_us + float(costs.other_tp.fwd_us[k])
-                   + float(costs.other_tp.bwd_us[k]))
-    cp_comm = m * n_k * costs.cp.layer.total_us
-    recompute = m * float(recompute_us[k])
-    pp_comm = m * (float(costs.sends.fwd_us[k]) + float(costs.sends.bwd_us[k]))
-    dp_exposed = e0_us + m * (n_k * costs.zero_layer.total_us
-                              + float(costs.other_zero.fwd_us[k])
-                              + float(costs.other_zero.bwd_us[k]))
-    breakdown = {"compute": compute, "tp_comm": tp_comm, "cp_comm": cp_comm, "pp_comm": pp_comm,
-                 "dp_sync_exposed": dp_exposed, "recompute": recompute}
-    kinds = BREAKDOWN_KINDS
-    if costs.moe is not None:  # the token dispatcher's all-to-alls and ETP collectives
-        breakdown["ep_comm"] = m * n_k * costs.moe_comm.layer.total_us
-        kinds = BREAKDOWN_KINDS + ("ep_comm",)
-    bubble = iteration_us - sum(breakdown.values())
-    # No fill/drain (one stage): what is left is rounding.
-    breakdown["bubble"] = 0.0 if abs(bubble) <= 1e-9 * iteration_us else bubble
-    return {kind: breakdown[kind] for kind in kinds}
-
-
-def _over_budget_reason(memory: Sequence[Mapping[str, float]], budget_bytes: float) -> str:
-    """Why the first stage over `budget_bytes` does not fit (its total, largest kind and the
-    reserve it includes, in GiB), or "" when every stage fits."""
-    for j, mem in enumerate(memory):
-        if mem["total"] > budget_bytes:
-            biggest = max(MEMORY_KINDS, key=lambda kind: mem[kind])
-            return (f"stage {j} needs {mem['total'] / GiB:.2f} GiB > budget "
-                    f"{budget_bytes / GiB:.2f} GiB (largest: {biggest} "
-                    f"{mem[biggest] / GiB:.2f} GiB; reserve kept free: "
-                    f"{mem['reserve'] / GiB:.2f} GiB)")
-    return ""
-
-
-def evaluate(layout: ParallelLayout, model_cost: ModelCost, hardware: HardwareModel,
-             seq_len: Optional[int] = None, memory_budget_bytes: Optional[float] = None,
-             options: CostOptions = CostOptions(), simulate: bool = False,
-             _costs: Optional[StageCosts] = None) -> Prediction:
-    """Predict iteration time (us), per-stage times, breakdown and per-stage memory (bytes) of
-    `layout` for one iteration of `seq_len`-token sequences (default: the model profile's).
-
-    feasible is False (with a reason naming the stage and the numbers) when a stage needs more
-    than `memory_budget_bytes`; with no budget every layout is feasible. simulate=True also runs
-    the event-driven schedule (slower: O(p m v) Python steps)."""
-    check_layout_for_model(layout, model_cost)
-    seq_len = int(seq_len or model_cost.seq_len)
-    if seq_len < 1:
-        raise LayoutError(f"seq_len must be >= 1, got {seq_len}")
-    layout.check_sequence(seq_len)
-    key = ConfigKey.of(layout)
-    costs = _costs if _costs is not None else StageCosts(key, model_cost, hardware, seq_len,
-                                                         options)
-    p, m = layout.pp, layout.num_micro_batches
-    j = np.arange(p)
-    n = np.array(layout.layers_per_stage, dtype=float)
-    codes = np.array([MODE_CODES[mode] for mode, _ in layout.recompute])
-    ks = np.array([k for _, k in layout.recompute], dtype=float)
-    rc_arr = costs.recompute_us(n, codes, ks)
-    f_arr = costs.stage_fwd_us(j, n)
-    b_arr = costs.stage_bwd_us(j, n, codes, ks, rc_arr)
-    t = f_arr + b_arr  # = stage_time_us, bit for bit
-    params, grads, optim = costs.static_bytes(j, n)
-    acts = costs.activation_bytes(j, n, codes, ks)
-    totals = costs.total_bytes(j, params, grads, optim, acts)  # = memory_bytes
-    fwd, bwd, times = f_arr.tolist(), b_arr.tolist(), t.tolist()
-    memory = [{"params": float(params[i]), "grads": float(grads[i]), "optim": float(optim[i]),
-               "activations": float(acts[i]), "comm_buffers": float(costs.comm_buffers[i]),
-               "reserve": costs.reserve, "total": float(totals[i])} for i in range(p)]
-    e0 = float(costs.dp_exposed_us(0, layout.layers_per_stage[0]))
-    o0 = float(costs.optimizer_us(0, layout.layers_per_stage[0]))
-    iteration = float(costs.alpha * t.sum() + costs.beta * t.max() + e0 + o0)
-
-    breakdown = _breakdown_us(costs, layout, t, rc_arr, e0, o0, iteration)
-    peak = max(mem["total"] for mem in memory)
-    reason = (_over_budget_reason(memory, memory_budget_bytes)
-              if memory_budget_bytes is not None else "")
-    simulated = None
-    if simulate:
-        # The schedule adds the sends itself: give it the stage times without them.
-        sim = simulate_schedule(list(f_arr - costs.sends.fwd_us),
-                                list(b_arr - costs.sends.bwd_us), m, layout.schedule,
-                                layout.virtual_stages, list(costs.boundary_us) if p > 1 else 0.0)
-        simulated = max(sim.stage_finish_us[j]
-                        + float(costs.tail_us(j, layout.layers_per_stage[j]))
-                        for j in range(p))
-    tokens = layout.global_batch_size * seq_len
-    return Prediction(layout=layout, iteration_time_us=iteration,
-                      tokens_per_s=tokens / (iteration * 1e-6) if iteration > 0 else float("inf"),
-                      stage_fwd_us=tuple(fwd), stage_bwd_us=tuple(bwd),
-                      stage_time_us=tuple(times), breakdown_us=breakdown,
-                      memory_bytes=tuple(memory), peak_memory_bytes=peak, feasible=not reason,
-                      reason=reason, simulated_iteration_time_us=simulated)
-
-
-def run_parts_ms(layout: ParallelLayout, model_cost: ModelCost, hardware: HardwareModel,
-                 seq_len: int, options: CostOptions = CostOptions()) -> Dict[str, float]:
-    """The parts of an iteration stage=train measures, as this model predicts them (ms):
-    "iteration", "compute/<j>" (stage j's forward/backward work over all micro-batches, TP
-    collectives in, pipeline sends out), and the first stage's "dp_sync_exposed" (the gradient
-    sync left after its last backward) and "optimizer" (its step and the ZeRO parameter
-    all-gather after it, as train times them); planner/calibration.py fits factors to them."""
-    costs = StageCosts(ConfigKey.of(layout), model_cost, hardware, int(seq_len), options)
-    pred = evaluate(layout, model_cost, hardware, seq_len=seq_len, options=options, _costs=costs)
-    m = layout.num_micro_batches
-    n0 = layout.layers_per_stage[0]
-    # train times the ZeRO all-gather of the stepped parameters with the optimizer step
-    _, after = costs.dp_sync_parts_us(0, n0)
-    exposed = float(costs.dp_exposed_us(0, n0))
-    parts = {"iteration": pred.iteration_time_us / 1e3,
-             "dp_sync_exposed": (exposed - float(after)) / 1e3,
-             "optimizer": (float(costs.optimizer_us(0, n0)) + float(after)) / 1e3}
-    for j, t in enumerate(pred.stage_time_us):
-        sends = float(costs.sends.fwd_us[j] + costs.sends.bwd_us[j])
-        parts[f"compute/{j}"] = m * (t - sends) / 1e3
-    return parts

@@ -3,7 +3,7 @@
 The space: every (tp, pp, dp, ZeRO stage, sequence parallel, micro-batch size, schedule, virtual
 stages) allowed by SearchSpace and by divisibility (a "config"), times every pipeline partition
 (uneven layers per stage) and every per-stage recompute choice. The result is the minimum of
-cost_model.evaluate() over all feasible layouts of the space, found without enumerating them:
+prediction.evaluate() over all feasible layouts of the space, found without enumerating them:
 
 1. Per config, stage j's best recompute for n layers is the fastest option that fits the budget
    (time grows and memory falls with recompute, and e_0 does not depend on it), tabulated for
@@ -33,8 +33,8 @@ import numpy as np
 from orchestrator import errors
 from orchestrator.choices import Recompute
 from orchestrator.layout import ParallelLayout
-from orchestrator.planner.cost_model import (GiB, ConfigKey, Prediction, StageCosts,
-                                             evaluate)
+from orchestrator.planner.cost_model import ConfigKey, GiB, StageCosts
+from orchestrator.planner.prediction import Prediction, evaluate
 from orchestrator.planner.profiles import HardwareModel, ModelCost
 from orchestrator.planner.terms import MODE_NAMES
 from orchestrator.planner.space import (SearchSpace, _divisors, auto_max_cp,  # noqa: F401

@@ -372,7 +372,7 @@ def plot_summary(summary: dict, path: Path) -> Path:
 
 
 def measured_run_parts(measured: Dict[str, Any]) -> Dict[str, float]:
-    """A summary's `measured` as the parts calibration fits (planner.cost_model.run_parts_ms):
+    """A summary's `measured` as the parts calibration fits (planner.prediction.run_parts_ms):
     iteration, each stage's compute, the first stage's exposed sync and optimizer step (ms)."""
     stages = measured["stages"]
     parts = {"iteration": float(measured["iteration_ms"]),
