@@ -44,7 +44,15 @@ def _stage_events(pp: int, m: int, schedule: str, v: int):
     gradients accumulated before, last micro-batch, padded with each stage's first (the max is
     unchanged); the same for every config of this schedule shape (cached: the search builds a
     StageMemory per config)."""
-    events = [_b_events(pp, j, m, schedule, v) for j in range(pp)]
+    # A backward's bytes grow with the chunks in flight (each keeps >= 0 bytes) and otherwise
+    # depend only on (gradients accumulated before, last micro-batch): the most chunks in flight
+    # of each such pair has the pair's peak, so at most 4 events per stage are kept.
+    events = []
+    for j in range(pp):
+        most: Dict[Tuple[int, bool], int] = {}
+        for live, done, last in _b_events(pp, j, m, schedule, v):
+            most[(done, last)] = max(live, most.get((done, last), live))
+        events.append([(live, done, last) for (done, last), live in most.items()])
     width = max(len(e) for e in events)
     padded = [e + [e[0]] * (width - len(e)) for e in events]
     arrays = (np.array([[live for live, _, _ in e] for e in padded], dtype=float),
