@@ -48,7 +48,7 @@ def price(work: Path, pick: Path, strategy: dict) -> Tuple[object, object, List[
     """(ours, theirs, notes): our best and Galvatron's pick `pick`, both priced by our cost model
     on the imported profiles, under the search's own budget and reserve."""
     from orchestrator.planner import CostOptions, HardwareModel, ModelCost, evaluate
-    from orchestrator.planner.compare import price_galvatron_strategy
+    from orchestrator.interop.galvatron.compare import price_galvatron_strategy
     from orchestrator.layout import ParallelLayout
     from orchestrator.store.schema import HardwareProfile, ModelProfile
 

@@ -12,7 +12,7 @@ from orchestrator.interop.galvatron.strategy import read_strategy
 from orchestrator.layout import ParallelLayout
 from orchestrator.planner import CostOptions, HardwareModel, ModelCost, evaluate
 from orchestrator.planner import galvatron_strategy
-from orchestrator.planner.compare import (compare_predictions, compare_table,
+from orchestrator.interop.galvatron.compare import (compare_predictions, compare_table,
                                           price_galvatron_strategy)
 from orchestrator.planner.cost_model import BREAKDOWN_KINDS
 from orchestrator.planner.exports import ExportError

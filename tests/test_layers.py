@@ -59,3 +59,31 @@ def test_no_module_imports_a_layer_above_its_own(part):
               for path in sorted((PACKAGE / part).rglob("*.py"))
               for above in ABOVE[part] if above in imported_parts(path)}
     assert not upward, sorted(upward)
+
+
+def _part_graph() -> dict:
+    """First-level part -> the other parts its modules import."""
+    graph: dict = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).with_suffix("").parts
+        if rel[0] in ("__init__", "__main__"):
+            continue
+        graph.setdefault(rel[0], set()).update(imported_parts(path) - {rel[0]})
+    return graph
+
+
+def test_no_two_parts_of_the_package_import_each_other():
+    """No package-level import cycle (planner <-> interop and models <-> workload were the last):
+    a part never reaches itself through what it imports."""
+    graph = _part_graph()
+
+    def reach(start):
+        seen, todo = set(), list(graph.get(start, ()))
+        while todo:
+            part = todo.pop()
+            if part not in seen:
+                seen.add(part)
+                todo.extend(graph.get(part, ()))
+        return seen
+    cyclic = sorted(part for part in graph if part in reach(part))
+    assert not cyclic, f"parts on an import cycle: {cyclic}"

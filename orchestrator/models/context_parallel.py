@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from orchestrator.choices import CpComm
-from orchestrator.workload.cp import SCORE_TILE_BYTES, score_tile_rows
+from orchestrator.models.attention_tiles import SCORE_TILE_BYTES, score_tile_rows
 
 
 def chunk_positions(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:

@@ -288,7 +288,7 @@ def _compare(cfg, space, result, model_cost, hardware) -> None:
     from rich.markup import escape
 
     from orchestrator.console import stage_console
-    from orchestrator.planner.compare import (compare_predictions, compare_table,
+    from orchestrator.interop.galvatron.compare import (compare_predictions, compare_table,
                                               price_galvatron_strategy)
 
     theirs, notes = price_galvatron_strategy(

@@ -39,7 +39,7 @@ from orchestrator.choices import CpComm, Dtype, Recompute
 from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig
 from orchestrator.workload.buckets import plan_buckets
-from orchestrator.workload.cp import score_tile_rows
+from orchestrator.models.attention_tiles import score_tile_rows
 from orchestrator.workload.order import stage_order
 from orchestrator.workload.params import (Param, chunk_size, rank_chunks)
 
@@ -205,15 +205,15 @@ def cp_attention_bytes(model: ModelConfig, layout, tokens, dtype: Dtype = Dtype.
     `micro_batch_size` sequences (default the layout's; numpy arrays: the dynamic planner's
     micro-batches).
 
-    The ring (p2p) computes in fp32 (workload/cp.py): a tile of a block's scores (query rows x
-    seq / cp keys per head) and its exponential; forward the output's running sum and the
-    block's K and V expanded to every query head, the block held and the one arriving; backward
-    the tile's probabilities and their gradient, expanded K and V, the gradients of q, k and v,
-    the block, its gradient and the two arriving; under autocast fp32 copies of q (and of the
-    output's gradient). allgather keeps the gathered K and V (cp blocks where one-rank attention
-    keeps one) and its backward holds their gradients whole. a2a (Ulysses) keeps what one-rank
-    attention keeps (a head split of the whole sequence is as large as all heads of s / cp);
-    its all-to-alls' buffers are working memory. a2a+p2p: the ring's, on the head-split
+    The ring (p2p) computes in fp32 (models/attention_tiles.py): a tile of a block's scores
+    (query rows x seq / cp keys per head) and its exponential; forward the output's running sum
+    and the block's K and V expanded to every query head, the block held and the one arriving;
+    backward the tile's probabilities and their gradient, expanded K and V, the gradients of q,
+    k and v, the block, its gradient and the two arriving; under autocast fp32 copies of q (and
+    of the output's gradient). allgather keeps the gathered K and V (cp blocks where one-rank
+    attention keeps one) and its backward holds their gradients whole. a2a (Ulysses) keeps what
+    one-rank attention keeps (a head split of the whole sequence is as large as all heads of s /
+    cp); its all-to-alls' buffers are working memory. a2a+p2p: the ring's, on the head-split
     tensors, or the all-to-alls' where larger."""
     cp = layout.cp
     if cp == 1:

@@ -1,5 +1,5 @@
-"""What a rank holds between iterations of `stage=train`'s engine (`rank_states`), exact, from the parameter list (params.py) and the
-gradient buckets (buckets.py) the engine itself uses:
+"""What a rank holds between iterations of `stage=train`'s engine (`rank_states`), exact, from
+the parameter list (params.py) and the gradient buckets (buckets.py) the engine itself uses:
 - ZeRO 0/1/2 (train/grads.py): parameters are fp32 (the masters: autocast only casts matmul
   inputs). A bucket whose parameters are all plain tensors (no TP, or the norms of TP without
   SP) holds them as views of one flat buffer; a bucket with DTensor parameters keeps them as they

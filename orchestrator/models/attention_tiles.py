@@ -1,11 +1,9 @@
-"""The ring's score tiles (models/context_parallel.py), torch-free: the engine computes with them,
-the workload model (memory.py) counts them."""
+"""How the context-parallel attention (models/context_parallel.py) tiles its fp32 scores:
+torch-free, so workload/ counts the same tiles the model computes."""
 from __future__ import annotations
 
 import numpy as np
 
-# The ring computes a block's scores a tile of query rows at a time, at most this many bytes of
-# fp32 scores per tile: its memory stays flat as the sequence grows (flash attention's point).
 SCORE_TILE_BYTES = 64 << 20
 
 
