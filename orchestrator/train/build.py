@@ -31,7 +31,8 @@ from orchestrator.models.moe import MoE
 from orchestrator.models.parallelize import (apply_expert_parallel, apply_tensor_parallel,
                                              split_pipeline, stage_layer_ranges)
 from orchestrator.train.executor import set_recompute
-from orchestrator.train.grads import ExpertAdamW, FsdpAdamW, ShardedAdamW, is_expert_param
+from orchestrator.train.grads import ShardedAdamW
+from orchestrator.train.optimizers import ExpertAdamW, FsdpAdamW, is_expert_param
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,130 @@
+"""The optimizers built on ShardedAdamW (grads.py): a mixture-of-experts model's (the dense part
+over the replicas, the routed experts over edp, one norm) and ZeRO-3's over FSDP2 shards."""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from orchestrator.train.grads import (ShardedAdamW, _adamw_kernel, full_grad, local_tensor,
+                                     replication_weight)
+
+
+def is_expert_param(name: str) -> bool:
+    """A routed expert's weight (models/moe.Experts): reduced over the expert-data-parallel
+    ranks, not the dense replicas."""
+    return ".mlp.experts." in name
+
+
+class ExpertAdamW:
+    """ZeRO 0/1/2 for a mixture-of-experts model: the dense parameters' ShardedAdamW over the
+    dense replicas (dp x cp) and the routed experts' over the expert-data-parallel group (edp
+    ranks holding the same experts); both average over the dense replicas' losses. One global
+    norm (one all-reduce) and one clipping factor for both."""
+
+    def __init__(self, dense: ShardedAdamW, experts: Optional[ShardedAdamW]):
+        # experts None: this rank's stage holds dense blocks only (the first dense_layers)
+        self.parts = (dense,) if experts is None else (dense, experts)
+        for part in self.parts:
+            part.local_norm = False
+
+    def begin_step(self, num_micro_batches: int, grad_divisor: Optional[float] = None) -> None:
+        for part in self.parts:
+            part.begin_step(num_micro_batches, grad_divisor)
+
+    def finish_backward(self) -> None:
+        for part in self.parts:
+            part.finish_backward()
+
+    def grad_norm(self) -> float:
+        sumsq = sum(part.local_sumsq() for part in self.parts)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(sumsq)
+        return math.sqrt(float(sumsq))
+
+    def step(self, lr: float, grad_clip: float, inv_scale: float = 1.0,
+             norm: Optional[float] = None) -> None:
+        norm = self.grad_norm() * inv_scale if norm is None else norm
+        for part in self.parts:
+            part.step(lr, grad_clip, inv_scale, norm)
+
+    def zero_grads(self) -> None:
+        for part in self.parts:
+            part.zero_grads()
+
+    def state_tensors(self) -> Dict[nn.Parameter, Dict[str, torch.Tensor]]:
+        return {p: t for part in self.parts for p, t in part.state_tensors().items()}
+
+    def load_state_tensors(self, states, step: int) -> None:
+        for part in self.parts:
+            part.load_state_tensors({p: states[p] for p in part.params}, step)
+
+
+class FsdpAdamW:
+    """ZeRO-3: parameters are FSDP2 shards (DTensors); FSDP reduce-scatters the gradients (mean
+    over dp). Same interface as ShardedAdamW."""
+
+    def __init__(self, params: List[nn.Parameter], num_micro_batches: int, world_group=None,
+                 weight_decay: float = 0.1, betas=(0.9, 0.95), eps: float = 1e-8,
+                 rescale: Optional[Dict[nn.Parameter, float]] = None):
+        self.params = [p for p in params if p.requires_grad]
+        # FSDP's mean over its group, times this: the experts' (reduced over edp) to the mean
+        # over the dense replicas
+        self.rescale = rescale or {}
+        self.begin_step(num_micro_batches)
+        self.world_group = world_group
+        self.optim = torch.optim.AdamW(self.params, lr=0.0, betas=betas, eps=eps,
+                                       weight_decay=weight_decay,
+                                       **_adamw_kernel(local_tensor(self.params[0]).device))
+
+    def begin_step(self, num_micro_batches: int) -> None:
+        """Before an iteration's backward: this rank's micro-batch count."""
+        self.m = num_micro_batches
+
+    def finish_backward(self) -> None:
+        """FSDP averaged over dp; the micro-batches summed: make it their mean. Partial sums
+        (sequence-parallel norms) reduced."""
+        for p in self.params:
+            if p.grad is not None:
+                p.grad = full_grad(p)
+                p.grad.div_(self.m / self.rescale.get(p, 1.0))
+
+    def grad_norm(self) -> float:
+        device = local_tensor(self.params[0]).device
+        sumsq = torch.zeros((), dtype=torch.float64, device=device)
+        for p in self.params:
+            g = full_grad(p)
+            if g is not None:
+                sumsq += local_tensor(g).double().square().sum() * replication_weight(g)
+        if dist.is_initialized() and dist.get_world_size(self.world_group) > 1:
+            dist.all_reduce(sumsq, group=self.world_group)
+        return math.sqrt(float(sumsq))
+
+    def step(self, lr: float, grad_clip: float, inv_scale: float = 1.0,
+             norm: Optional[float] = None) -> None:
+        """As ShardedAdamW.step."""
+        norm = self.grad_norm() * inv_scale if norm is None else norm
+        factor = inv_scale * (grad_clip / (norm + 1e-6) if 0 < grad_clip < norm else 1.0)
+        for p in self.params:
+            if p.grad is not None and factor != 1.0:
+                p.grad.mul_(factor)
+        for group in self.optim.param_groups:
+            group["lr"] = lr
+        self.optim.step()
+        self.zero_grads()
+
+    def zero_grads(self) -> None:
+        self.optim.zero_grad(set_to_none=True)
+
+    def state_tensors(self) -> Dict[nn.Parameter, Dict[str, torch.Tensor]]:
+        """Per parameter, exp_avg and exp_avg_sq placed as the parameter (DTensors)."""
+        return {p: {key: self.optim.state.get(p, {}).get(key, torch.zeros_like(p))
+                    for key in ("exp_avg", "exp_avg_sq")} for p in self.params}
+
+    def load_state_tensors(self, states, step: int) -> None:
+        for p in self.params:
+            self.optim.state[p] = {"step": torch.tensor(float(step)),
+                                   **{k: v for k, v in states[p].items()}}
