@@ -15,7 +15,7 @@ from conftest import REPO
 from orchestrator.models.config import ModelConfig
 from orchestrator.trace.configs import TraceSettings, plan_configs
 from orchestrator.trace.tracer import fake_world, trace_rank
-from orchestrator.train import grads
+from orchestrator.train import grads, optimizers
 
 TINY = ModelConfig(name="tiny", hidden=128, ffn=384, layers=4, heads=4, kv_heads=2, vocab=512,
                    seq_len=256, dtype="bf16")
@@ -47,7 +47,7 @@ def _optimizers_built(monkeypatch) -> list:
     """Every ShardedAdamW and ExpertAdamW made from now on: (class, its arguments, defaults
     included)."""
     made = []
-    for cls in (grads.ShardedAdamW, grads.ExpertAdamW):
+    for cls in (grads.ShardedAdamW, optimizers.ExpertAdamW):
         original = cls.__init__
         signature = inspect.signature(original)
 

@@ -57,7 +57,7 @@ def _local(shape, dim, tp, tp_rank):
 
 def is_expert(p: Param) -> bool:
     """A routed expert's weight (models/moe.Experts): sharded over ep and etp, replicated and
-    reduced over the expert-data-parallel ranks (train/grads.is_expert_param's rule)."""
+    reduced over the expert-data-parallel ranks (train/optimizers.is_expert_param's rule)."""
     return ".mlp.experts." in p.name
 
 

@@ -206,7 +206,7 @@ def rank_states(model: ModelConfig, layout: ParallelLayout, rank: int,
         kinds = _fsdp_states(params, layout, layout.coordinate(rank, "dp_cp"))
     else:
         # a MoE model's experts have an optimizer of their own over the edp ranks
-        # (train/grads.ExpertAdamW); a dense model has none
+        # (train/optimizers.ExpertAdamW); a dense model has none
         dense = [p for p in params if not is_expert(p)]
         experts = [p for p in params if is_expert(p)]
         kinds = _bucket_states(dense, layout, bucket_MiB)
