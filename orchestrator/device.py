@@ -1,9 +1,21 @@
 """What a device computes, defined once: its sheet (conf/device/<name>.yaml: peak TFLOP/s per
-dtype, an efficiency, HBM bandwidth), the FLOP/s it promises, and the model FLOPs an iteration
-counts for MFU. Analytic model profiles, trace's compute prices and train's MFU all read these.
+dtype, an efficiency, HBM bandwidth), the FLOP/s it promises, the time of one op on it
+(`op_us`), and the model FLOPs an iteration counts for MFU. Analytic model profiles, trace's
+compute prices and train's MFU all read these.
+
+A sheet's `efficiency` is one number (every FLOP at peak x efficiency, as before) or curves by
+op (docs/workload.md, "Compute efficiency"):
+- gemm: one matrix product of F FLOPs on one rank reaches e(F) = max x F / (F + half_GFLOP x 1e9)
+  of peak (small GEMMs leave SMs idle and pay their fill; large ones approach the device's
+  best), and no GEMM beats its bytes at hbm_GBps;
+- attention: a flash-attention kernel over s keys with head dim d reaches
+  e(s) = max_d x s / (s + half_seq_d), by head dim (linear between the listed ones, clamped);
+  a sheet without it prices attention as a GEMM of its FLOPs;
+- every other op (norms, rotary, SwiGLU, softmax, residual adds, casts): its bytes / hbm_GBps.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 from orchestrator.choices import Dtype
@@ -34,6 +46,10 @@ def load_device_sheet(name: str) -> dict:
     for key in ("peak_TFLOPs", "efficiency", "type"):
         if key not in sheet:
             raise ConfigError(f"device sheet {path} lacks {key!r}")
+    try:
+        check_efficiency(sheet)
+    except ValueError as e:
+        raise ConfigError(f"device sheet {path}: efficiency: {e}") from None
     sheet.setdefault("name", name)
     try:  # one dtype vocabulary: "bfloat16" and "bf16" name the same peak
         sheet["peak_TFLOPs"] = {str(Dtype.parse(k)): v for k, v in sheet["peak_TFLOPs"].items()}
@@ -53,9 +69,163 @@ def dense_peak_flops(sheet: dict, dtype: str) -> float:
     return float(peaks[dtype]) * 1e12
 
 
+def has_curves(sheet: dict) -> bool:
+    """True when the sheet's efficiency is per op (curves), False for one number."""
+    return isinstance(sheet["efficiency"], dict)
+
+
+def check_efficiency(sheet: dict) -> None:
+    """ValueError saying what is wrong with the sheet's `efficiency` (a number in (0, 1], or
+    curves: gemm {max, half_GFLOP}, optional attention {head_dim: {max, half_seq}}), and that
+    curves need hbm_GBps (the other ops are priced by their bytes)."""
+    eff = sheet["efficiency"]
+    if not isinstance(eff, dict):
+        if not 0 < float(eff) <= 1:
+            raise ValueError(f"{eff} is not in (0, 1]")
+        return
+    if "gemm" not in eff:
+        raise ValueError("curves need a gemm entry {max, half_GFLOP}")
+    curves = [("gemm", eff["gemm"], "half_GFLOP")]
+    curves += [(f"attention.{d}", c, "half_seq") for d, c in (eff.get("attention") or {}).items()]
+    for name, curve, half in curves:
+        if not 0 < float(curve["max"]) <= 1 or float(curve[half]) < 0:
+            raise ValueError(f"{name}: max must be in (0, 1] and {half} >= 0, got {curve}")
+    if not sheet.get("hbm_GBps"):
+        raise ValueError("curves need hbm_GBps (ops other than GEMMs and attention move bytes)")
+
+
+def describe_efficiency(sheet: dict) -> str:
+    """The sheet's efficiency in a few words: "efficiency 0.55", or its curves' limits."""
+    if not has_curves(sheet):
+        return f"efficiency {sheet['efficiency']}"
+    eff = sheet["efficiency"]
+    gemm = eff["gemm"]
+    text = f"GEMMs at {gemm['max']} x F / (F + {gemm['half_GFLOP']} GFLOP) of peak"
+    if eff.get("attention"):
+        text += (", flash attention up to "
+                 f"{max(float(c['max']) for c in eff['attention'].values())} by length and head "
+                 "dim")
+    return text + f", other ops at {sheet['hbm_GBps']} GB/s"
+
+
+def ceiling_efficiency(sheet: dict) -> float:
+    """The share of peak the sheet's largest GEMMs reach: its one efficiency, or the gemm
+    curve's max."""
+    eff = sheet["efficiency"]
+    return float(eff["gemm"]["max"]) if isinstance(eff, dict) else float(eff)
+
+
+def gemm_efficiency(sheet: dict, flops: float) -> float:
+    """Share of peak one GEMM of `flops` FLOPs (on one rank) reaches: max x F / (F + half);
+    the sheet's one efficiency when it has no curves."""
+    if not has_curves(sheet):
+        return float(sheet["efficiency"])
+    curve = sheet["efficiency"]["gemm"]
+    half = float(curve["half_GFLOP"]) * 1e9
+    return float(curve["max"]) * flops / (flops + half) if flops > 0 else 0.0
+
+
+def attention_efficiency(sheet: dict, seq_len: float, head_dim: float) -> Optional[float]:
+    """Share of peak a flash-attention kernel over `seq_len` keys with `head_dim` reaches:
+    max_d x s / (s + half_seq_d), interpolated linearly in the head dim between the sheet's
+    (clamped at its smallest and largest); None when the sheet has no attention curves."""
+    if not has_curves(sheet) or not sheet["efficiency"].get("attention"):
+        return None
+    table = sorted((int(d), c) for d, c in sheet["efficiency"]["attention"].items())
+
+    def at(curve):
+        return float(curve["max"]) * seq_len / (seq_len + float(curve["half_seq"]))
+
+    if head_dim <= table[0][0]:
+        return at(table[0][1])
+    for (d0, c0), (d1, c1) in zip(table, table[1:]):
+        if head_dim <= d1:
+            w = (head_dim - d0) / (d1 - d0)
+            return (1 - w) * at(c0) + w * at(c1)
+    return at(table[-1][1])
+
+
+# Ops that launch no kernel: views, metadata, allocation (the trace records none of them, and
+# analytic profiles price none).
+NO_KERNEL_OPS = {
+    "aten.view", "aten._unsafe_view", "aten.t", "aten.transpose", "aten.permute", "aten.expand",
+    "aten.slice", "aten.select", "aten.split", "aten.split_with_sizes", "aten.unsqueeze",
+    "aten.squeeze", "aten.as_strided", "aten.alias", "aten.detach", "aten.unbind", "aten.chunk",
+    "aten.reshape", "aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty",
+    "aten.new_empty_strided", "aten.lift_fresh", "aten._reshape_alias", "aten.narrow",
+    "aten.view_as", "aten.flatten", "aten.unflatten", "aten.movedim", "aten.diagonal",
+    "aten.sym_size", "aten.sym_stride", "aten.sym_numel", "aten.is_same_size",
+    "aten._to_copy_meta", "aten.set_", "aten.resize_", "aten.unsafe_split",
+    "aten._local_scalar_dense",
+}
+# Matrix products (matmul and linear reach the dispatcher as these) and flash-attention kernels.
+GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm")
+ATTENTION_KERNELS = ("flash_attention_for_cpu", "flash_attention", "efficient_attention",
+                     "cudnn_attention")
+
+
+def op_kind(name: str) -> str:
+    """"gemm", "attention" or "memory" for an aten op's overload-packet name ("mm",
+    "aten._scaled_dot_product_flash_attention_backward", "aten.add", ...)."""
+    name = name.split(".")[-1]
+    if name in GEMM_OPS:
+        return "gemm"
+    prefix = "_scaled_dot_product_"
+    if name.startswith(prefix) and \
+            name[len(prefix):].removesuffix("_backward") in ATTENTION_KERNELS:
+        return "attention"
+    return "memory"
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """What one op asks of the device: `kind` "gemm" (a matrix product), "attention" (a flash
+    kernel over `seq_len` keys of `head_dim`) or "memory" (anything else), its FLOPs and the
+    bytes it reads and writes."""
+
+    kind: str
+    flops: float
+    bytes: float
+    dtype: str = "bf16"
+    seq_len: float = 0.0
+    head_dim: float = 0.0
+
+
+def op_us(sheet: dict, op: OpCost, peak: Optional[float] = None) -> float:
+    """Microseconds of one op on the sheet's device: its FLOPs at its efficiency (the gemm or
+    attention curve; the one efficiency on a sheet without curves), and never less than its
+    bytes at hbm_GBps (where the sheet has it); an op with no FLOPs is its bytes alone.
+    `peak`: the dense FLOP/s of the op's dtype when the caller has it (peak_or_fp32)."""
+    t = 0.0
+    if op.flops:
+        peak = peak if peak is not None else peak_or_fp32(sheet, op.dtype)
+        if peak:
+            eff = (attention_efficiency(sheet, op.seq_len, op.head_dim)
+                   if op.kind == "attention" else None)
+            if eff is None:
+                eff = gemm_efficiency(sheet, op.flops)
+            t = op.flops / (peak * eff) * 1e6
+    hbm = sheet.get("hbm_GBps")
+    if hbm:
+        t = max(t, op.bytes / (float(hbm) * 1e3))
+    return t
+
+
+def peak_or_fp32(sheet: dict, dtype: str) -> Optional[float]:
+    """Dense peak FLOP/s for `dtype`, else the sheet's fp32 one (integer ops, unknown names),
+    else None."""
+    for name in (dtype, "fp32"):
+        try:
+            return dense_peak_flops(sheet, name)
+        except (ConfigError, ValueError):
+            continue
+    return None
+
+
 def peak_flops(sheet: dict, dtype: str) -> float:
-    """Sustained FLOP/s the sheet promises for `dtype`: peak x efficiency."""
-    return dense_peak_flops(sheet, dtype) * float(sheet["efficiency"])
+    """Sustained FLOP/s the sheet promises for `dtype` where an op's shape is not known:
+    peak x its one efficiency, or x its gemm curve's max (the largest GEMMs' rate)."""
+    return dense_peak_flops(sheet, dtype) * ceiling_efficiency(sheet)
 
 
 def op_flops_per_us(sheet: dict, dtype: str) -> Optional[float]:

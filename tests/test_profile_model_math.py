@@ -304,3 +304,75 @@ def test_analytic_optimizer_step_is_its_bytes_at_the_sheets_hbm_bandwidth():
     assert us["h100"]["block_optim_us"] == pytest.approx(numel[0] * per_us, rel=1e-12)
     assert us["h100"]["other_optim_us"] == pytest.approx(numel[1] * per_us, rel=1e-12)
     assert "block_optim_us" not in us["cpu"]
+
+
+# ---------------------------------------------------------------- per-op compute (issue 41)
+def _model(name: str) -> ModelConfig:
+    import yaml
+
+    return ModelConfig(**yaml.safe_load((CONF_DIR / "model" / f"{name}.yaml").read_text()))
+
+
+def test_count_ops_files_each_gemm_and_the_flash_call_with_the_flop_counters_flops():
+    """Per-op accounting: a block's forward runs q, k, v, o, gate, up and down (7 GEMMs) and one
+    flash call, its backward two GEMMs per weight; their FLOPs add up to FlopCounterMode's."""
+    cfg = ModelConfig(dtype="bfloat16")
+    s = 64
+    with an.fake_tensors_mode():
+        pm = build_point_model(cfg, s, 1, None, "cpu")
+        flops, ops = an.count_ops(pm, s)
+    assert flops == an.count_flops(pm, s)
+    for part, n_gemms in (("block_fwd", 7), ("block_bwd", 14)):
+        p = ops[part]
+        assert len(p.gemms) == n_gemms and len(p.attention) == 1
+        attention_flops, keys, head_dim, _ = p.attention[0]
+        assert (keys, head_dim) == (s, cfg.hidden // cfg.heads)
+        gemm_flops = sum(2.0 * b * m * k * n for b, m, k, n, _ in p.gemms)
+        assert gemm_flops + attention_flops == pytest.approx(flops[part], rel=1e-12)
+        assert attention_flops == flops[f"attn{part[5:]}"]
+        assert {elem for *_, elem in p.gemms} == {2}  # bf16
+        assert p.other_bytes > 0  # norms, rotary, SwiGLU, residual adds
+    # the LM head: (tokens, hidden) x (hidden, vocab) forward, dgrad and wgrad backward
+    assert [g[1:4] for g in ops["other_fwd"].gemms] == [(s, cfg.hidden, cfg.vocab)]
+    assert len(ops["other_bwd"].gemms) == 2
+
+
+def test_a_tp_rank_runs_the_gemm_split_along_heads_ffn_or_vocabulary():
+    tokens, hidden, ffn, tp = 4096, 1024, 3072, 4
+    split = {  # tp=1 (batch, m, k, n) -> this rank's (m, k, n)
+        (1, tokens, hidden, ffn): (tokens, hidden, ffn / tp),   # column-parallel forward
+        (1, tokens, ffn, hidden): (tokens, ffn / tp, hidden),   # row-parallel forward
+        (1, ffn, tokens, hidden): (ffn / tp, tokens, hidden),   # its weight gradient
+        (1, tokens, hidden, hidden): (tokens, hidden, hidden / tp),  # q or o: same bytes
+    }
+    for (b, m, k, n), (m1, k1, n1) in split.items():
+        flops, nbytes = an.sharded_gemm((b, m, k, n, 2), tokens, hidden, tp)
+        assert flops == 2.0 * m1 * k1 * n1
+        assert nbytes == 2 * (m1 * k1 + k1 * n1 + m1 * n1)
+    assert an.sharded_gemm((1, tokens, hidden, ffn, 2), tokens, hidden, 1) == \
+        (2.0 * tokens * hidden * ffn, 2.0 * (tokens * hidden + hidden * ffn + tokens * ffn))
+
+
+def test_a_small_models_block_runs_below_a_large_ones_efficiency_on_the_h100_sheet():
+    """Issue 41: at one constant (0.55) a GPT 1.7B block (tp1, seq 2048) and a Llama 3 405B
+    block (tp8, seq 8192) both ran at 0.55 of peak; per op, small GEMMs, flash attention at head
+    dim 96 and the memory-bound ops pull the small one down and the large GEMMs lift the big
+    one, within the sheet's largest-GEMM ceiling."""
+    sheet = an.load_device_sheet("h100")
+    gpt = ModelConfig(name="gpt_1.7b", hidden=2304, ffn=9216, layers=24, heads=24, kv_heads=24,
+                      vocab=50304, seq_len=2048, dtype="bf16")
+    small = an.block_efficiency(gpt, 2048, 1, sheet)
+    large = an.block_efficiency(_model("llama3_405b"), 8192, 8, sheet)
+    assert small < 0.5 < 0.6 < large < sheet["efficiency"]["gemm"]["max"]
+
+
+def test_a_sheet_with_one_efficiency_still_prices_every_flop_at_it():
+    """Old sheets read as before: per-op counts or not, time = FLOPs / tp / (peak x eff)."""
+    cpu = an.load_device_sheet("cpu")
+    cfg = ModelConfig()
+    with an.fake_tensors_mode():
+        flops, ops = an.count_ops(build_point_model(cfg, 64, 1, None, "cpu"), 64)
+    times = an.analytic_times_us(flops, 2, cpu, "fp32", ops, tokens=64, hidden=cfg.hidden)
+    rate = 0.1e12 * 0.45 / 1e6  # the cpu sheet: fp32 0.1 TFLOP/s x 0.45, per us
+    assert times == pytest.approx({f"{k}_us": flops[k] / 2 / rate for k in
+                                   ("block_fwd", "block_bwd", "other_fwd", "other_bwd")})

@@ -83,27 +83,37 @@ def test_expert_time_grows_with_the_tokens_per_expert():
     assert large["act_bytes"] == pytest.approx(1024 * small["act_bytes"])
 
 
-def test_analytic_expert_flops_are_the_hand_count_and_time_is_flops_over_the_sheet():
-    from orchestrator.device import load_device_sheet, peak_flops
+def test_analytic_expert_flops_are_the_hand_count_and_time_is_each_gemm_on_the_sheet():
+    """Each GEMM of a case at the sheet's curve for its own FLOPs (issue 41: a small expert's
+    GEMMs run below a large one's rate), the other ops' bytes at hbm_GBps; a sheet with one
+    efficiency prices FLOPs at it and routing's bytes at hbm_GBps, as before."""
+    from orchestrator.device import OpCost, dense_peak_flops, load_device_sheet, op_us, peak_flops
 
     cfg = _model("qwen3_30b_a3b")
     h, w = cfg.hidden, expert_width(cfg)
     sheet = load_device_sheet("h100")
-    for n, etp in ((128, 1), (2048, 4)):
+    hbm = sheet["hbm_GBps"] * 1e3  # bytes per us
+    rates = {}
+    for n, etp in ((128, 1), (2048, 4), (8192, 1)):
         counts = moe.count_case(cfg, MoePart.experts, n, etp)
         # per expert: three GEMMs of n x h x (w / etp), 2 FLOPs per multiply-add; backward twice
         assert counts["fwd"] == 2 * n * 3 * h * (w // etp)
         assert counts["bwd"] == 2 * counts["fwd"]
         assert counts["fwd"] + counts["bwd"] == 6 * n * 3 * h * (w // etp)
         record = moe.analytic_case(cfg, (MoePart.experts, n, etp), sheet)
-        assert record["fwd_us"] == pytest.approx(counts["fwd"] / peak_flops(sheet, "bf16") * 1e6)
-    # routing: the router GEMM (n x h x experts) and, on a sheet with HBM, the bytes its
-    # other ops move
+        per_gemm = 2.0 * n * h * (w // etp)
+        gemm_us = op_us(sheet, OpCost("gemm", per_gemm, 2.0 * (n * h + h * w // etp
+                                                               + n * w // etp)))
+        assert record["fwd_us"] == pytest.approx(3 * gemm_us + counts["fwd_bytes"] / hbm)
+        rates[n] = counts["fwd"] / record["fwd_us"] / 1e6 / dense_peak_flops(sheet, "bf16")
+    assert rates[128] < rates[8192] < sheet["efficiency"]["gemm"]["max"]
+    # routing: the router GEMM (n x h x experts) and the bytes its other ops move
     route = moe.count_case(cfg, MoePart.routing, 1024, 1)
     assert route["fwd"] == 2 * 1024 * h * cfg.experts
-    record = moe.analytic_case(cfg, (MoePart.routing, 1024, 1), sheet)
-    assert record["fwd_us"] == pytest.approx(route["fwd"] / peak_flops(sheet, "bf16") * 1e6
-                                             + route["fwd_bytes"] / (sheet["hbm_GBps"] * 1e3))
+    cpu = {**load_device_sheet("cpu"), "hbm_GBps": 100.0}  # one efficiency, with an HBM
+    record = moe.analytic_case(cfg, (MoePart.routing, 1024, 1), cpu)
+    assert record["fwd_us"] == pytest.approx(route["fwd"] / peak_flops(cpu, "bf16") * 1e6
+                                             + route["fwd_bytes"] / (100.0 * 1e3))
 
 
 def test_published_moe_shape_profiles_analytic_with_a_moe_section(profiles):

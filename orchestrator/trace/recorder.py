@@ -19,18 +19,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-# Ops that make views or change metadata only: no kernel, no record.
-_NO_KERNEL = {
-    "aten.view", "aten._unsafe_view", "aten.t", "aten.transpose", "aten.permute", "aten.expand",
-    "aten.slice", "aten.select", "aten.split", "aten.split_with_sizes", "aten.unsqueeze",
-    "aten.squeeze", "aten.as_strided", "aten.alias", "aten.detach", "aten.unbind", "aten.chunk",
-    "aten.reshape", "aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty",
-    "aten.new_empty_strided", "aten.lift_fresh", "aten._reshape_alias", "aten.narrow",
-    "aten.view_as", "aten.flatten", "aten.unflatten", "aten.movedim", "aten.diagonal",
-    "aten.sym_size", "aten.sym_stride", "aten.sym_numel", "aten.is_same_size",
-    "aten._to_copy_meta", "aten.set_", "aten.resize_", "aten.unsafe_split",
-    "aten._local_scalar_dense",
-}
+from orchestrator.device import NO_KERNEL_OPS
+
+# Ops that make views or change metadata only: no kernel, no record (device.NO_KERNEL_OPS).
+_NO_KERNEL = NO_KERNEL_OPS
 _SKIP_COMM = {"wait_tensor", "barrier", "monitored_barrier_"}
 
 # Collective names as the records spell them (Megatron / NCCL vocabulary).

@@ -2,8 +2,10 @@
 else a device sheet's roofline, each op marked by its source (`time_source`).
 
 - Device sheet (`device_sheet`): a roofline per op, max(FLOPs / (peak x efficiency), bytes / HBM
-  bandwidth) (the bytes term only where the sheet gives `hbm_GBps`). FLOPs are torch's formulas
-  (matmuls, attention); elementwise ops have none and are priced by their bytes.
+  bandwidth) (the bytes term only where the sheet gives `hbm_GBps`), with the efficiency of the
+  op's kind and shape where the sheet has curves (device.op_us: a GEMM's by its FLOPs, flash
+  attention's by its keys and head dim), as analytic profiles price their ops. FLOPs are torch's
+  formulas (matmuls, attention); elementwise ops have none and are priced by their bytes.
 - Model profile (`profile:<source>`): the planner's own account of the layout's compute,
   planner/terms/compute.StageCompute (what StageCosts adds up for the search): per micro-batch a
   block's forward and backward (with experts a MoE block on the busiest EP rank: routing, its
@@ -23,8 +25,7 @@ import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from orchestrator.choices import Source
-from orchestrator.device import dense_peak_flops, op_flops_per_us
-from orchestrator.errors import ConfigError
+from orchestrator.device import OpCost, op_kind, op_us, peak_or_fp32
 from orchestrator.planner.cost_model import ConfigKey, CostOptions
 from orchestrator.planner.terms import MODE_CODES
 from orchestrator.planner.terms.compute import StageCompute
@@ -70,6 +71,18 @@ def _module_part(record: dict) -> Optional[str]:
     return "other" if module.split(".")[0] in OTHER_MODULES else "block"
 
 
+def op_cost(record: dict, dtype: str) -> OpCost:
+    """A compute record as device.op_us prices it: a flash kernel with its keys and head dim
+    (query, key, ... forward; grad_out, query, key, ... backward), a GEMM, or any other op."""
+    kind = op_kind(record["op"])
+    seq_len = head_dim = 0
+    if kind == "attention":
+        shapes = record["shapes"]
+        query, key = (shapes[1], shapes[2]) if record["op"].endswith("_backward") else shapes[:2]
+        seq_len, head_dim = key[-2], query[-1]
+    return OpCost(kind, record["flops"] or 0, record["bytes"], dtype, seq_len, head_dim)
+
+
 def split_parts(ops: List[dict], backward: bool) -> Dict[str, List[dict]]:
     """One chunk's compute ops of one micro-batch and pass (issue order) as {"block": ...,
     "other": ...}: an op outside any module goes with the op it follows in the forward and
@@ -95,39 +108,26 @@ class ComputePricer:
         self.profile_source = profile_source
         self.note = note  # why the profile is not used, when it is not
         self.options = options  # the planner's: shares, calibration, MoE imbalance
-        hbm = sheet.get("hbm_GBps")
-        self.hbm_bytes_per_us = float(hbm) * 1e3 if hbm else None
-        self._rate: Dict[str, Tuple[Optional[float], Optional[float]]] = {}
+        self._rate: Dict[str, Optional[float]] = {}
         self._stage_compute: Dict[tuple, StageCompute] = {}
 
-    def _rates(self, dtype: str) -> Tuple[Optional[float], Optional[float]]:
-        """(sustained, dense peak) FLOPs per us for an op of `dtype` (an unknown dtype: fp32's;
-        None when the sheet has neither)."""
+    def _peak(self, dtype: str) -> Optional[float]:
+        """Dense peak FLOP/s for an op of `dtype` (an unknown dtype: fp32's; None when the sheet
+        has neither)."""
         if dtype not in self._rate:
-            sustained = op_flops_per_us(self.sheet, dtype)
-            peak = None
-            for name in (dtype, "fp32"):
-                try:
-                    peak = dense_peak_flops(self.sheet, name) / 1e6
-                    break
-                except (ConfigError, ValueError):
-                    continue
-            self._rate[dtype] = (sustained, peak)
+            self._rate[dtype] = peak_or_fp32(self.sheet, dtype)
         return self._rate[dtype]
 
     def roofline_us(self, record: dict) -> float:
-        """One op's time (us) from the device sheet alone."""
-        t = 0.0
-        rate = self._rates(record.get("dtype") or "fp32")[0]
-        if record["flops"] and rate:
-            t = record["flops"] / rate
-        if self.hbm_bytes_per_us:
-            t = max(t, record["bytes"] / self.hbm_bytes_per_us)
-        return t
+        """One op's time (us) from the device sheet alone: device.op_us, the function analytic
+        profiles price their ops with (a GEMM by its FLOPs, flash attention by its keys and
+        head dim, every op at least its bytes at the sheet's HBM bandwidth)."""
+        dtype = record.get("dtype") or "fp32"
+        return op_us(self.sheet, op_cost(record, dtype), self._peak(dtype))
 
     def floor_us(self, record: dict) -> float:
         """The least time (us) an op can take: its FLOPs at the device's dense peak."""
-        peak = self._rates(record.get("dtype") or "fp32")[1]
+        peak = self._peak(record.get("dtype") or "fp32")
         return record["flops"] / peak if record["flops"] and peak else 0.0
 
     def stage_compute(self, spec) -> StageCompute:

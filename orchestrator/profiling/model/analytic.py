@@ -4,24 +4,28 @@ For a model too large for the machine at hand (a 100B model planned from a lapto
 - Memory stays exact: the same one-layer model is built under FakeTensorMode (tensors with shapes
   and dtypes, no data) and sharded over a fake process group of tp ranks with the real
   tensor-parallel plan; the saved-tensor counter then sees exactly what a real run saves.
-- Compute time comes from FLOPs (torch.utils.flop_counter.FlopCounterMode over a forward and a
-  backward) and a device sheet (conf/device/<name>.yaml: peak TFLOP/s per dtype and an efficiency
-  factor): time_us = flops / (peak_TFLOPs * 1e12 * efficiency) * 1e6. Causal flash attention
-  skips the masked half of the scores, so attention FLOPs count half. TP collectives are not in
-  analytic times (the search prices them from the hardware profile); every such number is marked
-  "source": "analytic".
+- Compute time comes from the ops of a forward and a backward on one rank (`count_ops`: each
+  GEMM's shape, each flash-attention call's length and head dim, the bytes of every other op)
+  priced by a device sheet (conf/device/<name>.yaml) op by op with orchestrator/device.op_us:
+  a GEMM at the sheet's gemm curve for its FLOPs, attention at its attention curve, the rest at
+  its bytes / hbm_GBps. A sheet with one `efficiency` prices every FLOP at peak x efficiency, as
+  before: time_us = flops / (peak_TFLOPs * 1e12 * efficiency) * 1e6. FLOP totals come from
+  torch.utils.flop_counter.FlopCounterMode. Causal flash attention skips the masked half of the
+  scores, so attention FLOPs count half. TP collectives are not in analytic times (the search
+  prices them from the hardware profile); every such number is marked "source": "analytic".
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
-from typing import Dict, Optional, Tuple
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Optional, Tuple
 
 from orchestrator.choices import Dtype
 # The device sheets and their FLOP/s live in orchestrator/device.py (train's MFU and trace's
 # pricing read them too); re-exported for this module's callers.
-from orchestrator.device import (DEVICE_DIR, device_sheets, flops_to_us,  # noqa: F401
-                                 load_device_sheet, peak_flops)
+from orchestrator.device import (ATTENTION_KERNELS, DEVICE_DIR,  # noqa: F401
+                                 NO_KERNEL_OPS, OpCost, device_sheets, flops_to_us, has_curves,
+                                 load_device_sheet, op_kind, op_us, peak_flops)
 from orchestrator.models.config import ModelConfig, count_block_params
 
 # Causal attention: a flash kernel computes only the blocks on or below the diagonal.
@@ -52,10 +56,8 @@ def _flop_mapping() -> dict:
                                            as_query_heads(query_shape, value_shape))
 
     # The CUDA kernels too: torch knows them, but older torch asserts on GQA shapes.
-    kernels = ("flash_attention_for_cpu", "flash_attention", "efficient_attention",
-               "cudnn_attention")
     mapping = {}
-    for kernel in kernels:
+    for kernel in ATTENTION_KERNELS:
         mapping[getattr(aten, f"_scaled_dot_product_{kernel}")] = fwd
         mapping[getattr(aten, f"_scaled_dot_product_{kernel}_backward")] = bwd
     return mapping
@@ -72,44 +74,149 @@ def _split_counts(counter) -> Tuple[float, float]:
     return total + attention, attention
 
 
+@dataclass
+class PassOps:
+    """The ops of one pass (a block's forward, ...) at tp=1: each GEMM as (batch, m, k, n,
+    element bytes), each flash-attention call as (FLOPs with causal halved, keys, head dim,
+    bytes), and the bytes every other op reads and writes."""
+
+    gemms: List[Tuple[int, int, int, int, int]] = field(default_factory=list)
+    attention: List[Tuple[float, int, int, float]] = field(default_factory=list)
+    other_bytes: float = 0.0
+
+
+def ops_mode(mapping: Optional[dict] = None):
+    """A dispatch mode that files every op of a pass into a PassOps (`.ops`, its other ops'
+    bytes in `.bytes`): the ops that launch a kernel, as the trace records them (aten ops, no
+    views nor device.NO_KERNEL_OPS). `mapping`: the attention FLOP formulas (_flop_mapping)."""
+    import torch
+
+    from orchestrator.profiling.model.timing import KernelBytes
+
+    mapping = mapping if mapping is not None else _flop_mapping()
+
+    class OpsMode(KernelBytes):
+        def __init__(self):
+            super().__init__()
+            self.ops = PassOps()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = f"{func.namespace}.{func.overloadpacket.__name__}"
+            if func.namespace != "aten" or name in NO_KERNEL_OPS:
+                return func(*args, **(kwargs or {}))
+            kind = op_kind(name)
+            if kind == "gemm":
+                a, b = args[-2], args[-1]  # addmm / baddbmm: (bias, a, b)
+                batch = a.shape[0] if a.dim() == 3 else 1
+                self.ops.gemms.append((batch, a.shape[-2], a.shape[-1], b.shape[-1],
+                                       a.element_size()))
+                return func(*args, **(kwargs or {}))
+            if kind == "attention":
+                before = self.bytes
+                out = super().__torch_dispatch__(func, types, args, kwargs)
+                backward = name.endswith("_backward")
+                query, key = args[1:3] if backward else args[0:2]
+                flops = mapping[func.overloadpacket](
+                    *[a.shape for a in args[:4] if isinstance(a, torch.Tensor)])
+                self.ops.attention.append((flops * CAUSAL_ATTENTION_FRACTION, key.shape[-2],
+                                           query.shape[-1], self.bytes - before))
+                self.bytes = before
+                return out
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    return OpsMode()
+
+
 def count_flops(pm, seq_len: int) -> Dict[str, float]:
     """FLOPs of one point's parts at `seq_len` on one rank of tp=1 (divide by tp for TP).
 
     Returns block_fwd, block_bwd, attn_fwd, attn_bwd (the attention core, part of block_*),
     other_fwd, other_bwd. Works on real and FakeTensorMode models alike.
     """
+    return count_ops(pm, seq_len)[0]
+
+
+def count_ops(pm, seq_len: int) -> Tuple[Dict[str, float], Dict[str, PassOps]]:
+    """(count_flops' FLOPs, the ops of each part: {"block_fwd": PassOps, "block_bwd", "other_fwd",
+    "other_bwd"}) at `seq_len` on one rank of tp=1, from one forward and one backward."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     mapping = _flop_mapping()
     cos, sin = pm.rope()
     x = pm.block_input(seq_len)
-    out = {}
-    with FlopCounterMode(display=False, custom_mapping=mapping) as fc:
+    out, ops = {}, {}
+
+    @contextlib.contextmanager
+    def counted(part):
+        with FlopCounterMode(display=False, custom_mapping=mapping) as fc, \
+                ops_mode(mapping) as mode:
+            yield
+        out[part], attention = _split_counts(fc)
+        if part.startswith("block"):
+            out[f"attn{part[len('block'):]}"] = attention
+        ops[part] = mode.ops
+        ops[part].other_bytes = float(mode.bytes)
+
+    with counted("block_fwd"):
         y = pm.block(x, cos, sin)
-    out["block_fwd"], out["attn_fwd"] = _split_counts(fc)
-    with FlopCounterMode(display=False, custom_mapping=mapping) as fc:
+    with counted("block_bwd"):
         y.backward(torch.ones_like(y))
-    out["block_bwd"], out["attn_bwd"] = _split_counts(fc)
     tokens, targets = pm.tokens(seq_len)
     with pm.loss_ctx():
-        with FlopCounterMode(display=False, custom_mapping=mapping) as fc:
+        with counted("other_fwd"):
             loss = pm.model.head_loss(pm.model.embed(tokens), targets)
-        out["other_fwd"], _ = _split_counts(fc)
-        with FlopCounterMode(display=False, custom_mapping=mapping) as fc:
+        with counted("other_bwd"):
             loss.backward()
-        out["other_bwd"], _ = _split_counts(fc)
-    return out
+    return out, ops
 
 
-def analytic_times_us(flops: Dict[str, float], tp: int, sheet: dict, dtype: str) -> Dict[str, float]:
-    """Schema times (block_fwd_us, ...) of a TP rank from tp=1 FLOPs and a device sheet.
+def sharded_gemm(gemm: Tuple[int, int, int, int, int], tokens: int, hidden: int,
+                 tp: int) -> Tuple[float, float]:
+    """(FLOPs, bytes read and written) of one tp=1 GEMM (batch, m, k, n, element bytes) on one
+    of `tp` ranks. Megatron's plan splits every block GEMM and the LM head along the dimension
+    that is neither the tokens nor the hidden size (heads, FFN columns, vocabulary rows): drop
+    one dimension equal to `tokens`, split the remaining one that is not `hidden` (when both or
+    neither are, the larger: the bytes are the same either way for equal ones)."""
+    batch, m, k, n, elem = gemm
+    dims = [m, k, n]
+    if tp > 1:
+        rest = list(range(3))
+        if tokens in dims:
+            rest.remove(dims.index(tokens))
+        others = [i for i in rest if dims[i] != hidden] or rest
+        split = max(others, key=lambda i: dims[i]) if len(others) > 1 else others[0]
+        dims[split] = dims[split] / tp
+    m, k, n = dims
+    return 2.0 * batch * m * k * n, float(elem * batch * (m * k + k * n + m * n))
 
-    Every matrix product of a block and of the LM head is split evenly over tp ranks (heads, FFN
-    columns, vocabulary rows), so a rank executes flops / tp.
+
+def analytic_times_us(flops: Dict[str, float], tp: int, sheet: dict, dtype: str,
+                      ops: Optional[Dict[str, PassOps]] = None, tokens: int = 0,
+                      hidden: int = 0) -> Dict[str, float]:
+    """Schema times (block_fwd_us, ...) of a TP rank from tp=1 counts and a device sheet.
+
+    A sheet with efficiency curves prices each op of `ops` (count_ops) on one of tp ranks with
+    device.op_us: a GEMM split as sharded_gemm says (`tokens`: the point's batch x seq, `hidden`:
+    the model's), attention and every other op's bytes split evenly (heads; sequence-parallel
+    tokens). A sheet with one efficiency prices the FLOPs: every matrix product of a block and
+    of the LM head is split evenly over tp ranks (heads, FFN columns, vocabulary rows), so a
+    rank executes flops / tp.
     """
-    return {f"{part}_us": flops_to_us(flops[part] / tp, sheet, dtype)
-            for part in ("block_fwd", "block_bwd", "other_fwd", "other_bwd")}
+    parts = ("block_fwd", "block_bwd", "other_fwd", "other_bwd")
+    if ops is None or not has_curves(sheet):
+        return {f"{part}_us": flops_to_us(flops[part] / tp, sheet, dtype) for part in parts}
+    times = {}
+    for part in parts:
+        p = ops[part]
+        us = op_us(sheet, OpCost("memory", 0.0, p.other_bytes / tp, dtype))
+        for gemm in p.gemms:
+            f, b = sharded_gemm(gemm, tokens, hidden, tp)
+            us += op_us(sheet, OpCost("gemm", f, b, dtype))
+        for f, seq, head_dim, b in p.attention:
+            us += op_us(sheet, OpCost("attention", f / tp, b / tp, dtype, seq, head_dim))
+        times[f"{part}_us"] = us
+    return times
 
 
 # ---------------------------------------------------------------- fake world
@@ -224,3 +331,21 @@ def model_for_point(cfg: ModelConfig, seq_len: int) -> ModelConfig:
     from orchestrator.models.config import dense_twin
 
     return replace(dense_twin(cfg), layers=1, seq_len=seq_len)
+
+
+def block_efficiency(cfg: ModelConfig, seq_len: int, tp: int, sheet: dict,
+                     batch: int = 1) -> float:
+    """The share of the dense peak one block's forward and backward reach in an analytic
+    profile on `sheet`: block FLOPs / (time x peak) on one of `tp` ranks at `seq_len` (the
+    FLOPs and times profile_model would record; causal attention counted half)."""
+    from orchestrator.device import dense_peak_flops
+    from orchestrator.profiling.model.timing import build_point_model
+
+    with fake_tensors_mode():
+        pm = build_point_model(model_for_point(cfg, seq_len), seq_len, 1, None, "cpu", batch)
+        flops, ops = count_ops(pm, seq_len)
+    times = analytic_times_us(flops, tp, sheet, cfg.dtype, ops, tokens=batch * seq_len,
+                              hidden=cfg.hidden)
+    us = times["block_fwd_us"] + times["block_bwd_us"]
+    return (flops["block_fwd"] + flops["block_bwd"]) / tp / (us * 1e-6) \
+        / dense_peak_flops(sheet, cfg.dtype)

@@ -18,8 +18,10 @@ code's own module (models/moe.py) run alone on one rank, against the tokens it p
 
 Measured: real tensors on the rank's device (measure.Stopwatch: CUDA events on a GPU), the
 median of `iters` iterations after `warmup_iters`, every rank at once (the contention the points
-see), the ranks' median. Analytic: meta tensors; FLOPs (FlopCounterMode) / (peak x efficiency);
-routing, mostly memory-bound ops around one small GEMM, adds the bytes its other ops move at
+see), the ranks' median. Analytic: meta tensors; on a device sheet with efficiency curves each
+GEMM at its own FLOPs' efficiency and every other op's bytes at hbm_GBps (device.op_us, as the
+points' ops); on a sheet with one efficiency, FLOPs (FlopCounterMode) / (peak x efficiency),
+routing, mostly memory-bound ops around one small GEMM, adding the bytes its other ops move at
 the sheet's hbm_GBps. Activation bytes: the saved-tensor counter (memory.py) on one forward.
 """
 from __future__ import annotations
@@ -149,59 +151,54 @@ def per_expert(cfg: ModelConfig, part: MoePart) -> int:
 
 
 # ---------------------------------------------------------------- counts (shapes only)
-_MATMULS = ("mm", "addmm", "bmm", "matmul", "linear")
-
-
-def _bytes_outside_matmuls_mode():
-    """KernelBytes that leaves out the GEMMs (priced by their FLOPs)."""
-    from orchestrator.profiling.model.timing import KernelBytes
-
-    class BytesOutsideMatmuls(KernelBytes):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket.__name__ in _MATMULS:
-                return func(*args, **(kwargs or {}))
-            return super().__torch_dispatch__(func, types, args, kwargs)
-
-    return BytesOutsideMatmuls()
-
-
 def count_case(cfg: ModelConfig, part: MoePart, tokens: int, split: int) -> Dict[str, float]:
     """One case on meta tensors, per expert for experts: FLOPs ("fwd", "bwd"), bytes moved by
-    its ops other than GEMMs ("fwd_bytes", "bwd_bytes") and activation bytes ("act_bytes")."""
+    its ops other than GEMMs ("fwd_bytes", "bwd_bytes"), activation bytes ("act_bytes"), and
+    its GEMMs as (batch, m, k, n, element bytes) ("fwd_gemms", "bwd_gemms": every expert's,
+    not divided)."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     from orchestrator.profiling.model import memory as mem
+    from orchestrator.profiling.model.analytic import ops_mode
 
     module = build_part(cfg, part, split, "meta")
     x = part_input(cfg, part, tokens, "meta")
     div = per_expert(cfg, part)
     counter = mem.SavedTensorCounter(mem.states_of(module))
-    moved = _bytes_outside_matmuls_mode()
-    with FlopCounterMode(display=False) as fwd, moved, counter.hooks():
+    with FlopCounterMode(display=False) as fwd, ops_mode() as moved_fwd, counter.hooks():
         y = part_forward(cfg, part, module, x, tokens)
-    fwd_bytes = moved.bytes
     act = counter.total_bytes
     counter.release()
-    moved = _bytes_outside_matmuls_mode()
-    with FlopCounterMode(display=False) as bwd, moved:
+    with FlopCounterMode(display=False) as bwd, ops_mode() as moved_bwd:
         y.backward(torch.empty_like(y))
     return {"fwd": fwd.get_total_flops() / div, "bwd": bwd.get_total_flops() / div,
-            "fwd_bytes": fwd_bytes / div, "bwd_bytes": moved.bytes / div, "act_bytes": act / div}
+            "fwd_bytes": moved_fwd.bytes / div, "bwd_bytes": moved_bwd.bytes / div,
+            "act_bytes": act / div, "fwd_gemms": moved_fwd.ops.gemms,
+            "bwd_gemms": moved_bwd.ops.gemms}
 
 
 def analytic_case(cfg: ModelConfig, case: MoeCase, sheet: dict) -> dict:
-    """A case's record from its counts and a device sheet (moe module docstring)."""
-    from orchestrator.device import flops_to_us
+    """A case's record from its counts and a device sheet (moe module docstring): on a sheet
+    with efficiency curves each GEMM at its own FLOPs' efficiency and the other ops' bytes at
+    hbm_GBps (device.op_us, as a dense block's ops); on one with a single efficiency, the
+    FLOPs at it and, for routing, the bytes at hbm_GBps."""
+    from orchestrator.device import OpCost, flops_to_us, has_curves, op_us
 
     part, tokens, split = case
     counts = count_case(cfg, part, tokens, split)
-    hbm_GBps = sheet.get("hbm_GBps") if part == MoePart.routing else None
+    div = per_expert(cfg, part)
     times = {}
     for phase in ("fwd", "bwd"):
-        us = flops_to_us(counts[phase], sheet, cfg.dtype)
-        if hbm_GBps:
-            us += counts[f"{phase}_bytes"] / (float(hbm_GBps) * 1e3)
+        if has_curves(sheet):
+            us = op_us(sheet, OpCost("memory", 0.0, counts[f"{phase}_bytes"], cfg.dtype))
+            us += sum(op_us(sheet, OpCost("gemm", 2.0 * b * m * k * n,
+                                          float(e * b * (m * k + k * n + m * n)), cfg.dtype))
+                      for b, m, k, n, e in counts[f"{phase}_gemms"]) / div
+        else:
+            us = flops_to_us(counts[phase], sheet, cfg.dtype)
+            if part == MoePart.routing and sheet.get("hbm_GBps"):
+                us += counts[f"{phase}_bytes"] / (float(sheet["hbm_GBps"]) * 1e3)
         times[f"{phase}_us"] = us
     return {"part": part.value, "tokens": tokens, "split": split, "source": "analytic",
             **times, "act_bytes": counts["act_bytes"],

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from orchestrator.choices import Recompute
+from orchestrator.device import describe_efficiency
 from orchestrator.profiling.measure import format_bytes
 from orchestrator.profiling.model.fit import predict_poly
 from orchestrator.store import save_figure
@@ -194,8 +195,9 @@ def print_report(profile: Mapping, console: Optional[Console] = None) -> None:
         console.print(moe_table(profile))
     if profile.get("source") == "analytic":
         sheet = profile.get("method", {}).get("device_sheet", {})
+        effs = describe_efficiency(sheet) if "efficiency" in sheet else "efficiency ?"
         console.print(f"[yellow]analytic[/]: times from FLOPs on device sheet "
-                      f"{sheet.get('name', '?')} (efficiency {sheet.get('efficiency', '?')}), "
+                      f"{sheet.get('name', '?')} ({effs}), "
                       f"TP collectives not included; optimizer step from its bytes at "
                       f"{sheet.get('hbm_GBps') or 'no'} GB/s HBM; memory exact from shapes")
 

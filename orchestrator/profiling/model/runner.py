@@ -54,7 +54,8 @@ class MeasuredTiming:
         """Where the point's tensors are made: real ones, on this rank's device."""
         return contextlib.nullcontext()
 
-    def times_us(self, pm, seq: int, tp: int, flops: Dict[str, float]) -> Optional[dict]:
+    def times_us(self, pm, seq: int, tp: int, flops: Dict[str, float],
+                 ops=None) -> Optional[dict]:
         """Every rank times the point; rank 0 gets the combined times, "iters" and "groups"."""
         import torch.distributed as dist
 
@@ -137,10 +138,12 @@ class AnalyticTiming:
         """Where the point's tensors are made: FakeTensorMode (shapes, no data)."""
         return self.fake
 
-    def times_us(self, pm, seq: int, tp: int, flops: Dict[str, float]) -> dict:
-        """Schema times (us) of one TP rank from the tp=1 FLOPs; the optimizer steps from the
+    def times_us(self, pm, seq: int, tp: int, flops: Dict[str, float], ops=None) -> dict:
+        """Schema times (us) of one TP rank from the tp=1 counts (`ops`: analytic.count_ops'
+        ops, priced one by one on a sheet with efficiency curves); the optimizer steps from the
         bytes they move at the sheet's HBM bandwidth (none without `hbm_GBps`)."""
-        times = an.analytic_times_us(flops, tp, self.sheet, self.dtype)
+        times = an.analytic_times_us(flops, tp, self.sheet, self.dtype, ops,
+                                     tokens=pm.batch * seq, hidden=pm.cfg.hidden)
         hbm_GBps = self.sheet.get("hbm_GBps")
         if hbm_GBps:
             per_element = optimizer_step_bytes_per_element(self.gpu_kernels)
@@ -156,8 +159,13 @@ class AnalyticTiming:
     def method(self, plan: ProfilePlan) -> dict:
         """The profile's "method": how times and memory were obtained."""
         return {"source": "analytic", "why": plan.reason, "device_sheet": self.sheet,
-                "timing": "FLOPs (FlopCounterMode, causal attention halved) / (peak x "
-                          "efficiency); TP collectives excluded; *_optim_us: the bytes the "
+                "timing": ("each op on one rank by the sheet's efficiency curves: a GEMM's "
+                           "FLOPs at the gemm curve, flash attention at the attention curve "
+                           "(causal half), other ops' bytes / hbm_GBps"
+                           if an.has_curves(self.sheet) else
+                           "FLOPs (FlopCounterMode, causal attention halved) / (peak x "
+                           "efficiency)")
+                          + "; TP collectives excluded; *_optim_us: the bytes the "
                           "optimizer step moves (norm, clip, AdamW, copy) / hbm_GBps"
                           + ("" if self.sheet.get("hbm_GBps") else " (not on this sheet: 0)"),
                 "activations": "saved tensors under FakeTensorMode"
@@ -177,7 +185,7 @@ class PointRunner:
         with self._flops_mode:  # FLOPs of tp=1 at every length; a rank executes flops / tp
             self._flops_model = build_point_model(self.model, max(plan.seq_lens), 1, None, "cpu",
                                                   self.batch)
-        self._flops_by_seq: Dict[int, dict] = {}
+        self._flops_by_seq: Dict[int, tuple] = {}
         self._pm = None
 
     @contextlib.contextmanager
@@ -193,17 +201,18 @@ class PointRunner:
             finally:
                 self._pm = None
 
-    def _flops(self, seq: int) -> Dict[str, float]:
+    def _counts(self, seq: int):
+        """(FLOPs, ops) of tp=1 at `seq` (analytic.count_ops), counted once per length."""
         if seq not in self._flops_by_seq:
             with self._flops_mode:
-                self._flops_by_seq[seq] = an.count_flops(self._flops_model, seq)
+                self._flops_by_seq[seq] = an.count_ops(self._flops_model, seq)
         return self._flops_by_seq[seq]
 
     def point(self, seq: int, tp: int) -> Optional[dict]:
         """The record of (seq, tp) (schema: docs/profile-schema.md); None off rank 0 of a
         measured job."""
-        pm, flops = self._pm, self._flops(seq)
-        times = self.timing.times_us(pm, seq, tp, flops)
+        pm, (flops, ops) = self._pm, self._counts(seq)
+        times = self.timing.times_us(pm, seq, tp, flops, ops)
         with self.timing.tensors():  # every rank of a group: the block's TP collectives run
             memory = memory_point(pm, seq, gpu_kernels=self.timing.gpu_kernels,
                                   allocator=self.timing.allocator)
