@@ -1,6 +1,6 @@
 """What a device computes, defined once: its sheet (conf/device/<name>.yaml: peak TFLOP/s per
 dtype, an efficiency, HBM bandwidth), the FLOP/s it promises, the time of one op on it
-(`op_us`), and the model FLOPs an iteration counts for MFU. Analytic model profiles, trace's
+(`OpTimer`), and the model FLOPs an iteration counts for MFU. Analytic model profiles, trace's
 compute prices and train's MFU all read these.
 
 A sheet's `efficiency` is one number (every FLOP at peak x efficiency, as before) or curves by
@@ -15,8 +15,7 @@ op (docs/workload.md, "Compute efficiency"):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, NamedTuple, Optional
 
 from orchestrator.choices import Dtype
 from orchestrator.conf_folders import CONF_DIR, config_dirs, group_options
@@ -177,8 +176,7 @@ def op_kind(name: str) -> str:
     return "memory"
 
 
-@dataclass(frozen=True)
-class OpCost:
+class OpCost(NamedTuple):
     """What one op asks of the device: `kind` "gemm" (a matrix product), "attention" (a flash
     kernel over `seq_len` keys of `head_dim`) or "memory" (anything else), its FLOPs and the
     bytes it reads and writes."""
@@ -191,24 +189,56 @@ class OpCost:
     head_dim: float = 0.0
 
 
-def op_us(sheet: dict, op: OpCost, peak: Optional[float] = None) -> float:
-    """Microseconds of one op on the sheet's device: its FLOPs at its efficiency (the gemm or
-    attention curve; the one efficiency on a sheet without curves), and never less than its
-    bytes at hbm_GBps (where the sheet has it); an op with no FLOPs is its bytes alone.
-    `peak`: the dense FLOP/s of the op's dtype when the caller has it (peak_or_fp32)."""
-    t = 0.0
-    if op.flops:
-        peak = peak if peak is not None else peak_or_fp32(sheet, op.dtype)
-        if peak:
-            eff = (attention_efficiency(sheet, op.seq_len, op.head_dim)
-                   if op.kind == "attention" else None)
-            if eff is None:
-                eff = gemm_efficiency(sheet, op.flops)
-            t = op.flops / (peak * eff) * 1e6
-    hbm = sheet.get("hbm_GBps")
-    if hbm:
-        t = max(t, op.bytes / (float(hbm) * 1e3))
-    return t
+class OpTimer:
+    """Times ops on one sheet's device (`us`), the sheet read once: what analytic profiles and
+    trace price every op with."""
+
+    def __init__(self, sheet: dict):
+        self.sheet = sheet
+        self.curves = has_curves(sheet)
+        if self.curves:
+            gemm = sheet["efficiency"]["gemm"]
+            self.gemm_max, self.gemm_half = float(gemm["max"]), float(gemm["half_GFLOP"]) * 1e9
+        self.scalar = None if self.curves else float(sheet["efficiency"])
+        hbm = sheet.get("hbm_GBps")
+        self.hbm_bytes_per_us = float(hbm) * 1e3 if hbm else None
+        self._peaks: Dict[str, Optional[float]] = {}
+        self._attention: Dict[tuple, Optional[float]] = {}
+
+    def peak(self, dtype: str) -> Optional[float]:
+        """Dense FLOP/s of an op of `dtype` (peak_or_fp32)."""
+        if dtype not in self._peaks:
+            self._peaks[dtype] = peak_or_fp32(self.sheet, dtype)
+        return self._peaks[dtype]
+
+    def us(self, op: OpCost) -> float:
+        """Microseconds of one op: its FLOPs at its efficiency (the gemm or attention curve;
+        the one efficiency on a sheet without curves), and never less than its bytes at
+        hbm_GBps (where the sheet has it); an op with no FLOPs is its bytes alone."""
+        t = 0.0
+        if op.flops:
+            peak = self.peak(op.dtype)
+            if peak:
+                if self.scalar is not None:
+                    eff = self.scalar
+                else:
+                    eff = None
+                    if op.kind == "attention":
+                        key = (op.seq_len, op.head_dim)
+                        if key not in self._attention:
+                            self._attention[key] = attention_efficiency(self.sheet, *key)
+                        eff = self._attention[key]
+                    if eff is None:
+                        eff = self.gemm_max * op.flops / (op.flops + self.gemm_half)
+                t = op.flops / (peak * eff) * 1e6
+        if self.hbm_bytes_per_us:
+            t = max(t, op.bytes / self.hbm_bytes_per_us)
+        return t
+
+
+def op_us(sheet: dict, op: OpCost) -> float:
+    """Microseconds of one op on the sheet's device (OpTimer.us)."""
+    return OpTimer(sheet).us(op)
 
 
 def peak_or_fp32(sheet: dict, dtype: str) -> Optional[float]:

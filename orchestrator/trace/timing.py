@@ -3,7 +3,7 @@ else a device sheet's roofline, each op marked by its source (`time_source`).
 
 - Device sheet (`device_sheet`): a roofline per op, max(FLOPs / (peak x efficiency), bytes / HBM
   bandwidth) (the bytes term only where the sheet gives `hbm_GBps`), with the efficiency of the
-  op's kind and shape where the sheet has curves (device.op_us: a GEMM's by its FLOPs, flash
+  op's kind and shape where the sheet has curves (device.OpTimer: a GEMM's by its FLOPs, flash
   attention's by its keys and head dim), as analytic profiles price their ops. FLOPs are torch's
   formulas (matmuls, attention); elementwise ops have none and are priced by their bytes.
 - Model profile (`profile:<source>`): the planner's own account of the layout's compute,
@@ -25,7 +25,7 @@ import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from orchestrator.choices import Source
-from orchestrator.device import OpCost, op_kind, op_us, peak_or_fp32
+from orchestrator.device import OpCost, OpTimer, op_kind
 from orchestrator.planner.cost_model import ConfigKey, CostOptions
 from orchestrator.planner.terms import MODE_CODES
 from orchestrator.planner.terms.compute import StageCompute
@@ -71,16 +71,21 @@ def _module_part(record: dict) -> Optional[str]:
     return "other" if module.split(".")[0] in OTHER_MODULES else "block"
 
 
+_KINDS: Dict[str, str] = {}  # op name -> device.op_kind
+
+
 def op_cost(record: dict, dtype: str) -> OpCost:
-    """A compute record as device.op_us prices it: a flash kernel with its keys and head dim
+    """A compute record as device.OpTimer prices it: a flash kernel with its keys and head dim
     (query, key, ... forward; grad_out, query, key, ... backward), a GEMM, or any other op."""
-    kind = op_kind(record["op"])
-    seq_len = head_dim = 0
-    if kind == "attention":
-        shapes = record["shapes"]
-        query, key = (shapes[1], shapes[2]) if record["op"].endswith("_backward") else shapes[:2]
-        seq_len, head_dim = key[-2], query[-1]
-    return OpCost(kind, record["flops"] or 0, record["bytes"], dtype, seq_len, head_dim)
+    name = record["op"]
+    kind = _KINDS.get(name)
+    if kind is None:
+        kind = _KINDS[name] = op_kind(name)
+    if kind != "attention":
+        return OpCost(kind, record["flops"] or 0, record["bytes"], dtype)
+    shapes = record["shapes"]
+    query, key = (shapes[1], shapes[2]) if name.endswith("_backward") else shapes[:2]
+    return OpCost(kind, record["flops"] or 0, record["bytes"], dtype, key[-2], query[-1])
 
 
 def split_parts(ops: List[dict], backward: bool) -> Dict[str, List[dict]]:
@@ -108,27 +113,19 @@ class ComputePricer:
         self.profile_source = profile_source
         self.note = note  # why the profile is not used, when it is not
         self.options = options  # the planner's: shares, calibration, MoE imbalance
-        self._rate: Dict[str, Optional[float]] = {}
+        self.timer = OpTimer(sheet)
         self._stage_compute: Dict[tuple, StageCompute] = {}
 
-    def _peak(self, dtype: str) -> Optional[float]:
-        """Dense peak FLOP/s for an op of `dtype` (an unknown dtype: fp32's; None when the sheet
-        has neither)."""
-        if dtype not in self._rate:
-            self._rate[dtype] = peak_or_fp32(self.sheet, dtype)
-        return self._rate[dtype]
-
     def roofline_us(self, record: dict) -> float:
-        """One op's time (us) from the device sheet alone: device.op_us, the function analytic
+        """One op's time (us) from the device sheet alone: device.OpTimer, what analytic
         profiles price their ops with (a GEMM by its FLOPs, flash attention by its keys and
         head dim, every op at least its bytes at the sheet's HBM bandwidth)."""
-        dtype = record.get("dtype") or "fp32"
-        return op_us(self.sheet, op_cost(record, dtype), self._peak(dtype))
+        return self.timer.us(op_cost(record, record.get("dtype") or "fp32"))
 
     def floor_us(self, record: dict) -> float:
         """The least time (us) an op can take: its FLOPs at the device's dense peak."""
-        peak = self._peak(record.get("dtype") or "fp32")
-        return record["flops"] / peak if record["flops"] and peak else 0.0
+        peak = self.timer.peak(record.get("dtype") or "fp32")
+        return record["flops"] / peak * 1e6 if record["flops"] and peak else 0.0
 
     def stage_compute(self, spec) -> StageCompute:
         """The planner's compute account of `spec`'s layout (planner/terms/compute.py)."""

@@ -6,7 +6,7 @@ For a model too large for the machine at hand (a 100B model planned from a lapto
   tensor-parallel plan; the saved-tensor counter then sees exactly what a real run saves.
 - Compute time comes from the ops of a forward and a backward on one rank (`count_ops`: each
   GEMM's shape, each flash-attention call's length and head dim, the bytes of every other op)
-  priced by a device sheet (conf/device/<name>.yaml) op by op with orchestrator/device.op_us:
+  priced by a device sheet (conf/device/<name>.yaml) op by op with orchestrator/device.OpTimer:
   a GEMM at the sheet's gemm curve for its FLOPs, attention at its attention curve, the rest at
   its bytes / hbm_GBps. A sheet with one `efficiency` prices every FLOP at peak x efficiency, as
   before: time_us = flops / (peak_TFLOPs * 1e12 * efficiency) * 1e6. FLOP totals come from
@@ -24,8 +24,8 @@ from orchestrator.choices import Dtype
 # The device sheets and their FLOP/s live in orchestrator/device.py (train's MFU and trace's
 # pricing read them too); re-exported for this module's callers.
 from orchestrator.device import (ATTENTION_KERNELS, DEVICE_DIR,  # noqa: F401
-                                 NO_KERNEL_OPS, OpCost, device_sheets, flops_to_us, has_curves,
-                                 load_device_sheet, op_kind, op_us, peak_flops)
+                                 NO_KERNEL_OPS, OpCost, OpTimer, device_sheets, flops_to_us,
+                                 has_curves, load_device_sheet, op_kind, peak_flops)
 from orchestrator.models.config import ModelConfig, count_block_params
 
 # Causal attention: a flash kernel computes only the blocks on or below the diagonal.
@@ -197,7 +197,7 @@ def analytic_times_us(flops: Dict[str, float], tp: int, sheet: dict, dtype: str,
     """Schema times (block_fwd_us, ...) of a TP rank from tp=1 counts and a device sheet.
 
     A sheet with efficiency curves prices each op of `ops` (count_ops) on one of tp ranks with
-    device.op_us: a GEMM split as sharded_gemm says (`tokens`: the point's batch x seq, `hidden`:
+    device.OpTimer: a GEMM split as sharded_gemm says (`tokens`: the point's batch x seq, `hidden`:
     the model's), attention and every other op's bytes split evenly (heads; sequence-parallel
     tokens). A sheet with one efficiency prices the FLOPs: every matrix product of a block and
     of the LM head is split evenly over tp ranks (heads, FFN columns, vocabulary rows), so a
@@ -206,15 +206,16 @@ def analytic_times_us(flops: Dict[str, float], tp: int, sheet: dict, dtype: str,
     parts = ("block_fwd", "block_bwd", "other_fwd", "other_bwd")
     if ops is None or not has_curves(sheet):
         return {f"{part}_us": flops_to_us(flops[part] / tp, sheet, dtype) for part in parts}
+    timer = OpTimer(sheet)
     times = {}
     for part in parts:
         p = ops[part]
-        us = op_us(sheet, OpCost("memory", 0.0, p.other_bytes / tp, dtype))
+        us = timer.us(OpCost("memory", 0.0, p.other_bytes / tp, dtype))
         for gemm in p.gemms:
             f, b = sharded_gemm(gemm, tokens, hidden, tp)
-            us += op_us(sheet, OpCost("gemm", f, b, dtype))
+            us += timer.us(OpCost("gemm", f, b, dtype))
         for f, seq, head_dim, b in p.attention:
-            us += op_us(sheet, OpCost("attention", f / tp, b / tp, dtype, seq, head_dim))
+            us += timer.us(OpCost("attention", f / tp, b / tp, dtype, seq, head_dim))
         times[f"{part}_us"] = us
     return times
 

@@ -19,7 +19,7 @@ code's own module (models/moe.py) run alone on one rank, against the tokens it p
 Measured: real tensors on the rank's device (measure.Stopwatch: CUDA events on a GPU), the
 median of `iters` iterations after `warmup_iters`, every rank at once (the contention the points
 see), the ranks' median. Analytic: meta tensors; on a device sheet with efficiency curves each
-GEMM at its own FLOPs' efficiency and every other op's bytes at hbm_GBps (device.op_us, as the
+GEMM at its own FLOPs' efficiency and every other op's bytes at hbm_GBps (device.OpTimer, as the
 points' ops); on a sheet with one efficiency, FLOPs (FlopCounterMode) / (peak x efficiency),
 routing, mostly memory-bound ops around one small GEMM, adding the bytes its other ops move at
 the sheet's hbm_GBps. Activation bytes: the saved-tensor counter (memory.py) on one forward.
@@ -181,18 +181,19 @@ def count_case(cfg: ModelConfig, part: MoePart, tokens: int, split: int) -> Dict
 def analytic_case(cfg: ModelConfig, case: MoeCase, sheet: dict) -> dict:
     """A case's record from its counts and a device sheet (moe module docstring): on a sheet
     with efficiency curves each GEMM at its own FLOPs' efficiency and the other ops' bytes at
-    hbm_GBps (device.op_us, as a dense block's ops); on one with a single efficiency, the
+    hbm_GBps (device.OpTimer, as a dense block's ops); on one with a single efficiency, the
     FLOPs at it and, for routing, the bytes at hbm_GBps."""
-    from orchestrator.device import OpCost, flops_to_us, has_curves, op_us
+    from orchestrator.device import OpCost, OpTimer, flops_to_us, has_curves
 
     part, tokens, split = case
     counts = count_case(cfg, part, tokens, split)
     div = per_expert(cfg, part)
+    timer = OpTimer(sheet)
     times = {}
     for phase in ("fwd", "bwd"):
         if has_curves(sheet):
-            us = op_us(sheet, OpCost("memory", 0.0, counts[f"{phase}_bytes"], cfg.dtype))
-            us += sum(op_us(sheet, OpCost("gemm", 2.0 * b * m * k * n,
+            us = timer.us(OpCost("memory", 0.0, counts[f"{phase}_bytes"], cfg.dtype))
+            us += sum(timer.us(OpCost("gemm", 2.0 * b * m * k * n,
                                           float(e * b * (m * k + k * n + m * n)), cfg.dtype))
                       for b, m, k, n, e in counts[f"{phase}_gemms"]) / div
         else:
