@@ -376,3 +376,11 @@ def test_a_sheet_with_one_efficiency_still_prices_every_flop_at_it():
     rate = 0.1e12 * 0.45 / 1e6  # the cpu sheet: fp32 0.1 TFLOP/s x 0.45, per us
     assert times == pytest.approx({f"{k}_us": flops[k] / 2 / rate for k in
                                    ("block_fwd", "block_bwd", "other_fwd", "other_bwd")})
+
+
+def test_an_embedding_lookup_moves_the_rows_it_gathers_not_the_table():
+    table = torch.empty(1_000_000, 64, dtype=torch.bfloat16, device="meta")
+    ids = torch.zeros(10, dtype=torch.long, device="meta")
+    with an.ops_mode() as mode:
+        torch.nn.functional.embedding(ids, table)
+    assert mode.bytes == 2 * 10 * 64 * 2 + 10 * 8

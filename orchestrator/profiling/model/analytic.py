@@ -122,6 +122,11 @@ def ops_mode(mapping: Optional[dict] = None):
                                            query.shape[-1], self.bytes - before))
                 self.bytes = before
                 return out
+            if name == "aten.embedding":  # reads the rows it gathers, not the whole table
+                out = func(*args, **(kwargs or {}))
+                self.bytes += 2 * out.numel() * out.element_size() \
+                    + args[1].numel() * args[1].element_size()
+                return out
             return super().__torch_dispatch__(func, types, args, kwargs)
 
     return OpsMode()
