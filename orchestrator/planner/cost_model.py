@@ -27,8 +27,11 @@ ring and the all-gather), zero.py (ZeRO sharding, per-layer ZeRO 2/3 traffic, gr
 pipeline.py (p2p sends), memory.py (activations, buffers); schedule.py has alpha, beta and the
 in-flight micro-batches. Overlap: communication C beside compute W slows both by
 `overlap_coe` (c >= 1), the pair taking max(W, C) + min(W, C) (c - 1); a stage's gradient sync
-overlaps with the backward of its last micro-batch (recompute excluded), per-layer ZeRO 2/3
-traffic with the layer's own compute (prefetch).
+overlaps with the backward of its last micro-batch (recompute excluded; Megatron: in buckets,
+model chunk by model chunk, and the distributed optimizer's parameter all-gather beside the
+next forward, by CostOptions' overlap knobs: terms/zero.py), per-layer ZeRO 2/3 traffic with the
+layer's own compute (prefetch); Megatron's --tp-comm-overlap hides TP collectives behind their
+GEMMs (terms/tp_comm.py); docs/workload.md "Overlap" states every rule.
 
 Collective times come from the hardware profile by the nodes a group spans (TP groups: ranks 1
 apart, DP groups and their ZeRO traffic: tp apart, Megatron order): inside one node the intra-node
@@ -46,7 +49,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any, List, Optional, Tuple
 
 import numpy as np
@@ -584,8 +587,8 @@ class StageCosts:
         n = np.asarray(n, dtype=float)
         layers = n if layers is None else np.asarray(layers, dtype=float)
         key = self.key
-        parts = megatron_sync_parts_us if self.engine == Engine.megatron else (
-            lambda *args: dp_sync_parts_us(*args, self.engine))
+        parts = (megatron_sync_parts_us if self.engine == Engine.megatron
+                 else partial(dp_sync_parts_us, engine=self.engine))
         during, after = parts(self.hardware, key.zero, key.replicas, key.tp,
                               layers * self.block_grad_bytes + self.other_grad_bytes[j],
                               layers * self.block_param_bytes + self.other_param_bytes[j])
