@@ -136,12 +136,12 @@ def _check_overlap(cfg) -> None:
     from orchestrator.train.plan import OVERLAP_KNOBS
 
     s = cfg.search
-    given = [key for key in OVERLAP_KNOBS if s.get(key) is not None]
+    given = [key for key in OVERLAP_KNOBS if getattr(s, key) is not None]
     if given and str(s.engine) != "megatron":
         raise ConfigError(f"search.{given[0]} is Megatron-LM's option: set search.engine=megatron "
                           f"(stage=train's engine, search.engine={s.engine}, has no TP overlap and "
                           f"its own gradient sync; see docs/workload.md \"Overlap\")")
-    if s.get("overlap_param_gather") and s.get("overlap_grad_reduce") is False:
+    if s.overlap_param_gather and s.overlap_grad_reduce is False:
         raise ConfigError("search.overlap_param_gather=true needs search.overlap_grad_reduce "
                           "(Megatron-LM's --overlap-param-gather requires --overlap-grad-reduce)")
 
