@@ -183,6 +183,13 @@ class SearchConfig:
     # The engine the pick will run on, whose communication and memory are priced (workload/):
     # orchestrator (stage=train) or megatron (the Megatron-LM export).
     engine: Engine = Engine.orchestrator
+    # Megatron-LM's overlap options, priced for engine=megatron and written into the Megatron
+    # export (planner/terms/tp_comm.py, zero.py; docs/workload.md "Overlap"): null is on, as
+    # Megatron-LM's published runs use them (its own command-line defaults are off).
+    # stage=train's engine has none of them (no TP overlap; its own gradient sync rule).
+    tp_comm_overlap: Optional[bool] = None  # --tp-comm-overlap (userbuffers; SP layouts only)
+    overlap_grad_reduce: Optional[bool] = None  # --overlap-grad-reduce (bucketed gradient sync)
+    overlap_param_gather: Optional[bool] = None  # --overlap-param-gather (ZeRO 1/2's all-gather)
     # A Galvatron strategy (galvatron_config_*.json) to price with our cost model and print next
     # to our best, term by term.
     compare: Optional[str] = None

@@ -94,7 +94,8 @@ def test_recompute_costs_time(model, hw):
 
 def test_megatrons_sequence_parallel_backward_moves_more_than_forward(model, hw):
     key = ConfigKey(8, 4, 1, 2, 0, True, 1, 4, "1f1b", 1)
-    megatron = CostOptions(engine="megatron")
+    # the collectives as moved (--tp-comm-overlap, which hides part of them: test_planner_overlap)
+    megatron = CostOptions(engine="megatron", tp_comm_overlap=False)
     costs = StageCosts(key, model, hw, SEQ, megatron)
     assert costs.tp.layer.bwd_us > costs.tp.layer.fwd_us > 0  # 4 AG + 2 RS vs 2 AG + 2 RS
     ours = StageCosts(key, model, hw, SEQ)
@@ -122,14 +123,13 @@ def test_gradient_sync_is_exposed_only_with_data_parallelism(model, hw):
                     options=MEGATRON)
     assert single.breakdown_us["dp_sync_exposed"] == 0
     assert many.breakdown_us["dp_sync_exposed"] > 0
-    # dp 8 with stride tp 2 all-reduces the fp32 gradients of all 8 blocks and "other", beside
-    # the last micro-batch's backward of one stage holding everything.
-    costs = StageCosts(ConfigKey.of(many.layout), model, hw, SEQ, MEGATRON)
+    # dp 8 with stride tp 2 all-reduces the fp32 gradients of all 8 blocks and "other" of one
+    # stage holding everything: one Megatron DDP bucket (< 40M parameters), launched when the
+    # last backward has made all of them, so all of it is exposed (test_planner_overlap: more
+    # buckets overlap).
     block, other = model.memory(2)
     sync = hw.collective_time_us("allreduce", 8, 2, 8 * block.grad_bytes + other.grad_bytes)
-    window = 8 * costs.layer.bwd_us + float(costs.other.bwd_us[0])
-    assert many.breakdown_us["dp_sync_exposed"] == pytest.approx(
-        float(overlap_extra_us(window, sync, hw.overlap_coe)))
+    assert many.breakdown_us["dp_sync_exposed"] == pytest.approx(sync)
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])

@@ -27,8 +27,11 @@ ring and the all-gather), zero.py (ZeRO sharding, per-layer ZeRO 2/3 traffic, gr
 pipeline.py (p2p sends), memory.py (activations, buffers); schedule.py has alpha, beta and the
 in-flight micro-batches. Overlap: communication C beside compute W slows both by
 `overlap_coe` (c >= 1), the pair taking max(W, C) + min(W, C) (c - 1); a stage's gradient sync
-overlaps with the backward of its last micro-batch (recompute excluded), per-layer ZeRO 2/3
-traffic with the layer's own compute (prefetch).
+overlaps with the backward of its last micro-batch (recompute excluded; Megatron: in buckets,
+model chunk by model chunk, and the distributed optimizer's parameter all-gather beside the
+next forward, by CostOptions' overlap knobs: terms/zero.py), per-layer ZeRO 2/3 traffic with the
+layer's own compute (prefetch); Megatron's --tp-comm-overlap hides TP collectives behind their
+GEMMs (terms/tp_comm.py); docs/workload.md "Overlap" states every rule.
 
 Collective times come from the hardware profile by the nodes a group spans (TP groups: ranks 1
 apart, DP groups and their ZeRO traffic: tp apart, Megatron order): inside one node the intra-node
@@ -46,7 +49,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any, List, Optional, Tuple
 
 import numpy as np
@@ -72,9 +75,10 @@ from orchestrator.planner.terms.moe import (MoeComm, MoeParams, activation_delta
                                             moe_imbalance)
 from orchestrator.planner.terms.pipeline import (boundary_intra_node, boundary_us,
                                                  on_end_stages, stage_send_counts, stage_sends)
-from orchestrator.planner.terms.tp_comm import TpComm
+from orchestrator.planner.terms.tp_comm import TpComm, gemm_shares
 from orchestrator.planner.terms.zero import (ZeroSharding, ZeroTraffic, dp_sync_parts_us,
-                                             zero_messages)
+                                             megatron_bucket_count, megatron_sync_parts_us,
+                                             overlapped_sync_us, zero_messages)
 from orchestrator.workload.comm import (Comm, cp_messages, layer_activation_bytes,
                                         pp_message_bytes, residual_dtype, times, tp_messages)
 from orchestrator.workload.memory import BlockActivations
@@ -85,12 +89,15 @@ from orchestrator.workload.moe import moe_messages, tokens_per_rank
 # rank, flavour, dtype): each list built once (Comm tuples are immutable). Sizes over K
 # micro-batches (numpy arrays, at()) are built each time.
 def _tp_priced(hardware: HardwareModel, tp: int, latency_factor: float,
-               bandwidth_factor: float, *message_args) -> Tuple[Any, TpComm]:
+               bandwidth_factor: float, gemm_fwd_us, shares, overlap_coe: float, mlp: bool,
+               *message_args) -> Tuple[Any, TpComm]:
     """(tp_messages(*message_args), their TpComm on `hardware`): configs that differ only in
-    pp, dp or ZeRO share both."""
+    pp, dp or ZeRO share both. gemm_fwd_us None: every collective exposed; else Megatron's
+    userbuffers beside the block's GEMMs (TpComm.from_hardware's overlap)."""
     messages = tp_messages(*message_args)
+    overlap = None if gemm_fwd_us is None else (gemm_fwd_us, shares, overlap_coe, mlp)
     return messages, TpComm.from_hardware(hardware, tp, messages, latency_factor,
-                                          bandwidth_factor)
+                                          bandwidth_factor, overlap)
 
 
 _MESSAGES = {_tp_priced: lru_cache(maxsize=4096)(_tp_priced),
@@ -192,6 +199,7 @@ class StageCosts:
         self.compute_dtype = Dtype.parse(options.dtype or model.dtype)
         self.residual_dtype = residual_dtype(self.engine, self.compute_dtype)
         self.overlap_coe = hardware.overlap_coe
+        self.overlap = options.overlap()  # Megatron's overlap knobs (terms/tp_comm, zero)
         self._block, self._other = block, other = model.memory(key.tp)
         self.block_param_bytes = block.param_bytes
         self.block_grad_bytes = block.grad_bytes
@@ -337,9 +345,18 @@ class StageCosts:
                                      self.contention * cal.compute)
         # The messages are the workload model's (workload/comm.py, moe.py); the terms price them
         # and messages() lists them.
+        # Megatron's --tp-comm-overlap (sequence parallelism only): the block's GEMMs hide
+        # what they can of its collectives (terms/tp_comm.userbuffer_layer_us)
+        gemm_fwd_us = shares = None
+        if self.overlap.tp_comm and key.sequence_parallel and key.tp > 1:
+            gemm_fwd_us = as_value(model.block_linear_us(seq_len, key.tp, micro_batch_size
+                                                         / key.cp)[0]
+                                   * self.contention * cal.compute)
+            shares = gemm_shares(model.hidden, model.ffn, model.heads, model.kv_heads)
         self.tp_messages, self.tp = _messages(
-            _tp_priced, self.hardware, key.tp, cal.tp_latency, cal.tp_bandwidth, self.engine,
-            key.sequence_parallel, self.tokens, model.hidden, self.compute_dtype)
+            _tp_priced, self.hardware, key.tp, cal.tp_latency, cal.tp_bandwidth, gemm_fwd_us,
+            shares, self.overlap_coe, self.moe is None, self.engine, key.sequence_parallel,
+            self.tokens, model.hidden, self.compute_dtype)
         self.cp_messages = _messages(cp_messages, key.cp_comm, key.cp, key.cp_a2a, self.tokens,
                                      model.heads, model.kv_heads, model.hidden // model.heads,
                                      key.tp, self.compute_dtype, self.engine)
@@ -562,19 +579,23 @@ class StageCosts:
         return self.total_bytes(j, params, grads, optim,
                                 self.activation_bytes(j, n, mode_code, k))
 
-    def dp_sync_parts_us(self, j: int, n):
+    def dp_sync_parts_us(self, j: int, n, layers=None):
         """Stage j's data-parallel sync (us) with n layers, alone: (during its last backward,
-        after the optimizer step) (terms/zero.py: dp_sync_parts_us, by engine)."""
+        after the optimizer step) (terms/zero.py: dp_sync_parts_us, by engine); Megatron's as
+        (its gradient collective, its parameter all-gather: megatron_sync_parts_us), of
+        `layers` of the n (default all; "other" always in)."""
         n = np.asarray(n, dtype=float)
+        layers = n if layers is None else np.asarray(layers, dtype=float)
         key = self.key
-        during, after = dp_sync_parts_us(self.hardware, key.zero, key.replicas, key.tp,
-                                         n * self.block_grad_bytes + self.other_grad_bytes[j],
-                                         n * self.block_param_bytes + self.other_param_bytes[j],
-                                         self.engine)
+        parts = (megatron_sync_parts_us if self.engine == Engine.megatron
+                 else partial(dp_sync_parts_us, engine=self.engine))
+        during, after = parts(self.hardware, key.zero, key.replicas, key.tp,
+                              layers * self.block_grad_bytes + self.other_grad_bytes[j],
+                              layers * self.block_param_bytes + self.other_param_bytes[j])
         if self.moe is not None:  # then the experts' over edp (stride ep x etp)
-            e_during, e_after = dp_sync_parts_us(self.hardware, key.zero, key.edp,
-                                                 key.ep * key.etp, n * self.expert_grad_bytes,
-                                                 n * self.expert_param_bytes, self.engine)
+            e_during, e_after = parts(self.hardware, key.zero, key.edp, key.ep * key.etp,
+                                      layers * self.expert_grad_bytes,
+                                      layers * self.expert_param_bytes)
             during, after = during + e_during, after + e_after
         return during * self.calibration.dp_sync, after * self.calibration.dp_sync
 
@@ -597,8 +618,40 @@ class StageCosts:
         """Part of stage j's gradient sync (us) not hidden under the backward of its last
         micro-batch (recompute excluded from the window): `window_us` that backward (default
         sync_window_us: this config's micro-batch), `parts_us` dp_sync_parts_us(j, n) when the
-        caller has them."""
+        caller has them. Megatron: _megatron_exposed_us."""
         n = np.asarray(n, dtype=float)
         window = self.sync_window_us(j, n) if window_us is None else window_us
+        if self.engine == Engine.megatron:
+            return self._megatron_exposed_us(j, n, window)
         during, after = self.dp_sync_parts_us(j, n) if parts_us is None else parts_us
         return overlap_extra_us(window, during, self.overlap_coe) + after
+
+    def _megatron_exposed_us(self, j: int, n, window_us):
+        """Stage j's data-parallel sync (us) left exposed by Megatron-LM (terms/zero.py's module
+        docstring): with overlap_grad_reduce, its model chunk 0 (n / v layers and "other")
+        reduces its gradients in buckets beside its last backward (`window_us` less the other
+        chunks' layers), the other chunks beside the pp - 1 chunk backwards after them; with
+        overlap_param_gather (ZeRO 1/2), the parameters are gathered alike beside the next
+        iteration's first forwards; what is not overlapped is exposed whole."""
+        key, overlap = self.key, self.overlap
+        v = key.virtual_stages
+        chunk = n / v  # chunk 0's layers
+        grads0, gather0 = self.dp_sync_parts_us(j, n, chunk)
+        grads, gather = self.dp_sync_parts_us(j, n)
+        grads_rest, gather_rest = grads - grads0, gather - gather0
+        if not overlap.grad_reduce:
+            return grads + gather
+        params0 = (chunk * (self.block_param_bytes + self.expert_param_bytes)
+                   + self.other_param_bytes[j]) / self.model.dtype_bytes
+        buckets = megatron_bucket_count(params0, key.dp)
+        behind = max(min(key.pp, key.num_micro_batches) - 1, 0) * chunk  # layers after chunk 0
+        rest = (v > 1) * behind
+        exposed = overlapped_sync_us(grads0, grads_rest,
+                                     window_us - (n - chunk) * self.layer.bwd_us,
+                                     rest * self.layer.bwd_us, buckets, self.overlap_coe)
+        if overlap.param_gather:
+            return exposed + overlapped_sync_us(gather0, gather_rest,
+                                                chunk * self.layer.fwd_us + self.other.fwd_us[j],
+                                                rest * self.layer.fwd_us, buckets,
+                                                self.overlap_coe)
+        return exposed + gather

@@ -6,12 +6,13 @@ express, naming it; with strict=False they approximate it on the memory-safe sid
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from orchestrator.choices import CpComm, Recompute, Schedule
 from orchestrator.errors import ConfigError
 from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig, expert_width, is_moe
+from orchestrator.planner.options import CostOptions, Overlap
 
 
 class ExportError(ConfigError, ValueError):
@@ -24,9 +25,16 @@ def _problem(strict: bool, message: str) -> None:
     warnings.warn(message, stacklevel=3)
 
 
-def megatron_args(layout: ParallelLayout, strict: bool = True) -> List[str]:
+def megatron_args(layout: ParallelLayout, strict: bool = True,
+                  overlap: Optional[Overlap] = None) -> List[str]:
     """Megatron-LM command-line arguments for `layout` (parallel sizes, batch, schedule,
-    recompute, uneven first/last stage), as a list of strings ready for subprocess.
+    recompute, uneven first/last stage, the overlap priced), as a list of strings ready for
+    subprocess.
+
+    `overlap` (None: CostOptions' defaults, all on): --overlap-grad-reduce for the DDP's
+    gradient sync, --overlap-param-gather with the distributed optimizer (ZeRO 1/2; Megatron
+    wants --overlap-grad-reduce with it), --tp-comm-overlap with sequence parallelism (Megatron
+    refuses it without); none of them for ZeRO 3 (torch FSDP2 has its own prefetch).
 
     Megatron expresses: uneven layer counts on the first and last stage only (the stages between
     are equal); one recompute setting for every stage (block method: the first k layers of each
@@ -63,6 +71,8 @@ def megatron_args(layout: ParallelLayout, strict: bool = True) -> List[str]:
         args.append("--use-torch-fsdp2")
 
     args += _megatron_partition(layers, v, strict)
+    args += megatron_overlap_args(layout, CostOptions().megatron_overlap() if overlap is None
+                                  else overlap)
 
     # Recompute: one setting for all stages.
     modes = {mode for mode, _ in layout.recompute}
@@ -77,6 +87,19 @@ def megatron_args(layout: ParallelLayout, strict: bool = True) -> List[str]:
                  "--recompute-num-layers", str(full_k // v)]
     elif Recompute.selective in modes:
         args += ["--recompute-granularity", "selective"]
+    return args
+
+
+def megatron_overlap_args(layout: ParallelLayout, overlap: Overlap) -> List[str]:
+    """The overlap flags that make Megatron-LM run what the cost model priced for `layout`
+    (megatron_args' docstring says which apply where)."""
+    args = []
+    if layout.zero < 3 and overlap.grad_reduce:
+        args.append("--overlap-grad-reduce")
+        if layout.zero in (1, 2) and overlap.param_gather:
+            args.append("--overlap-param-gather")
+    if overlap.tp_comm and layout.sequence_parallel and layout.tp > 1:
+        args.append("--tp-comm-overlap")
     return args
 
 

@@ -3,7 +3,7 @@ ConfigKey a layout's per-layer costs depend on, and the memory budget's reserve.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 
 from orchestrator import choices
@@ -37,6 +37,11 @@ class CostOptions:
       the identity by default.
     moe_imbalance: a mixture-of-experts model's busiest EP rank's token copies over the mean
       (>= 1; search.moe_imbalance); None: workload/moe.default_imbalance of the model.
+    tp_comm_overlap, overlap_grad_reduce, overlap_param_gather: Megatron-LM's options of the
+      same names (search.*; what the Megatron export writes): None is on, as Megatron-LM's
+      published runs use them (its README's benchmark configuration; its own command-line
+      defaults are off). Priced for engine "megatron" only (overlap()); stage=train's engine
+      has its own fixed overlap (terms/zero.py) and no TP overlap.
     """
 
     other_time_first_share: float = 0.05
@@ -47,9 +52,38 @@ class CostOptions:
     device: str = "cuda"
     calibration: Calibration = Calibration()
     moe_imbalance: Optional[float] = None
+    tp_comm_overlap: Optional[bool] = None
+    overlap_grad_reduce: Optional[bool] = None
+    overlap_param_gather: Optional[bool] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine", Engine.parse(self.engine))
+
+    def megatron_overlap(self) -> "Overlap":
+        """What Megatron-LM overlaps with these knobs (None: on), whatever engine is priced:
+        what its export writes."""
+        return Overlap(tp_comm=self.tp_comm_overlap is not False,
+                       grad_reduce=self.overlap_grad_reduce is not False,
+                       param_gather=self.overlap_param_gather is not False)
+
+    def overlap(self) -> "Overlap":
+        """What the priced engine overlaps beyond its fixed rules: Megatron-LM's knobs
+        (megatron_overlap), nothing for stage=train's engine (terms/zero.py: its own rule)."""
+        if self.engine == Engine.megatron:
+            return self.megatron_overlap()
+        return Overlap(tp_comm=False, grad_reduce=False, param_gather=False)
+
+
+class Overlap(NamedTuple):
+    """Megatron-LM's overlap options (terms/tp_comm.py, terms/zero.py price them):
+    tp_comm: --tp-comm-overlap (userbuffers; sequence-parallel layouts only);
+    grad_reduce: --overlap-grad-reduce (bucketed gradient sync in the last backward);
+    param_gather: --overlap-param-gather (the distributed optimizer's all-gather in the next
+      forward; only with grad_reduce, as Megatron-LM requires)."""
+
+    tp_comm: bool
+    grad_reduce: bool
+    param_gather: bool
 
 
 

@@ -107,8 +107,24 @@ def moe_note(cfg, space) -> List[str]:
             f"exposed, not overlapped with compute; every block priced as a MoE block"]
 
 
-def _exporters(out: Path, model):
-    """(name, build(layout, strict), write(path, exported), path) of each trainer's export."""
+def overlap_note(space) -> str:
+    """What the search priced as overlapped, kept in the strategy's notes (docs/workload.md
+    "Overlap")."""
+    if space.options.engine != "megatron":
+        return ("overlap: stage=train's engine has no TP overlap (each collective runs between "
+                "its matmuls: priced exposed); its gradient sync runs beside the last "
+                "micro-batch's backward, ZeRO 1/2's parameter all-gather after the step")
+    o = space.options.megatron_overlap()
+    on = {True: "on", False: "off"}
+    return (f"overlap priced as Megatron-LM runs it: --tp-comm-overlap {on[o.tp_comm]} "
+            f"(sequence-parallel layouts), --overlap-grad-reduce {on[o.grad_reduce]}, "
+            f"--overlap-param-gather {on[o.param_gather and o.grad_reduce]} (ZeRO 1/2); the "
+            f"Megatron export writes the same")
+
+
+def _exporters(out: Path, model, overlap=None):
+    """(name, build(layout, strict), write(path, exported), path) of each trainer's export;
+    `overlap`: what the Megatron args say was overlapped (exports.megatron_args)."""
     from orchestrator.planner import galvatron_strategy, megatron_args
     from orchestrator.planner.exports import ExportError, megatron_moe_args
 
@@ -116,7 +132,7 @@ def _exporters(out: Path, model):
         atomic_write(path, lambda f: f.write(" ".join(args) + "\n"))
 
     def megatron(layout, strict):
-        return megatron_args(layout, strict) + megatron_moe_args(model)
+        return megatron_args(layout, strict, overlap) + megatron_moe_args(model)
 
     def galvatron(layout, strict):
         if model.experts:
@@ -128,14 +144,14 @@ def _exporters(out: Path, model):
             ("galvatron", galvatron, write_json, out.with_suffix(".galvatron.json")))
 
 
-def _export(strategy: StrategyProfile, out: Path, model) -> None:
+def _export(strategy: StrategyProfile, out: Path, model, overlap=None) -> None:
     """Write each export next to the strategy and record it in `strategy.exports`: its
     approximations (warnings of strict=False), or its error when it cannot be written at all.
     A failed export never costs the strategy."""
     from orchestrator.planner.exports import ExportError
 
     exports = strategy.exports
-    for name, build, write, path in _exporters(out, model):
+    for name, build, write, path in _exporters(out, model, overlap):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
@@ -192,7 +208,7 @@ def run_search(ctx, run):
     result = search(model_cost(cfg, mp), HardwareModel.from_profile(hw), space)
     (out,) = run.plan.outputs
     inputs = [(hw_in.path, hw), (model_in.path, mp)]
-    notes = list(read.notes) + moe_note(cfg, space)
+    notes = list(read.notes) + moe_note(cfg, space) + [overlap_note(space)]
     folder = cluster_dir(cfg.profiles_dir, cfg.cluster.name)
     for extra in run.plan.inputs[2:]:  # the calibration its costs were scaled by
         inputs.append((extra.path, extra.read(cfg)))
@@ -205,7 +221,7 @@ def run_search(ctx, run):
     write_profile(out, strategy)  # first: an export that fails must not cost the answer
     write_json(out.with_suffix(".layout.json"),
                {"model": cfg.model.name, "seq_len": space.seq_len, "layout": trained.to_dict()})
-    _export(strategy, out, cfg.model)
+    _export(strategy, out, cfg.model, space.options.megatron_overlap())
     write_profile(out, strategy)
     _report(result, strategy, cfg)
     if notes[len(read.notes):]:  # the calibration used, the pick trained

@@ -130,10 +130,27 @@ def _check_experts(cfg) -> None:
                             f"({expert_width(model)}) of model={model.name}")
 
 
+def _check_overlap(cfg) -> None:
+    """Megatron-LM's overlap knobs: for search.engine=megatron only, and
+    overlap_param_gather only with overlap_grad_reduce (Megatron-LM refuses it without)."""
+    from orchestrator.train.plan import OVERLAP_KNOBS
+
+    s = cfg.search
+    given = [key for key in OVERLAP_KNOBS if getattr(s, key) is not None]
+    if given and str(s.engine) != "megatron":
+        raise ConfigError(f"search.{given[0]} is Megatron-LM's option: set search.engine=megatron "
+                          f"(stage=train's engine, search.engine={s.engine}, has no TP overlap and "
+                          f"its own gradient sync; see docs/workload.md \"Overlap\")")
+    if s.overlap_param_gather and s.overlap_grad_reduce is False:
+        raise ConfigError("search.overlap_param_gather=true needs search.overlap_grad_reduce "
+                          "(Megatron-LM's --overlap-param-gather requires --overlap-grad-reduce)")
+
+
 def validate(cfg):
     """The planner's SearchSpace for this config; ConfigError for what cannot be searched."""
     s = cfg.search
     _check_memory(cfg)
+    _check_overlap(cfg)
     if not s.schedules or not s.recompute or not s.zero_stages or not s.micro_batch_sizes:
         raise ConfigError("search.schedules, recompute, zero_stages and micro_batch_sizes must "
                           "each allow at least one value")

@@ -110,9 +110,16 @@ def engine_options(cfg, reserve_bytes: float = 0.0, engine: Optional[str] = None
     (current_calibration)."""
     from orchestrator.planner import CostOptions
 
-    return CostOptions(reserve_bytes=reserve_bytes, engine=engine or str(cfg.search.engine),
+    engine = engine or str(cfg.search.engine)
+    # Megatron-LM's overlap knobs (search.*), for the engine that has them
+    overlap = ({key: getattr(cfg.search, key, None) for key in OVERLAP_KNOBS}
+               if engine == "megatron" else {})
+    return CostOptions(reserve_bytes=reserve_bytes, engine=engine,
                        dtype=str(train_dtype(cfg)), device=train_device(cfg),
-                       calibration=current_calibration(cfg)[0])
+                       calibration=current_calibration(cfg)[0], **overlap)
+
+
+OVERLAP_KNOBS = ("tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather")
 
 
 def _global_batch(cfg, default: int) -> int:

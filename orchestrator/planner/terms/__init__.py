@@ -70,3 +70,19 @@ def overlap_extra_us(window_us, comm_us, overlap_coe: float):
     w = np.asarray(window_us, dtype=float)
     c = np.asarray(comm_us, dtype=float)
     return np.maximum(w, c) + np.minimum(w, c) * (overlap_coe - 1.0) - w
+
+
+def pipelined_extra_us(window_us, comm_us, overlap_coe: float, lead_share=0.0, tail_share=0.0):
+    """Time (us) beyond `window_us` of compute when `comm_us` of communication is cut into
+    pieces pipelined with it: the window's first `lead_share` runs before any piece can move
+    (its data is not ready yet), `tail_share` of the communication runs outside the window (a
+    last piece that waits for the last compute, or a first one that compute waits for), and the
+    rest overlaps as overlap_extra_us prices it:
+    comm x tail + overlap_extra_us(window x (1 - lead), comm x (1 - tail)).
+    n pieces: lead = tail = 1/n (buckets, a pipelined reduce-scatter); lead = 1/n, tail = 0 (a
+    ring exchange whose first GEMM piece is local); lead = tail = 0 (bulk: the two side by
+    side). Works on numpy arrays."""
+    c = np.asarray(comm_us, dtype=float)
+    return c * tail_share + overlap_extra_us(np.asarray(window_us, dtype=float)
+                                             * (1.0 - lead_share), c * (1.0 - tail_share),
+                                             overlap_coe)

@@ -13,6 +13,26 @@ Traffic, engine "megatron" (Megatron-LM's distributed optimizer):
   all-gathers each layer's parameters in forward and again in backward, overlapped with the
   layer's own compute (prefetch).
 
+When Megatron's once-per-iteration sync runs (megatron/core/distributed/: DDP, ParamAndGradBuffer,
+the pipeline schedules' no_sync / grad_sync_func / param_sync_func), by its knobs (CostOptions):
+- `overlap_grad_reduce`: gradients are grouped in buckets of max(40M, 1M x dp) parameters
+  (megatron_bucket_count; on the first pipeline stage, whose sync is the one left exposed) and
+  a bucket's reduce-scatter (all-reduce without the distributed optimizer) is launched as soon
+  as its gradients are ready, in the LAST micro-batch's backward only (no_sync holds every
+  earlier one back: is_last_microbatch), one model chunk at a time under interleaving. So the
+  first stage's chunk 0 (its first layers and the embedding, the last backward of the
+  iteration) syncs beside that backward in buckets (the last bucket's after it:
+  overlapped_sync_us), and its later chunks beside the >= pp - 1 chunk backwards the stage
+  still runs after them. Off: one synchronous sync after the backward (exposed).
+- `overlap_param_gather` (the distributed optimizer, ZeRO 1/2; needs overlap_grad_reduce):
+  the updated bf16 parameters are all-gathered bucket by bucket in the next iteration's
+  forward (a forward pre-hook waits for a bucket and launches the next), the first bucket
+  before the first layer; under interleaving chunk 0's and 1's are launched at the start, the
+  later chunks' pp micro-batches ahead. The first stage's chunk 0 gathers beside its first
+  micro-batch's forward (overlapped_sync_us), the later chunks beside the pp - 1 forwards
+  after it. Off: the all-gather runs synchronously in the optimizer step (exposed).
+Both go into e_0 (cost_model): the first stage's sync left exposed.
+
 Engine "orchestrator" (stage=train: train/grads.py, FSDP2; workload/comm.py lists each message,
 checked against the real engine): parameters and gradients are fp32; during the last
 micro-batch's backward each gradient bucket is all-reduced (ZeRO 0/1) or reduce-scattered
@@ -31,7 +51,7 @@ import numpy as np
 from orchestrator.bandwidth import benchmark_of
 from orchestrator.choices import Engine
 from orchestrator.planner.profiles import HardwareModel
-from orchestrator.planner.terms import FwdBwd, overlap_extra_us
+from orchestrator.planner.terms import FwdBwd, overlap_extra_us, pipelined_extra_us
 from orchestrator.workload.comm import Comm
 
 
@@ -175,6 +195,48 @@ def dp_sync_parts_us(hardware: HardwareModel, zero: int, dp: int, tp: int, grad_
                                           else grad_bytes)
         return total
     return us(during), us(after)
+
+
+def megatron_sync_parts_us(hardware: HardwareModel, zero: int, dp: int, tp: int, grad_bytes,
+                           param_bytes):
+    """(gradients, parameters): Megatron's once-per-iteration data-parallel sync (us) of a part
+    holding `grad_bytes` / `param_bytes` unsharded, split into its gradient collective (all-
+    reduce at ZeRO 0, reduce-scatter at ZeRO 1) and its parameter all-gather (ZeRO 1, 2): the
+    ops of sync_ops on a group of `dp` ranks `tp` apart; zeros for dp = 1 or ZeRO 3."""
+    grads, params = np.zeros_like(grad_bytes), np.zeros_like(grad_bytes)
+    if dp == 1:
+        return grads, params
+    for op in sync_ops(Engine.megatron, zero)[0]:
+        if op == "all_gather":
+            params = params + collective_us(hardware, op, dp, tp, param_bytes)
+        else:
+            grads = grads + collective_us(hardware, op, dp, tp, grad_bytes)
+    return grads, params
+
+
+# Megatron's default DDP bucket: max(40M, 1M x dp) parameters (distributed_data_parallel.py:
+# larger data-parallel groups get larger buckets so each rank's piece stays bandwidth-bound)
+MEGATRON_BUCKET_MIN_PARAMS = 40_000_000
+MEGATRON_BUCKET_PARAMS_PER_DP_RANK = 1_000_000
+
+
+def megatron_bucket_count(params, dp: int):
+    """How many gradient buckets Megatron's DDP cuts `params` parameters into (>= 1; numpy
+    arrays work): ceil(params / max(40M, 1M x dp))."""
+    size = max(MEGATRON_BUCKET_MIN_PARAMS, MEGATRON_BUCKET_PARAMS_PER_DP_RANK * dp)
+    return np.maximum(np.ceil(np.asarray(params, dtype=float) / size), 1.0)
+
+
+def overlapped_sync_us(first_us, rest_us, first_window_us, rest_window_us, buckets,
+                       overlap_coe: float):
+    """Time (us) a bucketed sync adds beyond the compute it runs beside (module docstring):
+    the model chunk at the window's edge (`first_us` of it beside `first_window_us`, in
+    `buckets` buckets: the first bucket's compute before any, one bucket's collective outside:
+    pipelined_extra_us with lead = tail = 1 / buckets) and the stage's other chunks (`rest_us`
+    beside `rest_window_us`, added on: pessimistic when it spills). Numpy arrays work."""
+    share = 1.0 / np.asarray(buckets, dtype=float)
+    return (overlap_extra_us(rest_window_us, rest_us, overlap_coe)
+            + pipelined_extra_us(first_window_us, first_us, overlap_coe, share, share))
 
 
 def dp_sync_us(hardware: HardwareModel, zero: int, dp: int, tp: int, grad_bytes, param_bytes):
