@@ -4,6 +4,7 @@ its published throughput, with the memory it is predicted to need and what the s
     python bench/published_runs.py            # every run (a few minutes on 2 cores)
     python bench/published_runs.py --quick    # no search beside each run (the pricing alone)
     python bench/published_runs.py --smoke    # two small runs, the test fixtures' profiles (seconds)
+    python bench/published_runs.py --runs 'Llama 3'   # the runs whose label holds this text
 
 Profiles are the project's analytic ones, as a user planning from a laptop gets them: hardware
 `analytic_hardware("dgx_h100", world)` (published H100 / NDR figures), each model shape from
@@ -61,7 +62,7 @@ from rich.table import Table  # noqa: E402
 from orchestrator.choices import CpComm, Engine, Recompute, Schedule  # noqa: E402
 from orchestrator.device import model_flops  # noqa: E402
 from orchestrator.layout import LayoutError, ParallelLayout  # noqa: E402
-from orchestrator.models.config import ModelConfig, count_params  # noqa: E402
+from orchestrator.models.config import ModelConfig, count_params, model_fields  # noqa: E402
 from orchestrator.planner import (CostOptions, HardwareModel, InfeasibleError,  # noqa: E402
                                   ModelCost, SearchSpace, evaluate, search)
 from orchestrator.planner.options import memory_reserve_GiB  # noqa: E402
@@ -74,6 +75,7 @@ BUDGET_GiB = 80  # an H100's 80 GB
 RESERVE_GiB = memory_reserve_GiB(BUDGET_GiB, 0.10, 1.0)
 TARGET_MEDIAN = (0.95, 1.05)
 TARGET_EACH = (0.80, 1.20)
+SMOKE_RUNS = ("Megatron GPT 1.7B", "NeMo Qwen3 30B-A3B")  # a dense and a MoE run, 48 and 8 GPUs
 
 
 @dataclass(frozen=True)
@@ -100,11 +102,15 @@ class Guess:
     recompute: Recompute = Recompute.none
     virtual_stages: int = 1
     zero: int = 1
-    uneven: bool = False  # the first and the last stage one layer fewer (Llama 3's)
+    partition: str = "even"  # "even" | "last" | "first_last": stages_of
 
-    def describe(self) -> str:
-        return (f"mbs{self.micro_batch_size} rc {self.recompute} v{self.virtual_stages} "
-                f"zero{self.zero}" + (" first/last -1" if self.uneven else ""))
+    def describe(self, run: "Run") -> str:
+        """The guessed details of `run` (those it publishes left out)."""
+        parts = [f"mbs{self.micro_batch_size}" if run.mbs_unpublished else "",
+                 f"rc {self.recompute}",
+                 f"v{self.virtual_stages} {self.partition}" if run.pp > 1 else "",
+                 f"zero{self.zero}" if run.zero is None else ""]
+        return " ".join(p for p in parts if p)
 
 
 @dataclass(frozen=True)
@@ -121,27 +127,35 @@ class Run:
     seq_len: int
     global_batch: int  # sequences
     published_tflops: float  # per GPU, as the source counts its FLOPs
-    flops: str  # "model_flops" (the project's) or "megatron" (num_floating_point_operations)
+    # "model_flops" (the project's), "megatron" (num_floating_point_operations) or "tokens" (the
+    # source publishes tokens/s per GPU: the ratio is of tokens/s, whatever its FLOP count)
+    flops: str
+    published_tokens_per_s: Optional[float] = None  # per GPU, when the source gives it
     cp: int = 1
     cp_comm: CpComm = CpComm.p2p
     sequence_parallel: bool = True
+    ep: int = 1
+    zero: Optional[int] = None  # published (FSDP: 3); None: the guess's
+    mbs_unpublished: bool = True
     guesses: Tuple[Guess, ...] = (Guess(),)
     unpublished: str = ""  # what the source leaves out
 
 
 def guesses(mbs=(1, 2), recompute=(Recompute.none, Recompute.selective), v=(1, 2, 4),
-            zero=(1,), uneven=(False,)) -> Tuple[Guess, ...]:
+            zero=(1,), partition=("even", "last")) -> Tuple[Guess, ...]:
     """Every combination of the details a source leaves out."""
     return tuple(Guess(m, r, vs, z, u) for m, r, vs, z, u
-                 in itertools.product(mbs, recompute, v, zero, uneven))
+                 in itertools.product(mbs, recompute, v, zero, partition))
 
 
 LLAMA3 = "The Llama 3 Herd of Models (arXiv 2407.21783), Table 4"
-LLAMA3_UNPUBLISHED = ("micro-batch size, recompute, interleaving depth v, ZeRO stage (the paper "
-                      "shards optimizer states and gradients)")
+LLAMA3_UNPUBLISHED = ("micro-batch size, interleaving depth v, ZeRO stage (the paper shards "
+                      "optimizer states and gradients); recompute none: section 3.3.2 trains "
+                      "without activation checkpointing")
 # Llama 3 405B: interleaved 1F1B with the first and the last stage one layer fewer (section
-# 3.3.2); a 16M-token global batch.
-LLAMA3_GUESSES = guesses(mbs=(1, 2), v=(1, 2, 3, 4, 7), zero=(1, 2), uneven=(True, False))
+# 3.3.2; "first_last"); the other partitions stand in where the planner cannot interleave it.
+LLAMA3_GUESSES = guesses(mbs=(1, 2), recompute=(Recompute.none,), v=(1, 2, 4), zero=(1, 2),
+                         partition=("first_last", "last", "even"))
 
 MEGATRON = ("NVIDIA/Megatron-LM README.md, 'Training Speed and Scalability' model table "
             "(images/model_table.png, commit f2e5db402c, July 2024)")
@@ -175,6 +189,17 @@ MEGATRON_TABLE = (
 
 LLAMA3_405B = Shape("llama3_405b", conf="llama3_405b")
 
+NEMO_AUTOMODEL = ("NVIDIA NeMo AutoModel performance summary, pre-training, DGX-H100 BF16 "
+                  "(https://docs.nvidia.com/nemo/automodel/nightly/performance-summary.html)")
+NEMO_UNPUBLISHED = ("recompute; the engine is NeMo AutoModel's (PyTorch FSDP2, TE, DeepEP), "
+                    "priced as Megatron-LM's with ZeRO 3 for FSDP; the MoE load balance "
+                    "(search.moe_imbalance's default)")
+# Llama 3 70B (Meta's params.json: dim 8192, 80 layers, 64 heads, 8 KV heads, ffn 28672,
+# vocabulary 128256).
+LLAMA3_70B = Shape("llama3_70b", hidden=8192, ffn=28672, layers=80, heads=64, kv_heads=8,
+                   vocab=128256)
+QWEN3_30B_A3B = Shape("qwen3_30b_a3b", conf="qwen3_30b_a3b")
+
 RUNS: Tuple[Run, ...] = (
     Run("Llama 3 405B 8K", LLAMA3, LLAMA3_405B, 8192, tp=8, pp=16, dp=64, seq_len=8192,
         global_batch=64 * 32, published_tflops=430, flops="model_flops",
@@ -191,7 +216,20 @@ RUNS: Tuple[Run, ...] = (
         pp=pp, dp=dp, seq_len=4096, global_batch=batch, published_tflops=tflops,
         flops="megatron", sequence_parallel=tp > 1, unpublished=MEGATRON_UNPUBLISHED,
         guesses=guesses(v=(1, 2, 4) if pp > 1 else (1,)))
-    for params, heads, hidden, layers, tp, pp, dp, gpus, batch, tflops in MEGATRON_TABLE)
+    for params, heads, hidden, layers, tp, pp, dp, gpus, batch, tflops in MEGATRON_TABLE) + (
+    # NeMo's long-sequence table (NeMo docs, performance_long_sequence.md) is FP8 and its
+    # Megatron-Bridge tables give H100 BF16 only for GPT-OSS 120B (attention sinks, a 64-wide
+    # head over a 2880 hidden: not a shape ModelConfig holds); these are its H100 BF16 rows.
+    # MBS, GA (micro-batches), TP, PP, CP, EP and FSDP as published; LBS = MBS.
+    Run("NeMo Qwen3 30B-A3B", NEMO_AUTOMODEL, QWEN3_30B_A3B, 8, tp=1, pp=1, dp=8, ep=8, zero=3,
+        seq_len=4096, global_batch=512, published_tflops=277, published_tokens_per_s=12040,
+        flops="tokens", sequence_parallel=False, unpublished=NEMO_UNPUBLISHED,
+        mbs_unpublished=False, guesses=guesses(mbs=(4,), v=(1,), recompute=tuple(Recompute))),
+    Run("NeMo Llama 3 70B", NEMO_AUTOMODEL, LLAMA3_70B, 64, tp=1, pp=1, dp=32, cp=2, zero=3,
+        seq_len=8192, global_batch=128, published_tflops=389, published_tokens_per_s=866.77,
+        flops="tokens", sequence_parallel=False, unpublished=NEMO_UNPUBLISHED,
+        mbs_unpublished=False, guesses=guesses(mbs=(1,), v=(1,), recompute=tuple(Recompute))),
+)
 
 
 # ------------------------------------------------------------------------------- FLOP counts
@@ -208,7 +246,10 @@ def megatron_flops(cfg: ModelConfig, seq_len: int, tokens: int, mlp_weights: int
 
 
 def run_flops(run: Run, cfg: ModelConfig, tokens: int) -> float:
-    """An iteration's FLOPs as the run's source counts them."""
+    """An iteration's FLOPs as the run's source counts them ("tokens": the source's own count,
+    published TFLOP/s over published tokens/s per token)."""
+    if run.flops == "tokens":
+        return tokens * run.published_tflops * 1e12 / run.published_tokens_per_s
     if run.flops == "megatron":  # the README's GPT: a GeLU MLP of 4h, 8 h^2 weights per layer
         return megatron_flops(cfg, run.seq_len, tokens, mlp_weights=8 * cfg.hidden ** 2)
     return model_flops(count_params(cfg), cfg.layers, cfg.hidden, run.seq_len, tokens)
@@ -248,15 +289,13 @@ def analytic_profile(shape: Shape, seq_len: int, folder: Path) -> ModelCost:
     site = folder / "conf"
     (site / "model").mkdir(parents=True, exist_ok=True)
     cfg = shape_config(shape, seq_len)
-    fields = {k: getattr(cfg, k) for k in ("hidden", "ffn", "layers", "heads", "kv_heads",
-                                           "vocab", "seq_len", "rope_theta", "norm_eps")}
     (site / "model" / f"{name}.yaml").write_text(yaml.safe_dump(
-        {"name": name, **fields, "dtype": "bf16"}))
+        {**model_fields(cfg), "name": name}))
     _cli(["stage=profile_model", "cluster=dgx_h100", f"model={name}",
           "profile_model.plot=false", f"profiles_dir={profiles}"],
          env={**os.environ, "ORCHESTRATOR_CONF": str(site)})
     path = profiles / "dgx_h100" / "model" / f"{name}.json"
-    return ModelCost.from_dict(json.loads(path.read_text()))
+    return ModelCost.from_dict(json.loads(path.read_text())).with_moe(cfg)
 
 
 def synthetic_profile(shape: Shape, seq_len: int) -> ModelCost:
@@ -268,7 +307,7 @@ def synthetic_profile(shape: Shape, seq_len: int) -> ModelCost:
     cfg = shape_config(shape, seq_len)
     return ModelCost.from_dict(planner_fixtures.synthetic_model(
         shape.name, hidden=cfg.hidden, ffn=cfg.ffn, layers=cfg.layers, heads=cfg.heads,
-        kv_heads=cfg.kv_heads, vocab=cfg.vocab, seq_len=seq_len))
+        kv_heads=cfg.kv_heads, vocab=cfg.vocab, seq_len=seq_len)).with_moe(cfg)
 
 
 def hardware(world: int, synthetic: bool) -> HardwareModel:
@@ -286,20 +325,25 @@ def options() -> CostOptions:
     return CostOptions(engine=Engine.megatron, reserve_bytes=RESERVE_GiB * GiB)
 
 
-def stages_of(layers: int, pp: int, v: int, uneven: bool) -> Optional[Tuple[int, ...]]:
-    """Layers per stage: as even as possible in chunks of v (the first stages take the
-    remainder, as ParallelLayout.uniform), or the first and the last stage one layer fewer than
-    the others (Llama 3); None when the layers do not split so. Whether a stage's count must be
-    a multiple of v is the layout's to say (ParallelLayout refuses what the planner cannot run)."""
-    if uneven:
-        middle, rest = divmod(layers + 2, pp)
-        if pp < 3 or rest:
+def stages_of(layers: int, pp: int, v: int, partition: str) -> Optional[Tuple[int, ...]]:
+    """Layers per stage in a partition Megatron-LM runs, or None when the layers do not split
+    so: "even" (layers / pp each, a multiple of v), "last" (the last stage takes the rest:
+    --decoder-last-pipeline-num-layers) or "first_last" (the first and the last stage one layer
+    fewer than the others, Llama 3's: --decoder-first/last-pipeline-num-layers). Whether a
+    stage's count must be a multiple of v is the layout's to say (ParallelLayout refuses what
+    the planner cannot run)."""
+    if partition == "even":
+        return (layers // pp,) * pp if layers % (pp * v) == 0 else None
+    if partition == "last":
+        per = math.ceil(layers / pp / v) * v
+        rest = layers - (pp - 1) * per
+        if pp < 2 or rest < 1 or rest == per or layers % (pp * v) == 0:
             return None
-        return (middle - 1,) + (middle,) * (pp - 2) + (middle - 1,)
-    if layers % v:
+        return (per,) * (pp - 1) + (rest,)
+    middle, rest = divmod(layers + 2, pp)
+    if pp < 3 or rest:
         return None
-    chunks, extra = divmod(layers // v, pp)
-    return tuple((chunks + (1 if s < extra else 0)) * v for s in range(pp))
+    return (middle - 1,) + (middle,) * (pp - 2) + (middle - 1,)
 
 
 def layout_of(run: Run, model: ModelCost, guess: Guess) -> Optional[ParallelLayout]:
@@ -308,7 +352,7 @@ def layout_of(run: Run, model: ModelCost, guess: Guess) -> Optional[ParallelLayo
     per_replica = run.global_batch // run.dp
     if per_replica % guess.micro_batch_size:
         return None
-    stages = stages_of(model.layers, run.pp, guess.virtual_stages, guess.uneven)
+    stages = stages_of(model.layers, run.pp, guess.virtual_stages, guess.partition)
     if stages is None or (guess.virtual_stages > 1 and run.pp == 1):
         return None
     m = per_replica // guess.micro_batch_size
@@ -318,7 +362,8 @@ def layout_of(run: Run, model: ModelCost, guess: Guess) -> Optional[ParallelLayo
             cp_comm=run.cp_comm, layers_per_stage=stages,
             recompute=tuple((guess.recompute, 0 if guess.recompute == Recompute.none else n)
                             for n in stages),
-            zero=guess.zero, sequence_parallel=run.sequence_parallel and run.tp > 1,
+            zero=guess.zero if run.zero is None else run.zero, ep=run.ep,
+            sequence_parallel=run.sequence_parallel and run.tp > 1,
             micro_batch_size=guess.micro_batch_size, num_micro_batches=m,
             schedule=Schedule.interleaved if guess.virtual_stages > 1 else Schedule["1f1b"],
             virtual_stages=guess.virtual_stages)
@@ -336,16 +381,19 @@ class Priced:
     own_GiB: float  # the model's own peak (the reserve left out)
     fits: bool
     tried: int
+    least_GiB: float = math.nan  # the least any guess needs (the reserve left out)
     pick: Optional[object] = None  # the search's Prediction
     pick_tflops: Optional[float] = None
     pick_note: str = ""
 
 
 def price(run: Run, model: ModelCost, cfg: ModelConfig, hw: HardwareModel) -> Priced:
-    """The run priced with the guess most favourable to the planner: the first that fits 80 GiB
-    with the reserve, then the one whose throughput is nearest the published figure."""
+    """The run priced with the guess the planner would take itself: the fastest of those that
+    fit 80 GiB with the reserve, else the fastest (and `least_GiB`, the least any guess needs).
+    The published figure plays no part in the choice."""
     best = None
     tried = 0
+    least = math.inf
     for guess in run.guesses:
         layout = layout_of(run, model, guess)
         if layout is None:
@@ -355,16 +403,18 @@ def price(run: Run, model: ModelCost, cfg: ModelConfig, hw: HardwareModel) -> Pr
         except LayoutError:
             continue
         tried += 1
+        least = min(least, pred.peak_memory_bytes)
         tflops = tflops_per_gpu(run, cfg, pred.iteration_time_us, run.gpus, run.global_batch)
         ratio = tflops / run.published_tflops
-        key = (not pred.feasible, abs(math.log(ratio)))
+        key = (not pred.feasible, pred.iteration_time_us)
         if best is None or key < best[0]:
             best = (key, guess, pred, tflops, ratio)
     if best is None:
         return Priced(run, None, None, float("nan"), float("nan"), float("nan"), False, 0)
     _, guess, pred, tflops, ratio = best
     return Priced(run, guess, pred, tflops, ratio,
-                  (pred.peak_memory_bytes - RESERVE_GiB * GiB) / GiB, pred.feasible, tried)
+                  (pred.peak_memory_bytes - RESERVE_GiB * GiB) / GiB, pred.feasible, tried,
+                  least_GiB=(least - RESERVE_GiB * GiB) / GiB)
 
 
 def searched(priced: Priced, model: ModelCost, cfg: ModelConfig, hw: HardwareModel) -> None:
@@ -401,17 +451,20 @@ def table(rows: List[Priced], title: str) -> Table:
             out.add_row(run.label, f"{run.gpus:,}", layout, f"{run.published_tflops:.0f}",
                         "-", "-", "-", "-", "", "", "")
             continue
-        layout = escape(f"{p.prediction.layout.describe()}\n(guess: {p.guess.describe()})")
+        layout = escape(f"{p.prediction.layout.describe()}\n(guess: {p.guess.describe(run)}; "
+                        f"fastest of {p.tried})")
         pick = pick_tflops = pick_GiB = ""
         if p.pick is not None:
-            pick = escape(p.pick.layout.describe())
+            pick = ("same" if p.pick.layout == p.prediction.layout
+                    else escape(p.pick.layout.describe()))
             pick_tflops = f"{p.pick_tflops:.0f} ({p.pick_tflops / p.tflops:.2f}x)"
             pick_GiB = f"{(p.pick.peak_memory_bytes - RESERVE_GiB * GiB) / GiB:.1f}"
         elif p.pick_note:
             pick = escape(p.pick_note)
         out.add_row(run.label, f"{run.gpus:,}", layout, f"{run.published_tflops:.0f}",
                     f"{p.tflops:.0f}", f"{p.ratio:.2f}", f"{p.own_GiB:.1f}",
-                    "yes" if p.fits else "NO", pick, pick_tflops, pick_GiB)
+                    "yes" if p.fits else f"NO\n(least {p.least_GiB:.1f})", pick, pick_tflops,
+                    pick_GiB)
     return out
 
 
@@ -425,6 +478,13 @@ def summary(rows: List[Priced]) -> List[str]:
     best = max(rows, key=lambda p: p.ratio if p.prediction is not None else -math.inf)
     fits = sum(p.fits for p in rows)
     within = sum(TARGET_EACH[0] <= r <= TARGET_EACH[1] for r in ratios)
+    picks = [p for p in rows if p.pick is not None and p.prediction is not None]
+    differ = [p for p in picks if p.pick.layout != p.prediction.layout]
+    gains = [p.pick_tflops / p.tflops for p in differ]
+    lines = [] if not picks else [
+        f"the search's pick differs from the published layout on {len(differ)} of {len(picks)} "
+        f"runs" + (f", predicted {min(gains):.2f}-{max(gains):.2f}x its throughput (it fits by "
+                   f"construction)" if gains else "")]
     return [
         f"predicted/published: median {median:.2f} (target {TARGET_MEDIAN[0]}-{TARGET_MEDIAN[1]}),"
         f" min {worst.ratio:.2f} ({worst.run.label}, {worst.run.gpus:,} GPUs), max "
@@ -432,7 +492,7 @@ def summary(rows: List[Priced]) -> List[str]:
         f"{within} of {len(ratios)} within {TARGET_EACH[0]}-{TARGET_EACH[1]}",
         f"fits {BUDGET_GiB} GiB with the search's reserve ({RESERVE_GiB:g} GiB): {fits} of "
         f"{len(rows)} published layouts",
-    ]
+    ] + lines
 
 
 # --------------------------------------------------------------------------------- Galvatron
@@ -483,12 +543,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="no search beside each run, no Galvatron picks")
     parser.add_argument("--smoke", action="store_true",
-                        help="the 1.7B and 7.1B Megatron runs on the test fixtures' synthetic "
-                             "profiles: seconds")
+                        help="the Megatron GPT 1.7B and NeMo Qwen3 30B-A3B runs on the test "
+                             "fixtures' synthetic profiles: seconds")
+    parser.add_argument("--runs", default="",
+                        help="only the runs whose label holds this text (e.g. 'Llama 3')")
     args = parser.parse_args()
     console = Console(width=220)
-    runs = [r for r in RUNS if r.label in ("Megatron GPT 1.7B", "Megatron GPT 7.1B")] \
-        if args.smoke else list(RUNS)
+    runs = [r for r in RUNS if (r.label in SMOKE_RUNS if args.smoke else args.runs in r.label)]
     t0 = time.perf_counter()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
