@@ -1,9 +1,9 @@
 """Published H100 BF16 training runs, each layout priced as it ran (search.engine=megatron), beside
 its published throughput, with the memory it is predicted to need and what the search picks.
 
-    python bench/published_runs.py            # every run (a few minutes on 2 cores)
-    python bench/published_runs.py --quick    # no search beside each run (the pricing alone)
-    python bench/published_runs.py --smoke    # two small runs, the test fixtures' profiles (seconds)
+    python bench/published_runs.py            # every run (11 minutes on 2 loaded cores)
+    python bench/published_runs.py --quick    # no search, no Galvatron: the pricing (4 min)
+    python bench/published_runs.py --smoke    # two small runs on the test fixtures' profiles
     python bench/published_runs.py --runs 'Llama 3'   # the runs whose label holds this text
 
 Profiles are the project's analytic ones, as a user planning from a laptop gets them: hardware
@@ -16,13 +16,17 @@ have no config in conf/model are written as model configs into a temporary site 
 Each run (RUNS: its source, paper table or URL, and every layout field it publishes) is priced
 with `CostOptions(engine="megatron")` and the search's default reserve (search.reserve_fraction
 0.10 x 80 GiB + search.reserve_GiB 1.0 = 9 GiB). Where a detail is not published (micro-batch
-size, recompute, interleaving, ZeRO stage), every guess in `Run.guesses` is priced and the one
-most favourable to the planner is shown: the first that fits 80 GiB with the reserve, then the
-one whose predicted throughput is nearest the published one; the row says which guess it took.
+size, recompute, interleaving depth and the partition Megatron runs it with, ZeRO stage), every
+guess in `Run.guesses` is priced and the one the planner would take itself is shown: the
+fastest that fits 80 GiB with the reserve (the runs' authors tuned what they left out for
+speed), else the fastest, with the least memory any guess needs beside it. The guesses favour
+the planner (each fits if any does); the published figure plays no part in the choice, so a
+guess cannot absorb an error of the cost model. The row says which guess it took.
 Throughput is counted as the source counts it (`Run.flops`): Llama 3 with the project's
 `orchestrator.device.model_flops` (6 N per token plus causal attention; the paper does not give
 its formula), Megatron-LM's README with Megatron's own `num_floating_point_operations`
-(megatron/training/training.py; `megatron_flops` below).
+(megatron/training/training.py; `megatron_flops` below: no embedding lookup, which
+model_flops's 6 N counts), NeMo's by its published tokens/s (the ratio is then of tokens/s).
 
 Beside each run, the search at the same world size, global batch and sequence length (80 GiB,
 engine megatron, the default reserve; stage=search's defaults otherwise) and its pick's
@@ -46,9 +50,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
