@@ -5,6 +5,7 @@ its published throughput, with the memory it is predicted to need and what the s
     python bench/published_runs.py --quick    # no search, no Galvatron: the pricing (4 min)
     python bench/published_runs.py --smoke    # two small runs on the test fixtures' profiles
     python bench/published_runs.py --runs 'Llama 3'   # the runs whose label holds this text
+    python bench/published_runs.py --json rows.json   # also each row's figures, to compare
 
 Profiles are the project's analytic ones, as a user planning from a laptop gets them: hardware
 `analytic_hardware("dgx_h100", world)` (published H100 / NDR figures), each model shape from
@@ -72,6 +73,7 @@ from orchestrator.planner import (CostOptions, HardwareModel, InfeasibleError,  
 from orchestrator.planner.options import memory_reserve_GiB  # noqa: E402
 from orchestrator.planner.search import auto_max_cp  # noqa: E402
 from orchestrator.profiling.hardware.analytic import LinkSheet, analytic_hardware  # noqa: E402
+from orchestrator.store import write_json  # noqa: E402
 
 GiB = 2**30
 BUDGET_GiB = 80  # an H100's 80 GB
@@ -499,6 +501,25 @@ def summary(rows: List[Priced]) -> List[str]:
     ] + lines
 
 
+def record(p: Priced) -> dict:
+    """One row's figures as JSON values (None where the run could not be priced or searched)."""
+    priced = p.prediction is not None
+    return {
+        "run": p.run.label, "gpus": p.run.gpus, "source": p.run.source,
+        "published_tflops": p.run.published_tflops,
+        "layout": p.prediction.layout.to_dict() if priced else None,
+        "guess": p.guess.describe(p.run) if priced else None,
+        "predicted_tflops": p.tflops if priced else None,
+        "ratio": p.ratio if priced else None,
+        "own_GiB": p.own_GiB if priced else None, "least_GiB": p.least_GiB if priced else None,
+        "fits": p.fits,
+        "pick": p.pick.layout.to_dict() if p.pick is not None else None,
+        "pick_tflops": p.pick_tflops,
+        "pick_GiB": ((p.pick.peak_memory_bytes - RESERVE_GiB * GiB) / GiB
+                     if p.pick is not None else None),
+    }
+
+
 # --------------------------------------------------------------------------------- Galvatron
 def galvatron_picks(smoke: bool) -> List[str]:
     """Galvatron's shipped llama-7b picks priced with stage=train's engine on its own imported
@@ -551,6 +572,8 @@ def main() -> None:
                              "fixtures' synthetic profiles: seconds")
     parser.add_argument("--runs", default="",
                         help="only the runs whose label holds this text (e.g. 'Llama 3')")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="also write each row's figures to this JSON file (to compare runs)")
     args = parser.parse_args()
     console = Console(width=220)
     runs = [r for r in RUNS if (r.label in SMOKE_RUNS if args.smoke else args.runs in r.label)]
@@ -577,6 +600,8 @@ def main() -> None:
                               f"with the {RESERVE_GiB:g} GiB reserve in {BUDGET_GiB} GiB"))
     for line in summary(rows):
         print(line)
+    if args.json is not None:
+        write_json(args.json, [record(p) for p in rows])
     for run in {r.source: r for r in runs}.values():
         print(f"source: {run.source}; not published: {run.unpublished}"
               + (f"; shape: {run.shape.note}" if run.shape.note else ""))
