@@ -1,7 +1,7 @@
 """Published H100 BF16 training runs, each layout priced as it ran (search.engine=megatron), beside
 its published throughput, with the memory it is predicted to need and what the search picks.
 
-    python bench/published_runs.py            # every run (11 minutes on 2 loaded cores)
+    python bench/published_runs.py            # every run (10-12 minutes on 2 loaded cores)
     python bench/published_runs.py --quick    # no search, no Galvatron: the pricing (4 min)
     python bench/published_runs.py --smoke    # two small runs on the test fixtures' profiles
     python bench/published_runs.py --runs 'Llama 3'   # the runs whose label holds this text
