@@ -94,25 +94,27 @@ class InfeasibleError(errors.InfeasibleError):
 @dataclass
 class _Table:
     """Stage options of one config: t[j, n] fastest time (us) of stage j with n layers under the
-    budget (inf: none fits), code/k: its recompute; c[j, n]: its contribution to the objective."""
+    budget (inf: none fits), code/k: its recompute; c[j, n]: its contribution to the objective;
+    valid[j, n]: whether stage j may hold n layers (stage_counts_valid)."""
 
     t: np.ndarray
     code: np.ndarray
     k: np.ndarray
     c: np.ndarray
     sum_lb: float  # lower bound of alpha * sum t + e_0 over all partitions
+    valid: np.ndarray
 
 
 def _stage_options(costs: StageCosts, L: int, budget: float, modes: Sequence[str],
                    fast: bool) -> _Table:
-    """Tabulate, for every stage j and layer count n (a multiple of v), the fastest recompute
-    that fits the budget, as (pp, N + 1) arrays."""
+    """Tabulate, for every stage j and layer count n it may hold (stage_counts_valid), the
+    fastest recompute that fits the budget, as (pp, N + 1) arrays."""
     key = costs.key
     p, v = key.pp, key.virtual_stages
-    N = L - (p - 1) * v
+    N = L - (p - 1) * v + (2 if costs.short_ends else 0)
     n = np.broadcast_to(np.arange(N + 1, dtype=float), (p, N + 1))
     j = np.arange(p)[:, None]
-    valid = (n >= v) & (n % v == 0)
+    valid = stage_counts_valid(n, v, costs.short_ends)
     zeros = np.zeros_like(n)
     best_t = np.full((p, N + 1), INF)
     best_code = np.zeros((p, N + 1), dtype=np.int8)
@@ -134,18 +136,21 @@ def _stage_options(costs: StageCosts, L: int, budget: float, modes: Sequence[str
         if fast:
             k = n.copy()
         else:
-            # Memory never grows with k: the least k (a multiple of v) that fits, by bisection
-            # on every (stage, n) at once (a linear guess from the activations would miss the
-            # orchestrator engine's other terms).
-            steps = np.maximum(n // v, 1.0)
+            # Memory never grows with k: the least k (r layers of each chunk) that fits, by
+            # bisection on r for every (stage, n) at once (a linear guess from the activations
+            # would miss the orchestrator engine's other terms).
+            steps = np.maximum(np.ceil(n / v), 1.0)
             lo, hi = np.ones_like(n), steps.copy()
-            fits_all = costs.memory_bytes(j, n, 2, np.minimum(steps * v, n)) <= budget
+            fits_all = costs.memory_bytes(j, n, 2, np.minimum(chunk_recompute_layers(steps, n, v),
+                                                              n)) <= budget
             while np.any(lo < hi):
                 mid = np.floor((lo + hi) / 2)
-                ok_mid = costs.memory_bytes(j, n, 2, np.minimum(mid * v, n)) <= budget
+                ok_mid = costs.memory_bytes(j, n, 2, np.minimum(
+                    chunk_recompute_layers(mid, n, v), n)) <= budget
                 hi = np.where((lo < hi) & ok_mid, mid, hi)
                 lo = np.where((lo < hi) & ~ok_mid, mid + 1, lo)
-            k = np.where(fits_all, lo * v, n + v)  # n + v: does not fit even fully recomputed
+            # n + v: does not fit even fully recomputed
+            k = np.where(fits_all, chunk_recompute_layers(lo, n, v), n + v)
         k = np.minimum(k, np.maximum(n, v))
         ok = (costs.memory_bytes(j, n, 2, k) <= budget) & (k <= n)
         offer(costs.stage_time_us(j, n, 2, k), ok, 2, k.astype(np.int64))
@@ -158,13 +163,51 @@ def _stage_options(costs: StageCosts, L: int, budget: float, modes: Sequence[str
     finite_e0 = e0[valid[0] & np.isfinite(best_t[0])]
     sum_lb = (costs.alpha * (L * costs.layer.total_us + fixed)
               + (float(finite_e0.min()) if finite_e0.size else 0.0))
-    return _Table(best_t, best_code, best_k, c, sum_lb)
+    return _Table(best_t, best_code, best_k, c, sum_lb, valid)
 
 
 def _per_stage_us(costs: StageCosts) -> np.ndarray:
     """Per-stage time (us per micro-batch) that does not depend on the layers: "other" and
     the pipeline sends, forward + backward."""
     return costs.other.fwd_us + costs.other.bwd_us + costs.sends.fwd_us + costs.sends.bwd_us
+
+
+def stage_counts_valid(n: np.ndarray, v: int, short_ends: bool) -> np.ndarray:
+    """Which layer counts n ([pp, N + 1]) each stage may hold: >= v and a multiple of v; with
+    `short_ends` (Megatron-LM, v > 1) the first and last stages also any n >= 1 whose short
+    end chunk is >= 0 layers (layout.stage_chunks: (v - 1) * ceil(n / v) <= n)."""
+    valid = (n >= v) & (n % v == 0)
+    if short_ends and v > 1:
+        ends = (n >= 1) & ((v - 1) * np.ceil(n / v) <= n)
+        valid = valid.copy()
+        valid[[0, -1]] |= ends[[0, -1]]
+    return valid
+
+
+def chunk_recompute_layers(r, n, v: int):
+    """Layers a stage of n recomputes in full with the first r of each of its v chunks (all
+    of a shorter chunk): layout.chunk_recompute's k, vectorised; r * v for equal chunks."""
+    c = np.ceil(np.asarray(n, dtype=float) / v)
+    short = np.maximum(n - (v - 1) * c, 0.0)
+    return (v - 1) * np.minimum(r, c) + np.minimum(r, short)
+
+
+def largest_stage_lb(L: int, p: int, v: int, short_ends: bool) -> int:
+    """The least layer count the largest stage of any partition of L layers holds: ceil(L /
+    (p v)) v with equal chunks; with short end chunks the least X such that p - 2 middle
+    stages of a multiple of v and two end stages, all <= X, can hold L."""
+    if not (short_ends and v > 1 and p > 1):
+        return math.ceil(L / (p * v)) * v
+
+    def end_cap(x: int) -> int:  # the most an end stage of <= x layers holds
+        while x > 0 and (v - 1) * math.ceil(x / v) > x:
+            x -= 1
+        return x
+
+    x = max(1, math.ceil(L / p))
+    while (p - 2) * (x // v) * v + 2 * end_cap(x) < L:
+        x += 1
+    return x
 
 
 def config_lower_bound(costs: StageCosts, L: int) -> float:
@@ -175,7 +218,7 @@ def config_lower_bound(costs: StageCosts, L: int) -> float:
     layer = costs.layer.total_us
     per_stage = _per_stage_us(costs)
     total = L * layer + float(per_stage.sum())
-    biggest = math.ceil(L / (p * v)) * v  # some stage holds at least this many layers
+    biggest = largest_stage_lb(L, p, v, costs.short_ends)  # some stage holds at least this
     max_lb = max(total / p, biggest * layer + float(per_stage.min()))
     return costs.alpha * total + costs.beta * max_lb
 
@@ -187,13 +230,18 @@ def may_fit(costs: StageCosts, L: int, budget: float, modes: Sequence[str]) -> b
     partition's peak from below (one call where solving tabulates every stage size)."""
     key = costs.key
     p, v = key.pp, key.virtual_stages
-    biggest = math.ceil(L / (p * v)) * v
+    biggest = largest_stage_lb(L, p, v, costs.short_ends)
     j = np.arange(p)
     n = np.full(p, float(biggest))
     # the most recompute allowed holds the least (none > selective > full)
     code = max(c for c, mode in enumerate(MODE_NAMES) if mode in modes)
     k = n if code else np.zeros_like(n)
     return float(np.min(costs.memory_bytes(j, n, code, k))) <= budget
+
+
+def _stage_counts(table: _Table) -> List[np.ndarray]:
+    """Per stage, the layer counts it may hold (table.valid), ascending."""
+    return [np.flatnonzero(row) for row in table.valid]
 
 
 def _min_sum_dp(table: _Table, L: int, v: int, taus: np.ndarray):
@@ -205,14 +253,16 @@ def _min_sum_dp(table: _Table, L: int, v: int, taus: np.ndarray):
     dp[:, 0] = 0.0
     choice = np.zeros((p, T, L + 1), dtype=np.int16)
     tau_max = float(taus.max())
+    counts = _stage_counts(table)
+    least = [int(c[0]) if c.size else L + 1 for c in counts]  # each stage's fewest layers
     for j in range(p):
         new = np.full((T, L + 1), INF)
         ch = choice[j]
-        lo, hi = j * v, L - (p - j) * v  # layers before stage j: v per stage either side
-        hi_after = L - (p - 1 - j) * v
+        lo, hi = sum(least[:j]), L - sum(least[j:])  # layers before stage j
+        hi_after = L - sum(least[j + 1:])
         if hi < lo:
             return np.full(T, INF), choice
-        for n in range(v, width, v):
+        for n in counts[j].tolist():
             tn = table.t[j, n]
             if not tn <= tau_max or lo + n > hi_after:
                 break  # times grow with n: no larger stage fits any threshold
@@ -251,15 +301,21 @@ def solve_config(costs: StageCosts, L: int, budget: float, modes: Sequence[str],
     key = costs.key
     v = key.virtual_stages
     table = _stage_options(costs, L, budget, modes, fast)
-    if not np.isfinite(table.t[:, v]).all():
-        return None  # some stage cannot hold even v layers
+    stage_counts = _stage_counts(table)
+    if not all(c.size and np.isfinite(table.t[j, c[0]]) for j, c in enumerate(stage_counts)):
+        return None  # some stage cannot hold even its fewest layers
     values = np.unique(table.t[np.isfinite(table.t)])
     # Least threshold at which the stages can hold L layers (times grow with n, so stage j can
-    # take any multiple of v up to nmax_j(tau)); a valid lower end for the sweep.
-    valid_t = table.t[:, v::v]
-    counts = np.stack([np.searchsorted(np.sort(row[np.isfinite(row)]), values, side="right")
-                       for row in valid_t])
-    reachable = (counts.sum(axis=0) * v >= L) & (counts.min(axis=0) >= 1)
+    # take any count it may hold up to nmax_j(tau)); a valid lower end for the sweep.
+    counts, most = [], []
+    for j, ns in enumerate(stage_counts):
+        row = table.t[j, ns]
+        ns = ns[np.isfinite(row)]
+        fit = np.searchsorted(np.sort(row[np.isfinite(row)]), values, side="right")
+        counts.append(fit)
+        most.append(np.where(fit > 0, ns[np.maximum(fit - 1, 0)], 0))
+    counts, most = np.stack(counts), np.stack(most)
+    reachable = (most.sum(axis=0) >= L) & (counts.min(axis=0) >= 1)
     if not reachable.any():
         return None
     taus = values[np.argmax(reachable):]
