@@ -352,3 +352,19 @@ def test_orchestrator_engine_never_prices_short_chunks():
     with pytest.raises(LayoutError, match="search.engine=megatron"):
         evaluate(layout, model, hw, 512)
     assert evaluate(layout, model, hw, 512, options=CostOptions(engine="megatron")).feasible
+
+
+def test_megatron_search_with_short_chunks_names_the_closest_when_nothing_fits():
+    """Nothing fits: the closest layout of an interleaved-only space of 7 layers (short end
+    chunks, layers taken off the end chunks) is a valid layout."""
+    model = ModelCost.from_dict(synthetic_model("tiny", layers=7, hidden=256, ffn=1024))
+    hw = HardwareModel.from_dict(synthetic_hardware(1, 4))
+    space = SearchSpace(world_size=4, memory_budget_bytes=1, global_batch_size=8,
+                        seq_len=512, max_tp=1, zero_stages=(0,), micro_batch_sizes=(1,),
+                        schedules=("interleaved",), virtual_stages=(2,),
+                        sequence_parallel=(False,),
+                        options=CostOptions(reserve_bytes=0, engine="megatron"))
+    with pytest.raises(InfeasibleError) as caught:
+        search(model, hw, space)
+    closest = caught.value.closest
+    assert closest.num_layers == 7 and closest.virtual_stages == 2 and closest.short_chunks

@@ -429,9 +429,13 @@ def search(model_cost: ModelCost, hardware: HardwareModel, space: SearchSpace) -
 def _least_memory_layout(costs: StageCosts, L: int, modes: Sequence[str]
                          ) -> Optional[Tuple[float, ParallelLayout]]:
     """The partition of this config whose largest per-device memory is least, each stage using
-    its most memory-saving recompute: (bytes, layout)."""
+    its most memory-saving recompute: (bytes, layout). Stages of a multiple of v, for the
+    least multiple of v >= L; the layers over L are taken from the short end chunks (last
+    stage first), None when they cannot hold them."""
     key = costs.key
     p, v = key.pp, key.virtual_stages
+    target = L
+    L = math.ceil(L / v) * v
     N = L - (p - 1) * v
     n = np.arange(v, N + 1, v, dtype=float)
     mem = np.full((p, len(n)), INF)
@@ -458,10 +462,15 @@ def _least_memory_layout(costs: StageCosts, L: int, modes: Sequence[str]
         add = min(spare, int(caps[j]) - v)
         layers[j] += add
         spare -= add
-    recompute = []
-    for j, nj in enumerate(layers):
-        code = int(pick[j, nj // v - 1])
-        recompute.append((MODE_NAMES[code], 0 if code == 0 else nj))
+    codes = [int(pick[j, nj // v - 1]) for j, nj in enumerate(layers)]
+    excess = L - target  # > 0 only where short end chunks are allowed (space.py)
+    for j in (p - 1, 0):
+        take = min(excess, layers[j] // v)  # a short chunk keeps >= 0 layers
+        layers[j] -= take
+        excess -= take
+    if excess:
+        return None
+    recompute = [(MODE_NAMES[code], 0 if code == 0 else nj) for code, nj in zip(codes, layers)]
     return float(limit), key.layout(layers, recompute)
 
 
