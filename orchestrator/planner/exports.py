@@ -210,17 +210,18 @@ def galvatron_strategy(layout: ParallelLayout, strict: bool = True) -> Dict[str,
         _problem(strict, "Galvatron has no interleaved pipeline schedule; it would run "
                          "pipedream_flush (1F1B)")
     checkpoint: List[int] = []
-    for (mode, k), n in zip(layout.recompute, layout.layers_per_stage):
+    for (mode, k), n, chunks in zip(layout.recompute, layout.layers_per_stage,
+                                    layout.layers_per_chunk):
         if mode == Recompute.selective:
             _problem(strict, "Galvatron has no selective recompute; those layers would be "
                              "fully checkpointed")
             checkpoint += [1] * n
         elif mode == Recompute.full:
-            # Megatron's block method recomputes the first k layers of each chunk; Galvatron
+            # Megatron's block method recomputes the first r layers of each chunk; Galvatron
             # flags layers one by one, so mark the same layers.
-            v = layout.virtual_stages
-            per_chunk, chunk = k // v, n // v
-            checkpoint += ([1] * per_chunk + [0] * (chunk - per_chunk)) * v
+            r = chunk_recompute(k, chunks)
+            for c in chunks:
+                checkpoint += [1] * min(r, c) + [0] * (c - min(r, c))
         else:
             checkpoint += [0] * n
     if layout.zero == 1:
