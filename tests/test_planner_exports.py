@@ -133,9 +133,10 @@ def test_megatron_llama3_405b_uneven_interleaved_is_exact(v, string):
 
 
 def test_megatron_deepseek_v3_pick_is_exact():
-    """The search's DeepSeek-V3 pick on 256 H100s (bench/moe.py, engine megatron): 61 layers
-    over PP32 with one-layer stages among the two-layer ones; it was written as "1 layer per
-    stage and 30 on the last" with an approximation warning."""
+    """A partition of the shape of the search's DeepSeek-V3 pick on 256 H100s (bench/moe.py,
+    engine megatron: tp8 pp32 ep8, 61 layers as [1, 2 x 15, 1, 2, ...]; one-layer stages among
+    the two-layer ones), which was written as "1 layer per stage and 30 on the last" with an
+    approximation warning."""
     layers = (1,) + (2,) * 15 + (1,) + (2,) * 14 + (1,)
     layout = ParallelLayout(world_size=256, pp=32, tp=8, dp=1, ep=8, sequence_parallel=True,
                             num_micro_batches=1024, layers_per_stage=layers)
