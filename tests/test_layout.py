@@ -88,12 +88,11 @@ def test_full_recompute_of_short_chunks_is_r_layers_per_chunk():
 
 
 def test_stage_train_refuses_short_chunks():
-    """Megatron runs short end chunks; stage=train builds equal ones and says so."""
-    from orchestrator.train.build import virtual_stage_layers
-
+    """Megatron runs short end chunks; stage=train builds equal ones and says so (train's
+    check_target and build.virtual_stage_layers call this check: test_train_build)."""
     with pytest.raises(LayoutError, match=r"short model chunks .*search.engine=megatron"):
-        virtual_stage_layers(_interleaved((7, 8, 8, 7), 4))
-    assert virtual_stage_layers(_interleaved((4, 8), 2)) == [2, 4, 2, 4]
+        _interleaved((7, 8, 8, 7), 4).check_equal_chunks()
+    _interleaved((4, 8), 2).check_equal_chunks()
 
 
 def test_layout_error_is_a_value_error_and_a_config_error():

@@ -140,17 +140,16 @@ def _stage_options(costs: StageCosts, L: int, budget: float, modes: Sequence[str
             # bisection on r for every (stage, n) at once (a linear guess from the activations
             # would miss the orchestrator engine's other terms).
             steps = np.maximum(np.ceil(n / v), 1.0)
+            layers_of = chunk_recompute_layers(n, v)
             lo, hi = np.ones_like(n), steps.copy()
-            fits_all = costs.memory_bytes(j, n, 2, np.minimum(chunk_recompute_layers(steps, n, v),
-                                                              n)) <= budget
+            fits_all = costs.memory_bytes(j, n, 2, np.minimum(layers_of(steps), n)) <= budget
             while np.any(lo < hi):
                 mid = np.floor((lo + hi) / 2)
-                ok_mid = costs.memory_bytes(j, n, 2, np.minimum(
-                    chunk_recompute_layers(mid, n, v), n)) <= budget
+                ok_mid = costs.memory_bytes(j, n, 2, np.minimum(layers_of(mid), n)) <= budget
                 hi = np.where((lo < hi) & ok_mid, mid, hi)
                 lo = np.where((lo < hi) & ~ok_mid, mid + 1, lo)
             # n + v: does not fit even fully recomputed
-            k = np.where(fits_all, chunk_recompute_layers(lo, n, v), n + v)
+            k = np.where(fits_all, layers_of(lo), n + v)
         k = np.minimum(k, np.maximum(n, v))
         ok = (costs.memory_bytes(j, n, 2, k) <= budget) & (k <= n)
         offer(costs.stage_time_us(j, n, 2, k), ok, 2, k.astype(np.int64))
@@ -184,12 +183,13 @@ def stage_counts_valid(n: np.ndarray, v: int, short_ends: bool) -> np.ndarray:
     return valid
 
 
-def chunk_recompute_layers(r, n, v: int):
-    """Layers a stage of n recomputes in full with the first r of each of its v chunks (all
-    of a shorter chunk): layout.chunk_recompute's k, vectorised; r * v for equal chunks."""
+def chunk_recompute_layers(n, v: int):
+    """A function of r: the layers stages of n recompute in full with the first r of each of
+    their v chunks (all of a shorter chunk), layout.chunk_recompute's k vectorised (r * v for
+    equal chunks, min(r, n) for v = 1)."""
     c = np.ceil(np.asarray(n, dtype=float) / v)
     short = np.maximum(n - (v - 1) * c, 0.0)
-    return (v - 1) * np.minimum(r, c) + np.minimum(r, short)
+    return lambda r: (v - 1) * np.minimum(r, c) + np.minimum(r, short)
 
 
 def largest_stage_lb(L: int, p: int, v: int, short_ends: bool) -> int:
