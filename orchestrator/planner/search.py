@@ -95,14 +95,15 @@ class InfeasibleError(errors.InfeasibleError):
 class _Table:
     """Stage options of one config: t[j, n] fastest time (us) of stage j with n layers under the
     budget (inf: none fits), code/k: its recompute; c[j, n]: its contribution to the objective;
-    valid[j, n]: whether stage j may hold n layers (stage_counts_valid)."""
+    counts: the layer counts each stage may hold (stage_counts_valid)."""
 
     t: np.ndarray
     code: np.ndarray
     k: np.ndarray
     c: np.ndarray
     sum_lb: float  # lower bound of alpha * sum t + e_0 over all partitions
-    valid: np.ndarray
+    counts: List[List[int]]  # per stage, the layer counts it may hold, ascending
+    short_ends: bool  # the first and last stages may hold counts that are not multiples of v
 
 
 def _stage_options(costs: StageCosts, L: int, budget: float, modes: Sequence[str],
@@ -162,7 +163,11 @@ def _stage_options(costs: StageCosts, L: int, budget: float, modes: Sequence[str
     finite_e0 = e0[valid[0] & np.isfinite(best_t[0])]
     sum_lb = (costs.alpha * (L * costs.layer.total_us + fixed)
               + (float(finite_e0.min()) if finite_e0.size else 0.0))
-    return _Table(best_t, best_code, best_k, c, sum_lb, valid)
+    if costs.short_ends:
+        counts = [np.flatnonzero(row).tolist() for row in valid]
+    else:
+        counts = [list(range(v, N + 1, v))] * p  # multiples of v: one list for every stage
+    return _Table(best_t, best_code, best_k, c, sum_lb, counts, costs.short_ends)
 
 
 def _per_stage_us(costs: StageCosts) -> np.ndarray:
@@ -239,11 +244,6 @@ def may_fit(costs: StageCosts, L: int, budget: float, modes: Sequence[str]) -> b
     return float(np.min(costs.memory_bytes(j, n, code, k))) <= budget
 
 
-def _stage_counts(table: _Table) -> List[np.ndarray]:
-    """Per stage, the layer counts it may hold (table.valid), ascending."""
-    return [np.flatnonzero(row) for row in table.valid]
-
-
 def _min_sum_dp(table: _Table, L: int, v: int, taus: np.ndarray):
     """For each threshold in `taus`: least sum of table.c over partitions of L layers with every
     stage time <= tau. Returns (values[T], choice[p, T, L+1]) for backtracking."""
@@ -253,16 +253,17 @@ def _min_sum_dp(table: _Table, L: int, v: int, taus: np.ndarray):
     dp[:, 0] = 0.0
     choice = np.zeros((p, T, L + 1), dtype=np.int16)
     tau_max = float(taus.max())
-    counts = _stage_counts(table)
-    least = [int(c[0]) if c.size else L + 1 for c in counts]  # each stage's fewest layers
+    counts = table.counts
+    # layers the stages before j hold at least (each its fewest)
+    before = np.cumsum([0] + [c[0] if c else L + 1 for c in counts]).tolist()
     for j in range(p):
         new = np.full((T, L + 1), INF)
         ch = choice[j]
-        lo, hi = sum(least[:j]), L - sum(least[j:])  # layers before stage j
-        hi_after = L - sum(least[j + 1:])
+        lo, hi = before[j], L - (before[p] - before[j])  # layers before stage j
+        hi_after = L - (before[p] - before[j + 1])
         if hi < lo:
             return np.full(T, INF), choice
-        for n in counts[j].tolist():
+        for n in counts[j]:
             tn = table.t[j, n]
             if not tn <= tau_max or lo + n > hi_after:
                 break  # times grow with n: no larger stage fits any threshold
@@ -301,21 +302,27 @@ def solve_config(costs: StageCosts, L: int, budget: float, modes: Sequence[str],
     key = costs.key
     v = key.virtual_stages
     table = _stage_options(costs, L, budget, modes, fast)
-    stage_counts = _stage_counts(table)
-    if not all(c.size and np.isfinite(table.t[j, c[0]]) for j, c in enumerate(stage_counts)):
+    if not all(c and np.isfinite(table.t[j, c[0]]) for j, c in enumerate(table.counts)):
         return None  # some stage cannot hold even its fewest layers
     values = np.unique(table.t[np.isfinite(table.t)])
     # Least threshold at which the stages can hold L layers (times grow with n, so stage j can
     # take any count it may hold up to nmax_j(tau)); a valid lower end for the sweep.
-    counts, most = [], []
-    for j, ns in enumerate(stage_counts):
-        row = table.t[j, ns]
-        ns = ns[np.isfinite(row)]
-        fit = np.searchsorted(np.sort(row[np.isfinite(row)]), values, side="right")
-        counts.append(fit)
-        most.append(np.where(fit > 0, ns[np.maximum(fit - 1, 0)], 0))
-    counts, most = np.stack(counts), np.stack(most)
-    reachable = (most.sum(axis=0) >= L) & (counts.min(axis=0) >= 1)
+    if not table.short_ends:  # multiples of v: nmax_j = v x the counts that fit
+        valid_t = table.t[:, v::v]
+        counts = np.stack([np.searchsorted(np.sort(row[np.isfinite(row)]), values,
+                                           side="right") for row in valid_t])
+        most_sum = counts.sum(axis=0) * v
+    else:
+        counts, most = [], []
+        for j, ns in enumerate(table.counts):
+            ns = np.asarray(ns)
+            row = table.t[j, ns]
+            ns = ns[np.isfinite(row)]
+            fit = np.searchsorted(np.sort(row[np.isfinite(row)]), values, side="right")
+            counts.append(fit)
+            most.append(np.where(fit > 0, ns[np.maximum(fit - 1, 0)], 0))
+        counts, most_sum = np.stack(counts), np.stack(most).sum(axis=0)
+    reachable = (most_sum >= L) & (counts.min(axis=0) >= 1)
     if not reachable.any():
         return None
     taus = values[np.argmax(reachable):]
