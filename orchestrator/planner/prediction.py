@@ -112,7 +112,8 @@ def _over_budget_reason(memory: Sequence[Mapping[str, float]], budget_bytes: flo
 def chunk_shares(costs: StageCosts, layout: ParallelLayout) -> np.ndarray:
     """[stage][chunk]: the share of its stage's time each model chunk takes, its layers' and,
     on the first stage's first chunk and the last stage's last, the embedding's and the LM
-    head's ("other"): simulate()'s chunk_shares (equal chunks: 1/v each, but for those)."""
+    head's ("other"): simulate()'s chunk_shares for a layout with short chunks (equal chunks
+    are simulated at 1/v each, as the dynamic planner's execution plans are)."""
     p, v = layout.pp, layout.virtual_stages
     layer = costs.layer.fwd_us + costs.layer.bwd_us
     other = np.asarray(costs.other.fwd_us + costs.other.bwd_us, dtype=float).reshape(-1)
@@ -176,7 +177,8 @@ def evaluate(layout: ParallelLayout, model_cost: ModelCost, hardware: HardwareMo
         sim = simulate_schedule(list(f_arr - costs.sends.fwd_us),
                                 list(b_arr - costs.sends.bwd_us), m, layout.schedule,
                                 layout.virtual_stages, list(costs.boundary_us) if p > 1 else 0.0,
-                                chunk_shares=chunk_shares(costs, layout))
+                                chunk_shares=(chunk_shares(costs, layout)
+                                              if layout.short_chunks else None))
         simulated = max(sim.stage_finish_us[j]
                         + float(costs.tail_us(j, layout.layers_per_stage[j]))
                         for j in range(p))
