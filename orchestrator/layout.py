@@ -42,6 +42,34 @@ ENGINE_CP_COMM = CpComm.p2p
 StageRecompute = Tuple[Recompute, int]
 
 
+def stage_chunks(n: int, v: int, first: bool, last: bool) -> Optional[Tuple[int, ...]]:
+    """The layers of each of the v model chunks of a stage of n layers (chunk order), or None
+    when the rule below cannot split n. Equal chunks (n % v == 0); otherwise, on the first
+    stage (`first`) or the last (`last`) only, ceil(n / v) layers per chunk with the remainder
+    short: the first stage's first chunk (beside the embedding) or the last stage's last chunk
+    (beside the LM head and loss), >= 0 layers. Llama 3 405B's 126 layers over 16 stages are
+    7 + 14 x 8 + 7: with v = 8, one layer per chunk and none beside the embedding and the
+    loss (Megatron's --account-for-embedding/loss-in-pipeline-split); with v = 4, [1, 2, 2, 2]
+    on the first stage. Megatron runs every such split (--pipeline-model-parallel-layout)."""
+    if v == 1 or n % v == 0:
+        return (n // v,) * v
+    c = -(-n // v)
+    short = n - (v - 1) * c
+    if short < 0 or not (first or last):
+        return None
+    return (short,) + (c,) * (v - 1) if first else (c,) * (v - 1) + (short,)
+
+
+def chunk_recompute(k: int, chunks: Tuple[int, ...]) -> Optional[int]:
+    """r such that full recompute of k layers of a stage is the first r layers of each of its
+    `chunks` (all of a chunk shorter than r: Megatron's --recompute-method block), or None.
+    Equal chunks: r = k / v."""
+    for r in range(1, max(chunks) + 1):
+        if sum(min(r, c) for c in chunks) == k:
+            return r
+    return None
+
+
 class LayoutError(ConfigError, ValueError):
     """A ParallelLayout that cannot run; the message prints the offending numbers."""
 
@@ -68,8 +96,9 @@ class ParallelLayout:
       it is True exactly when zero >= 1 (left as None it is derived from zero).
     - global batch (sequences) = dp * micro_batch_size * num_micro_batches.
     - schedule "1f1b" (virtual_stages == 1) or "interleaved" (virtual_stages = v >= 2 model
-      chunks per device; each stage's layer count and full-recompute count divisible by v, and
-      num_micro_batches divisible by pp as Megatron requires).
+      chunks per device, split by stage_chunks: equal chunks, except that the first stage's
+      first chunk and the last stage's last chunk may be short, the place Megatron's embedding
+      and loss take; num_micro_batches divisible by pp as Megatron requires).
     - layers_per_stage: transformer blocks per pipeline stage, uneven allowed (>= 1 each).
     - recompute: one (mode, k_layers) per pipeline stage, see StageRecompute.
     """
@@ -165,9 +194,12 @@ class ParallelLayout:
         for stage, n in enumerate(self.layers_per_stage):
             if n < 1:
                 raise LayoutError(f"layers_per_stage[{stage}]={n}: every stage needs >= 1 layer")
-            if n % v:
+            if stage_chunks(n, v, stage == 0, stage == self.pp - 1) is None:
+                ends = ("" if 0 < stage < self.pp - 1 else
+                        f" (a short {'first' if stage == 0 else 'last'} chunk: n >= "
+                        f"(v - 1) * ceil(n / v))")
                 raise LayoutError(f"layers_per_stage[{stage}]={n} % virtual_stages({v}) != 0: "
-                                  f"each model chunk needs the same number of layers")
+                                  f"each model chunk needs the same number of layers{ends}")
         if len(self.recompute) != self.pp:
             raise LayoutError(f"len(recompute)={len(self.recompute)} != pp({self.pp}): give one "
                               f"(mode, k_layers) per pipeline stage")
@@ -182,9 +214,10 @@ class ParallelLayout:
                 if not 1 <= k <= n:
                     raise LayoutError(f"recompute[{stage}]=('full', {k}): k_layers must be in "
                                       f"1..layers_per_stage[{stage}]={n}")
-                if k % v:
+                if chunk_recompute(k, self.layers_per_chunk[stage]) is None:
                     raise LayoutError(f"recompute[{stage}]=('full', {k}) % virtual_stages({v}) "
-                                      f"!= 0: each model chunk recomputes the same layers")
+                                      f"!= 0: each model chunk recomputes the same layers (its "
+                                      f"first r, all of a chunk shorter than r)")
 
     def check_sequence(self, seq_len: int) -> None:
         """Raise LayoutError unless context parallelism can cut `seq_len`: 2 * cp chunks of equal
@@ -226,6 +259,16 @@ class ParallelLayout:
             raise LayoutError(f"expert FFN width({expert_ffn}) of {model_name} is not divisible "
                               f"by etp({self.etp})")
 
+    def check_equal_chunks(self) -> None:
+        """Raise LayoutError when a model chunk is short (short_chunks): Megatron-LM runs those
+        (planner/exports.py writes them), stage=train builds equal chunks only."""
+        if self.short_chunks:
+            raise LayoutError(
+                f"layers_per_stage={list(self.layers_per_stage)} with virtual_stages"
+                f"({self.virtual_stages}) has short model chunks {list(self.layers_per_chunk)}: "
+                f"Megatron-LM runs them (search.engine=megatron), stage=train builds equal "
+                f"chunks only; give every stage a multiple of {self.virtual_stages} layers")
+
     def check_model_layers(self, layers: int, model_name: str = "model") -> None:
         """Raise LayoutError unless the stages hold exactly the model's `layers` blocks."""
         if self.num_layers != layers:
@@ -237,6 +280,20 @@ class ParallelLayout:
     def num_layers(self) -> int:
         """Transformer blocks over all stages."""
         return sum(self.layers_per_stage)
+
+    @property
+    def layers_per_chunk(self) -> Tuple[Tuple[int, ...], ...]:
+        """Per stage, the layers of each of its virtual_stages model chunks (stage_chunks); the
+        model runs chunk c of stage s as virtual stage c * pp + s."""
+        p, v = self.pp, self.virtual_stages
+        return tuple(stage_chunks(n, v, s == 0, s == p - 1)
+                     for s, n in enumerate(self.layers_per_stage))
+
+    @property
+    def short_chunks(self) -> bool:
+        """True when some model chunk holds fewer layers than its stage's others (the first
+        stage's first or the last stage's last, interleaved only)."""
+        return any(len(set(chunks)) > 1 for chunks in self.layers_per_chunk)
 
     @property
     def stage_ranks(self) -> int:

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from orchestrator.choices import Recompute
 from orchestrator.errors import ConfigError, ProfileError
 from orchestrator.layout import LayoutError, ParallelLayout
 
@@ -38,8 +39,8 @@ def test_layer_count_must_match_model():
     (dict(virtual_stages=2), r"'1f1b' has virtual_stages 1"),
     (dict(schedule="interleaved", virtual_stages=2, num_micro_batches=3),
      r"num_micro_batches\(3\) % pp\(2\) != 0"),
-    (dict(schedule="interleaved", virtual_stages=3, layers_per_stage=(3, 5)),
-     r"layers_per_stage\[1\]=5 % virtual_stages\(3\) != 0"),
+    (dict(schedule="interleaved", virtual_stages=3, layers_per_stage=(3, 1)),
+     r"layers_per_stage\[1\]=1 % virtual_stages\(3\) != 0.*short last chunk"),
     (dict(recompute=(("full", 5), ("none", 0))), r"\('full', 5\): k_layers must be in 1..*=4"),
     (dict(recompute=(("selective", 2), ("none", 0))), r"k_layers must be layers_per_stage\[0\]=4"),
     (dict(recompute=(("none", 1), ("none", 0))), r"\('none', 1\): k_layers must be 0"),
@@ -49,6 +50,49 @@ def test_layer_count_must_match_model():
 def test_invalid_layouts_name_the_numbers(kw, message):
     with pytest.raises(LayoutError, match=message):
         _layout(**kw)
+
+
+def _interleaved(layers, v, recompute=()):
+    return ParallelLayout(world_size=len(layers), pp=len(layers), tp=1, dp=1,
+                          num_micro_batches=len(layers), schedule="interleaved",
+                          virtual_stages=v, layers_per_stage=layers, recompute=recompute)
+
+
+def test_interleaved_chunks_are_equal_but_the_first_and_last_may_be_short():
+    """Llama 3 405B's 7 + 14 x 8 + 7 with v = 2, 4, 8: the first stage's first chunk and the
+    last stage's last hold the layer less (none at v = 8); a middle stage must split evenly,
+    and an end stage's short chunk cannot go below 0 layers."""
+    layers = (7,) + (8,) * 14 + (7,)
+    for v in (2, 4, 8):
+        c = 8 // v
+        layout = _interleaved(layers, v)
+        assert layout.layers_per_chunk[0] == (c - 1,) + (c,) * (v - 1)
+        assert layout.layers_per_chunk[-1] == (c,) * (v - 1) + (c - 1,)
+        assert set(layout.layers_per_chunk[1:-1]) == {(c,) * v}
+        assert layout.short_chunks
+    assert not _interleaved((8, 8), 4).short_chunks
+    with pytest.raises(LayoutError, match=r"layers_per_stage\[1\]=7 % virtual_stages\(2\)"):
+        _interleaved((8, 7, 8, 8), 2)  # a middle stage
+    with pytest.raises(LayoutError, match=r"layers_per_stage\[0\]=5 .*short first chunk"):
+        _interleaved((5, 8), 4)  # chunks of 2 leave -1 for the first
+
+
+def test_full_recompute_of_short_chunks_is_r_layers_per_chunk():
+    """k counts the layers recomputed: the first r of each chunk, all of a shorter one."""
+    layers = (7, 8, 8, 7)
+    ok = _interleaved(layers, 4, ((Recompute.full, 4), (Recompute.full, 4),
+                                  (Recompute.full, 4), (Recompute.full, 7)))
+    assert ok.recompute[0] == (Recompute.full, 4)
+    with pytest.raises(LayoutError, match=r"recompute\[0\]=\('full', 5\)"):
+        _interleaved(layers, 4, ((Recompute.full, 5),) + ((Recompute.none, 0),) * 3)
+
+
+def test_stage_train_refuses_short_chunks():
+    """Megatron runs short end chunks; stage=train builds equal ones and says so (train's
+    check_target and build.virtual_stage_layers call this check: test_train_build)."""
+    with pytest.raises(LayoutError, match=r"short model chunks .*search.engine=megatron"):
+        _interleaved((7, 8, 8, 7), 4).check_equal_chunks()
+    _interleaved((4, 8), 2).check_equal_chunks()
 
 
 def test_layout_error_is_a_value_error_and_a_config_error():

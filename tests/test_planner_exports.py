@@ -1,6 +1,8 @@
 """A layout written as Megatron-LM arguments and as a Galvatron strategy."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from orchestrator.layout import ParallelLayout
@@ -51,34 +53,119 @@ def test_megatron_uneven_first_and_last_stage():
     assert "--sequence-parallel" not in a and "--use-distributed-optimizer" not in a
 
 
-def test_megatron_cannot_express_uneven_middle_stages():
-    layout = ParallelLayout(world_size=4, pp=4, tp=1, dp=1, num_micro_batches=4,
-                            layers_per_stage=(6, 8, 9, 6))
-    with pytest.raises(ExportError, match="equal middle pipeline stages"):
-        megatron_args(layout)
+def _parse_pipeline_layout(text):
+    """Decoder layers per entry of a --pipeline-model-parallel-layout string, with the "E" and
+    "L" positions: the syntax Megatron documents ("(x|)*n" and "t*k" unrolled, "|" between
+    virtual stages), read here independently of the writer."""
+    while "(" in text:
+        i = text.rindex("(")
+        j = text.index(")*", i)
+        k = j + 2
+        while k < len(text) and text[k].isdigit():
+            k += 1
+        text = text[:i] + text[i + 1:j] * int(text[j + 2:k]) + text[k:]
+    entries = []
+    for entry in text.split("|"):
+        body = entry.replace("E", "").replace("L", "")
+        count = sum(int(part[2:] or 1) if part.startswith("t*") else len(part)
+                    for part in body.replace("t*", " t*").split())
+        entries.append((count, "E" in entry, "L" in entry))
+    return entries
 
 
-def test_megatron_approximates_uneven_middle_stages_with_the_rest_on_the_last():
+def _chunks_of(entries, pp):
+    """Per stage, its chunks' decoder layers (entry c * pp + s is chunk c of stage s)."""
+    v = len(entries) // pp
+    return [[entries[c * pp + s][0] for c in range(v)] for s in range(pp)]
+
+
+def test_megatron_writes_uneven_middle_stages_exactly_as_a_pipeline_layout():
+    """What Megatron's --decoder-first/last flags cannot say, its layout flag can: no
+    approximation, strict or not (the search's [1, 2, 3, 3] of test_search_stage)."""
     layout = ParallelLayout(world_size=5, pp=5, tp=1, dp=1, num_micro_batches=5,
                             layers_per_stage=(2, 3, 4, 4, 1))
-    with pytest.warns(UserWarning, match=r"equal middle pipeline stages, got layers_per_stage="
-                                         r"\[2, 3, 4, 4, 1\]; written as \[2, 3, 3, 3, 3\]"):
-        a = _args_dict(megatron_args(layout, strict=False))
-    assert a["--decoder-first-pipeline-num-layers"] == "2"
-    assert "--decoder-last-pipeline-num-layers" not in a  # 1 + 2 left over = the middle's 3
+    a = _args_dict(megatron_args(layout))
+    assert "--decoder-first-pipeline-num-layers" not in a
+    entries = _parse_pipeline_layout(a["--pipeline-model-parallel-layout"])
+    assert [n for n, _, _ in entries] == [2, 3, 4, 4, 1]
+    assert entries[0][1] and entries[-1][2]  # the embedding first, the loss last
     assert a["--num-layers"] == "14"
 
 
-def test_megatron_interleaved_unequal_stages_approximate_or_fail():
-    even = ParallelLayout(world_size=2, pp=2, tp=1, dp=1, num_micro_batches=4,
-                          schedule="interleaved", virtual_stages=2, layers_per_stage=(2, 6))
-    with pytest.warns(UserWarning, match="written as 4 layers per stage"):
-        a = _args_dict(megatron_args(even, strict=False))
-    assert a["--num-layers-per-virtual-pipeline-stage"] == "2"
-    odd = ParallelLayout(world_size=2, pp=2, tp=1, dp=1, num_micro_batches=4,
+def test_megatron_interleaved_unequal_stages_are_exact():
+    """Interleaved, unequal stages (each a multiple of v): equal middle stages and other
+    first/last ones by the first/last flags with Megatron's virtual size."""
+    ends = ParallelLayout(world_size=4, pp=4, tp=1, dp=1, num_micro_batches=4,
+                          schedule="interleaved", virtual_stages=2, layers_per_stage=(2, 4, 4, 6))
+    a = _args_dict(megatron_args(ends))
+    assert (a["--decoder-first-pipeline-num-layers"], a["--decoder-last-pipeline-num-layers"],
+            a["--num-virtual-stages-per-pipeline-rank"]) == ("2", "6", "2")
+    assert "--num-layers-per-virtual-pipeline-stage" not in a  # Megatron refuses both
+    two = ParallelLayout(world_size=2, pp=2, tp=1, dp=1, num_micro_batches=4,
                          schedule="interleaved", virtual_stages=2, layers_per_stage=(2, 4))
-    with pytest.raises(ExportError, match="interleaved schedule here needs equal stages"):
-        megatron_args(odd, strict=False)
+    a = _args_dict(megatron_args(two))
+    assert (a["--decoder-first-pipeline-num-layers"], a["--decoder-last-pipeline-num-layers"],
+            a["--num-virtual-stages-per-pipeline-rank"]) == ("2", "4", "2")
+    assert a["--overlap-p2p-comm"] is True  # Megatron's rule for v > 1 over 2 stages
+
+
+LLAMA3_405B = (7,) + (8,) * 14 + (7,)  # the Llama 3 paper: one layer fewer first and last
+
+
+@pytest.mark.parametrize("v,string", [(2, None), (4, "Et|(tt|)*62tL"), (8, "E|(t|)*126L")])
+def test_megatron_llama3_405b_uneven_interleaved_is_exact(v, string):
+    """126 layers over PP16 with v > 1: chunks equal but the first stage's first and the last
+    stage's last, which are short (empty at v = 8, Megatron's layout of the Llama 3 run)."""
+    layout = ParallelLayout(world_size=2048, pp=16, tp=8, dp=16, zero=1, sequence_parallel=True,
+                            num_micro_batches=16, schedule="interleaved", virtual_stages=v,
+                            layers_per_stage=LLAMA3_405B)
+    a = _args_dict(megatron_args(layout))  # strict: an approximation would raise
+    text = a["--pipeline-model-parallel-layout"]
+    if string is not None:
+        assert text == string
+    chunks = _chunks_of(_parse_pipeline_layout(text), 16)
+    c = 8 // v
+    assert chunks[0] == [c - 1] + [c] * (v - 1)
+    assert chunks[-1] == [c] * (v - 1) + [c - 1]
+    assert all(row == [c] * v for row in chunks[1:-1])
+    assert "--num-layers-per-virtual-pipeline-stage" not in a
+    assert "--num-virtual-stages-per-pipeline-rank" not in a  # the layout gives v
+
+
+def test_megatron_deepseek_v3_pick_is_exact():
+    """A partition of the shape of the search's DeepSeek-V3 pick on 256 H100s (bench/moe.py,
+    engine megatron: tp8 pp32 ep8, 61 layers as [1, 2 x 15, 1, 2, ...]; one-layer stages among
+    the two-layer ones), which was written as "1 layer per stage and 30 on the last" with an
+    approximation warning."""
+    layers = (1,) + (2,) * 15 + (1,) + (2,) * 14 + (1,)
+    layout = ParallelLayout(world_size=256, pp=32, tp=8, dp=1, ep=8, sequence_parallel=True,
+                            num_micro_batches=1024, layers_per_stage=layers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no approximation, strict or not
+        args = megatron_args(layout, strict=False)
+    assert megatron_args(layout) == args
+    a = _args_dict(args)
+    entries = _parse_pipeline_layout(a["--pipeline-model-parallel-layout"])
+    assert [n for n, _, _ in entries] == list(layers)
+    assert a["--num-layers"] == "61"
+    assert "--decoder-last-pipeline-num-layers" not in a
+
+
+def test_megatron_recompute_per_chunk_with_short_chunks():
+    """Full recompute of r layers per chunk covers all of a shorter chunk (Megatron's block
+    method): one setting, exact, for stages whose counts differ."""
+    layout = ParallelLayout(world_size=4, pp=4, tp=1, dp=1, num_micro_batches=4,
+                            schedule="interleaved", virtual_stages=4,
+                            layers_per_stage=(7, 8, 8, 7),
+                            recompute=(("full", 4), ("full", 4), ("full", 4), ("full", 4)))
+    assert layout.layers_per_chunk[0] == (1, 2, 2, 2)
+    a = _args_dict(megatron_args(layout))
+    assert a["--recompute-num-layers"] == "1"
+    whole = ParallelLayout(world_size=4, pp=4, tp=1, dp=1, num_micro_batches=4,
+                           schedule="interleaved", virtual_stages=4,
+                           layers_per_stage=(7, 8, 8, 7),
+                           recompute=(("full", 7), ("full", 8), ("full", 8), ("full", 7)))
+    assert _args_dict(megatron_args(whole))["--recompute-num-layers"] == "2"
 
 
 def test_megatron_per_stage_recompute_is_strict_or_conservative():

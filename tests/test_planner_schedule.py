@@ -103,3 +103,21 @@ def test_bad_inputs_are_rejected():
         simulate([1.0] * 4, [2.0] * 4, 6, "interleaved", 2)
     with pytest.raises(ValueError, match="one forward and one backward"):
         simulate([1.0] * 2, [2.0] * 3, 4)
+
+
+def test_interleaved_short_end_chunks_by_hand():
+    """p = 2, v = 2, m = 2, 1 us forward and 2 us backward per layer, chunks (1, 2) on stage 0
+    and (2, 1) on stage 1 (short first and last chunks, layout.stage_chunks). Counted by hand
+    along stage_order: stage 0 F 0-1, 1-2, 3-5, 5-7 and B 8-12, 12-16, 16-18, 20-22; stage 1
+    F 1-3, 3-5, 5-6, B 6-8, F 8-9, B 9-11, 12-16, 16-20: 22 us, 4 us idle on each stage
+    (equal chunks of the same stages: 22.5 us). Stage 1's peak in flight is 5 layers' bytes
+    (2, 4, 5, 4, 5 over its first five ops), not 4.5."""
+    f, b = [3.0, 3.0], [6.0, 6.0]
+    shares = [[1 / 3, 2 / 3], [2 / 3, 1 / 3]]
+    result = simulate(f, b, 2, "interleaved", 2, act_bytes=[3.0, 3.0], chunk_shares=shares)
+    assert result.iteration_time_us == pytest.approx(22.0)
+    assert result.stage_idle_us == pytest.approx((4.0, 4.0))
+    assert result.stage_peak_act_bytes[1] == pytest.approx(5.0)
+    equal = simulate(f, b, 2, "interleaved", 2, act_bytes=[3.0, 3.0])
+    assert equal.iteration_time_us == pytest.approx(22.5)
+    assert equal.stage_peak_act_bytes[1] == pytest.approx(4.5)

@@ -270,3 +270,101 @@ def test_divisors_of_a_billion_devices_without_a_billion_steps():
         assert _divisors(n) == [d for d in range(1, n + 1) if n % d == 0], n
     billion = _divisors(10**9)
     assert len(billion) == 100 and billion[:4] == [1, 2, 4, 5] and billion[-1] == 10**9
+
+
+def _megatron_layouts(model, world, gbs, v_options, recompute_modes):
+    """Every layout Megatron-LM runs of this small space, tp 1 and interleaved only: any
+    composition of the layers that ParallelLayout accepts (short end chunks included), every
+    per-stage recompute it accepts."""
+    from orchestrator.layout import LayoutError
+
+    L = model.layers
+    for pp in (p for p in _divisors(world) if 1 < p <= L):
+        dp = world // pp
+        m = gbs // dp
+        for v in v_options:
+            if m % pp:
+                continue
+            for layers in _compositions(L, pp, 1):
+                base = dict(world_size=world, pp=pp, tp=1, dp=dp, num_micro_batches=m,
+                            schedule="interleaved", virtual_stages=v, layers_per_stage=layers)
+                try:
+                    ParallelLayout(**base)
+                except LayoutError:
+                    continue
+                options = [[("none", 0)] * ("none" in recompute_modes)
+                           + [("full", k) for k in range(1, n + 1)
+                              if "full" in recompute_modes] for n in layers]
+                for rc in itertools.product(*options):
+                    try:
+                        yield ParallelLayout(**base, recompute=rc)
+                    except LayoutError:
+                        continue
+
+
+@pytest.mark.parametrize("budget_frac", [1.0, 0.3])
+def test_megatron_search_finds_the_best_partition_megatron_runs(budget_frac):
+    """engine=megatron: 7 layers interleaved (v = 2, 3) split only with short end chunks; the
+    search's best equals the brute-force minimum over every layout Megatron runs, and every
+    layout it returns has a partition Megatron runs, written exactly (megatron_partition; the
+    per-stage recompute the search also picks is another matter: one setting in Megatron)."""
+    from orchestrator.planner.exports import megatron_partition, pipeline_layout_string
+
+    model = ModelCost.from_dict(synthetic_model("tiny", layers=7, hidden=256, ffn=1024))
+    hw = HardwareModel.from_dict(synthetic_hardware(1, 4))
+    options = CostOptions(reserve_bytes=0, engine="megatron")
+    layouts = list(_megatron_layouts(model, 4, 8, (2, 3), ("none", "full")))
+    assert any(lay.short_chunks for lay in layouts)
+    peaks = sorted(evaluate(lay, model, hw, 512, options=options).peak_memory_bytes
+                   for lay in layouts)
+    budget = peaks[int(budget_frac * (len(peaks) - 1))]
+    brute = min(pred.iteration_time_us for pred in (
+        evaluate(lay, model, hw, 512, budget, options) for lay in layouts) if pred.feasible)
+    space = SearchSpace(world_size=4, memory_budget_bytes=budget, global_batch_size=8,
+                        seq_len=512, max_tp=1, zero_stages=(0,), micro_batch_sizes=(1,),
+                        schedules=("interleaved",), virtual_stages=(2, 3),
+                        recompute=("none", "full"), sequence_parallel=(False,),
+                        options=options)
+    result = search(model, hw, space)
+    assert result.prediction.iteration_time_us == pytest.approx(brute, rel=REL)
+    assert result.best.short_chunks  # 7 layers split no other way
+    for layout, _ in result.top:
+        assert layout.short_chunks
+        assert megatron_partition(layout) == ["--pipeline-model-parallel-layout",
+                                              pipeline_layout_string(layout)]
+
+
+def test_orchestrator_engine_never_prices_short_chunks():
+    """stage=train builds equal chunks: its engine's search offers no interleaving of 7 layers
+    and evaluate refuses a short-chunk layout, naming the engine that runs it."""
+    from orchestrator.layout import LayoutError
+
+    model = ModelCost.from_dict(synthetic_model("tiny", layers=7, hidden=256, ffn=1024))
+    hw = HardwareModel.from_dict(synthetic_hardware(1, 4))
+    space = SearchSpace(world_size=4, memory_budget_bytes=80 * GiB, global_batch_size=8,
+                        seq_len=512, max_tp=1, zero_stages=(0,), micro_batch_sizes=(1,),
+                        schedules=("interleaved",), virtual_stages=(2,),
+                        sequence_parallel=(False,), options=CostOptions(reserve_bytes=0))
+    with pytest.raises(InfeasibleError):
+        search(model, hw, space)
+    layout = ParallelLayout(world_size=4, pp=2, tp=1, dp=2, num_micro_batches=4,
+                            schedule="interleaved", virtual_stages=2, layers_per_stage=(3, 4))
+    with pytest.raises(LayoutError, match="search.engine=megatron"):
+        evaluate(layout, model, hw, 512)
+    assert evaluate(layout, model, hw, 512, options=CostOptions(engine="megatron")).feasible
+
+
+def test_megatron_search_with_short_chunks_names_the_closest_when_nothing_fits():
+    """Nothing fits: the closest layout of an interleaved-only space of 7 layers (short end
+    chunks, layers taken off the end chunks) is a valid layout."""
+    model = ModelCost.from_dict(synthetic_model("tiny", layers=7, hidden=256, ffn=1024))
+    hw = HardwareModel.from_dict(synthetic_hardware(1, 4))
+    space = SearchSpace(world_size=4, memory_budget_bytes=1, global_batch_size=8,
+                        seq_len=512, max_tp=1, zero_stages=(0,), micro_batch_sizes=(1,),
+                        schedules=("interleaved",), virtual_stages=(2,),
+                        sequence_parallel=(False,),
+                        options=CostOptions(reserve_bytes=0, engine="megatron"))
+    with pytest.raises(InfeasibleError) as caught:
+        search(model, hw, space)
+    closest = caught.value.closest
+    assert closest.num_layers == 7 and closest.virtual_stages == 2 and closest.short_chunks

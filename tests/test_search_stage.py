@@ -94,10 +94,10 @@ def test_no_feasible_layout_says_what_comes_closest(profiles):
     assert ledger(profiles, "dgx_h100")["search/llama2_7b"]["state"] == "failed"
 
 
-def test_uneven_middle_stages_write_the_strategy_and_record_megatron_approximation(profiles):
+def test_uneven_middle_stages_write_the_strategy_and_an_exact_megatron_export(profiles):
     """A best layout with uneven middle stages ([1, 2, 3, 3]: activations of 1F1B shrink down
-    the pipeline) is a valid answer: the strategy is written, the Megatron export approximates
-    it with equal middle stages and says so, and the stage succeeds."""
+    the pipeline) is a valid answer: the strategy is written, the Megatron export says it
+    exactly (--pipeline-model-parallel-layout), and the stage succeeds."""
     from planner_fixtures import synthetic_hardware, synthetic_model
 
     from orchestrator.store import write_json
@@ -118,17 +118,15 @@ def test_uneven_middle_stages_write_the_strategy_and_record_megatron_approximati
     strategy = json.loads((profiles / "local" / "strategy" / "tiny.json").read_text())
     assert strategy["layout"]["layers_per_stage"] == [1, 2, 3, 3]
     exports = strategy["exports"]
-    assert exports["megatron_approximations"] == [
-        "Megatron-LM needs equal middle pipeline stages, got layers_per_stage=[1, 2, 3, 3]; "
-        "written as [1, 2, 2, 4]"]
+    assert exports["megatron_approximations"] == []
     assert "megatron_error" not in exports and "galvatron_error" not in exports
     args = (profiles / "local" / "strategy" / "tiny.megatron.args").read_text().split()
     assert args == exports["megatron"]
-    assert args[args.index("--decoder-first-pipeline-num-layers") + 1] == "1"
-    assert args[args.index("--decoder-last-pipeline-num-layers") + 1] == "4"
+    assert args[args.index("--pipeline-model-parallel-layout") + 1] == "Et|tt|t*3|t*3L"
+    assert "--decoder-first-pipeline-num-layers" not in args
     assert exports["galvatron"]["pp_division"] == "1,2,3,3"
     assert exports["galvatron_approximations"] == []
-    assert "megatron export approximates" in proc.stdout
+    assert "megatron export approximates" not in proc.stdout
     assert ledger(profiles)["search/tiny"]["state"] == "done"
 
 

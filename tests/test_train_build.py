@@ -110,3 +110,19 @@ def test_the_tracer_builds_the_engine_s_model_and_optimizer(monkeypatch, config,
     trace_rank(spec, model, rank)
     assert trained and made == trained
     assert traced == [train_chunks]
+
+
+def test_train_builds_equal_chunks_only():
+    """A layout with a short end chunk (Megatron-LM's) is refused where train builds its chunks
+    (build.virtual_stage_layers), naming the engine that runs it; equal chunks build."""
+    from orchestrator.layout import LayoutError, ParallelLayout
+    from orchestrator.train.build import virtual_stage_layers
+
+    def interleaved(layers):
+        return ParallelLayout(world_size=len(layers), pp=len(layers), tp=1, dp=1,
+                              num_micro_batches=len(layers), schedule="interleaved",
+                              virtual_stages=2, layers_per_stage=layers)
+
+    with pytest.raises(LayoutError, match=r"short model chunks .*search.engine=megatron"):
+        virtual_stage_layers(interleaved((3, 4)))
+    assert virtual_stage_layers(interleaved((4, 8))) == [2, 4, 2, 4]

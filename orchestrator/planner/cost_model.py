@@ -194,6 +194,9 @@ class StageCosts:
         self.hardware = hardware
         self.model, self.options = model, options
         self.engine = options.engine
+        # Megatron-LM runs short end chunks (--pipeline-model-parallel-layout); stage=train
+        # builds equal ones (ParallelLayout.check_equal_chunks)
+        self.short_ends = self.engine == Engine.megatron and key.virtual_stages > 1
         # The messages' dtypes (workload/comm.py): the compute dtype training runs in, and the
         # residual stream's (fp32 in our engine under autocast).
         self.compute_dtype = Dtype.parse(options.dtype or model.dtype)
@@ -520,8 +523,13 @@ class StageCosts:
         and the LM head's on the last stage."""
         if self.engine_memory is not None:
             return self.engine_memory.peak_above_states(j, n, mode_code, k)
-        return (stage_activation_bytes(self.act, self.tokens, self.in_flight[j], n, mode_code, k)
-                + self.other_act[j])
+        # A stage with a short end chunk (layout.stage_chunks) is charged as if that chunk
+        # were full: in flight are mostly full chunks (the last stage's are all but one), so
+        # this bounds the peak from above and is exact on the last stage.
+        v = self.key.virtual_stages
+        n_act = np.ceil(np.asarray(n, dtype=float) / v) * v if self.short_ends else n
+        return (stage_activation_bytes(self.act, self.tokens, self.in_flight[j], n_act,
+                                       mode_code, k) + self.other_act[j])
 
     def micro_batch_bytes(self, n, mode_code):
         """Per micro-batch of at()'s, on every stage (n: each stage's layers as a column

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional
 
 from orchestrator.choices import CpComm, Recompute, Schedule
 from orchestrator.errors import ConfigError
-from orchestrator.layout import ParallelLayout
+from orchestrator.layout import ParallelLayout, chunk_recompute
 from orchestrator.models.config import ModelConfig, expert_width, is_moe
 from orchestrator.planner.options import CostOptions, Overlap
 
@@ -28,7 +28,7 @@ def _problem(strict: bool, message: str) -> None:
 def megatron_args(layout: ParallelLayout, strict: bool = True,
                   overlap: Optional[Overlap] = None) -> List[str]:
     """Megatron-LM command-line arguments for `layout` (parallel sizes, batch, schedule,
-    recompute, uneven first/last stage, the overlap priced), as a list of strings ready for
+    recompute, the pipeline partition, the overlap priced), as a list of strings ready for
     subprocess.
 
     `overlap` (None: CostOptions' defaults, all on): --overlap-grad-reduce for the DDP's
@@ -36,18 +36,16 @@ def megatron_args(layout: ParallelLayout, strict: bool = True,
     wants --overlap-grad-reduce with it), --tp-comm-overlap with sequence parallelism (Megatron
     refuses it without); none of them for ZeRO 3 (torch FSDP2 has its own prefetch).
 
-    Megatron expresses: uneven layer counts on the first and last stage only (the stages between
-    are equal); one recompute setting for every stage (block method: the first k layers of each
-    stage, or of each model chunk when interleaved); ZeRO 1 as --use-distributed-optimizer and
-    ZeRO 3 as --use-torch-fsdp2. Anything else is an ExportError (strict) or, with strict=False,
-    approximated on the memory-safe side (ZeRO 2 -> distributed optimizer, differing recompute ->
-    the most recompute any stage has, uneven middle stages -> equal ones with the remainder on
-    the last stage) with a warning. An interleaved layout with unequal stages is an ExportError
-    either way unless its layers split evenly over every chunk."""
-    p, v = layout.pp, layout.virtual_stages
-    layers = list(layout.layers_per_stage)
+    Megatron expresses every partition a ParallelLayout holds, uneven and interleaved with
+    short end chunks included (megatron_partition); one recompute setting for every stage
+    (block method: the first r layers of each model chunk, all of a shorter one); ZeRO 1 as
+    --use-distributed-optimizer and ZeRO 3 as --use-torch-fsdp2. Anything else is an
+    ExportError (strict) or, with strict=False, approximated on the memory-safe side (ZeRO 2 ->
+    distributed optimizer, differing recompute -> the most recompute any stage has) with a
+    warning."""
+    v = layout.virtual_stages
     args = ["--tensor-model-parallel-size", str(layout.tp),
-            "--pipeline-model-parallel-size", str(p),
+            "--pipeline-model-parallel-size", str(layout.pp),
             "--num-layers", str(layout.num_layers),
             "--micro-batch-size", str(layout.micro_batch_size),
             "--global-batch-size", str(layout.global_batch_size)]
@@ -70,22 +68,31 @@ def megatron_args(layout: ParallelLayout, strict: bool = True,
     elif layout.zero == 3:
         args.append("--use-torch-fsdp2")
 
-    args += _megatron_partition(layers, v, strict)
+    args += megatron_partition(layout)
+    if v > 1 and layout.pp == 2:
+        # Megatron refuses interleaving over 2 stages unless the sends overlap (arguments.py:
+        # two sends between the same ranks in one batch otherwise)
+        args.append("--overlap-p2p-comm")
     args += megatron_overlap_args(layout, CostOptions().megatron_overlap() if overlap is None
                                   else overlap)
 
-    # Recompute: one setting for all stages.
+    # Recompute: one setting for all stages, the first r layers of each chunk (block method).
     modes = {mode for mode, _ in layout.recompute}
-    settings = (set(layout.recompute) if modes != {Recompute.selective}
-                else {(Recompute.selective, 0)})
-    full_k = max((k for mode, k in layout.recompute if mode == Recompute.full), default=0)
-    if len(settings) > 1:
-        _problem(strict, f"Megatron-LM applies one recompute setting to every stage, got "
-                         f"{list(layout.recompute)}")
-    if full_k:
+    per_chunk = [chunk_recompute(k, chunks) if mode == Recompute.full else 0
+                 for (mode, k), chunks in zip(layout.recompute, layout.layers_per_chunk)]
+    full_r = max(per_chunk)
+    if full_r:
+        same = all(sum(min(full_r, c) for c in chunks) == k
+                   for (_, k), chunks in zip(layout.recompute, layout.layers_per_chunk))
+        if not same or modes != {Recompute.full}:
+            _problem(strict, f"Megatron-LM applies one recompute setting to every stage, got "
+                             f"{list(layout.recompute)}")
         args += ["--recompute-granularity", "full", "--recompute-method", "block",
-                 "--recompute-num-layers", str(full_k // v)]
+                 "--recompute-num-layers", str(full_r)]
     elif Recompute.selective in modes:
+        if modes != {Recompute.selective}:
+            _problem(strict, f"Megatron-LM applies one recompute setting to every stage, got "
+                             f"{list(layout.recompute)}")
         args += ["--recompute-granularity", "selective"]
     return args
 
@@ -137,40 +144,64 @@ def megatron_moe_args(model: ModelConfig) -> List[str]:
     return args
 
 
-def _megatron_partition(layers: List[int], v: int, strict: bool) -> List[str]:
-    """Megatron's arguments for layers per pipeline stage: equal middle stages, the first and
-    last free (--decoder-first/last-pipeline-num-layers); interleaved: every stage equal."""
-    p = len(layers)
+def megatron_partition(layout: ParallelLayout) -> List[str]:
+    """Megatron's arguments for the layout's layers per stage and model chunk, exact: equal
+    stages by --num-layers-per-virtual-pipeline-stage; equal middle stages with other first
+    and last ones (each a multiple of v) by --decoder-first/last-pipeline-num-layers (and
+    --num-virtual-stages-per-pipeline-rank, the only virtual size Megatron takes with them);
+    anything else, uneven middle stages or a short end chunk (layout.stage_chunks), by
+    --pipeline-model-parallel-layout (pipeline_layout_string)."""
+    p, v = layout.pp, layout.virtual_stages
+    layers = list(layout.layers_per_stage)
     if p == 1:
         return []
-    if v > 1:
-        if len(set(layers)) > 1:
-            message = (f"Megatron-LM's interleaved schedule here needs equal stages, got "
-                       f"layers_per_stage={layers}")
-            if sum(layers) % (p * v):
-                raise ExportError(message)  # no equal split exists: nothing to approximate with
-            _problem(strict, message + f"; written as {sum(layers) // p} layers per stage")
-        return ["--num-layers-per-virtual-pipeline-stage", str(sum(layers) // (p * v))]
     first, middle, last = layers[0], layers[1:-1], layers[-1]
-    if not middle:
-        if first == last:
-            return []
-        return ["--decoder-first-pipeline-num-layers", str(first),
-                "--decoder-last-pipeline-num-layers", str(last)]
-    q, extra = divmod(sum(middle), len(middle))
-    if len(set(middle)) > 1:
-        # The last stage holds the fewest micro-batches' activations under 1F1B: the
-        # memory-safe place for the layers an equal split leaves over.
-        written = [first] + [q] * len(middle) + [last + extra]
-        _problem(strict, f"Megatron-LM needs equal middle pipeline stages, got "
-                         f"layers_per_stage={layers}; written as {written}")
-        last += extra
+    if len(set(middle)) > 1 or layout.short_chunks:
+        return ["--pipeline-model-parallel-layout", pipeline_layout_string(layout)]
+    if len(set(layers)) == 1:
+        return ["--num-layers-per-virtual-pipeline-stage", str(first // v)] if v > 1 else []
+    q = middle[0] if middle else None
     args = []
     if first != q:
         args += ["--decoder-first-pipeline-num-layers", str(first)]
     if last != q:
         args += ["--decoder-last-pipeline-num-layers", str(last)]
+    if v > 1:
+        args += ["--num-virtual-stages-per-pipeline-rank", str(v)]
     return args
+
+
+def pipeline_layout_string(layout: ParallelLayout) -> str:
+    """Megatron's --pipeline-model-parallel-layout for `layout`: one entry per virtual stage
+    (chunk c of stage s is entry c * pp + s), separated by "|", each its decoder layers ("t",
+    "t*k" for k > 2), the embedding "E" first and the loss "L" last; runs of equal entries as
+    "(entry|)*n" (the syntax of megatron/core/transformer/pipeline_parallel_layer_layout.py).
+    Llama 3 405B's 126 layers over 16 stages with v = 8: "E|(t|)*126L"."""
+    p, v = layout.pp, layout.virtual_stages
+    chunks = layout.layers_per_chunk
+    entries = []
+    for c in range(v):
+        for s in range(p):
+            k = chunks[s][c]
+            entries.append("t" * k if k <= 2 else f"t*{k}")
+    entries[0] = "E" + entries[0]
+    entries[-1] += "L"
+    runs: List[List] = []  # [entry, repeats]
+    for entry in entries:
+        if runs and runs[-1][0] == entry:
+            runs[-1][1] += 1
+        else:
+            runs.append([entry, 1])
+    parts = []
+    for i, (entry, n) in enumerate(runs):
+        end = i == len(runs) - 1
+        repeated, single = (n - 1, True) if end else (n, False)
+        if repeated > 1:
+            parts.append(f"({entry}|)*{repeated}")
+        elif repeated == 1:
+            parts.append(f"{entry}|")
+        parts.append(entry if single else "")
+    return "".join(parts)
 
 
 def galvatron_strategy(layout: ParallelLayout, strict: bool = True) -> Dict[str, Any]:
@@ -202,17 +233,18 @@ def galvatron_strategy(layout: ParallelLayout, strict: bool = True) -> Dict[str,
         _problem(strict, "Galvatron has no interleaved pipeline schedule; it would run "
                          "pipedream_flush (1F1B)")
     checkpoint: List[int] = []
-    for (mode, k), n in zip(layout.recompute, layout.layers_per_stage):
+    for (mode, k), n, chunks in zip(layout.recompute, layout.layers_per_stage,
+                                    layout.layers_per_chunk):
         if mode == Recompute.selective:
             _problem(strict, "Galvatron has no selective recompute; those layers would be "
                              "fully checkpointed")
             checkpoint += [1] * n
         elif mode == Recompute.full:
-            # Megatron's block method recomputes the first k layers of each chunk; Galvatron
+            # Megatron's block method recomputes the first r layers of each chunk; Galvatron
             # flags layers one by one, so mark the same layers.
-            v = layout.virtual_stages
-            per_chunk, chunk = k // v, n // v
-            checkpoint += ([1] * per_chunk + [0] * (chunk - per_chunk)) * v
+            r = chunk_recompute(k, chunks)
+            for c in chunks:
+                checkpoint += [1] * min(r, c) + [0] * (c - min(r, c))
         else:
             checkpoint += [0] * n
     if layout.zero == 1:

@@ -8,6 +8,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from orchestrator.choices import Engine
 from orchestrator.layout import LayoutError, ParallelLayout
 from orchestrator.planner.profiles import HardwareModel, ModelCost
 from orchestrator.planner.schedule import (simulate as simulate_schedule)
@@ -108,6 +109,24 @@ def _over_budget_reason(memory: Sequence[Mapping[str, float]], budget_bytes: flo
     return ""
 
 
+def chunk_shares(costs: StageCosts, layout: ParallelLayout) -> np.ndarray:
+    """[stage][chunk]: the share of its stage's time each model chunk takes, its layers' and,
+    on the first stage's first chunk and the last stage's last, the embedding's and the LM
+    head's ("other"): simulate()'s chunk_shares for a layout with short chunks (equal chunks
+    are simulated at 1/v each, as the dynamic planner's execution plans are)."""
+    p, v = layout.pp, layout.virtual_stages
+    layer = costs.layer.fwd_us + costs.layer.bwd_us
+    other = np.asarray(costs.other.fwd_us + costs.other.bwd_us, dtype=float).reshape(-1)
+    times = np.array(layout.layers_per_chunk, dtype=float) * layer
+    for j in range(p):
+        if j == 0 or j == p - 1:
+            times[j, 0 if j == 0 else -1] += other[j]
+        else:
+            times[j] += other[j] / v
+    total = times.sum(axis=1, keepdims=True)
+    return np.where(total > 0, times / np.where(total > 0, total, 1.0), 1.0 / v)
+
+
 def evaluate(layout: ParallelLayout, model_cost: ModelCost, hardware: HardwareModel,
              seq_len: Optional[int] = None, memory_budget_bytes: Optional[float] = None,
              options: CostOptions = CostOptions(), simulate: bool = False,
@@ -119,6 +138,8 @@ def evaluate(layout: ParallelLayout, model_cost: ModelCost, hardware: HardwareMo
     than `memory_budget_bytes`; with no budget every layout is feasible. simulate=True also runs
     the event-driven schedule (slower: O(p m v) Python steps)."""
     check_layout_for_model(layout, model_cost)
+    if options.engine != Engine.megatron:
+        layout.check_equal_chunks()  # short end chunks are Megatron-LM's
     seq_len = int(seq_len or model_cost.seq_len)
     if seq_len < 1:
         raise LayoutError(f"seq_len must be >= 1, got {seq_len}")
@@ -155,7 +176,9 @@ def evaluate(layout: ParallelLayout, model_cost: ModelCost, hardware: HardwareMo
         # The schedule adds the sends itself: give it the stage times without them.
         sim = simulate_schedule(list(f_arr - costs.sends.fwd_us),
                                 list(b_arr - costs.sends.bwd_us), m, layout.schedule,
-                                layout.virtual_stages, list(costs.boundary_us) if p > 1 else 0.0)
+                                layout.virtual_stages, list(costs.boundary_us) if p > 1 else 0.0,
+                                chunk_shares=(chunk_shares(costs, layout)
+                                              if layout.short_chunks else None))
         simulated = max(sim.stage_finish_us[j]
                         + float(costs.tail_us(j, layout.layers_per_stage[j]))
                         for j in range(p))

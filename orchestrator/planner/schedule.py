@@ -90,7 +90,7 @@ def _boundaries(p2p_us, p: int, m: int) -> np.ndarray:
 
 def simulate(fwd_us, bwd_us, num_micro_batches: int, schedule: Schedule = Schedule["1f1b"],
              virtual_stages: int = 1, p2p_us=0.0, act_bytes=None,
-             extra_warmup: int = 0) -> ScheduleResult:
+             extra_warmup: int = 0, chunk_shares=None) -> ScheduleResult:
     """Simulate one iteration; returns times in us (and peak in-flight bytes per stage).
 
     fwd_us, bwd_us: stage j's forward and backward time for one micro-batch over all its layers
@@ -102,7 +102,9 @@ def simulate(fwd_us, bwd_us, num_micro_batches: int, schedule: Schedule = Schedu
     operation. act_bytes [stage][micro_batch]: bytes a micro-batch's forward leaves stored on
     the stage until its backward (each chunk holds 1/v); the result then has
     stage_peak_act_bytes. extra_warmup: eager 1F1B's extra warm-up forwards (stage_order).
-    With no micro-batches every time is 0."""
+    chunk_shares [stage][chunk]: the share of the stage's forward and backward time (and
+    act_bytes) each of its v chunks takes (default 1/v each; short chunks, layout.stage_chunks,
+    take less). With no micro-batches every time is 0."""
     p = len(fwd_us)
     if len(bwd_us) != p or p < 1:
         raise ValueError(f"need one forward and one backward time per stage, got "
@@ -111,11 +113,18 @@ def simulate(fwd_us, bwd_us, num_micro_batches: int, schedule: Schedule = Schedu
     fwd = _per_micro_batch(fwd_us, p, m, "fwd_us").tolist()
     bwd = _per_micro_batch(bwd_us, p, m, "bwd_us").tolist()
     boundary = _boundaries(p2p_us, p, m).tolist()
-    act = None if act_bytes is None else (_per_micro_batch(act_bytes, p, m, "act_bytes") / v)
+    shares = (np.full((p, v), 1.0 / v) if chunk_shares is None
+              else np.asarray(chunk_shares, dtype=float))
+    if shares.shape != (p, v):
+        raise ValueError(f"chunk_shares needs {p} x {v} values (stage x chunk), got shape "
+                         f"{shares.shape}")
+    act = (None if act_bytes is None
+           else _per_micro_batch(act_bytes, p, m, "act_bytes")[:, None, :] * shares[:, :, None])
+    share = shares.tolist()
     last_virtual = p * v - 1
 
     def duration(kind: str, stage: int, chunk: int, mb: int) -> float:
-        base = (fwd[stage][mb] if kind == "F" else bwd[stage][mb]) / v
+        base = (fwd[stage][mb] if kind == "F" else bwd[stage][mb]) * share[stage][chunk]
         vs = chunk * p + stage  # virtual stage index along the model
         if kind == "F" and vs < last_virtual:
             return base + boundary[stage][mb]  # send to stage + 1 (or wrap to stage 0)
@@ -165,10 +174,11 @@ def simulate(fwd_us, bwd_us, num_micro_batches: int, schedule: Schedule = Schedu
 
 
 def _peak_in_flight(order: Sequence[Tuple[str, int, int]], chunk_bytes: np.ndarray) -> float:
-    """Most bytes held at once by a stage running `order`: a forward stores its micro-batch's
-    chunk_bytes until the matching backward frees them (ops on one stage never overlap)."""
+    """Most bytes held at once by a stage running `order`: a forward stores its chunk's bytes
+    of its micro-batch (chunk_bytes [chunk][micro_batch]) until the matching backward frees
+    them (ops on one stage never overlap)."""
     live = peak = 0.0
-    for kind, _, mb in order:
-        live += chunk_bytes[mb] if kind == "F" else -chunk_bytes[mb]
+    for kind, chunk, mb in order:
+        live += chunk_bytes[chunk][mb] if kind == "F" else -chunk_bytes[chunk][mb]
         peak = max(peak, live)
     return float(peak)

@@ -94,25 +94,28 @@ class InfeasibleError(errors.InfeasibleError):
 @dataclass
 class _Table:
     """Stage options of one config: t[j, n] fastest time (us) of stage j with n layers under the
-    budget (inf: none fits), code/k: its recompute; c[j, n]: its contribution to the objective."""
+    budget (inf: none fits), code/k: its recompute; c[j, n]: its contribution to the objective;
+    counts: the layer counts each stage may hold (stage_counts_valid)."""
 
     t: np.ndarray
     code: np.ndarray
     k: np.ndarray
     c: np.ndarray
     sum_lb: float  # lower bound of alpha * sum t + e_0 over all partitions
+    counts: List[List[int]]  # per stage, the layer counts it may hold, ascending
+    short_ends: bool  # the first and last stages may hold counts that are not multiples of v
 
 
 def _stage_options(costs: StageCosts, L: int, budget: float, modes: Sequence[str],
                    fast: bool) -> _Table:
-    """Tabulate, for every stage j and layer count n (a multiple of v), the fastest recompute
-    that fits the budget, as (pp, N + 1) arrays."""
+    """Tabulate, for every stage j and layer count n it may hold (stage_counts_valid), the
+    fastest recompute that fits the budget, as (pp, N + 1) arrays."""
     key = costs.key
     p, v = key.pp, key.virtual_stages
-    N = L - (p - 1) * v
+    N = L - (p - 1) * v + (2 if costs.short_ends else 0)
     n = np.broadcast_to(np.arange(N + 1, dtype=float), (p, N + 1))
     j = np.arange(p)[:, None]
-    valid = (n >= v) & (n % v == 0)
+    valid = stage_counts_valid(n, v, costs.short_ends)
     zeros = np.zeros_like(n)
     best_t = np.full((p, N + 1), INF)
     best_code = np.zeros((p, N + 1), dtype=np.int8)
@@ -134,18 +137,20 @@ def _stage_options(costs: StageCosts, L: int, budget: float, modes: Sequence[str
         if fast:
             k = n.copy()
         else:
-            # Memory never grows with k: the least k (a multiple of v) that fits, by bisection
-            # on every (stage, n) at once (a linear guess from the activations would miss the
-            # orchestrator engine's other terms).
-            steps = np.maximum(n // v, 1.0)
+            # Memory never grows with k: the least k (r layers of each chunk) that fits, by
+            # bisection on r for every (stage, n) at once (a linear guess from the activations
+            # would miss the orchestrator engine's other terms).
+            steps = np.maximum(np.ceil(n / v), 1.0)
+            layers_of = chunk_recompute_layers(n, v)
             lo, hi = np.ones_like(n), steps.copy()
-            fits_all = costs.memory_bytes(j, n, 2, np.minimum(steps * v, n)) <= budget
+            fits_all = costs.memory_bytes(j, n, 2, np.minimum(layers_of(steps), n)) <= budget
             while np.any(lo < hi):
                 mid = np.floor((lo + hi) / 2)
-                ok_mid = costs.memory_bytes(j, n, 2, np.minimum(mid * v, n)) <= budget
+                ok_mid = costs.memory_bytes(j, n, 2, np.minimum(layers_of(mid), n)) <= budget
                 hi = np.where((lo < hi) & ok_mid, mid, hi)
                 lo = np.where((lo < hi) & ~ok_mid, mid + 1, lo)
-            k = np.where(fits_all, lo * v, n + v)  # n + v: does not fit even fully recomputed
+            # n + v: does not fit even fully recomputed
+            k = np.where(fits_all, layers_of(lo), n + v)
         k = np.minimum(k, np.maximum(n, v))
         ok = (costs.memory_bytes(j, n, 2, k) <= budget) & (k <= n)
         offer(costs.stage_time_us(j, n, 2, k), ok, 2, k.astype(np.int64))
@@ -158,13 +163,56 @@ def _stage_options(costs: StageCosts, L: int, budget: float, modes: Sequence[str
     finite_e0 = e0[valid[0] & np.isfinite(best_t[0])]
     sum_lb = (costs.alpha * (L * costs.layer.total_us + fixed)
               + (float(finite_e0.min()) if finite_e0.size else 0.0))
-    return _Table(best_t, best_code, best_k, c, sum_lb)
+    if costs.short_ends:
+        counts = [np.flatnonzero(row).tolist() for row in valid]
+    else:
+        counts = [list(range(v, N + 1, v))] * p  # multiples of v: one list for every stage
+    return _Table(best_t, best_code, best_k, c, sum_lb, counts, costs.short_ends)
 
 
 def _per_stage_us(costs: StageCosts) -> np.ndarray:
     """Per-stage time (us per micro-batch) that does not depend on the layers: "other" and
     the pipeline sends, forward + backward."""
     return costs.other.fwd_us + costs.other.bwd_us + costs.sends.fwd_us + costs.sends.bwd_us
+
+
+def stage_counts_valid(n: np.ndarray, v: int, short_ends: bool) -> np.ndarray:
+    """Which layer counts n ([pp, N + 1]) each stage may hold: >= v and a multiple of v; with
+    `short_ends` (Megatron-LM, v > 1) the first and last stages also any n >= 1 whose short
+    end chunk is >= 0 layers (layout.stage_chunks: (v - 1) * ceil(n / v) <= n)."""
+    valid = (n >= v) & (n % v == 0)
+    if short_ends and v > 1:
+        ends = (n >= 1) & ((v - 1) * np.ceil(n / v) <= n)
+        valid = valid.copy()
+        valid[[0, -1]] |= ends[[0, -1]]
+    return valid
+
+
+def chunk_recompute_layers(n, v: int):
+    """A function of r: the layers stages of n recompute in full with the first r of each of
+    their v chunks (all of a shorter chunk), layout.chunk_recompute's k vectorised (r * v for
+    equal chunks, min(r, n) for v = 1)."""
+    c = np.ceil(np.asarray(n, dtype=float) / v)
+    short = np.maximum(n - (v - 1) * c, 0.0)
+    return lambda r: (v - 1) * np.minimum(r, c) + np.minimum(r, short)
+
+
+def largest_stage_lb(L: int, p: int, v: int, short_ends: bool) -> int:
+    """The least layer count the largest stage of any partition of L layers holds: ceil(L /
+    (p v)) v with equal chunks; with short end chunks the least X such that p - 2 middle
+    stages of a multiple of v and two end stages, all <= X, can hold L."""
+    if not (short_ends and v > 1 and p > 1):
+        return math.ceil(L / (p * v)) * v
+
+    def end_cap(x: int) -> int:  # the most an end stage of <= x layers holds
+        while x > 0 and (v - 1) * math.ceil(x / v) > x:
+            x -= 1
+        return x
+
+    x = max(1, math.ceil(L / p))
+    while (p - 2) * (x // v) * v + 2 * end_cap(x) < L:
+        x += 1
+    return x
 
 
 def config_lower_bound(costs: StageCosts, L: int) -> float:
@@ -175,7 +223,7 @@ def config_lower_bound(costs: StageCosts, L: int) -> float:
     layer = costs.layer.total_us
     per_stage = _per_stage_us(costs)
     total = L * layer + float(per_stage.sum())
-    biggest = math.ceil(L / (p * v)) * v  # some stage holds at least this many layers
+    biggest = largest_stage_lb(L, p, v, costs.short_ends)  # some stage holds at least this
     max_lb = max(total / p, biggest * layer + float(per_stage.min()))
     return costs.alpha * total + costs.beta * max_lb
 
@@ -187,7 +235,7 @@ def may_fit(costs: StageCosts, L: int, budget: float, modes: Sequence[str]) -> b
     partition's peak from below (one call where solving tabulates every stage size)."""
     key = costs.key
     p, v = key.pp, key.virtual_stages
-    biggest = math.ceil(L / (p * v)) * v
+    biggest = largest_stage_lb(L, p, v, costs.short_ends)
     j = np.arange(p)
     n = np.full(p, float(biggest))
     # the most recompute allowed holds the least (none > selective > full)
@@ -205,14 +253,17 @@ def _min_sum_dp(table: _Table, L: int, v: int, taus: np.ndarray):
     dp[:, 0] = 0.0
     choice = np.zeros((p, T, L + 1), dtype=np.int16)
     tau_max = float(taus.max())
+    counts = table.counts
+    # layers the stages before j hold at least (each its fewest)
+    before = np.cumsum([0] + [c[0] if c else L + 1 for c in counts]).tolist()
     for j in range(p):
         new = np.full((T, L + 1), INF)
         ch = choice[j]
-        lo, hi = j * v, L - (p - j) * v  # layers before stage j: v per stage either side
-        hi_after = L - (p - 1 - j) * v
+        lo, hi = before[j], L - (before[p] - before[j])  # layers before stage j
+        hi_after = L - (before[p] - before[j + 1])
         if hi < lo:
             return np.full(T, INF), choice
-        for n in range(v, width, v):
+        for n in counts[j]:
             tn = table.t[j, n]
             if not tn <= tau_max or lo + n > hi_after:
                 break  # times grow with n: no larger stage fits any threshold
@@ -251,15 +302,27 @@ def solve_config(costs: StageCosts, L: int, budget: float, modes: Sequence[str],
     key = costs.key
     v = key.virtual_stages
     table = _stage_options(costs, L, budget, modes, fast)
-    if not np.isfinite(table.t[:, v]).all():
-        return None  # some stage cannot hold even v layers
+    if not all(c and np.isfinite(table.t[j, c[0]]) for j, c in enumerate(table.counts)):
+        return None  # some stage cannot hold even its fewest layers
     values = np.unique(table.t[np.isfinite(table.t)])
     # Least threshold at which the stages can hold L layers (times grow with n, so stage j can
-    # take any multiple of v up to nmax_j(tau)); a valid lower end for the sweep.
-    valid_t = table.t[:, v::v]
-    counts = np.stack([np.searchsorted(np.sort(row[np.isfinite(row)]), values, side="right")
-                       for row in valid_t])
-    reachable = (counts.sum(axis=0) * v >= L) & (counts.min(axis=0) >= 1)
+    # take any count it may hold up to nmax_j(tau)); a valid lower end for the sweep.
+    if not table.short_ends:  # multiples of v: nmax_j = v x the counts that fit
+        valid_t = table.t[:, v::v]
+        counts = np.stack([np.searchsorted(np.sort(row[np.isfinite(row)]), values,
+                                           side="right") for row in valid_t])
+        most_sum = counts.sum(axis=0) * v
+    else:
+        counts, most = [], []
+        for j, ns in enumerate(table.counts):
+            ns = np.asarray(ns)
+            row = table.t[j, ns]
+            ns = ns[np.isfinite(row)]
+            fit = np.searchsorted(np.sort(row[np.isfinite(row)]), values, side="right")
+            counts.append(fit)
+            most.append(np.where(fit > 0, ns[np.maximum(fit - 1, 0)], 0))
+        counts, most_sum = np.stack(counts), np.stack(most).sum(axis=0)
+    reachable = (most_sum >= L) & (counts.min(axis=0) >= 1)
     if not reachable.any():
         return None
     taus = values[np.argmax(reachable):]
@@ -373,9 +436,13 @@ def search(model_cost: ModelCost, hardware: HardwareModel, space: SearchSpace) -
 def _least_memory_layout(costs: StageCosts, L: int, modes: Sequence[str]
                          ) -> Optional[Tuple[float, ParallelLayout]]:
     """The partition of this config whose largest per-device memory is least, each stage using
-    its most memory-saving recompute: (bytes, layout)."""
+    its most memory-saving recompute: (bytes, layout). Stages of a multiple of v, for the
+    least multiple of v >= L; the layers over L are taken from the short end chunks (last
+    stage first), None when they cannot hold them."""
     key = costs.key
     p, v = key.pp, key.virtual_stages
+    target = L
+    L = math.ceil(L / v) * v
     N = L - (p - 1) * v
     n = np.arange(v, N + 1, v, dtype=float)
     mem = np.full((p, len(n)), INF)
@@ -402,10 +469,15 @@ def _least_memory_layout(costs: StageCosts, L: int, modes: Sequence[str]
         add = min(spare, int(caps[j]) - v)
         layers[j] += add
         spare -= add
-    recompute = []
-    for j, nj in enumerate(layers):
-        code = int(pick[j, nj // v - 1])
-        recompute.append((MODE_NAMES[code], 0 if code == 0 else nj))
+    codes = [int(pick[j, nj // v - 1]) for j, nj in enumerate(layers)]
+    excess = L - target  # > 0 only where short end chunks are allowed (space.py)
+    for j in (p - 1, 0):
+        take = min(excess, layers[j] // v)  # a short chunk keeps >= 0 layers
+        layers[j] -= take
+        excess -= take
+    if excess:
+        return None
+    recompute = [(MODE_NAMES[code], 0 if code == 0 else nj) for code, nj in zip(codes, layers)]
     return float(limit), key.layout(layers, recompute)
 
 

@@ -225,8 +225,12 @@ def _batch_configs(space: SearchSpace, schedules, L: int, W: int, tp: int, conte
             if sched == Schedule["1f1b"]:
                 scheds.append((sched, 1))
                 continue
+            # Megatron-LM runs short end chunks (layout.stage_chunks): L need not split into
+            # equal chunks, and the two ends may hold v - 1 layers
+            short = space.options.engine == Engine.megatron
             for v in space.virtual_stages:
-                if v < 2 or pp < 2 or m % pp or L % v or pp * v > L:
+                if (v < 2 or pp < 2 or m % pp or (L % v and not short)
+                        or pp * v - (2 if short else 0) > L):
                     reject("interleave_not_divisible")
                     continue
                 scheds.append((Schedule.interleaved, v))

@@ -44,7 +44,9 @@ class OptimSettings:
 
 
 def virtual_stage_layers(layout: ParallelLayout) -> List[int]:
-    """Layers of each virtual stage s = chunk * pp + rank (pp * v of them)."""
+    """Layers of each virtual stage s = chunk * pp + rank (pp * v of them); LayoutError for
+    short chunks (ParallelLayout.check_equal_chunks: Megatron-LM's, not built here)."""
+    layout.check_equal_chunks()
     v, pp = layout.virtual_stages, layout.pp
     return [layout.layers_per_stage[s % pp] // v for s in range(pp * v)]
 

@@ -343,6 +343,7 @@ def check_target(cfg, target: TrainTarget, world: int) -> None:
     if layout.world_size != world:
         raise LayoutError(world_mismatch_text(cfg, target, world))
     layout.check_model_layers(model.layers, model.name)
+    layout.check_equal_chunks()
     if layout.cp > 1 and layout.cp_comm in (CpComm.a2a, CpComm["a2a+p2p"]):
         try:
             layout.check_heads(model.heads, model.kv_heads, model.name)
