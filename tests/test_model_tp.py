@@ -2,6 +2,7 @@
 
 from copy import deepcopy
 
+import pytest
 import torch
 
 from conftest import spawn_ranks
@@ -74,3 +75,24 @@ def _tp_worker(rank: int, out: dict) -> None:
 
 def test_tensor_parallel_matches_single_device_loss_and_gradients():
     spawn_ranks(_tp_worker, WORLD_SIZE)  # every assertion runs on every rank
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_sequence_parallel_layer_keeps_one_tp_share_of_its_activations(dtype):
+    """With SP every tensor a layer keeps for its backward is sharded over TP, as Megatron's
+    (Korthikanti's sbh/t): the column-parallel matmuls keep their sequence-sharded input and
+    gather it again in the backward, so tp x (a rank's bytes at tp) = the bytes at tp 1, in
+    every recompute mode (counted as profile_model counts them, on a fake process group)."""
+    from orchestrator.models.config import ModelConfig
+    from orchestrator.profiling.model.analytic import fake_world
+    from orchestrator.profiling.model.timing import build_point_model, memory_point
+
+    model = ModelConfig(hidden=64, ffn=128, layers=1, heads=8, kv_heads=4, vocab=128,
+                        seq_len=32, dtype=dtype)
+    kept = {}
+    for tp in (1, 2, 4):
+        with fake_world(tp) as mesh:
+            point = build_point_model(model, model.seq_len, tp, mesh, "cpu")
+            kept[tp] = memory_point(point, model.seq_len)["block_act_bytes"]
+    for tp in (2, 4):
+        assert {mode: tp * b for mode, b in kept[tp].items()} == kept[1], (tp, kept)

@@ -65,6 +65,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return rotated.type_as(x)
 
 
+def each_linear(x: torch.Tensor, linears) -> list:
+    """Each of `linears` applied to x: the sub-layer's input projections (wq, wk, wv; w_gate,
+    w_up). Sequence parallelism replaces it (models/parallelize.sequence_parallel_linears)."""
+    return [linear(x) for linear in linears]
+
+
 def _attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
@@ -86,13 +92,14 @@ class Attention(nn.Module):
         # Context parallelism (set from outside, train): this rank holds some of each
         # sequence's tokens (models/context_parallel.ContextParallel), attends to all of them.
         self.context = None
+        # How the input projections run (set from outside: sequence parallelism's own).
+        self.project = each_linear
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1: the number of heads on this rank (all of them, or heads / tp after column sharding).
-        q = self.wq(x).view(batch, seq, -1, self.head_dim)
-        k = self.wk(x).view(batch, seq, -1, self.head_dim)
-        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k, v = (t.view(batch, seq, -1, self.head_dim)
+                   for t in self.project(x, (self.wq, self.wk, self.wv)))
         if self.context is not None:
             cos, sin = self.context.rotary(cos, sin, seq)  # at this rank's tokens' positions
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -113,9 +120,11 @@ class MLP(nn.Module):
         self.w_gate = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
         self.w_up = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
         self.w_down = nn.Linear(cfg.ffn, cfg.hidden, bias=False)
+        self.project = each_linear  # as Attention.project
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        gate, up = self.project(x, (self.w_gate, self.w_up))
+        return self.w_down(F.silu(gate) * up)
 
 
 class Block(nn.Module):

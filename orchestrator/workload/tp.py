@@ -3,9 +3,11 @@
 
 engine "orchestrator" (stage=train, DTensor; checked against the real engine by
 tests/test_train_engine.py): with sequence parallelism a layer moves 2 all-gathers + 2 reduce-
-scatters forward and the same backward (DTensor keeps the gathered inputs for the weight
-gradients); a layer recomputed in full reruns 2 all-gathers + 1 reduce-scatter (checkpointing
-stops at the last output the backward needs).
+scatters forward; its column-parallel matmuls keep their input sequence-sharded and gather it
+again in the backward (models/parallelize.sequence_parallel_linears), so the backward moves
+4 all-gathers + 2 reduce-scatters, as Megatron's; a layer recomputed in full reruns 2 all-
+gathers + 1 reduce-scatter (checkpointing stops at the last output the backward needs). Its
+LM head keeps the gathered input (DTensor's ColwiseParallel): no gather in its backward.
 
 engine "megatron" (Megatron-LM, and what stage=trace records): backward re-gathers the inputs
 SP keeps sharded (4 all-gathers + 2 reduce-scatters; the LM head's too), full recompute reruns
@@ -58,7 +60,7 @@ def tp_counts(engine: Engine, sequence_parallel: bool) -> TpCounts:
         fwd = {"all_gather": 2, "reduce_scatter": 2}
         return TpCounts(
             layer_fwd=fwd,
-            layer_bwd={"all_gather": 2 if ours else 4, "reduce_scatter": 2},
+            layer_bwd={"all_gather": 4, "reduce_scatter": 2},
             recompute={"all_gather": 2, "reduce_scatter": 1} if ours else dict(fwd),
             embedding_fwd={"reduce_scatter": 1}, embedding_bwd={"all_gather": 1},
             head_fwd={"all_gather": 1},
