@@ -18,10 +18,10 @@ from torch.utils.checkpoint import checkpoint
 
 from orchestrator.choices import Dtype
 from orchestrator.models.config import ModelConfig, is_moe_block, validate_model
+from orchestrator.models.loss import IGNORE_INDEX, token_losses  # noqa: F401 (IGNORE_INDEX:
+# padding of variable-length samples, which counts in no loss; imported from here)
 from orchestrator.models.moe import MoE
 
-# A target that counts in no loss: padding of variable-length samples (F.cross_entropy's default).
-IGNORE_INDEX = -100
 
 
 def torch_dtype(name) -> torch.dtype:
@@ -144,19 +144,19 @@ class Block(nn.Module):
 
 
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss (nats) of logits (batch, seq, vocab) against targets (batch, seq).
+    """Mean next-token loss (nats) of logits (batch, seq, vocab) against targets (batch, seq),
+    over the targets that are not IGNORE_INDEX.
 
-    Also the `loss_fn` for a pipeline schedule; works on vocab-sharded DTensor logits inside
-    `torch.distributed.tensor.parallel.loss_parallel()`.
+    Also the `loss_fn` for a pipeline schedule; vocab-sharded DTensor logits give the
+    vocab-parallel loss (models/loss.py: in chunks, never the whole fp32 logits).
     """
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+    return token_loss_sum(logits, targets) / (targets != IGNORE_INDEX).sum()
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed next-token loss (nats) over the targets that are not IGNORE_INDEX (padding):
     micro-batches of different sizes add up to the sum a whole batch's token mean divides."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+    return token_losses(logits, targets).sum()
 
 
 class GPT(nn.Module):

@@ -38,7 +38,8 @@ class TpCounts:
     moving one layer activation (s * b * h elements), except `loss_all_reduce` (fp32, s * b)."""
 
     layer_fwd: Dict[str, int]
-    layer_bwd: Dict[str, int]
+    layer_bwd: Dict[str, int]  # the gradients of the forward's collectives
+    layer_regather: Dict[str, int]  # backward: SP's sharded inputs gathered again (forward's)
     recompute: Dict[str, int]  # rerun in backward by a layer recomputed in full
     embedding_fwd: Dict[str, int]
     embedding_bwd: Dict[str, int]
@@ -59,14 +60,14 @@ def tp_counts(engine: Engine, sequence_parallel: bool) -> TpCounts:
     if sequence_parallel:
         fwd = {"all_gather": 2, "reduce_scatter": 2}
         return TpCounts(
-            layer_fwd=fwd,
-            layer_bwd={"all_gather": 4, "reduce_scatter": 2},
+            layer_fwd=fwd, layer_bwd={"all_gather": 2, "reduce_scatter": 2},
+            layer_regather={"all_gather": 2},
             recompute={"all_gather": 2, "reduce_scatter": 1} if ours else dict(fwd),
             embedding_fwd={"reduce_scatter": 1}, embedding_bwd={"all_gather": 1},
             head_fwd={"all_gather": 1},
             head_bwd={"reduce_scatter": 1} if ours else {"all_gather": 1, "reduce_scatter": 1})
     return TpCounts(
-        layer_fwd={"all_reduce": 2}, layer_bwd={"all_reduce": 2},
+        layer_fwd={"all_reduce": 2}, layer_bwd={"all_reduce": 2}, layer_regather={},
         recompute={"all_reduce": 1 if ours else 2},
         embedding_fwd={"all_reduce": 1}, embedding_bwd={},
         head_fwd={}, head_bwd={"all_reduce": 1})
