@@ -112,6 +112,26 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
+class SwiGLU(torch.autograd.Function):
+    """silu(gate) * up keeping only gate and up for the backward, which recomputes the silu
+    (Megatron's fused SwiGLU); autograd's op by op would keep silu(gate) as well."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        sigmoid = torch.sigmoid(gate)
+        silu = gate * sigmoid
+        grad_up = grad * silu
+        # d silu / d gate = sigmoid + silu * (1 - sigmoid)
+        grad_gate = grad * up * (sigmoid + silu * (1 - sigmoid))
+        return grad_gate, grad_up
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward: w_down(silu(w_gate(x)) * w_up(x))."""
 
@@ -124,7 +144,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.project(x, (self.w_gate, self.w_up))
-        return self.w_down(F.silu(gate) * up)
+        return self.w_down(SwiGLU.apply(gate, up))
 
 
 class Block(nn.Module):
