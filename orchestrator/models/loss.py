@@ -69,6 +69,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             lse[start:start + rows] = torch.logsumexp(part, dim=-1)
             picked = part.gather(1, local[start:start + rows, None]).squeeze(1)
             target_logit[start:start + rows] = torch.where(mine[start:start + rows], picked, 0)
+            del part, picked  # before the next chunk's: one fp32 chunk alive at a time
         if group is not None:  # the whole vocabulary's log-sum-exp, from every rank's
             top = _all_reduce(lse, "max", group)
             total = _all_reduce((lse - top).exp(), "sum", group)
@@ -87,8 +88,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad = torch.where(valid, grad, 0.0)  # a padding token's loss is a constant 0
         for start in range(0, logits.shape[0], rows):
             end = start + rows
-            part = (logits[start:end].float() - lse[start:end, None]).exp_()
+            part = torch.sub(logits[start:end].float(), lse[start:end, None]).exp_()
             part.scatter_add_(1, local[start:end, None],
                               -mine[start:end, None].to(part.dtype))
-            out[start:end] = part * grad[start:end, None]
+            out[start:end] = part.mul_(grad[start:end, None])
+            del part
         return out, None, None, None, None

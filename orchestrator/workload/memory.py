@@ -197,8 +197,9 @@ def _head_bytes(model: ModelConfig, layout: ParallelLayout, dtype: Dtype, tokens
     kept = norm + head_in + logits + tokens * (INT64 + FP32 + 2)
     chunk = FP32 * np.minimum(tokens * vocab_local,
                               max(1, LOSS_CHUNK_ELEMENTS // vocab_local) * vocab_local)
-    forward = chunk * (2 if autocast else 1)  # its fp32 copy (autocast), the exponential
-    backward = logits + 3 * chunk  # the logits' gradient, whole; a chunk's softmax
+    forward = chunk if autocast else 0.0  # a chunk's fp32 copy
+    # the logits' gradient, whole; a chunk's softmax (and its fp32 copy under autocast)
+    backward = logits + chunk * (2 if autocast else 1)
     return kept, forward, backward
 
 
