@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -58,7 +58,8 @@ def apply_tensor_parallel(
         {
             "tok_emb": VocabParallelEmbedding(input_layouts=Replicate(), output_layouts=stream),
             **({"norm": SequenceParallel()} if sequence_parallel else {}),
-            "lm_head": ColwiseParallel(
+            "lm_head": SequenceParallelHead(loss_parallel) if sequence_parallel else
+            ColwiseParallel(
                 input_layouts=stream,
                 output_layouts=Shard(-1) if loss_parallel else Replicate(),
                 use_local_output=not loss_parallel,
@@ -105,6 +106,36 @@ def apply_tensor_parallel(
             if not isinstance(block.mlp, MoE):
                 block.mlp.project = functools.partial(sequence_parallel_linears, tp_mesh)
     return model
+
+
+class SequenceParallelHead(ColwiseParallel):
+    """The LM head sharded over the vocabulary (ColwiseParallel's weight split) taking the final
+    norm's sequence shard (Shard(1)) through sequence_parallel_linears, as Megatron's output
+    layer: its input is kept sharded and gathered again in the backward. The logits come out
+    as the vocab-sharded DTensor (Shard(-1)) the vocab-parallel loss takes, or, without
+    `loss_parallel`, all-gathered whole as a plain tensor."""
+
+    def __init__(self, loss_parallel: bool):
+        super().__init__()
+        self.loss_parallel = loss_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Linear) or module.bias is not None:
+            raise TypeError("SequenceParallelHead shards an nn.Linear without bias")
+        # the weight split only (no input/output hooks): _head_forward moves the activations
+        module = distribute_module(module, device_mesh, self._partition_linear_fn)
+        module.forward = functools.partial(_head_forward, module, device_mesh,
+                                           self.loss_parallel)
+        return module
+
+
+def _head_forward(module: nn.Linear, mesh: DeviceMesh, loss_parallel: bool,
+                  x: DTensor) -> torch.Tensor:
+    (local,) = sequence_parallel_linears(mesh, x, (module,))
+    shape = (*x.shape[:-1], module.weight.shape[0])
+    logits = DTensor.from_local(local, mesh, [Shard(-1)], run_check=False, shape=shape,
+                                stride=torch.empty(shape, device="meta").stride())
+    return logits if loss_parallel else logits.redistribute(mesh, [Replicate()]).to_local()
 
 
 def sequence_parallel_linears(mesh: DeviceMesh, x: DTensor, linears) -> list:
