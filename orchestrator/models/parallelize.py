@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -58,8 +58,7 @@ def apply_tensor_parallel(
         {
             "tok_emb": VocabParallelEmbedding(input_layouts=Replicate(), output_layouts=stream),
             **({"norm": SequenceParallel()} if sequence_parallel else {}),
-            "lm_head": SequenceParallelHead(loss_parallel) if sequence_parallel else
-            ColwiseParallel(
+            "lm_head": ColwiseParallel(
                 input_layouts=stream,
                 output_layouts=Shard(-1) if loss_parallel else Replicate(),
                 use_local_output=not loss_parallel,
@@ -102,40 +101,11 @@ def apply_tensor_parallel(
             block.mlp.sequence_group, block.mlp.sequence_parts = tp_mesh.get_group(), tp
         parallelize_module(block, tp_mesh, plan)
         if sequence_parallel:
-            block.attn.project = functools.partial(sequence_parallel_linears, tp_mesh)
-            if not isinstance(block.mlp, MoE):
-                block.mlp.project = functools.partial(sequence_parallel_linears, tp_mesh)
+            mlp = block.mlp.shared if isinstance(block.mlp, MoE) else block.mlp
+            for sub in (block.attn, mlp):
+                if sub is not None:
+                    sub.project = functools.partial(sequence_parallel_linears, tp_mesh)
     return model
-
-
-class SequenceParallelHead(ColwiseParallel):
-    """The LM head sharded over the vocabulary (ColwiseParallel's weight split) taking the final
-    norm's sequence shard (Shard(1)) through sequence_parallel_linears, as Megatron's output
-    layer: its input is kept sharded and gathered again in the backward. The logits come out
-    as the vocab-sharded DTensor (Shard(-1)) the vocab-parallel loss takes, or, without
-    `loss_parallel`, all-gathered whole as a plain tensor."""
-
-    def __init__(self, loss_parallel: bool):
-        super().__init__()
-        self.loss_parallel = loss_parallel
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not isinstance(module, nn.Linear) or module.bias is not None:
-            raise TypeError("SequenceParallelHead shards an nn.Linear without bias")
-        # the weight split only (no input/output hooks): _head_forward moves the activations
-        module = distribute_module(module, device_mesh, self._partition_linear_fn)
-        module.forward = functools.partial(_head_forward, module, device_mesh,
-                                           self.loss_parallel)
-        return module
-
-
-def _head_forward(module: nn.Linear, mesh: DeviceMesh, loss_parallel: bool,
-                  x: DTensor) -> torch.Tensor:
-    (local,) = sequence_parallel_linears(mesh, x, (module,))
-    shape = (*x.shape[:-1], module.weight.shape[0])
-    logits = DTensor.from_local(local, mesh, [Shard(-1)], run_check=False, shape=shape,
-                                stride=torch.empty(shape, device="meta").stride())
-    return logits if loss_parallel else logits.redistribute(mesh, [Replicate()]).to_local()
 
 
 def sequence_parallel_linears(mesh: DeviceMesh, x: DTensor, linears) -> list:
@@ -195,7 +165,8 @@ def _moe_plan(moe: MoE, sequence_parallel: bool) -> dict:
     rank's sequence shard as a plain tensor (the residual stream's local shard, as it returns)
     and routes it (router weights replicated over TP, their gradient summed over it as the SP
     norms'); the experts are not TP-sharded (expert parallelism is apply_expert_parallel's);
-    the shared expert is a TP-sharded MLP (all-gather in, reduce-scatter out)."""
+    the shared expert is a TP-sharded MLP (its sequence shard kept, gathered in
+    sequence_parallel_linears; reduce-scatter out)."""
     if not sequence_parallel:
         raise ValueError("a MoE block under tensor parallelism needs sequence_parallel")
     plan = {
@@ -205,8 +176,9 @@ def _moe_plan(moe: MoE, sequence_parallel: bool) -> dict:
     }
     if moe.shared is not None:
         plan |= {
+            # the sequence shard, gathered by sequence_parallel_linears (set by the caller)
             "mlp.shared": PrepareModuleInput(input_layouts=(Shard(1),),
-                                             desired_input_layouts=(Replicate(),)),
+                                             desired_input_layouts=(Shard(1),)),
             "mlp.shared.w_gate": ColwiseParallel(),
             "mlp.shared.w_up": ColwiseParallel(),
             "mlp.shared.w_down": RowwiseParallel(output_layouts=Shard(1), use_local_output=True),

@@ -24,8 +24,8 @@ Tensor parallelism (DTensor, models/parallelize.py), per layer and micro-batch:
   one whose output the backward needs (torch.utils.checkpoint stops there): with SP 2
   all-gathers and 1 reduce-scatter (the MLP's output is not needed), without SP 1 all-reduce;
 - the embedding reduce-scatters (all-reduces without SP) its output; its backward all-gathers
-  (SP only); the LM head all-gathers the final norm's output (SP), and its backward gathers
-  it again and reduce-scatters its gradient (all-reduces it without SP); the loss is vocab-parallel (both engines,
+  (SP only); the LM head all-gathers the final norm's output (SP), and its backward reduce-
+  scatters it (all-reduces it without SP); the loss is vocab-parallel (both engines,
   Megatron's): per micro-batch 3 fp32 all-reduces over TP of one value per token (the logits'
   max, the sum of their exponentials, the target's logit), the logits never gathered;
 - after the last micro-batch, each sequence-parallel norm weight's partial gradient is

@@ -186,9 +186,7 @@ def _head_bytes(model: ModelConfig, layout: ParallelLayout, dtype: Dtype, tokens
     autocast = dtype != Dtype.fp32
     elem = dtype.bytes if autocast else FP32
     norm = tokens / t_sp * (FP32 * h + FP32 + (0 if fused_norm else FP32 * h))
-    if t_sp > 1:  # the final norm's output sequence-sharded (SequenceParallelHead)
-        head_in = tokens * FP32 * h / t_sp
-    elif autocast:
+    if autocast:
         head_in = tokens * elem * h + elem * vocab_local * h  # its cast input and weight
     else:
         head_in = tokens * FP32 * h
@@ -202,11 +200,6 @@ def _head_bytes(model: ModelConfig, layout: ParallelLayout, dtype: Dtype, tokens
     forward = chunk if autocast else 0.0  # a chunk's fp32 copy
     # the logits' gradient, whole; a chunk's softmax (and its fp32 copy under autocast)
     backward = logits + chunk * (2 if autocast else 1)
-    if t_sp > 1:  # the LM head's input gathered (and cast) forward, again backward with its
-        # gradient
-        gathered = tokens * h * (FP32 + (elem if autocast else 0))
-        forward = np.maximum(forward, gathered)
-        backward = np.maximum(backward, logits + gathered + tokens * h * FP32)
     return kept, forward, backward
 
 

@@ -7,8 +7,7 @@ scatters forward; its column-parallel matmuls keep their input sequence-sharded 
 again in the backward (models/parallelize.sequence_parallel_linears), so the backward moves
 4 all-gathers + 2 reduce-scatters, as Megatron's; a layer recomputed in full reruns 2 all-
 gathers + 1 reduce-scatter (checkpointing stops at the last output the backward needs). Its
-LM head too keeps the sequence shard and gathers it again in the backward
-(models/parallelize.SequenceParallelHead).
+LM head keeps its gathered input (DTensor's ColwiseParallel): no gather in its backward.
 
 engine "megatron" (Megatron-LM, and what stage=trace records): backward re-gathers the inputs
 SP keeps sharded (4 all-gathers + 2 reduce-scatters; the LM head's too), full recompute reruns
@@ -65,7 +64,8 @@ def tp_counts(engine: Engine, sequence_parallel: bool) -> TpCounts:
             layer_regather={"all_gather": 2},
             recompute={"all_gather": 2, "reduce_scatter": 1} if ours else dict(fwd),
             embedding_fwd={"reduce_scatter": 1}, embedding_bwd={"all_gather": 1},
-            head_fwd={"all_gather": 1}, head_bwd={"all_gather": 1, "reduce_scatter": 1})
+            head_fwd={"all_gather": 1},
+            head_bwd={"reduce_scatter": 1} if ours else {"all_gather": 1, "reduce_scatter": 1})
     return TpCounts(
         layer_fwd={"all_reduce": 2}, layer_bwd={"all_reduce": 2}, layer_regather={},
         recompute={"all_reduce": 1 if ours else 2},
