@@ -102,13 +102,14 @@ def _expected_tiny_block_bytes(cfg: ModelConfig, s: int) -> dict:
     Read off the model's code: each RMSNorm keeps its input, 1/rms (s floats), the normalised
     tensor and its output (the projections' input); attention keeps rotated q, k and v, the
     output (the flash kernel's layout makes the reshape before wo a view: one storage) and
-    logsumexp (heads x s floats); the SwiGLU MLP keeps gate, silu(gate), up and their product.
+    logsumexp (heads x s floats); the SwiGLU MLP keeps gate, up and their product (w_down's
+    input; models/gpt.SwiGLU recomputes silu(gate) in its backward, as Megatron's fused one).
     """
     h, f = cfg.hidden, cfg.ffn
     kv = cfg.kv_heads * (cfg.hidden // cfg.heads)
     norms = 2 * (3 * s * h + s)
     attention = s * h + 2 * s * kv + s * h + cfg.heads * s
-    mlp = 4 * s * f
+    mlp = 3 * s * f
     elems = norms + attention + mlp
     lse = cfg.heads * s
     return {"none": 4 * elems, "selective": 4 * (elems - lse), "full": 4 * s * h}

@@ -18,10 +18,10 @@ from torch.utils.checkpoint import checkpoint
 
 from orchestrator.choices import Dtype
 from orchestrator.models.config import ModelConfig, is_moe_block, validate_model
+from orchestrator.models.loss import IGNORE_INDEX, token_losses  # noqa: F401 (IGNORE_INDEX:
+# padding of variable-length samples, which counts in no loss; imported from here)
 from orchestrator.models.moe import MoE
 
-# A target that counts in no loss: padding of variable-length samples (F.cross_entropy's default).
-IGNORE_INDEX = -100
 
 
 def torch_dtype(name) -> torch.dtype:
@@ -65,6 +65,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return rotated.type_as(x)
 
 
+def each_linear(x: torch.Tensor, linears) -> list:
+    """Each of `linears` applied to x: the sub-layer's input projections (wq, wk, wv; w_gate,
+    w_up). Sequence parallelism replaces it (models/parallelize.sequence_parallel_linears)."""
+    return [linear(x) for linear in linears]
+
+
 def _attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
@@ -86,13 +92,14 @@ class Attention(nn.Module):
         # Context parallelism (set from outside, train): this rank holds some of each
         # sequence's tokens (models/context_parallel.ContextParallel), attends to all of them.
         self.context = None
+        # How the input projections run (set from outside: sequence parallelism's own).
+        self.project = each_linear
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1: the number of heads on this rank (all of them, or heads / tp after column sharding).
-        q = self.wq(x).view(batch, seq, -1, self.head_dim)
-        k = self.wk(x).view(batch, seq, -1, self.head_dim)
-        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k, v = (t.view(batch, seq, -1, self.head_dim)
+                   for t in self.project(x, (self.wq, self.wk, self.wv)))
         if self.context is not None:
             cos, sin = self.context.rotary(cos, sin, seq)  # at this rank's tokens' positions
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -105,6 +112,26 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
+class SwiGLU(torch.autograd.Function):
+    """silu(gate) * up keeping only gate and up for the backward, which recomputes the silu
+    (Megatron's fused SwiGLU); autograd's op by op would keep silu(gate) as well."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        sigmoid = torch.sigmoid(gate)
+        silu = gate * sigmoid
+        grad_up = grad * silu
+        # d silu / d gate = sigmoid + silu * (1 - sigmoid)
+        grad_gate = grad * up * (sigmoid + silu * (1 - sigmoid))
+        return grad_gate, grad_up
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward: w_down(silu(w_gate(x)) * w_up(x))."""
 
@@ -113,9 +140,11 @@ class MLP(nn.Module):
         self.w_gate = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
         self.w_up = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
         self.w_down = nn.Linear(cfg.ffn, cfg.hidden, bias=False)
+        self.project = each_linear  # as Attention.project
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        gate, up = self.project(x, (self.w_gate, self.w_up))
+        return self.w_down(SwiGLU.apply(gate, up))
 
 
 class Block(nn.Module):
@@ -135,19 +164,19 @@ class Block(nn.Module):
 
 
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss (nats) of logits (batch, seq, vocab) against targets (batch, seq).
+    """Mean next-token loss (nats) of logits (batch, seq, vocab) against targets (batch, seq),
+    over the targets that are not IGNORE_INDEX.
 
-    Also the `loss_fn` for a pipeline schedule; works on vocab-sharded DTensor logits inside
-    `torch.distributed.tensor.parallel.loss_parallel()`.
+    Also the `loss_fn` for a pipeline schedule; vocab-sharded DTensor logits give the
+    vocab-parallel loss (models/loss.py: in chunks, never the whole fp32 logits).
     """
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+    return token_loss_sum(logits, targets) / (targets != IGNORE_INDEX).sum()
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed next-token loss (nats) over the targets that are not IGNORE_INDEX (padding):
     micro-batches of different sizes add up to the sum a whole batch's token mean divides."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+    return token_losses(logits, targets).sum()
 
 
 class GPT(nn.Module):

@@ -68,13 +68,17 @@ class SharedExpert(nn.Module):
     """The dense SwiGLU every token goes through (same names as models/gpt.MLP, TP-sharded alike)."""
 
     def __init__(self, hidden: int, width: int):
+        from orchestrator.models.gpt import each_linear  # gpt imports this module
+
         super().__init__()
         self.w_gate = nn.Linear(hidden, width, bias=False)
         self.w_up = nn.Linear(hidden, width, bias=False)
         self.w_down = nn.Linear(width, hidden, bias=False)
+        self.project = each_linear  # as models/gpt.MLP's (sequence parallelism sets its own)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        gate, up = self.project(x, (self.w_gate, self.w_up))
+        return self.w_down(F.silu(gate) * up)
 
 
 def uniform_counts(assignments: int, experts: int) -> torch.Tensor:

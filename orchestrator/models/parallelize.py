@@ -78,18 +78,9 @@ def apply_tensor_parallel(
             "mlp.w_down": RowwiseParallel(output_layouts=stream),
         }
         if sequence_parallel:
-            plan |= {
-                "attn_norm": SequenceParallel(),
-                "mlp_norm": SequenceParallel(),
-                # All-gather the sequence once per sub-layer, before the column-wise projections.
-                "attn": PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None),
-                    desired_input_layouts=(Replicate(), None, None),
-                ),
-                "mlp": PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-                ),
-            }
+            # The sub-layers take the norms' sequence shard; their input projections gather it
+            # once per sub-layer and keep only the shard (sequence_parallel_linears).
+            plan |= {"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()}
         else:
             # The sub-layer's input as one replicated DTensor shared by its projections: their
             # input gradients add up as one Partial, all-reduced once per sub-layer (Megatron's
@@ -109,7 +100,63 @@ def apply_tensor_parallel(
             plan |= _moe_plan(block.mlp, sequence_parallel)
             block.mlp.sequence_group, block.mlp.sequence_parts = tp_mesh.get_group(), tp
         parallelize_module(block, tp_mesh, plan)
+        if sequence_parallel:
+            mlp = block.mlp.shared if isinstance(block.mlp, MoE) else block.mlp
+            for sub in (block.attn, mlp):
+                if sub is not None:
+                    sub.project = functools.partial(sequence_parallel_linears, tp_mesh)
     return model
+
+
+def sequence_parallel_linears(mesh: DeviceMesh, x: DTensor, linears) -> list:
+    """The column-parallel `linears` (ColwiseParallel, no bias) applied to the sequence-sharded
+    DTensor x (Shard(1)), Megatron's sequence-parallel linear: x is all-gathered over `mesh`
+    once for all of them, and only this rank's shard is kept for the backward, which gathers
+    it again for the weights' gradients and reduce-scatters the input's gradient. Returns each
+    output as a local tensor (batch, seq, this rank's columns), as ColwiseParallel's."""
+    weights = [linear.weight.to_local() for linear in linears]
+    return list(_GatheredColumnLinears.apply(mesh, x.shape, x.to_local(), *weights))
+
+
+def _gather_sequence(local: torch.Tensor, mesh: DeviceMesh, shape: torch.Size) -> torch.Tensor:
+    """The whole sequence (dim 1) of a sequence shard, all-gathered over `mesh`."""
+    sharded = DTensor.from_local(local, mesh, [Shard(1)], run_check=False, shape=shape,
+                                 stride=torch.empty(shape, device="meta").stride())
+    return sharded.redistribute(mesh, [Replicate()]).to_local()
+
+
+class _GatheredColumnLinears(torch.autograd.Function):
+    """sequence_parallel_linears' autograd: forward all-gather + one matmul per weight, the
+    sequence shard saved; backward all-gather again, the weights' gradients, the input's
+    gradient summed over the weights (in the input's dtype) and reduce-scattered."""
+
+    @staticmethod
+    def forward(ctx, mesh, shape, x_local, *weights):
+        full = _gather_sequence(x_local, mesh, shape)
+        outputs = tuple(F.linear(full, w) for w in weights)  # autocast casts, as nn.Linear's
+        ctx.mesh, ctx.shape = mesh, shape
+        ctx.compute_dtype = outputs[0].dtype
+        ctx.save_for_backward(x_local, *weights)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x_local, *weights = ctx.saved_tensors
+        full = _gather_sequence(x_local, ctx.mesh, ctx.shape).to(ctx.compute_dtype)
+        rows = full.flatten(0, -2)
+        grad_x, grad_w = None, []
+        for w, g in zip(weights, grads):
+            if g is None:
+                grad_w.append(None)
+                continue
+            g = g.to(ctx.compute_dtype)
+            grad_w.append((g.flatten(0, -2).t() @ rows).to(w.dtype))
+            part = (g @ w.to(ctx.compute_dtype)).to(x_local.dtype)
+            grad_x = part if grad_x is None else grad_x + part
+        if grad_x is not None:
+            grad_x = DTensor.from_local(grad_x, ctx.mesh, [Partial()], run_check=False)
+            grad_x = grad_x.redistribute(ctx.mesh, [Shard(1)]).to_local()
+        return (None, None, grad_x, *grad_w)
 
 
 def _moe_plan(moe: MoE, sequence_parallel: bool) -> dict:
@@ -118,7 +165,8 @@ def _moe_plan(moe: MoE, sequence_parallel: bool) -> dict:
     rank's sequence shard as a plain tensor (the residual stream's local shard, as it returns)
     and routes it (router weights replicated over TP, their gradient summed over it as the SP
     norms'); the experts are not TP-sharded (expert parallelism is apply_expert_parallel's);
-    the shared expert is a TP-sharded MLP (all-gather in, reduce-scatter out)."""
+    the shared expert is a TP-sharded MLP (its sequence shard kept, gathered in
+    sequence_parallel_linears; reduce-scatter out)."""
     if not sequence_parallel:
         raise ValueError("a MoE block under tensor parallelism needs sequence_parallel")
     plan = {
@@ -128,8 +176,9 @@ def _moe_plan(moe: MoE, sequence_parallel: bool) -> dict:
     }
     if moe.shared is not None:
         plan |= {
+            # the sequence shard, gathered by sequence_parallel_linears (set by the caller)
             "mlp.shared": PrepareModuleInput(input_layouts=(Shard(1),),
-                                             desired_input_layouts=(Replicate(),)),
+                                             desired_input_layouts=(Shard(1),)),
             "mlp.shared.w_gate": ColwiseParallel(),
             "mlp.shared.w_up": ColwiseParallel(),
             "mlp.shared.w_down": RowwiseParallel(output_layouts=Shard(1), use_local_output=True),

@@ -30,7 +30,9 @@ def _gather_again_in_backward(module: nn.Module, args: tuple) -> None:
     """Megatron-LM's sequence-parallel linears keep their input sharded and all-gather it
     again in the backward, for the weight gradient (DTensor keeps the gathered input): a
     sub-layer's pre-forward hook, after TP's own gathered it, that issues that second gather
-    when the gathered input's gradient arrives."""
+    when the gathered input's gradient arrives. Train's layers gather again themselves
+    (models/parallelize.sequence_parallel_linears: their input arrives sharded, and this does
+    nothing); its LM head is the one that still needs it."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     x = args[0] if args else None

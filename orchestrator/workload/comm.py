@@ -16,8 +16,9 @@ reruns the layer's whole forward (2 all-gathers + 2 reduce-scatters).
 Tensor parallelism (DTensor, models/parallelize.py), per layer and micro-batch:
 - with sequence parallelism: forward 2 all-gathers (the norm outputs, the residual dtype) and 2
   reduce-scatters (attention and MLP outputs, the compute dtype); backward the reverse of each
-  (2 reduce-scatters in the residual dtype, 2 all-gathers in the compute dtype): DTensor keeps
-  the gathered inputs for the weight gradients, so nothing is gathered twice;
+  (2 reduce-scatters in the residual dtype, 2 all-gathers in the compute dtype) and 2 all-
+  gathers of the norm outputs again (the residual dtype): the column-parallel matmuls keep
+  their input sequence-sharded and gather it for the weight gradients, as Megatron-LM's;
 - without: forward 2 all-reduces (compute dtype), backward 2 (residual dtype);
 - a layer recomputed in full repeats its forward collectives during the backward up to the last
   one whose output the backward needs (torch.utils.checkpoint stops there): with SP 2
@@ -183,8 +184,8 @@ def tp_messages(engine: Engine, sequence_parallel: bool, tokens, hidden: int,
     """The TP messages of one micro-batch (workload/tp.py's counts) for a rank of `tokens`
     tokens: forward gathers move norm outputs (the residual dtype), reductions matmul outputs
     (the compute dtype); each backward collective moves the gradient of a forward one, in its
-    dtype; the embedding's and LM head's move the residual stream; the loss reduces three fp32
-    values per token."""
+    dtype, and SP's re-gathers of the sharded layer inputs the forward's; the embedding's and LM
+    head's move the residual stream; the loss reduces three fp32 values per token."""
     compute = Dtype.parse(compute)
     residual = residual_dtype(engine, compute)
     counts = tp_counts(engine, sequence_parallel)
@@ -200,7 +201,8 @@ def tp_messages(engine: Engine, sequence_parallel: bool, tokens, hidden: int,
                 counts.loss_all_reduce, "vocab-parallel loss: per-token max, sum, target logit")
     return TpMessages(
         layer_fwd=comms(counts.layer_fwd, fwd, "fwd", "layer activations"),
-        layer_bwd=comms(counts.layer_bwd, bwd, "bwd", "layer activation gradients"),
+        layer_bwd=comms(counts.layer_bwd, bwd, "bwd", "layer activation gradients")
+        + comms(counts.layer_regather, fwd, "bwd", "layer inputs, gathered again"),
         recompute=comms(counts.recompute, fwd, "bwd", "layer activations, recomputed"),
         embedding_fwd=comms(counts.embedding_fwd, same, "fwd", "embedding output"),
         embedding_bwd=comms(counts.embedding_bwd, same, "bwd", "embedding output gradient"),

@@ -11,10 +11,10 @@ it back in its backward, with what each step holds only while it runs:
   keep fp32 inputs: 2 B more per element) and each matmul casts its fp32 input on its own (wq,
   wk, wv and w_gate, w_up: five bf16 copies where a bf16 model keeps two), and each layer keeps
   the bf16 copies of its weights (autocast's cache) until its backward;
-- the head (final norm, LM head, loss): its inputs and the log-softmax output of this rank's
-  vocabulary shard in fp32 (the loss is vocab-parallel: the logits are never gathered); the
-  loss backward holds two more such fp32 tensors (three with TP: torch's loss_parallel computes
-  the log-softmax and its backward op by op);
+- the head (final norm, LM head, loss): its inputs and this rank's vocabulary shard of the
+  logits in the compute dtype (the loss is vocab-parallel, models/loss.py: the logits are never
+  gathered, and never converted to fp32 whole, only in chunks); the loss backward holds their
+  gradient in the compute dtype and a chunk's fp32 softmax;
 - a layer's backward: the gradients flowing through it, its recompute (full: the layer's
   activations again; selective: the attention core's), its weights' fresh gradients;
 - gradients: DTensor parameters accumulate .grad over the micro-batches and copy it into the
@@ -40,6 +40,7 @@ from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig
 from orchestrator.workload.buckets import plan_buckets
 from orchestrator.models.attention_tiles import score_tile_rows
+from orchestrator.models.loss import CHUNK_ELEMENTS as LOSS_CHUNK_ELEMENTS
 from orchestrator.workload.order import stage_order
 from orchestrator.workload.params import (Param, chunk_size, rank_chunks)
 
@@ -156,10 +157,26 @@ def engine_block_bytes(act: BlockActivations, mode: Recompute, model: ModelConfi
     if autocast:
         if mode == Recompute.full:
             kept += tokens * (FP32 - elem) * h / t_sp  # the kept input is fp32
+        elif t_sp > 1:
+            # the norms' inputs and the column-parallel matmuls' sharded inputs are fp32; those
+            # matmuls cast inside sequence_parallel_linears: only wo's and w_down's weight
+            # copies stay in autocast's cache
+            kept += tokens * (FP32 - elem) * 4 * h / t_sp
+            kept += elem * (block_local_numel - column_parallel_numel(model, t))
         else:
             kept += tokens * ((FP32 - elem) * 2 * h / t_sp + 3 * elem * h)
             kept += elem * block_local_numel  # autocast's weight cache
     return kept
+
+
+def column_parallel_numel(model: ModelConfig, tp: int) -> int:
+    """A dense layer's weights one TP rank holds of the matmuls sequence parallelism runs in
+    models/parallelize.sequence_parallel_linears: wq, wk, wv, w_gate, w_up (a MoE model's
+    layers: the attention's only)."""
+    kv = model.kv_heads * (model.hidden // model.heads)
+    attention = model.hidden * (model.hidden + 2 * kv)
+    mlp = 0 if getattr(model, "experts", 0) else 2 * model.ffn * model.hidden
+    return (attention + mlp) // tp
 
 
 def _head_bytes(model: ModelConfig, layout: ParallelLayout, dtype: Dtype, tokens: int,
@@ -173,19 +190,16 @@ def _head_bytes(model: ModelConfig, layout: ParallelLayout, dtype: Dtype, tokens
         head_in = tokens * elem * h + elem * vocab_local * h  # its cast input and weight
     else:
         head_in = tokens * FP32 * h
-    logits = tokens * vocab_local * FP32  # this rank's vocabulary shard, fp32 for the loss
-    kept = norm + head_in + logits + tokens * INT64  # log-softmax output, the targets
-    if layout.pp > 1:  # torch.distributed.pipelining keeps a stage's output until its backward
-        kept += tokens * vocab_local * elem
-    if layout.tp == 1:  # torch's fused log-softmax and its backward
-        forward = logits + tokens * vocab_local * elem  # the logits, and their fp32 cast
-        backward = 2 * logits
-    else:
-        # loss_parallel's log-softmax runs op by op: the fp32 logits, less their max, and its
-        # exponential are alive at once (and the compute-dtype logits under autocast); its
-        # backward holds a zero gradient, the exponential of the output and their sum.
-        forward = 2 * logits + (tokens * vocab_local * elem if autocast else 0)
-        backward = 3 * logits
+    # models/loss.py keeps this rank's vocabulary shard of the logits in the compute dtype (the
+    # pipeline's stage output too: the same tensor), a log-sum-exp per token, the targets'
+    # local ids and two masks; it works on fp32 chunks of at most CHUNK_ELEMENTS logits.
+    logits = tokens * vocab_local * elem
+    kept = norm + head_in + logits + tokens * (INT64 + FP32 + 2)
+    chunk = FP32 * np.minimum(tokens * vocab_local,
+                              max(1, LOSS_CHUNK_ELEMENTS // vocab_local) * vocab_local)
+    forward = chunk if autocast else 0.0  # a chunk's fp32 copy
+    # the logits' gradient, whole; a chunk's softmax (and its fp32 copy under autocast)
+    backward = logits + chunk * (2 if autocast else 1)
     return kept, forward, backward
 
 
@@ -193,9 +207,14 @@ def _block_working(model: ModelConfig, layout: ParallelLayout, tokens: int,
                    dtype: Dtype = Dtype.fp32, micro_batch_size=None) -> float:
     """A layer's backward, beyond its kept activations: the gradients flowing through it (the
     residual's and the MLP's intermediate ones) while its weights' gradients are made, and
-    context-parallel attention's own (cp_attention_bytes)."""
+    context-parallel attention's own (cp_attention_bytes); with SP, the column-parallel
+    matmuls' input gathered again (fp32, and its cast under autocast)."""
+    regather = 0.0
+    if sp_degree(layout) > 1:
+        autocast = Dtype.parse(dtype) != Dtype.fp32
+        regather = tokens * model.hidden * (FP32 + (Dtype.parse(dtype).bytes if autocast else 0))
     return (FP32 * tokens * (2 * model.hidden / sp_degree(layout) + 2 * model.ffn / layout.tp)
-            + cp_attention_bytes(model, layout, tokens, dtype, micro_batch_size)[1])
+            + regather + cp_attention_bytes(model, layout, tokens, dtype, micro_batch_size)[1])
 
 
 def cp_attention_bytes(model: ModelConfig, layout, tokens, dtype: Dtype = Dtype.fp32,

@@ -3,9 +3,11 @@
 
 engine "orchestrator" (stage=train, DTensor; checked against the real engine by
 tests/test_train_engine.py): with sequence parallelism a layer moves 2 all-gathers + 2 reduce-
-scatters forward and the same backward (DTensor keeps the gathered inputs for the weight
-gradients); a layer recomputed in full reruns 2 all-gathers + 1 reduce-scatter (checkpointing
-stops at the last output the backward needs).
+scatters forward; its column-parallel matmuls keep their input sequence-sharded and gather it
+again in the backward (models/parallelize.sequence_parallel_linears), so the backward moves
+4 all-gathers + 2 reduce-scatters, as Megatron's; a layer recomputed in full reruns 2 all-
+gathers + 1 reduce-scatter (checkpointing stops at the last output the backward needs). Its
+LM head keeps its gathered input (DTensor's ColwiseParallel): no gather in its backward.
 
 engine "megatron" (Megatron-LM, and what stage=trace records): backward re-gathers the inputs
 SP keeps sharded (4 all-gathers + 2 reduce-scatters; the LM head's too), full recompute reruns
@@ -36,7 +38,8 @@ class TpCounts:
     moving one layer activation (s * b * h elements), except `loss_all_reduce` (fp32, s * b)."""
 
     layer_fwd: Dict[str, int]
-    layer_bwd: Dict[str, int]
+    layer_bwd: Dict[str, int]  # the gradients of the forward's collectives
+    layer_regather: Dict[str, int]  # backward: SP's sharded inputs gathered again (forward's)
     recompute: Dict[str, int]  # rerun in backward by a layer recomputed in full
     embedding_fwd: Dict[str, int]
     embedding_bwd: Dict[str, int]
@@ -57,14 +60,14 @@ def tp_counts(engine: Engine, sequence_parallel: bool) -> TpCounts:
     if sequence_parallel:
         fwd = {"all_gather": 2, "reduce_scatter": 2}
         return TpCounts(
-            layer_fwd=fwd,
-            layer_bwd={"all_gather": 2 if ours else 4, "reduce_scatter": 2},
+            layer_fwd=fwd, layer_bwd={"all_gather": 2, "reduce_scatter": 2},
+            layer_regather={"all_gather": 2},
             recompute={"all_gather": 2, "reduce_scatter": 1} if ours else dict(fwd),
             embedding_fwd={"reduce_scatter": 1}, embedding_bwd={"all_gather": 1},
             head_fwd={"all_gather": 1},
             head_bwd={"reduce_scatter": 1} if ours else {"all_gather": 1, "reduce_scatter": 1})
     return TpCounts(
-        layer_fwd={"all_reduce": 2}, layer_bwd={"all_reduce": 2},
+        layer_fwd={"all_reduce": 2}, layer_bwd={"all_reduce": 2}, layer_regather={},
         recompute={"all_reduce": 1 if ours else 2},
         embedding_fwd={"all_reduce": 1}, embedding_bwd={},
         head_fwd={}, head_bwd={"all_reduce": 1})

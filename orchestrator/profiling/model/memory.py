@@ -298,6 +298,33 @@ def megatron_act_bytes(seq_len: int, batch: int, hidden: int, heads: int, tp: in
     return base * elem_bytes / 2
 
 
+def megatron_core_act_bytes_per_token(hidden: int, ffn: int, heads: int, kv_heads: int,
+                                      tp: int, mode: str) -> float:
+    """Bytes one llama-style layer (RMSNorm, GQA + RoPE, SwiGLU, no dropout) keeps per token on
+    one rank of Megatron-Core with sequence parallelism, bf16 and flash attention, tensor by
+    tensor (Korthikanti's 34sbh/t less the s x s terms flash attention removes, at GQA and
+    SwiGLU widths; read from megatron/core/transformer: TE's LayerNormLinear keeps the norm's
+    input and its sharded output, the fused RoPE nothing, flash attention q, k, v, its output
+    (linear_proj's input, one storage) and an fp32 logsumexp per head, the fused bias_swiglu its
+    input (fc1's output), linear_fc2 its input):
+
+        none:      (2h + 2h  +  2h + 4kv  +  2h + 4a  +  2h + 2h  +  4f + 2f) / t
+        selective: none less the logsumexp (the core reruns; its output is linear_proj's input)
+        full:      2h / t (the layer input, sequence-sharded)
+
+    with h hidden, kv = kv_heads x head_dim, a heads, f ffn, t = tp."""
+    h, f, a = hidden, ffn, heads
+    kv = kv_heads * (hidden // heads)
+    if mode == Recompute.full:
+        return 2 * h / tp
+    lse = 4 * a if mode == Recompute.none else 0
+    if mode not in tuple(Recompute):
+        raise ValueError(f"recompute mode {mode!r}; allowed: {tuple(Recompute)}")
+    attention = 2 * h + 2 * h + 2 * h + 4 * kv + 2 * h + lse
+    mlp = 2 * h + 2 * h + 4 * f + 2 * f
+    return (attention + mlp) / tp
+
+
 def memory_summary(points, model, batch: int) -> dict:
     """The schema's "memory" section from profile points (each carrying "states").
 

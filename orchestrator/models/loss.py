@@ -1,0 +1,96 @@
+"""Next-token cross-entropy computed in chunks of tokens, vocabulary-parallel over TP.
+
+`token_losses(logits, targets)` -> the loss of every token (fp32; 0 at IGNORE_INDEX). The
+logits are (tokens, vocab) on one rank, or this rank's vocabulary shard (a Shard(-1) DTensor
+of the TP mesh, the LM head's output under tensor parallelism), in their own dtype.
+
+What it keeps for the backward is the logits as they are (the LM head's output, alive anyway)
+and one fp32 log-sum-exp per token: no fp32 copy or log-softmax of the whole logits. Forward
+and backward work on at most `chunk_elements` logits at a time in fp32, so the step never holds
+the s x b x vocab/tp logits in fp32 (nor their fp32 gradient: the backward writes the gradient
+in the logits' dtype, chunk by chunk).
+
+Under TP, as Megatron's vocab-parallel cross-entropy, three all-reduces of one fp32 value per
+token cross the TP group: the max of the ranks' log-sum-exps, the sum of their exponentials
+(relative to that max), and the target's logit (from the rank that holds its vocabulary row).
+"""
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100  # F.cross_entropy's default: padding counts in no loss
+CHUNK_ELEMENTS = 1 << 24  # logits converted to fp32 at once (64 MiB)
+
+
+def token_losses(logits: torch.Tensor, targets: torch.Tensor,
+                 chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
+    """The cross-entropy (nats, fp32) of each target (any shape, flattened) against logits
+    (its shape + (vocab,), or a DTensor sharding the vocabulary); 0 where it is IGNORE_INDEX."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(logits, DTensor):
+        mesh = logits.device_mesh
+        if mesh.ndim != 1:
+            raise ValueError(f"vocab-parallel logits must be sharded over a 1-D mesh, got "
+                             f"{mesh.ndim} dims")
+        # torch.chunk's split of the vocabulary: ceil(vocab / tp) rows per rank
+        first = mesh.get_local_rank() * -(-logits.shape[-1] // mesh.size())
+        local, group = logits.to_local(), mesh.get_group()
+    else:
+        local, group, first = logits, None, 0
+    return _ChunkedCrossEntropy.apply(local.flatten(0, -2), targets.flatten(), group, first,
+                                      chunk_elements)
+
+
+def _rows_per_chunk(logits: torch.Tensor, chunk_elements: int) -> int:
+    return max(1, chunk_elements // max(1, logits.shape[-1]))
+
+
+def _all_reduce(t: torch.Tensor, op: str, group) -> torch.Tensor:
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.all_reduce(t, op, group))
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """token_losses' autograd: saves the logits and the fp32 log-sum-exp per token."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, group, first, chunk_elements):
+        vocab_local = logits.shape[-1]
+        local = targets - first
+        mine = (local >= 0) & (local < vocab_local) & (targets != IGNORE_INDEX)
+        local = torch.where(mine, local, 0)
+        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        target_logit = torch.zeros_like(lse)
+        rows = _rows_per_chunk(logits, chunk_elements)
+        for start in range(0, logits.shape[0], rows):
+            part = logits[start:start + rows].float()
+            lse[start:start + rows] = torch.logsumexp(part, dim=-1)
+            picked = part.gather(1, local[start:start + rows, None]).squeeze(1)
+            target_logit[start:start + rows] = torch.where(mine[start:start + rows], picked, 0)
+            del part, picked  # before the next chunk's: one fp32 chunk alive at a time
+        if group is not None:  # the whole vocabulary's log-sum-exp, from every rank's
+            top = _all_reduce(lse, "max", group)
+            total = _all_reduce((lse - top).exp(), "sum", group)
+            lse = top + total.log()
+            target_logit = _all_reduce(target_logit, "sum", group)
+        valid = targets != IGNORE_INDEX
+        ctx.save_for_backward(logits, lse, local, mine, valid)
+        ctx.chunk_elements = chunk_elements
+        return torch.where(valid, lse - target_logit, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, lse, local, mine, valid = ctx.saved_tensors
+        out = torch.empty_like(logits)
+        rows = _rows_per_chunk(logits, ctx.chunk_elements)
+        grad = torch.where(valid, grad, 0.0)  # a padding token's loss is a constant 0
+        for start in range(0, logits.shape[0], rows):
+            end = start + rows
+            part = torch.sub(logits[start:end].float(), lse[start:end, None]).exp_()
+            part.scatter_add_(1, local[start:end, None],
+                              -mine[start:end, None].to(part.dtype))
+            out[start:end] = part.mul_(grad[start:end, None])
+            del part
+        return out, None, None, None, None
