@@ -78,8 +78,7 @@ class TpComm:
         recompute_us = us(messages.recompute)
         if overlap is not None:  # Megatron's userbuffers: what the GEMMs do not hide
             gemm_fwd_us, shares, overlap_coe, mlp = overlap
-            counts = [{c.op: c.count for c in comms}
-                      for comms in (messages.layer_fwd, messages.layer_bwd)]
+            counts = [op_counts(comms) for comms in (messages.layer_fwd, messages.layer_bwd)]
             if counts != [UB_FWD, UB_BWD]:
                 raise ValueError(f"userbuffers overlap Megatron's sequence-parallel layer "
                                  f"({UB_FWD} forward, {UB_BWD} backward), got {counts}")
@@ -105,6 +104,15 @@ UB_PIPELINE_SPLITS = 4
 # The collectives of a layer they overlap (Megatron's sequence-parallel layer, workload/tp.py)
 UB_FWD = {"all_gather": 2, "reduce_scatter": 2}
 UB_BWD = {"all_gather": 4, "reduce_scatter": 2}
+
+
+def op_counts(comms) -> Dict[str, int]:
+    """How many collectives of each op a list of Comm holds (an op may have several entries:
+    the backward's gradients and its re-gathers)."""
+    counts: Dict[str, int] = {}
+    for c in comms:
+        counts[c.op] = counts.get(c.op, 0) + c.count
+    return counts
 
 
 def gemm_shares(hidden: int, ffn: int, heads: int, kv_heads: int) -> Tuple[float, ...]:
