@@ -71,22 +71,24 @@ def test_megatron_with_sequence_parallel_is_2ag_2rs_forward_4ag_2rs_backward(tp_
     assert comm.recompute_us == pytest.approx(2 * ag + 2 * rs)  # the whole forward again
 
 
-def test_our_engine_with_sequence_parallel_gathers_once_and_reduces_the_loss(tp_hw):
-    """stage=train's engine (DTensor) keeps the gathered inputs: 2 AG + 2 RS each way (the
-    counts test_train_engine checks against the real engine); its loss is vocab-parallel.
-    Under bf16 autocast its residual stream is fp32: the gathers of norm outputs forward and
-    the reduce-scatters of their gradients backward move twice the bytes (issue 40)."""
+def test_our_engine_with_sequence_parallel_gathers_again_and_reduces_the_loss(tp_hw):
+    """stage=train's engine: 2 AG + 2 RS forward; the backward moves their gradients and
+    gathers the sequence-sharded inputs again (2 more AG, issue 41; the counts
+    test_train_engine checks against the real engine); its loss is vocab-parallel. Under bf16
+    autocast its residual stream is fp32: the gathers of norm outputs (forward, and again
+    backward) and the reduce-scatters of their gradients move twice the bytes (issue 40)."""
     ag, ag32 = 10 + MSG / 100e3, 10 + 2 * MSG / 100e3
     rs, rs32 = 12 + MSG / 100e3, 12 + 2 * MSG / 100e3
     loss_ar = 30 + LOSS_BYTES / 50e3
     comm = TpComm.from_hardware(tp_hw, 4, _tp("orchestrator", True))
-    assert comm.layer == FwdBwd(pytest.approx(2 * ag32 + 2 * rs), pytest.approx(2 * ag + 2 * rs32))
+    assert comm.layer == FwdBwd(pytest.approx(2 * ag32 + 2 * rs),
+                                pytest.approx(2 * ag + 2 * rs32 + 2 * ag32))
     assert comm.head == FwdBwd(pytest.approx(ag32 + 3 * loss_ar), pytest.approx(rs32))
     assert comm.recompute_us == pytest.approx(2 * ag32 + rs)  # checkpointing stops early
     # in fp32 every message is the fp32 activation
     fp32 = TpComm.from_hardware(tp_hw, 4, _tp("orchestrator", True, "fp32"))
     assert fp32.layer == FwdBwd(pytest.approx(2 * ag32 + 2 * rs32),
-                                pytest.approx(2 * ag32 + 2 * rs32))
+                                pytest.approx(4 * ag32 + 2 * rs32))
 
 
 def test_tp_without_sequence_parallel_is_2_allreduce_each_way(tp_hw):
