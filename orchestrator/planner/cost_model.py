@@ -65,6 +65,9 @@ from orchestrator.planner.terms import FwdBwd, as_value, overlap_extra_us
 from orchestrator.planner.terms.compute import (layer_compute, optimizer_step_us,
                                                 other_on_stages, recompute_rerun_us)
 from orchestrator.planner.terms.cp_comm import CpComm
+from orchestrator.planner.terms.megatron_memory import (
+    LayerShape, StateBytes, embedding_activation_bytes_per_token,
+    layer_activation_bytes_per_token, loss_activation_bytes_per_token)
 from orchestrator.planner.terms.memory import (ActivationBytes, micro_batch_activation_bytes,
                                                stage_activation_bytes, tp_buffer_bytes,
                                                zero_buffer_bytes)
@@ -240,6 +243,8 @@ class StageCosts:
         self.contention = contention_factor(model.concurrency, key.pp, key.num_micro_batches,
                                             key.virtual_stages)
 
+        self.in_flight = in_flight_micro_batches(key.schedule, key.pp, key.num_micro_batches,
+                                                 key.virtual_stages)
         self._price_micro_batch(seq_len, key.micro_batch_size)
         sharding = ZeroSharding.of(key.zero, key.replicas)
         self.layer_static = sharding.shard(block.param_bytes, block.grad_bytes, block.optim_bytes)
@@ -251,14 +256,51 @@ class StageCosts:
             self.layer_static = tuple(d + e for d, e in zip(dense, experts))
         self.other_static = sharding.shard(self.other_param_bytes, self.other_grad_bytes,
                                            other_optim_bytes)
-        self.in_flight = in_flight_micro_batches(key.schedule, key.pp, key.num_micro_batches,
-                                                 key.virtual_stages)
+        if self.engine == Engine.megatron:
+            self._megatron_states(model, seq_len, options, sharding)
         self._zero_buffers = zero_buffer_bytes(key.zero, key.replicas, block.param_bytes)
         self._comm_buffers = np.full(key.pp, self._zero_buffers + self.tp_buffer)
         self.reserve = float(options.reserve_bytes)
         # T = alpha * sum_j t_j + beta * max_j t_j + e_0
         self.alpha, self.beta = schedule_coefficients(key.schedule, key.num_micro_batches,
                                                       key.virtual_stages)
+
+    def _megatron_states(self, model: ModelCost, seq_len: int, options: CostOptions,
+                         sharding: ZeroSharding) -> None:
+        """Megatron's parameter, gradient and optimizer bytes per rank (terms/megatron_memory.py:
+        the compute dtype's parameters, fp32 main gradients, 12 B of Adam) of the exact
+        parameter counts, the dense part sharded over dp x cp by ZeRO stage, routed experts over
+        edp; the embedding on the first stage, the final norm and output layer on the last."""
+        key = self.key
+        numels = StageNumels.of(_engine_config(model, seq_len), key)
+        per_param = StateBytes.of(options.dtype or model.dtype)
+        kinds = (per_param.params, per_param.grads, per_param.optim)
+        dense = sharding.shard(*(numels.layer * b for b in kinds))
+        experts = ZeroSharding.of(key.zero, key.edp).shard(*(numels.expert * b for b in kinds))
+        self.layer_static = tuple(d + e for d, e in zip(dense, experts))
+        self.other_static = sharding.shard(*(numels.other * b for b in kinds))
+
+    def _megatron_activations(self, model: ModelCost, seq_len, micro_batch_size) -> None:
+        """Megatron-Core's activations (terms/megatron_memory.py): a layer's bytes per token by
+        recompute mode (a MoE block's FFN in the dense FFN's place), the token ids each
+        in-flight micro-batch keeps on the first stage, the loss's logits on the last."""
+        key = self.key
+        shape = LayerShape(model.hidden, model.heads, model.kv_heads, model.ffn)
+        elem = Dtype.parse(self.options.dtype or model.dtype).bytes
+        self.act = ActivationBytes(*(layer_activation_bytes_per_token(
+            shape, key.tp, key.sequence_parallel, mode, elem) for mode in Recompute))
+        if self.moe is not None:
+            delta = activation_delta_bytes(model, self.moe, seq_len, micro_batch_size, key.tp,
+                                           key.cp, key.etp, self.imbalance) / self.tokens
+            self.act = ActivationBytes(self.act.none + delta, self.act.selective + delta,
+                                       self.act.full)
+        self.first_stage_act = on_end_stages(
+            self.tokens * embedding_activation_bytes_per_token(), 0.0 * self.tokens, key.pp)
+        self.other_act = on_end_stages(
+            0.0 * self.tokens,
+            self.tokens * loss_activation_bytes_per_token(model.hidden, model.vocab, key.tp,
+                                                          key.sequence_parallel, elem),
+            key.pp)
 
     def _price_micro_batch(self, seq_len, micro_batch_size) -> None:
         """Every term of the micro-batch's shape (b = micro_batch_size sequences of seq_len
@@ -273,6 +315,10 @@ class StageCosts:
         self._price_layer(model, seq_len, micro_batch_size)
         self._price_other(self.options.other_time_first_share)
         self._price_sends(model)
+        self.tp_buffer = tp_buffer_bytes(key.tp, tp_bytes)
+        if self.engine == Engine.megatron:
+            self._megatron_activations(model, seq_len, micro_batch_size)
+            return
         self.act = ActivationBytes.from_block(self._block, seq_len, key.tp,
                                               key.sequence_parallel, model.hidden,
                                               model.dtype_bytes)
@@ -284,7 +330,6 @@ class StageCosts:
         self.other_act = on_end_stages(
             0.0, self.tokens * self._other.act_bytes_per_token_at(Recompute.none, seq_len),
             key.pp)
-        self.tp_buffer = tp_buffer_bytes(key.tp, tp_bytes)
 
     def at(self, micro_batch_size, seq_len) -> "StageCosts":
         """This config's costs for K micro-batches of their own shapes: micro_batch_size[k]
@@ -504,7 +549,7 @@ class StageCosts:
         if self.engine_memory is not None:
             return self.engine_memory.peak_above_states(j, n, mode_code, k)
         return (stage_activation_bytes(self.act, self.tokens, self.in_flight[j], n, mode_code, k)
-                + self.other_act[j])
+                + self.in_flight[j] * self.first_stage_act[j] + self.other_act[j])
 
     def micro_batch_bytes(self, n, mode_code):
         """Per micro-batch of at()'s, on every stage (n: each stage's layers as a column
@@ -520,7 +565,7 @@ class StageCosts:
                 n[:, 0], self.block_activations, self.tokens, self.micro_batch_size, mode_code)
             return stored, extra + fixed[:, None]
         stored, working = micro_batch_activation_bytes(self.act, self.tokens, n, mode_code, n)
-        return stored, working + self.other_act + self.tp_buffer
+        return stored + self.first_stage_act, working + self.other_act + self.tp_buffer
 
     def fixed_bytes(self, j, n):
         """What stage j of n layers holds whatever its micro-batches (bytes): params, grads,
