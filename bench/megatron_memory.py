@@ -30,11 +30,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 
 from orchestrator.choices import Recompute  # noqa: E402
 from orchestrator.planner.schedule import in_flight_micro_batches  # noqa: E402
 from orchestrator.planner.terms.megatron_memory import (  # noqa: E402
-    LSE_BYTES, LayerShape, StateBytes, embedding_activation_bytes_per_token,
+    LSE_BYTES, LayerShape, embedding_activation_bytes_per_token,
     layer_activation_bytes_per_token)
 
 GiB = float(1 << 30)
@@ -112,25 +113,32 @@ def ours_per_layer(shape: str, tp: int, assumptions: bool) -> float:
                                             2, gated_ffn=swiglu)
 
 
-def ours_states_first_stage(shape: str, tp: int, pp: int, dp: int, cp: int) -> float:
-    """Our params + grads + optim bytes of the first stage holding layers / pp layers and the
-    embedding (Megatron's most loaded shard), ZeRO 1 over dp x cp."""
-    from orchestrator.models.config import ModelConfig
-    from orchestrator.planner.options import ConfigKey
+def planner_first_stage(shape: str, tp: int, pp: int, dp: int, cp: int, v: int, m: int,
+                        seq: int, cache: dict) -> tuple:
+    """(states, activations) bytes the planner prices (search.engine=megatron, no recompute)
+    for the first stage holding layers / pp layers, on the analytic dgx_h100 profiles
+    bench/search_speed.py builds."""
+    from search_speed import analytic_model_profile
+
     from orchestrator.choices import Schedule
-    from orchestrator.workload.stage_memory import StageNumels
+    from orchestrator.planner import CostOptions, HardwareModel, ModelCost
+    from orchestrator.planner.cost_model import ConfigKey, StageCosts
+    from orchestrator.profiling.hardware.analytic import LinkSheet, analytic_hardware
 
-    h, a, g, f, layers, vocab, _ = SHAPES[shape]
-    model = ModelConfig(name=shape, hidden=h, ffn=f, layers=layers, heads=a, kv_heads=g,
-                        vocab=vocab, seq_len=2048, dtype="bf16")
-    key = ConfigKey(tp * pp * dp * cp, tp, pp, dp, 1, True, 1, 1, Schedule["1f1b"], 1, cp)
-    numels = StageNumels.of(model, key)
-    per = StateBytes.of("bf16")
-    per_param = per.params + per.grads + per.optim / (dp * cp)
-    return (numels.layer * layers / pp + numels.first[0]) * per_param
+    if shape not in cache:
+        cache[shape] = ModelCost.from_dict(analytic_model_profile(shape, cache["folder"]))
+    world = tp * pp * dp * cp
+    hardware = HardwareModel.from_dict(
+        analytic_hardware("dgx_h100", world, LinkSheet(gpus_per_node=8)).to_dict())
+    schedule = Schedule.interleaved if v > 1 else Schedule["1f1b"]
+    key = ConfigKey(world, tp, pp, dp, 1, True, 1, m, schedule, v, cp)
+    costs = StageCosts(key, cache[shape], hardware, seq, CostOptions(engine="megatron"))
+    layers = SHAPES[shape][4] / pp
+    states = sum(float(x) for x in costs.static_bytes(0, layers))
+    return states, float(costs.activation_bytes(0, layers, 0, 0))
 
 
-def theory_report(path: Path) -> None:
+def theory_report(path: Path, cache: dict) -> None:
     theory = load_theory(path)
     print("Per layer, selective recompute + SP, bytes per token of a rank (Megatron-LM: "
           "s b h (18 + 4 f / h) / t)")
@@ -159,17 +167,18 @@ def theory_report(path: Path) -> None:
         at_cp = theory.compute_activation_memory(megatron_args(shape, tp, pp, dp, cp, v,
                                                                seq // cp), m)
         tokens = seq // cp
-        schedule = "interleaved" if v > 1 else "1f1b"
-        in_flight = float(in_flight_micro_batches(schedule, pp, m, v)[0])
+        in_flight = float(in_flight_micro_batches(
+            "interleaved" if v > 1 else "1f1b", pp, m, v)[0])
         layers = SHAPES[shape][4] / pp
-        ids = embedding_activation_bytes_per_token()
-        ours = {assumed: tokens * in_flight * (layers * ours_per_layer(shape, tp, assumed)
-                                               + ids) for assumed in (True, False)}
-        # our models are SwiGLU: a GELU model's parameters are not ours to count
-        states = (f"{ours_states_first_stage(shape, tp, pp, dp, cp) / GiB:7.2f}"
-                  if SHAPES[shape][-1] else f"{'-':>7}")
+        assumed = tokens * in_flight * (layers * ours_per_layer(shape, tp, True)
+                                        + embedding_activation_bytes_per_token())
+        if SHAPES[shape][-1]:  # our models are SwiGLU: a GELU model is not ours to price
+            states, acts_ours = planner_first_stage(shape, tp, pp, dp, cp, v, m, seq, cache)
+            states, run = f"{states / GiB:7.2f}", f"{acts_ours / GiB:12.2f}"
+        else:
+            states, run = f"{'-':>7}", f"{'-':>12}"
         print(f"{label:32} {weights / GiB:24.2f} {states} {acts / GiB:22.2f} "
-              f"{at_cp / GiB:8.2f} {ours[True] / GiB:22.2f} {ours[False] / GiB:12.2f}")
+              f"{at_cp / GiB:8.2f} {assumed / GiB:22.2f} {run}")
 
 
 # ------------------------------------------------------------------ a Megatron-Core layer on CPU
@@ -284,7 +293,8 @@ def main() -> None:
     if not args.megatron_lm and not args.count:
         parser.error("give --megatron-lm PATH and/or --count")
     if args.megatron_lm:
-        theory_report(args.megatron_lm)
+        with tempfile.TemporaryDirectory() as folder:
+            theory_report(args.megatron_lm, {"folder": folder})
     if args.count:
         result = count_layer()
         if args.json:

@@ -66,7 +66,7 @@ from orchestrator.planner.terms.compute import (layer_compute, optimizer_step_us
                                                 other_on_stages, recompute_rerun_us)
 from orchestrator.planner.terms.cp_comm import CpComm
 from orchestrator.planner.terms.megatron_memory import (
-    LayerShape, StateBytes, embedding_activation_bytes_per_token,
+    LayerShape, embedding_activation_bytes_per_token,
     layer_activation_bytes_per_token, loss_activation_bytes_per_token)
 from orchestrator.planner.terms.memory import (ActivationBytes, micro_batch_activation_bytes,
                                                stage_activation_bytes, tp_buffer_bytes,
@@ -256,8 +256,6 @@ class StageCosts:
             self.layer_static = tuple(d + e for d, e in zip(dense, experts))
         self.other_static = sharding.shard(self.other_param_bytes, self.other_grad_bytes,
                                            other_optim_bytes)
-        if self.engine == Engine.megatron:
-            self._megatron_states(model, seq_len, options, sharding)
         self._zero_buffers = zero_buffer_bytes(key.zero, key.replicas, block.param_bytes)
         self._comm_buffers = np.full(key.pp, self._zero_buffers + self.tp_buffer)
         self.reserve = float(options.reserve_bytes)
@@ -265,28 +263,13 @@ class StageCosts:
         self.alpha, self.beta = schedule_coefficients(key.schedule, key.num_micro_batches,
                                                       key.virtual_stages)
 
-    def _megatron_states(self, model: ModelCost, seq_len: int, options: CostOptions,
-                         sharding: ZeroSharding) -> None:
-        """Megatron's parameter, gradient and optimizer bytes per rank (terms/megatron_memory.py:
-        the compute dtype's parameters, fp32 main gradients, 12 B of Adam) of the exact
-        parameter counts, the dense part sharded over dp x cp by ZeRO stage, routed experts over
-        edp; the embedding on the first stage, the final norm and output layer on the last."""
-        key = self.key
-        numels = StageNumels.of(_engine_config(model, seq_len), key)
-        per_param = StateBytes.of(options.dtype or model.dtype)
-        kinds = (per_param.params, per_param.grads, per_param.optim)
-        dense = sharding.shard(*(numels.layer * b for b in kinds))
-        experts = ZeroSharding.of(key.zero, key.edp).shard(*(numels.expert * b for b in kinds))
-        self.layer_static = tuple(d + e for d, e in zip(dense, experts))
-        self.other_static = sharding.shard(*(numels.other * b for b in kinds))
-
     def _megatron_activations(self, model: ModelCost, seq_len, micro_batch_size) -> None:
         """Megatron-Core's activations (terms/megatron_memory.py): a layer's bytes per token by
         recompute mode (a MoE block's FFN in the dense FFN's place), the token ids each
         in-flight micro-batch keeps on the first stage, the loss's logits on the last."""
         key = self.key
         shape = LayerShape(model.hidden, model.heads, model.kv_heads, model.ffn)
-        elem = Dtype.parse(self.options.dtype or model.dtype).bytes
+        elem = self.compute_dtype.bytes
         self.act = ActivationBytes(*(layer_activation_bytes_per_token(
             shape, key.tp, key.sequence_parallel, mode, elem) for mode in Recompute))
         if self.moe is not None:

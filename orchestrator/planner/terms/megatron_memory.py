@@ -28,18 +28,20 @@ al.'s 34 s b h / t (Megatron-LM's theoretical_memory_usage.py: s b h (18 + 4 f /
 none at f = 4h, g = a, no gate, with dropout, less the log-sum-exp (their attention is unfused:
 its 5 a s^2 b / t, which flash attention removes, is all selective recompute drops there).
 
-States (Megatron's DistributedOptimizer, bf16): parameters in the compute dtype, fp32 main
-gradients (bf16 forces fp32 accumulation and reduction: megatron/training/arguments.py), fp32
-master weights and two Adam moments (12 B; 8 B for an fp32 model, which has no master copy):
-18 B per parameter with ZeRO 0, 6 + 12 / dp with the distributed optimizer (ZeRO 1: sharded
-over dp x cp); ZeRO 2/3 as Megatron-FSDP's optim_grads / optim_grads_params (gradients, then
-parameters too, sharded the same way; terms/zero.ZeroSharding).
+States (Megatron's DistributedOptimizer, bf16) are the model profile's bytes per rank, which
+profile_model counts as Megatron holds them (profiling/model/memory.state_bytes: parameters in
+the model's dtype, fp32 main gradients, since bf16 forces fp32 accumulation and reduction in
+megatron/training/arguments.py, and an fp32 master and two Adam moments, 12 B): 18 B per
+parameter with ZeRO 0, 6 + 12 / dp with the distributed optimizer (ZeRO 1, sharded over dp x
+cp, Megatron-Core's intra_dp_cp_group), ZeRO 2/3 as Megatron-FSDP's optim_grads /
+optim_grads_params (gradients, then parameters too, sharded the same way): terms/zero.py's
+ZeroSharding.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.choices import Dtype, Recompute
+from orchestrator.choices import Recompute
 
 LSE_BYTES = 4  # flash attention's softmax statistics: fp32, one per head and token
 MASK_BYTES = 1  # a dropout mask element (Korthikanti's count)
@@ -96,20 +98,3 @@ def loss_activation_bytes_per_token(hidden: int, vocab: int, tp: int, sequence_p
     it is cast from."""
     rows = 2 * hidden * elem_bytes / (tp if sequence_parallel or tp == 1 else 1)
     return rows + (LOSS_BYTES + elem_bytes) * vocab / tp
-
-
-@dataclass(frozen=True)
-class StateBytes:
-    """Bytes per parameter Megatron keeps before any sharding: parameters, main gradients,
-    optimizer (master copy and two moments)."""
-
-    params: float
-    grads: float
-    optim: float
-
-    @classmethod
-    def of(cls, dtype: Dtype | str) -> "StateBytes":
-        """The compute dtype's parameters, fp32 gradients, and 12 B of Adam (an fp32 master
-        and two moments) for 16-bit parameters, 8 B (the moments) for fp32 ones."""
-        dtype = Dtype.parse(dtype)
-        return cls(float(dtype.bytes), 4.0, 8.0 if dtype.bytes == 4 else 12.0)
