@@ -1,8 +1,8 @@
 """Megatron's memory as the planner prices it (search.engine=megatron,
 planner/terms/megatron_memory.py), beside Megatron-LM's own accounting and a Megatron-Core layer.
 
-    python bench/megatron_memory.py --megatron-lm PATH    # PATH: a Megatron-LM checkout or bare git dir
-    python bench/megatron_memory.py --count               # needs megatron-core (pip), CPU is enough
+    python bench/megatron_memory.py --megatron-lm PATH    # a Megatron-LM checkout or bare git dir
+    python bench/megatron_memory.py --smoke               # our closed form alone
 
 --megatron-lm loads megatron/training/theoretical_memory_usage.py from PATH (nothing of it is
 copied here) and prints, per layer and per first pipeline stage, its figures beside ours:
@@ -11,10 +11,11 @@ copied here) and prints, per layer and per first pipeline stage, its figures bes
   Megatron's 18 + 4 f / h exactly;
 - "as run": our closed form for the model as Megatron-Core runs it (SwiGLU, GQA, flash
   attention, no dropout), the planner's figure.
---count builds one megatron-core TransformerLayer (local spec: no Transformer Engine, so it runs
-on CPU) at TP 1 on a one-rank gloo group and counts the storages autograd saves for each
-recompute mode, beside our closed form plus what the local spec keeps that Transformer
-Engine's layer does not (docs/workload.md, "Megatron's memory, checked").
+Where megatron-core is importable (pip; a CPU is enough), it builds one TransformerLayer
+(local spec: no Transformer Engine, so it runs on CPU) at TP 1 on a one-rank gloo group and
+counts the storages autograd saves for each recompute mode, beside our closed form plus what
+the local spec keeps that Transformer Engine's layer does not (docs/workload.md, "Megatron's
+memory", Checked).
 """
 from __future__ import annotations
 
@@ -89,7 +90,8 @@ def megatron_args(shape: str, tp: int, pp: int, dp: int, cp: int, v: int, seq: i
         num_query_groups=g, num_experts=None, swiglu=swiglu,
         moe_shared_expert_intermediate_size=None, moe_layer_freq=1, num_layers=layers,
         mtp_num_layers=None, normalization="RMSNorm", multi_latent_attention=False,
-        padded_vocab_size=int(math.ceil(vocab / pad) * pad), untie_embeddings_and_output_weights=True,
+        padded_vocab_size=int(math.ceil(vocab / pad) * pad),
+        untie_embeddings_and_output_weights=True,
         ffn_hidden_size=ffn or f, moe_latent_size=None, moe_router_topk=1, add_bias_linear=False,
         expert_tensor_parallel_size=1, expert_model_parallel_size=1,
         pipeline_model_parallel_size=pp, world_size=tp * pp * dp * cp,
@@ -179,6 +181,16 @@ def theory_report(path: Path, cache: dict) -> None:
             states, run = f"{'-':>7}", f"{'-':>12}"
         print(f"{label:32} {weights / GiB:24.2f} {states} {acts / GiB:22.2f} "
               f"{at_cp / GiB:8.2f} {assumed / GiB:22.2f} {run}")
+
+
+def smoke_report(smoke: bool) -> None:
+    """Our per-layer figures alone (no Megatron-LM checkout given, or the smoke case)."""
+    print("Per layer, bytes per token of a rank (ours: with Megatron-LM's assumptions / as run)")
+    for shape in SHAPES:
+        row = "  ".join(f"tp{tp} {ours_per_layer(shape, tp, True):.1f} / "
+                        f"{ours_per_layer(shape, tp, False):.1f}" for tp in (1, 2, 4, 8))
+        print(f"{shape:12} {row}")
+    print(f"Megatron-LM: not run ({'--smoke' if smoke else 'no --megatron-lm PATH'})")
 
 
 # ------------------------------------------------------------------ a Megatron-Core layer on CPU
@@ -286,25 +298,31 @@ def count_layer(seq: int = 256, batch: int = 2, hidden: int = 512, heads: int = 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--megatron-lm", type=Path, help="a Megatron-LM checkout or bare git dir")
-    parser.add_argument("--count", action="store_true",
-                        help="count a megatron-core layer's saved tensors on CPU")
-    parser.add_argument("--json", action="store_true", help="--count's figures as JSON")
+    parser.add_argument("--json", action="store_true", help="the layer count's figures as JSON")
+    parser.add_argument("--smoke", action="store_true",
+                        help="our closed form alone (no Megatron-LM, no megatron-core)")
     args = parser.parse_args()
-    if not args.megatron_lm and not args.count:
-        parser.error("give --megatron-lm PATH and/or --count")
-    if args.megatron_lm:
+    if args.smoke or not args.megatron_lm:
+        smoke_report(args.smoke)
+    else:
         with tempfile.TemporaryDirectory() as folder:
             theory_report(args.megatron_lm, {"folder": folder})
-    if args.count:
-        result = count_layer()
-        if args.json:
-            print(json.dumps(result, indent=1, default=str))
-        print("megatron-core TransformerLayer (local spec, bf16, TP 1, s 256, b 2, h 512, 8 heads,"
-              " 2 KV heads, SwiGLU 1408): saved bytes per token")
-        for mode, row in result.items():
-            print(f"  {mode:9} counted {row['bytes_per_token']:9.1f}  ours (TE layer) "
-                  f"{row['ours']:9.1f}  ours + local-spec extras {row['ours_local_spec']:9.1f}"
-                  f"  ({row['bytes_per_token'] / row['ours_local_spec']:.3f})")
+    if args.smoke:
+        print("megatron-core layer: not run (--smoke)")
+        return
+    if importlib.util.find_spec("megatron") is None:
+        print("megatron-core layer: not run (megatron-core is not importable: pip install "
+              "megatron-core in a venv, docs/workload.md)")
+        return
+    result = count_layer()
+    if args.json:
+        print(json.dumps(result, indent=1, default=str))
+    print("megatron-core TransformerLayer (local spec, bf16, TP 1, s 256, b 2, h 512, 8 heads,"
+          " 2 KV heads, SwiGLU 1408): saved bytes per token")
+    for mode, row in result.items():
+        print(f"  {mode:9} counted {row['bytes_per_token']:9.1f}  ours (TE layer) "
+              f"{row['ours']:9.1f}  ours + local-spec extras {row['ours_local_spec']:9.1f}"
+              f"  ({row['bytes_per_token'] / row['ours_local_spec']:.3f})")
 
 
 if __name__ == "__main__":

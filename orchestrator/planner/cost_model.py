@@ -36,11 +36,12 @@ fits; across nodes the fit measured for the same nodes x members per node, else 
 plus an inter-node ring on 1/m of the buffer (HardwareModel's docstring states the rules).
 Pipeline sends use the intra- or inter-node p2p fit by whether the neighbours share a node.
 
-Memory per device of stage j (bytes), by kind: params / grads / optim from the profile's per-TP-
-rank bytes sharded over dp by ZeRO stage; activations = in-flight micro-batches times the stage's
-per-micro-batch activations for its recompute, plus one layer's worth while it is recomputed,
-plus the LM head's activations on the last stage; comm_buffers; reserve
-(CostOptions.reserve_bytes).
+Memory per device of stage j (bytes), by kind, for engine=megatron: params / grads / optim from
+the profile's per-TP-rank bytes sharded over dp by ZeRO stage; activations = in-flight
+micro-batches times the stage's per-micro-batch activations for its recompute (Megatron-Core's
+layer, terms/megatron_memory.py, in the compute dtype), plus one layer's worth while it is
+recomputed, the token ids on the first stage and the loss's logits on the last; comm_buffers;
+reserve (CostOptions.reserve_bytes). The orchestrator engine's is workload/memory.py's.
 """
 from __future__ import annotations
 
@@ -222,7 +223,8 @@ class StageCosts:
         self.other_grad_bytes = other.grad_bytes * share
         other_optim_bytes = other.optim_bytes * share
         # The orchestrator engine's memory is workload/memory.py's closed form (every byte it
-        # holds, checked against real steps); Megatron's stays the Korthikanti-style sum below.
+        # holds, checked against real steps); Megatron's is what Megatron-Core's layer keeps
+        # (terms/megatron_memory.py) with the profile's states.
         # Its data-parallel traffic moves fp32 parameters and gradients of the exact shapes.
         # Built on the first memory question (engine_memory): a config its time bound prunes
         # never asks one; its parameter counts are all the traffic needs.
@@ -527,8 +529,8 @@ class StageCosts:
         """Peak activation bytes of stage j. Orchestrator engine: everything its ranks hold at
         their peak beyond the states (activations in flight, gradients being accumulated, the
         loss's logits, recompute, the optimizer's temporaries: workload/memory.py). Megatron:
-        in-flight micro-batches x stored activations, one layer's worth while it is recomputed,
-        and the LM head's on the last stage."""
+        in-flight micro-batches x stored activations (and token ids on the first stage), one
+        layer's worth while it is recomputed, and the loss's on the last stage."""
         if self.engine_memory is not None:
             return self.engine_memory.peak_above_states(j, n, mode_code, k)
         return (stage_activation_bytes(self.act, self.tokens, self.in_flight[j], n, mode_code, k)
