@@ -3,7 +3,8 @@ for its backward, the loss's logits, and the parameter, gradient and optimizer b
 
 Activations: what Megatron-Core's layer saves as it runs in training recipes (Transformer Engine
 spec: LayerNorm fused into the QKV and fc1 linears, flash/fused attention, fused SwiGLU, no
-dropout), per token of a rank's micro-batch (its s / cp tokens), with t = tp, e = 2 bytes (bf16),
+dropout), per token of a rank's micro-batch (its s / cp tokens), with t = tp, e the compute
+dtype's bytes (2: bf16),
 h hidden, a heads, g KV heads, d head width, f the SwiGLU width:
 
     rows  = 4 h e             layer input (norm 1's), norm 1's output (QKV input), norm 2's input
@@ -18,7 +19,8 @@ none = rows + attn + mlp. Selective (`--recompute-granularity selective`, defaul
 `--recompute-modules core_attn`) reruns the attention core: its output is linear_proj's input
 all the same, and the log-sum-exp goes, but the checkpoint saves its inputs as given, and V is
 a view into the fused QKV projection's output (attention.py, get_query_key_value_tensors;
-the attention backend copies it, the checkpoint does not), so that whole output stays, (a + 2g)
+Transformer Engine's attention makes its inputs contiguous, a reading of its layout checks not
+yet seen on a GPU; the checkpoint does not), so that whole output stays, (a + 2g)
 d e / t, where none keeps a contiguous copy of V: selective = none - 4 a / t + (a + g) d e / t,
 more than none (Megatron warns that fused attention needs no core_attn recompute). Full
 (`--recompute-granularity full --recompute-method uniform|block --recompute-num-layers 1|k`)
