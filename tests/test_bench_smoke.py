@@ -60,6 +60,8 @@ SMOKES = {
         r"llama2_7b, 128K, 128 H100s, global batch 32",
         rf"NeMo TP4 CP4 DP8\s+tp4 cp4 pp1 dp8 .*\n\s+{N} s/iter\s+{N} tok/s",
         rf"CP / no CP: {N}x", r"pick, max_cp 16\s+tp\d"]),
+    "megatron_memory": (["--smoke"], [
+        rf"llama3_405b\s+tp1 {N} / {N}", r"Megatron-LM: not run \(--smoke"]),
     "moe": (["--smoke"], [
         r"256 H100s, global batch 1024 x 4096 tokens",
         rf"mixtral_8x7b Megatron-LM example\s+{B} tp2 pp4 dp32 ep8 .*{B}\s+{N} {B}\s+{N} {B}"]),

@@ -32,8 +32,9 @@ def _cfg(*overrides):
 # 4 layers of 0.5 GiB of Adam states (bf16 params, fp32 grads, optimizer), tp 1 only: the one
 # layout searched below (pp1 tp1 dp4, ZeRO 0, no recompute) holds 4 x 0.5 = 2 GiB of it, plus
 # ZeRO 0's gradient buckets, "other" and activations (~0.17 GiB), priced as Megatron's (the
-# profile's bytes per part; the reserve rule is the same for both engines).
-MEGATRON = CostOptions(reserve_bytes=0.0, engine="megatron")
+# profile's states, Megatron-Core's activations in the compute dtype: fp32, as the search runs on
+# the default CPU cluster; the reserve rule is the same for both engines).
+MEGATRON = CostOptions(reserve_bytes=0.0, engine="megatron", dtype="fp32", device="cpu")
 BLOCK_GiB = 0.5
 SEARCHED = ("search.tp=1", "search.pp=1", "search.zero_stages=[0]", "search.recompute=[none]",
             "search.micro_batch_sizes=[1]", "search.schedules=[1f1b]", "search.global_batch_size=4",
@@ -88,7 +89,7 @@ def test_a_pick_that_fitted_the_old_reserve_is_rejected_naming_the_reserve():
     cfg = _cfg(f"search.memory_GiB={budget}", *SEARCHED)  # defaults: 0.10 x budget + 1 GiB
     space = validate(cfg)
     reserve = 0.10 * budget + 1
-    assert own + reserve > budget  # ~2.17 + 0.10 x 3.37 + 1 = 3.51 > 3.37
+    assert own + reserve > budget  # ~2.23 + 0.10 x 3.43 + 1 = 3.57 > 3.43
     layout = ParallelLayout.uniform(4, 1, 1, 4, micro_batch_size=1, num_micro_batches=1)
     pred = evaluate(layout, model, hw, 512, memory_budget_bytes=space.memory_budget_bytes,
                     options=space.options)
@@ -118,14 +119,14 @@ def test_reserve_config_errors(overrides, named):
 
 
 def test_train_checks_memory_with_the_same_rule():
-    """train.memory_GiB=3: reserve 0.10 x 3 + 1 = 1.30 GiB; a ~2.17 GiB prediction needs 3.47;
-    with 0.5 GiB instead of 1 (0.8 GiB) it fits."""
+    """train.memory_GiB=3: reserve 0.10 x 3 + 1 = 1.30 GiB; a ~2.23 GiB prediction needs 3.53;
+    with 0.4 GiB instead of 1 (0.7 GiB) it fits."""
     layout = ParallelLayout.uniform(4, 1, 1, 4, micro_batch_size=1, num_micro_batches=1)
     pred = evaluate(layout, _model(), HardwareModel.from_dict(synthetic_hardware(1, 4)), 512,
                     options=MEGATRON)
     with pytest.raises(InfeasibleError, match="a reserve of 1.30 GiB"):
         check_memory(_cfg("stage=train", "train.memory_GiB=3"), pred)
-    check_memory(_cfg("stage=train", "train.memory_GiB=3", "search.reserve_GiB=0.5"), pred)
+    check_memory(_cfg("stage=train", "train.memory_GiB=3", "search.reserve_GiB=0.4"), pred)
 
 
 def test_strategy_records_the_reserve_and_the_headroom(capsys):

@@ -39,11 +39,12 @@ fits; across nodes the fit measured for the same nodes x members per node, else 
 plus an inter-node ring on 1/m of the buffer (HardwareModel's docstring states the rules).
 Pipeline sends use the intra- or inter-node p2p fit by whether the neighbours share a node.
 
-Memory per device of stage j (bytes), by kind: params / grads / optim from the profile's per-TP-
-rank bytes sharded over dp by ZeRO stage; activations = in-flight micro-batches times the stage's
-per-micro-batch activations for its recompute, plus one layer's worth while it is recomputed,
-plus the LM head's activations on the last stage; comm_buffers; reserve
-(CostOptions.reserve_bytes).
+Memory per device of stage j (bytes), by kind, for engine=megatron: params / grads / optim from
+the profile's per-TP-rank bytes sharded over dp by ZeRO stage; activations = in-flight
+micro-batches times the stage's per-micro-batch activations for its recompute (Megatron-Core's
+layer, terms/megatron_memory.py, in the compute dtype), plus one layer's worth while it is
+recomputed, the token ids on the first stage and the loss's logits on the last; comm_buffers;
+reserve (CostOptions.reserve_bytes). The orchestrator engine's is workload/memory.py's.
 """
 from __future__ import annotations
 
@@ -68,6 +69,9 @@ from orchestrator.planner.terms import FwdBwd, as_value, overlap_extra_us
 from orchestrator.planner.terms.compute import (layer_compute, optimizer_step_us,
                                                 other_on_stages, recompute_rerun_us)
 from orchestrator.planner.terms.cp_comm import CpComm
+from orchestrator.planner.terms.megatron_memory import (
+    LayerShape, embedding_activation_bytes_per_token,
+    layer_activation_bytes_per_token, loss_activation_bytes_per_token)
 from orchestrator.planner.terms.memory import (ActivationBytes, micro_batch_activation_bytes,
                                                stage_activation_bytes, tp_buffer_bytes,
                                                zero_buffer_bytes)
@@ -230,7 +234,8 @@ class StageCosts:
         self.other_grad_bytes = other.grad_bytes * share
         other_optim_bytes = other.optim_bytes * share
         # The orchestrator engine's memory is workload/memory.py's closed form (every byte it
-        # holds, checked against real steps); Megatron's stays the Korthikanti-style sum below.
+        # holds, checked against real steps); Megatron's is what Megatron-Core's layer keeps
+        # (terms/megatron_memory.py) with the profile's states.
         # Its data-parallel traffic moves fp32 parameters and gradients of the exact shapes.
         # Built on the first memory question (engine_memory): a config its time bound prunes
         # never asks one; its parameter counts are all the traffic needs.
@@ -251,6 +256,8 @@ class StageCosts:
         self.contention = contention_factor(model.concurrency, key.pp, key.num_micro_batches,
                                             key.virtual_stages)
 
+        self.in_flight = in_flight_micro_batches(key.schedule, key.pp, key.num_micro_batches,
+                                                 key.virtual_stages)
         self._price_micro_batch(seq_len, key.micro_batch_size)
         sharding = ZeroSharding.of(key.zero, key.replicas)
         self.layer_static = sharding.shard(block.param_bytes, block.grad_bytes, block.optim_bytes)
@@ -262,14 +269,34 @@ class StageCosts:
             self.layer_static = tuple(d + e for d, e in zip(dense, experts))
         self.other_static = sharding.shard(self.other_param_bytes, self.other_grad_bytes,
                                            other_optim_bytes)
-        self.in_flight = in_flight_micro_batches(key.schedule, key.pp, key.num_micro_batches,
-                                                 key.virtual_stages)
         self._zero_buffers = zero_buffer_bytes(key.zero, key.replicas, block.param_bytes)
         self._comm_buffers = np.full(key.pp, self._zero_buffers + self.tp_buffer)
         self.reserve = float(options.reserve_bytes)
         # T = alpha * sum_j t_j + beta * max_j t_j + e_0
         self.alpha, self.beta = schedule_coefficients(key.schedule, key.num_micro_batches,
                                                       key.virtual_stages)
+
+    def _megatron_activations(self, model: ModelCost, seq_len, micro_batch_size) -> None:
+        """Megatron-Core's activations (terms/megatron_memory.py): a layer's bytes per token by
+        recompute mode (a MoE block's FFN in the dense FFN's place), the token ids each
+        in-flight micro-batch keeps on the first stage, the loss's logits on the last."""
+        key = self.key
+        shape = LayerShape(model.hidden, model.heads, model.kv_heads, model.ffn)
+        elem = self.compute_dtype.bytes
+        self.act = ActivationBytes(*(layer_activation_bytes_per_token(
+            shape, key.tp, key.sequence_parallel, mode, elem) for mode in Recompute))
+        if self.moe is not None:
+            delta = activation_delta_bytes(model, self.moe, seq_len, micro_batch_size, key.tp,
+                                           key.cp, key.etp, self.imbalance) / self.tokens
+            self.act = ActivationBytes(self.act.none + delta, self.act.selective + delta,
+                                       self.act.full)
+        self.first_stage_act = on_end_stages(
+            self.tokens * embedding_activation_bytes_per_token(), 0.0 * self.tokens, key.pp)
+        self.other_act = on_end_stages(
+            0.0 * self.tokens,
+            self.tokens * loss_activation_bytes_per_token(model.hidden, model.vocab, key.tp,
+                                                          key.sequence_parallel, elem),
+            key.pp)
 
     def _price_micro_batch(self, seq_len, micro_batch_size) -> None:
         """Every term of the micro-batch's shape (b = micro_batch_size sequences of seq_len
@@ -284,6 +311,10 @@ class StageCosts:
         self._price_layer(model, seq_len, micro_batch_size)
         self._price_other(self.options.other_time_first_share)
         self._price_sends(model)
+        self.tp_buffer = tp_buffer_bytes(key.tp, tp_bytes)
+        if self.engine == Engine.megatron:
+            self._megatron_activations(model, seq_len, micro_batch_size)
+            return
         self.act = ActivationBytes.from_block(self._block, seq_len, key.tp,
                                               key.sequence_parallel, model.hidden,
                                               model.dtype_bytes)
@@ -295,7 +326,6 @@ class StageCosts:
         self.other_act = on_end_stages(
             0.0, self.tokens * self._other.act_bytes_per_token_at(Recompute.none, seq_len),
             key.pp)
-        self.tp_buffer = tp_buffer_bytes(key.tp, tp_bytes)
 
     def at(self, micro_batch_size, seq_len) -> "StageCosts":
         """This config's costs for K micro-batches of their own shapes: micro_batch_size[k]
@@ -519,8 +549,8 @@ class StageCosts:
         """Peak activation bytes of stage j. Orchestrator engine: everything its ranks hold at
         their peak beyond the states (activations in flight, gradients being accumulated, the
         loss's logits, recompute, the optimizer's temporaries: workload/memory.py). Megatron:
-        in-flight micro-batches x stored activations, one layer's worth while it is recomputed,
-        and the LM head's on the last stage."""
+        in-flight micro-batches x stored activations (and token ids on the first stage), one
+        layer's worth while it is recomputed, and the loss's on the last stage."""
         if self.engine_memory is not None:
             return self.engine_memory.peak_above_states(j, n, mode_code, k)
         # A stage with a short end chunk (layout.stage_chunks) is charged as if that chunk
@@ -529,7 +559,8 @@ class StageCosts:
         v = self.key.virtual_stages
         n_act = np.ceil(np.asarray(n, dtype=float) / v) * v if self.short_ends else n
         return (stage_activation_bytes(self.act, self.tokens, self.in_flight[j], n_act,
-                                       mode_code, k) + self.other_act[j])
+                                       mode_code, k)
+                + self.in_flight[j] * self.first_stage_act[j] + self.other_act[j])
 
     def micro_batch_bytes(self, n, mode_code):
         """Per micro-batch of at()'s, on every stage (n: each stage's layers as a column
@@ -545,7 +576,7 @@ class StageCosts:
                 n[:, 0], self.block_activations, self.tokens, self.micro_batch_size, mode_code)
             return stored, extra + fixed[:, None]
         stored, working = micro_batch_activation_bytes(self.act, self.tokens, n, mode_code, n)
-        return stored, working + self.other_act + self.tp_buffer
+        return stored + self.first_stage_act, working + self.other_act + self.tp_buffer
 
     def fixed_bytes(self, j, n):
         """What stage j of n layers holds whatever its micro-batches (bytes): params, grads,

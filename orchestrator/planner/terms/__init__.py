@@ -6,6 +6,7 @@ dataclass with a `from_...` builder that a test can check against Megatron's for
     cp_comm.py      context parallelism's messages per layer, by flavour, exposed
     moe.py          mixture-of-experts blocks: compute, the token dispatcher, memory
     memory.py       activations per token and per stage, communication buffers
+    megatron_memory.py  what a Megatron-Core layer, its loss and embedding keep (engine=megatron)
     zero.py         data parallelism: ZeRO sharding, per-layer ZeRO 2/3 traffic, gradient sync
     pipeline.py     pipeline send/recv per boundary and stage, "other" on the end stages
     ../schedule.py  schedule coefficients (alpha, beta) and in-flight micro-batches

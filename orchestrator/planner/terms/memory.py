@@ -1,11 +1,10 @@
 """Activation memory and communication buffers (bytes per device).
 
-Megatron's activations per layer (Korthikanti et al. 2022, 2-byte activations, a heads, t = tp):
-sbh(10 + 24/t + 5as/(ht)) with tensor parallelism alone, sbh(34/t + 5as/(ht)) with sequence
-parallelism too, 34sbh/t with selective recompute as well; full recompute keeps only the layer
-input, 2sbh (2sbh/t with SP). The model profile gives the sequence-parallel figures, so a layout
-without sequence parallelism adds the part that SP would shard: 10sbh (1 - 1/t), and 2sbh (1 -
-1/t) with full recompute.
+ActivationBytes holds one layer's bytes per token by recompute mode; the stage sums put
+in-flight micro-batches, recompute and the layer being rerun together. For search.engine=
+megatron the bytes are Megatron-Core's layer (terms/megatron_memory.py); `from_block` reads a
+model profile's sequence-parallel figures and adds, without sequence parallelism, the part SP
+would shard (workload/states.no_sp_extra_bytes_per_token).
 """
 from __future__ import annotations
 
