@@ -58,9 +58,12 @@ class ExpertAdamW:
     def state_tensors(self) -> Dict[nn.Parameter, Dict[str, torch.Tensor]]:
         return {p: t for part in self.parts for p, t in part.state_tensors().items()}
 
-    def load_state_tensors(self, states, step: int) -> None:
+    def master_tensors(self) -> Dict[nn.Parameter, torch.Tensor]:
+        return {p: t for part in self.parts for p, t in part.master_tensors().items()}
+
+    def load_state_tensors(self, states, step: int, masters=None) -> None:
         for part in self.parts:
-            part.load_state_tensors({p: states[p] for p in part.params}, step)
+            part.load_state_tensors({p: states[p] for p in part.params}, step, masters)
 
 
 class FsdpAdamW:
@@ -124,7 +127,11 @@ class FsdpAdamW:
         return {p: {key: self.optim.state.get(p, {}).get(key, torch.zeros_like(p))
                     for key in ("exp_avg", "exp_avg_sq")} for p in self.params}
 
-    def load_state_tensors(self, states, step: int) -> None:
+    def master_tensors(self) -> Dict[nn.Parameter, torch.Tensor]:
+        """{}: FSDP2's fp32 shards are the masters (bf16 only while gathered)."""
+        return {}
+
+    def load_state_tensors(self, states, step: int, masters=None) -> None:
         for p in self.params:
             self.optim.state[p] = {"step": torch.tensor(float(step)),
                                    **{k: v for k, v in states[p].items()}}

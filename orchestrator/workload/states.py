@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields
 from typing import List, Optional
 
 
-from orchestrator.choices import CpComm, Recompute
+from orchestrator.choices import CpComm, Dtype, Recompute
 from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig
 from orchestrator.workload.buckets import plan_buckets
@@ -59,6 +59,26 @@ class StateBytes:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["total"] = self.total
         return out
+
+
+def half_weights(dtype: Dtype | str) -> bool:
+    """Whether the engine trains in `dtype` with weights in it: bf16, as Megatron-LM's bf16
+    (fp32 masters in the optimizer, fp32 gradient buckets); fp32, and fp16 (autocast over fp32
+    weights, a dynamic loss scale), keep fp32 weights."""
+    return Dtype.parse(dtype) == Dtype.bf16
+
+
+def weight_dtype(dtype: Dtype | str) -> Dtype:
+    """The dtype the engine computes its weights, residual stream and pipeline messages in and
+    all-gathers its weights in (ZeRO 1/2 after the step, ZeRO-3's FSDP2): `dtype` for bf16
+    weights (half_weights), else fp32 (autocast casts only the matmul inputs)."""
+    return Dtype.parse(dtype) if half_weights(dtype) else Dtype.fp32
+
+
+def weight_bytes(dtype: Dtype | str, zero: int) -> int:
+    """Bytes per element of the weights a rank holds between steps: 2 for bf16 weights under
+    ZeRO 0/1/2, else 4 (ZeRO-3's FSDP2 shards are the fp32 masters, bf16 only while gathered)."""
+    return weight_dtype(dtype).bytes if zero < 3 else FP32
 
 
 def rank_parameters(model: ModelConfig, layout: ParallelLayout, rank: int) -> List[Param]:
