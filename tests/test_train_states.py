@@ -8,6 +8,8 @@ shard too, 18/d) and the workload model's rank_states; every message of a step, 
 parameter all-gather after the step in bf16 included, is workload/comm.py's list."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -29,33 +31,36 @@ def _layout(zero: int):
                                   num_micro_batches=2, zero=zero)
 
 
-def _held_bytes(optim) -> int:
+def _held_bytes(optim) -> tuple:
     """Bytes of every storage reachable from the optimizer (weights and their gradients,
-    flat buckets, masters, AdamW's moments), each storage once; AdamW's 0-dim step counters
-    left out (4 bytes per master, no term of the per-parameter formula)."""
+    flat buckets, masters, AdamW's moments), each storage once: (all but AdamW's 0-dim step
+    counters, which are no term of the per-parameter formula; the counters')."""
     from orchestrator.train.grads import local_tensor
     from orchestrator.train.live_memory import reachable_tensors
 
-    seen = {}
+    seen, scalars = {}, {}
     for t in reachable_tensors([optim]):
         t = local_tensor(t)
-        if t.dim() == 0 or t.is_meta:
+        if t.is_meta:
             continue
         st = t.untyped_storage()
-        seen[st._cdata] = st.nbytes()
-    return sum(seen.values())
+        (scalars if t.dim() == 0 else seen)[st._cdata] = st.nbytes()
+    return sum(seen.values()), sum(scalars.values())
 
 
-def _worker(rank: int, out: dict) -> None:
+def _worker(rank: int, out: dict, folder: str) -> None:
     for zero in ZERO_STAGES:
-        _run(rank, out, zero)
+        _run(rank, out, zero, f"{folder}/zero{zero}")
 
 
-def _run(rank: int, out: dict, zero: int) -> None:
+def _run(rank: int, out: dict, zero: int, folder: str) -> None:
     """Two bf16 steps of ZeRO-`zero`: the bytes held at the second step's optimizer step and
-    its collectives, under keys "<what> <zero> <rank>"."""
+    its collectives, under keys "<what> <zero> <rank>"; then a checkpoint saved into `folder`,
+    reloaded by an engine of another seed, and one more step on each (its losses)."""
     from orchestrator.models.config import ModelConfig
     from orchestrator.trace.recorder import OpRecorder
+    from orchestrator.train.checkpoint import (latest_checkpoint, load_checkpoint,
+                                               save_checkpoint)
     from orchestrator.train.engine import Engine
 
     model = ModelConfig(**MODEL)
@@ -76,31 +81,50 @@ def _run(rank: int, out: dict, zero: int) -> None:
             recorder = OpRecorder()
             with recorder:
                 stats = engine.train_step(tokens, targets, 1e-3, 1.0)
-            out[f"comms {zero} {rank}"] = [(r["op"], r["bytes"], r["dtype"]) for r in recorder.records
-                                    if r["kind"] == "coll"]
+            out[f"comms {zero} {rank}"] = [(r["op"], r["bytes"], r["dtype"])
+                                           for r in recorder.records if r["kind"] == "coll"]
         else:
             stats = engine.train_step(tokens, targets, 1e-3, 1.0)
         out[f"loss {zero} {rank} {step}"] = stats.loss
-    out[f"weights {zero} {rank}"] = sorted({str(p.dtype) for p in engine.named_parameters().values()})
+    out[f"weights {zero} {rank}"] = sorted({str(p.dtype)
+                                            for p in engine.named_parameters().values()})
+    optim.step = original
+    save_checkpoint(folder, 2, engine.state(), {})
+    resumed = Engine(layout, model, torch.device("cpu"), dtype="bf16", seed=2)
+    state = resumed.state()
+    load_checkpoint(latest_checkpoint(folder), state)
+    resumed.load_state(state, 2)
+    out[f"saved dtypes {zero} {rank}"] = sorted({str(t.dtype) for t in state["model"].values()})
+    tokens = torch.randint(0, model.vocab, (2, model.seq_len), generator=gen)
+    targets = torch.randint(0, model.vocab, (2, model.seq_len), generator=gen)
+    out[f"resumed {zero} {rank}"] = [e.train_step(tokens, targets, 1e-3, 1.0).loss
+                                     for e in (engine, resumed)]
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return spawn_ranks(_worker, WORLD)
+def runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bf16_checkpoints")
+    return spawn_ranks(functools.partial(_worker, folder=str(folder)), WORLD)
 
 
 @pytest.mark.parametrize("zero", ZERO_STAGES)
 def test_bytes_per_parameter_are_megatron_s(runs, zero):
     """Weights, gradients, masters and moments held at the step, counted on the engine's real
-    tensors, are the formula's bytes per parameter times the model's parameters."""
+    tensors, are the formula's bytes per parameter times the model's parameters, and
+    rank_states' (between steps) with the fp32 gradient shards ZeRO 2/3 hold at the step."""
     from orchestrator.models.config import ModelConfig
     from orchestrator.workload.params import rank_chunks
+    from orchestrator.workload.states import rank_states
 
     model = ModelConfig(**MODEL)
     layout = _layout(zero)
     total = sum(p.local_numel for chunk in rank_chunks(model, layout, 0) for p in chunk)
     for rank in range(WORLD):
-        held = runs[f"held {zero} {rank}"]
+        held, counters = runs[f"held {zero} {rank}"]
+        states = rank_states(model, layout, rank, dtype="bf16")
+        shards = 4 * total // WORLD if zero >= 2 else 0
+        assert held + counters == (states.params + states.master + states.grads + states.optim
+                                   + shards)
         assert held == BYTES_PER_PARAM[zero](WORLD) * total, (
             f"ZeRO-{zero} rank {rank}: {held / total:.3f} B per parameter, want "
             f"{BYTES_PER_PARAM[zero](WORLD)}")
@@ -138,3 +162,13 @@ def test_bf16_training_loss_is_finite_and_the_same_on_every_rank(runs, zero):
     for step in range(2):
         losses = {runs[f"loss {zero} {rank} {step}"] for rank in range(WORLD)}
         assert len(losses) == 1 and all(0 < loss < 10 for loss in losses)
+
+
+@pytest.mark.parametrize("zero", ZERO_STAGES)
+def test_a_bf16_checkpoint_saves_the_fp32_masters_and_resumes_the_same_step(runs, zero):
+    """What a checkpoint keeps of bf16 weights is their fp32 masters; an engine that loads it
+    (built from another seed) takes the same next step, to the bit."""
+    for rank in range(WORLD):
+        assert runs[f"saved dtypes {zero} {rank}"] == ["torch.float32"]
+        trained, resumed = runs[f"resumed {zero} {rank}"]
+        assert resumed == trained, f"ZeRO-{zero} rank {rank}"

@@ -375,9 +375,12 @@ def _tp_comms(model, layout, rank, compute: Dtype, engine: Engine) -> List[Comm]
     if last:
         out += times(msgs.head_fwd + msgs.head_bwd, m)
     if layout.sequence_parallel:
-        residual = residual_dtype(engine, compute)
+        # ours sums them in its fp32 gradient buckets (bf16 weights too), the tracer's
+        # Megatron in the residual dtype
+        grads = (Dtype.fp32 if engine == Engine.orchestrator
+                 else residual_dtype(engine, compute))
         norms = 2 * layers + (1 if last else 0)
-        out.append(Comm("all_reduce", "tp", model.hidden * residual.bytes, residual.value,
+        out.append(Comm("all_reduce", "tp", model.hidden * grads.bytes, grads.value,
                         "bwd", norms, NORM_WEIGHT_GRADIENTS))
     return out
 

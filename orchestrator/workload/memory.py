@@ -20,10 +20,11 @@ it back in its backward, with what each step holds only while it runs:
   activations again; selective: the attention core's), its weights' fresh gradients;
 - gradients: DTensor parameters accumulate .grad over the micro-batches and copy it into the
   bucket after the last (bf16 weights: every micro-batch's gradient is added into its fp32
-  bucket at once, which ZeRO 2 allocates at the first); ZeRO 2 allocates a bucket's flat gradient in the backward (the first
-  micro-batch when its parameters are views of it, else the last) and a 1/dp shard for its
-  reduce-scatter; FSDP gathers a unit's parameters (bf16 under bf16) for its forward and backward (kept
-  gathered all iteration under a pipeline) and accumulates unsharded gradients;
+  bucket at once, which ZeRO 2 allocates at the first); ZeRO 2 allocates a bucket's flat
+  gradient in the backward (the first micro-batch when its parameters are views of it, else
+  the last) and a 1/dp shard for its reduce-scatter; FSDP gathers a unit's parameters (bf16
+  under bf16) for its forward and backward (kept gathered all iteration under a pipeline) and
+  accumulates unsharded gradients;
 - after the backward: ZeRO 2 waits with every full bucket and shard alive (gloo copies the
   largest bucket once more); the gradient norm squares a float64 slice (16 B per element of the
   largest owned bucket slice, at most NORM_CHUNK); AdamW foreach (CPU) holds one temporary as

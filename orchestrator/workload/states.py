@@ -4,10 +4,11 @@ the parameter list (params.py) and the gradient buckets (buckets.py) the engine 
   inputs), or bf16 under bf16 (half_weights: Megatron's bf16; then every bucket has an fp32
   master, the whole bucket for ZeRO 0, and plain parameters are views of a flat bf16 buffer:
   2 + 4 + 12 = 18 bytes per parameter for ZeRO 0, 2 + 4 + 12/dp for ZeRO 1, 2 + 12/dp between
-  steps for ZeRO 2, its 4/dp fp32 gradient shard alive from the backward to the step). A bucket whose parameters are all plain tensors (no TP, or the norms of TP without
-  SP) holds them as views of one flat buffer; a bucket with DTensor parameters keeps them as they
-  are and a flat fp32 copy for AdamW (its master: the whole bucket for ZeRO 0, this rank's 1/dp
-  slice for ZeRO 1/2; plain buckets under ZeRO 0 update the parameters in place, no copy).
+  steps for ZeRO 2, its 4/dp fp32 gradient shard alive from the backward to the step). A
+  bucket whose parameters are all plain tensors (no TP, or the norms of TP without SP) holds
+  them as views of one flat buffer; a bucket with DTensor parameters keeps them as they are
+  and a flat fp32 copy for AdamW (its master: the whole bucket for ZeRO 0, this rank's 1/dp
+  slice for ZeRO 1/2; fp32 plain buckets under ZeRO 0 update the parameters in place, no copy).
   Gradients: the whole flat fp32 bucket for ZeRO 0/1, nothing between steps for ZeRO 2. AdamW's
   two moments cover the master (one 4-byte step counter each). A bucket holding sequence-
   parallel norms (replicated over TP) keeps their elements' indices in this rank's slice and
