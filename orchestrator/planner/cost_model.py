@@ -189,7 +189,7 @@ class StageCosts:
         self.model, self.options = model, options
         self.engine = options.engine
         # The messages' dtypes (workload/comm.py): the compute dtype training runs in, and the
-        # residual stream's (fp32 in our engine under autocast).
+        # residual stream's (our engine's weights': fp32 under fp16's autocast).
         self.compute_dtype = Dtype.parse(options.dtype or model.dtype)
         self.residual_dtype = residual_dtype(self.engine, self.compute_dtype)
         # the dtype ZeRO all-gathers parameters in: ours its weights', Megatron's bf16
@@ -551,8 +551,8 @@ class StageCosts:
 
     def static_bytes(self, j: int, n):
         """(params, grads, optim) bytes of stage j holding n layers, after ZeRO sharding
-        (orchestrator engine: fp32 parameters with the masters AdamW updates, its gradient
-        buckets and moments, workload/memory.py)."""
+        (orchestrator engine: its parameters (bf16 under bf16) with the fp32 masters AdamW
+        updates, its gradient buckets and moments, workload/stage_memory.py)."""
         n = np.asarray(n, dtype=float)
         if self.engine_memory is not None:
             states = self.engine_memory.states(j, n)
