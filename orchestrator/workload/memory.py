@@ -24,7 +24,8 @@ it back in its backward, with what each step holds only while it runs:
   gradient in the backward (the first micro-batch when its parameters are views of it, else
   the last) and a 1/dp shard for its reduce-scatter; FSDP gathers a unit's parameters (bf16
   under bf16) for its forward and backward (kept gathered all iteration under a pipeline) and
-  accumulates unsharded gradients;
+  accumulates unsharded gradients (fp32; under bf16 each backward makes them in bf16 and casts
+  them to fp32 for the reduce-scatter, MixedPrecisionPolicy's reduce_dtype);
 - after the backward: ZeRO 2 waits with every full bucket and shard alive (gloo copies the
   largest bucket once more); the gradient norm squares a float64 slice (16 B per element of the
   largest owned bucket slice, at most NORM_CHUNK); AdamW foreach (CPU) holds one temporary as
@@ -270,6 +271,7 @@ def rank_memory(model: ModelConfig, layout: ParallelLayout, rank: int, act: Bloc
     states = rank_states(model, layout, rank, seq_len, bucket_MiB, dtype)
     half = half_weights(dtype)
     weight = weight_dtype(dtype).bytes  # the weights' (ZeRO-3: gathered) and their gradients
+    fsdp_grad = FP32 + (weight if half else 0)  # bytes per element of a unit's fresh gradients
     params = rank_parameters(model, layout, rank)
     numel = [p.local_numel for p in params]
     pp_rank, dp_rank = layout.coordinate(rank, "pp"), layout.coordinate(rank, "dp_cp")
@@ -350,7 +352,8 @@ def rank_memory(model: ModelConfig, layout: ParallelLayout, rank: int, act: Bloc
                     transient["fsdp gathered params"] = _fsdp_gathered(
                         part, unit_of_part, fsdp_units, prefetch=True, weight=weight)
                 if not gathered_all and not done_backward.get((c, j)):  # its unsharded grads
-                    transient["fresh gradients"] = FP32 * sum(numel[i] for i in part.params)
+                    # (bf16 weights: made in bf16, cast to fp32 for the reduce-scatter)
+                    transient["fresh gradients"] = fsdp_grad * sum(numel[i] for i in part.params)
             else:  # a weight's gradient before it is copied into its bucket
                 transient["fresh gradients"] = max(numel[i] for i in part.params) * weight
             live.check(tag, transient)

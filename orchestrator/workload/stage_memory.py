@@ -128,6 +128,8 @@ class StageMemory:
         owned_div = dp if zero >= 1 else 1
         half = self.half = half_weights(dtype)
         weight = self.weight = weight_dtype(dtype).bytes  # weights, gathered, their gradients
+        # ZeRO 3: bytes per element of a unit's fresh gradients (bf16 ones and their fp32 cast)
+        self.fsdp_grad = FP32 + (weight if half else 0)
         if zero == 3:
             self.per_elem = {"params": FP32 / dp, "grads": 0.0, "optim": 2 * FP32 / dp}
         else:
@@ -213,7 +215,7 @@ class StageMemory:
         if zero == 3 and pp == 1:  # the root, this unit and the next (backward)
             gathered = weight * (self.other_numel.sum() + 2 * self.block_numel)
         if zero == 3:  # a unit's unsharded gradients (kept gathered under a pipeline: none)
-            fresh = fresh_end = 0.0 if pp > 1 else FP32 * self.block_numel
+            fresh = fresh_end = 0.0 if pp > 1 else self.fsdp_grad * self.block_numel
         else:  # a weight's gradient before it is copied into its bucket
             fresh, fresh_end = (weight * self.largest_block_param,
                                 weight * self.largest_param[j])
@@ -285,7 +287,7 @@ class StageMemory:
         head_kept, _, head_bwd = _head_bytes(self.model, layout, self.dtype, tokens, self.cuda,
                                              self.vocab_local)
         fresh = (self.weight * self.largest_block_param if self.zero < 3 else
-                 (0.0 if pp > 1 else FP32 * self.block_numel))
+                 (0.0 if pp > 1 else self.fsdp_grad * self.block_numel))
         fresh_end = self.weight * self.largest_param[:, None] if self.zero < 3 else 0.0
         block = (_block_working(self.model, layout, tokens, self.dtype, micro_batch_size)
                  + recompute + fresh)
