@@ -169,8 +169,14 @@ class ShardedAdamW:
         self.optim = torch.optim.AdamW(masters, lr=0.0, betas=betas, eps=eps,
                                        weight_decay=weight_decay,
                                        **_adamw_kernel(masters[0].device))
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._on_grad)
+        self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+
+    def remove_hooks(self) -> None:
+        """Stop taking gradients as they arrive (trace: it issues the buckets' collectives
+        after the last backward, and a replayed backward gives the parameters none)."""
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
 
     def begin_step(self, num_micro_batches: int, grad_divisor: Optional[float] = None) -> None:
         """Before an iteration's backward: this rank's micro-batch count (a parameter's gradient

@@ -35,6 +35,10 @@ class ExpertAdamW:
         for part in self.parts:
             part.begin_step(num_micro_batches, grad_divisor)
 
+    def remove_hooks(self) -> None:
+        for part in self.parts:
+            part.remove_hooks()
+
     def finish_backward(self) -> None:
         for part in self.parts:
             part.finish_backward()
@@ -86,6 +90,9 @@ class FsdpAdamW:
     def begin_step(self, num_micro_batches: int) -> None:
         """Before an iteration's backward: this rank's micro-batch count."""
         self.m = num_micro_batches
+
+    def remove_hooks(self) -> None:
+        """None to remove: FSDP2 reduces the gradients itself."""
 
     def finish_backward(self) -> None:
         """FSDP averaged over dp; the micro-batches summed: make it their mean. Partial sums
