@@ -114,7 +114,7 @@ def main() -> None:
     with live:
         live.mark("start")
         engine.train_step(tokens, targets, 1e-4, 1.0)
-    predicted = rank_states(model, layout, 0, seq_len=args.seq)
+    predicted = rank_states(model, layout, 0, seq_len=args.seq, dtype=args.dtype)
     params = sum(p.numel() for p in engine.named_parameters().values())
     out = {"config": vars(args), "params": params,
            "states_predicted": predicted.as_dict(), "states_counted": live.start_bytes,

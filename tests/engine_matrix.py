@@ -47,9 +47,12 @@ LAYOUTS = [
     # hierarchical: Ulysses over pairs of CP ranks, the ring over the two pairs
     (1, 1, {"cp": 4, "cp_comm": "a2a+p2p", "cp_a2a": 2, "zero": 1}),
 ]
-# Traced once each under bf16 autocast (not trained): the dtype of every message.
+# Traced once each under bf16 (not trained): the dtype of every message (bf16 weights, fp32
+# masters and gradient buckets; ZeRO 2 with TP + SP and ZeRO 3's FSDP2 gather bf16).
 BF16_LAYOUTS = [
     (2, 2, {}),
+    (1, 2, {"zero": 2}),
+    (1, 1, {"zero": 3}),
     (1, 2, {"sequence_parallel": False, "zero": 1}),
     (2, 2, {"sequence_parallel": False, "recompute": ("full", 1)}),
     (1, 2, {"cp": 2}),

@@ -179,12 +179,14 @@ def test_megatron_bytes_per_param_by_zero_stage(model_json, model, hw, zero, byt
 
 
 @pytest.mark.parametrize("zero,bytes_per_param", [
-    (0, lambda dp: 20.0), (1, lambda dp: 8.0 + 12.0 / dp), (2, lambda dp: 4.0 + 12.0 / dp),
+    (0, lambda dp: 18.0), (1, lambda dp: 6.0 + 12.0 / dp), (2, lambda dp: 2.0 + 12.0 / dp),
     (3, lambda dp: 12.0 / dp)])
 def test_engine_bytes_per_param_by_zero_stage(model, hw, zero, bytes_per_param):
-    """stage=train's engine: fp32 parameters (+ a flat fp32 master for DTensor buckets under
-    ZeRO 0, a 1/dp slice under ZeRO 1/2), fp32 gradient buckets (ZeRO 0/1), AdamW's two fp32
-    moments; the LM head's exact size on the last stage (no share knob)."""
+    """stage=train's engine in the profile's bf16, between steps: bf16 parameters and an fp32
+    master (the whole bucket under ZeRO 0, a 1/dp slice under ZeRO 1/2), fp32 gradient buckets
+    (ZeRO 0/1; ZeRO 2's 4/dp shard lives from the backward to the step only), AdamW's two fp32
+    moments: Megatron's 18 and 6 + 12/dp; ZeRO 3 FSDP2's fp32 shard (the master) and moments;
+    the LM head's exact size on the last stage (no share knob)."""
     from orchestrator.workload.params import block_parameters
 
     layout = ParallelLayout.uniform(16, 2, 2, 8, zero=zero, num_micro_batches=2)

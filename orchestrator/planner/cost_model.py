@@ -88,6 +88,7 @@ from orchestrator.workload.comm import (Comm, cp_messages, layer_activation_byte
 from orchestrator.workload.memory import BlockActivations
 from orchestrator.workload.stage_memory import StageMemory, StageNumels
 from orchestrator.workload.moe import moe_messages, tokens_per_rank
+from orchestrator.workload.states import weight_dtype
 
 # A layer's messages depend on a few scalars that many configs of a search share (tokens per
 # rank, flavour, dtype): each list built once (Comm tuples are immutable). Sizes over K
@@ -202,9 +203,12 @@ class StageCosts:
         # builds equal ones (ParallelLayout.check_equal_chunks)
         self.short_ends = self.engine == Engine.megatron and key.virtual_stages > 1
         # The messages' dtypes (workload/comm.py): the compute dtype training runs in, and the
-        # residual stream's (fp32 in our engine under autocast).
+        # residual stream's (our engine's weights': fp32 under fp16's autocast).
         self.compute_dtype = Dtype.parse(options.dtype or model.dtype)
         self.residual_dtype = residual_dtype(self.engine, self.compute_dtype)
+        # the dtype ZeRO all-gathers parameters in: ours its weights', Megatron's bf16
+        self._gathered_dtype = (weight_dtype(self.compute_dtype).value
+                                if self.engine == Engine.orchestrator else "bf16")
         self.overlap_coe = hardware.overlap_coe
         self.overlap = options.overlap()  # Megatron's overlap knobs (terms/tp_comm, zero)
         self._block, self._other = block, other = model.memory(key.tp)
@@ -236,7 +240,8 @@ class StageCosts:
         # The orchestrator engine's memory is workload/memory.py's closed form (every byte it
         # holds, checked against real steps); Megatron's is what Megatron-Core's layer keeps
         # (terms/megatron_memory.py) with the profile's states.
-        # Its data-parallel traffic moves fp32 parameters and gradients of the exact shapes.
+        # Its data-parallel traffic moves fp32 gradients of the exact shapes and parameters in
+        # the weights' dtype (workload/states.weight_dtype: bf16 under bf16, else fp32).
         # Built on the first memory question (engine_memory): a config its time bound prunes
         # never asks one; its parameter counts are all the traffic needs.
         self._engine_memory = None
@@ -244,10 +249,14 @@ class StageCosts:
                                     if self.engine == Engine.orchestrator else None)
         if self._engine_memory_args is not None:
             numels = StageNumels.of(_engine_config(model, seq_len), key)
-            self.block_param_bytes = self.block_grad_bytes = 4.0 * numels.layer
-            self.other_param_bytes = self.other_grad_bytes = 4.0 * numels.other
+            weight = float(weight_dtype(self.compute_dtype).bytes)
+            self.block_param_bytes = weight * numels.layer
+            self.block_grad_bytes = 4.0 * numels.layer
+            self.other_param_bytes = weight * numels.other
+            self.other_grad_bytes = 4.0 * numels.other
             if self.moe is not None:
-                self.expert_param_bytes = self.expert_grad_bytes = 4.0 * numels.expert
+                self.expert_param_bytes = weight * numels.expert
+                self.expert_grad_bytes = 4.0 * numels.expert
         self.calibration = options.calibration
         # ZeRO >= 1: each data-parallel rank steps 1/dp of the masters (1/(dp x cp) with CP).
         self.block_optim_us, self.other_optim_us = optimizer_step_us(key, model, options)
@@ -510,7 +519,8 @@ class StageCosts:
         return [c for group, size, units in parts if size > 1
                 for c in zero_messages(self.engine, key.zero, key.pp, key.num_micro_batches,
                                        group, sum(u[0] for u in units),
-                                       sum(u[1] for u in units), units)]
+                                       sum(u[1] for u in units), units,
+                                       self._gathered_dtype)]
 
     # ------------------------------------------------------------------ per stage, vectorised
     def recompute_us(self, n, mode_code, k):
@@ -597,8 +607,8 @@ class StageCosts:
 
     def static_bytes(self, j: int, n):
         """(params, grads, optim) bytes of stage j holding n layers, after ZeRO sharding
-        (orchestrator engine: fp32 parameters with the masters AdamW updates, its gradient
-        buckets and moments, workload/memory.py)."""
+        (orchestrator engine: its parameters (bf16 under bf16) with the fp32 masters AdamW
+        updates, its gradient buckets and moments, workload/stage_memory.py)."""
         n = np.asarray(n, dtype=float)
         if self.engine_memory is not None:
             states = self.engine_memory.states(j, n)

@@ -263,7 +263,10 @@ class _RankTracer:
             optim = build_optimizer(chunks, layout, mesh, OptimSettings(bucket_MiB=self.bucket_MiB),
                                     moe=experts)
             # No gradient reaches a parameter during a replayed run, and the buckets' collectives
-            # are issued after the last backward (finish_backward), in bucket order.
+            # are issued after the last backward (finish_backward), in bucket order: the
+            # optimizer takes no gradient as it arrives in either run (bf16 weights would add
+            # each micro-batch's into the fp32 buckets in a live run only).
+            optim.remove_hooks()
             optim.begin_step(10**9)
             batches = [MicroBatchInput(tokens(), tokens(), layout.recompute[pp_rank][0])
                        for _ in range(layout.num_micro_batches)]

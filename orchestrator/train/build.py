@@ -64,10 +64,12 @@ def context_parallel(layout: ParallelLayout, mesh: LayoutMesh, kind=ContextParal
 
 def build_chunks(layout: ParallelLayout, model: ModelConfig, mesh: LayoutMesh, pp_rank: int, *,
                  context=None, device: Optional[torch.device] = None, seed: int = 0,
-                 autocast: Optional[torch.dtype] = None) -> List[nn.Module]:
+                 autocast: Optional[torch.dtype] = None,
+                 fsdp_dtype: Optional[torch.dtype] = None) -> List[nn.Module]:
     """This rank's model chunks (module doc), parameters in `model`'s dtype: on meta, or
     materialised on `device` with the whole model's initial values for `seed`; `context` the
-    attention's (context_parallel), `autocast` the forward's dtype (None: the parameters')."""
+    attention's (context_parallel), `autocast` the forward's dtype (None: the parameters'),
+    `fsdp_dtype` the dtype ZeRO-3 gathers and computes the weights in (None: theirs)."""
     with torch.device("meta"):
         whole = GPT(model, seed)
     per_virtual = virtual_stage_layers(layout)
@@ -100,7 +102,7 @@ def build_chunks(layout: ParallelLayout, model: ModelConfig, mesh: LayoutMesh, p
                 sub.sequence_group, sub.sequence_parts = sequence, layout.tp * layout.cp
     apply_recompute(chunks, layout, pp_rank)
     if layout.zero == 3:
-        apply_fsdp(chunks, layout, mesh)
+        apply_fsdp(chunks, layout, mesh, fsdp_dtype)
     return chunks
 
 
@@ -119,24 +121,29 @@ def apply_recompute(chunks: List[nn.Module], layout: ParallelLayout, pp_rank: in
             chunk.recompute_blocks = frozenset(list(chunk.blocks.keys())[:per_chunk])
 
 
-def apply_fsdp(chunks: List[nn.Module], layout: ParallelLayout, mesh: LayoutMesh) -> None:
+def apply_fsdp(chunks: List[nn.Module], layout: ParallelLayout, mesh: LayoutMesh,
+               param_dtype: Optional[torch.dtype] = None) -> None:
     """ZeRO-3: FSDP2 `fully_shard` per block and per chunk over the replicas (the routed
-    experts over the ranks holding them, EDP, a unit of their own)."""
-    from torch.distributed.fsdp import fully_shard
+    experts over the ranks holding them, EDP, a unit of their own). `param_dtype` (bf16):
+    the fp32 shards are the masters, gathered and computed in it, gradients reduced in fp32
+    (Megatron-FSDP's bf16)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     replicas = mesh.mesh(layout.replica_group)
     # With a pipeline, keep parameters gathered between a micro-batch's forward and backward
     # (torchtitan's choice): resharding would all-gather them again for every micro-batch.
     reshard = layout.pp == 1
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32
+                                  if param_dtype is not None else None)
     for chunk in chunks:
         for block in chunk.blocks.values():
             if isinstance(block.mlp, MoE):
                 # FSDP averages their gradients over edp: FsdpAdamW rescales them to the dense
                 # replicas' mean, dp x cp (gloo has no pre-multiplied reduce).
                 fully_shard(block.mlp.experts, mesh=mesh.mesh(Group.edp),
-                            reshard_after_forward=reshard)
-            fully_shard(block, mesh=replicas, reshard_after_forward=reshard)
-        fully_shard(chunk, mesh=replicas, reshard_after_forward=reshard)
+                            reshard_after_forward=reshard, mp_policy=policy)
+            fully_shard(block, mesh=replicas, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(chunk, mesh=replicas, reshard_after_forward=reshard, mp_policy=policy)
 
 
 def build_optimizer(chunks: List[nn.Module], layout: ParallelLayout, mesh: LayoutMesh,

@@ -14,7 +14,11 @@ DeviceMesh, torch-native and applied from outside the model.
   backward, sharded AdamW), ZeRO-3 with FSDP2 `fully_shard` per block and per stage.
 - Recompute per pipeline stage: selective (the attention core of every layer) or full (the first
   k layers of the stage, k / v per chunk).
-- Precision: fp32 master weights; bf16/fp16 by autocast (fp16 with a dynamic loss scale).
+- Precision (Megatron-LM's): bf16 trains bf16 weights (so the residual stream and pipeline
+  messages are bf16), their fp32 masters in the (sharded) optimizer, gradients accumulated and
+  reduced in fp32 buckets, ZeRO 1/2 all-gather the updated weights in bf16; ZeRO-3's FSDP2
+  shards are the fp32 masters, gathered in bf16 (MixedPrecisionPolicy), gradients reduced in
+  fp32. fp16 autocasts fp32 weights with a dynamic loss scale; fp32 is fp32 throughout.
 - Variable-length micro-batches (`train_step_micro_batches`): train/executor.py runs a plan of
   micro-batches of different shapes and recompute modes; the loss is the mean over real tokens.
 The model is built on the meta device and only this rank's stages are materialised.
@@ -41,6 +45,7 @@ from orchestrator.train.build import (OptimSettings, apply_recompute, build_chun
                                       build_optimizer, context_parallel)
 from orchestrator.train.executor import MicroBatchInput, PipelineExecutor, run_plain
 from orchestrator.train.grads import local_tensor
+from orchestrator.workload.states import half_weights
 
 # AdamW's moments a checkpoint keeps per parameter ("optim.<parameter>.<moment>").
 OPTIM_MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -94,10 +99,15 @@ class Engine:
         self.dp_rank = layout.coordinate(rank, Group.dp)
         self.context = context_parallel(layout, self.mesh)
         self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == layout.pp - 1
+        half = half_weights(self.dtype)
+        weights = Dtype.bf16 if half and layout.zero < 3 else Dtype.fp32
+        # the dtype activations and their gradients travel in between pipeline stages
+        self.residual = self.dtype.torch if half else torch.float32
         self.modules = build_chunks(
-            layout, dataclasses.replace(model, dtype=Dtype.fp32), self.mesh, self.pp_rank,
+            layout, dataclasses.replace(model, dtype=weights), self.mesh, self.pp_rank,
             context=self.context, device=device, seed=seed,
-            autocast=None if self.dtype == Dtype.fp32 else self.dtype.torch)
+            autocast=None if half or self.dtype == Dtype.fp32 else self.dtype.torch,
+            fsdp_dtype=self.dtype.torch if half and layout.zero == 3 else None)
         self.optim = build_optimizer(self.modules, layout, self.mesh, optim, self.moe)
         # fp16: dynamic loss scale (GradScaler's rule: halve on overflow, double every 2000 steps)
         self.loss_scale = 2.0**16 if self.dtype == Dtype.fp16 else 1.0
@@ -273,7 +283,8 @@ class Engine:
             self._executor = PipelineExecutor(
                 self.modules, self.pp_rank, layout.pp, layout.schedule,
                 self.mesh.group(Group.pp), self.device, self.hidden,
-                layout.tp if layout.sequence_parallel else 1, self._token_loss, self._now)
+                layout.tp if layout.sequence_parallel else 1, self._token_loss, self._now,
+                wire_dtype=self.residual)
         return self._executor
 
     def _token_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -388,22 +399,26 @@ class Engine:
 
     def state(self) -> dict:
         """What a checkpoint holds: {"model": {name: param}, "optim": {name.exp_avg[_sq]: ...}},
-        tensors placed as their parameters (DTensors when sharded), so any layout reloads it."""
+        tensors placed as their parameters (DTensors when sharded), so any layout reloads it;
+        bf16 weights are saved as their fp32 masters (any dtype reloads it)."""
         states = self.optim.state_tensors()
+        masters = self.optim.master_tensors()
         model, optim = {}, {}
         for name, p in self.named_parameters().items():
-            model[name] = p
+            model[name] = _placed_like(masters[p], p) if p in masters else p
             for key, t in states[p].items():
                 optim[f"{name}.{key}"] = _placed_like(t, p)
         return {"model": model, "optim": optim}
 
     def load_state(self, state: dict, step: int) -> None:
         """After a checkpoint was loaded into `state()`'s tensors: hand them to the optimizer."""
-        states = {}
+        states, masters = {}, {}
         for name, p in self.named_parameters().items():
             states[p] = {key: _local_like(state["optim"][f"{name}.{key}"], p)
                          for key in OPTIM_MOMENTS}
-        self.optim.load_state_tensors(states, step)
+            if local_tensor(p).dtype != torch.float32:  # bf16 weights: their masters' values
+                masters[p] = _local_like(state["model"][name], p)
+        self.optim.load_state_tensors(states, step, masters)
 
 
 def state_shapes(model: ModelConfig) -> Dict[str, tuple]:

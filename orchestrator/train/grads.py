@@ -12,6 +12,12 @@ cost ~10x more on gloo.
 - ZeRO-2: reduce-scatter (each rank keeps only its slice of the gradients), then as ZeRO-1.
 The optimizer (AdamW) runs on fp32 flat master slices, a few big tensors: the step costs a few
 fused kernels instead of one per parameter.
+
+bf16 weights (Megatron's bf16: `accumulate_allreduce_grads_in_fp32`): the buckets stay fp32,
+each micro-batch's bf16 gradient is added into them at once (and freed), the masters are always
+fp32 copies (the whole bucket for ZeRO-0), plain weights are views of one flat bf16 buffer per
+bucket, and ZeRO 1/2 all-gather the updated weights in bf16 (Megatron's distributed optimizer
+gathers its bf16 parameter buffer).
 """
 from __future__ import annotations
 
@@ -91,10 +97,21 @@ def _adamw_kernel(device: torch.device) -> dict:
 
 
 def _viewable(p: torch.Tensor) -> bool:
-    """A plain fp32 parameter whose storage can be a view of a flat buffer."""
+    """A plain parameter whose storage can be a view of a flat buffer."""
     from torch.distributed.tensor import DTensor
 
-    return not isinstance(p, DTensor) and p.dtype == torch.float32
+    return not isinstance(p, DTensor)
+
+
+def _partial_groups(g: torch.Tensor, p: torch.Tensor) -> list:
+    """The process groups a gradient placed otherwise than its parameter is a partial sum over
+    (sequence-parallel norms: Partial over the TP mesh dimension); [] for any other."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(g, DTensor) or tuple(g.placements) == tuple(p.placements):
+        return []
+    return [g.device_mesh.get_group(dim) for dim, placement in enumerate(g.placements)
+            if placement.is_partial()]
 
 
 @dataclass
@@ -112,8 +129,8 @@ class Bucket:
     rep_weight: Optional[torch.Tensor] = None
     ready: int = 0
     work: object = None
-    # Plain fp32 parameters (no DTensor): their storage is a view of `flat_params` and their
-    # .grad a view of `grad` (as DDP's gradient_as_bucket_view), so nothing is held twice.
+    # Plain parameters (no DTensor): their storage is a view of `flat_params` (fp32: also
+    # their .grad a view of `grad`, as DDP's gradient_as_bucket_view), nothing held twice.
     flat_params: Optional[torch.Tensor] = None
 
 
@@ -141,6 +158,9 @@ class ShardedAdamW:
         self.local_norm = replicas_only and zero == 0
         self.begin_step(num_micro_batches)
         self.params = [p for p in params if p.requires_grad]
+        # bf16 weights: fp32 masters and gradient buckets of their own (module docstring)
+        self.weight_dtype = local_tensor(self.params[0]).dtype
+        self.half = self.weight_dtype != torch.float32
         self.counts: Dict[nn.Parameter, int] = {}
         self.bucket_of: Dict[nn.Parameter, Bucket] = {}
         self.offset_of: Dict[int, int] = {}
@@ -149,8 +169,14 @@ class ShardedAdamW:
         self.optim = torch.optim.AdamW(masters, lr=0.0, betas=betas, eps=eps,
                                        weight_decay=weight_decay,
                                        **_adamw_kernel(masters[0].device))
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._on_grad)
+        self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+
+    def remove_hooks(self) -> None:
+        """Stop taking gradients as they arrive (trace: it issues the buckets' collectives
+        after the last backward, and a replayed backward gives the parameters none)."""
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
 
     def begin_step(self, num_micro_batches: int, grad_divisor: Optional[float] = None) -> None:
         """Before an iteration's backward: this rank's micro-batch count (a parameter's gradient
@@ -182,13 +208,13 @@ class ShardedAdamW:
                 flat[off:off + loc.numel()] = loc.detach().reshape(-1).float()
             self._replicated_elements(b, lo, hi, flat.device)
             if all(_viewable(p) for p in ps):
-                b.flat_params = flat
+                b.flat_params = flat.to(self.weight_dtype)  # flat itself when fp32
                 with torch.no_grad():
                     for p, off in zip(ps, offsets):
-                        p.data = flat[off:off + p.numel()].view_as(p)
-            # ZeRO-0 updates the parameters' own storage; ZeRO-1/2 a copy of this rank's slice.
-            shares = b.flat_params is not None and self.zero == 0
-            b.master = nn.Parameter(flat if shares else flat[lo:hi].clone())
+                        p.data = b.flat_params[off:off + p.numel()].view_as(p)
+            # ZeRO-0 updates the whole bucket (fp32: the parameters' own storage); ZeRO-1/2 a
+            # copy of this rank's slice.
+            b.master = nn.Parameter(flat if self.zero == 0 else flat[lo:hi].clone())
             if self.zero < 2:
                 b.grad = torch.zeros_like(flat)
             for p, off in zip(ps, offsets):
@@ -232,6 +258,9 @@ class ShardedAdamW:
     def _on_grad(self, p: nn.Parameter) -> None:
         count = self.counts[p] = self.counts.get(p, 0) + 1
         b = self.bucket_of[p]
+        if self.half:
+            self._accumulate(p, b, count)
+            return
         views = b.flat_params is not None
         if count < self.m and not (views and count == 1):
             return
@@ -249,6 +278,30 @@ class ShardedAdamW:
             g = local_tensor(full_grad(p))
             b.grad[off:off + g.numel()].copy_(g.reshape(-1))
             p.grad = None  # the bucket holds it now
+        b.ready += 1
+        if b.ready == len(b.params):
+            self._launch(b)
+
+    def _accumulate(self, p: nn.Parameter, b: Bucket, count: int) -> None:
+        """bf16 weights: add this micro-batch's gradient into the fp32 bucket (Megatron's
+        main_grad) and free it; after the last, sum a partial one over its TP ranks (fp32, once
+        per step, as the fp32 path's redistribute) and launch the bucket when it is whole."""
+        g = p.grad
+        partial = _partial_groups(g, p) if count == self.m else []
+        loc = local_tensor(g).reshape(-1)
+        if b.grad is None:
+            b.grad = torch.zeros(b.numel, dtype=torch.float32, device=loc.device)
+        off = self.offset_of[id(p)]
+        view = b.grad[off:off + loc.numel()]
+        if count == 1:
+            view.copy_(loc)
+        else:
+            view.add_(loc)
+        p.grad = None
+        if count < self.m:
+            return
+        for group in partial:
+            dist.all_reduce(view, group=group)
         b.ready += 1
         if b.ready == len(b.params):
             self._launch(b)
@@ -339,20 +392,22 @@ class ShardedAdamW:
                 p.grad = None
 
     def _write_params(self, b: Bucket) -> None:
-        """Copy the updated masters into the parameters (after an all-gather for ZeRO-1/2)."""
+        """Copy the updated masters into the parameters (after an all-gather for ZeRO-1/2, in
+        the weights' dtype: bf16 weights gather bf16)."""
+        gather = self.zero > 0 and self.dp > 1
+        # this rank's updated slice in the weights' dtype (a bf16 copy of the master's)
+        mine = b.master.detach().to(self.weight_dtype) if gather else b.master.detach()
         if b.flat_params is not None:  # the parameters are views of flat_params
-            if self.zero == 0:
-                return  # AdamW updated them in place
-            if self.dp == 1:
-                b.flat_params.copy_(b.master.detach())
-            else:
-                _all_gather(b.flat_params, b.master.detach(), group=self.dp_group)
+            if gather:
+                _all_gather(b.flat_params, mine, group=self.dp_group)
+            elif self.half or self.zero > 0:  # fp32 ZeRO-0: AdamW updated them in place
+                b.flat_params.copy_(mine)
             return
-        if self.zero == 0 or self.dp == 1:
-            full = b.master.detach()
+        if gather:
+            full = torch.empty(b.numel, dtype=self.weight_dtype, device=b.master.device)
+            _all_gather(full, mine, group=self.dp_group)
         else:
-            full = torch.empty(b.numel, dtype=torch.float32, device=b.master.device)
-            _all_gather(full, b.master.detach(), group=self.dp_group)
+            full = mine
         with torch.no_grad():
             for p, off in zip(b.params, b.offsets):
                 loc = local_tensor(p)
@@ -377,6 +432,20 @@ class ShardedAdamW:
                           for key, full in per_key.items()}
         return out
 
+    def master_tensors(self) -> Dict[nn.Parameter, torch.Tensor]:
+        """bf16 weights: per parameter its full local fp32 master, gathered from the dp slices
+        (what a checkpoint stores for it, not the bf16 weight); {} for fp32 weights (they are
+        the masters)."""
+        if not self.half:
+            return {}
+        out: Dict[nn.Parameter, torch.Tensor] = {}
+        for b in self.buckets:
+            full = self._gather(b, b.master.detach())
+            for p, off in zip(b.params, b.offsets):
+                loc = local_tensor(p)
+                out[p] = full[off:off + loc.numel()].view_as(loc)
+        return out
+
     def _gather(self, b: Bucket, shard: torch.Tensor) -> torch.Tensor:
         if self.zero == 0 or self.dp == 1:
             return shard
@@ -385,8 +454,11 @@ class ShardedAdamW:
         return full
 
     def load_state_tensors(self, states: Dict[nn.Parameter, Dict[str, torch.Tensor]],
-                           step: int) -> None:
-        """Inverse of state_tensors: each rank keeps its slice; masters re-read the params."""
+                           step: int,
+                           masters: Optional[Dict[nn.Parameter, torch.Tensor]] = None) -> None:
+        """Inverse of state_tensors: each rank keeps its slice; masters re-read the params, or
+        (bf16 weights) `masters`' full local fp32 values, which the weights are then cast
+        from."""
         for b in self.buckets:
             lo, hi = self._owned(b)
             per_key = {}
@@ -399,7 +471,12 @@ class ShardedAdamW:
             with torch.no_grad():
                 for p, off in zip(b.params, b.offsets):
                     loc = local_tensor(p).reshape(-1)
+                    if masters is not None and p in masters:
+                        full = masters[p].reshape(-1)
+                        loc.copy_(full)
+                    else:
+                        full = loc
                     s, e = max(off, lo), min(off + loc.numel(), hi)
                     if s < e:
-                        b.master[s - lo:e - lo] = loc[s - off:e - off]
+                        b.master[s - lo:e - lo] = full[s - off:e - off]
             self.optim.state[b.master] = {"step": torch.tensor(float(step)), **per_key}

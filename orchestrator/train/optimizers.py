@@ -35,6 +35,10 @@ class ExpertAdamW:
         for part in self.parts:
             part.begin_step(num_micro_batches, grad_divisor)
 
+    def remove_hooks(self) -> None:
+        for part in self.parts:
+            part.remove_hooks()
+
     def finish_backward(self) -> None:
         for part in self.parts:
             part.finish_backward()
@@ -58,9 +62,12 @@ class ExpertAdamW:
     def state_tensors(self) -> Dict[nn.Parameter, Dict[str, torch.Tensor]]:
         return {p: t for part in self.parts for p, t in part.state_tensors().items()}
 
-    def load_state_tensors(self, states, step: int) -> None:
+    def master_tensors(self) -> Dict[nn.Parameter, torch.Tensor]:
+        return {p: t for part in self.parts for p, t in part.master_tensors().items()}
+
+    def load_state_tensors(self, states, step: int, masters=None) -> None:
         for part in self.parts:
-            part.load_state_tensors({p: states[p] for p in part.params}, step)
+            part.load_state_tensors({p: states[p] for p in part.params}, step, masters)
 
 
 class FsdpAdamW:
@@ -83,6 +90,9 @@ class FsdpAdamW:
     def begin_step(self, num_micro_batches: int) -> None:
         """Before an iteration's backward: this rank's micro-batch count."""
         self.m = num_micro_batches
+
+    def remove_hooks(self) -> None:
+        """None to remove: FSDP2 reduces the gradients itself."""
 
     def finish_backward(self) -> None:
         """FSDP averaged over dp; the micro-batches summed: make it their mean. Partial sums
@@ -124,7 +134,11 @@ class FsdpAdamW:
         return {p: {key: self.optim.state.get(p, {}).get(key, torch.zeros_like(p))
                     for key in ("exp_avg", "exp_avg_sq")} for p in self.params}
 
-    def load_state_tensors(self, states, step: int) -> None:
+    def master_tensors(self) -> Dict[nn.Parameter, torch.Tensor]:
+        """{}: FSDP2's fp32 shards are the masters (bf16 only while gathered)."""
+        return {}
+
+    def load_state_tensors(self, states, step: int, masters=None) -> None:
         for p in self.params:
             self.optim.state[p] = {"step": torch.tensor(float(step)),
                                    **{k: v for k, v in states[p].items()}}

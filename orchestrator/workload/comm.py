@@ -29,9 +29,10 @@ Tensor parallelism (DTensor, models/parallelize.py), per layer and micro-batch:
   Megatron's): per micro-batch 3 fp32 all-reduces over TP of one value per token (the logits'
   max, the sum of their exponentials, the target's logit), the logits never gathered;
 - after the last micro-batch, each sequence-parallel norm weight's partial gradient is
-  all-reduced over TP (fp32: the parameters are fp32 masters).
-The residual stream is in the parameters' dtype (fp32: autocast casts only the matmul inputs);
-matmul outputs are in the compute dtype (bf16/fp16 under autocast).
+  all-reduced over TP (fp32: the gradient buckets').
+The residual stream is in the weights' dtype (workload/states.weight_dtype): bf16 under bf16
+(bf16 weights, fp32 masters in the optimizer, as Megatron's), fp32 under fp32 and fp16 (autocast
+casts only the matmul inputs); matmul outputs are in the compute dtype.
 
 Pipeline (torch.distributed.pipelining): per micro-batch, each model chunk that is not the last
 virtual stage sends its output forward and receives its gradient back; each that is not the
@@ -40,8 +41,10 @@ sequence with SP).
 
 Data parallel (train/grads.py): ZeRO 0/1 all-reduce each fp32 gradient bucket
 (workload/buckets.py), ZeRO 2 reduce-scatters it, during the backward once the last micro-batch
-has accumulated; ZeRO 1/2 all-gather the updated fp32 parameters after the step. ZeRO 3 (FSDP2,
-one unit per block and one per chunk for the rest) all-gathers each unit's parameters in forward
+has accumulated; ZeRO 1/2 all-gather the updated parameters after the step, in the weights'
+dtype (bf16 under bf16: Megatron's distributed optimizer gathers bf16). ZeRO 3 (FSDP2,
+one unit per block and one per chunk for the rest) all-gathers each unit's parameters (in the
+weights' dtype; gradients reduce-scattered in fp32) in forward
 and again in backward for every micro-batch without a pipeline (resharded after forward), once
 per iteration with one (kept gathered, torchtitan's choice), and reduce-scatters its gradients
 once, after the last micro-batch.
@@ -80,9 +83,9 @@ from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig
 from orchestrator.workload.buckets import plan_buckets
 from orchestrator.workload.params import rank_chunks, virtual_stage_ranges
+from orchestrator.workload.states import weight_dtype
 from orchestrator.workload.tp import LOSS_VALUE_BYTES, tp_counts
 
-RESIDUAL = Dtype.fp32  # the engine keeps fp32 parameters and residual stream (autocast)
 GRADIENT_NORM = "gradient norm"
 LOSS_AND_STOP = "loss and stop flag"
 NORM_WEIGHT_GRADIENTS = "SP norm weight gradients (partial over TP)"
@@ -124,7 +127,7 @@ def rank_comms(model: ModelConfig, layout: ParallelLayout, rank: int,
     out += _tp_comms(model, layout, rank, compute, engine)
     out += _cp_comms(model, layout, rank, compute, engine)
     out += _pp_comms(model, layout, rank, residual_dtype(engine, compute))
-    out += _dp_comms(model, layout, rank, bucket_MiB)
+    out += _dp_comms(model, layout, rank, bucket_MiB, weight_dtype(compute))
     out += step_comms(layout, engine)
     return [c for c in out if c.count > 0]
 
@@ -145,9 +148,9 @@ def step_comms(layout: ParallelLayout, engine: Engine = Engine.orchestrator) -> 
 
 def residual_dtype(engine: Engine, compute: Dtype | str) -> Dtype:
     """The residual stream's dtype (norm inputs and outputs, the embedding's output, pipeline
-    messages): fp32 in our engine, whose parameters are fp32 masters (autocast casts only the
-    matmul inputs), the compute dtype in Megatron's."""
-    return Dtype.parse(compute) if engine == Engine.megatron else RESIDUAL
+    messages): the compute dtype in Megatron's; in our engine its weights' (weight_dtype: bf16
+    under bf16, fp32 under autocast)."""
+    return Dtype.parse(compute) if engine == Engine.megatron else weight_dtype(compute)
 
 
 def times(comms, count) -> List[Comm]:
@@ -374,9 +377,12 @@ def _tp_comms(model, layout, rank, compute: Dtype, engine: Engine) -> List[Comm]
     if last:
         out += times(msgs.head_fwd + msgs.head_bwd, m)
     if layout.sequence_parallel:
-        residual = residual_dtype(engine, compute)
+        # ours sums them in its fp32 gradient buckets (bf16 weights too), the tracer's
+        # Megatron in the residual dtype
+        grads = (Dtype.fp32 if engine == Engine.orchestrator
+                 else residual_dtype(engine, compute))
         norms = 2 * layers + (1 if last else 0)
-        out.append(Comm("all_reduce", "tp", model.hidden * residual.bytes, residual.value,
+        out.append(Comm("all_reduce", "tp", model.hidden * grads.bytes, grads.value,
                         "bwd", norms, NORM_WEIGHT_GRADIENTS))
     return out
 
@@ -400,13 +406,14 @@ def _pp_comms(model, layout, rank, residual: Dtype) -> List[Comm]:
             for (op, peer, phase), n in sorted(counts.items())]
 
 
-def _dp_comms(model, layout, rank, bucket_MiB: float) -> List[Comm]:
+def _dp_comms(model, layout, rank, bucket_MiB: float, weights: Dtype) -> List[Comm]:
+    """Gradients fp32; parameters gathered in `weights`' dtype."""
     dp = layout.replicas  # gradients reduced, ZeRO sharded over them
     if dp == 1:
         return []
     chunks = rank_chunks(model, layout, rank)
     if layout.zero == 3:
-        return _fsdp_comms(chunks, layout)
+        return _fsdp_comms(chunks, layout, weights)
     params = [p for chunk in chunks for p in chunk]
     out = []
     group = layout.replica_group
@@ -414,12 +421,12 @@ def _dp_comms(model, layout, rank, bucket_MiB: float) -> List[Comm]:
         grad_op = "reduce_scatter" if layout.zero == 2 else "all_reduce"
         out.append(Comm(grad_op, group, plan.bytes, "fp32", "bwd", 1, "gradient bucket"))
         if layout.zero >= 1:
-            out.append(Comm("all_gather", group, plan.bytes, "fp32", "step", 1,
-                            "updated parameters (ZeRO-1/2)"))
+            out.append(Comm("all_gather", group, plan.numel * weights.bytes, weights.value,
+                            "step", 1, "updated parameters (ZeRO-1/2)"))
     return _merge(out)
 
 
-def _fsdp_comms(chunks, layout) -> List[Comm]:
+def _fsdp_comms(chunks, layout, weights: Dtype) -> List[Comm]:
     dp, m, group = layout.replicas, layout.num_micro_batches, layout.replica_group
     gathers = 1 if layout.pp > 1 else 2 * m  # kept gathered under a pipeline
     out = []
@@ -431,7 +438,8 @@ def _fsdp_comms(chunks, layout) -> List[Comm]:
             row_numel = p.local_numel // max(1, p.local_shape[0])
             units[p.unit] = units.get(p.unit, 0) + rows * row_numel
         for unit, numel in units.items():
-            out += [Comm("all_gather", group, numel * 4, "fp32", "fwd", gathers,
+            out += [Comm("all_gather", group, numel * weights.bytes, weights.value, "fwd",
+                         gathers,
                          f"ZeRO-3 parameters of {'a block' if unit != 'root' else 'the rest'}"),
                     Comm("reduce_scatter", group, numel * 4, "fp32", "bwd", 1,
                          "ZeRO-3 gradients")]

@@ -7,10 +7,11 @@ part by part (embedding, each layer, head and loss), adding what each forward ke
 it back in its backward, with what each step holds only while it runs:
 - activations per micro-batch and layer: the model profile's count (the block in the model's
   dtype, SP when tp > 1), plus what the engine keeps beyond it: without SP the norms' and
-  residual's tokens are not sharded; under autocast the residual stream stays fp32 (the norms
+  residual's tokens are not sharded; under autocast (fp16) the residual stream stays fp32 (the norms
   keep fp32 inputs: 2 B more per element) and each matmul casts its fp32 input on its own (wq,
   wk, wv and w_gate, w_up: five bf16 copies where a bf16 model keeps two), and each layer keeps
-  the bf16 copies of its weights (autocast's cache) until its backward;
+  the bf16 copies of its weights (autocast's cache) until its backward (fp16; bf16 weights,
+  half_weights, keep the profile's count in bf16 and no copies);
 - the head (final norm, LM head, loss): its inputs and this rank's vocabulary shard of the
   logits in the compute dtype (the loss is vocab-parallel, models/loss.py: the logits are never
   gathered, and never converted to fp32 whole, only in chunks); the loss backward holds their
@@ -18,15 +19,18 @@ it back in its backward, with what each step holds only while it runs:
 - a layer's backward: the gradients flowing through it, its recompute (full: the layer's
   activations again; selective: the attention core's), its weights' fresh gradients;
 - gradients: DTensor parameters accumulate .grad over the micro-batches and copy it into the
-  bucket after the last; ZeRO 2 allocates a bucket's flat gradient in the backward (the first
-  micro-batch when its parameters are views of it, else the last) and a 1/dp shard for its
-  reduce-scatter; FSDP gathers a unit's fp32 parameters for its forward and backward (kept
-  gathered all iteration under a pipeline) and accumulates unsharded gradients;
+  bucket after the last (bf16 weights: every micro-batch's gradient is added into its fp32
+  bucket at once, which ZeRO 2 allocates at the first); ZeRO 2 allocates a bucket's flat
+  gradient in the backward (the first micro-batch when its parameters are views of it, else
+  the last) and a 1/dp shard for its reduce-scatter; FSDP gathers a unit's parameters (bf16
+  under bf16) for its forward and backward (kept gathered all iteration under a pipeline) and
+  accumulates unsharded gradients (fp32; under bf16 each backward makes them in bf16 and casts
+  them to fp32 for the reduce-scatter, MixedPrecisionPolicy's reduce_dtype);
 - after the backward: ZeRO 2 waits with every full bucket and shard alive (gloo copies the
   largest bucket once more); the gradient norm squares a float64 slice (16 B per element of the
   largest owned bucket slice, at most NORM_CHUNK); AdamW foreach (CPU) holds one temporary as
   large as the masters, fused AdamW (CUDA) none; ZeRO 1/2 gather each updated DTensor bucket
-  into a full fp32 buffer.
+  into a full buffer in the weights' dtype (bf16 weights: from a bf16 copy of the slice).
 """
 from __future__ import annotations
 
@@ -47,9 +51,9 @@ from orchestrator.workload.params import (Param, chunk_size, rank_chunks)
 from orchestrator.workload.states import (FP32, INT64, NORM_CHUNK,
                                           StateBytes,
                                           cp_split_input_bytes, embedding_bytes,
-                                          fsdp_shard_numel, is_dtensor,
+                                          fsdp_shard_numel, half_weights, is_dtensor,
                                           no_sp_extra_bytes_per_token, rank_parameters,
-                                          rank_states, sp_degree)
+                                          rank_states, sp_degree, weight_dtype)
 
 
 @dataclass(frozen=True)
@@ -147,8 +151,8 @@ def engine_block_bytes(act: BlockActivations, mode: Recompute, model: ModelConfi
     `micro_batch_size` sequences (default the layout's) (the model profile's count plus the
     engine's own, see the module's docstring)."""
     h, t, t_sp = model.hidden, layout.tp, sp_degree(layout)
-    autocast = dtype != Dtype.fp32
-    elem = dtype.bytes if autocast else FP32
+    autocast = dtype != Dtype.fp32 and not half_weights(dtype)
+    elem = dtype.bytes
     kept = act.at(mode) * (elem / act.elem_bytes)
     if mode != Recompute.full:
         kept += cp_attention_bytes(model, layout, tokens, dtype, micro_batch_size)[2]
@@ -183,13 +187,13 @@ def _head_bytes(model: ModelConfig, layout: ParallelLayout, dtype: Dtype, tokens
                 fused_norm: bool, vocab_local: int) -> Tuple[float, float, float]:
     """(kept, forward transient, backward transient) of the head and loss per micro-batch."""
     h, t_sp = model.hidden, sp_degree(layout)
-    autocast = dtype != Dtype.fp32
+    autocast = dtype != Dtype.fp32  # logits in the compute dtype, fp32 only in chunks
     elem = dtype.bytes if autocast else FP32
-    norm = tokens / t_sp * (FP32 * h + FP32 + (0 if fused_norm else FP32 * h))
-    if autocast:
-        head_in = tokens * elem * h + elem * vocab_local * h  # its cast input and weight
-    else:
-        head_in = tokens * FP32 * h
+    residual = weight_dtype(dtype).bytes
+    norm = tokens / t_sp * (residual * h + FP32 + (0 if fused_norm else residual * h))
+    head_in = tokens * elem * h
+    if autocast and not half_weights(dtype):
+        head_in += elem * vocab_local * h  # autocast's cast of its weight
     # models/loss.py keeps this rank's vocabulary shard of the logits in the compute dtype (the
     # pipeline's stage output too: the same tensor), a log-sum-exp per token, the targets'
     # local ids and two masks; it works on fp32 chunks of at most CHUNK_ELEMENTS logits.
@@ -208,12 +212,14 @@ def _block_working(model: ModelConfig, layout: ParallelLayout, tokens: int,
     """A layer's backward, beyond its kept activations: the gradients flowing through it (the
     residual's and the MLP's intermediate ones) while its weights' gradients are made, and
     context-parallel attention's own (cp_attention_bytes); with SP, the column-parallel
-    matmuls' input gathered again (fp32, and its cast under autocast)."""
+    matmuls' input gathered again (in the residual stream's dtype, and its cast under autocast
+    over fp32 weights)."""
+    residual = weight_dtype(dtype).bytes
     regather = 0.0
     if sp_degree(layout) > 1:
-        autocast = Dtype.parse(dtype) != Dtype.fp32
-        regather = tokens * model.hidden * (FP32 + (Dtype.parse(dtype).bytes if autocast else 0))
-    return (FP32 * tokens * (2 * model.hidden / sp_degree(layout) + 2 * model.ffn / layout.tp)
+        cast = Dtype.parse(dtype) != Dtype.fp32 and not half_weights(dtype)
+        regather = tokens * model.hidden * (residual + (Dtype.parse(dtype).bytes if cast else 0))
+    return (residual * tokens * (2 * model.hidden / sp_degree(layout) + 2 * model.ffn / layout.tp)
             + regather + cp_attention_bytes(model, layout, tokens, dtype, micro_batch_size)[1])
 
 
@@ -282,7 +288,10 @@ def rank_memory(model: ModelConfig, layout: ParallelLayout, rank: int, act: Bloc
     dtype = Dtype.parse(dtype)
     seq_len = seq_len or model.seq_len
     cuda = device.startswith("cuda")
-    states = rank_states(model, layout, rank, seq_len, bucket_MiB)
+    states = rank_states(model, layout, rank, seq_len, bucket_MiB, dtype)
+    half = half_weights(dtype)
+    weight = weight_dtype(dtype).bytes  # the weights' (ZeRO-3: gathered) and their gradients
+    fsdp_grad = FP32 + (weight if half else 0)  # bytes per element of a unit's fresh gradients
     params = rank_parameters(model, layout, rank)
     numel = [p.local_numel for p in params]
     pp_rank, dp_rank = layout.coordinate(rank, "pp"), layout.coordinate(rank, "dp_cp")
@@ -325,7 +334,7 @@ def rank_memory(model: ModelConfig, layout: ParallelLayout, rank: int, act: Bloc
     live = _Live()
     live.add("inputs", cp_split_input_bytes(layout, seq_len))
     if gathered_all:
-        live.add("fsdp gathered params", FP32 * sum(fsdp_units.values()))
+        live.add("fsdp gathered params", weight * sum(fsdp_units.values()))
     done_backward: Dict[Tuple[int, int], int] = {}  # (chunk, part) -> backwards done
     order = stage_order(layout.pp, pp_rank, m, layout.schedule, layout.virtual_stages)
     for op, c, mb in order:
@@ -335,7 +344,7 @@ def rank_memory(model: ModelConfig, layout: ParallelLayout, rank: int, act: Bloc
                 transient = {}
                 if zero == 3 and not gathered_all:
                     transient["fsdp gathered params"] = _fsdp_gathered(part, unit_of_part,
-                                                                      fsdp_units)
+                                                                      fsdp_units, weight=weight)
                 if part.kind == "head":
                     transient["logits"] = head_fwd
                 elif part.kind == "block" and part.mode != Recompute.none:
@@ -361,16 +370,17 @@ def rank_memory(model: ModelConfig, layout: ParallelLayout, rank: int, act: Bloc
             if zero == 3:
                 if not gathered_all:  # this unit, the next one prefetched, and the root
                     transient["fsdp gathered params"] = _fsdp_gathered(
-                        part, unit_of_part, fsdp_units, prefetch=True)
+                        part, unit_of_part, fsdp_units, prefetch=True, weight=weight)
                 if not gathered_all and not done_backward.get((c, j)):  # its unsharded grads
-                    transient["fresh gradients"] = FP32 * sum(numel[i] for i in part.params)
+                    # (bf16 weights: made in bf16, cast to fp32 for the reduce-scatter)
+                    transient["fresh gradients"] = fsdp_grad * sum(numel[i] for i in part.params)
             else:  # a weight's gradient before it is copied into its bucket
-                transient["fresh gradients"] = max(numel[i] for i in part.params) * FP32
+                transient["fresh gradients"] = max(numel[i] for i in part.params) * weight
             live.check(tag, transient)
             live.add("activations", -kept(part))
             count = done_backward[(c, j)] = done_backward.get((c, j), 0) + 1
             _gradients(part, count, m, params, numel, layout, plans, bucket_of, viewable, owned,
-                       allocated, fsdp_units, unit_of_part, live)
+                       allocated, fsdp_units, unit_of_part, live, half)
     # After the backward.
     tail = {}
     if zero == 2 and dp > 1:
@@ -394,8 +404,10 @@ def rank_memory(model: ModelConfig, layout: ParallelLayout, rank: int, act: Bloc
         live.check("grad_norm", {"norm temporaries": 16 * min(max(owned), NORM_CHUNK)})
         master = sum(FP32 * o for o in owned)
         live.check("optimizer", {"adamw temporaries": 0 if cuda else master})
-        gather = [FP32 * plans[b].numel for b in range(len(plans))
-                  if zero > 0 and dp > 1 and not viewable[b]]
+        # the gathered bucket (DTensor buckets) and, bf16 weights, the slice's bf16 copy
+        gather = [weight * ((not viewable[b]) * plans[b].numel + half * owned[b])
+                  for b in range(len(plans)) if zero > 0 and dp > 1]
+        gather = [g for g in gather if g]
         if gather:
             live.kinds = {}
             live.check("optimizer", {"parameter all-gather": max(gather)})
@@ -403,7 +415,8 @@ def rank_memory(model: ModelConfig, layout: ParallelLayout, rank: int, act: Bloc
                        at_peak=live.at_peak)
 
 
-def _fsdp_gathered(part, unit_of_part, fsdp_units, prefetch: bool = False) -> float:
+def _fsdp_gathered(part, unit_of_part, fsdp_units, prefetch: bool = False,
+                   weight: int = FP32) -> float:
     """FSDP2 parameters gathered while `part` runs without a pipeline: its unit (one more
     block prefetched in the backward) and the root unit, which FSDP2 never reshards between
     forward and backward."""
@@ -411,12 +424,13 @@ def _fsdp_gathered(part, unit_of_part, fsdp_units, prefetch: bool = False) -> fl
     gathered = fsdp_units.get("root", 0)
     if unit != "root":
         gathered += fsdp_units[unit] * (2 if prefetch else 1)
-    return FP32 * gathered
+    return weight * gathered
 
 
 def _gradients(part, count, m, params, numel, layout, plans, bucket_of, viewable, owned,
-               allocated, fsdp_units, unit_of_part, live) -> None:
-    """What the backward of `part` (its `count`-th of m this iteration) leaves allocated."""
+               allocated, fsdp_units, unit_of_part, live, half: bool = False) -> None:
+    """What the backward of `part` (its `count`-th of m this iteration) leaves allocated
+    (`half`: bf16 weights, whose gradients go into their fp32 bucket every micro-batch)."""
     zero, dp = layout.zero, layout.replicas
     size = FP32 * sum(numel[i] for i in part.params)
     if zero == 3:
@@ -424,7 +438,7 @@ def _gradients(part, count, m, params, numel, layout, plans, bucket_of, viewable
             live.add("gradient accumulators", FP32 * fsdp_units[unit_of_part[part]]
                      if part.kind == "block" else size)
         return
-    own = [i for i in part.params if not viewable[bucket_of[i]]]
+    own = [] if half else [i for i in part.params if not viewable[bucket_of[i]]]
     own_size = FP32 * sum(numel[i] for i in own)
     if m > 1 and count == 1 and own_size:
         live.add("gradient accumulators", own_size)  # DTensor .grad until the last micro-batch
@@ -434,7 +448,7 @@ def _gradients(part, count, m, params, numel, layout, plans, bucket_of, viewable
         return
     for i in part.params:
         b = bucket_of[i]
-        first = viewable[b] and count == 1
+        first = (viewable[b] or half) and count == 1
         if b not in allocated and (first or count == m):
             allocated.add(b)
             live.add("gradient buckets", FP32 * plans[b].numel)

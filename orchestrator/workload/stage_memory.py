@@ -17,8 +17,8 @@ from orchestrator.workload.params import (Param, block_parameters, chunk_size, i
 from orchestrator.workload.memory import (BlockActivations, _block_working, _head_bytes,
                                           engine_block_bytes)
 from orchestrator.workload.states import (FP32, FP64, INT64, NORM_CHUNK,
-                                          cp_split_input_bytes,
-                                          embedding_bytes, input_bytes, stage_buffer_bytes)
+                                          cp_split_input_bytes, embedding_bytes, half_weights,
+                                          input_bytes, stage_buffer_bytes, weight_dtype)
 
 
 def _b_events(pp: int, stage: int, m: int, schedule: str, v: int) -> List[Tuple[int, int, bool]]:
@@ -124,25 +124,29 @@ class StageMemory:
         self.largest_block_param = float(max(block))
         self.largest_param = np.maximum(max(block), largest_other)
 
-        # States per element of this rank's parameters.
+        # States per element of this rank's parameters (bf16 weights: an fp32 master always).
         owned_div = dp if zero >= 1 else 1
+        half = self.half = half_weights(dtype)
+        weight = self.weight = weight_dtype(dtype).bytes  # weights, gathered, their gradients
+        # ZeRO 3: bytes per element of a unit's fresh gradients (bf16 ones and their fp32 cast)
+        self.fsdp_grad = FP32 + (weight if half else 0)
         if zero == 3:
             self.per_elem = {"params": FP32 / dp, "grads": 0.0, "optim": 2 * FP32 / dp}
         else:
-            master = (FP32 if tp > 1 else 0.0) if zero == 0 else FP32 / dp
-            self.per_elem = {"params": FP32 + master, "grads": FP32 if zero < 2 else 0.0,
+            master = (FP32 if tp > 1 or half else 0.0) if zero == 0 else FP32 / dp
+            self.per_elem = {"params": weight + master, "grads": FP32 if zero < 2 else 0.0,
                              "optim": 2 * FP32 / owned_div}
         edp = layout.edp
         self.expert_per_elem = dict(self.per_elem)
         if self.expert_numel and zero < 3:  # DTensors on the expert mesh, sharded over edp
             split = layout.ep * layout.etp > 1
-            master = (FP32 if split else 0.0) if zero == 0 else FP32 / edp
-            self.expert_per_elem = {"params": FP32 + master,
+            master = (FP32 if split or half else 0.0) if zero == 0 else FP32 / edp
+            self.expert_per_elem = {"params": weight + master,
                                     "grads": FP32 if zero < 2 else 0.0,
                                     "optim": 2 * FP32 / (edp if zero >= 1 else 1)}
         sp_norms = tp > 1 and layout.sequence_parallel and zero < 3
         self.norm_index_per_elem = (INT64 + FP64) / owned_div if sp_norms else 0.0
-        self.buffers = np.array([stage_buffer_bytes(model, layout, j, seq_len)
+        self.buffers = np.array([stage_buffer_bytes(model, layout, j, seq_len, dtype)
                                  for j in range(pp)], dtype=float) + (
                                      input_bytes(model, layout, seq_len)
                                      + cp_split_input_bytes(layout, seq_len))
@@ -187,16 +191,17 @@ class StageMemory:
                           np.where(code == 2, k * a_full + (n - k) * a_none, n * a_none))
         numel = n * self.block_numel + self.other_numel[j]
         zero, dp, m, pp = self.zero, self.dp, self.m, self.layout.pp
+        weight, early = self.weight, self._buckets_early()
         accum = np.zeros_like(numel)
         always = np.zeros_like(numel)
         if zero == 3:
             if m > 1:
                 accum = FP32 * numel
             if pp > 1:
-                always = FP32 * numel  # kept gathered between forward and backward
-        elif zero == 2 and dp > 1 and self.tp == 1:
-            accum = FP32 * numel  # the buckets, from the first backward (views of them)
-        elif self.tp > 1 and m > 1:
+                always = weight * numel  # kept gathered between forward and backward
+        elif zero == 2 and dp > 1 and early:
+            accum = FP32 * numel  # the buckets, from the first backward
+        elif self.tp > 1 and m > 1 and not self.half:
             accum = FP32 * numel  # DTensor .grad until the last micro-batch
         per_chunk = (stored + self.emb_kept[j]) / self.v
         # A recomputed layer holds its activations again; under full recompute of k < n layers
@@ -208,11 +213,12 @@ class StageMemory:
         block = self.block_working + recompute
         gathered = 0.0
         if zero == 3 and pp == 1:  # the root, this unit and the next (backward)
-            gathered = FP32 * (self.other_numel.sum() + 2 * self.block_numel)
+            gathered = weight * (self.other_numel.sum() + 2 * self.block_numel)
         if zero == 3:  # a unit's unsharded gradients (kept gathered under a pipeline: none)
-            fresh = fresh_end = 0.0 if pp > 1 else FP32 * self.block_numel
+            fresh = fresh_end = 0.0 if pp > 1 else self.fsdp_grad * self.block_numel
         else:  # a weight's gradient before it is copied into its bucket
-            fresh, fresh_end = FP32 * self.largest_block_param, FP32 * self.largest_param[j]
+            fresh, fresh_end = (weight * self.largest_block_param,
+                                weight * self.largest_param[j])
         # ZeRO 2: the full buckets, and their reduce-scatters' shards from the last backward on
         buckets = FP32 * numel * (1 + 1 / dp) if (zero == 2 and dp > 1) else np.zeros_like(numel)
         bucket_only = FP32 * numel if (zero == 2 and dp > 1) else np.zeros_like(numel)
@@ -225,22 +231,21 @@ class StageMemory:
         def x(a):
             return np.asarray(a, dtype=float)[..., None]
         # The backward starts: every chunk in flight, the loss (last stage) or a layer.
-        if zero == 2 and self.tp == 1 and dp > 1:
+        if zero == 2 and early and dp > 1:
             start_accum = np.where(done, x(bucket_only), 0.0)
         else:
             start_accum = np.where(done, x(accum), 0.0)
         inflight = live * x(per_chunk) + start_accum
         fresh_start = np.where(done, 0.0, x(fresh)) if zero == 3 else x(fresh)
         start = inflight + x(block) + fresh_start + x(gathered)
-        root = FP32 * self.other_numel.sum() if (zero == 3 and pp == 1) else 0.0
+        root = weight * self.other_numel.sum() if (zero == 3 and pp == 1) else 0.0
         loss = (inflight + x(self.head_kept[j] + self.end_working[j])
                 + (x(fresh_end) if zero < 3 else 0.0) + root)
         start = np.where(x(last_stage), np.maximum(start, loss), start)
         # It ends: one chunk fewer, the gradients it made (ZeRO 2's buckets on the last
         # micro-batch), the embedding's gradient of its vocabulary rows on the first stage.
         if zero == 2 and dp > 1:
-            end_accum = np.where(last_mb, x(buckets),
-                                 x(bucket_only) if self.tp == 1 else x(accum))
+            end_accum = np.where(last_mb, x(buckets), x(bucket_only) if early else x(accum))
         elif zero < 3:
             end_accum = np.where(last_mb, 0.0, x(accum))
         else:
@@ -250,6 +255,11 @@ class StageMemory:
                + x(np.where(first_stage, fresh_end, fresh)) + x(gathered))
         peak = np.maximum(start, end).max(axis=-1)
         return np.maximum(peak + always, self.tail_above_states(j, n))
+
+    def _buckets_early(self) -> bool:
+        """Whether ZeRO 2's buckets exist from the first micro-batch's backward: plain
+        parameters' gradients are views of them (no TP), bf16 weights add into them."""
+        return self.tp == 1 or self.half
 
     def micro_batch_bytes(self, layers, act: BlockActivations, tokens, micro_batch_size,
                           code):
@@ -276,9 +286,9 @@ class StageMemory:
         stored = n * layer + np.where(first, embedding_bytes(self.model, layout, tokens), 0.0)
         head_kept, _, head_bwd = _head_bytes(self.model, layout, self.dtype, tokens, self.cuda,
                                              self.vocab_local)
-        fresh = (FP32 * self.largest_block_param if self.zero < 3 else
-                 (0.0 if pp > 1 else FP32 * self.block_numel))
-        fresh_end = FP32 * self.largest_param[:, None] if self.zero < 3 else 0.0
+        fresh = (self.weight * self.largest_block_param if self.zero < 3 else
+                 (0.0 if pp > 1 else self.fsdp_grad * self.block_numel))
+        fresh_end = self.weight * self.largest_param[:, None] if self.zero < 3 else 0.0
         block = (_block_working(self.model, layout, tokens, self.dtype, micro_batch_size)
                  + recompute + fresh)
         end = np.where(first, FP32 * self.vocab_local * self.model.hidden + fresh_end, 0.0)
@@ -287,12 +297,12 @@ class StageMemory:
         numel = n[:, 0] * self.block_numel + self.other_numel
         fixed = np.zeros(pp)
         if self.zero == 3:
-            fixed = FP32 * numel * ((pp > 1) + (self.m > 1))
+            fixed = numel * (self.weight * (pp > 1) + FP32 * (self.m > 1))
             if pp == 1:
-                fixed = fixed + FP32 * (self.other_numel.sum() + 2 * self.block_numel)
+                fixed = fixed + self.weight * (self.other_numel.sum() + 2 * self.block_numel)
         elif self.zero == 2 and self.dp > 1:
             fixed = FP32 * numel * (1 + 1 / self.dp)
-        elif self.tp > 1 and self.m > 1:
+        elif self.tp > 1 and self.m > 1 and not self.half:
             fixed = FP32 * numel
         return stored, extra, fixed
 
@@ -313,8 +323,9 @@ class StageMemory:
         norm = shards + 16 * np.minimum(owned, NORM_CHUNK)
         step = shards + (0.0 if cuda else FP32 * master)
         tail = np.maximum(norm, step)
-        if zero >= 1 and dp > 1 and self.tp > 1:
-            tail = np.maximum(tail, FP32 * bucket)
+        if zero >= 1 and dp > 1 and (self.tp > 1 or self.half):
+            # the gathered bucket (DTensor buckets), bf16 weights' copy of the owned slice
+            tail = np.maximum(tail, self.weight * ((self.tp > 1) * bucket + self.half * owned))
         if zero == 2 and dp > 1:
             tail = np.maximum(tail, FP32 * numel + shards + (0.0 if cuda else FP32 * bucket))
         return tail

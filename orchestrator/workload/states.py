@@ -1,19 +1,24 @@
 """What a rank holds between iterations of `stage=train`'s engine (`rank_states`), exact, from
 the parameter list (params.py) and the gradient buckets (buckets.py) the engine itself uses:
 - ZeRO 0/1/2 (train/grads.py): parameters are fp32 (the masters: autocast only casts matmul
-  inputs). A bucket whose parameters are all plain tensors (no TP, or the norms of TP without
-  SP) holds them as views of one flat buffer; a bucket with DTensor parameters keeps them as they
-  are and a flat fp32 copy for AdamW (its master: the whole bucket for ZeRO 0, this rank's 1/dp
-  slice for ZeRO 1/2; plain buckets under ZeRO 0 update the parameters in place, no copy).
+  inputs), or bf16 under bf16 (half_weights: Megatron's bf16; then every bucket has an fp32
+  master, the whole bucket for ZeRO 0, and plain parameters are views of a flat bf16 buffer:
+  2 + 4 + 12 = 18 bytes per parameter for ZeRO 0, 2 + 4 + 12/dp for ZeRO 1, 2 + 12/dp between
+  steps for ZeRO 2, its 4/dp fp32 gradient shard alive from the backward to the step). A
+  bucket whose parameters are all plain tensors (no TP, or the norms of TP without SP) holds
+  them as views of one flat buffer; a bucket with DTensor parameters keeps them as they are
+  and a flat fp32 copy for AdamW (its master: the whole bucket for ZeRO 0, this rank's 1/dp
+  slice for ZeRO 1/2; fp32 plain buckets under ZeRO 0 update the parameters in place, no copy).
   Gradients: the whole flat fp32 bucket for ZeRO 0/1, nothing between steps for ZeRO 2. AdamW's
   two moments cover the master (one 4-byte step counter each). A bucket holding sequence-
   parallel norms (replicated over TP) keeps their elements' indices in this rank's slice and
   their norm weights (8 + 8 bytes each). Every bucket is padded to a multiple of dp elements.
-- ZeRO 3 (FSDP2): each parameter's dim-0 shard (1/dp, torch.chunk's sizes) and AdamW's two
-  moments of it, with one step counter per parameter.
+- ZeRO 3 (FSDP2): each parameter's dim-0 shard (1/dp, torch.chunk's sizes; fp32, the master:
+  under bf16 FSDP2 casts it for its all-gather) and AdamW's two moments of it, with one step
+  counter per parameter.
 - Pipeline (torch.distributed.pipelining): each model chunk keeps, per micro-batch, a receive
   buffer of its input (not the first virtual stage) and of its output's gradient (not the last),
-  in the residual dtype (fp32), 1/tp of the sequence under SP.
+  in the residual dtype (weight_dtype: fp32, bf16 under bf16), 1/tp of the sequence under SP.
 - The rotary tables (cos, sin: seq x head_dim / 2, fp32), the device mesh (int32 per rank) and
   this rank's tokens and targets (int64, micro_batch_size x num_micro_batches x seq each).
 """
@@ -23,7 +28,7 @@ from dataclasses import dataclass, fields
 from typing import List, Optional
 
 
-from orchestrator.choices import CpComm, Recompute
+from orchestrator.choices import CpComm, Dtype, Recompute
 from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig
 from orchestrator.workload.buckets import plan_buckets
@@ -43,8 +48,8 @@ NORM_CHUNK = 1 << 24  # elements per float64 slice of the gradient norm (train/g
 class StateBytes:
     """Bytes one rank holds between iterations, by kind."""
 
-    params: int  # the parameters (fp32), views of the flat buckets where they can be
-    master: int  # flat fp32 copies AdamW updates (DTensor buckets; ZeRO 1/2 slices)
+    params: int  # the parameters (fp32; bf16 weights), views of flat buffers where they can be
+    master: int  # flat fp32 copies AdamW updates (DTensor buckets; ZeRO 1/2 slices; bf16)
     grads: int  # fp32 gradient buckets kept between steps (ZeRO 0/1)
     optim: int  # AdamW's exp_avg and exp_avg_sq (and step counters)
     norm_index: int  # the SP norms' elements of this rank's slices and their weights (fp64)
@@ -59,6 +64,26 @@ class StateBytes:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["total"] = self.total
         return out
+
+
+def half_weights(dtype: Dtype | str) -> bool:
+    """Whether the engine trains in `dtype` with weights in it: bf16, as Megatron-LM's bf16
+    (fp32 masters in the optimizer, fp32 gradient buckets); fp32, and fp16 (autocast over fp32
+    weights, a dynamic loss scale), keep fp32 weights."""
+    return Dtype.parse(dtype) == Dtype.bf16
+
+
+def weight_dtype(dtype: Dtype | str) -> Dtype:
+    """The dtype the engine computes its weights, residual stream and pipeline messages in and
+    all-gathers its weights in (ZeRO 1/2 after the step, ZeRO-3's FSDP2): `dtype` for bf16
+    weights (half_weights), else fp32 (autocast casts only the matmul inputs)."""
+    return Dtype.parse(dtype) if half_weights(dtype) else Dtype.fp32
+
+
+def weight_bytes(dtype: Dtype | str, zero: int) -> int:
+    """Bytes per element of the weights a rank holds between steps: 2 for bf16 weights under
+    ZeRO 0/1/2, else 4 (ZeRO-3's FSDP2 shards are the fp32 masters, bf16 only while gathered)."""
+    return weight_dtype(dtype).bytes if zero < 3 else FP32
 
 
 def rank_parameters(model: ModelConfig, layout: ParallelLayout, rank: int) -> List[Param]:
@@ -84,9 +109,11 @@ def replicated_over_tp(p: Param, layout: ParallelLayout) -> bool:
 
 
 def _bucket_states(params: List[Param], layout: ParallelLayout, bucket_MiB: float,
-                   dp: Optional[int] = None) -> dict:
-    """The bucketed states of `params` sharded over `dp` ranks (default the dense replicas)."""
+                   dp: Optional[int] = None, dtype: Dtype | str = Dtype.fp32) -> dict:
+    """The bucketed states of `params` sharded over `dp` ranks (default the dense replicas),
+    training in `dtype`."""
     dp, zero = dp or layout.replicas, layout.zero
+    weight, half = weight_bytes(dtype, zero), half_weights(dtype)
     out = dict(params=0, master=0, grads=0, optim=0, norm_index=0)
     plans = plan_buckets([p.local_numel for p in params], dp, bucket_MiB)
     for plan in plans:
@@ -104,8 +131,10 @@ def _bucket_states(params: List[Param], layout: ParallelLayout, bucket_MiB: floa
             width = max(sum(max(0, min(end, lo + owned) - max(start, lo)) for start, end in spans)
                         for lo in range(0, plan.numel, owned))
             out["norm_index"] += (INT64 + FP64) * width
-        out["params"] += FP32 * (plan.numel if viewable else sum(p.local_numel for p in members))
-        out["master"] += 0 if (viewable and zero == 0) else FP32 * owned
+        out["params"] += weight * (plan.numel if viewable
+                                   else sum(p.local_numel for p in members))
+        # fp32 ZeRO-0 updates plain parameters in place
+        out["master"] += 0 if (viewable and zero == 0 and not half) else FP32 * owned
         out["grads"] += FP32 * plan.numel if zero < 2 else 0
         out["optim"] += 2 * FP32 * owned + STEP_COUNTER_BYTES
     return out
@@ -148,14 +177,16 @@ def no_sp_extra_bytes_per_token(mode: Recompute, tp: int, hidden: int, dtype_byt
     return NO_SP_EXTRA_BYTES_PER_HIDDEN[mode] * hidden * (dtype_bytes / 2.0) * (1.0 - 1.0 / tp)
 
 
-def stage_buffer_bytes(model: ModelConfig, layout, pp_rank: int, seq_len: int) -> int:
-    """The pipeline receive buffers of pipeline rank `pp_rank` (fp32 residual stream, every
-    micro-batch): each chunk's input (not the first virtual stage) and its output's gradient
-    (not the last)."""
+def stage_buffer_bytes(model: ModelConfig, layout, pp_rank: int, seq_len: int,
+                       dtype: Dtype | str = Dtype.fp32) -> int:
+    """The pipeline receive buffers of pipeline rank `pp_rank` (the residual stream's dtype,
+    weight_dtype, every micro-batch): each chunk's input (not the first virtual stage) and its
+    output's gradient (not the last)."""
     if layout.pp == 1:
         return 0
     last = layout.pp * layout.virtual_stages - 1
-    per = layout.micro_batch_size * sequence_shard(seq_len, layout) * model.hidden * FP32
+    per = (layout.micro_batch_size * sequence_shard(seq_len, layout) * model.hidden
+           * weight_dtype(dtype).bytes)
     buffers = sum((stage > 0) + (stage < last)
                   for stage in (c * layout.pp + pp_rank for c in range(layout.virtual_stages)))
     return buffers * per * layout.num_micro_batches
@@ -197,9 +228,10 @@ def embedding_bytes(model: ModelConfig, layout, tokens):
 
 
 def rank_states(model: ModelConfig, layout: ParallelLayout, rank: int,
-                seq_len: int | None = None, bucket_MiB: float = 25.0) -> StateBytes:
+                seq_len: int | None = None, bucket_MiB: float = 25.0,
+                dtype: Dtype | str = Dtype.fp32) -> StateBytes:
     """What `rank` holds between iterations of `layout` training `model` at `seq_len`
-    (default the model's) on the orchestrator engine, by kind (bytes)."""
+    (default the model's) in `dtype` on the orchestrator engine, by kind (bytes)."""
     seq_len = seq_len or model.seq_len
     params = rank_parameters(model, layout, rank)
     if layout.zero == 3:
@@ -209,10 +241,11 @@ def rank_states(model: ModelConfig, layout: ParallelLayout, rank: int,
         # (train/optimizers.ExpertAdamW); a dense model has none
         dense = [p for p in params if not is_expert(p)]
         experts = [p for p in params if is_expert(p)]
-        kinds = _bucket_states(dense, layout, bucket_MiB)
+        kinds = _bucket_states(dense, layout, bucket_MiB, dtype=dtype)
         if experts:
-            for kind, size in _bucket_states(experts, layout, bucket_MiB, layout.edp).items():
+            for kind, size in _bucket_states(experts, layout, bucket_MiB, layout.edp,
+                                             dtype).items():
                 kinds[kind] += size
-    buffers = stage_buffer_bytes(model, layout, layout.coordinate(rank, "pp"), seq_len)
+    buffers = stage_buffer_bytes(model, layout, layout.coordinate(rank, "pp"), seq_len, dtype)
     return StateBytes(**kinds, pipeline_buffers=buffers,
                       inputs=input_bytes(model, layout, seq_len))

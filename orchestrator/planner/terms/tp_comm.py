@@ -4,7 +4,7 @@ Which collectives each engine issues per layer, for the embedding and the LM hea
 full recompute reruns (orchestrator/workload/tp.py), and what each of them moves
 (workload/comm.tp_messages: a layer activation of the rank's tokens x hidden, its gathers of
 norm outputs and the gradients that come back to them in the residual stream's dtype, which is
-fp32 in stage=train's engine under autocast; the vocab-parallel loss's three all-reduces of one
+stage=train's weights' (bf16 under bf16, fp32 under fp32 and fp16's autocast); the vocab-parallel loss's three all-reduces of one
 fp32 value per token) are the workload model's, one definition checked against the real engine;
 this module only prices them on a group of tp consecutive ranks.
 

@@ -34,11 +34,12 @@ the pipeline schedules' no_sync / grad_sync_func / param_sync_func), by its knob
 Both go into e_0 (cost_model): the first stage's sync left exposed.
 
 Engine "orchestrator" (stage=train: train/grads.py, FSDP2; workload/comm.py lists each message,
-checked against the real engine): parameters and gradients are fp32; during the last
+checked against the real engine): gradients are fp32, parameters are gathered in the weights'
+dtype (bf16 under bf16, as Megatron's; fp32 under fp32 and fp16); during the last
 micro-batch's backward each gradient bucket is all-reduced (ZeRO 0/1) or reduce-scattered
 (ZeRO 2), and ZeRO 3 reduce-scatters each unit's gradients once; after the optimizer step ZeRO
-1/2 all-gather the updated fp32 parameters (nothing to overlap it with); ZeRO 3 all-gathers each
-unit's fp32 parameters in forward and in backward per micro-batch without a pipeline, once per
+1/2 all-gather the updated parameters (nothing to overlap it with); ZeRO 3 all-gathers each
+unit's parameters in forward and in backward per micro-batch without a pipeline, once per
 iteration with one (kept gathered).
 """
 from __future__ import annotations
@@ -150,16 +151,17 @@ def zero3_gathers(engine: Engine, pp: int, num_micro_batches: int) -> int:
 
 
 def zero_messages(engine: Engine, zero: int, pp: int, num_micro_batches: int, group: str,
-                  param_bytes: float, grad_bytes: float, units) -> List[Comm]:
+                  param_bytes: float, grad_bytes: float, units,
+                  params_dtype: str = "bf16") -> List[Comm]:
     """The data-parallel messages of one iteration the planner prices for a stage holding
     `param_bytes` / `grad_bytes` unsharded over `group` (workload Comm entries, counts per
     iteration; `units`: (parameter, gradient) bytes of each part priced on its own, a layer or
     the rest): sync_ops' and, with ZeRO 3 (Megatron's: ZeRO 2 and 3), the per-micro-batch
-    traffic of each unit. Our engine's are
-    fp32; Megatron's parameters are the profile's bf16."""
+    traffic of each unit. Gradients are fp32, parameters gathered in `params_dtype` (ours: the
+    weights' dtype, workload/states.weight_dtype; Megatron's bf16)."""
     m = num_micro_batches
     orchestrator = engine == Engine.orchestrator
-    params_dt = "fp32" if orchestrator else "bf16"
+    params_dt = params_dtype
     during, after = sync_ops(engine, zero)
 
     def one(op: str, phase: str, count: int, params: float, grads: float) -> Comm:
