@@ -357,7 +357,7 @@ def test_a_few_micro_batches_get_the_best_of_every_order(schedule):
     # room for about one long sample at a time: several micro-batches per rank
     budget = 1.2 * float(costs.alone_bytes(costs.price([1], [2048], [0])).max())
     checked = 0
-    for trial in range(24):
+    for trial in range(64):
         if checked == 4:
             break
         lengths = [np.minimum(rng.lognormal(6.5, 1.0, 8).astype(int) + 1, 2048).tolist()]
