@@ -242,7 +242,9 @@ def test_megatron_arguments_for_the_experts():
                             ep=8, etp=1, sequence_parallel=True, zero=1, micro_batch_size=1,
                             num_micro_batches=4)
     args, notes = megatron_command_args(deepseek, layout)
-    pairs = dict(zip(args[::2], args[1::2]))
+    # each flag with the value after it (None for a flag alone, e.g. --overlap-grad-reduce)
+    pairs = {a: (b if not b.startswith("--") else None)
+             for a, b in zip(args, args[1:] + ["--"]) if a.startswith("--")}
     assert pairs["--num-experts"] == str(deepseek.experts)
     assert pairs["--moe-router-topk"] == str(deepseek.top_k)
     assert pairs["--expert-model-parallel-size"] == "8"
