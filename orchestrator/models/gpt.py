@@ -21,6 +21,7 @@ from orchestrator.models.config import ModelConfig, is_moe_block, validate_model
 from orchestrator.models.loss import IGNORE_INDEX, token_losses  # noqa: F401 (IGNORE_INDEX:
 # padding of variable-length samples, which counts in no loss; imported from here)
 from orchestrator.models.moe import MoE
+from orchestrator.models.projections import each_linear
 
 
 
@@ -63,12 +64,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x1, x2 = x.float().chunk(2, dim=-1)
     rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
     return rotated.type_as(x)
-
-
-def each_linear(x: torch.Tensor, linears) -> list:
-    """Each of `linears` applied to x: the sub-layer's input projections (wq, wk, wv; w_gate,
-    w_up). Sequence parallelism replaces it (models/parallelize.sequence_parallel_linears)."""
-    return [linear(x) for linear in linears]
 
 
 def _attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

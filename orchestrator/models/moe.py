@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from orchestrator.models.config import ModelConfig, capacity, expert_width
+from orchestrator.models.projections import each_linear
 
 
 class Experts(nn.Module):
@@ -68,8 +69,6 @@ class SharedExpert(nn.Module):
     """The dense SwiGLU every token goes through (same names as models/gpt.MLP, TP-sharded alike)."""
 
     def __init__(self, hidden: int, width: int):
-        from orchestrator.models.gpt import each_linear  # gpt imports this module
-
         super().__init__()
         self.w_gate = nn.Linear(hidden, width, bias=False)
         self.w_up = nn.Linear(hidden, width, bias=False)
