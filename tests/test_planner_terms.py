@@ -11,12 +11,13 @@ from orchestrator.planner.terms import FwdBwd, overlap_extra_us
 from orchestrator.planner.terms.compute import LayerCompute
 from orchestrator.planner.terms.memory import (ActivationBytes, comm_buffer_bytes,
                                                stage_activation_bytes)
-from orchestrator.choices import Dtype
+from orchestrator.choices import Dtype, Recompute
 from orchestrator.planner.terms.pipeline import (boundary_intra_node, boundary_us,
                                                  on_end_stages, stage_sends)
 from orchestrator.planner.terms.tp_comm import TpComm
 from orchestrator.planner.terms.zero import ZeroSharding, ZeroTraffic, dp_sync_us
 from orchestrator.workload.comm import layer_activation_bytes, pp_message_bytes, tp_messages
+from orchestrator.workload.states import no_sp_extra_bytes_per_token
 from planner_fixtures import hand_hardware, hand_model
 
 # s = 1024 tokens, b = 2, h = 4096, bf16: 2sbh = 16 MiB per TP collective.
@@ -220,16 +221,14 @@ def test_in_flight_micro_batches(schedule, m, v, expected):
 
 # ------------------------------------------------------------------ memory
 def test_activations_with_and_without_sequence_parallel():
-    """h = 1024, a = 8, s = 512, t = 4. The profile holds Megatron's SP figures per token:
-    none h(34/t) + 5as/t = 8704 + 5120, selective 34h/t = 8704, full 2h/t = 512. Without SP:
-    h(10 + 24/t) + 5as/t = 21504, selective h(10 + 24/t) = 16384, full 2h = 2048."""
-    block = hand_model(tp=4).memory(4)[0]
-    sp = ActivationBytes.from_block(block, 512, 4, True, 1024, 2)
-    assert (sp.none, sp.selective, sp.full) == (13824.0, 8704.0, 512.0)
-    no_sp = ActivationBytes.from_block(block, 512, 4, False, 1024, 2)
-    assert (no_sp.none, no_sp.selective, no_sp.full) == (21504.0, 16384.0, 2048.0)
-    alone = ActivationBytes.from_block(block, 512, 1, False, 1024, 2)
-    assert alone == ActivationBytes(13824.0, 8704.0, 512.0)  # tp 1: nothing to shard
+    """h = 1024, a = 8, s = 512, t = 4. Megatron's SP figures per token: none h(34/t) + 5as/t =
+    8704 + 5120, selective 34h/t = 8704, full 2h/t = 512. Without SP: h(10 + 24/t) + 5as/t =
+    21504, selective h(10 + 24/t) = 16384, full 2h = 2048: what SP would shard is the
+    difference (workload/states.no_sp_extra_bytes_per_token, which our engine's memory adds)."""
+    sp = (13824.0, 8704.0, 512.0)
+    no_sp = [a + no_sp_extra_bytes_per_token(mode, 4, 1024, 2) for a, mode in zip(sp, Recompute)]
+    assert no_sp == [21504.0, 16384.0, 2048.0]
+    assert all(no_sp_extra_bytes_per_token(mode, 1, 1024, 2) == 0 for mode in Recompute)
 
 
 @pytest.mark.parametrize("code,k,expected", [

@@ -321,20 +321,9 @@ class StageCosts:
         self._price_other(self.options.other_time_first_share)
         self._price_sends(model)
         self.tp_buffer = tp_buffer_bytes(key.tp, tp_bytes)
+        # Our engine's activations are its memory model's (engine_memory, workload/memory.py)
         if self.engine == Engine.megatron:
             self._megatron_activations(model, seq_len, micro_batch_size)
-            return
-        self.act = ActivationBytes.from_block(self._block, seq_len, key.tp,
-                                              key.sequence_parallel, model.hidden,
-                                              model.dtype_bytes)
-        if self.moe is not None:  # the MoE FFN's activations in block 0's FFN's place
-            delta = activation_delta_bytes(model, self.moe, seq_len, micro_batch_size, key.tp,
-                                           key.cp, key.etp, self.imbalance) / self.tokens
-            self.act = ActivationBytes(self.act.none + delta, self.act.selective + delta,
-                                       self.act.full)
-        self.other_act = on_end_stages(
-            0.0, self.tokens * self._other.act_bytes_per_token_at(Recompute.none, seq_len),
-            key.pp)
 
     def at(self, micro_batch_size, seq_len) -> "StageCosts":
         """This config's costs for K micro-batches of their own shapes: micro_batch_size[k]

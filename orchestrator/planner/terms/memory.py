@@ -2,21 +2,14 @@
 
 ActivationBytes holds one layer's bytes per token by recompute mode; the stage sums put
 in-flight micro-batches, recompute and the layer being rerun together. For search.engine=
-megatron the bytes are Megatron-Core's layer (terms/megatron_memory.py); `from_block` reads a
-model profile's sequence-parallel figures and adds, without sequence parallelism, the part SP
-would shard (workload/states.no_sp_extra_bytes_per_token).
+megatron the bytes are Megatron-Core's layer (terms/megatron_memory.py); our engine's come
+from its memory model (workload/memory.py), not from here.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
-
-from orchestrator.choices import Recompute
-from orchestrator.planner.profiles import PartMemory
-# defined once, with the rest of a layout's memory
-from orchestrator.workload.states import no_sp_extra_bytes_per_token
-
 
 
 @dataclass(frozen=True)
@@ -26,18 +19,6 @@ class ActivationBytes:
     none: float
     selective: float
     full: float
-
-    @classmethod
-    def from_block(cls, block: PartMemory, seq_len: int, tp: int, sequence_parallel: bool,
-                   hidden: int, dtype_bytes: int) -> "ActivationBytes":
-        """The profile's (sequence-parallel) figures at `seq_len`, plus what SP would have
-        sharded when tp > 1 runs without it."""
-        def at(mode: Recompute) -> float:
-            extra = (no_sp_extra_bytes_per_token(mode, tp, hidden, dtype_bytes)
-                     if tp > 1 and not sequence_parallel else 0.0)
-            return block.act_bytes_per_token_at(mode, seq_len) + extra
-
-        return cls(*(at(mode) for mode in Recompute))
 
 
 def _per_token(act: ActivationBytes, n, mode_code, k):
