@@ -75,6 +75,8 @@ class Stage:
     # dotted keys in them that do not (which sub-parts to run, plotting).
     hash_sections: ClassVar[Tuple[str, ...]]
     hash_exclude: ClassVar[Tuple[str, ...]] = ()
+    # Dotted keys of other sections that decide it too (profile_model: train.compile).
+    hash_keys: ClassVar[Tuple[str, ...]] = ()
     # A config section whose swept keys give each point of a `-m` sweep its own ledger key and
     # outputs (orchestrator.sweep); None: points share them.
     sweep_section: ClassVar[Optional[str]] = None

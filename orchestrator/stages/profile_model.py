@@ -149,9 +149,13 @@ class ProfileModel(Stage):
     name = "profile_model"
     hash_sections = ("cluster", "model", "profile_model")
     hash_exclude = ("profile_model.plot",)
+    hash_keys = ("train.compile",)  # the block is timed compiled where train compiles it
 
     def plan(self, cfg):
         from orchestrator.limits import check_profile_points
+        from orchestrator.train.plan import train_compile, train_device
+
+        train_compile(cfg, train_device(cfg))  # a bad train.compile: refused before launch
 
         profile = plan_profile(cfg)
         check_profile_points(cfg.limits, len(profile.points()),

@@ -1,0 +1,153 @@
+"""Issue 42, regional torch.compile: train.compile (auto: on CUDA, off on CPU) compiles each
+transformer block on its own (models/compile.py), the same function for train's chunks and for
+the block profile_model times; what cannot compile stays eager with one line saying why."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import spawn_ranks
+
+from orchestrator.models.compile import (compile_block, compile_wanted, eager, eager_parts,
+                                         is_compiled)
+
+STEPS = 3
+
+
+# ---------------------------------------------------------------- pure rules
+@pytest.mark.parametrize("setting, device, wanted", [
+    ("auto", "cuda", True), ("auto", "cpu", False), ("true", "cpu", True), ("True", "cpu", True),
+    (True, "cpu", True), ("false", "cuda", False), ("False", "cuda", False),
+])
+def test_auto_compiles_on_cuda_only_and_true_false_are_taken_as_given(setting, device, wanted):
+    assert compile_wanted(setting, device) is wanted
+
+
+def test_another_setting_is_refused_naming_the_allowed_ones():
+    with pytest.raises(ValueError, match=r"train.compile\('yes'\) must be one of auto, true, "
+                                         r"false"):
+        compile_wanted("yes", "cuda")
+
+
+def test_a_plan_refuses_a_bad_setting_before_launch():
+    from test_limits import _cfg
+
+    from orchestrator.errors import ConfigError
+    from orchestrator.pipeline import plan_stage
+
+    for stage in ("train", "profile_model"):
+        with pytest.raises(ConfigError, match=r"train.compile\('maybe'\)"):
+            plan_stage(stage, _cfg(f"stage={stage}", "train.compile=maybe", "train.pp=1"))
+
+
+def test_the_profiles_hash_follows_train_compile():
+    """A profile timed eager is stale for a train that compiles (and back)."""
+    from test_limits import _cfg
+
+    from orchestrator.pipeline import plan_stage
+
+    hashes = {value: plan_stage("profile_model", _cfg("stage=profile_model",
+                                                      f"train.compile={value}")).config_hash
+              for value in ("auto", "true", "false")}
+    assert len(set(hashes.values())) == 3
+
+
+def test_the_parts_that_cannot_compile_stay_eager_with_one_line_each():
+    assert eager_parts(is_moe=False, context_parallel=False) == (("",), ())
+    units, why = eager_parts(is_moe=True, context_parallel=False)
+    assert units == ("attn",) and len(why) == 1 and "MoE FFN stays eager" in why[0]
+    units, why = eager_parts(is_moe=False, context_parallel=True)
+    assert units == ("mlp",) and len(why) == 1 and "context parallelism" in why[0]
+    units, why = eager_parts(is_moe=True, context_parallel=True)
+    assert units == () and len(why) == 2
+    for moe in (False, True):
+        units, why = eager_parts(is_moe=moe, tensor_parallel=True)
+        assert units == () and len(why) == 1 and "tensor parallelism" in why[0]
+
+
+def _tiny_block():
+    from orchestrator.models.config import ModelConfig
+    from orchestrator.models.gpt import GPT
+
+    model = GPT(ModelConfig(hidden=32, ffn=64, layers=1, heads=2, kv_heads=2, vocab=64,
+                            seq_len=8))
+    return model.blocks[0], model.rope()
+
+
+def test_a_block_that_fails_to_compile_runs_eager_and_says_why_once():
+    """What dynamo cannot trace at a part's first forward (here a graph break, which a full
+    graph refuses) falls back to eager: the same output, one line, no crash."""
+    block, (cos, sin) = _tiny_block()
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+    expected = block(x, cos, sin)
+
+    def breaks(x, linears):
+        torch._dynamo.graph_break()
+        return [linear(x) for linear in linears]
+
+    block.mlp.project = breaks
+    notes = []
+    assert compile_block(block, on_note=notes.append) == []
+    assert is_compiled(block)
+    out = block(x, cos, sin)
+    torch.testing.assert_close(out, expected)
+    assert len(notes) == 1 and notes[0].startswith("torch.compile failed for the block, which "
+                                                   "runs eager: Unsupported")
+    assert not is_compiled(block)
+    block(x, cos, sin)  # eager from now on: no second line
+    assert len(notes) == 1
+
+
+# ---------------------------------------------------------------- one compiled run on the CPU
+MODEL = dict(hidden=64, ffn=128, layers=2, heads=4, kv_heads=2, vocab=128, seq_len=32)
+
+
+def _train_and_profile(rank: int, out: dict) -> None:
+    from torch._dynamo.utils import counters
+
+    from orchestrator.layout import ParallelLayout
+    from orchestrator.models.config import ModelConfig
+    from orchestrator.profiling.model.timing import build_point_model, time_point
+    from orchestrator.train.data import make_data
+    from orchestrator.train.engine import Engine
+
+    model = ModelConfig(**MODEL)
+    data = make_data(None, model.vocab, model.seq_len, seed=0)
+    layout = ParallelLayout.uniform(1, 1, 1, model.layers, micro_batch_size=2,
+                                    num_micro_batches=2)
+    for compiled in (False, True):
+        engine = Engine(layout, model, torch.device("cpu"), seed=1, compile=compiled)
+        losses = []
+        for step in range(STEPS):
+            tokens, targets = data.rank_batch(step, 0, 1, 4)
+            losses.append(engine.train_step(tokens, targets, 1e-3, 1.0).loss)
+        out[f"losses {compiled}"] = losses
+        out[f"compiled {compiled}"] = is_compiled(engine.modules[0])
+        out[f"notes {compiled}"] = list(engine.compile_notes)
+    # both blocks ran one compiled graph: the second reused the first's
+    out["graphs"] = counters["stats"]["unique_graphs"]
+    # profile_model's block, compiled by the same function, timed as train runs it
+    point = build_point_model(dataclasses.replace(model, layers=1), model.seq_len, 1, None,
+                              "cpu", batch=2, compile=True)
+    out["point compiled"] = point.compiled and is_compiled(point.block)
+    samples = time_point(point, model.seq_len, warmup_iters=1, iters=1)
+    out["point timed"] = all(len(v) == 1 and v[0] > 0 for v in samples.values())
+    x = point.block_input(model.seq_len, torch.Generator().manual_seed(0))
+    cos, sin = point.rope()
+    y = point.block(x, cos, sin).detach()
+    with eager(point.block):
+        out["point eager twin"] = bool(torch.allclose(point.block(x, cos, sin), y, atol=1e-5))
+
+
+def test_compiled_blocks_train_as_eager_and_profile_model_times_them_compiled():
+    """train.compile=true on the CPU (inductor): a tiny model's losses over its steps are the
+    eager run's within float tolerance, its two identical blocks share one compiled graph, and
+    profile_model's point block is compiled by the same function and times."""
+    out = spawn_ranks(_train_and_profile, 1)
+    assert out["compiled True"] and not out["compiled False"]
+    assert out["notes True"] == [] and out["notes False"] == []
+    assert out["losses True"] == pytest.approx(out["losses False"], rel=1e-4)
+    assert out["losses True"][-1] < out["losses True"][0]  # it trained
+    assert out["graphs"] == 1
+    assert out["point compiled"] and out["point timed"] and out["point eager twin"]
