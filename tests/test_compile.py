@@ -3,8 +3,6 @@ transformer block on its own (models/compile.py), the same function for train's 
 the block profile_model times; what cannot compile stays eager with one line saying why."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from conftest import spawn_ranks
@@ -103,12 +101,14 @@ def test_a_block_that_fails_to_compile_runs_eager_and_says_why_once():
 MODEL = dict(hidden=64, ffn=128, layers=2, heads=4, kv_heads=2, vocab=128, seq_len=32)
 
 
-def _train_and_profile(rank: int, out: dict) -> None:
+def _train_and_profile(cfg, rank: int, out: dict) -> None:
     from torch._dynamo.utils import counters
 
     from orchestrator.layout import ParallelLayout
     from orchestrator.models.config import ModelConfig
-    from orchestrator.profiling.model.timing import build_point_model, time_point
+    from orchestrator.profiling.model.plan import plan_profile
+    from orchestrator.profiling.model.runner import point_runner
+    from orchestrator.runtime.context import RankContext
     from orchestrator.train.data import make_data
     from orchestrator.train.engine import Engine
 
@@ -123,31 +123,50 @@ def _train_and_profile(rank: int, out: dict) -> None:
             tokens, targets = data.rank_batch(step, 0, 1, 4)
             losses.append(engine.train_step(tokens, targets, 1e-3, 1.0).loss)
         out[f"losses {compiled}"] = losses
-        out[f"compiled {compiled}"] = is_compiled(engine.modules[0])
+        out[f"compiled {compiled}"] = engine.compiled
         out[f"notes {compiled}"] = list(engine.compile_notes)
     # both blocks ran one compiled graph: the second reused the first's
     out["graphs"] = counters["stats"]["unique_graphs"]
-    # profile_model's block, compiled by the same function, timed as train runs it
-    point = build_point_model(dataclasses.replace(model, layers=1), model.seq_len, 1, None,
-                              "cpu", batch=2, compile=True)
-    out["point compiled"] = point.compiled and is_compiled(point.block)
-    samples = time_point(point, model.seq_len, warmup_iters=1, iters=1)
-    out["point timed"] = all(len(v) == 1 and v[0] > 0 for v in samples.values())
+    # profile_model's point of the same shape (train.compile=true): its block compiled by the
+    # same function (inductor's cache has the graph), timed, and the record says so
+    ctx = RankContext(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0,
+                      num_nodes=1, node_name="here", node_of_rank=[0], hostnames=["here"],
+                      backend="gloo", device_spec="cpu")
+    runner = point_runner(ctx, cfg, plan_profile(cfg), [1])
+    with runner.for_tp(1, model.seq_len):
+        point = runner._pm
+        record = runner.point(model.seq_len, 1)
+    out["point"] = {key: record.get(key) for key in ("compiled", "compile_notes")}
+    out["point block compiled"] = is_compiled(point.block)
+    out["point timed"] = record["block_fwd_us"] > 0 and record["block_bwd_us"] > 0
     x = point.block_input(model.seq_len, torch.Generator().manual_seed(0))
     cos, sin = point.rope()
-    y = point.block(x, cos, sin).detach()
-    with eager(point.block):
-        out["point eager twin"] = bool(torch.allclose(point.block(x, cos, sin), y, atol=1e-5))
+    with torch.no_grad():
+        y = point.block(x, cos, sin)
+        with eager(point.block):
+            out["point eager twin"] = bool(torch.allclose(point.block(x, cos, sin), y,
+                                                          atol=1e-5))
 
 
 def test_compiled_blocks_train_as_eager_and_profile_model_times_them_compiled():
     """train.compile=true on the CPU (inductor): a tiny model's losses over its steps are the
     eager run's within float tolerance, its two identical blocks share one compiled graph, and
-    profile_model's point block is compiled by the same function and times."""
-    out = spawn_ranks(_train_and_profile, 1)
+    profile_model's point block is compiled by the same function, timed, and its record says
+    `compiled: true`."""
+    import functools
+
+    from test_limits import _cfg
+
+    shape = [f"model.{key}={value}" for key, value in MODEL.items() if key != "layers"]
+    cfg = _cfg("stage=profile_model", "train.compile=true", *shape,
+               "cluster.tasks_per_node=1", "profile_model.micro_batch_size=2",
+               f"profile_model.seq_lens=[{MODEL['seq_len']}]", "profile_model.max_tp=1",
+               "profile_model.warmup_iters=1", "profile_model.iters=1")
+    out = spawn_ranks(functools.partial(_train_and_profile, cfg), 1)
     assert out["compiled True"] and not out["compiled False"]
     assert out["notes True"] == [] and out["notes False"] == []
     assert out["losses True"] == pytest.approx(out["losses False"], rel=1e-4)
     assert out["losses True"][-1] < out["losses True"][0]  # it trained
     assert out["graphs"] == 1
-    assert out["point compiled"] and out["point timed"] and out["point eager twin"]
+    assert out["point"] == {"compiled": True, "compile_notes": None}
+    assert out["point block compiled"] and out["point timed"] and out["point eager twin"]
