@@ -27,7 +27,8 @@ def compile_wanted(setting, device_type: str) -> bool:
     tens of seconds per rank for little gain). ValueError for another setting."""
     text = str(setting).strip().lower()
     if text not in COMPILE_SETTINGS:
-        raise ValueError(f"train.compile({setting!r}) must be one of {', '.join(COMPILE_SETTINGS)}")
+        raise ValueError(f"train.compile({setting!r}) must be one of "
+                         f"{', '.join(COMPILE_SETTINGS)}")
     if text == "auto":
         return device_type == "cuda"
     return text == "true"

@@ -6,9 +6,10 @@ parallelize_fn: the one builder train's Engine runs and trace records.
 block of the expert grid, cut into this rank's pipeline chunks (virtual stage c * pp + pp_rank),
 attention context-parallel over its CP group, MoE balance statistics summed over a sequence's
 ranks, the layout's recompute, then (train) materialised on the rank's device, each block
-compiled (train.compile: models/compile.py, torchtitan's order: after TP and the recompute flags,
-before FSDP) and FSDP-wrapped for ZeRO-3. `build_optimizer`: train's ZeRO 0/1/2 (train/grads.py) over the replicas (dp x cp),
-the routed experts' over the EDP group, or FSDP's AdamW for ZeRO-3.
+compiled (train.compile: models/compile.py; torchtitan's order, after TP and the recompute
+flags, before FSDP) and FSDP-wrapped for ZeRO-3. `build_optimizer`: train's ZeRO 0/1/2
+(train/grads.py) over the replicas (dp x cp), the routed experts' over the EDP group, or FSDP's
+AdamW for ZeRO-3.
 
 trace (trace/tracer.py) calls both on its fake process group, on meta, with its own CP attention
 (Megatron's) and then adds its recording hooks to the chunks (Megatron's second all-gather in the

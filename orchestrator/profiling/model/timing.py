@@ -8,8 +8,9 @@ two parts, as a pipeline stage sees them:
 
 The block is torch.compile'd when train compiles it (train.compile; models/compile.py, the
 function train's chunks are compiled with), so that a profile times the block as train runs it;
-its memory is counted eager. Every rank of a group runs the same iterations; a barrier on the
-group starts each one. Times are
+its memory is counted eager.
+
+Every rank of a group runs the same iterations; a barrier on the group starts each one. Times are
 per rank in microseconds, the median iteration (and the fastest) of each part (measure.Stopwatch:
 CUDA events on a GPU, perf_counter on a CPU), and the optimizer step (norm, clipping, AdamW,
 parameter copy) of the block's and of the other parts' parameters (the optimizer term).
@@ -218,9 +219,9 @@ def time_point(pm: PointModel, seq_len: int, warmup_iters: int, iters: int,
     from orchestrator.models.compile import eager
 
     if pm.compiled:
-        # Each length its own static graph, as train's fixed-length steps compile one (a
-        # dynamic-shape graph after the second length would time other kernels), never the
-        # cache's limit of graphs reached (eager from there on).
+        # Each length its own static graph, compiled in the warm-up, as train's fixed-length
+        # steps compile one: without the reset, dynamo would compile a dynamic-shape graph at
+        # the second length (other kernels), and past its cache limit run eager.
         torch._dynamo.reset()
     clock = Stopwatch(pm.device)
     g = torch.Generator().manual_seed(1234 + seq_len) if pm.device.type == "cpu" else None
