@@ -3,6 +3,8 @@ transformer block on its own (models/compile.py), the same function for train's 
 the block profile_model times; what cannot compile stays eager with one line saying why."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import spawn_ranks
@@ -109,6 +111,7 @@ def _train_and_profile(cfg, rank: int, out: dict) -> None:
     from orchestrator.profiling.model.plan import plan_profile
     from orchestrator.profiling.model.runner import point_runner
     from orchestrator.runtime.context import RankContext
+    from orchestrator.stages.train import _tensor_count
     from orchestrator.train.data import make_data
     from orchestrator.train.engine import Engine
 
@@ -125,6 +128,12 @@ def _train_and_profile(cfg, rank: int, out: dict) -> None:
         out[f"losses {compiled}"] = losses
         out[f"compiled {compiled}"] = engine.compiled
         out[f"notes {compiled}"] = list(engine.compile_notes)
+    # train's CPU step that counts every live tensor (a dispatch mode, which dynamo refuses
+    # to run under) runs the blocks eager, then they are compiled again
+    log = SimpleNamespace(tensor_peak_bytes=None)
+    with _tensor_count(engine, tokens, targets, 1, SimpleNamespace(timing_warmup_steps=3), log):
+        engine.train_step(tokens, targets, 1e-3, 1.0)
+    out["counted step"] = log.tensor_peak_bytes > 0 and engine.compiled
     # both blocks ran one compiled graph: the second reused the first's
     out["graphs"] = counters["stats"]["unique_graphs"]
     # profile_model's point of the same shape (train.compile=true): its block compiled by the
@@ -150,7 +159,8 @@ def _train_and_profile(cfg, rank: int, out: dict) -> None:
 
 def test_compiled_blocks_train_as_eager_and_profile_model_times_them_compiled():
     """train.compile=true on the CPU (inductor): a tiny model's losses over its steps are the
-    eager run's within float tolerance, its two identical blocks share one compiled graph, and
+    eager run's within float tolerance, its two identical blocks share one compiled graph, the
+    step train counts live tensors in runs (eager), and
     profile_model's point block is compiled by the same function, timed, and its record says
     `compiled: true`."""
     import functools
@@ -168,5 +178,6 @@ def test_compiled_blocks_train_as_eager_and_profile_model_times_them_compiled():
     assert out["losses True"] == pytest.approx(out["losses False"], rel=1e-4)
     assert out["losses True"][-1] < out["losses True"][0]  # it trained
     assert out["graphs"] == 1
+    assert out["counted step"]
     assert out["point"] == {"compiled": True, "compile_notes": None}
     assert out["point block compiled"] and out["point timed"] and out["point eager twin"]

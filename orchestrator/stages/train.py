@@ -376,11 +376,15 @@ def _tensor_count(engine, tokens, targets, index: int, t, steps_log):
     if device.type == "cuda" or index != 1 or t.timing_warmup_steps < 2:
         yield
         return
+    from orchestrator.models.compile import eager
     from orchestrator.train.live_memory import LiveTensorBytes
 
     live = LiveTensorBytes(device, [engine, tokens, targets])
-    with live:
-        yield
+    with contextlib.ExitStack() as stack:
+        for module in engine.modules:  # dynamo refuses to run under the counting's mode
+            stack.enter_context(eager(module))
+        with live:
+            yield
     steps_log.tensor_peak_bytes = live.peak_bytes
 
 
