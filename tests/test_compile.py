@@ -41,16 +41,24 @@ def test_a_plan_refuses_a_bad_setting_before_launch():
             plan_stage(stage, _cfg(f"stage={stage}", "train.compile=maybe", "train.pp=1"))
 
 
-def test_the_profiles_hash_follows_train_compile():
-    """A profile timed eager is stale for a train that compiles (and back)."""
+def test_the_profiles_hash_follows_whether_the_block_is_compiled():
+    """A profile timed eager is stale for a train that compiles (and back); one timed eager
+    keeps the hash it had before train compiled (nothing added: CPU profiles stay valid)."""
     from test_limits import _cfg
 
     from orchestrator.pipeline import plan_stage
+    from orchestrator.stages import get_stage
 
-    hashes = {value: plan_stage("profile_model", _cfg("stage=profile_model",
-                                                      f"train.compile={value}")).config_hash
-              for value in ("auto", "true", "false")}
-    assert len(set(hashes.values())) == 3
+    def profile_hash(*overrides):
+        return plan_stage("profile_model", _cfg("stage=profile_model", *overrides)).config_hash
+
+    assert get_stage("profile_model").hash_extra(_cfg("stage=profile_model")) == {}
+    eager = {profile_hash(f"train.compile={value}") for value in ("auto", "false")}
+    assert len(eager) == 1
+    assert profile_hash("train.compile=true") not in eager
+    gpu = ("cluster=gpu_node", "launcher=slurm")  # auto compiles on CUDA
+    assert profile_hash(*gpu) == profile_hash(*gpu, "train.compile=true")
+    assert profile_hash(*gpu) != profile_hash(*gpu, "train.compile=false")
 
 
 def test_the_parts_that_cannot_compile_stay_eager_with_one_line_each():

@@ -75,8 +75,6 @@ class Stage:
     # dotted keys in them that do not (which sub-parts to run, plotting).
     hash_sections: ClassVar[Tuple[str, ...]]
     hash_exclude: ClassVar[Tuple[str, ...]] = ()
-    # Dotted keys of other sections that decide it too (profile_model: train.compile).
-    hash_keys: ClassVar[Tuple[str, ...]] = ()
     # A config section whose swept keys give each point of a `-m` sweep its own ledger key and
     # outputs (orchestrator.sweep); None: points share them.
     sweep_section: ClassVar[Optional[str]] = None
@@ -90,6 +88,11 @@ class Stage:
     def plan(self, cfg: Config) -> StagePlan:
         """Validate the stage's config (ConfigError before anything launches); the launch."""
         raise NotImplementedError
+
+    def hash_extra(self, cfg: Config) -> dict:
+        """What else decides whether earlier results are still valid, beside hash_sections
+        (profile_model: whether the block is timed compiled); {} adds nothing to the hash."""
+        return {}
 
     def read_inputs(self, cfg: Config, plan: StagePlan) -> List[str]:
         """Read and check the plan's input profiles, each against the model and cluster `cfg`
