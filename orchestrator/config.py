@@ -235,6 +235,9 @@ class TrainConfig:
     layout: Optional[str] = None
     seq_len: Optional[int] = None  # None: the strategy's, else model.seq_len
     dtype: Optional[Dtype] = None  # None: fp32 on gloo, bf16 on nccl (fp16 adds a loss scale)
+    # torch.compile each block (models/compile.py): auto (on CUDA ranks, off on CPU ranks),
+    # true, false; profile_model times the block the same way.
+    compile: str = "auto"
     data: Optional[str] = None  # a text file or folder (byte-level tokens); None: synthetic
     # fixed: samples of seq_len tokens; dynamic | padded | packed: variable-length samples
     # (lognormal lengths, mean length_mean, at most seq_len), split per iteration by the dynamic

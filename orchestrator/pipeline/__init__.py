@@ -71,6 +71,7 @@ def stage_hash(stage: Stage, cfg: Config, input_hashes: Dict[str, str]) -> str:
         if name == "cluster":
             node = {k: v for k, v in node.items() if k not in SUBMISSION_ONLY_FIELDS}
         section[name] = node
+    section.update(stage.hash_extra(cfg))
     # Known before the producers run, so a Slurm chain records the hash a later plan computes.
     section["inputs"] = dict(input_hashes)
     for dotted in stage.hash_exclude:

@@ -89,6 +89,11 @@ class Stage:
         """Validate the stage's config (ConfigError before anything launches); the launch."""
         raise NotImplementedError
 
+    def hash_extra(self, cfg: Config) -> dict:
+        """What else decides whether earlier results are still valid, beside hash_sections
+        (profile_model: whether the block is timed compiled); {} adds nothing to the hash."""
+        return {}
+
     def read_inputs(self, cfg: Config, plan: StagePlan) -> List[str]:
         """Read and check the plan's input profiles, each against the model and cluster `cfg`
         asks for (ProfileError, exit 4, naming the file and the command that rebuilds it); the

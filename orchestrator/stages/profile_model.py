@@ -150,8 +150,19 @@ class ProfileModel(Stage):
     hash_sections = ("cluster", "model", "profile_model")
     hash_exclude = ("profile_model.plot",)
 
+    def hash_extra(self, cfg) -> dict:
+        """The block is timed compiled where train compiles it (train.compile): a profile timed
+        eager is stale for a train that compiles, and back. Nothing when eager, so profiles made
+        before train compiled (CPU ones, say) keep their hash."""
+        from orchestrator.train.plan import train_compile, train_device
+
+        return {"compiled": True} if train_compile(cfg, train_device(cfg)) else {}
+
     def plan(self, cfg):
         from orchestrator.limits import check_profile_points
+        from orchestrator.train.plan import train_compile, train_device
+
+        train_compile(cfg, train_device(cfg))  # a bad train.compile: refused before launch
 
         profile = plan_profile(cfg)
         check_profile_points(cfg.limits, len(profile.points()),

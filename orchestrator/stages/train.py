@@ -23,7 +23,8 @@ from orchestrator.choices import Microbatching, Ranks
 from orchestrator.errors import ConfigError
 from orchestrator.stages import Stage, StageInput, check_ranks_reachable
 from orchestrator.train.plan import (check_length_mean, check_memory, check_work, layout_file,
-                                     layout_tag, predict, resolve, train_dir)
+                                     layout_tag, predict, resolve, train_compile,
+                                     train_device, train_dir)
 
 log = logging.getLogger("orchestrator.train")
 
@@ -58,6 +59,7 @@ class Train(Stage):
 
         # First: a layout for the cluster's ranks is no use where the launcher cannot run them.
         check_ranks_reachable(self.name, Ranks.cluster, cfg)
+        train_compile(cfg, train_device(cfg))  # a bad train.compile: refused before launch
         inputs, outputs, target = [], [], None
         explicit = (cfg.train.pp is not None or cfg.train.tp is not None
                     or cfg.train.cp is not None or cfg.train.layout is not None)
@@ -219,7 +221,8 @@ def train(ctx, run):
     monitor = MemoryMonitor(t.memory_interval_s, ctx.device)
     monitor.start()
     engine = Engine(layout, model_config(cfg, target.seq_len), ctx.device, train_dtype(cfg),
-                    seed=t.seed, optim=OptimSettings(weight_decay=t.weight_decay))
+                    seed=t.seed, optim=OptimSettings(weight_decay=t.weight_decay),
+                    compile=train_compile(cfg, ctx.device.type))
     data = make_data(t.data, cfg.model.vocab, target.seq_len, t.seed)
     planner = _variable_length_planner(cfg, layout, target.seq_len, data)
     if planner is not None:
@@ -230,6 +233,10 @@ def train(ctx, run):
     ckpt_dir = out.with_suffix(".ckpt")
     steps_log = StepLog(ctx, run, layout, target.seq_len, t)
     steps_log.identity = run_identity(cfg, layout.describe())
+    if engine.compiled:
+        steps_log.note(f"torch.compile: each block compiled (train.compile={t.compile}); "
+                       f"the first steps include compiling")
+    noted = _note_compile(engine, steps_log, 0)
     start, warnings = _resume(engine, ckpt_dir, t, load_latest, latest_checkpoint,
                               load_checkpoint, checkpoint_to_load, steps_log)
     for w in warnings:
@@ -259,6 +266,7 @@ def train(ctx, run):
                 if stats is None:
                     continue
             monitor.mark(f"step {step + 1}")
+            noted = _note_compile(engine, steps_log, noted)  # a part fallen back to eager
             steps_log.record(step + 1, lr, stats)
             last = step + 1 == t.steps  # done: nothing left for a requeued job to resume
             stopping = not last and stats.stop  # agreed by every rank in the step
@@ -289,6 +297,14 @@ def train(ctx, run):
         monitor.stop()
         if planner is not None:
             planner.close()
+
+
+def _note_compile(engine, steps_log, noted: int) -> int:
+    """Note the engine's compile lines from the `noted`-th on (what stays eager and why);
+    returns how many are noted."""
+    for text in engine.compile_notes[noted:]:
+        steps_log.note(text)
+    return len(engine.compile_notes)
 
 
 def _variable_length_planner(cfg, layout, seq_len: int, data):
@@ -360,11 +376,15 @@ def _tensor_count(engine, tokens, targets, index: int, t, steps_log):
     if device.type == "cuda" or index != 1 or t.timing_warmup_steps < 2:
         yield
         return
+    from orchestrator.models.compile import eager
     from orchestrator.train.live_memory import LiveTensorBytes
 
     live = LiveTensorBytes(device, [engine, tokens, targets])
-    with live:
-        yield
+    with contextlib.ExitStack() as stack:
+        for module in engine.modules:  # dynamo refuses to run under the counting's mode
+            stack.enter_context(eager(module))
+        with live:
+            yield
     steps_log.tensor_peak_bytes = live.peak_bytes
 
 

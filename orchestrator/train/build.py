@@ -5,9 +5,11 @@ parallelize_fn: the one builder train's Engine runs and trace records.
 (models/parallelize.py; only the blocks this rank holds), its routed experts over its ep x etp
 block of the expert grid, cut into this rank's pipeline chunks (virtual stage c * pp + pp_rank),
 attention context-parallel over its CP group, MoE balance statistics summed over a sequence's
-ranks, the layout's recompute, then (train) materialised on the rank's device and FSDP-wrapped
-for ZeRO-3. `build_optimizer`: train's ZeRO 0/1/2 (train/grads.py) over the replicas (dp x cp),
-the routed experts' over the EDP group, or FSDP's AdamW for ZeRO-3.
+ranks, the layout's recompute, then (train) materialised on the rank's device, each block
+compiled (train.compile: models/compile.py; torchtitan's order, after TP and the recompute
+flags, before FSDP) and FSDP-wrapped for ZeRO-3. `build_optimizer`: train's ZeRO 0/1/2
+(train/grads.py) over the replicas (dp x cp), the routed experts' over the EDP group, or FSDP's
+AdamW for ZeRO-3.
 
 trace (trace/tracer.py) calls both on its fake process group, on meta, with its own CP attention
 (Megatron's) and then adds its recording hooks to the chunks (Megatron's second all-gather in the
@@ -25,6 +27,7 @@ from orchestrator.choices import Group, Recompute
 from orchestrator.layout import ParallelLayout
 from orchestrator.mesh import LayoutMesh
 from orchestrator.models.config import ModelConfig, is_moe
+from orchestrator.models.compile import compile_block
 from orchestrator.models.context_parallel import ContextParallel
 from orchestrator.models.gpt import GPT, Attention
 from orchestrator.models.moe import MoE
@@ -65,11 +68,14 @@ def context_parallel(layout: ParallelLayout, mesh: LayoutMesh, kind=ContextParal
 def build_chunks(layout: ParallelLayout, model: ModelConfig, mesh: LayoutMesh, pp_rank: int, *,
                  context=None, device: Optional[torch.device] = None, seed: int = 0,
                  autocast: Optional[torch.dtype] = None,
-                 fsdp_dtype: Optional[torch.dtype] = None) -> List[nn.Module]:
+                 fsdp_dtype: Optional[torch.dtype] = None, compile: bool = False,
+                 notes: Optional[List[str]] = None) -> List[nn.Module]:
     """This rank's model chunks (module doc), parameters in `model`'s dtype: on meta, or
     materialised on `device` with the whole model's initial values for `seed`; `context` the
     attention's (context_parallel), `autocast` the forward's dtype (None: the parameters'),
-    `fsdp_dtype` the dtype ZeRO-3 gathers and computes the weights in (None: theirs)."""
+    `fsdp_dtype` the dtype ZeRO-3 gathers and computes the weights in (None: theirs).
+    `compile`: each block compiled (apply_compile); `notes` gets its lines (what stays eager
+    and why, now and at a part's first forward)."""
     with torch.device("meta"):
         whole = GPT(model, seed)
     per_virtual = virtual_stage_layers(layout)
@@ -101,9 +107,28 @@ def build_chunks(layout: ParallelLayout, model: ModelConfig, mesh: LayoutMesh, p
             elif isinstance(sub, MoE) and sequence is not None:
                 sub.sequence_group, sub.sequence_parts = sequence, layout.tp * layout.cp
     apply_recompute(chunks, layout, pp_rank)
+    if compile:
+        apply_compile(chunks, context is not None, layout.tp > 1, notes)
     if layout.zero == 3:
         apply_fsdp(chunks, layout, mesh, fsdp_dtype)
     return chunks
+
+
+def apply_compile(chunks: List[nn.Module], context_parallel: bool, tensor_parallel: bool,
+                  notes: Optional[List[str]] = None) -> None:
+    """torch.compile each block of this rank's chunks (models/compile.compile_block, the
+    function profile_model times the block with); `notes` gets each distinct line about what
+    stays eager, now and when a part falls back at its first forward."""
+    sink = notes if notes is not None else []
+
+    def note(text: str) -> None:
+        if text not in sink:  # identical blocks fail alike: one line
+            sink.append(text)
+
+    for chunk in chunks:
+        for block in chunk.blocks.values():
+            for text in compile_block(block, context_parallel, tensor_parallel, note):
+                note(text)
 
 
 def apply_recompute(chunks: List[nn.Module], layout: ParallelLayout, pp_rank: int) -> None:

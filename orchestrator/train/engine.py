@@ -19,6 +19,9 @@ DeviceMesh, torch-native and applied from outside the model.
   reduced in fp32 buckets, ZeRO 1/2 all-gather the updated weights in bf16; ZeRO-3's FSDP2
   shards are the fp32 masters, gathered in bf16 (MixedPrecisionPolicy), gradients reduced in
   fp32. fp16 autocasts fp32 weights with a dynamic loss scale; fp32 is fp32 throughout.
+- Regional torch.compile (`compile`, train.compile): each block compiled on its own after TP
+  and the recompute flags, before FSDP2 (models/compile.py, the function profile_model's block
+  is compiled with).
 - Variable-length micro-batches (`train_step_micro_batches`): train/executor.py runs a plan of
   micro-batches of different shapes and recompute modes; the loss is the mean over real tokens.
 The model is built on the meta device and only this rank's stages are materialised.
@@ -39,6 +42,7 @@ import torch.distributed as dist
 from orchestrator.choices import Dtype, Group
 from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig, expert_width, is_moe
+from orchestrator.models.compile import is_compiled
 from orchestrator.models.gpt import GPT, cross_entropy_loss, token_loss_sum
 from orchestrator.models.moe import MoE
 from orchestrator.train.build import (OptimSettings, apply_recompute, build_chunks,
@@ -80,7 +84,7 @@ class Engine:
 
     def __init__(self, layout: ParallelLayout, model: ModelConfig, device: torch.device,
                  dtype: Dtype = Dtype.fp32, seed: int = 0,
-                 optim: OptimSettings = OptimSettings()):
+                 optim: OptimSettings = OptimSettings(), compile: bool = False):
         layout.check_model_layers(model.layers, model.name)
         if dist.get_world_size() != layout.world_size:
             raise ValueError(f"layout world_size({layout.world_size}) != the "
@@ -103,11 +107,15 @@ class Engine:
         weights = Dtype.bf16 if half and layout.zero < 3 else Dtype.fp32
         # the dtype activations and their gradients travel in between pipeline stages
         self.residual = self.dtype.torch if half else torch.float32
+        # train.compile: each block compiled (models/compile.py); what stays eager and why
+        # (lines added at build and when a part falls back at its first forward)
+        self.compile_notes: List[str] = []
         self.modules = build_chunks(
             layout, dataclasses.replace(model, dtype=weights), self.mesh, self.pp_rank,
             context=self.context, device=device, seed=seed,
             autocast=None if half or self.dtype == Dtype.fp32 else self.dtype.torch,
-            fsdp_dtype=self.dtype.torch if half and layout.zero == 3 else None)
+            fsdp_dtype=self.dtype.torch if half and layout.zero == 3 else None,
+            compile=compile, notes=self.compile_notes)
         self.optim = build_optimizer(self.modules, layout, self.mesh, optim, self.moe)
         # fp16: dynamic loss scale (GradScaler's rule: halve on overflow, double every 2000 steps)
         self.loss_scale = 2.0**16 if self.dtype == Dtype.fp16 else 1.0
@@ -118,6 +126,11 @@ class Engine:
         self._executor = None  # built on the first train_step_micro_batches
 
     # ------------------------------------------------------------------ build
+    @property
+    def compiled(self) -> bool:
+        """Whether some part of this rank's blocks runs torch.compile'd (not fallen back)."""
+        return any(is_compiled(mod) for mod in self.modules)
+
     def _apply_recompute(self) -> None:
         """The layout's recompute (also restored after a step of per-micro-batch modes)."""
         apply_recompute(self.modules, self.layout, self.pp_rank)

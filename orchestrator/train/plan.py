@@ -75,6 +75,18 @@ def train_dtype(cfg) -> Dtype:
     return Dtype.bf16 if cfg.cluster.backend == Backend.nccl else Dtype.fp32
 
 
+def train_compile(cfg, device_type: str) -> bool:
+    """Whether train compiles its blocks on ranks of `device_type` (train.compile; auto: on
+    CUDA only, models/compile.compile_wanted); ConfigError (exit 2) for a setting other than
+    auto, true, false."""
+    from orchestrator.models.compile import compile_wanted
+
+    try:
+        return compile_wanted(cfg.train.compile, device_type)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def train_device(cfg) -> str:
     """What the ranks compute on, as the memory model needs it: "cuda" on nccl clusters."""
     return "cuda" if cfg.cluster.backend == Backend.nccl else "cpu"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 from typing import Dict, Optional
 
+from orchestrator.models.compile import is_compiled
 from orchestrator.profiling.model import analytic as an
 from orchestrator.profiling.model import memory as mem
 from orchestrator.profiling.model import moe
@@ -23,6 +24,7 @@ from orchestrator.profiling.model.timing import (build_point_model, combine_rank
                                                  fastest_and_median, local_numel, memory_point,
                                                  optimizer_step_bytes_per_element,
                                                  time_optimizer_step_us, time_point)
+from orchestrator.train.plan import train_compile
 
 
 class MeasuredTiming:
@@ -40,6 +42,8 @@ class MeasuredTiming:
         self.iters = int(cfg.profile_model.iters)
         self.layers = int(cfg.model.layers)
         self.allocator = self.device.type == "cuda"  # the allocator's figures on a GPU
+        # the block as train runs it: compiled where train compiles (train.compile)
+        self.compile = train_compile(cfg, self.device.type)
         self.gpu_kernels = False  # the kernels that run are the ones counted
         self.meshes = {tp: init_device_mesh(self.device.type, (ctx.world_size // tp, tp),
                                             mesh_dim_names=("dp", "tp"))["tp"]
@@ -106,6 +110,7 @@ class MeasuredTiming:
 
             device = torch.cuda.get_device_name(self.device)
         return {"source": "measured", "why": plan.reason, "device": device,
+                "compiled": self.compile,
                 "concurrency": self.concurrency(),
                 "timing": "median of `iters` iterations per rank (fastest kept as *_fastest_us); "
                           "a TP group is its slowest rank, groups summarised by their median; "
@@ -123,6 +128,7 @@ class AnalyticTiming:
     source = "analytic"
     device = "cpu"
     allocator = False
+    compile = False  # shapes only: nothing runs
 
     def __init__(self, plan: ProfilePlan, dtype: str):
         self.sheet = an.load_device_sheet(plan.device)
@@ -195,7 +201,7 @@ class PointRunner:
         with self.timing.world(tp) as mesh:
             with self.timing.tensors():
                 self._pm = build_point_model(self.model, max_seq, tp, mesh, self.timing.device,
-                                             self.batch)
+                                             self.batch, compile=self.timing.compile)
             try:
                 yield
             finally:
@@ -222,6 +228,10 @@ class PointRunner:
             return None
         record = {"seq_len": seq, "tp": tp, "source": self.timing.source, **times, **memory,
                   "states": states, "flops": {k: v / tp for k, v in flops.items()}}
+        if pm.compiled:  # absent: eager, as every profile before train compiled
+            record["compiled"] = is_compiled(pm.block)  # false: all of it stayed eager
+            if pm.compile_notes:  # what stayed eager and why
+                record["compile_notes"] = list(pm.compile_notes)
         record.update(mem.megatron_comparison(seq, tp, record["block_act_bytes"], self.model,
                                               self.batch))
         return record

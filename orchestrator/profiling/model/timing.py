@@ -6,6 +6,10 @@ two parts, as a pipeline stage sees them:
 - block: forward and backward of one transformer layer for one micro-batch;
 - other: embedding forward + final norm, LM head and loss forward; their backwards.
 
+The block is torch.compile'd when train compiles it (train.compile; models/compile.py, the
+function train's chunks are compiled with), so that a profile times the block as train runs it;
+its memory is counted eager.
+
 Every rank of a group runs the same iterations; a barrier on the group starts each one. Times are
 per rank in microseconds, the median iteration (and the fastest) of each part (measure.Stopwatch:
 CUDA events on a GPU, perf_counter on a CPU), and the optimizer step (norm, clipping, AdamW,
@@ -17,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -39,6 +43,10 @@ class PointModel:
     tp: int
     device: torch.device
     batch: int
+    # The block torch.compile'd as train compiles it (train.compile, models/compile.py); its
+    # lines on what stays eager and why.
+    compiled: bool = False
+    compile_notes: List[str] = field(default_factory=list)
 
     @property
     def block(self):
@@ -80,10 +88,12 @@ class PointModel:
 
 
 def build_point_model(model_cfg: ModelConfig, max_seq_len: int, tp: int, tp_mesh, device,
-                      batch: int = 1) -> PointModel:
+                      batch: int = 1, compile: bool = False) -> PointModel:
     """A one-layer GPT of `model_cfg`'s shape (a MoE model's dense block) serving lengths up to
     `max_seq_len` on `device`, sharded over `tp_mesh` (a 1-D DeviceMesh of tp ranks; None when
-    tp == 1)."""
+    tp == 1); `compile`: its block compiled by train's function (models/compile.compile_block),
+    after TP as train's."""
+    from orchestrator.models.compile import compile_block
     from orchestrator.models.gpt import GPT
     from orchestrator.models.parallelize import apply_tensor_parallel
 
@@ -96,7 +106,12 @@ def build_point_model(model_cfg: ModelConfig, max_seq_len: int, tp: int, tp_mesh
         model = model.to(device)
     if tp > 1:
         apply_tensor_parallel(model, tp_mesh, sequence_parallel=True, loss_parallel=True)
-    return PointModel(model=model, cfg=cfg, tp=tp, device=torch.device(device), batch=batch)
+    pm = PointModel(model=model, cfg=cfg, tp=tp, device=torch.device(device), batch=batch,
+                    compiled=compile)
+    if compile:
+        pm.compile_notes += compile_block(model.blocks[0], tensor_parallel=tp > 1,
+                                          on_note=pm.compile_notes.append)
+    return pm
 
 
 def _zero_grads(module: torch.nn.Module) -> None:
@@ -201,6 +216,13 @@ def time_point(pm: PointModel, seq_len: int, warmup_iters: int, iters: int,
     (time in TP collectives, measured on `iters` further iterations). `barrier` aligns the ranks
     of the TP group before every timed region (every rank of the group calls it).
     """
+    from orchestrator.models.compile import eager
+
+    if pm.compiled:
+        # Each length its own static graph, compiled in the warm-up, as train's fixed-length
+        # steps compile one: without the reset, dynamo would compile a dynamic-shape graph at
+        # the second length (other kernels), and past its cache limit run eager.
+        torch._dynamo.reset()
     clock = Stopwatch(pm.device)
     g = torch.Generator().manual_seed(1234 + seq_len) if pm.device.type == "cpu" else None
     x = pm.block_input(seq_len, g)
@@ -219,7 +241,9 @@ def time_point(pm: PointModel, seq_len: int, warmup_iters: int, iters: int,
         timer = CommTimer(pm.device)
         for _ in range(iters):
             timer.totals_us.clear()
-            with timer.mode:
+            # eager: the mode sees each collective op by op (a compiled block's run inside
+            # its graph); the same collectives, timed bracketed by synchronisations
+            with eager(pm.block), timer.mode:
                 _run_once(pm, x, dy, cos, sin, tokens, targets, clock, barrier, timer)
             for k in PARTS:
                 samples[comm_keys[k]].append(timer.totals_us.get(k, 0.0))
@@ -371,11 +395,19 @@ def memory_point(pm: PointModel, seq_len: int, gpu_kernels: bool = False,
     """This rank's activation bytes at `seq_len` per recompute mode, for the block and the other
     parts: {"block_act_bytes": {mode: bytes}, "other_act_bytes": {mode: bytes}}.
 
-    Counted from the tensors autograd saves (exact on CPU, GPU and under FakeTensorMode). With
+    Counted from the tensors autograd saves (exact on CPU, GPU and under FakeTensorMode), with
+    the block eager (a compiled block is counted op by op as the eager one). With
     `allocator` (GPU), block_act_bytes is the allocator's figure instead, and the count is kept
     as "block_act_bytes_saved", the forward's peak above its start as "block_act_peak_bytes".
     `gpu_kernels`: count what CUDA kernels would save (see model_memory.GpuKernelsMode).
     """
+    from orchestrator.models.compile import eager
+
+    with eager(pm.block):
+        return _memory_point(pm, seq_len, gpu_kernels, allocator)
+
+
+def _memory_point(pm: PointModel, seq_len: int, gpu_kernels: bool, allocator: bool) -> dict:
     cos, sin = pm.rope()
     x = pm.block_input(seq_len)
     block_states = pm.block_states()

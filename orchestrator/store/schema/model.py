@@ -69,6 +69,9 @@ class ModelPoint(Record):
     other_fwd_us: float = doc("embedding + final norm + LM head + loss, forward")
     other_bwd_us: float = doc('"other", backward')
     source: Source = doc("measured, or FLOPs over a device sheet (analytic)")
+    compiled: Optional[bool] = doc("measured: whether the block was timed torch.compile'd, as "
+                                   "train runs it (train.compile; auto: on CUDA only); absent: "
+                                   "eager (earlier profiles, analytic points)", default=None)
     extras: Dict[str, Any] = doc("*_fastest_us, *_optim_us, *_total_us, *_comm_us, iters, "
                                  "groups, flops, per-mode activation bytes per micro-batch, "
                                  "states, megatron_act_bytes, megatron_ratio", default_factory=dict)

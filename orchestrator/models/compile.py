@@ -1,0 +1,132 @@
+"""Regional torch.compile, as torchtitan does it: each transformer block compiled on its own
+(`fullgraph`), after tensor parallelism and the recompute flags are set and before FSDP2 wraps
+the block. Identical blocks share one compiled code: every block runs nn.Module's `_call_impl`,
+whose parameters dynamo takes as graph inputs, so the second block reuses the first's graph.
+
+One function, `compile_block`, for every caller: train's chunks (train/build.py) and the block
+profile_model times (profiling/model/timing.py), so that a profile times the block as train runs
+it. The parts of a block that cannot be traced stay eager, each with one line saying why
+(`eager_parts`); a part whose compile fails at its first forward falls back to eager, with one
+line saying why, instead of failing the run.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+COMPILE_SETTINGS = ("auto", "true", "false")
+
+
+def compile_wanted(setting, device_type: str) -> bool:
+    """Whether blocks are compiled for `train.compile` = `setting` ("auto", "true", "false";
+    a bool; case-insensitive, as a command line's true becomes "True") on ranks of
+    `device_type`: auto compiles on CUDA (it pays there) and not on a CPU (where compiling costs
+    tens of seconds per rank for little gain). ValueError for another setting."""
+    text = str(setting).strip().lower()
+    if text not in COMPILE_SETTINGS:
+        raise ValueError(f"train.compile({setting!r}) must be one of "
+                         f"{', '.join(COMPILE_SETTINGS)}")
+    if text == "auto":
+        return device_type == "cuda"
+    return text == "true"
+
+
+def eager_parts(is_moe: bool, context_parallel: bool = False,
+                tensor_parallel: bool = False) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+    """(the sub-modules of a block to compile, "" the whole block; why the rest stays eager,
+    one line each) for a block with a mixture-of-experts FFN (`is_moe`), under context
+    parallelism (`context_parallel`), under tensor parallelism (`tensor_parallel`)."""
+    if tensor_parallel:
+        # Seen on torch 2.13 (gloo), with and without sequence parallelism: the forward
+        # compiles, then the compiled backward hands DTensor's redistribute a plain gradient
+        # (AttributeError in the step's backward), which no fallback at the forward can catch.
+        return (), ("blocks stay eager under tensor parallelism (tp > 1): the backward of a "
+                    "compiled block with DTensor layers fails in torch (a plain gradient "
+                    "reaches DTensor's redistribute)",)
+    if not is_moe and not context_parallel:
+        return ("",), ()
+    units, why = [], []
+    if context_parallel:
+        why.append("attention stays eager under context parallelism (cp > 1): its exchanges "
+                   "of K/V between the CP ranks (isend/irecv, all-to-all) are not traceable")
+    else:
+        units.append("attn")
+    if is_moe:
+        why.append("the MoE FFN stays eager: its routing sends the tokens per expert to the "
+                   "host (data-dependent shapes), which a full graph cannot hold")
+    else:
+        units.append("mlp")
+    return tuple(units), tuple(why)
+
+
+def compile_block(block: nn.Module, context_parallel: bool = False,
+                  tensor_parallel: bool = False,
+                  on_note: Optional[Callable[[str], None]] = None) -> List[str]:
+    """Compile `block` (models/gpt.Block) in place, or the parts of it eager_parts allows
+    (under context parallelism, tensor parallelism); returns the lines saying what stays
+    eager and why. `on_note` hears the line of a part whose compile fails at its first
+    forward (then eager)."""
+    from orchestrator.models.moe import MoE
+
+    units, why = eager_parts(isinstance(block.mlp, MoE), context_parallel, tensor_parallel)
+    for path in units:
+        _compile_in_place(block.get_submodule(path) if path else block, path or "block",
+                          on_note)
+    return list(why)
+
+
+def _compile_in_place(module: nn.Module, label: str,
+                      on_note: Optional[Callable[[str], None]]) -> None:
+    """nn.Module.compile (the module keeps its names: FSDP, checkpoints and the optimizer see
+    the same parameters), its call guarded: a dynamo or backend failure at compile time (before
+    the graph runs) puts the module back to eager for good and reports one line."""
+    module.compile(fullgraph=True)
+    compiled = module._compiled_call_impl  # what nn.Module.compile installs; None: eager
+
+    def guarded(*args, **kwargs):
+        try:
+            return compiled(*args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as e:
+            module._compiled_call_impl = None
+            if on_note is not None:
+                on_note(fallback_line(label, _cause(e)))
+            return module._call_impl(*args, **kwargs)
+
+    module._compiled_call_impl = guarded
+
+
+def _cause(e: BaseException) -> str:
+    """The first line of what went wrong: the backend's own error where dynamo wraps one
+    (BackendCompilerFailed's first line names only the backend)."""
+    inner = getattr(e, "inner_exception", None) or e.__cause__
+    shown = inner if inner is not None else e
+    first = (str(shown).strip().splitlines() or [""])[0]
+    return f"{type(shown).__name__}: {first}" if first else type(shown).__name__
+
+
+def fallback_line(label: str, cause: str) -> str:
+    """The one line a part that torch.compile could not compile reports: it runs eager."""
+    return f"torch.compile failed for the {label}, which runs eager: {cause[:300]}"
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether any module in `module` runs compiled (compile_block, not fallen back)."""
+    return any(getattr(m, "_compiled_call_impl", None) is not None for m in module.modules())
+
+
+@contextlib.contextmanager
+def eager(module: nn.Module):
+    """Inside, every compiled part of `module` runs eager (what counts saved tensors or
+    intercepts collectives op by op needs the eager ops); restored after."""
+    saved = [(m, m._compiled_call_impl) for m in module.modules()
+             if getattr(m, "_compiled_call_impl", None) is not None]
+    for m, _ in saved:
+        m._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        for m, call in saved:
+            m._compiled_call_impl = call

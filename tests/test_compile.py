@@ -1,0 +1,191 @@
+"""Issue 42, regional torch.compile: train.compile (auto: on CUDA, off on CPU) compiles each
+transformer block on its own (models/compile.py), the same function for train's chunks and for
+the block profile_model times; what cannot compile stays eager with one line saying why."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import spawn_ranks
+
+from orchestrator.models.compile import (compile_block, compile_wanted, eager, eager_parts,
+                                         is_compiled)
+
+STEPS = 3
+
+
+# ---------------------------------------------------------------- pure rules
+@pytest.mark.parametrize("setting, device, wanted", [
+    ("auto", "cuda", True), ("auto", "cpu", False), ("true", "cpu", True), ("True", "cpu", True),
+    (True, "cpu", True), ("false", "cuda", False), ("False", "cuda", False),
+])
+def test_auto_compiles_on_cuda_only_and_true_false_are_taken_as_given(setting, device, wanted):
+    assert compile_wanted(setting, device) is wanted
+
+
+def test_another_setting_is_refused_naming_the_allowed_ones():
+    with pytest.raises(ValueError, match=r"train.compile\('yes'\) must be one of auto, true, "
+                                         r"false"):
+        compile_wanted("yes", "cuda")
+
+
+def test_a_plan_refuses_a_bad_setting_before_launch():
+    from test_limits import _cfg
+
+    from orchestrator.errors import ConfigError
+    from orchestrator.pipeline import plan_stage
+
+    for stage in ("train", "profile_model"):
+        with pytest.raises(ConfigError, match=r"train.compile\('maybe'\)"):
+            plan_stage(stage, _cfg(f"stage={stage}", "train.compile=maybe", "train.pp=1"))
+
+
+def test_the_profiles_hash_follows_whether_the_block_is_compiled():
+    """A profile timed eager is stale for a train that compiles (and back); one timed eager
+    keeps the hash it had before train compiled (nothing added: CPU profiles stay valid)."""
+    from test_limits import _cfg
+
+    from orchestrator.pipeline import plan_stage
+    from orchestrator.stages import get_stage
+
+    def profile_hash(*overrides):
+        return plan_stage("profile_model", _cfg("stage=profile_model", *overrides)).config_hash
+
+    assert get_stage("profile_model").hash_extra(_cfg("stage=profile_model")) == {}
+    eager = {profile_hash(f"train.compile={value}") for value in ("auto", "false")}
+    assert len(eager) == 1
+    assert profile_hash("train.compile=true") not in eager
+    gpu = ("cluster=gpu_node", "launcher=slurm")  # auto compiles on CUDA
+    assert profile_hash(*gpu) == profile_hash(*gpu, "train.compile=true")
+    assert profile_hash(*gpu) != profile_hash(*gpu, "train.compile=false")
+
+
+def test_the_parts_that_cannot_compile_stay_eager_with_one_line_each():
+    assert eager_parts(is_moe=False, context_parallel=False) == (("",), ())
+    units, why = eager_parts(is_moe=True, context_parallel=False)
+    assert units == ("attn",) and len(why) == 1 and "MoE FFN stays eager" in why[0]
+    units, why = eager_parts(is_moe=False, context_parallel=True)
+    assert units == ("mlp",) and len(why) == 1 and "context parallelism" in why[0]
+    units, why = eager_parts(is_moe=True, context_parallel=True)
+    assert units == () and len(why) == 2
+    for moe in (False, True):
+        units, why = eager_parts(is_moe=moe, tensor_parallel=True)
+        assert units == () and len(why) == 1 and "tensor parallelism" in why[0]
+
+
+def _tiny_block():
+    from orchestrator.models.config import ModelConfig
+    from orchestrator.models.gpt import GPT
+
+    model = GPT(ModelConfig(hidden=32, ffn=64, layers=1, heads=2, kv_heads=2, vocab=64,
+                            seq_len=8))
+    return model.blocks[0], model.rope()
+
+
+def test_a_block_that_fails_to_compile_runs_eager_and_says_why_once():
+    """What dynamo cannot trace at a part's first forward (here a graph break, which a full
+    graph refuses) falls back to eager: the same output, one line, no crash."""
+    block, (cos, sin) = _tiny_block()
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+    expected = block(x, cos, sin)
+
+    def breaks(x, linears):
+        torch._dynamo.graph_break()
+        return [linear(x) for linear in linears]
+
+    block.mlp.project = breaks
+    notes = []
+    assert compile_block(block, on_note=notes.append) == []
+    assert is_compiled(block)
+    out = block(x, cos, sin)
+    torch.testing.assert_close(out, expected)
+    assert len(notes) == 1 and notes[0].startswith("torch.compile failed for the block, which "
+                                                   "runs eager: Unsupported")
+    assert not is_compiled(block)
+    block(x, cos, sin)  # eager from now on: no second line
+    assert len(notes) == 1
+
+
+# ---------------------------------------------------------------- one compiled run on the CPU
+MODEL = dict(hidden=64, ffn=128, layers=2, heads=4, kv_heads=2, vocab=128, seq_len=32)
+
+
+def _train_and_profile(cfg, rank: int, out: dict) -> None:
+    from torch._dynamo.utils import counters
+
+    from orchestrator.layout import ParallelLayout
+    from orchestrator.models.config import ModelConfig
+    from orchestrator.profiling.model.plan import plan_profile
+    from orchestrator.profiling.model.runner import point_runner
+    from orchestrator.runtime.context import RankContext
+    from orchestrator.stages.train import _tensor_count
+    from orchestrator.train.data import make_data
+    from orchestrator.train.engine import Engine
+
+    model = ModelConfig(**MODEL)
+    data = make_data(None, model.vocab, model.seq_len, seed=0)
+    layout = ParallelLayout.uniform(1, 1, 1, model.layers, micro_batch_size=2,
+                                    num_micro_batches=2)
+    for compiled in (False, True):
+        engine = Engine(layout, model, torch.device("cpu"), seed=1, compile=compiled)
+        losses = []
+        for step in range(STEPS):
+            tokens, targets = data.rank_batch(step, 0, 1, 4)
+            losses.append(engine.train_step(tokens, targets, 1e-3, 1.0).loss)
+        out[f"losses {compiled}"] = losses
+        out[f"compiled {compiled}"] = engine.compiled
+        out[f"notes {compiled}"] = list(engine.compile_notes)
+    # train's CPU step that counts every live tensor (a dispatch mode, which dynamo refuses
+    # to run under) runs the blocks eager, then they are compiled again
+    log = SimpleNamespace(tensor_peak_bytes=None)
+    with _tensor_count(engine, tokens, targets, 1, SimpleNamespace(timing_warmup_steps=3), log):
+        engine.train_step(tokens, targets, 1e-3, 1.0)
+    out["counted step"] = log.tensor_peak_bytes > 0 and engine.compiled
+    # both blocks ran one compiled graph: the second reused the first's
+    out["graphs"] = counters["stats"]["unique_graphs"]
+    # profile_model's point of the same shape (train.compile=true): its block compiled by the
+    # same function (inductor's cache has the graph), timed, and the record says so
+    ctx = RankContext(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0,
+                      num_nodes=1, node_name="here", node_of_rank=[0], hostnames=["here"],
+                      backend="gloo", device_spec="cpu")
+    runner = point_runner(ctx, cfg, plan_profile(cfg), [1])
+    with runner.for_tp(1, model.seq_len):
+        point = runner._pm
+        record = runner.point(model.seq_len, 1)
+    out["point"] = {key: record.get(key) for key in ("compiled", "compile_notes")}
+    out["point block compiled"] = is_compiled(point.block)
+    out["point timed"] = record["block_fwd_us"] > 0 and record["block_bwd_us"] > 0
+    x = point.block_input(model.seq_len, torch.Generator().manual_seed(0))
+    cos, sin = point.rope()
+    with torch.no_grad():
+        y = point.block(x, cos, sin)
+        with eager(point.block):
+            out["point eager twin"] = bool(torch.allclose(point.block(x, cos, sin), y,
+                                                          atol=1e-5))
+
+
+def test_compiled_blocks_train_as_eager_and_profile_model_times_them_compiled():
+    """train.compile=true on the CPU (inductor): a tiny model's losses over its steps are the
+    eager run's within float tolerance, its two identical blocks share one compiled graph, the
+    step train counts live tensors in runs (eager), and
+    profile_model's point block is compiled by the same function, timed, and its record says
+    `compiled: true`."""
+    import functools
+
+    from test_limits import _cfg
+
+    shape = [f"model.{key}={value}" for key, value in MODEL.items() if key != "layers"]
+    cfg = _cfg("stage=profile_model", "train.compile=true", *shape,
+               "cluster.tasks_per_node=1", "profile_model.micro_batch_size=2",
+               f"profile_model.seq_lens=[{MODEL['seq_len']}]", "profile_model.max_tp=1",
+               "profile_model.warmup_iters=1", "profile_model.iters=1")
+    out = spawn_ranks(functools.partial(_train_and_profile, cfg), 1)
+    assert out["compiled True"] and not out["compiled False"]
+    assert out["notes True"] == [] and out["notes False"] == []
+    assert out["losses True"] == pytest.approx(out["losses False"], rel=1e-4)
+    assert out["losses True"][-1] < out["losses True"][0]  # it trained
+    assert out["graphs"] == 1
+    assert out["counted step"]
+    assert out["point"] == {"compiled": True, "compile_notes": None}
+    assert out["point block compiled"] and out["point timed"] and out["point eager twin"]
