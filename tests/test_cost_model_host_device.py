@@ -6,6 +6,7 @@ device the same) keeps its form."""
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 
@@ -13,7 +14,9 @@ from orchestrator.errors import ProfileError
 from orchestrator.layout import ParallelLayout
 from orchestrator.planner import ModelCost, evaluate
 from orchestrator.profiling.model.fit import fit_points
-from orchestrator.profiling.model.timing import combine_host_device
+from orchestrator.models.config import ModelConfig
+from orchestrator.profiling.model.timing import (PARTS, build_point_model, combine_host_device,
+                                                 time_host_device)
 from planner_fixtures import hand_hardware, synthetic_model
 
 SEQS = (128, 512, 1024, 2048)
@@ -137,3 +140,32 @@ def test_ranks_host_device_samples_combine_as_the_points_times():
     assert combine_host_device(per_rank, 2, {"block_fwd_comm_us": 5.0}) == [
         {"micro_batch_size": 1, "block_fwd_device_us": 105.0 - 5.0,
          "block_fwd_host_us": 10.5}]
+
+
+class WallClock:
+    """QueuedClock's interface on a CPU (no sleep kernel to queue behind: host is device):
+    each call's wall time as both, and the micro-batch each call saw."""
+
+    def __init__(self):
+        self.batches = []
+
+    def measure(self, run):
+        t0 = time.perf_counter()
+        out = run()
+        us = (time.perf_counter() - t0) * 1e6
+        if hasattr(out, "shape") and out.dim() == 3:  # (batch, seq, hidden)
+            self.batches.append(out.shape[0])
+        return us, us, out
+
+
+def test_each_micro_batch_size_runs_every_part_on_its_own_batch():
+    pm = build_point_model(ModelConfig(), 64, 1, None, "cpu")  # tiny, one block, micro-batch 1
+    clock = WallClock()
+    times = time_host_device(pm, 64, [4, 1, 2], warmup_iters=0, iters=1, clock=clock)
+    assert sorted(times) == [1, 2, 4]
+    for b, sample in times.items():
+        assert set(sample) == {p.replace("_us", f"_{k}_us") for p in PARTS
+                               for k in ("device", "host")}
+        assert all(v > 0 for v in sample.values())
+    # the block's and the embedding's outputs, on each size in turn, smallest first
+    assert clock.batches == [1, 1, 2, 2, 4, 4]

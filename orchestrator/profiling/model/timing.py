@@ -297,13 +297,14 @@ def _host_device_once(pm: PointModel, x, dy, cos, sin, tokens, targets, clock: Q
 
 
 def time_host_device(pm: PointModel, seq_len: int, batches: Sequence[int], warmup_iters: int,
-                     iters: int, barrier: Callable[[], None] = lambda: None) -> Dict[int, dict]:
+                     iters: int, barrier: Callable[[], None] = lambda: None,
+                     clock=None) -> Dict[int, dict]:
     """A GPU point's parts on micro-batches of each size in `batches` (ascending), device time
-    alone and host time apart (QueuedClock): {batch: {"<part>_device_us": median,
-    "<part>_host_us": median}} for the PARTS. A size the GPU has no memory for ends the sweep
-    (the larger ones are left out): call it with one size only where ranks must agree (TP
-    groups run collectives)."""
-    clock = QueuedClock()
+    alone and host time apart (`clock`: a QueuedClock when None): {batch: {"<part>_device_us":
+    median, "<part>_host_us": median}} for the PARTS. A size the GPU has no memory for ends
+    the sweep (the larger ones are left out): call it with one size only where ranks must agree
+    (TP groups run collectives)."""
+    clock = clock or QueuedClock()
     cos, sin = pm.rope()
     out: Dict[int, dict] = {}
     for batch in sorted(set(batches)):
