@@ -199,6 +199,8 @@ class AnalyticTiming:
                           + ("" if self.sheet.get("hbm_GBps") else " (not on this sheet: 0)"),
                 "activations": "saved tensors under FakeTensorMode"
                                + (", CUDA RMSNorm kernel emulated" if self.gpu_kernels else ""),
+                "host_device": "not told apart: the device's work alone, priced; no host time "
+                               "(fits: constant once per call + per-sequence terms)",
                 "states": mem.BYTES_PER_PARAM_NOTE}
 
 
