@@ -14,6 +14,7 @@ from orchestrator.errors import ProfileError
 from orchestrator.layout import ParallelLayout
 from orchestrator.planner import ModelCost, evaluate
 from orchestrator.profiling.model.fit import fit_points
+from orchestrator.profiling.model.report import host_device_lines
 from orchestrator.models.config import ModelConfig
 from orchestrator.profiling.model.timing import (PARTS, build_point_model, combine_host_device,
                                                  time_host_device)
@@ -74,6 +75,9 @@ def test_fit_points_tells_host_from_device_over_micro_batch_sizes():
     cpu = fit_points(gpu_points(host_device=False))["1"]
     assert "device_us" not in cpu and "host_us" not in cpu
     assert cpu["block_fwd_us"] == fit["block_fwd_us"]
+    # the report prints them (profile_model's console), and nothing for a CPU's
+    assert "block bwd host 1410 us, device 40 1 0.000125" in host_device_lines(gpu_profile())[0]
+    assert host_device_lines(gpu_profile(host_device=False)) == []
 
 
 @pytest.mark.parametrize("b", SIZES)

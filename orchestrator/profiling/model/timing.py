@@ -235,6 +235,11 @@ SLEEP_CYCLES = 20_000_000
 SLEEP_DOUBLINGS = 4
 
 
+class HostWaits(RuntimeError):
+    """A call whose host waits for the device (a synchronisation inside): QueuedClock cannot
+    tell its host time from its device time."""
+
+
 class QueuedClock:
     """Device time alone and host time of one call (a GPU's, the queued-sleep method of
     bench/profile_model_gpu_launch_bound.py): a sleep kernel is queued first, so the host
@@ -248,15 +253,15 @@ class QueuedClock:
 
     def measure(self, run: Callable[[], object]) -> Tuple[float, float, object]:
         """(device us, host us, what `run` returned) of one call of `run`, doubling the sleep
-        until it outlasts issuing (RuntimeError after SLEEP_DOUBLINGS: `run` waits for the
+        until it outlasts issuing (HostWaits after SLEEP_DOUBLINGS: `run` waits for the
         device, so the two cannot be told apart)."""
         for _ in range(SLEEP_DOUBLINGS + 1):
             device_us, host_us, out, starved = self._once(run)
             if not starved:
                 return device_us, host_us, out
             self.cycles *= 2
-        raise RuntimeError(f"a call waited for the device through a {self.cycles // 2} cycle "
-                           f"sleep: its host and device times cannot be told apart")
+        raise HostWaits(f"a call waited for the device through a {self.cycles // 2} cycle "
+                        f"sleep: its host and device times cannot be told apart")
 
     def _once(self, run):
         torch.cuda.synchronize()
@@ -301,9 +306,10 @@ def time_host_device(pm: PointModel, seq_len: int, batches: Sequence[int], warmu
                      clock=None) -> Dict[int, dict]:
     """A GPU point's parts on micro-batches of each size in `batches` (ascending), device time
     alone and host time apart (`clock`: a QueuedClock when None): {batch: {"<part>_device_us":
-    median, "<part>_host_us": median}} for the PARTS. A size the GPU has no memory for ends
-    the sweep (the larger ones are left out): call it with one size only where ranks must agree
-    (TP groups run collectives)."""
+    median, "<part>_host_us": median}} for the PARTS. A size the GPU has no memory for, or
+    whose calls wait for the device (HostWaits), ends the sweep (it and the larger ones are left
+    out; none measured: the point has no host_device and the fits price from *_us): call it
+    with one size only where ranks must agree (TP groups run collectives)."""
     clock = clock or QueuedClock()
     cos, sin = pm.rope()
     out: Dict[int, dict] = {}
@@ -320,7 +326,7 @@ def time_host_device(pm: PointModel, seq_len: int, batches: Sequence[int], warmu
                 for part, (device_us, host_us) in times.items():
                     samples.setdefault(part.replace("_us", "_device_us"), []).append(device_us)
                     samples.setdefault(part.replace("_us", "_host_us"), []).append(host_us)
-        except torch.cuda.OutOfMemoryError:
+        except (torch.cuda.OutOfMemoryError, HostWaits):  # this size and the larger ones: none
             x = dy = tokens = targets = None
             _zero_grads(pm.model)
             torch.cuda.empty_cache()
