@@ -9,6 +9,7 @@ import copy
 import time
 
 import pytest
+import torch
 
 from orchestrator.errors import ProfileError
 from orchestrator.layout import ParallelLayout
@@ -165,11 +166,17 @@ class WallClock:
 def test_each_micro_batch_size_runs_every_part_on_its_own_batch():
     pm = build_point_model(ModelConfig(), 64, 1, None, "cpu")  # tiny, one block, micro-batch 1
     clock = WallClock()
-    times = time_host_device(pm, 64, [4, 1, 2], warmup_iters=0, iters=1, clock=clock)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: intra-op threads only spin on a shared machine
+    try:
+        times = time_host_device(pm, 64, [4, 1, 2], warmup_iters=1, iters=1, clock=clock)
+    finally:
+        torch.set_num_threads(threads)
     assert sorted(times) == [1, 2, 4]
     for b, sample in times.items():
         assert set(sample) == {p.replace("_us", f"_{k}_us") for p in PARTS
                                for k in ("device", "host")}
         assert all(v > 0 for v in sample.values())
-    # the block's and the embedding's outputs, on each size in turn, smallest first
+    # the block's and the embedding's outputs, on each size in turn, smallest first (the
+    # warm-up iteration of each size runs untimed)
     assert clock.batches == [1, 1, 2, 2, 4, 4]
