@@ -129,6 +129,9 @@ class ProfileModelConfig:
     # vocab. None: every degree the model allows, up to the world size (measured) or 8 (analytic).
     max_tp: Optional[int] = None
     micro_batch_size: int = 1
+    # GPU (measured): micro-batch sizes whose parts are timed with host and device apart (tp 1;
+    # sizes past the GPU's memory are left out); empty: not told apart.
+    micro_batch_sizes: List[int] = field(default_factory=lambda: [1, 2, 4, 8])
     source: ModelSource = ModelSource.auto  # analytic: FLOPs + device sheet, exact memory
     device: Optional[str] = None  # conf/device/<name>.yaml for analytic times; None: cpu (gloo), h100 (nccl)
     warmup_iters: int = 2

@@ -87,6 +87,7 @@ RULES: Dict[str, Bound] = {
     "profile_model.seq_lens": COUNT, "profile_model.min_seq_len": COUNT,
     "profile_model.max_seq_len": COUNT, "profile_model.seq_len_step": COUNT,
     "profile_model.max_tp": COUNT, "profile_model.micro_batch_size": COUNT,
+    "profile_model.micro_batch_sizes": COUNT,
     "profile_model.warmup_iters": NON_NEGATIVE, "profile_model.iters": COUNT,
     "search.memory_GiB": POSITIVE, "search.world_size": COUNT,
     "search.global_batch_size": COUNT, "search.seq_len": COUNT, "search.pp": COUNT,

@@ -30,6 +30,9 @@ def test_four_rank_run_writes_points_fits_memory_then_rerun_redoes_only_the_miss
     run_cli(*SMALL, profiles_dir=profiles, check=0)
     prof = _profile(profiles)
     assert prof["source"] == "measured"
+    # a CPU's host runs the kernels: host and device time are one, and the profile says so
+    assert prof["method"]["host_device"].startswith("not told apart: on a CPU")
+    assert not any("host_device" in p for p in prof["points"])
     assert sorted((p["seq_len"], p["tp"]) for p in prof["points"]) == \
         sorted((s, t) for t in (1, 2, 4) for s in (64, 128, 192))
     for p in prof["points"]:

@@ -341,6 +341,27 @@ class TpFit:
     other_bwd: Tuple[float, float]
     block_optim_us: float = 0.0  # optimizer step (clip, AdamW, copy) of a block, one rank
     other_optim_us: float = 0.0  # of the other parts' (0: not profiled, e.g. analytic)
+    # A GPU profile's device time alone per part (block_fwd, ...: coefficients as the fits') and
+    # the host's time to issue a call (us); None where they are not told apart (CPU, analytic).
+    device: Optional[Mapping[str, Tuple[float, ...]]] = None
+    host: Optional[Mapping[str, float]] = None
+
+    def coeffs(self, part: str) -> Tuple[float, ...]:
+        """The coefficients that price `part`'s work per sequence (block_fwd, ...): the
+        device's where the profile tells it from the host, else the fit's."""
+        return self.device[part] if self.device is not None else getattr(self, part)
+
+    def call_us(self, part: str, s, batch=1.0):
+        """Time (us) of one call of `part` (block_fwd, block_bwd, other_fwd, other_bwd) on
+        `batch` sequences of `s` tokens (floats or numpy arrays). A GPU profile (host and
+        device apart): max(host, device), since the host issues the next kernels while the
+        device runs the last ones; the device's constant once per call, the rest per
+        sequence. Otherwise (a CPU, where the host runs the kernels; analytic and older
+        profiles) the fit's constant once per call and the rest per sequence (_poly)."""
+        if self.host is None:
+            return _poly(getattr(self, part), s, batch)
+        value = np.maximum(self.host[part], _poly(self.device[part], s, batch))
+        return float(value) if np.ndim(value) == 0 else value
 
 
 def _poly(coeffs: Tuple[float, ...], s, batch=1.0):
@@ -412,7 +433,7 @@ class ModelCost:
         m = profile.model
         fits = {tp: TpFit(f.block_fwd_us, f.block_bwd_us, f.other_fwd_us, f.other_bwd_us,
                           float(f.extras.get("block_optim_us", 0.0)),
-                          float(f.extras.get("other_optim_us", 0.0)))
+                          float(f.extras.get("other_optim_us", 0.0)), f.device_us, f.host_us)
                 for tp, f in profile.fits.items()}
         memory = {tp: (_part_memory(mem.block, m.seq_len), _part_memory(mem.other, m.seq_len))
                   for tp, mem in profile.memory.items()}
@@ -453,8 +474,9 @@ class ModelCost:
         `batch` sequences, the fits' c1 x s term: its matmuls (what a MoE block's experts
         scale)."""
         fit = self._fit(tp)
-        fwd = fit.block_fwd[1] if len(fit.block_fwd) > 1 else 0.0
-        bwd = fit.block_bwd[1] if len(fit.block_bwd) > 1 else 0.0
+        fwd, bwd = fit.coeffs("block_fwd"), fit.coeffs("block_bwd")
+        fwd = fwd[1] if len(fwd) > 1 else 0.0
+        bwd = bwd[1] if len(bwd) > 1 else 0.0
         return batch * max(0.0, fwd) * seq_len, batch * max(0.0, bwd) * seq_len
 
     def _fit(self, tp: int) -> TpFit:
@@ -467,26 +489,27 @@ class ModelCost:
 
     def block_fwd_us(self, seq_len: float, tp: int, batch=1.0) -> float:
         """Forward time (us) of one transformer block for a micro-batch of `batch` sequences of
-        `seq_len` tokens (the fit's constant once per call: _poly)."""
-        return _poly(self._fit(tp).block_fwd, seq_len, batch)
+        `seq_len` tokens (one call: TpFit.call_us)."""
+        return self._fit(tp).call_us("block_fwd", seq_len, batch)
 
     def block_bwd_us(self, seq_len: float, tp: int, batch=1.0) -> float:
         """Backward time (us) of one block for `batch` sequences (no recompute)."""
-        return _poly(self._fit(tp).block_bwd, seq_len, batch)
+        return self._fit(tp).call_us("block_bwd", seq_len, batch)
 
     def attention_core_fwd_us(self, seq_len: float, tp: int) -> float:
-        """The quadratic (s^2) term of the block forward fit in us: the attention score/softmax/
-        value product that selective recompute reruns."""
-        return max(0.0, self._fit(tp).block_fwd[2]) * seq_len ** 2
+        """The quadratic (s^2) term of the block forward fit in us (the device's on a GPU
+        profile): the attention score/softmax/value product that selective recompute reruns."""
+        coeffs = self._fit(tp).coeffs("block_fwd")
+        return max(0.0, coeffs[2] if len(coeffs) > 2 else 0.0) * seq_len ** 2
 
     def other_fwd_us(self, seq_len: float, tp: int, batch=1.0) -> float:
         """Forward time (us) of embedding + final norm + LM head + loss for `batch`
         sequences."""
-        return _poly(self._fit(tp).other_fwd, seq_len, batch)
+        return self._fit(tp).call_us("other_fwd", seq_len, batch)
 
     def other_bwd_us(self, seq_len: float, tp: int, batch=1.0) -> float:
         """Backward time (us) of "other" for `batch` sequences."""
-        return _poly(self._fit(tp).other_bwd, seq_len, batch)
+        return self._fit(tp).call_us("other_bwd", seq_len, batch)
 
     def optimizer_us(self, tp: int) -> Tuple[float, float]:
         """(block, other): one optimizer step (us: norm, clipping, AdamW, parameter copy) of the

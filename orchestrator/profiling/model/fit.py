@@ -23,6 +23,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from orchestrator.profiling.measure import nonneg_rel_lsq
+from orchestrator.store.schema.model import HOST_DEVICE_PARTS
 
 BLOCK_KEYS = ("block_fwd_us", "block_bwd_us")
 QUADRATIC_MARGIN = 0.5  # the free quadratic must validate this much better than the FLOP model
@@ -158,10 +159,92 @@ def fit_points(points: Sequence[Mapping]) -> Dict[str, dict]:
         for key in OPTIM_KEYS:  # the optimizer step does not depend on the sequence length
             if all(key in p for p in pts):
                 entry[key] = float(np.median([p[key] for p in pts]))
+        host_device = fit_host_device(pts)
+        if host_device is not None:  # a GPU's points: the host's and the device's times apart
+            (entry["device_us"], entry["host_us"], entry["device_rel_residuals"],
+             entry["device_models"]) = host_device
         sources = sorted({p.get("source", "measured") for p in pts})
         entry["source"] = sources[0] if len(sources) == 1 else "mixed"
         fits[str(tp)] = entry
     return fits
+
+
+def _per_sequence_flops(seq_lens, flops_per_seq) -> Tuple[float, float]:
+    """(f1, f2) with flops(s) = f1 s + f2 s^2 per sequence (a block has no work without
+    tokens), least squares; one length: proportional to s."""
+    s = np.asarray(seq_lens, dtype=np.float64)
+    f = np.asarray(flops_per_seq, dtype=np.float64)
+    if len(np.unique(s)) < 2:
+        return float(np.mean(f / s)), 0.0
+    scale = float(s.max())
+    (f1, f2), *_ = np.linalg.lstsq(np.stack([s / scale, (s / scale) ** 2], axis=1), f,
+                                   rcond=None)
+    return float(f1 / scale), float(f2 / scale ** 2)
+
+
+def _device_candidate(s, b, v, f, model: str) -> Tuple[List[float], List[float]]:
+    """One form of fit_device: ([c0, c1(, c2)], relative residuals)."""
+    if model == "flops":
+        fscale = float(f.max())
+        a, k = nonneg_rel_lsq(np.stack([np.ones_like(f), f / fscale], axis=1), v)
+        f1, f2 = _per_sequence_flops(s, f / b)
+        coeffs = [float(a), float(max(0.0, k / fscale * f1)), float(max(0.0, k / fscale * f2))]
+    else:
+        quadratic = model == "quadratic"
+        tscale, sscale = float((b * s).max()), float(s.max())
+        basis = [np.ones_like(s), b * s / tscale] + ([b * (s / sscale) ** 2] if quadratic else [])
+        c = nonneg_rel_lsq(np.stack(basis, axis=1), v)
+        coeffs = [float(c[0]), float(c[1]) / tscale] + ([float(c[2]) / sscale ** 2]
+                                                         if quadratic else [])
+    pred = [coeffs[0] + bi * (predict_poly(coeffs, si) - coeffs[0]) for si, bi in zip(s, b)]
+    return coeffs, [float((p - vi) / vi) for p, vi in zip(pred, v)]
+
+
+def fit_device(part: str, seqs: Sequence[float], batches: Sequence[float],
+               values: Sequence[float],
+               flops: Optional[Sequence[float]] = None) -> Tuple[List[float], List[float], str]:
+    """A part's device time per call on `batches[i]` sequences of `seqs[i]` tokens, the time
+    being c0 + b (c1 s + c2 s^2): ([c0, c1, c2] for a block, [c0, c1] for "other"), the
+    relative residuals, and the form ("flops", "quadratic" or "linear"). c0 is the call's own
+    device cost (what does not grow with its tokens), once per call. A block with the call's
+    FLOPs (`flops`) is fitted both as time = a + k x flops and as a free quadratic in b s and
+    b s^2; the FLOP model (one rate, no s^2 term to bend on noise) is kept unless the
+    quadratic's worst residual is under QUADRATIC_MARGIN of its own. "other" is linear."""
+    s, b, v = (np.asarray(x, dtype=np.float64) for x in (seqs, batches, values))
+    if not part.startswith("block"):
+        return (*_device_candidate(s, b, v, None, "linear"), "linear")
+    cq, rq = _device_candidate(s, b, v, None, "quadratic")
+    if flops is None:
+        return cq, rq, "quadratic"
+    cf, rf = _device_candidate(s, b, v, np.asarray(flops, dtype=np.float64), "flops")
+    worst_q = max(max(abs(x) for x in rq), EXACT_REL_ERR)
+    worst_f = max(max(abs(x) for x in rf), EXACT_REL_ERR)
+    if worst_q >= QUADRATIC_MARGIN * worst_f:
+        return cf, rf, "flops"
+    return cq, rq, "quadratic"
+
+
+def fit_host_device(points: Sequence[Mapping]):
+    """(device_us, host_us, rel_residuals, device_models) of one TP degree's points from their
+    "host_device" samples (a GPU's: per micro-batch size, each part's device time alone and
+    the host's time to issue it), or None when no point has them (a CPU, analytic points).
+    device_us: per part, fit_device over every length and micro-batch size; host_us: per part,
+    the median over the samples (issuing a call does not depend on its tokens)."""
+    samples = [(p["seq_len"], h) for p in points for h in p.get("host_device", ())]
+    if not samples:
+        return None
+    device, host, resid, models = {}, {}, {}, {}
+    for part in HOST_DEVICE_PARTS:
+        have = [(s, h) for s, h in samples if h.get(f"{part}_device_us", 0) > 0]
+        if not have:
+            return None
+        flops = ([h["flops"][part] for _, h in have]
+                 if all(part in h.get("flops", {}) for _, h in have) else None)
+        device[part], resid[part], models[part] = fit_device(
+            part, [s for s, _ in have], [h["micro_batch_size"] for _, h in have],
+            [h[f"{part}_device_us"] for _, h in have], flops)
+        host[part] = float(np.median([h[f"{part}_host_us"] for _, h in have]))
+    return device, host, resid, models
 
 
 def fit_activation_bytes(seq_lens: Sequence[float], act_bytes: Sequence[float]) -> List[float]:

@@ -63,6 +63,22 @@ def fit_warnings(profile: Mapping) -> List[str]:
     return lines
 
 
+def host_device_lines(profile: Mapping) -> List[str]:
+    """One line per TP degree whose fits tell host time from device time (a GPU's): the host's
+    time to issue each call and the device's fit, which the cost model prices as max of the
+    two; [] for a profile without them (a CPU's, analytic)."""
+    lines = []
+    for tp, f in sorted(profile.get("fits", {}).items(), key=lambda kv: int(kv[0])):
+        if "host_us" not in f:
+            continue
+        parts = ", ".join(f"{part.replace('_', ' ')} host {f['host_us'][part]:.0f} us, device "
+                          f"{' '.join(f'{c:.3g}' for c in f['device_us'][part])}"
+                          for part in f["host_us"])
+        lines.append(f"tp={tp} host / device (a call: max of the two; device c0 + b (c1 s + "
+                     f"c2 s^2) us): {parts}")
+    return lines
+
+
 def point_line(record: Optional[dict], batch: int, markup: bool = True) -> str:
     """One line per profiled point: its times (us) and block activations (bytes per token);
     "" for no record (ranks other than 0)."""
@@ -70,10 +86,14 @@ def point_line(record: Optional[dict], batch: int, markup: bool = True) -> str:
         return ""
     tag = _source_tag(record["source"]) if markup else record["source"]
     act = record["block_act_bytes"][Recompute.none] / (record["seq_len"] * batch)
+    split = "".join(f"; mbs {h['micro_batch_size']} block device/host fwd "
+                    f"{h['block_fwd_device_us']:.0f}/{h['block_fwd_host_us']:.0f} bwd "
+                    f"{h['block_bwd_device_us']:.0f}/{h['block_bwd_host_us']:.0f} us"
+                    for h in record.get("host_device", ()))
     return (f"  seq {record['seq_len']:>6} tp {record['tp']}: block fwd "
             f"{record['block_fwd_us']:.0f} us bwd {record['block_bwd_us']:.0f} us, other fwd "
             f"{record['other_fwd_us']:.0f} us bwd {record['other_bwd_us']:.0f} us, block act "
-            f"{act:.0f} B/token ({tag})")
+            f"{act:.0f} B/token ({tag}){split}")
 
 
 def points_table(profile: Mapping) -> Table:
@@ -189,6 +209,8 @@ def print_report(profile: Mapping, console: Optional[Console] = None) -> None:
         console.print(fits_table(profile))
         for line in fit_warnings(profile):
             console.print(f"[red]warning[/]: {line}")
+        for line in host_device_lines(profile):
+            console.print(line)
     if profile.get("memory"):
         console.print(memory_table(profile))
     if profile.get("moe"):

@@ -20,10 +20,11 @@ from orchestrator.profiling.model import analytic as an
 from orchestrator.profiling.model import memory as mem
 from orchestrator.profiling.model import moe
 from orchestrator.profiling.model.plan import ProfilePlan
-from orchestrator.profiling.model.timing import (build_point_model, combine_ranks,
-                                                 fastest_and_median, local_numel, memory_point,
-                                                 optimizer_step_bytes_per_element,
-                                                 time_optimizer_step_us, time_point)
+from orchestrator.profiling.model.timing import (build_point_model, combine_host_device,
+                                                 combine_ranks, fastest_and_median, local_numel,
+                                                 memory_point, optimizer_step_bytes_per_element,
+                                                 time_host_device, time_optimizer_step_us,
+                                                 time_point)
 from orchestrator.train.plan import train_compile
 
 
@@ -41,6 +42,8 @@ class MeasuredTiming:
         self.warmup_iters = int(cfg.profile_model.warmup_iters)
         self.iters = int(cfg.profile_model.iters)
         self.layers = int(cfg.model.layers)
+        # Micro-batch sizes a GPU times with host and device apart (time_host_device)
+        self.micro_batch_sizes = [int(b) for b in cfg.profile_model.micro_batch_sizes]
         self.allocator = self.device.type == "cuda"  # the allocator's figures on a GPU
         # the block as train runs it: compiled where train compiles (train.compile)
         self.compile = train_compile(cfg, self.device.type)
@@ -72,11 +75,20 @@ class MeasuredTiming:
         for key, numel in (("block_optim_us", block_numel), ("other_optim_us", other_numel)):
             samples[key] = time_optimizer_step_us(numel, self.device, self.warmup_iters,
                                                   self.iters, model_numel)
-        per_rank = self.ctx.gather(fastest_and_median(samples))
+        host_device = {}
+        if self.device.type == "cuda" and self.micro_batch_sizes:
+            # TP groups time the profile's own size only (it fits: time_point ran it), so no
+            # rank of a group runs out of memory alone in the middle of a collective.
+            batches = self.micro_batch_sizes if tp == 1 else [pm.batch]
+            host_device = time_host_device(pm, seq, batches, self.warmup_iters, self.iters,
+                                           barrier)
+        per_rank = self.ctx.gather((fastest_and_median(samples), host_device))
         if not self.ctx.is_root:
             return None
-        return {**combine_ranks(per_rank, tp), "iters": self.iters,
-                "groups": len(per_rank) // tp}
+        times = combine_ranks([r for r, _ in per_rank], tp)
+        if host_device:
+            times["host_device"] = combine_host_device([h for _, h in per_rank], tp, times)
+        return {**times, "iters": self.iters, "groups": len(per_rank) // tp}
 
     def moe_records(self, model, cases) -> Optional[list]:
         """Every rank times the MoE cases alone (all at once, as the points); rank 0 gets the
@@ -119,7 +131,24 @@ class MeasuredTiming:
                           "the part's parameters",
                 "activations": ("CUDA allocator (saved-tensor count in block_act_bytes_saved)"
                                 if self.allocator else "saved tensors (exact)"),
+                "host_device": self.host_device_note(),
                 "states": mem.BYTES_PER_PARAM_NOTE}
+
+    def host_device_note(self) -> str:
+        """What the profile says about host time and device time (the cost model prices a
+        call from them: planner/profiles.TpFit.call_us)."""
+        if self.device.type != "cuda":
+            return ("not told apart: on a CPU the host runs the kernels, so a call's time is "
+                    "both (fits: constant once per call + per-sequence terms)")
+        if not self.micro_batch_sizes:
+            return ("not told apart: profile_model.micro_batch_sizes is empty (fits: the "
+                    "events' time, constant once per call + per-sequence terms)")
+        return (f"apart: each point's parts queued behind a sleep kernel, CUDA events timing "
+                f"the device alone and the wall clock the host issuing them, on micro-batches "
+                f"of {self.micro_batch_sizes} sequences at tp 1 (the largest that fit) and "
+                f"profile_model.micro_batch_size under TP (points' host_device); fits' "
+                f"device_us and host_us: a call costs max(host, device). *_us: synchronised "
+                f"events, host and device together")
 
 
 class AnalyticTiming:
@@ -176,6 +205,8 @@ class AnalyticTiming:
                           + ("" if self.sheet.get("hbm_GBps") else " (not on this sheet: 0)"),
                 "activations": "saved tensors under FakeTensorMode"
                                + (", CUDA RMSNorm kernel emulated" if self.gpu_kernels else ""),
+                "host_device": "not told apart: the device's work alone, priced; no host time "
+                               "(fits: constant once per call + per-sequence terms)",
                 "states": mem.BYTES_PER_PARAM_NOTE}
 
 
@@ -232,6 +263,9 @@ class PointRunner:
             record["compiled"] = is_compiled(pm.block)  # false: all of it stayed eager
             if pm.compile_notes:  # what stayed eager and why
                 record["compile_notes"] = list(pm.compile_notes)
+        for sample in record.get("host_device", ()):  # each size's FLOPs (per rank)
+            sample["flops"] = {k: v * sample["micro_batch_size"] / self.batch
+                               for k, v in record["flops"].items()}
         record.update(mem.megatron_comparison(seq, tp, record["block_act_bytes"], self.model,
                                               self.batch))
         return record

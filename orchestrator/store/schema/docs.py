@@ -89,6 +89,15 @@ PROSE = {
   `*_comm_us` (measured TP points: the fitted `*_us` are compute only; the cost model adds TP
   communication from the hardware profile), `iters`, `flops` (per rank), per-mode activation bytes
   per micro-batch, `megatron_act_bytes`, `megatron_ratio`.
+- Host and device: a GPU's measured points carry `host_device`, per micro-batch size
+  (`profile_model.micro_batch_sizes`, tp 1; the profile's own size under TP) each part's
+  `*_device_us` (the kernels alone: the call queued behind a sleep kernel, CUDA events around
+  it) and `*_host_us` (the wall time Python takes to issue it), and `flops`; the fits'
+  `device_us` and `host_us` come from them, and the cost model prices a call as
+  max(host, device) (they overlap). The points' `*_us` are synchronised events, both
+  together. Where the two are not told apart (a CPU: the host runs the kernels; analytic,
+  imported and older profiles) there are no `device_us`/`host_us`, `method.host_device` says
+  so, and a call costs the fit's constant once plus its per-sequence terms.
 - `act_bytes_per_token` is measured with sequence parallelism under TP and a vocab-parallel loss;
   the planner adds Megatron's 10sbh term when it prices a layout without SP. "other" is not split:
   the planner puts 5% of its time and half of its memory on the first stage, the rest on the last.

@@ -86,8 +86,18 @@ class TpFits(Record):
     other_fwd_us: Tuple[float, ...] = doc("[c0, c1]")
     other_bwd_us: Tuple[float, ...] = doc("[c0, c1]")
     max_rel_err: Optional[float] = doc("largest relative residual of the fits", default=None)
-    extras: Dict[str, Any] = doc("seq_lens, rel_residuals, block_models, source",
-                                 default_factory=dict)
+    device_us: Optional[Dict[str, Tuple[float, ...]]] = doc(
+        "GPU (measured): the device's time alone per part (block_fwd, block_bwd, other_fwd, "
+        "other_bwd), queued behind a sleep so the host never starves it: c0 + b (c1 s + c2 s^2) "
+        "for a call on b sequences of s tokens (other: c0 + b c1 s), fitted over the profiled "
+        "lengths and micro-batch sizes; absent where host and device are not told apart (a CPU: "
+        "the host runs the kernels; analytic and older profiles)", default=None)
+    host_us: Optional[Dict[str, float]] = doc(
+        "GPU (measured, with device_us): the host's time to issue one call per part (Python, "
+        "dispatch, kernel launches; the same for every length and micro-batch size, the "
+        "median). A call costs max(host, device): they overlap", default=None)
+    extras: Dict[str, Any] = doc("seq_lens, rel_residuals, block_models, source, "
+                                 "device_rel_residuals, device_models", default_factory=dict)
 
     def check(self, path: str) -> None:
         for name, most in (("block_fwd_us", 3), ("block_bwd_us", 3), ("other_fwd_us", 2),
@@ -95,6 +105,21 @@ class TpFits(Record):
             n = len(getattr(self, name))
             if not 1 <= n <= most:
                 raise FieldError(f"{path}.{name}", f"expected 1 to {most} coefficients, got {n}")
+        if (self.device_us is None) != (self.host_us is None):
+            raise FieldError(f"{path}.{'host_us' if self.host_us is None else 'device_us'}",
+                             "missing (device_us and host_us come together)")
+        for part in HOST_DEVICE_PARTS if self.device_us is not None else ():
+            for name in ("device_us", "host_us"):
+                if part not in getattr(self, name):
+                    raise FieldError(f"{path}.{name}.{part}", "missing")
+            most = 3 if part.startswith("block") else 2
+            if not 1 <= len(self.device_us[part]) <= most:
+                raise FieldError(f"{path}.device_us.{part}",
+                                 f"expected 1 to {most} coefficients, got "
+                                 f"{len(self.device_us[part])}")
+
+
+HOST_DEVICE_PARTS = ("block_fwd", "block_bwd", "other_fwd", "other_bwd")
 
 
 @dataclass(kw_only=True)

@@ -1,0 +1,182 @@
+"""A GPU profile tells the host's time (issuing a call) from the device's (running it): the fit
+separates them over lengths and micro-batch sizes, and the cost model prices a call as the
+slower of the two (they overlap) instead of a host constant added to a per-token slope. Pure
+functions on synthetic profiles shaped as profile_model writes them; a CPU profile (host and
+device the same) keeps its form."""
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+
+from orchestrator.errors import ProfileError
+from orchestrator.layout import ParallelLayout
+from orchestrator.planner import ModelCost, evaluate
+from orchestrator.profiling.model.fit import fit_points
+from orchestrator.profiling.model.report import host_device_lines
+from orchestrator.models.config import ModelConfig
+from orchestrator.profiling.model.timing import (PARTS, build_point_model, combine_host_device,
+                                                 time_host_device)
+from planner_fixtures import hand_hardware, synthetic_model
+
+SEQS = (128, 512, 1024, 2048)
+SIZES = (1, 2, 4, 8)
+# A 7B-class block on one GPU, us: the device's own cost per call and per sequence of s tokens
+# (c0 + b (c1 s + c2 s^2)), and the host's time to issue the call (the issue's 873 / 1,410 us).
+DEVICE = {"block_fwd": (20.0, 0.5, 5e-5), "block_bwd": (40.0, 1.0, 1.25e-4),
+          "other_fwd": (10.0, 0.2), "other_bwd": (20.0, 0.4)}
+HOST = {"block_fwd": 873.0, "block_bwd": 1410.0, "other_fwd": 300.0, "other_bwd": 450.0}
+
+
+def device_us(part: str, s: float, b: float) -> float:
+    c = DEVICE[part]
+    return c[0] + b * sum(ci * s ** i for i, ci in enumerate(c) if i)
+
+
+def true_call_us(part: str, s: float, b: float) -> float:
+    """What a call takes on the GPU: the host issues while the device runs."""
+    return max(HOST[part], device_us(part, s, b))
+
+
+def gpu_points(host_device: bool = True) -> list:
+    """Points as profile_model writes them on a GPU: *_us are synchronised events at micro-batch
+    1 (host-bound at short lengths), "host_device" the two apart per micro-batch size."""
+    points = []
+    for s in SEQS:
+        flops = {p: 1e6 * (device_us(p, s, 1) - DEVICE[p][0]) for p in DEVICE}
+        point = {"seq_len": s, "tp": 1, "source": "measured", "flops": flops,
+                 **{f"{p}_us": true_call_us(p, s, 1) for p in DEVICE}}
+        if host_device:
+            point["host_device"] = [
+                {"micro_batch_size": b, "flops": {p: f * b for p, f in flops.items()},
+                 **{f"{p}_device_us": device_us(p, s, b) for p in DEVICE},
+                 **{f"{p}_host_us": HOST[p] for p in DEVICE}} for b in SIZES]
+        points.append(point)
+    return points
+
+
+def gpu_profile(host_device: bool = True) -> dict:
+    """A model.json dict of a 4-layer 7B-shaped model whose fits are fit_points' of gpu_points."""
+    prof = synthetic_model("gpu", hidden=4096, ffn=11008, layers=4, heads=32, vocab=32000,
+                           seq_len=2048, tps=(1,))
+    prof["points"] = gpu_points(host_device)
+    prof["fits"] = fit_points(prof["points"])
+    return prof
+
+
+def test_fit_points_tells_host_from_device_over_micro_batch_sizes():
+    fit = fit_points(gpu_points())["1"]
+    assert fit["host_us"] == HOST
+    for part in DEVICE:
+        assert fit["device_us"][part] == pytest.approx(DEVICE[part], rel=1e-6, abs=1e-9)
+        assert max(abs(r) for r in fit["device_rel_residuals"][part]) < 1e-6
+    # a CPU's points (no host_device: the host runs the kernels) fit as before
+    cpu = fit_points(gpu_points(host_device=False))["1"]
+    assert "device_us" not in cpu and "host_us" not in cpu
+    assert cpu["block_fwd_us"] == fit["block_fwd_us"]
+    # the report prints them (profile_model's console), and nothing for a CPU's
+    assert "block bwd host 1410 us, device 40 1 0.000125" in host_device_lines(gpu_profile())[0]
+    assert host_device_lines(gpu_profile(host_device=False)) == []
+
+
+@pytest.mark.parametrize("b", SIZES)
+def test_a_call_costs_the_slower_of_host_and_device(b):
+    cost = ModelCost.from_dict(gpu_profile())
+    for s in (128, 1024, 2048):
+        for part, priced in (("block_fwd", cost.block_fwd_us), ("block_bwd", cost.block_bwd_us),
+                             ("other_fwd", cost.other_fwd_us), ("other_bwd", cost.other_bwd_us)):
+            assert priced(s, 1, b) == pytest.approx(true_call_us(part, s, b), rel=1e-6)
+    # host-bound (short, one sequence): the host alone, not host + device
+    assert cost.block_fwd_us(128, 1, 1) == pytest.approx(HOST["block_fwd"])
+    # GPU-bound at seq 2048: the device's time, not under it by the host constant's share
+    assert cost.block_bwd_us(2048, 1, b) >= device_us("block_bwd", 2048, b) * (1 - 1e-9)
+
+
+def _step_us(cost: ModelCost, b: int, recompute: str = "none") -> float:
+    layout = ParallelLayout.uniform(1, 1, 1, 4, micro_batch_size=b, num_micro_batches=8 // b,
+                                    recompute=recompute)
+    return evaluate(layout, cost, hand_hardware({}, world_size=1), 2048).iteration_time_us
+
+
+def _true_compute_us(b: int, recompute: str = "none") -> float:
+    """4 blocks and "other" over 8 // b micro-batches; full recompute reruns the forward."""
+    block = true_call_us("block_fwd", 2048, b) * (2 if recompute == "full" else 1) \
+        + true_call_us("block_bwd", 2048, b)
+    other = true_call_us("other_fwd", 2048, b) + true_call_us("other_bwd", 2048, b)
+    return 8 // b * (4 * block + other)
+
+
+def test_micro_batch_sizes_are_priced_and_ranked_as_they_run():
+    cost = ModelCost.from_dict(gpu_profile())
+    optimizer_us = _step_us(cost, 8) - _true_compute_us(8)  # the same for every layout
+    for b in SIZES:  # each step within 1% of its calls' max(host, device)
+        assert _step_us(cost, b) - optimizer_us == pytest.approx(_true_compute_us(b), rel=0.01)
+    steps = {b: _step_us(cost, b) for b in SIZES}
+    assert sorted(SIZES, key=steps.get) == sorted(SIZES, key=_true_compute_us)  # 8 first
+    # mbs 1 without recompute runs faster than mbs 8 with full recompute (the pick where only
+    # that fits); the host constant added once to a slope fitted through host-bound lengths
+    # prices mbs 8 below mbs 1 and ranks them the other way round
+    assert _true_compute_us(1) < _true_compute_us(8, "full")
+    assert _step_us(cost, 1) < _step_us(cost, 8, "full")
+
+
+def test_a_profile_without_host_time_prices_as_before_and_a_half_one_is_refused():
+    old = gpu_profile(host_device=False)  # a CPU's, an analytic or an older GPU profile
+    cost = ModelCost.from_dict(old)
+    c0, c1, c2 = old["fits"]["1"]["block_fwd_us"]
+    for b in SIZES:  # the fit's constant once per call, the rest per sequence
+        assert cost.block_fwd_us(2048, 1, b) == pytest.approx(c0 + b * (c1 * 2048 + c2 * 2048 ** 2))
+    half = copy.deepcopy(gpu_profile())
+    del half["fits"]["1"]["device_us"]
+    with pytest.raises(ProfileError, match=r"fits\.1\.device_us: missing"):
+        ModelCost.from_dict(half)
+
+
+def test_ranks_host_device_samples_combine_as_the_points_times():
+    def rank(device, host, sizes=(1, 2)):
+        return {b: {"block_fwd_device_us": device * b, "block_fwd_host_us": host}
+                for b in sizes}
+
+    # two TP groups of 2: each is its slowest rank, the groups give their median; the device
+    # time less the part's TP collectives; a size one rank ran out of memory for is left out
+    per_rank = [rank(100, 10), rank(120, 12), rank(80, 8), rank(90, 9, sizes=(1,))]
+    assert combine_host_device(per_rank, 2, {"block_fwd_comm_us": 5.0}) == [
+        {"micro_batch_size": 1, "block_fwd_device_us": 105.0 - 5.0,
+         "block_fwd_host_us": 10.5}]
+
+
+class WallClock:
+    """QueuedClock's interface on a CPU (no sleep kernel to queue behind: host is device):
+    each call's wall time as both, and the micro-batch each call saw."""
+
+    def __init__(self):
+        self.batches = []
+
+    def measure(self, run):
+        t0 = time.perf_counter()
+        out = run()
+        us = (time.perf_counter() - t0) * 1e6
+        if hasattr(out, "shape") and out.dim() == 3:  # (batch, seq, hidden)
+            self.batches.append(out.shape[0])
+        return us, us, out
+
+
+def test_each_micro_batch_size_runs_every_part_on_its_own_batch():
+    pm = build_point_model(ModelConfig(), 64, 1, None, "cpu")  # tiny, one block, micro-batch 1
+    clock = WallClock()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: intra-op threads only spin on a shared machine
+    try:
+        times = time_host_device(pm, 64, [4, 1, 2], warmup_iters=1, iters=1, clock=clock)
+    finally:
+        torch.set_num_threads(threads)
+    assert sorted(times) == [1, 2, 4]
+    for b, sample in times.items():
+        assert set(sample) == {p.replace("_us", f"_{k}_us") for p in PARTS
+                               for k in ("device", "host")}
+        assert all(v > 0 for v in sample.values())
+    # the block's and the embedding's outputs, on each size in turn, smallest first (the
+    # warm-up iteration of each size runs untimed)
+    assert clock.batches == [1, 1, 2, 2, 4, 4]
