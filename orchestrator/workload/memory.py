@@ -51,7 +51,7 @@ from orchestrator.workload.params import (Param, chunk_size, rank_chunks)
 from orchestrator.workload.states import (FP32, INT64, NORM_CHUNK,
                                           StateBytes,
                                           cp_split_input_bytes, embedding_bytes,
-                                          fsdp_shard_numel, half_weights, is_dtensor,
+                                          fsdp_shards, half_weights, is_dtensor,
                                           no_sp_extra_bytes_per_token, rank_parameters,
                                           rank_states, sp_degree, weight_dtype)
 
@@ -294,7 +294,7 @@ def rank_memory(model: ModelConfig, layout: ParallelLayout, rank: int, act: Bloc
     fsdp_grad = FP32 + (weight if half else 0)  # bytes per element of a unit's fresh gradients
     params = rank_parameters(model, layout, rank)
     numel = [p.local_numel for p in params]
-    pp_rank, dp_rank = layout.coordinate(rank, "pp"), layout.coordinate(rank, "dp_cp")
+    pp_rank = layout.coordinate(rank, "pp")
     dp, zero, m = layout.replicas, layout.zero, layout.num_micro_batches
     tokens = layout.micro_batch_size * seq_len // layout.cp  # this rank's
     vocab_local = chunk_size(model.vocab, layout.tp, layout.coordinate(rank, "tp"))
@@ -393,9 +393,10 @@ def rank_memory(model: ModelConfig, layout: ParallelLayout, rank: int, act: Bloc
     live.kinds.pop("fsdp gathered params", None)
     live.kinds.pop("gradient accumulators", None)
     if zero == 3:
-        shard = sum(fsdp_shard_numel(p, dp, dp_rank) for p in params)
+        shards = fsdp_shards(params, layout, rank)
+        shard = sum(shards)
         live.kinds = {"sharded gradients": FP32 * shard}
-        biggest = max(fsdp_shard_numel(p, dp, dp_rank) for p in params)
+        biggest = max(shards)
         live.check("grad_norm", {"norm temporaries": 16 * biggest})
         live.check("optimizer", {"adamw temporaries": 0 if cuda else FP32 * shard})
     else:

@@ -138,7 +138,9 @@ class StageMemory:
                              "optim": 2 * FP32 / owned_div}
         edp = layout.edp
         self.expert_per_elem = dict(self.per_elem)
-        if self.expert_numel and zero < 3:  # DTensors on the expert mesh, sharded over edp
+        if self.expert_numel and zero == 3:  # FSDP2 units of their own over edp
+            self.expert_per_elem = {"params": FP32 / edp, "grads": 0.0, "optim": 2 * FP32 / edp}
+        elif self.expert_numel:  # DTensors on the expert mesh, sharded over edp
             split = layout.ep * layout.etp > 1
             master = (FP32 if split or half else 0.0) if zero == 0 else FP32 / edp
             self.expert_per_elem = {"params": weight + master,
@@ -311,9 +313,11 @@ class StageMemory:
         AdamW's foreach temporary (CPU), ZeRO 1/2's parameter all-gather."""
         numel = np.asarray(n, dtype=float) * self.block_numel + self.other_numel[j]
         zero, dp, cuda = self.zero, self.dp, self.cuda
-        if zero == 3:
-            shard = numel / dp
-            return FP32 * shard + np.maximum(16 * self.largest_param[j] / dp,
+        if zero == 3:  # the routed experts' shards are 1/edp of them (states)
+            edp = self.layout.edp
+            shard = (numel - np.asarray(n, dtype=float) * self.expert_numel) / dp + (
+                np.asarray(n, dtype=float) * self.expert_numel / edp)
+            return FP32 * shard + np.maximum(16 * self.largest_param[j] / min(dp, edp),
                                              0.0 if cuda else FP32 * shard)
         bucket = np.maximum(np.minimum(self.bucket_limit, np.ceil(numel / 4)),
                             self.largest_param[j])
