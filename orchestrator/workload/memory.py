@@ -374,8 +374,11 @@ def rank_memory(model: ModelConfig, layout: ParallelLayout, rank: int, act: Bloc
                 transient["fsdp gathered params"] = _fsdp_gathered(
                     part, unit_of_part, fsdp_units, prefetch=True, weight=weight)
                 # its unsharded gradients, reduce-scattered every micro-batch (bf16 weights:
-                # made in bf16, cast to fp32 for the reduce-scatter)
-                transient["fresh gradients"] = fsdp_grad * sum(numel[i] for i in part.params)
+                # made in bf16, cast to fp32 for the reduce-scatter); the head's are the root
+                # unit's, reduce-scattered with the embedding's after the whole backward
+                made = sum(numel[i] for i in part.params)
+                transient["fresh gradients"] = (weight if part.kind == "head"
+                                                else fsdp_grad) * made
             else:  # a weight's gradient before it is copied into its bucket
                 transient["fresh gradients"] = max(numel[i] for i in part.params) * weight
             live.check(tag, transient)

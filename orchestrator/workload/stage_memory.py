@@ -118,6 +118,10 @@ class StageMemory:
         self.router_numel = sum(p.local_numel for p in params if p.name.endswith("router.weight"))
         vocab_local = chunk_size(vocab, tp, 0)
         first, last = counts.first, counts.last
+        # ZeRO 3 without a pipeline: the head's fresh gradients in the loss backward (the root
+        # unit's, reduce-scattered after the whole backward: in the weights' dtype until then)
+        self.head_fresh = (weight_dtype(dtype).bytes * last
+                           if (layout.zero == 3 and layout.pp == 1) else 0.0 * last)
         self.other_numel = counts.other
         largest_other = np.maximum(np.where(first > 0, vocab_local * h, 0),
                                    np.where(last > 0, vocab_local * h, 0))
@@ -241,7 +245,7 @@ class StageMemory:
         inflight = live * x(per_chunk) + start_accum
         start = inflight + x(block) + x(fresh) + x(gathered)
         root = weight * self.other_numel.sum() if (zero == 3 and pp == 1) else 0.0
-        loss = (inflight + x(self.head_kept[j] + self.end_working[j])
+        loss = (inflight + x(self.head_kept[j] + self.end_working[j] + self.head_fresh[j])
                 + (x(fresh_end) if zero < 3 else 0.0) + root)
         start = np.where(x(last_stage), np.maximum(start, loss), start)
         # It ends: one chunk fewer, the gradients it made (ZeRO 2's buckets on the last
@@ -295,7 +299,8 @@ class StageMemory:
                  + recompute + fresh)
         end = np.where(first, FP32 * self.vocab_local * self.model.hidden + fresh_end, 0.0)
         extra = np.maximum(np.maximum(block, end),
-                           np.where(last, head_kept + head_bwd + fresh_end, 0.0))
+                           np.where(last, head_kept + head_bwd + fresh_end
+                                    + self.head_fresh[:, None], 0.0))
         numel = n[:, 0] * self.block_numel + self.other_numel
         fixed = np.zeros(pp)
         if self.zero == 3 and pp == 1:  # the fp32 shards; the root, a unit and the next
