@@ -15,7 +15,8 @@ have no config in conf/model are written as model configs into a temporary site 
 (ORCHESTRATOR_CONF, orchestrator/conf_folders.py).
 
 Each run (RUNS: its source, paper table or URL, and every layout field it publishes) is priced
-with `CostOptions(engine="megatron")` and the search's default reserve (search.reserve_fraction
+with `CostOptions(engine="megatron")` (NeMo AutoModel's Qwen3 30B-A3B, FSDP2 + EP: our engine's
+model, `Run.engine`) and the search's default reserve (search.reserve_fraction
 0.10 x 80 GiB + search.reserve_GiB 1.0 = 9 GiB). Where a detail is not published (micro-batch
 size, recompute, interleaving depth and the partition Megatron runs it with, ZeRO stage), every
 guess in `Run.guesses` is priced and the one the planner would take itself is shown: the
@@ -145,6 +146,9 @@ class Run:
     mbs_unpublished: bool = True
     guesses: Tuple[Guess, ...] = (Guess(),)
     unpublished: str = ""  # what the source leaves out
+    # the engine model that prices it: Megatron-LM's, or ours (FSDP2 + EP) for NeMo AutoModel
+    engine: Engine = Engine.megatron
+    moe_imbalance: Optional[float] = None  # None: search.moe_imbalance's default
 
 
 def guesses(mbs=(1, 2), recompute=(Recompute.none, Recompute.selective), v=(1, 2, 4),
@@ -205,6 +209,21 @@ NEMO_UNPUBLISHED = ("recompute; the engine is NeMo AutoModel's (PyTorch FSDP2, T
 LLAMA3_70B = Shape("llama3_70b", hidden=8192, ffn=28672, layers=80, heads=64, kv_heads=8,
                    vocab=128256)
 QWEN3_30B_A3B = Shape("qwen3_30b_a3b", conf="qwen3_30b_a3b")
+NEMO_QWEN3_RECIPE = ("its recipe NVIDIA-NeMo/Automodel "
+                     "examples/llm_benchmark/qwen/qwen3_moe_30b_te_deepep.yaml (strategy fsdp2, "
+                     "ep_size 8, activation_checkpointing true, local_batch_size 4, "
+                     "fake_balanced_gate true, MaskedCrossEntropy without fp32 upcast, "
+                     "torch.optim.Adam)")
+# Why our engine's model: NeMo AutoModel shards the dense weights with FSDP2 over the 8 ranks
+# and holds the experts by EP alone (ep 8 of 8: no expert FSDP), checkpoints whole blocks and
+# computes the loss on bf16 logits: our engine's ZeRO 3 + EP (FSDP2 per block, the experts a
+# unit of their own over edp = 1, full recompute, bf16 logits) keeps the same tensors; Megatron-
+# Core's model (a distributed optimizer's buffers, its own recompute) is another engine's.
+NEMO_QWEN3_UNPUBLISHED = (
+    "the parameter and optimizer dtypes (priced as our engine holds them: fp32 shards, fp32 "
+    "Adam moments, 16 B per parameter, the experts' 1/edp = whole); the engine is NeMo "
+    "AutoModel's (PyTorch FSDP2, TE, DeepEP), priced as stage=train's engine (engine="
+    "orchestrator: FSDP2 + EP, the nearest of the planner's engine models)")
 
 RUNS: Tuple[Run, ...] = (
     Run("Llama 3 405B 8K", LLAMA3, LLAMA3_405B, 8192, tp=8, pp=16, dp=64, seq_len=8192,
@@ -227,10 +246,15 @@ RUNS: Tuple[Run, ...] = (
     # Megatron-Bridge tables give H100 BF16 only for GPT-OSS 120B (attention sinks, a 64-wide
     # head over a 2880 hidden: not a shape ModelConfig holds); these are its H100 BF16 rows.
     # MBS, GA (micro-batches), TP, PP, CP, EP and FSDP as published; LBS = MBS.
-    Run("NeMo Qwen3 30B-A3B", NEMO_AUTOMODEL, QWEN3_30B_A3B, 8, tp=1, pp=1, dp=8, ep=8, zero=3,
-        seq_len=4096, global_batch=512, published_tflops=277, published_tokens_per_s=12040,
-        flops="tokens", sequence_parallel=False, unpublished=NEMO_UNPUBLISHED,
-        mbs_unpublished=False, guesses=guesses(mbs=(4,), v=(1,), recompute=tuple(Recompute))),
+    # As its recipe runs it (NEMO_QWEN3_RECIPE): FSDP2 + EP 8 with DeepEP, every layer
+    # checkpointed, local batch 4, routing forced balanced (fake_balanced_gate); priced with
+    # our engine's memory and traffic, the same FSDP2 + EP (NEMO_QWEN3_ENGINE).
+    Run("NeMo Qwen3 30B-A3B", NEMO_AUTOMODEL + "; " + NEMO_QWEN3_RECIPE, QWEN3_30B_A3B, 8, tp=1,
+        pp=1, dp=8, ep=8, zero=3, seq_len=4096, global_batch=512, published_tflops=277,
+        published_tokens_per_s=12040, flops="tokens", sequence_parallel=False,
+        unpublished=NEMO_QWEN3_UNPUBLISHED, mbs_unpublished=False, engine=Engine.orchestrator,
+        moe_imbalance=1.0,
+        guesses=guesses(mbs=(4,), v=(1,), recompute=(Recompute.full,))),
     Run("NeMo Llama 3 70B", NEMO_AUTOMODEL, LLAMA3_70B, 64, tp=1, pp=1, dp=32, cp=2, zero=3,
         seq_len=8192, global_batch=128, published_tflops=389, published_tokens_per_s=866.77,
         flops="tokens", sequence_parallel=False, unpublished=NEMO_UNPUBLISHED,
@@ -327,8 +351,12 @@ def hardware(world: int, synthetic: bool) -> HardwareModel:
 
 
 # ----------------------------------------------------------------------------------- pricing
-def options() -> CostOptions:
-    return CostOptions(engine=Engine.megatron, reserve_bytes=RESERVE_GiB * GiB)
+def options(run: Optional[Run] = None) -> CostOptions:
+    """The run's pricing: its engine model and MoE balance, the search's default reserve."""
+    if run is None:
+        return CostOptions(engine=Engine.megatron, reserve_bytes=RESERVE_GiB * GiB)
+    return CostOptions(engine=run.engine, reserve_bytes=RESERVE_GiB * GiB,
+                       moe_imbalance=run.moe_imbalance)
 
 
 def stages_of(layers: int, pp: int, v: int, partition: str) -> Optional[Tuple[int, ...]]:
@@ -405,7 +433,7 @@ def price(run: Run, model: ModelCost, cfg: ModelConfig, hw: HardwareModel) -> Pr
         if layout is None:
             continue
         try:
-            pred = evaluate(layout, model, hw, run.seq_len, BUDGET_GiB * GiB, options())
+            pred = evaluate(layout, model, hw, run.seq_len, BUDGET_GiB * GiB, options(run))
         except LayoutError:
             continue
         tried += 1
@@ -429,7 +457,7 @@ def searched(priced: Priced, model: ModelCost, cfg: ModelConfig, hw: HardwareMod
     run = priced.run
     space = SearchSpace(world_size=run.gpus, memory_budget_bytes=BUDGET_GiB * GiB,
                         global_batch_size=run.global_batch, seq_len=run.seq_len,
-                        max_cp=auto_max_cp(run.seq_len), options=options())
+                        max_cp=auto_max_cp(run.seq_len), options=options(run))
     t0 = time.perf_counter()
     try:
         result = search(model, hw, space)
@@ -457,8 +485,9 @@ def table(rows: List[Priced], title: str) -> Table:
             out.add_row(run.label, f"{run.gpus:,}", layout, f"{run.published_tflops:.0f}",
                         "-", "-", "-", "-", "", "", "")
             continue
+        engine = "" if run.engine == Engine.megatron else f"; engine {run.engine}"
         layout = escape(f"{p.prediction.layout.describe()}\n(guess: {p.guess.describe(run)}; "
-                        f"fastest of {p.tried})")
+                        f"fastest of {p.tried}{engine})")
         pick = pick_tflops = pick_GiB = ""
         if p.pick is not None:
             pick = ("same" if p.pick.layout == p.prediction.layout

@@ -108,6 +108,21 @@ def test_expert_states_shard_over_edp():
     assert big.params - small.params == 4 * expert_numel * 3 / 4
 
 
+def test_zero3_search_prices_the_experts_states_as_the_engine_holds_them():
+    """ZeRO-3 (FSDP2): the search's closed form holds rank_states' bytes (which
+    tests/test_moe_train.py counts on real tensors): the routed experts shard over edp (ep 4
+    of dp 16: 4 ranks), the rest over dp."""
+    cfg = _moe_config()
+    _, moe = _models()
+    hw = HardwareModel.from_dict(pf.synthetic_hardware(2, 8))
+    layout = ParallelLayout.uniform(16, 1, 1, 8, zero=3, ep=4, num_micro_batches=2)
+    mem = evaluate(layout, moe, hw, 2048, options=CostOptions(engine="orchestrator")
+                   ).memory_bytes[0]
+    states = rank_states(cfg, layout, 0, dtype="bf16")
+    assert mem["params"] + mem["grads"] + mem["optim"] + mem["comm_buffers"] == pytest.approx(
+        states.total, rel=1e-3)
+
+
 def test_memory_falls_with_expert_parallelism():
     _, moe = _models()
     hw = HardwareModel.from_dict(pf.synthetic_hardware(2, 8))

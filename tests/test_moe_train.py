@@ -41,6 +41,8 @@ def _train(rank, out, layouts, world, mbs=1):
     for pp, tp, extra in layouts:
         layout = _layout(world, pp, tp, extra, mbs)
         engine = Engine(layout, model, torch.device("cpu"), seed=1)
+        if layout.zero == 3:
+            _count_held_at_step(engine, out, f"held {layout.describe()} rank {rank}")
         steps = []
         for step in range(STEPS):
             tokens, targets = data.rank_batch(step, engine.dp_rank, layout.dp, GBS // layout.dp)
@@ -58,6 +60,19 @@ def _train(rank, out, layouts, world, mbs=1):
             out[layout.describe()] = steps
 
 
+def _count_held_at_step(engine, out, key) -> None:
+    """Record under `key` the bytes reachable from the engine's optimizer at each step (the
+    last step's stay): weights, gradient shards and moments (test_train_states' count)."""
+    from test_train_states import _held_bytes
+
+    optim, original = engine.optim, engine.optim.step
+
+    def counted(*args, **kwargs):
+        out[key] = _held_bytes(optim)
+        return original(*args, **kwargs)
+    optim.step = counted
+
+
 @pytest.fixture(scope="module")
 def trained():
     """The single-process reference (one micro-batch of the whole batch) and every layout."""
@@ -69,7 +84,7 @@ def trained():
 
 def test_every_ep_layout_trains(trained):
     _, layouts = trained
-    assert sorted(k for k in layouts if not k.startswith("a2a ")) == sorted(
+    assert sorted(k for k in layouts if not k.startswith(("a2a ", "held "))) == sorted(
         _layout(WORLD_SIZE, *layout).describe() for layout in LAYOUTS)
 
 
@@ -122,6 +137,27 @@ def test_dispatcher_all_to_alls_are_the_workload_models(trained, index):
             (len(moe) + rerun) * m
         assert sum(g[2:] == (own, "fp32") for g in got) >= (2 * len(moe) + rerun) * m, \
             (rank, own, got)
+
+
+@pytest.mark.parametrize("index", [i for i, (_, _, extra) in enumerate(LAYOUTS)
+                                   if extra.get("zero") == 3])
+def test_zero3_states_are_the_workload_models(trained, index):
+    """ZeRO-3 (FSDP2) with experts, counted on the engine's real tensors at the step: each
+    rank's fp32 shards, their fp32 gradient shards and AdamW's moments are rank_states' bytes
+    to the byte; the routed experts shard over the edp ranks holding them, the rest over
+    dp x cp."""
+    from orchestrator.models.config import ModelConfig
+    from orchestrator.workload.states import rank_states
+
+    _, layouts = trained
+    layout = _layout(WORLD_SIZE, *LAYOUTS[index])
+    for rank in range(WORLD_SIZE):
+        held, counters = layouts[f"held {layout.describe()} rank {rank}"]
+        states = rank_states(ModelConfig(**MODEL), layout, rank)
+        # fp32: the gradient shards are as large as the weight shards
+        assert held + counters == 2 * states.params + states.optim, (
+            f"{layout.describe()} rank {rank}: {held + counters} B, predicted "
+            f"{states.as_dict()}")
 
 
 def test_reference_routes_every_token_k_times(trained):

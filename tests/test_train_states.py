@@ -172,3 +172,28 @@ def test_a_bf16_checkpoint_saves_the_fp32_masters_and_resumes_the_same_step(runs
         assert runs[f"saved dtypes {zero} {rank}"] == ["torch.float32"]
         trained, resumed = runs[f"resumed {zero} {rank}"]
         assert resumed == trained, f"ZeRO-{zero} rank {rank}"
+
+
+def test_zero3_keeps_only_gradient_shards_through_gradient_accumulation():
+    """Without a pipeline ZeRO-3 reduce-scatters every micro-batch's gradients (FSDP2's
+    default, Megatron-FSDP's): through 8 micro-batches a rank holds its fp32 gradient shards
+    (4 / dp bytes per parameter) beside one unit's fresh gradients, never the whole model's
+    unsharded (4 bytes per parameter; Galvatron's llama-7b pick on 8 x 36 GB held 25 GiB of
+    them). The walk (rank_memory), which tests/test_train_engine.py checks against the
+    engine's live tensors, with no activations to isolate the gradients."""
+    from orchestrator.layout import ParallelLayout
+    from orchestrator.models.config import ModelConfig
+    from orchestrator.workload.memory import BlockActivations, rank_memory
+    from orchestrator.workload.params import rank_chunks
+    from orchestrator.workload.states import fsdp_shards, rank_parameters
+
+    model = ModelConfig(**{**MODEL, "layers": 8})
+    layout = ParallelLayout.uniform(8, 1, 1, 8, micro_batch_size=1, num_micro_batches=8,
+                                    zero=3)
+    total = sum(p.local_numel for chunk in rank_chunks(model, layout, 0) for p in chunk)
+    walked = rank_memory(model, layout, 0, BlockActivations(0.0, 0.0, 0.0, elem_bytes=2),
+                         dtype="bf16")
+    shard = sum(fsdp_shards(rank_parameters(model, layout, 0), layout, 0))
+    assert "gradient accumulators" not in walked.at_peak, dict(walked.at_peak)
+    assert walked.peak - walked.states.total < 4 * total / 2, dict(walked.at_peak)
+    assert walked.at_peak.get("sharded gradients", 4 * shard) <= 4 * shard

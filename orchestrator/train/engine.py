@@ -371,9 +371,10 @@ class Engine:
         (mod,) = self.modules
         mbs, m = layout.micro_batch_size, layout.num_micro_batches
         losses = []
+        # ZeRO-3 reduce-scatters every micro-batch's gradients (FSDP2's default): the shards
+        # accumulate, 4 / dp bytes per parameter, where deferring the sync would keep every
+        # unit's unsharded fp32 gradients through the accumulation (Megatron-FSDP's choice too).
         for i in range(m):
-            if layout.zero == 3:
-                mod.set_requires_gradient_sync(i == m - 1)
             begin = self._now()
             loss = self._loss(mod(tokens[i * mbs:(i + 1) * mbs]), targets[i * mbs:(i + 1) * mbs])
             loss.backward()

@@ -29,7 +29,8 @@ Tensor parallelism (DTensor, models/parallelize.py), per layer and micro-batch:
   Megatron's): per micro-batch 3 fp32 all-reduces over TP of one value per token (the logits'
   max, the sum of their exponentials, the target's logit), the logits never gathered;
 - after the last micro-batch, each sequence-parallel norm weight's partial gradient is
-  all-reduced over TP (fp32: the gradient buckets').
+  all-reduced over TP (fp32: the gradient buckets'; ZeRO 3 without a pipeline: after every
+  micro-batch, with its reduce-scatter).
 The residual stream is in the weights' dtype (workload/states.weight_dtype): bf16 under bf16
 (bf16 weights, fp32 masters in the optimizer, as Megatron's), fp32 under fp32 and fp16 (autocast
 casts only the matmul inputs); matmul outputs are in the compute dtype.
@@ -47,7 +48,8 @@ one unit per block and one per chunk for the rest) all-gathers each unit's param
 weights' dtype; gradients reduce-scattered in fp32) in forward
 and again in backward for every micro-batch without a pipeline (resharded after forward), once
 per iteration with one (kept gathered, torchtitan's choice), and reduce-scatters its gradients
-once, after the last micro-batch.
+after every micro-batch's backward without a pipeline (the
+shards accumulate), once after the last with one (torch.distributed.pipelining defers it).
 
 Context parallelism (models/context_parallel.py; cp > 1): every per-token message above moves
 the rank's s / cp tokens, and the data-parallel ones run over the dp x cp ranks holding the same
@@ -382,6 +384,8 @@ def _tp_comms(model, layout, rank, compute: Dtype, engine: Engine) -> List[Comm]
         grads = (Dtype.fp32 if engine == Engine.orchestrator
                  else residual_dtype(engine, compute))
         norms = 2 * layers + (1 if last else 0)
+        if engine == Engine.orchestrator and layout.zero == 3 and layout.pp == 1:
+            norms *= m  # with every micro-batch's reduce-scatter
         out.append(Comm("all_reduce", "tp", model.hidden * grads.bytes, grads.value,
                         "bwd", norms, NORM_WEIGHT_GRADIENTS))
     return out
@@ -429,6 +433,7 @@ def _dp_comms(model, layout, rank, bucket_MiB: float, weights: Dtype) -> List[Co
 def _fsdp_comms(chunks, layout, weights: Dtype) -> List[Comm]:
     dp, m, group = layout.replicas, layout.num_micro_batches, layout.replica_group
     gathers = 1 if layout.pp > 1 else 2 * m  # kept gathered under a pipeline
+    scatters = 1 if layout.pp > 1 else m  # every micro-batch's without a pipeline
     out = []
     for chunk in chunks:
         units: Dict[str, int] = {}
@@ -441,7 +446,7 @@ def _fsdp_comms(chunks, layout, weights: Dtype) -> List[Comm]:
             out += [Comm("all_gather", group, numel * weights.bytes, weights.value, "fwd",
                          gathers,
                          f"ZeRO-3 parameters of {'a block' if unit != 'root' else 'the rest'}"),
-                    Comm("reduce_scatter", group, numel * 4, "fp32", "bwd", 1,
+                    Comm("reduce_scatter", group, numel * 4, "fp32", "bwd", scatters,
                          "ZeRO-3 gradients")]
     return _merge(out)
 

@@ -24,8 +24,9 @@ it back in its backward, with what each step holds only while it runs:
   gradient in the backward (the first micro-batch when its parameters are views of it, else
   the last) and a 1/dp shard for its reduce-scatter; FSDP gathers a unit's parameters (bf16
   under bf16) for its forward and backward (kept gathered all iteration under a pipeline) and
-  accumulates unsharded gradients (fp32; under bf16 each backward makes them in bf16 and casts
-  them to fp32 for the reduce-scatter, MixedPrecisionPolicy's reduce_dtype);
+  makes its unsharded gradients (under bf16 in bf16, cast to fp32 for the reduce-scatter,
+  MixedPrecisionPolicy's reduce_dtype), reduce-scattered every micro-batch into fp32 shards
+  that accumulate (under a pipeline accumulated unsharded in fp32, reduced after the last);
 - after the backward: ZeRO 2 waits with every full bucket and shard alive (gloo copies the
   largest bucket once more); the gradient norm squares a float64 slice (16 B per element of the
   largest owned bucket slice, at most NORM_CHUNK); AdamW foreach (CPU) holds one temporary as
@@ -51,7 +52,7 @@ from orchestrator.workload.params import (Param, chunk_size, rank_chunks)
 from orchestrator.workload.states import (FP32, INT64, NORM_CHUNK,
                                           StateBytes,
                                           cp_split_input_bytes, embedding_bytes,
-                                          fsdp_shard_numel, half_weights, is_dtensor,
+                                          fsdp_shards, half_weights, is_dtensor,
                                           no_sp_extra_bytes_per_token, rank_parameters,
                                           rank_states, sp_degree, weight_dtype)
 
@@ -294,7 +295,7 @@ def rank_memory(model: ModelConfig, layout: ParallelLayout, rank: int, act: Bloc
     fsdp_grad = FP32 + (weight if half else 0)  # bytes per element of a unit's fresh gradients
     params = rank_parameters(model, layout, rank)
     numel = [p.local_numel for p in params]
-    pp_rank, dp_rank = layout.coordinate(rank, "pp"), layout.coordinate(rank, "dp_cp")
+    pp_rank = layout.coordinate(rank, "pp")
     dp, zero, m = layout.replicas, layout.zero, layout.num_micro_batches
     tokens = layout.micro_batch_size * seq_len // layout.cp  # this rank's
     vocab_local = chunk_size(model.vocab, layout.tp, layout.coordinate(rank, "tp"))
@@ -330,6 +331,7 @@ def rank_memory(model: ModelConfig, layout: ParallelLayout, rank: int, act: Bloc
         for part in chunk_parts:
             unit_of_part[part] = params[part.params[0]].unit
     gathered_all = zero == 3 and layout.pp > 1  # kept gathered between forward and backward
+    shards = fsdp_shards(params, layout, rank) if zero == 3 else []
 
     live = _Live()
     live.add("inputs", cp_split_input_bytes(layout, seq_len))
@@ -367,20 +369,23 @@ def rank_memory(model: ModelConfig, layout: ParallelLayout, rank: int, act: Bloc
                 transient["loss backward"] = head_bwd
             else:  # the embedding's backward makes the gradient of this rank's rows
                 transient["backward working"] = FP32 * vocab_local * model.hidden
-            if zero == 3:
-                if not gathered_all:  # this unit, the next one prefetched, and the root
-                    transient["fsdp gathered params"] = _fsdp_gathered(
-                        part, unit_of_part, fsdp_units, prefetch=True, weight=weight)
-                if not gathered_all and not done_backward.get((c, j)):  # its unsharded grads
-                    # (bf16 weights: made in bf16, cast to fp32 for the reduce-scatter)
-                    transient["fresh gradients"] = fsdp_grad * sum(numel[i] for i in part.params)
+            if zero == 3 and not gathered_all:
+                # this unit, the next one prefetched, and the root
+                transient["fsdp gathered params"] = _fsdp_gathered(
+                    part, unit_of_part, fsdp_units, prefetch=True, weight=weight)
+                # its unsharded gradients, reduce-scattered every micro-batch (bf16 weights:
+                # made in bf16, cast to fp32 for the reduce-scatter); the head's are the root
+                # unit's, reduce-scattered with the embedding's after the whole backward
+                made = sum(numel[i] for i in part.params)
+                transient["fresh gradients"] = (weight if part.kind == "head"
+                                                else fsdp_grad) * made
             else:  # a weight's gradient before it is copied into its bucket
                 transient["fresh gradients"] = max(numel[i] for i in part.params) * weight
             live.check(tag, transient)
             live.add("activations", -kept(part))
             count = done_backward[(c, j)] = done_backward.get((c, j), 0) + 1
             _gradients(part, count, m, params, numel, layout, plans, bucket_of, viewable, owned,
-                       allocated, fsdp_units, unit_of_part, live, half)
+                       allocated, fsdp_units, unit_of_part, live, half, shards)
     # After the backward.
     tail = {}
     if zero == 2 and dp > 1:
@@ -393,9 +398,9 @@ def rank_memory(model: ModelConfig, layout: ParallelLayout, rank: int, act: Bloc
     live.kinds.pop("fsdp gathered params", None)
     live.kinds.pop("gradient accumulators", None)
     if zero == 3:
-        shard = sum(fsdp_shard_numel(p, dp, dp_rank) for p in params)
+        shard = sum(shards)
         live.kinds = {"sharded gradients": FP32 * shard}
-        biggest = max(fsdp_shard_numel(p, dp, dp_rank) for p in params)
+        biggest = max(shards)
         live.check("grad_norm", {"norm temporaries": 16 * biggest})
         live.check("optimizer", {"adamw temporaries": 0 if cuda else FP32 * shard})
     else:
@@ -428,12 +433,18 @@ def _fsdp_gathered(part, unit_of_part, fsdp_units, prefetch: bool = False,
 
 
 def _gradients(part, count, m, params, numel, layout, plans, bucket_of, viewable, owned,
-               allocated, fsdp_units, unit_of_part, live, half: bool = False) -> None:
+               allocated, fsdp_units, unit_of_part, live, half: bool = False,
+               shards=()) -> None:
     """What the backward of `part` (its `count`-th of m this iteration) leaves allocated
-    (`half`: bf16 weights, whose gradients go into their fp32 bucket every micro-batch)."""
+    (`half`: bf16 weights, whose gradients go into their fp32 bucket every micro-batch;
+    `shards`: each parameter's FSDP2 shard, ZeRO 3)."""
     zero, dp = layout.zero, layout.replicas
     size = FP32 * sum(numel[i] for i in part.params)
-    if zero == 3:
+    if zero == 3 and layout.pp == 1:  # reduce-scattered: the fp32 shards accumulate
+        if count == 1:
+            live.add("sharded gradients", FP32 * sum(shards[i] for i in part.params))
+        return
+    if zero == 3:  # a pipeline defers the reduce-scatter to the last micro-batch
         if count == 1 and m > 1:
             live.add("gradient accumulators", FP32 * fsdp_units[unit_of_part[part]]
                      if part.kind == "block" else size)

@@ -118,6 +118,10 @@ class StageMemory:
         self.router_numel = sum(p.local_numel for p in params if p.name.endswith("router.weight"))
         vocab_local = chunk_size(vocab, tp, 0)
         first, last = counts.first, counts.last
+        # ZeRO 3 without a pipeline: the head's fresh gradients in the loss backward (the root
+        # unit's, reduce-scattered after the whole backward: in the weights' dtype until then)
+        self.head_fresh = (weight_dtype(dtype).bytes * last
+                           if (layout.zero == 3 and layout.pp == 1) else 0.0 * last)
         self.other_numel = counts.other
         largest_other = np.maximum(np.where(first > 0, vocab_local * h, 0),
                                    np.where(last > 0, vocab_local * h, 0))
@@ -138,7 +142,9 @@ class StageMemory:
                              "optim": 2 * FP32 / owned_div}
         edp = layout.edp
         self.expert_per_elem = dict(self.per_elem)
-        if self.expert_numel and zero < 3:  # DTensors on the expert mesh, sharded over edp
+        if self.expert_numel and zero == 3:  # FSDP2 units of their own over edp
+            self.expert_per_elem = {"params": FP32 / edp, "grads": 0.0, "optim": 2 * FP32 / edp}
+        elif self.expert_numel:  # DTensors on the expert mesh, sharded over edp
             split = layout.ep * layout.etp > 1
             master = (FP32 if split or half else 0.0) if zero == 0 else FP32 / edp
             self.expert_per_elem = {"params": weight + master,
@@ -194,11 +200,12 @@ class StageMemory:
         weight, early = self.weight, self._buckets_early()
         accum = np.zeros_like(numel)
         always = np.zeros_like(numel)
-        if zero == 3:
+        if zero == 3 and pp == 1:  # every micro-batch's reduce-scatter: the fp32 shards
+            accum = FP32 * self._fsdp_shard(j, n)
+        elif zero == 3:  # under a pipeline: unsharded until the last micro-batch, kept gathered
             if m > 1:
                 accum = FP32 * numel
-            if pp > 1:
-                always = weight * numel  # kept gathered between forward and backward
+            always = weight * numel
         elif zero == 2 and dp > 1 and early:
             accum = FP32 * numel  # the buckets, from the first backward
         elif self.tp > 1 and m > 1 and not self.half:
@@ -236,10 +243,9 @@ class StageMemory:
         else:
             start_accum = np.where(done, x(accum), 0.0)
         inflight = live * x(per_chunk) + start_accum
-        fresh_start = np.where(done, 0.0, x(fresh)) if zero == 3 else x(fresh)
-        start = inflight + x(block) + fresh_start + x(gathered)
+        start = inflight + x(block) + x(fresh) + x(gathered)
         root = weight * self.other_numel.sum() if (zero == 3 and pp == 1) else 0.0
-        loss = (inflight + x(self.head_kept[j] + self.end_working[j])
+        loss = (inflight + x(self.head_kept[j] + self.end_working[j] + self.head_fresh[j])
                 + (x(fresh_end) if zero < 3 else 0.0) + root)
         start = np.where(x(last_stage), np.maximum(start, loss), start)
         # It ends: one chunk fewer, the gradients it made (ZeRO 2's buckets on the last
@@ -293,18 +299,27 @@ class StageMemory:
                  + recompute + fresh)
         end = np.where(first, FP32 * self.vocab_local * self.model.hidden + fresh_end, 0.0)
         extra = np.maximum(np.maximum(block, end),
-                           np.where(last, head_kept + head_bwd + fresh_end, 0.0))
+                           np.where(last, head_kept + head_bwd + fresh_end
+                                    + self.head_fresh[:, None], 0.0))
         numel = n[:, 0] * self.block_numel + self.other_numel
         fixed = np.zeros(pp)
-        if self.zero == 3:
-            fixed = numel * (self.weight * (pp > 1) + FP32 * (self.m > 1))
-            if pp == 1:
-                fixed = fixed + self.weight * (self.other_numel.sum() + 2 * self.block_numel)
+        if self.zero == 3 and pp == 1:  # the fp32 shards; the root, a unit and the next
+            fixed = (FP32 * self._fsdp_shard(np.arange(pp), n[:, 0])
+                     + self.weight * (self.other_numel.sum() + 2 * self.block_numel))
+        elif self.zero == 3:
+            fixed = numel * (self.weight + FP32 * (self.m > 1))
         elif self.zero == 2 and self.dp > 1:
             fixed = FP32 * numel * (1 + 1 / self.dp)
         elif self.tp > 1 and self.m > 1 and not self.half:
             fixed = FP32 * numel
         return stored, extra, fixed
+
+    def _fsdp_shard(self, j, n):
+        """Elements of stage j's FSDP2 shards with n layers: the routed experts' over edp,
+        the rest over dp x cp."""
+        n = np.asarray(n, dtype=float)
+        return ((n * self.layer_numel + self.other_numel[j]) / self.dp
+                + n * self.expert_numel / self.layout.edp)
 
     def tail_above_states(self, j, n):
         """After the backward: ZeRO 2's buckets and shards, the gradient norm's float64 slice,
@@ -312,8 +327,8 @@ class StageMemory:
         numel = np.asarray(n, dtype=float) * self.block_numel + self.other_numel[j]
         zero, dp, cuda = self.zero, self.dp, self.cuda
         if zero == 3:
-            shard = numel / dp
-            return FP32 * shard + np.maximum(16 * self.largest_param[j] / dp,
+            shard = self._fsdp_shard(j, n)
+            return FP32 * shard + np.maximum(16 * self.largest_param[j] / min(dp, self.layout.edp),
                                              0.0 if cuda else FP32 * shard)
         bucket = np.maximum(np.minimum(self.bucket_limit, np.ceil(numel / 4)),
                             self.largest_param[j])

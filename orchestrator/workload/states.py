@@ -13,9 +13,10 @@ the parameter list (params.py) and the gradient buckets (buckets.py) the engine 
   two moments cover the master (one 4-byte step counter each). A bucket holding sequence-
   parallel norms (replicated over TP) keeps their elements' indices in this rank's slice and
   their norm weights (8 + 8 bytes each). Every bucket is padded to a multiple of dp elements.
-- ZeRO 3 (FSDP2): each parameter's dim-0 shard (1/dp, torch.chunk's sizes; fp32, the master:
-  under bf16 FSDP2 casts it for its all-gather) and AdamW's two moments of it, with one step
-  counter per parameter.
+- ZeRO 3 (FSDP2): each parameter's dim-0 shard (1/dp, torch.chunk's sizes; a routed expert's
+  1/edp, its own unit over the ranks holding the same experts; fp32, the master: under bf16
+  FSDP2 casts it for its all-gather) and AdamW's two moments of it, with one step counter per
+  parameter.
 - Pipeline (torch.distributed.pipelining): each model chunk keeps, per micro-batch, a receive
   buffer of its input (not the first virtual stage) and of its output's gradient (not the last),
   in the residual dtype (weight_dtype: fp32, bf16 under bf16), 1/tp of the sequence under SP.
@@ -147,8 +148,16 @@ def fsdp_shard_numel(p: Param, dp: int, dp_rank: int) -> int:
     return chunk_size(rows, dp, dp_rank) * rest
 
 
-def _fsdp_states(params: List[Param], layout: ParallelLayout, dp_rank: int) -> dict:
-    shard = sum(fsdp_shard_numel(p, layout.replicas, dp_rank) for p in params)
+def fsdp_shards(params: List[Param], layout: ParallelLayout, rank: int) -> List[int]:
+    """Elements of each parameter's FSDP2 shard on `rank` (train/build.apply_fsdp's units): a
+    routed expert's over the edp ranks holding the same experts, the rest over dp x cp."""
+    dp_rank, edp_rank = layout.coordinate(rank, "dp_cp"), layout.coordinate(rank, "edp")
+    return [fsdp_shard_numel(p, layout.edp, edp_rank) if is_expert(p)
+            else fsdp_shard_numel(p, layout.replicas, dp_rank) for p in params]
+
+
+def _fsdp_states(params: List[Param], layout: ParallelLayout, rank: int) -> dict:
+    shard = sum(fsdp_shards(params, layout, rank))
     return dict(params=FP32 * shard, master=0, grads=0,
                 optim=2 * FP32 * shard + STEP_COUNTER_BYTES * len(params), norm_index=0)
 
@@ -235,7 +244,7 @@ def rank_states(model: ModelConfig, layout: ParallelLayout, rank: int,
     seq_len = seq_len or model.seq_len
     params = rank_parameters(model, layout, rank)
     if layout.zero == 3:
-        kinds = _fsdp_states(params, layout, layout.coordinate(rank, "dp_cp"))
+        kinds = _fsdp_states(params, layout, rank)
     else:
         # a MoE model's experts have an optimizer of their own over the edp ranks
         # (train/optimizers.ExpertAdamW); a dense model has none

@@ -37,7 +37,8 @@ Engine "orchestrator" (stage=train: train/grads.py, FSDP2; workload/comm.py list
 checked against the real engine): gradients are fp32, parameters are gathered in the weights'
 dtype (bf16 under bf16, as Megatron's; fp32 under fp32 and fp16); during the last
 micro-batch's backward each gradient bucket is all-reduced (ZeRO 0/1) or reduce-scattered
-(ZeRO 2), and ZeRO 3 reduce-scatters each unit's gradients once; after the optimizer step ZeRO
+(ZeRO 2), and ZeRO 3 reduce-scatters each unit's gradients (and, without a pipeline, every
+earlier micro-batch's beside its backward: the shards accumulate); after the optimizer step ZeRO
 1/2 all-gather the updated parameters (nothing to overlap it with); ZeRO 3 all-gathers each
 unit's parameters in forward and in backward per micro-batch without a pipeline, once per
 iteration with one (kept gathered).
@@ -109,7 +110,10 @@ class ZeroTraffic:
             if zero3_gathers(engine, pp, num_micro_batches) == 1:  # the first forward's
                 return cls(gather_us=gather / num_micro_batches, reduce_scatter_us=0.0,
                            gather_bwd_us=0.0)
-            return cls(gather_us=gather, reduce_scatter_us=0.0)
+            # every micro-batch's gradients reduce-scattered but the last's (the sync's)
+            scatter = collective_us(hardware, "reduce_scatter", dp, tp, grad_bytes)
+            return cls(gather_us=gather,
+                       reduce_scatter_us=scatter * (num_micro_batches - 1) / num_micro_batches)
         if zero < 2 or dp == 1:
             return cls(gather_us=0.0, reduce_scatter_us=0.0, active=False)
         return cls(gather_us=(collective_us(hardware, "all_gather", dp, tp, param_bytes)
@@ -175,6 +179,9 @@ def zero_messages(engine: Engine, zero: int, pp: int, num_micro_batches: int, gr
         out += [one("all_gather", "fwd", gathers, params, 0.0) for params, _ in units]
     if not orchestrator and zero >= 2:  # Megatron reduce-scatters after every backward
         out += [one("reduce_scatter", "bwd", m, 0.0, grads) for _, grads in units]
+    elif zero == 3 and zero3_gathers(engine, pp, m) > 1 and m > 1:
+        # ours without a pipeline: also every earlier micro-batch's (the last's is the sync)
+        out += [one("reduce_scatter", "bwd", m - 1, 0.0, grads) for _, grads in units]
     return out
 
 
