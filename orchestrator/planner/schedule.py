@@ -22,7 +22,8 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 
 from orchestrator.choices import Schedule
-from orchestrator.workload.order import stage_order  # noqa: F401 (the op order, defined once)
+from orchestrator.workload.order import (interleave_group,  # noqa: F401 (defined once)
+                                         stage_order)
 
 
 @dataclass(frozen=True)
@@ -50,14 +51,17 @@ def schedule_coefficients(schedule: Schedule, num_micro_batches: int,
 
 
 def in_flight_micro_batches(schedule: Schedule, pp: int, num_micro_batches: int,
-                            virtual_stages: int = 1) -> np.ndarray:
+                            virtual_stages: int = 1, group: Optional[int] = None) -> np.ndarray:
     """Micro-batches whose activations stage j holds at its peak, per stage: 1F1B
-    min(p - j, m); interleaved, Megatron's min((p - j - 1) * 2 + (v - 1) * p + 1, m v) chunks
-    of 1/v of the stage each, counted in whole stages."""
+    min(p - j, m); interleaved, Megatron's warm-up plus the steady state's one,
+    min((p - j - 1) * 2 + (v - 1) * N + 1, m v) chunks of 1/v of the stage each, counted in
+    whole stages (N = `group`, --microbatch-group-size-per-vp-stage, default p: the least,
+    since Megatron takes N >= p; interleave_group)."""
     m, v = num_micro_batches, virtual_stages
     j = np.arange(pp)
     if schedule == Schedule.interleaved:
-        return np.minimum((pp - j - 1) * 2 + (v - 1) * pp + 1, m * v) / v
+        n = pp if group is None else interleave_group(pp, m, group)
+        return np.minimum((pp - j - 1) * 2 + (v - 1) * n + 1, m * v) / v
     return np.minimum(pp - j, m).astype(float)
 
 
@@ -90,7 +94,8 @@ def _boundaries(p2p_us, p: int, m: int) -> np.ndarray:
 
 def simulate(fwd_us, bwd_us, num_micro_batches: int, schedule: Schedule = Schedule["1f1b"],
              virtual_stages: int = 1, p2p_us=0.0, act_bytes=None,
-             extra_warmup: int = 0, chunk_shares=None) -> ScheduleResult:
+             extra_warmup: int = 0, chunk_shares=None,
+             group: Optional[int] = None) -> ScheduleResult:
     """Simulate one iteration; returns times in us (and peak in-flight bytes per stage).
 
     fwd_us, bwd_us: stage j's forward and backward time for one micro-batch over all its layers
@@ -104,7 +109,8 @@ def simulate(fwd_us, bwd_us, num_micro_batches: int, schedule: Schedule = Schedu
     stage_peak_act_bytes. extra_warmup: eager 1F1B's extra warm-up forwards (stage_order).
     chunk_shares [stage][chunk]: the share of the stage's forward and backward time (and
     act_bytes) each of its v chunks takes (default 1/v each; short chunks, layout.stage_chunks,
-    take less). With no micro-batches every time is 0."""
+    take less). group: the interleaved schedule's micro-batches per round (stage_order's; default
+    p). With no micro-batches every time is 0."""
     p = len(fwd_us)
     if len(bwd_us) != p or p < 1:
         raise ValueError(f"need one forward and one backward time per stage, got "
@@ -132,7 +138,7 @@ def simulate(fwd_us, bwd_us, num_micro_batches: int, schedule: Schedule = Schedu
             return base + boundary[(stage - 1) % p][mb]  # send back to stage - 1 (or wrap)
         return base
 
-    orders = [stage_order(p, s, m, schedule, v, extra_warmup) for s in range(p)]
+    orders = [stage_order(p, s, m, schedule, v, extra_warmup, group) for s in range(p)]
     end = {}  # (kind, virtual stage, micro_batch) -> end time
     free = [0.0] * p
     busy = [0.0] * p
