@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
@@ -63,6 +64,36 @@ def in_flight_micro_batches(schedule: Schedule, pp: int, num_micro_batches: int,
         n = pp if group is None else interleave_group(pp, m, group)
         return np.minimum((pp - j - 1) * 2 + (v - 1) * n + 1, m * v) / v
     return np.minimum(pp - j, m).astype(float)
+
+
+@lru_cache(maxsize=4096)
+def chunk_in_flight_pairs(pp: int, stage: int, num_micro_batches: int, virtual_stages: int,
+                          chunk: int, group: Optional[int] = None) -> np.ndarray:
+    """[K, 2] pairs (forwards of chunk `chunk` in flight, forwards of the stage's other chunks
+    in flight) at the stage's peaks under the interleaved schedule (right after each forward,
+    stage_order's walk), only those no other pair exceeds in both: a stage whose chunk `chunk`
+    keeps x bytes of a micro-batch and every other chunk y holds at most max(a x + b y) over
+    them (x, y >= 0). For a short end chunk (layout.stage_chunks). Read-only (cached)."""
+    order = stage_order(pp, stage, num_micro_batches, Schedule.interleaved, virtual_stages,
+                        group=group)
+    a = b = 0
+    seen = set()
+    for op, c, _ in order:
+        step = 1 if op == "F" else -1
+        if c == chunk:
+            a += step
+        else:
+            b += step
+        if op == "F":
+            seen.add((a, b))
+    pairs, most_b = [], -1
+    for a, b in sorted(seen, reverse=True):  # by a descending: keep b rising above the rest
+        if b > most_b:
+            pairs.append((a, b))
+            most_b = b
+    out = np.array(pairs, dtype=float).reshape(-1, 2)
+    out.setflags(write=False)
+    return out
 
 
 def _per_micro_batch(values, rows: int, m: int, name: str) -> np.ndarray:
