@@ -164,7 +164,10 @@ LLAMA3_UNPUBLISHED = ("micro-batch size, interleaving depth v, ZeRO stage (the p
                       "without activation checkpointing")
 # Llama 3 405B: interleaved 1F1B with the first and the last stage one layer fewer (section
 # 3.3.2; "first_last"); the other partitions stand in where the planner cannot interleave it.
-LLAMA3_GUESSES = guesses(mbs=(1, 2), recompute=(Recompute.none,), v=(1, 2, 4), zero=(1, 2),
+# The paper's first chunk of the first stage holds only the embedding and the last chunk of the
+# last only the output and loss: with 7 layers on the end stages and 8 on the others, that is
+# v = 8, one layer per chunk (16 x 8 - 2 = 126); v 1, 2 and 4 stand beside it.
+LLAMA3_GUESSES = guesses(mbs=(1, 2), recompute=(Recompute.none,), v=(1, 2, 4, 8), zero=(1, 2),
                          partition=("first_last", "last", "even"))
 
 MEGATRON = ("NVIDIA/Megatron-LM README.md, 'Training Speed and Scalability' model table "

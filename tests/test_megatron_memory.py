@@ -9,10 +9,11 @@ import pytest
 from orchestrator.choices import Recompute
 from orchestrator.layout import ParallelLayout
 from orchestrator.planner import CostOptions, HardwareModel, ModelCost, evaluate
+from orchestrator.planner.cost_model import ConfigKey, StageCosts
 from orchestrator.planner.terms.megatron_memory import (LSE_BYTES, LayerShape,
                                                         layer_activation_bytes_per_token)
 
-from planner_fixtures import shaped_like, synthetic_hardware
+from planner_fixtures import shaped_like, synthetic_hardware, synthetic_model
 
 NONE, SELECTIVE, FULL = Recompute.none, Recompute.selective, Recompute.full
 
@@ -92,3 +93,80 @@ def test_llama3_405b_first_stage_activations(cp, dp, seq):
                             recompute=tuple(("none", 0) for _ in parts))
     pred = evaluate(layout, model, hardware, seq, options=CostOptions(engine="megatron"))
     assert pred.memory_bytes[0]["activations"] == 16 * 8192 * (8 * LLAMA_TP8_NONE + 8)
+
+
+def _walked_peak_layers(order, chunks):
+    """Most layers' activations a stage running `order` holds at once, chunk c holding
+    chunks[c] layers of each micro-batch in flight (planner/schedule._peak_in_flight's walk)."""
+    live = peak = 0
+    for op, chunk, _ in order:
+        live += chunks[chunk] if op == "F" else -chunks[chunk]
+        peak = max(peak, live)
+    return peak
+
+
+def test_llama3_405b_short_end_chunks_held_as_megatron_runs_them():
+    """TP8 PP16 DP64, 32 micro-batches, v2, Llama 3's [7, 8 x 14, 7]: the first stage runs
+    chunks of 3 and 4 layers, the last 4 and 3 (layout.stage_chunks), and holds what Megatron's
+    schedule (stage_order, its warm-up and rounds) keeps of each chunk at its peak: 157 layers'
+    worth on the first stage (31 chunks of 3, 16 of 4), not 23.5 x 8 = 188 as if its short
+    chunk were full; 180 on the second (45 chunks of 4), the most of any stage."""
+    from orchestrator.planner.schedule import in_flight_micro_batches, stage_order
+    from orchestrator.planner.terms.megatron_memory import loss_activation_bytes_per_token
+
+    model = ModelCost.from_dict(shaped_like("llama3_405b", tps=(8,)))
+    hardware = HardwareModel.from_dict(synthetic_hardware(8192 // 8, 8))
+    parts = (7,) + (8,) * 14 + (7,)
+    layout = ParallelLayout(world_size=8192, pp=16, tp=8, dp=64, zero=1,
+                            sequence_parallel=True, num_micro_batches=32,
+                            schedule="interleaved", virtual_stages=2, layers_per_stage=parts,
+                            recompute=tuple(("none", 0) for _ in parts))
+    pred = evaluate(layout, model, hardware, 8192, options=CostOptions(engine="megatron"))
+    in_flight = in_flight_micro_batches("interleaved", 16, 32, 2)
+    loss = 8192 * loss_activation_bytes_per_token(model.hidden, model.vocab, 8, True)
+    peaks = {}
+    for stage, chunks in ((0, (3, 4)), (1, (4, 4)), (15, (4, 3))):
+        peaks[stage] = _walked_peak_layers(stage_order(16, stage, 32, "interleaved", 2), chunks)
+        ids = 8 * in_flight[stage] if stage == 0 else 0.0  # the embedding's token ids
+        expected = 8192 * (peaks[stage] * LLAMA_TP8_NONE + ids) + (loss if stage == 15 else 0)
+        assert pred.memory_bytes[stage]["activations"] == pytest.approx(expected, rel=1e-12)
+    assert (peaks[0], peaks[1]) == (157, 180)
+    acts = [mem["activations"] for mem in pred.memory_bytes]
+    assert max(range(16), key=acts.__getitem__) == 1
+
+
+@pytest.mark.parametrize("first_rc,last_rc", [(("none", 0), ("none", 0)),
+                                              (("full", 2), ("full", 3)),
+                                              (("selective", 3), ("full", 2))])
+def test_short_end_chunks_with_recompute_held_as_the_schedule_walks_them(first_rc, last_rc):
+    """p 4, v 2, 8 micro-batches, [3, 4, 4, 3]: chunks [1, 2] and [2, 1] on the end stages.
+    Full recompute of k layers is r of each chunk, all of a shorter one (k 2: r 1 on [1, 2];
+    k 3: r 2 on [2, 1]); each end stage's activations are the walked peak of its chunks' own
+    bytes plus the layer being recomputed."""
+    from orchestrator.planner.schedule import stage_order
+
+    model = ModelCost.from_dict(synthetic_model("tiny", layers=14))
+    hardware = HardwareModel.from_dict(synthetic_hardware(1, 4))
+    parts = (3, 4, 4, 3)
+    layout = ParallelLayout(world_size=4, pp=4, tp=1, dp=1, num_micro_batches=8,
+                            schedule="interleaved", virtual_stages=2, layers_per_stage=parts,
+                            recompute=(first_rc, ("none", 0), ("none", 0), last_rc))
+    options = CostOptions(engine="megatron")
+    pred = evaluate(layout, model, hardware, 512, options=options)
+    costs = StageCosts(ConfigKey.of(layout), model, hardware, 512, options)
+    act, tokens = costs.act, costs.tokens
+    for stage, chunks, (mode, k) in ((0, (1, 2), first_rc), (3, (2, 1), last_rc)):
+        r = {2: 1, 3: 2}.get(k, 0)
+        kept = [(act.selective * size if mode == "selective" else
+                 act.full * min(r, size) + act.none * (size - min(r, size))) * tokens
+                for size in chunks]
+        live = peak = 0.0
+        for op, chunk, _ in stage_order(4, stage, 8, "interleaved", 2):
+            live += kept[chunk] if op == "F" else -kept[chunk]
+            peak = max(peak, live)
+        working = {"none": 0.0, "selective": act.none - act.selective,
+                   "full": act.none - act.full}[mode] * tokens
+        extra = (costs.in_flight[0] * costs.first_stage_act[0] if stage == 0
+                 else costs.other_act[3])
+        assert pred.memory_bytes[stage]["activations"] == pytest.approx(peak + working + extra,
+                                                                        rel=1e-12)

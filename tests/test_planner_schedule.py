@@ -121,3 +121,58 @@ def test_interleaved_short_end_chunks_by_hand():
     equal = simulate(f, b, 2, "interleaved", 2, act_bytes=[3.0, 3.0])
     assert equal.iteration_time_us == pytest.approx(22.5)
     assert equal.stage_peak_act_bytes[1] == pytest.approx(4.5)
+
+
+# Megatron-LM's interleaved schedule with --microbatch-group-size-per-vp-stage N
+# (megatron/core/pipeline_parallel/schedules.py): rank r runs 2 (p - r - 1) + (v - 1) N warm-up
+# chunk forwards (get_pp_rank_microbatches), all m v when that is more, so 1 more than that is in
+# flight once the steady 1F1B starts; micro-batches go through each chunk in groups of N, the
+# last group taking what is left (get_schedule_table). N defaults to p.
+def megatron_in_flight_chunks(p, r, m, v, n):
+    return min(2 * (p - r - 1) + (v - 1) * n + 1, m * v)
+
+
+@pytest.mark.parametrize("p,v,m,n", [(4, 2, 8, 4), (4, 2, 8, 8), (4, 3, 12, 6), (4, 2, 10, 5),
+                                     (4, 2, 10, 6), (2, 2, 5, 3), (16, 2, 32, 16),
+                                     (16, 8, 32, 16), (16, 2, 32, 32), (16, 4, 16, 16)])
+def test_interleaved_in_flight_with_a_group_size_is_megatrons(p, v, m, n):
+    """m > p (and m = p): every stage's walked peak and in_flight_micro_batches equal Megatron's
+    warm-up + 1 for group size n, and each stage runs every chunk of every micro-batch once."""
+    expected = [megatron_in_flight_chunks(p, r, m, v, n) for r in range(p)]
+    assert (in_flight_micro_batches("interleaved", p, m, v, group=n) * v).tolist() == expected
+    for r in range(p):
+        order = stage_order(p, r, m, "interleaved", v, group=n)
+        assert sorted(op for op in order if op[0] == "F") == [
+            ("F", c, i) for c in range(v) for i in range(m)]
+        live = peak = 0
+        for op, _, _ in order:
+            live += 1 if op == "F" else -1
+            peak = max(peak, live)
+        assert peak == expected[r]
+    if n == p:  # the default group is p
+        assert (in_flight_micro_batches("interleaved", p, m, v).tolist()
+                == in_flight_micro_batches("interleaved", p, m, v, group=n).tolist())
+
+
+def test_interleaved_group_order_is_megatrons_table():
+    """Megatron's own example (schedules.py, PP2 N3 M5 with VP2): forwards take micro-batches
+    0 1 2 0 1 2 3 4 3 4 through chunks 0 0 0 1 1 1 0 0 1 1, backwards the same micro-batches
+    through the chunks in reverse; the schedule simulates without deadlock."""
+    order = stage_order(2, 0, 5, "interleaved", 2, group=3)
+    fwd = [(c, i) for op, c, i in order if op == "F"]
+    bwd = [(c, i) for op, c, i in order if op == "B"]
+    assert [i for _, i in fwd] == [0, 1, 2, 0, 1, 2, 3, 4, 3, 4]
+    assert [c for c, _ in fwd] == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
+    assert bwd == [(1 - c, i) for c, i in fwd]
+    result = simulate([2.0, 2.0], [4.0, 4.0], 5, "interleaved", 2, group=3)
+    assert result.iteration_time_us > 0
+
+
+@pytest.mark.parametrize("p,m,n,match", [(4, 8, 3, "group"), (4, 8, 9, "group"),
+                                         (4, 10, 4, "remainder")])
+def test_interleaved_group_size_outside_megatrons_range_is_refused(p, m, n, match):
+    """Megatron refuses N outside [p, m] and a last group of 1..p-1 micro-batches."""
+    with pytest.raises(ValueError, match=match):
+        stage_order(p, 0, m, "interleaved", 2, group=n)
+    with pytest.raises(ValueError, match=match):
+        in_flight_micro_batches("interleaved", p, m, 2, group=n)

@@ -42,7 +42,8 @@ Pipeline sends use the intra- or inter-node p2p fit by whether the neighbours sh
 Memory per device of stage j (bytes), by kind, for engine=megatron: params / grads / optim from
 the profile's per-TP-rank bytes sharded over dp by ZeRO stage; activations = in-flight
 micro-batches times the stage's per-micro-batch activations for its recompute (Megatron-Core's
-layer, terms/megatron_memory.py, in the compute dtype), plus one layer's worth while it is
+layer, terms/megatron_memory.py, in the compute dtype; an end stage's short chunk at its own
+layers: the most its chunks keep at once under the schedule), plus one layer's worth while it is
 recomputed, the token ids on the first stage and the loss's logits on the last; comm_buffers;
 reserve (CostOptions.reserve_bytes). The orchestrator engine's is workload/memory.py's.
 """
@@ -64,7 +65,8 @@ from orchestrator.planner.options import (BREAKDOWN_KINDS, MEMORY_KINDS, ConfigK
                                           CostOptions, GiB, budget_for_GiB,  # noqa: F401
                                           memory_reserve_GiB)  # noqa: F401
 from orchestrator.planner.profiles import HardwareModel, ModelCost
-from orchestrator.planner.schedule import (in_flight_micro_batches, schedule_coefficients)
+from orchestrator.planner.schedule import (chunk_in_flight_pairs, in_flight_micro_batches,
+                                           schedule_coefficients)
 from orchestrator.planner.terms import FwdBwd, as_value, overlap_extra_us
 from orchestrator.planner.terms.compute import (layer_compute, optimizer_step_us,
                                                 other_on_stages, recompute_rerun_us)
@@ -73,6 +75,7 @@ from orchestrator.planner.terms.megatron_memory import (
     LayerShape, embedding_activation_bytes_per_token,
     layer_activation_bytes_per_token, loss_activation_bytes_per_token)
 from orchestrator.planner.terms.memory import (ActivationBytes, micro_batch_activation_bytes,
+                                               short_end_stage_activation_bytes,
                                                stage_activation_bytes, tp_buffer_bytes,
                                                zero_buffer_bytes)
 from orchestrator.planner.terms.moe import (MoeComm, MoeParams, activation_delta_bytes,
@@ -549,17 +552,26 @@ class StageCosts:
         their peak beyond the states (activations in flight, gradients being accumulated, the
         loss's logits, recompute, the optimizer's temporaries: workload/memory.py). Megatron:
         in-flight micro-batches x stored activations (and token ids on the first stage), one
-        layer's worth while it is recomputed, and the loss's on the last stage."""
+        layer's worth while it is recomputed, and the loss's on the last stage; an end stage
+        with a short chunk holds the most of its chunks' own bytes Megatron's schedule keeps at
+        once (terms/memory.short_end_stage_activation_bytes)."""
         if self.engine_memory is not None:
             return self.engine_memory.peak_above_states(j, n, mode_code, k)
-        # A stage with a short end chunk (layout.stage_chunks) is charged as if that chunk
-        # were full: in flight are mostly full chunks (the last stage's are all but one), so
-        # this bounds the peak from above and is exact on the last stage.
-        v = self.key.virtual_stages
-        n_act = np.ceil(np.asarray(n, dtype=float) / v) * v if self.short_ends else n
-        return (stage_activation_bytes(self.act, self.tokens, self.in_flight[j], n_act,
-                                       mode_code, k)
-                + self.in_flight[j] * self.first_stage_act[j] + self.other_act[j])
+        layers = stage_activation_bytes(self.act, self.tokens, self.in_flight[j], n, mode_code,
+                                        k)
+        if self.short_ends:
+            # The end stages may run a short chunk (layout.stage_chunks: the first stage's
+            # first, the last stage's last): what Megatron's schedule holds of each chunk
+            # (schedule.chunk_in_flight_pairs); middle stages run equal chunks.
+            key = self.key
+            p, v = key.pp, key.virtual_stages
+            ends = [short_end_stage_activation_bytes(
+                self.act, self.tokens, chunk_in_flight_pairs(p, stage, key.num_micro_batches,
+                                                             v, chunk), n, v, mode_code, k)
+                    for stage, chunk in ((0, 0), (p - 1, v - 1))]
+            j_arr = np.asarray(j)
+            layers = np.where(j_arr == 0, ends[0], np.where(j_arr == p - 1, ends[1], layers))
+        return layers + self.in_flight[j] * self.first_stage_act[j] + self.other_act[j]
 
     def micro_batch_bytes(self, n, mode_code):
         """Per micro-batch of at()'s, on every stage (n: each stage's layers as a column

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
 from orchestrator.choices import Schedule
-from orchestrator.workload.order import stage_order  # noqa: F401 (the op order, defined once)
+from orchestrator.workload.order import (interleave_group,  # noqa: F401 (defined once)
+                                         stage_order)
 
 
 @dataclass(frozen=True)
@@ -50,15 +52,48 @@ def schedule_coefficients(schedule: Schedule, num_micro_batches: int,
 
 
 def in_flight_micro_batches(schedule: Schedule, pp: int, num_micro_batches: int,
-                            virtual_stages: int = 1) -> np.ndarray:
+                            virtual_stages: int = 1, group: Optional[int] = None) -> np.ndarray:
     """Micro-batches whose activations stage j holds at its peak, per stage: 1F1B
-    min(p - j, m); interleaved, Megatron's min((p - j - 1) * 2 + (v - 1) * p + 1, m v) chunks
-    of 1/v of the stage each, counted in whole stages."""
+    min(p - j, m); interleaved, Megatron's warm-up plus the steady state's one,
+    min((p - j - 1) * 2 + (v - 1) * N + 1, m v) chunks of 1/v of the stage each, counted in
+    whole stages (N = `group`, --microbatch-group-size-per-vp-stage, default p: the least,
+    since Megatron takes N >= p; interleave_group)."""
     m, v = num_micro_batches, virtual_stages
     j = np.arange(pp)
     if schedule == Schedule.interleaved:
-        return np.minimum((pp - j - 1) * 2 + (v - 1) * pp + 1, m * v) / v
+        n = pp if group is None else interleave_group(pp, m, group)
+        return np.minimum((pp - j - 1) * 2 + (v - 1) * n + 1, m * v) / v
     return np.minimum(pp - j, m).astype(float)
+
+
+@lru_cache(maxsize=4096)
+def chunk_in_flight_pairs(pp: int, stage: int, num_micro_batches: int, virtual_stages: int,
+                          chunk: int, group: Optional[int] = None) -> np.ndarray:
+    """[K, 2] pairs (forwards of chunk `chunk` in flight, forwards of the stage's other chunks
+    in flight) at the stage's peaks under the interleaved schedule (right after each forward,
+    stage_order's walk), only those no other pair exceeds in both: a stage whose chunk `chunk`
+    keeps x bytes of a micro-batch and every other chunk y holds at most max(a x + b y) over
+    them (x, y >= 0). For a short end chunk (layout.stage_chunks). Read-only (cached)."""
+    order = stage_order(pp, stage, num_micro_batches, Schedule.interleaved, virtual_stages,
+                        group=group)
+    a = b = 0
+    seen = set()
+    for op, c, _ in order:
+        step = 1 if op == "F" else -1
+        if c == chunk:
+            a += step
+        else:
+            b += step
+        if op == "F":
+            seen.add((a, b))
+    pairs, most_b = [], -1
+    for a, b in sorted(seen, reverse=True):  # by a descending: keep b rising above the rest
+        if b > most_b:
+            pairs.append((a, b))
+            most_b = b
+    out = np.array(pairs, dtype=float).reshape(-1, 2)
+    out.setflags(write=False)
+    return out
 
 
 def _per_micro_batch(values, rows: int, m: int, name: str) -> np.ndarray:
@@ -90,7 +125,8 @@ def _boundaries(p2p_us, p: int, m: int) -> np.ndarray:
 
 def simulate(fwd_us, bwd_us, num_micro_batches: int, schedule: Schedule = Schedule["1f1b"],
              virtual_stages: int = 1, p2p_us=0.0, act_bytes=None,
-             extra_warmup: int = 0, chunk_shares=None) -> ScheduleResult:
+             extra_warmup: int = 0, chunk_shares=None,
+             group: Optional[int] = None) -> ScheduleResult:
     """Simulate one iteration; returns times in us (and peak in-flight bytes per stage).
 
     fwd_us, bwd_us: stage j's forward and backward time for one micro-batch over all its layers
@@ -104,7 +140,8 @@ def simulate(fwd_us, bwd_us, num_micro_batches: int, schedule: Schedule = Schedu
     stage_peak_act_bytes. extra_warmup: eager 1F1B's extra warm-up forwards (stage_order).
     chunk_shares [stage][chunk]: the share of the stage's forward and backward time (and
     act_bytes) each of its v chunks takes (default 1/v each; short chunks, layout.stage_chunks,
-    take less). With no micro-batches every time is 0."""
+    take less). group: the interleaved schedule's micro-batches per round (stage_order's; default
+    p). With no micro-batches every time is 0."""
     p = len(fwd_us)
     if len(bwd_us) != p or p < 1:
         raise ValueError(f"need one forward and one backward time per stage, got "
@@ -132,7 +169,7 @@ def simulate(fwd_us, bwd_us, num_micro_batches: int, schedule: Schedule = Schedu
             return base + boundary[(stage - 1) % p][mb]  # send back to stage - 1 (or wrap)
         return base
 
-    orders = [stage_order(p, s, m, schedule, v, extra_warmup) for s in range(p)]
+    orders = [stage_order(p, s, m, schedule, v, extra_warmup, group) for s in range(p)]
     end = {}  # (kind, virtual stage, micro_batch) -> end time
     free = [0.0] * p
     busy = [0.0] * p

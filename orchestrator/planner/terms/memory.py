@@ -44,6 +44,27 @@ def stage_activation_bytes(act: ActivationBytes, tokens: float, in_flight, n, mo
     return tokens * (in_flight * stored + working)
 
 
+def short_end_stage_activation_bytes(act: ActivationBytes, tokens: float, pairs: np.ndarray, n,
+                                     v: int, mode_code, k):
+    """Peak activation bytes of an end stage of n layers whose v chunks are ceil(n / v) layers
+    each but one short one of s = n - (v - 1) ceil(n / v) (layout.stage_chunks; numpy arrays
+    broadcast): the most, over `pairs` (schedule.chunk_in_flight_pairs: short chunks, other
+    chunks in flight), of what those chunks keep, plus one layer's worth while it is
+    recomputed. Full recompute of k layers is r layers of each chunk, all of a shorter one
+    (layout.chunk_recompute: k = v r up to r = s, then s + (v - 1) r). Equal chunks (s =
+    ceil(n / v)): stage_activation_bytes with the most chunks in flight / v."""
+    n = np.asarray(n, dtype=float)
+    k = np.asarray(k, dtype=float)
+    c = np.ceil(n / v)
+    s = n - (v - 1) * c
+    r = np.where(k <= v * s, k / v, (k - s) / (v - 1))
+    stored_s, working = _per_token(act, s, mode_code, np.minimum(r, s))
+    stored_c, _ = _per_token(act, c, mode_code, np.minimum(r, c))
+    shape = (-1,) + (1,) * np.ndim(stored_c)
+    short, other = pairs[:, 0].reshape(shape), pairs[:, 1].reshape(shape)
+    return tokens * (np.max(short * stored_s + other * stored_c, axis=0) + working)
+
+
 def micro_batch_activation_bytes(act: ActivationBytes, tokens, n, mode_code, k):
     """(stored, working) bytes of one micro-batch of `tokens` tokens on a stage of n layers:
     what it keeps while in flight, and what it needs on top while a layer is recomputed
