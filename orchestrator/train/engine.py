@@ -61,8 +61,10 @@ class StepStats:
     fwd_bwd_s: float  # forward + backward of all micro-batches (pipeline waits included)
     compute_s: float  # this rank's forward/backward work alone (TP communication included)
     sync_wait_s: float  # waiting for the data-parallel gradient collectives after the backward
-    norm_s: float  # the global gradient norm (its all-reduce waits for the slowest stage)
-    optimizer_s: float  # clipping, AdamW, parameter all-gather
+    # the global gradient norm's sum over ranks (its all-reduce waits for the slowest stage);
+    # this rank's own sum of squares is optimizer work, in optimizer_s
+    norm_s: float
+    optimizer_s: float  # the local gradient norm, clipping, AdamW, parameter all-gather
     skipped: bool = False  # fp16 overflow: no update
     stop: bool = False  # some rank was asked to stop (a signal): every rank knows it
     # mixture of experts: the mean load-balancing loss (times its coefficient) over MoE layers
@@ -298,7 +300,9 @@ class Engine:
         self.optim.finish_backward()
         sync_end = self._now()
         inv_scale = 1.0 / self.loss_scale
-        norm = self.optim.grad_norm() * inv_scale
+        local_sumsq = self.optim.local_sumsq()
+        local_end = self._now()
+        norm = self.optim.reduce_norm(local_sumsq) * inv_scale
         norm_end = self._now()
         skipped = not math.isfinite(norm)
         if skipped:
@@ -311,8 +315,9 @@ class Engine:
         aux_loss, tokens_per_expert = self._moe_stats()
         return StepStats(loss=loss / loss_divisor * inv_scale, grad_norm=norm, step_s=end - start,
                          fwd_bwd_s=fwd_bwd_end - start, compute_s=self.compute_s,
-                         sync_wait_s=sync_end - fwd_bwd_end, norm_s=norm_end - sync_end,
-                         optimizer_s=end - norm_end, skipped=skipped, stop=stop,
+                         sync_wait_s=sync_end - fwd_bwd_end, norm_s=norm_end - local_end,
+                         optimizer_s=local_end - sync_end + end - norm_end,
+                         skipped=skipped, stop=stop,
                          aux_loss=aux_loss, tokens_per_expert=tokens_per_expert)
 
     def _moe_layers(self) -> List[MoE]:
