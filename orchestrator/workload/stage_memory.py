@@ -319,7 +319,8 @@ class StageMemory:
         owned = bucket / dp if zero >= 1 else bucket
         master = numel / dp if zero >= 1 else numel
         shards = FP32 * numel / dp if (zero == 2 and dp > 1) else 0.0
-        tail = shards + (0.0 if cuda else FP32 * master)  # the optimizer step
+        # the optimizer step (an array per n, also when it holds nothing more)
+        tail = shards + np.where(cuda, 0.0, FP32 * master)
         if zero >= 1 and dp > 1 and (self.tp > 1 or self.half):
             # the gathered bucket (DTensor buckets), bf16 weights' copy of the owned slice
             tail = np.maximum(tail, self.weight * ((self.tp > 1) * bucket + self.half * owned))
