@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from conftest import spawn_ranks
+from orchestrator.profiling.measure import Stopwatch
 from orchestrator.profiling.model.timing import KernelBytes, optimizer_step_bytes_per_element
 from orchestrator.train.grads import ShardedAdamW
 from orchestrator.train.optimizers import FsdpAdamW
@@ -136,6 +137,22 @@ def test_the_norm_reads_each_gradient_element_once_in_fp32():
 SLOW_NORM_S = 0.3  # this rank's own sum of squares, slowed down to be seen
 
 
+class _RecordingClock(Stopwatch):
+    """The engine's clock, logging when it marks a point and when a span is read."""
+
+    def __init__(self, device, log: list):
+        super().__init__(device)
+        self.log = log
+
+    def mark(self):
+        self.log.append("mark")
+        return super().mark()
+
+    def elapsed_us(self, start, end) -> float:
+        self.log.append("read")
+        return super().elapsed_us(start, end)
+
+
 def _slow_norm_step(rank: int, out) -> None:
     from orchestrator.layout import ParallelLayout
     from orchestrator.models.config import ModelConfig
@@ -150,20 +167,28 @@ def _slow_norm_step(rank: int, out) -> None:
         time.sleep(SLOW_NORM_S)
         return local_sumsq()
     engine.optim.local_sumsq = slow
+    log = []
+    engine.clock = _RecordingClock(engine.device, log)
     tokens = torch.randint(0, 64, (2, 16))
     stats = engine.train_step(tokens, tokens, 1e-3, 1.0)
     out["stats"] = {"norm_s": stats.norm_s, "optimizer_s": stats.optimizer_s,
                     "fwd_bwd_s": stats.fwd_bwd_s, "compute_s": stats.compute_s,
                     "sync_wait_s": stats.sync_wait_s, "step_s": stats.step_s}
+    out["clock"] = log
 
 
-def test_at_pp_1_the_norm_is_optimizer_time_not_pipeline_wait():
+def test_at_pp_1_the_norm_is_optimizer_time_and_no_span_is_read_inside_the_step():
     """One rank, pp 1: the step log's "pipeline wait" holds no norm (it held the whole norm's
-    time: 13.7 ms on an H200), the optimizer phase does."""
+    time: 13.7 ms on an H200), the optimizer phase does. The step's parts are marks (CUDA
+    events on a GPU) read after its end: timing them synchronises nothing inside the step (it
+    synchronised the GPU at every mark, twice per micro-batch)."""
     from orchestrator.layout import ParallelLayout
     from orchestrator.train.report import measured_parts
 
-    stats = spawn_ranks(_slow_norm_step, 1)["stats"]
+    out = spawn_ranks(_slow_norm_step, 1)
+    stats, clock = out["stats"], list(out["clock"])
+    assert clock.count("mark") >= 2 * 2 + 6  # each micro-batch's span, the step's parts
+    assert "mark" not in clock[clock.index("read"):]
     layout = ParallelLayout.uniform(1, 1, 1, 2, micro_batch_size=1, num_micro_batches=2)
     (stage,) = measured_parts([{"rank": 0, "medians_s": stats, "peak_MiB": 0.0,
                                 "process_peak_MiB": 0.0}], layout)["stages"]
