@@ -67,6 +67,9 @@ SMOKES = {
         rf"mixtral_8x7b Megatron-LM example\s+{B} tp2 pp4 dp32 ep8 .*{B}\s+{N} {B}\s+{N} {B}"]),
     "overhead": (["--smoke"], [
         rf"local, 4 ranks: orchestrator {N} s, bare {N} s, overhead [+-]{N} s"]),
+    "plain_loop": (["--smoke"], [
+        r"tiny x2 layers, seq 64, global batch 2 on one CPU",
+        rf"mbs1 x2 {B}\s+{N} \({N}\) {B}\s+{N} \({N}\) {B}\s+{N} \({N}\) {B}\s+{N}x"]),
     "profile_hardware_agreement": (["--smoke"], [
         r"allreduce over 2 ranks, 0.0625 MiB fp32:",
         rf"torch loop busbw {N} GB/s\s+ratio profiler/torch {N}"]),

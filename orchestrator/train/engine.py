@@ -32,9 +32,8 @@ import contextlib
 import dataclasses
 import inspect
 import math
-import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -45,6 +44,7 @@ from orchestrator.models.config import ModelConfig, expert_width, is_moe
 from orchestrator.models.compile import is_compiled
 from orchestrator.models.gpt import GPT, cross_entropy_loss, token_loss_sum
 from orchestrator.models.moe import MoE
+from orchestrator.profiling.measure import Stopwatch
 from orchestrator.train.build import (OptimSettings, apply_recompute, build_chunks,
                                       build_optimizer, context_parallel)
 from orchestrator.train.executor import MicroBatchInput, PipelineExecutor, run_plain
@@ -65,8 +65,10 @@ class StepStats:
     fwd_bwd_s: float  # forward + backward of all micro-batches (pipeline waits included)
     compute_s: float  # this rank's forward/backward work alone (TP communication included)
     sync_wait_s: float  # waiting for the data-parallel gradient collectives after the backward
-    norm_s: float  # the global gradient norm (its all-reduce waits for the slowest stage)
-    optimizer_s: float  # clipping, AdamW, parameter all-gather
+    # the global gradient norm's sum over ranks (its all-reduce waits for the slowest stage);
+    # this rank's own sum of squares is optimizer work, in optimizer_s
+    norm_s: float
+    optimizer_s: float  # the local gradient norm, clipping, AdamW, parameter all-gather
     skipped: bool = False  # fp16 overflow: no update
     stop: bool = False  # some rank was asked to stop (a signal): every rank knows it
     # mixture of experts: the mean load-balancing loss (times its coefficient) over MoE layers
@@ -120,7 +122,10 @@ class Engine:
         # fp16: dynamic loss scale (GradScaler's rule: halve on overflow, double every 2000 steps)
         self.loss_scale = 2.0**16 if self.dtype == Dtype.fp16 else 1.0
         self._good_steps = 0
-        self.compute_s = 0.0
+        # Marks of the step's parts (CUDA events on a GPU), read after the step: no host sync
+        # inside it but the gradient norm's (the clip is decided on the host)
+        self.clock = Stopwatch(device)
+        self.compute_spans: List[Tuple[object, object]] = []
         self.schedule = self._make_schedule() if layout.pp > 1 else None
         self.hidden = model.hidden
         self._executor = None  # built on the first train_step_micro_batches
@@ -158,8 +163,8 @@ class Engine:
         return cls(arg, n_microbatches=layout.num_micro_batches, loss_fn=self._loss, **kwargs)
 
     def _time_chunks(self, stage) -> None:
-        """Count the wall time of the stage's forward/backward chunks into `compute_s`; MoE
-        layers log their routing only inside them."""
+        """Mark the stage's forward/backward chunks into `compute_spans`; MoE layers log their
+        routing only inside them."""
         moe_layers = [m for m in stage.submod.modules() if isinstance(m, MoE)]
         for moe in moe_layers:  # torch's first-step shape inference runs forwards of its own
             moe.record_stats = False
@@ -167,7 +172,7 @@ class Engine:
             original = getattr(stage, name)
 
             def timed(*args, _original=original, **kwargs):
-                start = self._now()
+                start = self.clock.mark()
                 for moe in moe_layers:
                     moe.record_stats = True
                 try:
@@ -175,13 +180,12 @@ class Engine:
                 finally:
                     for moe in moe_layers:
                         moe.record_stats = False
-                    self.compute_s += self._now() - start
+                    self.compute_spans.append((start, self.clock.mark()))
             setattr(stage, name, timed)
 
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+    def _seconds(self, start, end) -> float:
+        """Seconds between two marks of this step (waits for `end` on a GPU)."""
+        return self.clock.elapsed_us(start, end) / 1e6
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return cross_entropy_loss(logits, targets) * self.loss_scale
@@ -201,8 +205,8 @@ class Engine:
         """One iteration on this data-parallel rank's samples (micro_batch_size *
         num_micro_batches sequences): forward, backward, gradient sync, clipping, AdamW.
         `stop` (this rank was signalled) comes back agreed over all ranks."""
-        start = self._now()
-        self.compute_s = 0.0
+        start = self.clock.mark()
+        self.compute_spans = []
         self._begin_moe_step()
         self.optim.begin_step(self.layout.num_micro_batches)
         tokens, targets = tokens.to(self.device), targets.to(self.device)
@@ -242,17 +246,17 @@ class Engine:
             raise ValueError("train_step_micro_batches of a mixture-of-experts model needs "
                              "total_rows (the global batch's rows): its balance loss is per "
                              "sequence")
-        start = self._now()
-        self.compute_s = 0.0
+        start = self.clock.mark()
         self._begin_moe_step()
         self.optim.begin_step(len(batches), grad_divisor=float(total_tokens))
         batches = [self._rank_micro_batch(mb, total_tokens, total_rows) for mb in batches]
         with self._loss_parallel(), self._recording_moe():
             if self.layout.pp > 1:
-                losses, self.compute_s = self._pipeline_executor().run(batches, extra_warmup)
+                losses, self.compute_spans = self._pipeline_executor().run(batches,
+                                                                           extra_warmup)
             else:
-                losses, self.compute_s = run_plain(self.modules[0], batches, self._token_loss,
-                                                   self._now)
+                losses, self.compute_spans = run_plain(self.modules[0], batches,
+                                                       self._token_loss, self.clock.mark)
         losses = [local_tensor(loss) for loss in losses]
         self._apply_recompute()
         local = torch.stack([loss.double() for loss in losses]).sum() if losses else 0.0
@@ -296,36 +300,42 @@ class Engine:
             self._executor = PipelineExecutor(
                 self.modules, self.pp_rank, layout.pp, layout.schedule,
                 self.mesh.group(Group.pp), self.device, self.hidden,
-                layout.tp if layout.sequence_parallel else 1, self._token_loss, self._now,
+                layout.tp if layout.sequence_parallel else 1, self._token_loss, self.clock.mark,
                 wire_dtype=self.residual)
         return self._executor
 
     def _token_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return token_loss_sum(logits, targets) * self.loss_scale
 
-    def _finish_step(self, start: float, local_loss, loss_divisor: float, lr: float,
+    def _finish_step(self, start, local_loss, loss_divisor: float, lr: float,
                      grad_clip: float, stop: bool) -> StepStats:
         """After the forward/backward: gradient sync, norm, clipping, AdamW; the global loss is
         the sum of every rank's `local_loss` / loss_divisor."""
-        fwd_bwd_end = self._now()
+        fwd_bwd_end = self.clock.mark()
         self.optim.finish_backward()
-        sync_end = self._now()
+        sync_end = self.clock.mark()
         inv_scale = 1.0 / self.loss_scale
-        norm = self.optim.grad_norm() * inv_scale
-        norm_end = self._now()
+        local_sumsq = self.optim.local_sumsq()
+        local_end = self.clock.mark()
+        norm = self.optim.reduce_norm(local_sumsq) * inv_scale
+        norm_end = self.clock.mark()
         skipped = not math.isfinite(norm)
         if skipped:
             self.optim.zero_grads()
         else:
             self.optim.step(lr, grad_clip, inv_scale, norm)
         self._update_loss_scale(skipped)
-        end = self._now()
+        end = self.clock.mark()
         loss, stop = self._global_loss(local_loss, stop)
         aux_loss, tokens_per_expert = self._moe_stats()
-        return StepStats(loss=loss / loss_divisor * inv_scale, grad_norm=norm, step_s=end - start,
-                         fwd_bwd_s=fwd_bwd_end - start, compute_s=self.compute_s,
-                         sync_wait_s=sync_end - fwd_bwd_end, norm_s=norm_end - sync_end,
-                         optimizer_s=end - norm_end, skipped=skipped, stop=stop,
+        secs = self._seconds
+        return StepStats(loss=loss / loss_divisor * inv_scale, grad_norm=norm,
+                         step_s=secs(start, end), fwd_bwd_s=secs(start, fwd_bwd_end),
+                         compute_s=sum(secs(a, b) for a, b in self.compute_spans),
+                         sync_wait_s=secs(fwd_bwd_end, sync_end),
+                         norm_s=secs(local_end, norm_end),
+                         optimizer_s=secs(sync_end, local_end) + secs(norm_end, end),
+                         skipped=skipped, stop=stop,
                          aux_loss=aux_loss, tokens_per_expert=tokens_per_expert)
 
     def _moe_layers(self) -> List[MoE]:
@@ -375,10 +385,10 @@ class Engine:
         # accumulate, 4 / dp bytes per parameter, where deferring the sync would keep every
         # unit's unsharded fp32 gradients through the accumulation (Megatron-FSDP's choice too).
         for i in range(m):
-            begin = self._now()
+            begin = self.clock.mark()
             loss = self._loss(mod(tokens[i * mbs:(i + 1) * mbs]), targets[i * mbs:(i + 1) * mbs])
             loss.backward()
-            self.compute_s += self._now() - begin
+            self.compute_spans.append((begin, self.clock.mark()))
             losses.append(loss.detach())
         return losses
 

@@ -74,7 +74,10 @@ def message_tag(backward: bool, virtual_stage: int, micro_batch: int, num_virtua
 
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-Timer = Callable[[], float]
+# A point in time: a recorded CUDA event on a GPU, seconds on a CPU (profiling.measure.Stopwatch
+# .mark): the engine reads the spans after the step, so timing syncs nothing mid-step.
+Timer = Callable[[], object]
+Span = Tuple[object, object]
 
 
 @dataclass
@@ -89,7 +92,7 @@ class _InFlight:
 class PipelineExecutor:
     """Runs this rank's ops of one iteration over its model chunks (`modules[c]` is virtual
     stage c * pp + pp_rank). `run` returns the detached loss sums on the last stage (else [])
-    and the seconds of this rank's own forward/backward work."""
+    and the (start, end) marks of this rank's own forward/backward work."""
 
     def __init__(self, modules: Sequence[torch.nn.Module], pp_rank: int, pp: int,
                  schedule: str, group, device: torch.device, hidden: int, seq_divisor: int,
@@ -105,7 +108,7 @@ class PipelineExecutor:
         self.peer = [dist.get_global_rank(group, r) for r in range(pp)]
 
     def run(self, batches: Sequence[MicroBatchInput],
-            extra_warmup: int = 0) -> Tuple[List[torch.Tensor], float]:
+            extra_warmup: int = 0) -> Tuple[List[torch.Tensor], List[Span]]:
         for mb in batches:
             if mb.tokens.shape[1] % self.seq_divisor:
                 raise ValueError(f"padded_len({mb.tokens.shape[1]}) must divide by tp"
@@ -115,19 +118,20 @@ class PipelineExecutor:
         in_flight: Dict[Tuple[int, int], _InFlight] = {}
         sends: List[Tuple[object, torch.Tensor]] = []
         losses: List[torch.Tensor] = []
-        compute_s = 0.0
+        spans: List[Span] = []
         for kind, chunk, i in order:
             stage = chunk * self.pp + self.pp_rank
             prepare(self.modules[chunk], batches[i])
             if kind == "F":
-                compute_s += self._forward(chunk, stage, i, batches[i], in_flight, sends, losses)
+                spans.append(self._forward(chunk, stage, i, batches[i], in_flight, sends,
+                                           losses))
             else:
-                compute_s += self._backward(chunk, stage, i, in_flight.pop((chunk, i)), sends)
+                spans.append(self._backward(chunk, stage, i, in_flight.pop((chunk, i)), sends))
         for work, _ in sends:
             work.wait()
-        return losses, compute_s
+        return losses, spans
 
-    def _forward(self, chunk, stage, i, mb, in_flight, sends, losses) -> float:
+    def _forward(self, chunk, stage, i, mb, in_flight, sends, losses) -> Span:
         if stage == 0:
             x = mb.tokens
         else:
@@ -138,13 +142,13 @@ class PipelineExecutor:
         if stage == self.num_virtual - 1:
             out = self.loss_fn(out, mb.targets)
             losses.append(out.detach())
-        elapsed = self.now() - start
+        span = (start, self.now())
         if stage < self.num_virtual - 1:
             self._send(out.detach().to(self.wire_dtype), stage + 1, False, stage + 1, i, sends)
         in_flight[(chunk, i)] = _InFlight(x, out)
-        return elapsed
+        return span
 
-    def _backward(self, chunk, stage, i, state: _InFlight, sends) -> float:
+    def _backward(self, chunk, stage, i, state: _InFlight, sends) -> Span:
         if stage == self.num_virtual - 1:
             start = self.now()
             state.output.backward()
@@ -152,10 +156,10 @@ class PipelineExecutor:
             grad = self._recv(state.output.shape, stage + 1, True, stage, i)
             start = self.now()
             state.output.backward(grad.to(state.output.dtype))
-        elapsed = self.now() - start
+        span = (start, self.now())
         if stage > 0:
             self._send(state.inputs.grad, stage - 1, True, stage - 1, i, sends)
-        return elapsed
+        return span
 
     def _activation_shape(self, mb: MicroBatchInput) -> Tuple[int, int, int]:
         batch, padded_len = mb.tokens.shape
@@ -178,15 +182,15 @@ class PipelineExecutor:
 
 
 def run_plain(module, batches: Sequence[MicroBatchInput], loss_fn: LossFn,
-              now: Timer) -> Tuple[List[torch.Tensor], float]:
+              now: Timer) -> Tuple[List[torch.Tensor], List[Span]]:
     """pp = 1: forward and backward of each micro-batch in turn; returns (detached loss sums,
-    seconds of compute)."""
-    losses, compute_s = [], 0.0
+    the (start, end) marks of each one's compute)."""
+    losses, spans = [], []
     for mb in batches:
         prepare(module, mb)
         start = now()
         loss = loss_fn(module(mb.tokens), mb.targets)
         loss.backward()
-        compute_s += now() - start
+        spans.append((start, now()))
         losses.append(loss.detach())
-    return losses, compute_s
+    return losses, spans

@@ -2,15 +2,13 @@
 over the replicas, the routed experts over edp, one norm) and ZeRO-3's over FSDP2 shards."""
 from __future__ import annotations
 
-import math
 from typing import Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from orchestrator.train.grads import (ShardedAdamW, _adamw_kernel, full_grad, local_tensor,
-                                     replication_weight)
+from orchestrator.train.grads import (ShardedAdamW, _adamw_kernel, full_grad, global_norm,
+                                     local_tensor, replication_weight, sumsq)
 
 
 def is_expert_param(name: str) -> bool:
@@ -44,10 +42,13 @@ class ExpertAdamW:
             part.finish_backward()
 
     def grad_norm(self) -> float:
-        sumsq = sum(part.local_sumsq() for part in self.parts)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(sumsq)
-        return math.sqrt(float(sumsq))
+        return self.reduce_norm(self.local_sumsq())
+
+    def local_sumsq(self) -> torch.Tensor:
+        return sum(part.local_sumsq() for part in self.parts)
+
+    def reduce_norm(self, local: torch.Tensor) -> float:
+        return global_norm(local, None)
 
     def step(self, lr: float, grad_clip: float, inv_scale: float = 1.0,
              norm: Optional[float] = None) -> None:
@@ -103,15 +104,23 @@ class FsdpAdamW:
                 p.grad.div_(self.m / self.rescale.get(p, 1.0))
 
     def grad_norm(self) -> float:
-        device = local_tensor(self.params[0]).device
-        sumsq = torch.zeros((), dtype=torch.float64, device=device)
+        return self.reduce_norm(self.local_sumsq())
+
+    def local_sumsq(self) -> torch.Tensor:
+        """This rank's share of the squared global norm (float64): each local gradient's sum
+        of squares weighted by its replication (one fp32 foreach norm per weight)."""
+        by_weight: Dict[float, List[torch.Tensor]] = {}
         for p in self.params:
             g = full_grad(p)
             if g is not None:
-                sumsq += local_tensor(g).double().square().sum() * replication_weight(g)
-        if dist.is_initialized() and dist.get_world_size(self.world_group) > 1:
-            dist.all_reduce(sumsq, group=self.world_group)
-        return math.sqrt(float(sumsq))
+                by_weight.setdefault(replication_weight(g), []).append(local_tensor(g))
+        total = torch.zeros((), dtype=torch.float64, device=local_tensor(self.params[0]).device)
+        for weight, grads in by_weight.items():
+            total = total + sumsq(grads) * weight
+        return total
+
+    def reduce_norm(self, local: torch.Tensor) -> float:
+        return global_norm(local, self.world_group)
 
     def step(self, lr: float, grad_clip: float, inv_scale: float = 1.0,
              norm: Optional[float] = None) -> None:

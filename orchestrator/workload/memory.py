@@ -28,8 +28,8 @@ it back in its backward, with what each step holds only while it runs:
   MixedPrecisionPolicy's reduce_dtype), reduce-scattered every micro-batch into fp32 shards
   that accumulate (under a pipeline accumulated unsharded in fp32, reduced after the last);
 - after the backward: ZeRO 2 waits with every full bucket and shard alive (gloo copies the
-  largest bucket once more); the gradient norm squares a float64 slice (16 B per element of the
-  largest owned bucket slice, at most NORM_CHUNK); AdamW foreach (CPU) holds one temporary as
+  largest bucket once more); the gradient norm (fp32 norms per tensor, as clip_grad_norm_)
+  holds no temporaries worth counting; AdamW foreach (CPU) holds one temporary as
   large as the masters, fused AdamW (CUDA) none; ZeRO 1/2 gather each updated DTensor bucket
   into a full buffer in the weights' dtype (bf16 weights: from a bf16 copy of the slice).
 """
@@ -49,7 +49,7 @@ from orchestrator.models.loss import CHUNK_ELEMENTS as LOSS_CHUNK_ELEMENTS
 from orchestrator.workload.order import stage_order
 from orchestrator.workload.params import (Param, chunk_size, rank_chunks)
 
-from orchestrator.workload.states import (FP32, INT64, NORM_CHUNK,
+from orchestrator.workload.states import (FP32, INT64,
                                           StateBytes,
                                           cp_split_input_bytes, embedding_bytes,
                                           fsdp_shards, half_weights, is_dtensor,
@@ -80,7 +80,7 @@ class MemoryBytes:
     states: StateBytes
     peak: float
     phase: str  # "forward F<chunk>.<micro-batch>" ... | "backward ..." | finish_backward |
-    #             grad_norm | optimizer
+    #             optimizer
     at_peak: Mapping[str, float]  # kind -> bytes above the states at the peak
 
     def as_dict(self) -> dict:
@@ -400,13 +400,10 @@ def rank_memory(model: ModelConfig, layout: ParallelLayout, rank: int, act: Bloc
     if zero == 3:
         shard = sum(shards)
         live.kinds = {"sharded gradients": FP32 * shard}
-        biggest = max(shards)
-        live.check("grad_norm", {"norm temporaries": 16 * biggest})
         live.check("optimizer", {"adamw temporaries": 0 if cuda else FP32 * shard})
     else:
         shards = sum(FP32 * o for o in owned) if (zero == 2 and dp > 1) else 0.0
         live.kinds = {"gradient shards": shards}
-        live.check("grad_norm", {"norm temporaries": 16 * min(max(owned), NORM_CHUNK)})
         master = sum(FP32 * o for o in owned)
         live.check("optimizer", {"adamw temporaries": 0 if cuda else master})
         # the gathered bucket (DTensor buckets) and, bf16 weights, the slice's bf16 copy

@@ -16,7 +16,7 @@ from orchestrator.workload.params import (Param, block_parameters, chunk_size, i
 
 from orchestrator.workload.memory import (BlockActivations, _block_working, _head_bytes,
                                           engine_block_bytes)
-from orchestrator.workload.states import (FP32, FP64, INT64, NORM_CHUNK,
+from orchestrator.workload.states import (FP32, FP64, INT64,
                                           cp_split_input_bytes, embedding_bytes, half_weights,
                                           input_bytes, stage_buffer_bytes, weight_dtype)
 
@@ -322,22 +322,20 @@ class StageMemory:
                 + n * self.expert_numel / self.layout.edp)
 
     def tail_above_states(self, j, n):
-        """After the backward: ZeRO 2's buckets and shards, the gradient norm's float64 slice,
-        AdamW's foreach temporary (CPU), ZeRO 1/2's parameter all-gather."""
+        """After the backward: ZeRO 2's buckets and shards, AdamW's foreach temporary (CPU),
+        ZeRO 1/2's parameter all-gather (the gradient norm holds no temporaries)."""
         numel = np.asarray(n, dtype=float) * self.block_numel + self.other_numel[j]
         zero, dp, cuda = self.zero, self.dp, self.cuda
         if zero == 3:
             shard = self._fsdp_shard(j, n)
-            return FP32 * shard + np.maximum(16 * self.largest_param[j] / min(dp, self.layout.edp),
-                                             0.0 if cuda else FP32 * shard)
+            return FP32 * shard + (0.0 if cuda else FP32 * shard)
         bucket = np.maximum(np.minimum(self.bucket_limit, np.ceil(numel / 4)),
                             self.largest_param[j])
         owned = bucket / dp if zero >= 1 else bucket
         master = numel / dp if zero >= 1 else numel
         shards = FP32 * numel / dp if (zero == 2 and dp > 1) else 0.0
-        norm = shards + 16 * np.minimum(owned, NORM_CHUNK)
-        step = shards + (0.0 if cuda else FP32 * master)
-        tail = np.maximum(norm, step)
+        # the optimizer step (an array per n, also when it holds nothing more)
+        tail = shards + np.where(cuda, 0.0, FP32 * master)
         if zero >= 1 and dp > 1 and (self.tp > 1 or self.half):
             # the gathered bucket (DTensor buckets), bf16 weights' copy of the owned slice
             tail = np.maximum(tail, self.weight * ((self.tp > 1) * bucket + self.half * owned))

@@ -42,7 +42,6 @@ FP64 = 8
 INT64 = 8
 INT32 = 4
 STEP_COUNTER_BYTES = 4  # AdamW keeps `step` as a float32 scalar tensor per parameter it updates
-NORM_CHUNK = 1 << 24  # elements per float64 slice of the gradient norm (train/grads.py's)
 
 
 @dataclass(frozen=True)

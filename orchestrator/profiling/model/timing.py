@@ -32,6 +32,7 @@ from orchestrator.models.config import ModelConfig
 from orchestrator.profiling.measure import Stopwatch, is_cuda, median_of_group_max, summarize
 from orchestrator.profiling.model import memory as mem
 from orchestrator.profiling.model.fit import OPTIM_KEYS
+from orchestrator.train.grads import sumsq
 
 
 @dataclass
@@ -447,13 +448,14 @@ def _adamw(master: torch.Tensor) -> torch.optim.AdamW:
     return torch.optim.AdamW([master], lr=1e-4, weight_decay=0.1, **kernel)
 
 
-def optimizer_step(master: torch.Tensor, weight: torch.Tensor, param: torch.Tensor,
+def optimizer_step(master: torch.Tensor, param: torch.Tensor,
                    optim: torch.optim.Optimizer, adamw: bool = True) -> torch.Tensor:
-    """What train's optimizer phase does for these fp32 elements (train/grads.py): the weighted
-    gradient norm in float64, clipping to 1, AdamW on the flat master, the copy into the
+    """What train's optimizer phase does for these fp32 elements (train/grads.py): the
+    gradient norm (an fp32 norm, one read per element; the few replicated SP-norm elements
+    train weights are left out), clipping to 1, AdamW on the flat master, the copy into the
     parameters. The clip factor stays on the device (works on meta tensors too); returns the
     norm. `adamw=False` leaves the AdamW step out (priced on its own for fused kernels)."""
-    norm = (master.grad.double().square() * weight).sum().sqrt()
+    norm = sumsq([master.grad]).sqrt()
     master.grad.mul_((1.0 / (norm + 1e-6)).clamp(max=1.0))
     if adamw:
         optim.step()
@@ -473,15 +475,14 @@ def time_optimizer_step_us(numel: int, device: torch.device, warmup_iters: int,
     size = max(int(numel), floor)
     clock = Stopwatch(device)
     master = torch.zeros(size, dtype=torch.float32, device=device, requires_grad=True)
-    weight = torch.ones_like(master, requires_grad=False)  # replication weight of each element
-    param = torch.zeros_like(weight)
+    param = torch.zeros_like(master, requires_grad=False)
     optim = _adamw(master)
     out = []
     for i in range(warmup_iters + iters):
-        master.grad = torch.full_like(weight, 1e-3)
+        master.grad = torch.full_like(param, 1e-3)
         clock.sync()
         t0 = clock.mark()
-        optimizer_step(master, weight, param, optim)
+        optimizer_step(master, param, optim)
         t1 = clock.mark()
         if i >= warmup_iters:
             out.append(clock.elapsed_us(t0, t1) * numel / size)
@@ -496,13 +497,13 @@ def optimizer_step_bytes_per_element(fused_adamw: bool) -> float:
     FUSED_ADAMW_BYTES."""
     n = 1 << 20
     master = torch.zeros(n, device="meta", requires_grad=True)
-    weight, param = torch.ones_like(master), torch.zeros_like(master)
+    param = torch.zeros_like(master, requires_grad=False)
     optim = torch.optim.AdamW([master], lr=1e-4, weight_decay=0.1, foreach=True)
-    master.grad = torch.ones_like(weight)
-    optimizer_step(master, weight, param, optim)
-    master.grad = torch.ones_like(weight)
+    master.grad = torch.ones_like(param)
+    optimizer_step(master, param, optim)
+    master.grad = torch.ones_like(param)
     with KernelBytes() as counted:
-        optimizer_step(master, weight, param, optim, adamw=not fused_adamw)
+        optimizer_step(master, param, optim, adamw=not fused_adamw)
     return counted.bytes / n + (FUSED_ADAMW_BYTES if fused_adamw else 0.0)
 
 
