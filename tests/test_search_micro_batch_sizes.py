@@ -102,3 +102,17 @@ def test_a_size_that_cannot_fit_is_pruned_not_solved():
     assert result.best.micro_batch_size == 4
     assert result.rejected["memory"] >= 1
     assert all(lay.micro_batch_size < 8 for lay, _ in result.top)
+
+
+def test_a_batch_no_replica_divides_does_not_advise_smaller_sizes_when_all_are_searched():
+    """Every size is already searched: the advice names the batch and the degrees, not
+    micro_batch_sizes (a user's list still gets "allow smaller")."""
+    from orchestrator.planner import InfeasibleError
+
+    model, hw = _profiles()
+    for sizes, advised in ((None, False), ((2,), True)):
+        with pytest.raises(InfeasibleError) as info:
+            search(model, hw, _space(world_size=8, global_batch_size=3, max_pp=1, max_tp=2,
+                                     micro_batch_sizes=sizes))
+        assert info.value.bound == "global_batch_size"
+        assert ("micro_batch_sizes" in info.value.relax) == advised, info.value.relax
