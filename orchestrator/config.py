@@ -171,7 +171,9 @@ class SearchConfig:
     tp_within_node: bool = True
     zero_stages: List[int] = field(default_factory=lambda: [0, 1, 2, 3])
     recompute: List[Recompute] = field(default_factory=lambda: list(Recompute))
-    micro_batch_sizes: List[int] = field(default_factory=lambda: [1, 2, 4])
+    # None: every size that divides a data-parallel replica's batch (pruned by memory); a list
+    # (e.g. [1, 2]): only those
+    micro_batch_sizes: Optional[List[int]] = None
     schedules: List[Schedule] = field(default_factory=lambda: list(Schedule))
     virtual_stages: List[int] = field(default_factory=lambda: [2, 4])
     # Memory kept free per device: reserve_fraction * budget + reserve_GiB (what the planner

@@ -71,7 +71,8 @@ def search_micro_batches(search, model, world_size: int, max_cp: int) -> int:
     tp_hi = search.tp or min(search.max_tp, model.heads, world_size)
     pp_hi = search.pp or min(search.max_pp, model.layers, world_size)
     dp_lo = max(1, -(-world_size // (tp_hi * pp_hi * max(1, max_cp))))
-    return -(-search.global_batch_size // (min(search.micro_batch_sizes) * dp_lo))
+    least_mbs = min(search.micro_batch_sizes) if search.micro_batch_sizes else 1  # null: 1
+    return -(-search.global_batch_size // (least_mbs * dp_lo))
 
 
 def check_search(limits: LimitsConfig, search, model, world_size: int, max_cp: int) -> None:

@@ -366,15 +366,18 @@ def search(model_cost: ModelCost, hardware: HardwareModel, space: SearchSpace) -
     configs = enumerate_configs(model_cost, hardware, space, rejected)
     if not configs:
         reasons = ", ".join(f"{k}: {v}" for k, v in sorted(rejected.items())) or "none"
+        listed = space.micro_batch_sizes is not None  # every divisor otherwise: none smaller
+        relax = {"global_batch_size": "a multiple of world_size / (tp * pp)",
+                 **({"micro_batch_sizes": "allow smaller"} if listed else {}),
+                 "max_pp": "raise", "max_tp": "raise"}
+        sizes = (f"micro_batch_sizes={list(space.micro_batch_sizes)}" if listed
+                 else "any micro-batch size")
         raise InfeasibleError(
             f"no (tp, pp, dp, micro-batch) combination of world_size={space.world_size} divides "
-            f"global_batch_size={space.global_batch_size} with micro_batch_sizes="
-            f"{list(space.micro_batch_sizes)} (rejected: {reasons}); relax global_batch_size "
-            f"(a multiple of world_size / (tp * pp)) or micro_batch_sizes, or raise max_pp/max_tp",
-            bound="global_batch_size",
-            suggestions=("global_batch_size", "micro_batch_sizes", "max_pp", "max_tp"),
-            relax={"global_batch_size": "a multiple of world_size / (tp * pp)",
-                   "micro_batch_sizes": "allow smaller", "max_pp": "raise", "max_tp": "raise"})
+            f"global_batch_size={space.global_batch_size} with {sizes} (rejected: {reasons}); "
+            f"relax global_batch_size (a multiple of world_size / (tp * pp))"
+            f"{' or micro_batch_sizes' if listed else ''}, or raise max_pp/max_tp",
+            bound="global_batch_size", suggestions=tuple(relax), relax=relax)
     modes = space.recompute
     budget = float(space.memory_budget_bytes)
     fast = space.fast_mode
@@ -514,7 +517,7 @@ def _relaxations(model: ModelCost, space: SearchSpace, needed_bytes: float) -> D
             relax[fixed] = "unset (search every degree)"
         elif getattr(space, bound) < top:
             relax[bound] = f"raise above {getattr(space, bound)}"
-    if min(space.micro_batch_sizes) > 1:
+    if space.micro_batch_sizes is not None and min(space.micro_batch_sizes) > 1:
         relax["micro_batch_sizes"] = "allow 1"
     relax["seq_len"] = "shorter (or more devices)"
     return relax

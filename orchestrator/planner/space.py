@@ -30,7 +30,8 @@ class SearchSpace:
     tp_within_node: bool = True
     zero_stages: Tuple[int, ...] = (0, 1, 2, 3)
     recompute: Tuple[Recompute, ...] = tuple(Recompute)
-    micro_batch_sizes: Tuple[int, ...] = (1, 2, 4)
+    # None: every size that divides a replica's batch (micro_batch_sizes_for)
+    micro_batch_sizes: Optional[Tuple[int, ...]] = None
     schedules: Tuple[Schedule, ...] = tuple(Schedule)
     virtual_stages: Tuple[int, ...] = (2, 4)
     sequence_parallel: Tuple[bool, ...] = (True, False)
@@ -57,7 +58,8 @@ class SearchSpace:
     def __post_init__(self) -> None:
         for name in ("zero_stages", "recompute", "micro_batch_sizes", "schedules",
                      "virtual_stages", "sequence_parallel", "cp_comms"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.world_size < 1 or self.global_batch_size < 1 or self.seq_len < 1:
             raise errors.ConfigError(
                 f"search space needs world_size, global_batch_size and seq_len >= 1, got "
@@ -92,6 +94,17 @@ def _divisors(n: int) -> List[int]:
     """The divisors of n, ascending (pairs up to sqrt(n): a world of 10**9 devices stays fast)."""
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return small + [n // d for d in reversed(small) if d * d != n]
+
+
+def micro_batch_sizes_for(space: SearchSpace, per_replica: int) -> List[int]:
+    """The micro-batch sizes searched for a replica of `per_replica` sequences: the space's
+    list when it has one, as given (a size not dividing them is rejected later, as the user
+    asked for it), else every divisor of `per_replica` (mbs 8 of 8 included: on a GPU the
+    largest that fits is often the fastest). Sizes that cannot fit are pruned by the search's
+    memory bound, not here."""
+    if space.micro_batch_sizes is None:
+        return _divisors(per_replica)
+    return list(space.micro_batch_sizes)
 
 
 def _degree_allowed(degree: int, fixed: Optional[int], bound: int) -> bool:
@@ -212,7 +225,7 @@ def _batch_configs(space: SearchSpace, schedules, L: int, W: int, tp: int, conte
         reject("batch_not_divisible")
         return configs
     per_replica = space.global_batch_size // dp
-    for mbs in space.micro_batch_sizes:
+    for mbs in micro_batch_sizes_for(space, per_replica):
         if per_replica % mbs:
             reject("batch_not_divisible")
             continue

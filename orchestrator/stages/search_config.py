@@ -30,7 +30,8 @@ def search_space(cfg):
         max_cp=s.max_cp or auto_max_cp(s.seq_len or cfg.model.seq_len),
         cp_comms=tuple(s.cp_comms),
         tp_within_node=s.tp_within_node, zero_stages=tuple(s.zero_stages),
-        recompute=tuple(s.recompute), micro_batch_sizes=tuple(s.micro_batch_sizes),
+        recompute=tuple(s.recompute),
+        micro_batch_sizes=None if s.micro_batch_sizes is None else tuple(s.micro_batch_sizes),
         schedules=tuple(s.schedules), virtual_stages=tuple(s.virtual_stages),
         fast_mode=bool(s.fast_mode), top_k=s.top_k, pp=s.pp, tp=s.tp,
         max_ep=s.max_ep, max_etp=s.max_etp, ep=s.ep, etp=s.etp, options=options)
@@ -151,15 +152,17 @@ def validate(cfg):
     s = cfg.search
     _check_memory(cfg)
     _check_overlap(cfg)
-    if not s.schedules or not s.recompute or not s.zero_stages or not s.micro_batch_sizes:
+    if (not s.schedules or not s.recompute or not s.zero_stages
+            or s.micro_batch_sizes is not None and not s.micro_batch_sizes):
         raise ConfigError("search.schedules, recompute, zero_stages and micro_batch_sizes must "
-                          "each allow at least one value")
+                          "each allow at least one value (micro_batch_sizes=null: every size "
+                          "that divides a replica's batch)")
     if s.world_size is not None and s.world_size < 1:
         raise ConfigError(f"search.world_size({s.world_size}) must be >= 1")
     bad = [z for z in s.zero_stages if z not in (0, 1, 2, 3)]
     if bad:
         raise ConfigError(f"search.zero_stages: unknown {bad}; allowed: [0, 1, 2, 3]")
-    if s.global_batch_size < 1 or any(m < 1 for m in s.micro_batch_sizes):
+    if s.global_batch_size < 1 or any(m < 1 for m in s.micro_batch_sizes or ()):
         raise ConfigError(f"search.global_batch_size({s.global_batch_size}) and "
                           f"search.micro_batch_sizes({list(s.micro_batch_sizes)}) must be >= 1")
     _check_degrees(cfg)
