@@ -234,3 +234,50 @@ def test_the_chunked_loss_is_cross_entropy_and_never_holds_the_fp32_logits(dtype
     whole = tokens * vocab * dtype.itemsize  # the logits, and their gradient
     assert live.peak_bytes - live.start_bytes <= whole + 2 * chunk * 4 + 64 * tokens, (
         live.peak_bytes - live.start_bytes, whole)
+
+
+def test_the_loss_of_logits_with_no_data_is_one_chunk_with_the_same_flops_bytes_and_saved():
+    """Fake logits (the analytic profile's, FakeTensorMode) are one chunk: one logsumexp
+    forward and one exp backward, not one per chunk (~1200 at 128K tokens and a 150K
+    vocabulary, a minute of the profile's time), with the FLOPs, the bytes the profile's ops
+    read and write (but 8 a chunk: a 4-byte scalar written and read) and the saved tensors of
+    the real logits' chunks."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from orchestrator.models.loss import token_losses
+    from orchestrator.profiling.model.analytic import ops_mode
+    from orchestrator.profiling.model.memory import SavedTensorCounter
+
+    tokens, vocab, chunk = 64, 256, 64 * 256 // 8
+    base = torch.randn(tokens, vocab)
+    targets = torch.randint(0, vocab, (tokens,))
+
+    class Names(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def count(logits, targets):
+        counter = SavedTensorCounter([])
+        with FlopCounterMode(display=False) as flops, ops_mode() as ops, Names() as names:
+            with counter.hooks():
+                losses = token_losses(logits, targets, chunk_elements=chunk)
+            losses.sum().backward()
+        saved = counter.total_bytes
+        counter.release()
+        return names.names, ops.bytes, flops.get_total_flops(), saved
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        fake_names, fake_bytes, *fake_counts = count(
+            fake.from_tensor(base).requires_grad_(), fake.from_tensor(targets))
+    names, real_bytes, *real_counts = count(base.requires_grad_(), targets)
+    assert names.count("logsumexp") == names.count("exp_") == 8  # real logits: chunks of 1/8
+    assert fake_names.count("logsumexp") == fake_names.count("exp_") == 1, fake_names
+    assert fake_counts == real_counts
+    assert fake_bytes == pytest.approx(real_bytes, abs=8 * 8)
