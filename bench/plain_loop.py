@@ -244,11 +244,17 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for mbs in args.mbs:
+            # each figure printed as it is measured: a run cut short (a lent GPU's time
+            # limit) keeps what it measured
             train = train_run(args, mbs, cuda, Path(tmp))  # first: the GPU is all its own
+            console.print(f"mbs {mbs}: stage=train {train.get('step_ms') or 0:.1f} ms/step",
+                          highlight=False)
             eager = median_ms(plain_loop(cfg, args.seq, mbs, args.gbs, args.steps, device,
                                          None), args.warmup)
+            console.print(f"mbs {mbs}: plain eager {eager:.1f} ms/step", highlight=False)
             compiled = median_ms(plain_loop(cfg, args.seq, mbs, args.gbs, args.steps, device,
                                             args.compile_backend), args.warmup)
+            console.print(f"mbs {mbs}: plain compiled {compiled:.1f} ms/step", highlight=False)
             row = {"layout": f"mbs{mbs} x{args.gbs // mbs}", "plain_eager_ms": eager,
                    "plain_compiled_ms": compiled,
                    "plain_eager_tokens_per_s": tokens / eager * 1e3,
