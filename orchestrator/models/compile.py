@@ -130,3 +130,16 @@ def eager(module: nn.Module):
     finally:
         for m, call in saved:
             m._compiled_call_impl = call
+
+
+def train_compile(cfg, device_type: str) -> bool:
+    """Whether train compiles its blocks on ranks of `device_type` (train.compile; auto: on
+    CUDA only, compile_wanted); ConfigError (exit 2) for a setting other than auto, true,
+    false. profile_model reads it too: it times the block as train runs it."""
+    from orchestrator.errors import ConfigError
+
+    try:
+        return compile_wanted(cfg.train.compile, device_type)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+

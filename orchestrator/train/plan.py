@@ -14,6 +14,7 @@ from orchestrator.commands import rerun_command
 from orchestrator.config import cluster_world_size
 from orchestrator.errors import ConfigError, InfeasibleError, InvalidLayout, ProfileError
 from orchestrator.layout import ENGINE_CP_COMM, LayoutError, ParallelLayout
+from orchestrator.models.compile import train_compile  # noqa: F401 (the stages read it here)
 from orchestrator.store import cluster_dir, hardware_path, model_profile_path, strategy_path
 
 GiB = 2**30
@@ -73,18 +74,6 @@ def train_dtype(cfg) -> Dtype:
     if cfg.train.dtype is not None:
         return Dtype.parse(cfg.train.dtype)
     return Dtype.bf16 if cfg.cluster.backend == Backend.nccl else Dtype.fp32
-
-
-def train_compile(cfg, device_type: str) -> bool:
-    """Whether train compiles its blocks on ranks of `device_type` (train.compile; auto: on
-    CUDA only, models/compile.compile_wanted); ConfigError (exit 2) for a setting other than
-    auto, true, false."""
-    from orchestrator.models.compile import compile_wanted
-
-    try:
-        return compile_wanted(cfg.train.compile, device_type)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
 
 
 def train_device(cfg) -> str:

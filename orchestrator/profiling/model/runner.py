@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from typing import Dict, Optional
 
-from orchestrator.models.compile import is_compiled
+from orchestrator.models.compile import is_compiled, train_compile
 from orchestrator.profiling.model import analytic as an
 from orchestrator.profiling.model import memory as mem
 from orchestrator.profiling.model import moe
@@ -25,7 +25,6 @@ from orchestrator.profiling.model.timing import (build_point_model, combine_host
                                                  memory_point, optimizer_step_bytes_per_element,
                                                  time_host_device, time_optimizer_step_us,
                                                  time_point)
-from orchestrator.train.plan import train_compile
 
 
 class MeasuredTiming:

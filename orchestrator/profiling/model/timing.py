@@ -32,7 +32,6 @@ from orchestrator.models.config import ModelConfig
 from orchestrator.profiling.measure import Stopwatch, is_cuda, median_of_group_max, summarize
 from orchestrator.profiling.model import memory as mem
 from orchestrator.profiling.model.fit import OPTIM_KEYS
-from orchestrator.train.grads import sumsq
 
 
 @dataclass
@@ -455,7 +454,8 @@ def optimizer_step(master: torch.Tensor, param: torch.Tensor,
     train weights are left out), clipping to 1, AdamW on the flat master, the copy into the
     parameters. The clip factor stays on the device (works on meta tensors too); returns the
     norm. `adamw=False` leaves the AdamW step out (priced on its own for fused kernels)."""
-    norm = sumsq([master.grad]).sqrt()
+    # train/grads.sumsq's norm (clip_grad_norm_'s: fp32 per tensor, float64 across them)
+    norm = torch.nn.utils.get_total_norm([master.grad]).double()
     master.grad.mul_((1.0 / (norm + 1e-6)).clamp(max=1.0))
     if adamw:
         optim.step()
