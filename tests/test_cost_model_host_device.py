@@ -17,8 +17,8 @@ from orchestrator.planner import ModelCost, evaluate
 from orchestrator.profiling.model.fit import fit_points
 from orchestrator.profiling.model.report import host_device_lines
 from orchestrator.models.config import ModelConfig
-from orchestrator.profiling.model.timing import (PARTS, build_point_model, combine_host_device,
-                                                 time_host_device)
+from orchestrator.profiling.model.host_device import combine_host_device, time_host_device
+from orchestrator.profiling.model.timing import PARTS, build_point_model
 from planner_fixtures import hand_hardware, synthetic_model
 
 SEQS = (128, 512, 1024, 2048)
