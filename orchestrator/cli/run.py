@@ -126,11 +126,14 @@ def run_stages(cfg: Config, plans: Optional[List[StagePlan]] = None) -> List[dic
             _mark_ended(ledger, plan.key, State.failed, request.todo, f"not launched: {e}")
             raise
         # From here until its end is recorded, a Ctrl-C at any point stops this launch and
-        # records it cancelled: one between two lines must not leave it `running`.
+        # records it cancelled (one between two lines must not leave it `running`), except a
+        # queued job the ledger already follows: that one runs on, as the user chose Slurm for.
+        followed = False  # the ledger holds its job: a queued one then runs on without us
         try:
             job = {"job_id": launcher.job_id(handle), "job_folder": launcher.job_folder(handle)}
             try:
                 ledger.attach_job(plan.key, request.todo, **job)
+                followed = True
             except Exception as e:  # e.g. a full disk: a launch nobody can follow must not run on
                 launcher.stop(handle)
                 reason = (f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename
@@ -147,6 +150,10 @@ def run_stages(cfg: Config, plans: Optional[List[StagePlan]] = None) -> List[dic
                 continue
             rows.append(_finish(ledger, launcher, handle, request))
         except KeyboardInterrupt:
+            # a queued job the ledger already follows keeps running, even if the Ctrl-C came
+            # before it joined `pending` (between recording it and printing its line)
+            if followed and launcher.queued and not any(h is handle for h, _ in pending):
+                pending.append((handle, request))
             _stop_interrupted(ledger, launcher, handle, request, pending)
     for i, (handle, request) in enumerate(pending):
         if not cfg.wait:
