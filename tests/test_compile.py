@@ -69,9 +69,6 @@ def test_the_parts_that_cannot_compile_stay_eager_with_one_line_each():
     assert units == ("mlp",) and len(why) == 1 and "context parallelism" in why[0]
     units, why = eager_parts(is_moe=True, context_parallel=True)
     assert units == () and len(why) == 2
-    for moe in (False, True):
-        units, why = eager_parts(is_moe=moe, tensor_parallel=True)
-        assert units == () and len(why) == 1 and "tensor parallelism" in why[0]
 
 
 def _tiny_block():
@@ -189,3 +186,47 @@ def test_compiled_blocks_train_as_eager_and_profile_model_times_them_compiled():
     assert out["counted step"]
     assert out["point"] == {"compiled": True, "compile_notes": None}
     assert out["point block compiled"] and out["point timed"] and out["point eager twin"]
+
+
+# ---------------------------------------------------------------- compiled under TP (2 ranks)
+def _train_tp(rank: int, out: dict) -> None:
+    from torch._dynamo.utils import counters
+
+    from orchestrator.layout import ParallelLayout
+    from orchestrator.models.config import ModelConfig
+    from orchestrator.train.data import make_data
+    from orchestrator.train.engine import Engine
+
+    model = ModelConfig(**MODEL)
+    data = make_data(None, model.vocab, model.seq_len, seed=0)
+    layout = ParallelLayout.uniform(2, 2, 1, model.layers, micro_batch_size=2,
+                                    num_micro_batches=1, sequence_parallel=True)
+    for compiled in (False, True):
+        engine = Engine(layout, model, torch.device("cpu"), seed=1, compile=compiled)
+        steps = []
+        for step in range(STEPS):
+            tokens, targets = data.rank_batch(step, 0, 1, 2)
+            stats = engine.train_step(tokens, targets, 1e-3, 1.0)
+            steps.append((stats.loss, stats.grad_norm))
+        out[f"steps {compiled} {rank}"] = steps
+        out[f"compiled {compiled} {rank}"] = engine.compiled
+        out[f"notes {compiled} {rank}"] = list(engine.compile_notes)
+    out[f"graphs {rank}"] = counters["stats"]["unique_graphs"]
+
+
+def test_compiled_blocks_under_tensor_and_sequence_parallelism_train_as_eager():
+    """tp 2 with sequence parallelism, train.compile=true on 2 gloo ranks: the blocks compile
+    (no line saying they stay eager, one graph shared by both blocks) and each step's loss and
+    gradient norm are the eager run's. The first block's input is the embedding's
+    reduce-scattered output, an AsyncCollectiveTensor, whose gradient torch 2.13's compiled
+    region drops (models/compile._plain_inputs)."""
+    out = spawn_ranks(_train_tp, 2)
+    for rank in (0, 1):
+        assert out[f"compiled True {rank}"] and not out[f"compiled False {rank}"]
+        assert out[f"notes True {rank}"] == [] and out[f"notes False {rank}"] == []
+        assert out[f"graphs {rank}"] == 1
+        eager_steps, compiled_steps = out[f"steps False {rank}"], out[f"steps True {rank}"]
+        for (loss, norm), (eager_loss, eager_norm) in zip(compiled_steps, eager_steps):
+            assert loss == pytest.approx(eager_loss, rel=1e-4)
+            assert norm == pytest.approx(eager_norm, rel=1e-4)
+        assert compiled_steps[-1][0] < compiled_steps[0][0]  # it trained

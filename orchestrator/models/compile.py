@@ -34,18 +34,13 @@ def compile_wanted(setting, device_type: str) -> bool:
     return text == "true"
 
 
-def eager_parts(is_moe: bool, context_parallel: bool = False,
-                tensor_parallel: bool = False) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+def eager_parts(is_moe: bool, context_parallel: bool = False
+                ) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
     """(the sub-modules of a block to compile, "" the whole block; why the rest stays eager,
     one line each) for a block with a mixture-of-experts FFN (`is_moe`), under context
-    parallelism (`context_parallel`), under tensor parallelism (`tensor_parallel`)."""
-    if tensor_parallel:
-        # Seen on torch 2.13 (gloo), with and without sequence parallelism: the forward
-        # compiles, then the compiled backward hands DTensor's redistribute a plain gradient
-        # (AttributeError in the step's backward), which no fallback at the forward can catch.
-        return (), ("blocks stay eager under tensor parallelism (tp > 1): the backward of a "
-                    "compiled block with DTensor layers fails in torch (a plain gradient "
-                    "reaches DTensor's redistribute)",)
+    parallelism (`context_parallel`). Tensor parallelism changes nothing: its DTensor layers
+    and sequence parallelism's autograd function trace (the block's inputs made plain
+    first, _plain_inputs)."""
     if not is_moe and not context_parallel:
         return ("",), ()
     units, why = [], []
@@ -63,15 +58,13 @@ def eager_parts(is_moe: bool, context_parallel: bool = False,
 
 
 def compile_block(block: nn.Module, context_parallel: bool = False,
-                  tensor_parallel: bool = False,
                   on_note: Optional[Callable[[str], None]] = None) -> List[str]:
     """Compile `block` (models/gpt.Block) in place, or the parts of it eager_parts allows
-    (under context parallelism, tensor parallelism); returns the lines saying what stays
-    eager and why. `on_note` hears the line of a part whose compile fails at its first
-    forward (then eager)."""
+    (under context parallelism); returns the lines saying what stays eager and why. `on_note`
+    hears the line of a part whose compile fails at its first forward (then eager)."""
     from orchestrator.models.moe import MoE
 
-    units, why = eager_parts(isinstance(block.mlp, MoE), context_parallel, tensor_parallel)
+    units, why = eager_parts(isinstance(block.mlp, MoE), context_parallel)
     for path in units:
         _compile_in_place(block.get_submodule(path) if path else block, path or "block",
                           on_note)
@@ -88,7 +81,7 @@ def _compile_in_place(module: nn.Module, label: str,
 
     def guarded(*args, **kwargs):
         try:
-            return compiled(*args, **kwargs)
+            return compiled(*_plain_inputs(args), **kwargs)
         except torch._dynamo.exc.TorchDynamoException as e:
             module._compiled_call_impl = None
             if on_note is not None:
@@ -96,6 +89,37 @@ def _compile_in_place(module: nn.Module, label: str,
             return module._call_impl(*args, **kwargs)
 
     module._compiled_call_impl = guarded
+
+
+def _plain_inputs(args: tuple) -> tuple:
+    """`args` with each AsyncCollectiveTensor (what a DTensor's to_local() gives after an async
+    redistribute: under TP, the embedding's output that the first block takes) waited for and
+    made a plain tensor, its gradient kept. A compiled region must not take one: torch 2.13's
+    AOTAutograd waits for it as an input without its requires_grad (process_inputs in
+    torch/_functorch/_aot_autograd/frontend_utils.py), so the input's gradient is dropped and
+    the eager redistribute before it fails in the backward; older torch traces it as a
+    subclass input (a recompile when a plain tensor comes, tangent type mismatches)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    if not any(isinstance(a, AsyncCollectiveTensor) for a in args):
+        return args
+    return tuple(_Waited.apply(a) if isinstance(a, AsyncCollectiveTensor) else a
+                 for a in args)
+
+
+class _Waited(torch.autograd.Function):
+    """An AsyncCollectiveTensor's waited value as a plain tensor; the gradient passes as is."""
+
+    @staticmethod
+    def forward(ctx, act):
+        waited = act.trigger_wait()
+        # a new tensor object: autograd writes its history into the output, which must not
+        # be the tensor the DTensor the ACT came from still holds
+        return waited.view_as(waited)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
 
 
 def _cause(e: BaseException) -> str:

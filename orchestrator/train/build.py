@@ -108,13 +108,13 @@ def build_chunks(layout: ParallelLayout, model: ModelConfig, mesh: LayoutMesh, p
                 sub.sequence_group, sub.sequence_parts = sequence, layout.tp * layout.cp
     apply_recompute(chunks, layout, pp_rank)
     if compile:
-        apply_compile(chunks, context is not None, layout.tp > 1, notes)
+        apply_compile(chunks, context is not None, notes)
     if layout.zero == 3:
         apply_fsdp(chunks, layout, mesh, fsdp_dtype)
     return chunks
 
 
-def apply_compile(chunks: List[nn.Module], context_parallel: bool, tensor_parallel: bool,
+def apply_compile(chunks: List[nn.Module], context_parallel: bool,
                   notes: Optional[List[str]] = None) -> None:
     """torch.compile each block of this rank's chunks (models/compile.compile_block, the
     function profile_model times the block with); `notes` gets each distinct line about what
@@ -127,7 +127,7 @@ def apply_compile(chunks: List[nn.Module], context_parallel: bool, tensor_parall
 
     for chunk in chunks:
         for block in chunk.blocks.values():
-            for text in compile_block(block, context_parallel, tensor_parallel, note):
+            for text in compile_block(block, context_parallel, note):
                 note(text)
 
 

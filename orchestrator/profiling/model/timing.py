@@ -113,8 +113,7 @@ def build_point_model(model_cfg: ModelConfig, max_seq_len: int, tp: int, tp_mesh
     pm = PointModel(model=model, cfg=cfg, tp=tp, device=torch.device(device), batch=batch,
                     compiled=compile)
     if compile:
-        pm.compile_notes += compile_block(model.blocks[0], tensor_parallel=tp > 1,
-                                          on_note=pm.compile_notes.append)
+        pm.compile_notes += compile_block(model.blocks[0], on_note=pm.compile_notes.append)
     return pm
 
 
