@@ -104,6 +104,37 @@ def test_a_block_that_fails_to_compile_runs_eager_and_says_why_once():
     assert len(notes) == 1
 
 
+class _ToAsyncCollective(torch.autograd.Function):
+    """x as DTensor.to_local() gives it after an async redistribute: an AsyncCollectiveTensor
+    that requires grad around an inner tensor that does not."""
+
+    @staticmethod
+    def forward(ctx, x):
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+        return AsyncCollectiveTensor(x.detach() * 1).view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def test_an_async_collective_input_reaches_a_compiled_part_plain_with_its_gradient():
+    """What the first block takes under TP (the embedding's reduce-scattered output) is handed
+    to the compiled region as a plain tensor, its gradient flowing back (torch 2.13's
+    AOTAutograd drops the gradient of an AsyncCollectiveTensor input)."""
+    from orchestrator.models.compile import _plain_inputs
+
+    w = torch.arange(4.0, requires_grad=True)
+    (x,) = _plain_inputs((_ToAsyncCollective.apply(w),))
+    assert type(x) is torch.Tensor and x.requires_grad
+    doubled = torch.compile(lambda t: t * 2, backend="aot_eager", fullgraph=True)
+    doubled(x).pow(2).sum().backward()
+    torch.testing.assert_close(w.grad, 8 * w.detach())
+    plain = torch.ones(2)
+    assert _plain_inputs((plain, 3))[0] is plain  # anything else is handed on as it is
+
+
 # ---------------------------------------------------------------- one compiled run on the CPU
 MODEL = dict(hidden=64, ffn=128, layers=2, heads=4, kv_heads=2, vocab=128, seq_len=32)
 

@@ -16,6 +16,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 COMPILE_SETTINGS = ("auto", "true", "false")
 
@@ -99,8 +100,6 @@ def _plain_inputs(args: tuple) -> tuple:
     torch/_functorch/_aot_autograd/frontend_utils.py), so the input's gradient is dropped and
     the eager redistribute before it fails in the backward; older torch traces it as a
     subclass input (a recompile when a plain tensor comes, tangent type mismatches)."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
     if not any(isinstance(a, AsyncCollectiveTensor) for a in args):
         return args
     return tuple(_Waited.apply(a) if isinstance(a, AsyncCollectiveTensor) else a
