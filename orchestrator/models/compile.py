@@ -67,20 +67,47 @@ def compile_block(block: nn.Module, context_parallel: bool = False,
 
     units, why = eager_parts(isinstance(block.mlp, MoE), context_parallel)
     for path in units:
+        # the attention (in the block or alone) holds the selective recompute's checkpoint
+        eager_when = _selective_under_tp(block.attn) if path in ("", "attn") else None
         _compile_in_place(block.get_submodule(path) if path else block, path or "block",
-                          on_note)
+                          on_note, eager_when)
     return list(why)
 
 
+SELECTIVE_TP_LINE = ("the {label} runs eager under tensor parallelism with selective "
+                     "recompute: torch fails on a compiled TP block that checkpoints "
+                     "(AOTAutograd counts the DeviceMesh among the saved tensors, torch 2.13)")
+
+
+def _selective_under_tp(attn: nn.Module) -> Optional[Callable[[], bool]]:
+    """For an attention with tensor-parallel (DTensor) weights: a test of whether its call now
+    checkpoints its core (selective recompute, which train sets per step or per micro-batch,
+    with gradients on); None for one without (nothing to test)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(attn.wq.weight, DTensor):
+        return None
+    return lambda: attn.recompute_core and torch.is_grad_enabled()
+
+
 def _compile_in_place(module: nn.Module, label: str,
-                      on_note: Optional[Callable[[str], None]]) -> None:
+                      on_note: Optional[Callable[[str], None]],
+                      eager_when: Optional[Callable[[], bool]] = None) -> None:
     """nn.Module.compile (the module keeps its names: FSDP, checkpoints and the optimizer see
     the same parameters), its call guarded: a dynamo or backend failure at compile time (before
-    the graph runs) puts the module back to eager for good and reports one line."""
+    the graph runs) puts the module back to eager for good and reports one line; a call for
+    which `eager_when()` holds runs eager (one line the first time), the next compiled."""
     module.compile(fullgraph=True)
     compiled = module._compiled_call_impl  # what nn.Module.compile installs; None: eager
+    said = []
 
     def guarded(*args, **kwargs):
+        if eager_when is not None and eager_when():
+            if not said:
+                said.append(True)
+                if on_note is not None:
+                    on_note(SELECTIVE_TP_LINE.format(label=label))
+            return module._call_impl(*args, **kwargs)
         try:
             return compiled(*_plain_inputs(args), **kwargs)
         except torch._dynamo.exc.TorchDynamoException as e:
