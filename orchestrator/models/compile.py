@@ -7,7 +7,9 @@ One function, `compile_block`, for every caller: train's chunks (train/build.py)
 profile_model times (profiling/model/timing.py), so that a profile times the block as train runs
 it. The parts of a block that cannot be traced stay eager, each with one line saying why
 (`eager_parts`); a part whose compile fails at its first forward falls back to eager, with one
-line saying why, instead of failing the run.
+line saying why, instead of failing the run. Under tensor parallelism the blocks compile with
+their DTensor layers; two torch bugs are kept out of their way (`_plain_inputs`,
+`_selective_under_tp`; bench/compile_tp_torch.py shows both).
 """
 from __future__ import annotations
 
@@ -62,51 +64,55 @@ def compile_block(block: nn.Module, context_parallel: bool = False,
                   on_note: Optional[Callable[[str], None]] = None) -> List[str]:
     """Compile `block` (models/gpt.Block) in place, or the parts of it eager_parts allows
     (under context parallelism); returns the lines saying what stays eager and why. `on_note`
-    hears the line of a part whose compile fails at its first forward (then eager)."""
+    hears the line of a part whose compile fails at its first forward (then eager), and the
+    one of a TP block's first call with selective recompute (that call eager)."""
     from orchestrator.models.moe import MoE
 
     units, why = eager_parts(isinstance(block.mlp, MoE), context_parallel)
     for path in units:
+        label = path or "block"
         # the attention (in the block or alone) holds the selective recompute's checkpoint
-        eager_when = _selective_under_tp(block.attn) if path in ("", "attn") else None
-        _compile_in_place(block.get_submodule(path) if path else block, path or "block",
-                          on_note, eager_when)
+        eager_now = _selective_under_tp(block.attn, label) if path in ("", "attn") else None
+        _compile_in_place(block.get_submodule(path) if path else block, label, on_note,
+                          eager_now)
     return list(why)
 
 
-SELECTIVE_TP_LINE = ("the {label} runs eager under tensor parallelism with selective "
-                     "recompute: torch fails on a compiled TP block that checkpoints "
-                     "(AOTAutograd counts the DeviceMesh among the saved tensors, torch 2.13)")
-
-
-def _selective_under_tp(attn: nn.Module) -> Optional[Callable[[], bool]]:
-    """For an attention with tensor-parallel (DTensor) weights: a test of whether its call now
-    checkpoints its core (selective recompute, which train sets per step or per micro-batch,
-    with gradients on); None for one without (nothing to test)."""
+def _selective_under_tp(attn: nn.Module, label: str) -> Optional[Callable[[], Optional[str]]]:
+    """For an attention with tensor-parallel (DTensor) weights, in the part `label`: a function
+    giving, while the attention checkpoints its core (selective recompute, which train sets per
+    step or per micro-batch; gradients on), the line saying why that call of the part runs
+    eager, else None; None for an attention without (nothing to watch). torch 2.13's
+    AOTAutograd fails on a compiled TP block that checkpoints its SDPA
+    (bench/compile_tp_torch.py)."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(attn.wq.weight, DTensor):
         return None
-    return lambda: attn.recompute_core and torch.is_grad_enabled()
+    line = (f"the {label} runs eager under tensor parallelism with selective recompute: torch "
+            "fails on a compiled TP block that checkpoints its attention (AOTAutograd counts a "
+            "DeviceMesh among the saved tensors, torch 2.13)")
+    return lambda: line if attn.recompute_core and torch.is_grad_enabled() else None
 
 
 def _compile_in_place(module: nn.Module, label: str,
                       on_note: Optional[Callable[[str], None]],
-                      eager_when: Optional[Callable[[], bool]] = None) -> None:
+                      eager_now: Optional[Callable[[], Optional[str]]] = None) -> None:
     """nn.Module.compile (the module keeps its names: FSDP, checkpoints and the optimizer see
     the same parameters), its call guarded: a dynamo or backend failure at compile time (before
     the graph runs) puts the module back to eager for good and reports one line; a call for
-    which `eager_when()` holds runs eager (one line the first time), the next compiled."""
+    which `eager_now()` gives a line runs eager (the line reported the first time), the next
+    compiled again."""
     module.compile(fullgraph=True)
     compiled = module._compiled_call_impl  # what nn.Module.compile installs; None: eager
-    said = []
+    said = set()
 
     def guarded(*args, **kwargs):
-        if eager_when is not None and eager_when():
-            if not said:
-                said.append(True)
-                if on_note is not None:
-                    on_note(SELECTIVE_TP_LINE.format(label=label))
+        why = eager_now() if eager_now is not None else None
+        if why is not None:
+            if why not in said and on_note is not None:
+                on_note(why)
+            said.add(why)
             return module._call_impl(*args, **kwargs)
         try:
             return compiled(*_plain_inputs(args), **kwargs)
