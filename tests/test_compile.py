@@ -142,8 +142,10 @@ def _train_and_profile(cfg, rank: int, out: dict) -> None:
     with _tensor_count(engine, tokens, targets, 1, SimpleNamespace(timing_warmup_steps=3), log):
         engine.train_step(tokens, targets, 1e-3, 1.0)
     out["counted step"] = log.tensor_peak_bytes > 0 and engine.compiled
-    # both blocks ran one compiled graph: the second reused the first's
+    # both blocks ran one compiled graph (the second reused the first's), and the loss's
+    # chunk kernels one each (models/loss.py: its forward's and its gradient's, one chunk here)
     out["graphs"] = counters["stats"]["unique_graphs"]
+    out["fused loss"] = engine.fused_loss
     # profile_model's point of the same shape (train.compile=true): its block compiled by the
     # same function (inductor's cache has the graph), timed, and the record says so
     ctx = RankContext(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0,
@@ -167,7 +169,8 @@ def _train_and_profile(cfg, rank: int, out: dict) -> None:
 
 def test_compiled_blocks_train_as_eager_and_profile_model_times_them_compiled():
     """train.compile=true on the CPU (inductor): a tiny model's losses over its steps are the
-    eager run's within float tolerance, its two identical blocks share one compiled graph, the
+    eager run's within float tolerance, its two identical blocks share one compiled graph, its
+    loss's chunk arithmetic is compiled too (one graph forward, one for the gradient), the
     step train counts live tensors in runs (eager), and
     profile_model's point block is compiled by the same function, timed, and its record says
     `compiled: true`."""
@@ -185,7 +188,7 @@ def test_compiled_blocks_train_as_eager_and_profile_model_times_them_compiled():
     assert out["notes True"] == [] and out["notes False"] == []
     assert out["losses True"] == pytest.approx(out["losses False"], rel=1e-4)
     assert out["losses True"][-1] < out["losses True"][0]  # it trained
-    assert out["graphs"] == 1
+    assert out["graphs"] == 3 and out["fused loss"]
     assert out["counted step"]
     assert out["point"] == {"compiled": True, "compile_notes": None}
     assert out["point block compiled"] and out["point timed"] and out["point eager twin"]
