@@ -96,11 +96,13 @@ _FUSED: dict = {}  # name -> compiled function, or None after a compile failure 
 
 
 def _fused(fn: Callable) -> Callable:
-    """`fn` compiled (one graph, static shapes: the chunks have at most two), guarded: a compile
-    failure warns once and runs `fn` eager from then on."""
+    """`fn` compiled (one graph; dynamo's automatic dynamic shapes: static for the first shape,
+    one dynamic graph once a second one comes, e.g. a last short chunk or the variable
+    micro-batches of dynamic micro-batching), guarded: a compile failure warns once and runs
+    `fn` eager from then on."""
     name = fn.__name__
     if name not in _FUSED:
-        _FUSED[name] = torch.compile(fn, fullgraph=True, dynamic=False)
+        _FUSED[name] = torch.compile(fn, fullgraph=True)
     compiled = _FUSED[name]
     if compiled is None:
         return fn
