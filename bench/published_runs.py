@@ -6,6 +6,7 @@ its published throughput, with the memory it is predicted to need and what the s
     python bench/published_runs.py --smoke    # two small runs on the test fixtures' profiles
     python bench/published_runs.py --runs 'Llama 3'   # the runs whose label holds this text
     python bench/published_runs.py --json rows.json   # also each row's figures, to compare
+    python bench/published_runs.py --runs 'Llama 3' --quick --guesses   # every guess's terms
 
 Profiles are the project's analytic ones, as a user planning from a laptop gets them: hardware
 `analytic_hardware("dgx_h100", world)` (published H100 / NDR figures), each model shape from
@@ -454,6 +455,30 @@ def price(run: Run, model: ModelCost, cfg: ModelConfig, hw: HardwareModel) -> Pr
                   least_GiB=(least - RESERVE_GiB * GiB) / GiB)
 
 
+def guess_lines(run: Run, model: ModelCost, cfg: ModelConfig, hw: HardwareModel) -> List[str]:
+    """Every guess of `run` that the layout can hold, one line each: its predicted iteration
+    and ratio, the model's own peak GiB (the reserve left out), whether it fits, and the terms
+    of the breakdown over 50 ms (what a guess gains or loses, e.g. ZeRO 2's exposed
+    reduce-scatters against ZeRO 1's memory)."""
+    lines = [f"{run.label} ({run.gpus:,} GPUs), every guess:"]
+    for guess in run.guesses:
+        layout = layout_of(run, model, guess)
+        if layout is None:
+            continue
+        try:
+            pred = evaluate(layout, model, hw, run.seq_len, BUDGET_GiB * GiB, options(run))
+        except LayoutError:
+            continue
+        tflops = tflops_per_gpu(run, cfg, pred.iteration_time_us, run.gpus, run.global_batch)
+        terms = " ".join(f"{name} {us / 1e6:.2f}" for name, us in pred.breakdown_us.items()
+                         if abs(us) > 5e4)
+        lines.append(f"  {guess.describe(run):34s} {pred.iteration_time_us / 1e6:6.2f} s "
+                     f"ratio {tflops / run.published_tflops:.3f} "
+                     f"{(pred.peak_memory_bytes - RESERVE_GiB * GiB) / GiB:6.1f} GiB "
+                     f"{'fits' if pred.feasible else 'over'}  s: {terms}")
+    return lines
+
+
 def searched(priced: Priced, model: ModelCost, cfg: ModelConfig, hw: HardwareModel) -> None:
     """Fill in the search's pick at the run's world, batch and sequence length (stage=search's
     defaults, engine megatron, 80 GiB with the reserve)."""
@@ -604,13 +629,15 @@ def main() -> None:
                              "fixtures' synthetic profiles: seconds")
     parser.add_argument("--runs", default="",
                         help="only the runs whose label holds this text (e.g. 'Llama 3')")
+    parser.add_argument("--guesses", action="store_true",
+                        help="also print every guess of each run with its time terms and GiB")
     parser.add_argument("--json", type=Path, default=None,
                         help="also write each row's figures to this JSON file (to compare runs)")
     args = parser.parse_args()
     console = Console(width=220)
     runs = [r for r in RUNS if (r.label in SMOKE_RUNS if args.smoke else args.runs in r.label)]
     t0 = time.perf_counter()
-    rows = []
+    rows, guesses_printed = [], []
     with tempfile.TemporaryDirectory() as tmp:
         cache: Dict[Tuple[str, int], ModelCost] = {}
         for run in runs:
@@ -622,6 +649,8 @@ def main() -> None:
             cfg = shape_config(run.shape, run.seq_len)
             hw = hardware(run.gpus, args.smoke)
             priced = price(run, model, cfg, hw)
+            if args.guesses:
+                guesses_printed.extend(guess_lines(run, model, cfg, hw))
             if not args.quick:
                 searched(priced, model, cfg, hw)
             rows.append(priced)
@@ -631,6 +660,8 @@ def main() -> None:
                               f"{source}); TFLOP/s per GPU; GiB: the model's own peak, fits: "
                               f"with the {RESERVE_GiB:g} GiB reserve in {BUDGET_GiB} GiB"))
     for line in summary(rows):
+        print(line)
+    for line in guesses_printed:
         print(line)
     if args.json is not None:
         write_json(args.json, [record(p) for p in rows])

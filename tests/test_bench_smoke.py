@@ -86,10 +86,11 @@ SMOKES = {
         r"tiny fp32 \(cpu\) seq 256 tp 1:", rf"none: live\s+{N} MiB"]),
     "profile_model_speed": (["--smoke"], [
         rf"tiny, 1 CPU rank, 1 points \(tp \[1\], seq \[64\]\): {N} s wall"]),
-    "published_runs": (["--smoke"], [
+    "published_runs": (["--smoke", "--guesses"], [
         r"Published H100 BF16 runs priced as run",
         rf"Megatron GPT 1.7B\s+{B}\s+48 {B} tp1 pp1 dp48 .*{B}\s+409 {B}\s+{N} {B}\s+{N} {B}",
-        rf"predicted/published: median {N} \(target 0.95-1.05\), min {N}"]),
+        rf"predicted/published: median {N} \(target 0.95-1.05\), min {N}",
+        rf"Megatron GPT 1.7B \(48 GPUs\), every guess:\n  mbs1 rc none zero1\s+{N} s ratio {N}\s+{N} GiB (fits|over)  s: compute {N}"]),
     "search_speed": (["--smoke"], [rf"llama2_7b\s+16 dev: exact\s+{N} s\s+fast\s+{N} s"]),
     "simai_iteration": (["--smoke"], [
         r"tiny tp2 pp2 dp2 .*SimAI \(analytical\) vs the trace and the planner",

@@ -170,8 +170,10 @@ def _train_and_profile(cfg, rank: int, out: dict) -> None:
     with _tensor_count(engine, tokens, targets, 1, SimpleNamespace(timing_warmup_steps=3), log):
         engine.train_step(tokens, targets, 1e-3, 1.0)
     out["counted step"] = log.tensor_peak_bytes > 0 and engine.compiled
-    # both blocks ran one compiled graph: the second reused the first's
+    # both blocks ran one compiled graph (the second reused the first's), and the loss's
+    # chunk kernels one each (models/loss.py: its forward's and its gradient's, one chunk here)
     out["graphs"] = counters["stats"]["unique_graphs"]
+    out["fused loss"] = engine.fused_loss
     # profile_model's point of the same shape (train.compile=true): its block compiled by the
     # same function (inductor's cache has the graph), timed, and the record says so
     ctx = RankContext(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0,
@@ -195,7 +197,8 @@ def _train_and_profile(cfg, rank: int, out: dict) -> None:
 
 def test_compiled_blocks_train_as_eager_and_profile_model_times_them_compiled():
     """train.compile=true on the CPU (inductor): a tiny model's losses over its steps are the
-    eager run's within float tolerance, its two identical blocks share one compiled graph, the
+    eager run's within float tolerance, its two identical blocks share one compiled graph, its
+    loss's chunk arithmetic is compiled too (one graph forward, one for the gradient), the
     step train counts live tensors in runs (eager), and
     profile_model's point block is compiled by the same function, timed, and its record says
     `compiled: true`."""
@@ -213,7 +216,7 @@ def test_compiled_blocks_train_as_eager_and_profile_model_times_them_compiled():
     assert out["notes True"] == [] and out["notes False"] == []
     assert out["losses True"] == pytest.approx(out["losses False"], rel=1e-4)
     assert out["losses True"][-1] < out["losses True"][0]  # it trained
-    assert out["graphs"] == 1
+    assert out["graphs"] == 3 and out["fused loss"]
     assert out["counted step"]
     assert out["point"] == {"compiled": True, "compile_notes": None}
     assert out["point block compiled"] and out["point timed"] and out["point eager twin"]
@@ -244,6 +247,7 @@ def _train_tp(rank: int, out: dict) -> None:
         out[f"steps {run}"] = steps
         out[f"compiled {run}"] = engine.compiled
         out[f"notes {run}"] = list(engine.compile_notes)
+    # one graph for both blocks, one each for the loss's chunk kernels (as the run above)
     out[f"graphs {rank}"] = counters["stats"]["unique_graphs"]
 
 
@@ -259,7 +263,7 @@ def test_compiled_blocks_under_tensor_and_sequence_parallelism_train_as_eager():
     for rank in (0, 1):
         assert out[f"compiled True none {rank}"] and not out[f"compiled False none {rank}"]
         assert out[f"notes True none {rank}"] == [] and out[f"notes False none {rank}"] == []
-        assert out[f"graphs {rank}"] == 1
+        assert out[f"graphs {rank}"] == 3
         (line,) = out[f"notes True selective {rank}"]
         assert line.startswith("the block runs eager under tensor parallelism with selective "
                                "recompute")

@@ -92,8 +92,13 @@ def test_memory_per_tp_in_our_bytes_per_parameter(tmp_path):
     assert other.param_bytes == pytest.approx(other_params * 2)
     assert other.optim_bytes == pytest.approx(other_params * 12)
     assert other.act_bytes_per_token["full"] == pytest.approx(4 * MiB / SEQ)
-    block1, _ = cost.memory(1)
+    block1, other1 = cost.memory(1)
     assert block1.act_bytes_per_token["full"] == pytest.approx(2 * MiB / SEQ)
+    # tp 1 runs no sequence parallelism: the plain tables (80 MiB, not the _sp table's 64),
+    # as Galvatron's own search prices a tp-1 layer without use_sp.
+    assert block1.act_bytes_per_token["none"] == pytest.approx(80 * MiB / SEQ)
+    assert other1.act_bytes_per_token["none"] == pytest.approx(9 * MiB / SEQ)
+    assert other1.param_bytes == pytest.approx(33 * MiB / 16 * 2)
 
 
 def test_unmapped_and_assumptions_name_the_fields(tmp_path):

@@ -236,6 +236,34 @@ def test_the_chunked_loss_is_cross_entropy_and_never_holds_the_fp32_logits(dtype
         live.peak_bytes - live.start_bytes, whole)
 
 
+def test_the_fused_loss_chunk_kernels_are_cross_entropy_on_a_vocabulary_shard():
+    """The two functions `fused` compiles (models/loss.chunk_forward, chunk_grad), run eager
+    here (the compiled ones train as eager: test_compile): on a rank holding vocabulary
+    columns [100, 300) of 512, the log-sum-exp and the target's logit where the target is in
+    the shard (0 elsewhere), and the gradient softmax - one-hot of a target in the shard, times
+    each row's output gradient, in the logits' dtype: the eager path's (a scatter) to rounding."""
+    from orchestrator.models.loss import chunk_forward, chunk_grad
+
+    rows, first, width = 64, 100, 200
+    generator = torch.Generator().manual_seed(1)
+    part = torch.randn(rows, width, generator=generator).to(torch.bfloat16)
+    targets = torch.randint(0, 512, (rows,), generator=generator)
+    local = targets - first
+    mine = (local >= 0) & (local < width)
+    local = torch.where(mine, local, 0)
+    grad = torch.rand(rows, generator=generator)
+    lse, picked = chunk_forward(part, local, mine)
+    x = part.float()
+    torch.testing.assert_close(lse, torch.logsumexp(x, -1))
+    want_picked = torch.where(mine, x[torch.arange(rows), local], 0.0)
+    assert mine.any() and (~mine).any() and torch.equal(picked, want_picked)
+    got = chunk_grad(part, lse, local, mine, grad)
+    want = torch.softmax(x, -1)
+    want[torch.arange(rows)[mine], local[mine]] -= 1.0
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), (want * grad[:, None]).to(torch.bfloat16).float())
+
+
 def test_the_loss_of_logits_with_no_data_is_one_chunk_with_the_same_flops_bytes_and_saved():
     """Fake logits (the analytic profile's, FakeTensorMode) are one chunk: one logsumexp
     forward and one exp backward, not one per chunk (~1200 at 128K tokens and a 150K

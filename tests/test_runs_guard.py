@@ -177,7 +177,7 @@ def test_a_killed_rank_is_named_first_with_its_signal_and_log(profiles):
         _stop(proc)
     assert proc.returncode == 5, out
     error = next(line for line in out.splitlines() if line.startswith("error: "))
-    assert error.startswith(f"error: noop failed: rank 2 was killed by signal 9 (SIGKILL"), error
+    assert error.startswith("error: noop failed: rank 2 was killed by signal 9 (SIGKILL"), error
     assert f"its log: {entry['run_dir']}/rank2.log" in error
     assert "rank 0" not in error and "rank 1" not in error and "rank 3" not in error
 

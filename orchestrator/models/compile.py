@@ -175,17 +175,23 @@ def is_compiled(module: nn.Module) -> bool:
 
 @contextlib.contextmanager
 def eager(module: nn.Module):
-    """Inside, every compiled part of `module` runs eager (what counts saved tensors or
-    intercepts collectives op by op needs the eager ops); restored after."""
+    """Inside, every compiled part of `module` runs eager, its loss too (`fused_loss`, a GPT's
+    head_loss: what counts saved tensors or intercepts collectives op by op needs the eager
+    ops); restored after."""
     saved = [(m, m._compiled_call_impl) for m in module.modules()
              if getattr(m, "_compiled_call_impl", None) is not None]
+    fused = [m for m in module.modules() if getattr(m, "fused_loss", False)]
     for m, _ in saved:
         m._compiled_call_impl = None
+    for m in fused:
+        m.fused_loss = False
     try:
         yield
     finally:
         for m, call in saved:
             m._compiled_call_impl = call
+        for m in fused:
+            m.fused_loss = True
 
 
 def train_compile(cfg, device_type: str) -> bool:

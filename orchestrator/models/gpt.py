@@ -158,20 +158,23 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor,
+                       fused: bool = False) -> torch.Tensor:
     """Mean next-token loss (nats) of logits (batch, seq, vocab) against targets (batch, seq),
     over the targets that are not IGNORE_INDEX.
 
     Also the `loss_fn` for a pipeline schedule; vocab-sharded DTensor logits give the
     vocab-parallel loss (models/loss.py: in chunks, never the whole fp32 logits).
     """
-    return token_loss_sum(logits, targets) / (targets != IGNORE_INDEX).sum()
+    return token_loss_sum(logits, targets, fused) / (targets != IGNORE_INDEX).sum()
 
 
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor,
+                   fused: bool = False) -> torch.Tensor:
     """Summed next-token loss (nats) over the targets that are not IGNORE_INDEX (padding):
-    micro-batches of different sizes add up to the sum a whole batch's token mean divides."""
-    return token_losses(logits, targets).sum()
+    micro-batches of different sizes add up to the sum a whole batch's token mean divides.
+    `fused`: each chunk's arithmetic compiled (models/loss.py; where train compiles)."""
+    return token_losses(logits, targets, fused=fused).sum()
 
 
 class GPT(nn.Module):
@@ -195,6 +198,7 @@ class GPT(nn.Module):
         finally:
             torch.set_default_dtype(default_dtype)
         self.rope = Rotary(cfg.hidden // cfg.heads, cfg.seq_len, cfg.rope_theta)
+        self.fused_loss = False  # head_loss's chunks compiled (models/loss.py)
         self.init_weights(seed)
 
     def init_weights(self, seed: int = 0) -> None:
@@ -210,8 +214,9 @@ class GPT(nn.Module):
         return self.lm_head(self.norm(h))
 
     def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Hidden states and targets (batch, seq) -> mean cross-entropy loss (scalar)."""
-        return cross_entropy_loss(self.head(h), targets)
+        """Hidden states and targets (batch, seq) -> mean cross-entropy loss (scalar); the
+        loss's chunks compiled when `fused_loss` is set (profile_model, where train compiles)."""
+        return cross_entropy_loss(self.head(h), targets, self.fused_loss)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Loss (scalar) if targets are given, else logits (batch, seq, vocab)."""

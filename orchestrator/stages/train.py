@@ -383,6 +383,8 @@ def _tensor_count(engine, tokens, targets, index: int, t, steps_log):
     with contextlib.ExitStack() as stack:
         for module in engine.modules:  # dynamo refuses to run under the counting's mode
             stack.enter_context(eager(module))
+        stack.callback(setattr, engine, "fused_loss", engine.fused_loss)  # the loss's too
+        engine.fused_loss = False
         with live:
             yield
     steps_log.tensor_peak_bytes = live.peak_bytes

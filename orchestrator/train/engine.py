@@ -118,6 +118,7 @@ class Engine:
             autocast=None if half or self.dtype == Dtype.fp32 else self.dtype.torch,
             fsdp_dtype=self.dtype.torch if half and layout.zero == 3 else None,
             compile=compile, notes=self.compile_notes)
+        self.fused_loss = compile  # the loss's chunks compiled too (models/loss.py)
         self.optim = build_optimizer(self.modules, layout, self.mesh, optim, self.moe)
         # fp16: dynamic loss scale (GradScaler's rule: halve on overflow, double every 2000 steps)
         self.loss_scale = 2.0**16 if self.dtype == Dtype.fp16 else 1.0
@@ -188,7 +189,7 @@ class Engine:
         return self.clock.elapsed_us(start, end) / 1e6
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return cross_entropy_loss(logits, targets) * self.loss_scale
+        return cross_entropy_loss(logits, targets, self.fused_loss) * self.loss_scale
 
     def _loss_parallel(self):
         """The context a forward and backward run in: with TP the logits are vocab-sharded
@@ -305,7 +306,8 @@ class Engine:
         return self._executor
 
     def _token_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return token_loss_sum(logits, targets) * self.loss_scale
+        # where train compiles, the loss's chunks are compiled too (models/loss.py)
+        return token_loss_sum(logits, targets, self.fused_loss) * self.loss_scale
 
     def _finish_step(self, start, local_loss, loss_divisor: float, lr: float,
                      grad_clip: float, stop: bool) -> StepStats:

@@ -178,8 +178,9 @@ def _tp_table(value: Any) -> Dict[int, float]:
 
 
 def _memory_tables(memory_config: Mapping[str, Any], seq_len: int, path: Path):
-    """(layer entry, other entry, sequence parallel?, seq taken at) from a memory profile,
-    preferring the "_sp" tables."""
+    """{sequence parallel?: (layer entry, other entry, seq taken at)} for each of the "_sp" and
+    plain table pairs the memory profile has (at least one)."""
+    found = {}
     for suffix, sp in (("_sp", True), ("", False)):
         layer = memory_config.get(f"layertype_0{suffix}")
         other = memory_config.get(f"other_memory_pp_off{suffix}")
@@ -187,9 +188,21 @@ def _memory_tables(memory_config: Mapping[str, Any], seq_len: int, path: Path):
             layer, seq = _at_seq(layer, seq_len, "parameter_size")
             other, _ = _at_seq(other, seq if seq is not None else seq_len, "model_states")
             if layer is not None and other is not None:
-                return layer, other, sp, seq
-    raise ProfileError(f"Galvatron profile {path} has no layertype_0[_sp] and "
-                       "other_memory_pp_off[_sp] tables; rerun Galvatron's memory profiler")
+                found[sp] = (layer, other, seq)
+    if not found:
+        raise ProfileError(f"Galvatron profile {path} has no layertype_0[_sp] and "
+                           "other_memory_pp_off[_sp] tables; rerun Galvatron's memory profiler")
+    return found
+
+
+def _tables_at(found: Mapping[bool, tuple], tp: int) -> Tuple[Mapping, Mapping, bool, Any]:
+    """(layer, other, sequence parallel?, seq) standing for our engine's layer at `tp`: the
+    "_sp" tables (Megatron sequence parallelism, ours under TP) where there are any, but at tp 1
+    the plain ones where there are: no engine runs sequence parallelism on one rank, and
+    Galvatron's own search prices a tp-1 layer without use_sp from them (its shipped llama-7b
+    "_sp" figure at tp 1 is 430 MiB a sample, the plain one 301)."""
+    sp = True in found and (tp > 1 or False not in found)
+    return (*found[sp][:2], sp, found[sp][2])
 
 
 # ---------------------------------------------------------------- import
@@ -277,8 +290,9 @@ def _unmapped(time_config: Mapping, memory_config: Mapping, sp: bool, timing: Di
             out.append(f"memory: {key}[_sp] (Galvatron's first/last-stage memory; our planner "
                        "puts half of 'other' on each)")
     if sp and "layertype_0" in memory_config:
-        out.append("memory: layertype_0 / other_memory_pp_off without _sp (activations without "
-                   "sequence parallelism; the planner derives those from the _sp figures)")
+        out.append("memory: layertype_0 / other_memory_pp_off without _sp at tp > 1 "
+                   "(activations without sequence parallelism; the planner derives those from "
+                   "the _sp figures)")
     out.append("embedding ZeRO-3 (embed_sdp) and Galvatron's zero2/zero3 memory ratios (our "
                "planner prices ZeRO itself)")
     return out
@@ -307,7 +321,9 @@ def _assumptions(model: ModelConfig, seq: int, share: float, sp: bool, timing: D
         f"{ours - dtype.bytes - 4} B optimizer = {ours} B/param, as profile_model writes; "
         f"'other' parameters = model_states MiB / {GALVATRON_STATE_BYTES_PER_PARAM} B",
         "activations per token = tp_activation_per_bsz_dict[tp] MiB per sample / seq "
-        + ("(the _sp table: sequence parallel, as ours)" if sp else
+        + ("(the _sp table: sequence parallel, as ours; at tp 1 the plain table where there "
+           "is one: no sequence parallelism on one rank, Galvatron's search takes it there too)"
+           if sp else
            "(no _sp table: figures without sequence parallelism, an over-estimate under SP)"),
         "full recompute = the 'checkpoint' figure (the layer input at tp 1)"
         + (" / tp (sequence parallel)" if sp else ""),
@@ -330,7 +346,8 @@ def import_model(in_dir, model: ModelConfig, *, max_tp: Optional[int] = None) ->
     seq = _seq_of(time_config, time_path, model)
     block_ms, block_t = _forward_ms(time_config, _BLOCK_TIME, seq, time_path, "layertype_0")
     other_ms, other_t = _forward_ms(time_config, _OTHER_TIME, seq, time_path, "layertype_other")
-    layer, other, sp, mem_seq = _memory_tables(memory_config, seq, memory_path)
+    tables = _memory_tables(memory_config, seq, memory_path)
+    layer, other, sp, mem_seq = _tables_at(tables, 2)  # what tp > 1 takes
     mem_seq = mem_seq or seq
     share = attention_share(model, seq)
     points, fits, memory = [], {}, {}
@@ -344,8 +361,10 @@ def import_model(in_dir, model: ModelConfig, *, max_tp: Optional[int] = None) ->
                          "other_fwd_us": [0.0, other_us / seq],
                          "other_bwd_us": [0.0, BWD_FWD_RATIO * other_us / seq],
                          "seq_lens": [seq], "source": Source.galvatron.value}
-        memory[str(tp)] = {"block": _block_memory(layer, sp, tp, mem_seq, model),
-                           "other": _other_memory(other, tp, mem_seq, dtype),
+        tp_layer, tp_other, tp_sp, tp_seq = _tables_at(tables, tp)
+        tp_seq = tp_seq or seq
+        memory[str(tp)] = {"block": _block_memory(tp_layer, tp_sp, tp, tp_seq, model),
+                           "other": _other_memory(tp_other, tp, tp_seq, dtype),
                            "source": Source.galvatron.value}
     if not fits:
         raise ProfileError(f"Galvatron profile {memory_path}: no tp in its activation table "
@@ -359,6 +378,7 @@ def import_model(in_dir, model: ModelConfig, *, max_tp: Optional[int] = None) ->
                    "timing": "Galvatron's forward ms per sample, backward 2 x, tp t = 1/t",
                    "memory": "Galvatron's MiB per sample and parameter MiB, in our bytes"},
         "galvatron": {"seq_len": seq, "memory_seq_len": mem_seq, "sequence_parallel": sp,
+                      "tp1_sequence_parallel": _tables_at(tables, 1)[2],
                       "layer_forward_ms": block_ms, "other_forward_ms": other_ms,
                       "timing": timing, "attention_share": share,
                       "parameter_size_MiB": float(layer["parameter_size"]),

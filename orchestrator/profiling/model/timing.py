@@ -114,6 +114,7 @@ def build_point_model(model_cfg: ModelConfig, max_seq_len: int, tp: int, tp_mesh
                     compiled=compile)
     if compile:
         pm.compile_notes += compile_block(model.blocks[0], on_note=pm.compile_notes.append)
+        model.fused_loss = True  # the loss's chunks compiled, as train runs them
     return pm
 
 
@@ -246,7 +247,7 @@ def time_point(pm: PointModel, seq_len: int, warmup_iters: int, iters: int,
             timer.totals_us.clear()
             # eager: the mode sees each collective op by op (a compiled block's run inside
             # its graph); the same collectives, timed bracketed by synchronisations
-            with eager(pm.block), timer.mode:
+            with eager(pm.model), timer.mode:
                 _run_once(pm, x, dy, cos, sin, tokens, targets, clock, barrier, timer)
             for k in PARTS:
                 samples[comm_keys[k]].append(timer.totals_us.get(k, 0.0))
@@ -407,7 +408,7 @@ def memory_point(pm: PointModel, seq_len: int, gpu_kernels: bool = False,
     """
     from orchestrator.models.compile import eager
 
-    with eager(pm.block):
+    with eager(pm.model):
         return _memory_point(pm, seq_len, gpu_kernels, allocator)
 
 
