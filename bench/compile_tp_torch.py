@@ -1,7 +1,9 @@
 """The two torch bugs that shape how train compiles tensor-parallel blocks
 (models/compile.py), each checked on this torch:
 
+  python bench/compile_tp_torch.py          # starts its two ranks itself (~6 s)
   torchrun --nproc_per_node 2 bench/compile_tp_torch.py
+  python bench/compile_tp_torch.py --smoke  # the same (test_bench_smoke)
 
 Two gloo ranks on the CPU (any machine, a GPU one too; `aot_eager`, no inductor). Rank 0
 prints one line per case, `torch <version> <check> / <case>: <result>`:
@@ -26,6 +28,10 @@ prints one line per case, `torch <version> <check> / <case>: <result>`:
 Asserts nothing.
 """
 from __future__ import annotations
+
+import argparse
+import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -114,12 +120,31 @@ def checkpointed_attention(mesh) -> None:
         say("checkpointed attention", case, outcome(run))
 
 
-def main() -> None:
+def checks() -> None:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     async_collective_input(mesh)
     checkpointed_attention(mesh)
     dist.destroy_process_group()
+
+
+def _spawned(rank: int, world: int, port: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    checks()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="the same checks (seconds)")
+    parser.parse_args()
+    if "RANK" in os.environ:  # under torchrun
+        checks()
+        return
+    with socket.socket() as s:  # a free port for the two ranks' rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_spawned, args=(2, port), nprocs=2)
 
 
 if __name__ == "__main__":

@@ -73,6 +73,11 @@ SMOKES = {
     "profile_hardware_agreement": (["--smoke"], [
         r"allreduce over 2 ranks, 0.0625 MiB fp32:",
         rf"torch loop busbw {N} GB/s\s+ratio profiler/torch {N}"]),
+    "compile_tp_torch": (["--smoke"], [
+        # what train relies on: a waited input keeps its gradient; uncheckpointed TP compiles
+        r"async collective input / compiled, plain input: input AsyncCollectiveTensor: "
+        r"w\.grad sum 64\.0", rf"checkpointed attention / no checkpoint: ok, x\.grad norm {N}",
+        r"checkpointed attention / checkpoint: "]),
     "profile_hardware_speed": (["--smoke"], [
         rf"smoke profile \(.*\): {N} s", rf"allreduce n=2\s+consec\s+held-out error\s+{N}%"]),
     "profile_model_extrapolation": (["--smoke"], [
