@@ -279,7 +279,8 @@ def _warned_or_running(pid: int) -> bool:
         return True
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
     pending = int(fields["ShdPnd"], 16) | int(fields["SigPnd"], 16)
-    return bool(pending & (1 << (signal.SIGUSR2 - 1))) or not fields["State"].strip().startswith("T")
+    warned = bool(pending & (1 << (signal.SIGUSR2 - 1)))
+    return warned or not fields["State"].strip().startswith("T")
 
 
 def _stopped_or_gone(pid: int) -> bool:
