@@ -66,7 +66,7 @@ def _rank_pids(run_marker: str):
 
 def test_killed_rank_in_all2all_then_rerun_resumes(profiles):
     args = ["stage=profile_hardware", "profile_hardware.benchmarks=[inventory,allreduce,all2all,overlap]",
-            "profile_hardware.max_size_bytes=16777216", "profile_hardware.max_time_s=0.5",
+            "profile_hardware.max_size_bytes=16777216", "profile_hardware.max_time_s=0.1",
             "profile_hardware.min_size_bytes=65536"]
     proc = start_cli(*args, profiles_dir=profiles)
     try:

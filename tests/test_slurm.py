@@ -1,10 +1,13 @@
 """Real jobs on the dev Slurm cluster (slurm/dev-cluster.sh: nodes n1, n2 on this host) via submitit."""
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -224,15 +227,18 @@ def _job_runs(job_id) -> list:
 
 
 def _follow_requeues(proc, job_id, at_requeue, release_after_s: float,
-                     extend_when=None) -> list:
+                     extend_when=None, each_poll=None) -> list:
     """Until the CLI `proc` exits: at each requeue of `job_id`, what `at_requeue()` returns
     (e.g. the ledger then), in order. Slurm holds a requeued job for its credential lifetime
     (120 s); it is released `release_after_s` after the requeue (a time-limit check), which
     decides where the next run's time-limit window falls. `extend_when()`: at the first requeue
     where it is true, the job's time limit becomes 10 minutes (as an admin extends a job), so
-    the resumed run finishes however slowly a loaded machine lets it work."""
+    the resumed run finishes however slowly a loaded machine lets it work. `each_poll()`: called
+    at every poll (every 0.5 s)."""
     seen, requeued_at, extended = [], None, False
     while proc.poll() is None:
+        if each_poll is not None:
+            each_poll()
         job = _scontrol_job(job_id)
         if int(job["Restarts"]) > len(seen) and job["JobState"] == "PENDING":
             seen.append(at_requeue())
@@ -248,6 +254,109 @@ def _follow_requeues(proc, job_id, at_requeue, release_after_s: float,
     return seen
 
 
+def _task_pids(job_folder) -> list:
+    """A job's rank processes on this host: submitit runs each task as `python -u -m
+    submitit.core._submit <job folder>` (srun's own command line holds the same words: not it)."""
+    want = [b"-u", b"-m", b"submitit.core._submit", str(job_folder).encode()]
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # not a process, or gone
+            continue
+        if proc.name.isdigit() and argv[1:5] == want:
+            pids.append(int(proc.name))
+    return pids
+
+
+def _warned_or_running(pid: int) -> bool:
+    """Whether a process the test stopped has SIGUSR2 waiting (Slurm's time-limit warning; a
+    stopped process keeps it pending), runs again (slurmstepd sends SIGCONT with the warning),
+    or is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    pending = int(fields["ShdPnd"], 16) | int(fields["SigPnd"], 16)
+    warned = bool(pending & (1 << (signal.SIGUSR2 - 1)))
+    return warned or not fields["State"].strip().startswith("T")
+
+
+def _stopped_or_gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return True
+
+
+class StallUntilWarned:
+    """Called at each poll of a job with a 1-minute limit: freezes a run of it (SIGSTOP to its
+    tasks, as a stalled machine would) and lets it go on when Slurm's time-limit warning comes,
+    so that a run outlasts its limit without burning the CPU of a run that long.
+
+    Slurm checks time limits every 30 s and warns (signal_delay_s=5) at the first check with at
+    most 35 s left: 25 s into a run at the earliest. A run is frozen once `progress()` (read
+    from the ledger) changed since its tasks started, or at FREEZE_AT_S whatever it did; never
+    after SAFE_S, as a run warned already would be frozen halfway through its checkpoint and
+    reach its limit (such a run is left alone, as is the rest of a frozen run's). A run frozen
+    before it made progress is warned in its start-up and requeues without a checkpoint (as a
+    loaded machine's can): the next one is frozen again. Once a run frozen after its own
+    progress was warned (`warned`), no run is frozen any more. `entry()`: the job's ledger
+    entry (its job_folder: submitit's, the tasks' command line)."""
+
+    FREEZE_AT_S = 21
+    SAFE_S = 24  # StartTime's whole seconds make the elapsed time read at most 1 s long
+
+    def __init__(self, entry, progress):
+        self.entry, self.progress = entry, progress
+        self.pids, self.seen, self.decided, self.stopped = frozenset(), None, False, []
+        self.with_progress = self.warned = False
+
+    def __call__(self) -> None:
+        if self.stopped:
+            if any(_warned_or_running(pid) for pid in self.stopped):
+                self.release()
+                self.warned = self.with_progress
+            return
+        entry = self.entry()
+        if self.warned or not entry.get("job_id") or not entry.get("job_folder"):
+            return
+        pids = frozenset(_task_pids(entry["job_folder"]))
+        if not pids:
+            return
+        if pids != self.pids:  # a new run, or more of its tasks up
+            self.pids, self.seen, self.decided = pids, self.progress(), False
+            return
+        if self.decided:
+            return
+        job = _scontrol_job(entry["job_id"])
+        if job["JobState"] != "RUNNING":
+            return
+        elapsed = (datetime.datetime.now()
+                   - datetime.datetime.fromisoformat(job["StartTime"])).total_seconds()
+        progressed = self.progress() != self.seen
+        if elapsed >= self.SAFE_S:
+            self.decided = True
+        elif progressed or elapsed >= self.FREEZE_AT_S:
+            self.decided, self.with_progress = True, progressed
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+            # Stopped once the kernel delivered it (a loaded machine may take a moment): only
+            # then does "running" mean that the warning's SIGCONT came.
+            wait_for(lambda: all(_stopped_or_gone(pid) for pid in pids), timeout_s=20,
+                     every_s=0.05, what=f"tasks {sorted(pids)} to stop")
+            self.stopped = list(pids)
+
+    def release(self) -> None:
+        """Every frozen task goes on (also when the test ends, whatever happened)."""
+        for pid in self.stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        self.stopped = []
+
+
 PARTS = ["inventory", "allreduce", "p2p", "reduce_scatter", "all_gather", "all2all"]
 
 
@@ -256,23 +365,27 @@ def test_time_limit_requeues_and_resumes_without_redoing_done_parts(slurm_cluste
     checkpoints (the sub-parts not done yet) and requeues; the requeued job runs only those.
 
     Slurm checks time limits every 30 s and sends the signal at the first check past
-    `time limit - signal_delay_s - 30 s`: with a 5 s delay, 25 to 55 s into a run.
+    `time limit - signal_delay_s - 30 s`: with a 5 s delay, 25 to 55 s into a run. The run
+    outlasts its limit because the test freezes its ranks once a part is done
+    (StallUntilWarned), until the warning; frozen, they burn no CPU while they wait.
     """
     import submitit
 
-    # Every point runs 2.5 s of wall time whatever the load (no early stop): 22 points, ~55 s,
-    # more than a first run can do, in parts of at most 15 s (a run does at least 2 of them).
+    # Every point runs 0.25 s of wall time whatever the load (no early stop): 22 points, the
+    # requeued run's few seconds.
     proc = start_cli("stage=profile_hardware", *SLURM, "cluster.time_min=1",
                      "cluster.signal_delay_s=5", f"profile_hardware.benchmarks=[{','.join(PARTS)}]",
                      "profile_hardware.max_size_bytes=4096", "profile_hardware.rel_spread=0",
-                     "profile_hardware.max_time_s=2.5", "profile_hardware.max_iters=1000000",
+                     "profile_hardware.max_time_s=0.25", "profile_hardware.max_iters=1000000",
                      "profile_hardware.plot=false", profiles_dir=profiles)
 
     def done_parts():  # at a requeue: the sub-parts done then, with their ledger entries
         entries = ledger(profiles, "dev")
         return {p: entries[f"profile_hardware/{p}"] for p in PARTS
-                if entries[f"profile_hardware/{p}"]["state"] == "done"}
+                if entries.get(f"profile_hardware/{p}", {}).get("state") == "done"}
 
+    stall = StallUntilWarned(lambda: ledger(profiles, "dev").get("profile_hardware", {}),
+                             lambda: sorted(done_parts()))
     try:
         job_id = wait_for(lambda: ledger(profiles, "dev").get("profile_hardware", {}).get("job_id"),
                            what="the job id in the ledger")
@@ -282,12 +395,15 @@ def test_time_limit_requeues_and_resumes_without_redoing_done_parts(slurm_cluste
         # loaded machine a run can spend its whole 1-minute window starting (then it requeues
         # with nothing done), and six short runs could end the job first.
         done_at_requeue = _follow_requeues(proc, job_id, done_parts, release_after_s=8,
-                                           extend_when=lambda: bool(done_parts()))
+                                           extend_when=lambda: bool(done_parts()),
+                                           each_poll=stall)
         out, _ = proc.communicate(timeout=60)
     finally:
+        stall.release()
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out
+    assert stall.warned  # the run that outlasted its limit was one the test froze
     # The job ran more than once under one id, and the CLI streamed it going back to the queue.
     assert done_at_requeue, out
     states = [line.split(": ")[1] for line in out.splitlines() if line.startswith(f"  job {job_id}: ")]

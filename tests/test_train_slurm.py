@@ -3,9 +3,9 @@ with scancel resumes the same loss trajectory, a run longer than its 1-minute ti
 signalled, requeued and finishes by itself, and a PP sweep compares its points.
 
 Explicit layouts (train.pp, train.tp) need no profiles; seq_len 64 keeps the steps short. One
-task per node (2 ranks, one on each node) but for the time-limit run: every rank a job starts
-costs ~3 CPU-s before its first step (torch), and the suite shares 2 cores; TP and 4-rank
-layouts train locally (test_train_cli.py, test_train_engine.py).
+task per node (2 ranks, one on each node): every rank a job starts costs ~3 CPU-s before its
+first step (torch), and the suite shares 2 cores; TP and 4-rank layouts train locally
+(test_train_cli.py, test_train_engine.py).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import subprocess
 import pytest
 
 from conftest import ledger, run_cli, start_cli
-from test_slurm import SLURM, _follow_requeues, _job_runs, wait_for
+from test_slurm import SLURM, StallUntilWarned, _follow_requeues, _job_runs, wait_for
 
 TRAIN = ["stage=train", "model=tiny", "train.seq_len=64", "train.plot=false",
          "cluster.tasks_per_node=1"]
@@ -107,37 +107,38 @@ def test_scancel_then_rerun_continues_the_same_loss_trajectory(slurm_cluster, tm
 
 def test_time_limit_signal_checkpoints_requeues_and_finishes(slurm_cluster, profiles):
     """A run longer than its 1-minute limit: USR2 before the limit, every rank checkpoints at
-    the same step, task 0 hands over to submitit (requeue), the other tasks exit quietly; the
-    requeued job resumes from that checkpoint and finishes: complete losses, the ledger done.
+    the same step, task 0 hands over to submitit (requeue), the other task (on the other node)
+    exits quietly; the requeued job resumes from that checkpoint and finishes: complete losses,
+    the ledger done.
 
     Slurm checks time limits every 30 s and signals at the first check with at most
     signal_delay_s + 30 s left: with 5 s, 25 to 55 s into a run (20 s would leave 10 to 40 s,
-    about the start-up of the ranks here). 360 steps at seq 256 take about 62 s and a 6 s start
-    on an idle machine (0.17 s a step; more under load): the first run cannot finish them.
+    about the start-up of the ranks here). 40 steps take a few seconds: the run outlasts its
+    limit because the test freezes its ranks after a step (StallUntilWarned, test_slurm.py)
+    until the warning; frozen, they burn no CPU while they wait.
     """
-    steps = 360
-    # 2 tasks per node (4 ranks): the CPU a run burns until its limit is the same with 2 ranks,
-    # which train a step faster (0.15 s) and would need ~450 steps to outlast the window.
-    at_256 = ["train.seq_len=256" if a.startswith("train.seq_len=") else
-              "cluster.tasks_per_node=2" if a.startswith("cluster.tasks_per_node=") else a
-              for a in TRAIN]
-    proc = start_cli(*at_256, *SLURM, "train.pp=1", "train.tp=1", f"train.steps={steps}",
+    steps = 40
+    proc = start_cli(*TRAIN, *SLURM, "train.pp=1", "train.tp=1", f"train.steps={steps}",
                      "train.checkpoint_every=100",
                      "cluster.time_min=1", "cluster.signal_delay_s=5", profiles_dir=profiles)
+    stall = StallUntilWarned(lambda: ledger(profiles, "dev").get(KEY, {}),
+                             lambda: ledger(profiles, "dev")[KEY]["progress"])
     try:
         job_id = wait_for(lambda: ledger(profiles, "dev").get(KEY, {}).get("job_id"),
                            what="the job id in the ledger")
         # Once a run has checkpointed on the signal, the job gets 10 minutes: the resumed run
-        # finishes even when a loaded machine trains 10 steps in a 1-minute run (each requeued
-        # run would spend most of its minute starting its ranks: a dozen requeues for 300 steps).
+        # finishes even on a loaded machine.
         at_requeue = _follow_requeues(proc, job_id, lambda: ledger(profiles, "dev")[KEY],
                                       release_after_s=5,  # the ledger entry at each requeue
-                                      extend_when=lambda: _signal_checkpoints(profiles))
+                                      extend_when=lambda: _signal_checkpoints(profiles),
+                                      each_poll=stall)
         out, _ = proc.communicate(timeout=60)
     finally:
+        stall.release()
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out
+    assert stall.warned  # the run that outlasted its limit was one the test froze
     assert at_requeue and _job_runs(job_id) == ["REQUEUED"] * len(at_requeue) + ["COMPLETED"]
     # Nothing was marked failed when the ranks stopped: the stage stays running for the rerun.
     assert all(e["state"] in ("running", "pending") and e["error"] is None for e in at_requeue)
