@@ -425,13 +425,9 @@ class Priced:
     pick_note: str = ""
 
 
-def price(run: Run, model: ModelCost, cfg: ModelConfig, hw: HardwareModel) -> Priced:
-    """The run priced with the guess the planner would take itself: the fastest of those that
-    fit 80 GiB with the reserve, else the fastest (and `least_GiB`, the least any guess needs).
-    The published figure plays no part in the choice."""
-    best = None
-    tried = 0
-    least = math.inf
+def priced_guesses(run: Run, model: ModelCost, cfg: ModelConfig, hw: HardwareModel):
+    """(guess, planner Prediction, TFLOP/s per GPU) of every guess of `run` the layout can hold
+    (80 GiB with the reserve, the run's engine model)."""
     for guess in run.guesses:
         layout = layout_of(run, model, guess)
         if layout is None:
@@ -440,9 +436,20 @@ def price(run: Run, model: ModelCost, cfg: ModelConfig, hw: HardwareModel) -> Pr
             pred = evaluate(layout, model, hw, run.seq_len, BUDGET_GiB * GiB, options(run))
         except LayoutError:
             continue
+        yield guess, pred, tflops_per_gpu(run, cfg, pred.iteration_time_us, run.gpus,
+                                          run.global_batch)
+
+
+def price(run: Run, model: ModelCost, cfg: ModelConfig, hw: HardwareModel) -> Priced:
+    """The run priced with the guess the planner would take itself: the fastest of those that
+    fit 80 GiB with the reserve, else the fastest (and `least_GiB`, the least any guess needs).
+    The published figure plays no part in the choice."""
+    best = None
+    tried = 0
+    least = math.inf
+    for guess, pred, tflops in priced_guesses(run, model, cfg, hw):
         tried += 1
         least = min(least, pred.peak_memory_bytes)
-        tflops = tflops_per_gpu(run, cfg, pred.iteration_time_us, run.gpus, run.global_batch)
         ratio = tflops / run.published_tflops
         key = (not pred.feasible, pred.iteration_time_us)
         if best is None or key < best[0]:
@@ -461,15 +468,7 @@ def guess_lines(run: Run, model: ModelCost, cfg: ModelConfig, hw: HardwareModel)
     of the breakdown over 50 ms (what a guess gains or loses, e.g. ZeRO 2's exposed
     reduce-scatters against ZeRO 1's memory)."""
     lines = [f"{run.label} ({run.gpus:,} GPUs), every guess:"]
-    for guess in run.guesses:
-        layout = layout_of(run, model, guess)
-        if layout is None:
-            continue
-        try:
-            pred = evaluate(layout, model, hw, run.seq_len, BUDGET_GiB * GiB, options(run))
-        except LayoutError:
-            continue
-        tflops = tflops_per_gpu(run, cfg, pred.iteration_time_us, run.gpus, run.global_batch)
+    for guess, pred, tflops in priced_guesses(run, model, cfg, hw):
         terms = " ".join(f"{name} {us / 1e6:.2f}" for name, us in pred.breakdown_us.items()
                          if abs(us) > 5e4)
         lines.append(f"  {guess.describe(run):34s} {pred.iteration_time_us / 1e6:6.2f} s "
