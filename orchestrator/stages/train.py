@@ -376,17 +376,11 @@ def _tensor_count(engine, tokens, targets, index: int, t, steps_log):
     if device.type == "cuda" or index != 1 or t.timing_warmup_steps < 2:
         yield
         return
-    from orchestrator.models.compile import eager
     from orchestrator.train.live_memory import LiveTensorBytes
 
     live = LiveTensorBytes(device, [engine, tokens, targets])
-    with contextlib.ExitStack() as stack:
-        for module in engine.modules:  # dynamo refuses to run under the counting's mode
-            stack.enter_context(eager(module))
-        stack.callback(setattr, engine, "fused_loss", engine.fused_loss)  # the loss's too
-        engine.fused_loss = False
-        with live:
-            yield
+    with engine.eager(), live:  # dynamo refuses to run under the counting's mode
+        yield
     steps_log.tensor_peak_bytes = live.peak_bytes
 
 

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from orchestrator.choices import Dtype, Group
 from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig, expert_width, is_moe
-from orchestrator.models.compile import is_compiled
+from orchestrator.models.compile import eager, is_compiled
 from orchestrator.models.gpt import GPT, cross_entropy_loss, token_loss_sum
 from orchestrator.models.moe import MoE
 from orchestrator.profiling.measure import Stopwatch
@@ -136,6 +136,18 @@ class Engine:
     def compiled(self) -> bool:
         """Whether some part of this rank's blocks runs torch.compile'd (not fallen back)."""
         return any(is_compiled(mod) for mod in self.modules)
+
+    @contextlib.contextmanager
+    def eager(self):
+        """Inside, every compiled part of this rank runs eager, its blocks and its loss (what
+        counts tensors under a dispatch mode needs the eager ops: dynamo does not run under
+        one); restored after."""
+        with contextlib.ExitStack() as stack:
+            for module in self.modules:
+                stack.enter_context(eager(module))
+            stack.callback(setattr, self, "fused_loss", self.fused_loss)
+            self.fused_loss = False
+            yield
 
     def _apply_recompute(self) -> None:
         """The layout's recompute (also restored after a step of per-micro-batch modes)."""
