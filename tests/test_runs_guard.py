@@ -408,6 +408,22 @@ def test_launch_refuses_a_live_owner_and_takes_over_a_gone_one(tmp_path):
     assert ledger.get("profile_model/tiny").pid == os.getpid()
 
 
+def test_a_ctrl_c_inside_the_jobs_recording_counts_it_followed_once_written(tmp_path):
+    # The Ctrl-C can land inside attach_job after its write (others already read the job id
+    # there): the queued job must then run on, not be cancelled under them.
+    from orchestrator.cli.run import _ledger_follows
+    from orchestrator.store.ledger import Ledger
+
+    ledger = Ledger(tmp_path)
+    ledger.launch("noop", [], queued=True, config_hash="h", launcher="slurm", run_dir="r")
+    job = {"job_id": "4242", "job_folder": "f"}
+    assert not _ledger_follows(ledger, "noop", job)  # not yet written: stopped
+    assert not _ledger_follows(ledger, "noop", None)  # the Ctrl-C before the job id was read
+    ledger.attach_job("noop", [], **job)
+    assert _ledger_follows(ledger, "noop", job)
+    assert not _ledger_follows(ledger, "noop", {"job_id": "4243", "job_folder": "f"})
+
+
 def test_a_reused_pid_is_not_the_owner_and_another_host_lives_by_its_heartbeat():
     from orchestrator.store.owner import HEARTBEAT_STALE_S, Owner
 

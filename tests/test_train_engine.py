@@ -205,23 +205,26 @@ def test_every_message_of_a_step_is_the_workload_models(losses_by_layout, dtype,
 @pytest.fixture(scope="module")
 def block_activations():
     """What profile_model counts for one layer of MODEL at the test's micro-batch, per TP
-    degree and the tokens a rank holds of a sequence (all, or 1 / cp of them): its memory_point
-    on a fake process group, the analytic profile's own path."""
+    degree, the tokens a rank holds of a sequence (all, or 1 / cp of them) and the dtype the
+    step trains in: its memory_point on a fake process group, the analytic profile's own path
+    for a model of that dtype (a bf16 model's profile counts its layer in bf16: on the CPU its
+    norms upcast to fp32, which an fp32 count scaled by half would miss)."""
     from orchestrator.models.config import ModelConfig
     from orchestrator.profiling.model.analytic import fake_world
     from orchestrator.profiling.model.timing import build_point_model, memory_point
     from orchestrator.workload.memory import BlockActivations
 
-    model = ModelConfig(**MODEL)
     out = {}
-    for tp in (1, 2):
-        for cp in (1, 2, 4):
-            seq = model.seq_len // cp
-            with fake_world(tp) as mesh:
-                counted = memory_point(build_point_model(model, seq, tp, mesh, "cpu"),
-                                       seq)["block_act_bytes"]
-            out[tp, cp] = BlockActivations(counted["none"], counted["selective"],
-                                           counted["full"], elem_bytes=4)
+    for dtype, elem_bytes in (("fp32", 4), ("bf16", 2)):
+        model = ModelConfig(**MODEL, dtype=dtype)
+        for tp in (1, 2):
+            for cp in (1, 2, 4):
+                seq = model.seq_len // cp
+                with fake_world(tp) as mesh:
+                    counted = memory_point(build_point_model(model, seq, tp, mesh, "cpu"),
+                                           seq)["block_act_bytes"]
+                out[tp, cp, dtype] = BlockActivations(counted["none"], counted["selective"],
+                                                      counted["full"], elem_bytes=elem_bytes)
     return out
 
 
@@ -240,8 +243,8 @@ def test_memory_of_a_step_is_the_workload_models(losses_by_layout, block_activat
     layout = _layout(*(LAYOUTS if dtype == "fp32" else BF16_LAYOUTS)[index])
     for rank in range(WORLD_SIZE):
         start, peak, where = losses_by_layout[f"memory {dtype} {layout.describe()} rank {rank}"]
-        predicted = rank_memory(model, layout, rank, block_activations[layout.tp, layout.cp],
-                                dtype=dtype)
+        predicted = rank_memory(model, layout, rank,
+                                block_activations[layout.tp, layout.cp, dtype], dtype=dtype)
         assert abs(start - predicted.states.total) <= 512, (
             f"{layout.describe()} {dtype} rank {rank}: {start} B held between steps, predicted "
             f"{predicted.states.as_dict()}")

@@ -129,6 +129,7 @@ def run_stages(cfg: Config, plans: Optional[List[StagePlan]] = None) -> List[dic
         # records it cancelled (one between two lines must not leave it `running`), except a
         # queued job the ledger already follows: that one runs on, as the user chose Slurm for.
         followed = False  # the ledger holds its job: a queued one then runs on without us
+        job = None
         try:
             job = {"job_id": launcher.job_id(handle), "job_folder": launcher.job_folder(handle)}
             try:
@@ -151,7 +152,9 @@ def run_stages(cfg: Config, plans: Optional[List[StagePlan]] = None) -> List[dic
             rows.append(_finish(ledger, launcher, handle, request))
         except KeyboardInterrupt:
             # a queued job the ledger already follows keeps running, even if the Ctrl-C came
-            # before it joined `pending` (between recording it and printing its line)
+            # before it joined `pending` (between recording it and printing its line), or
+            # inside attach_job after its write (others already see the job id there)
+            followed = followed or _ledger_follows(ledger, plan.key, job)
             if followed and launcher.queued and not any(h is handle for h, _ in pending):
                 pending.append((handle, request))
             _stop_interrupted(ledger, launcher, handle, request, pending)
@@ -166,6 +169,14 @@ def run_stages(cfg: Config, plans: Optional[List[StagePlan]] = None) -> List[dic
         except KeyboardInterrupt:  # the jobs not yet waited for run on
             _stop_interrupted(ledger, launcher, handle, request, pending[i:])
     return rows
+
+
+def _ledger_follows(ledger, key: str, job: Optional[dict]) -> bool:
+    """Whether the ledger records `job` (its id) for `key`: attach_job's write landed."""
+    if job is None or job["job_id"] is None:
+        return False
+    entry = ledger.get(key)
+    return entry is not None and entry.job_id == job["job_id"]
 
 
 def _stop_interrupted(ledger, launcher, handle, request: StageRequest, pending) -> NoReturn:
