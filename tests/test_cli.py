@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from conftest import ledger, run_cli
+from conftest import REPO, ledger, run_cli
 from orchestrator.config import CONF_DIR, register_configs
 
 
@@ -115,3 +117,21 @@ def test_multirun_sweeps_with_the_local_launcher(profiles):
     proc = run_cli("-m", "stage=noop", "cluster.tasks_per_node=2,4", profiles_dir=profiles, check=0)
     assert "on 2 rank(s)" in proc.stdout and "on 4 rank(s)" in proc.stdout
     assert proc.stdout.count("✓ noop: done") == 2
+
+
+@pytest.mark.parametrize("args, code", [
+    (("stage=train", "train.pp=3"), 2),  # refused by the layout's checks
+    (("stage=search",), 4),  # refused: no profiles to search from
+    (("stage=status",), 0),
+])
+def test_the_login_nodes_checks_do_not_import_torch(tmp_path, args, code):
+    # A refusal before launch, or a status, is the CLI alone: importing torch costs seconds of
+    # CPU on a shared login node (and did, through train.compile's setting, for a while).
+    probe = ("import runpy, sys\n"
+             f"sys.argv = ['orchestrator', *{list(args)!r}, 'profiles_dir={tmp_path}']\n"
+             "try:\n    runpy.run_module('orchestrator', run_name='__main__')\n"
+             "except SystemExit as e:\n    code = e.code\nelse:\n    code = 0\n"
+             "print('exit', code, 'torch', 'torch' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert f"exit {code} torch False" in proc.stdout, proc.stdout + proc.stderr

@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import spawn_ranks
 
-from orchestrator.models.compile import (compile_block, compile_wanted, eager, eager_parts,
-                                         is_compiled)
+from orchestrator.models.compile import compile_block, eager, eager_parts, is_compiled
+from orchestrator.models.compile_setting import compile_wanted
 
 STEPS = 3
 

@@ -28,8 +28,9 @@ from typing import Callable, Tuple
 
 import torch
 
+from orchestrator.models.loss_chunks import CHUNK_ELEMENTS
+
 IGNORE_INDEX = -100  # F.cross_entropy's default: padding counts in no loss
-CHUNK_ELEMENTS = 1 << 24  # logits converted to fp32 at once (64 MiB)
 
 
 def token_losses(logits: torch.Tensor, targets: torch.Tensor,

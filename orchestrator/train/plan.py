@@ -14,7 +14,7 @@ from orchestrator.commands import rerun_command
 from orchestrator.config import cluster_world_size
 from orchestrator.errors import ConfigError, InfeasibleError, InvalidLayout, ProfileError
 from orchestrator.layout import ENGINE_CP_COMM, LayoutError, ParallelLayout
-from orchestrator.models.compile import train_compile  # noqa: F401 (the stages read it here)
+from orchestrator.models.compile_setting import train_compile  # noqa: F401 (stages read it)
 from orchestrator.store import cluster_dir, hardware_path, model_profile_path, strategy_path
 
 GiB = 2**30

@@ -45,7 +45,7 @@ from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig
 from orchestrator.workload.buckets import plan_buckets
 from orchestrator.models.attention_tiles import score_tile_rows
-from orchestrator.models.loss import CHUNK_ELEMENTS as LOSS_CHUNK_ELEMENTS
+from orchestrator.models.loss_chunks import CHUNK_ELEMENTS as LOSS_CHUNK_ELEMENTS
 from orchestrator.workload.order import stage_order
 from orchestrator.workload.params import (Param, chunk_size, rank_chunks)
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 from typing import Dict, Optional
 
-from orchestrator.models.compile import is_compiled, train_compile
+from orchestrator.models.compile import is_compiled
+from orchestrator.models.compile_setting import train_compile
 from orchestrator.profiling.model import analytic as an
 from orchestrator.profiling.model import memory as mem
 from orchestrator.profiling.model import moe
