@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -283,6 +284,26 @@ def _warned_or_running(pid: int) -> bool:
     return warned or not fields["State"].strip().startswith("T")
 
 
+def _lock_held(lock: Path) -> bool:
+    """Whether a process holds the file lock `lock` (the ledger's) now."""
+    from filelock import FileLock, Timeout
+
+    probe = FileLock(str(lock))
+    try:
+        probe.acquire(timeout=0)
+    except Timeout:
+        return True
+    probe.release()
+    return False
+
+
+def ledger_lock(profiles) -> Path:
+    """The lock file of the dev cluster's ledger under `profiles`."""
+    from orchestrator.store.ledger import LEDGER_NAME
+
+    return Path(profiles) / "dev" / f"{LEDGER_NAME}.lock"
+
+
 def _stopped_or_gone(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] == "T"
@@ -308,8 +329,8 @@ class StallUntilWarned:
     FREEZE_AT_S = 21
     SAFE_S = 24  # StartTime's whole seconds make the elapsed time read at most 1 s long
 
-    def __init__(self, entry, progress):
-        self.entry, self.progress = entry, progress
+    def __init__(self, entry, progress, lock: Optional[Path] = None):
+        self.entry, self.progress, self.lock = entry, progress, lock
         self.pids, self.seen, self.decided, self.stopped = frozenset(), None, False, []
         self.with_progress = self.warned = False
 
@@ -348,6 +369,11 @@ class StallUntilWarned:
             wait_for(lambda: all(_stopped_or_gone(pid) for pid in pids), timeout_s=20,
                      every_s=0.05, what=f"tasks {sorted(pids)} to stop")
             self.stopped = list(pids)
+            if self.lock is not None and _lock_held(self.lock):
+                # frozen inside a ledger write (it holds the lock for milliseconds): the CLI's
+                # own writes would wait on it and give up; let it go, freeze it at the next poll
+                self.release()
+                self.decided = False
 
     def release(self) -> None:
         """Every frozen task goes on (also when the test ends, whatever happened)."""
@@ -385,7 +411,7 @@ def test_time_limit_requeues_and_resumes_without_redoing_done_parts(slurm_cluste
                 if entries.get(f"profile_hardware/{p}", {}).get("state") == "done"}
 
     stall = StallUntilWarned(lambda: ledger(profiles, "dev").get("profile_hardware", {}),
-                             lambda: sorted(done_parts()))
+                             lambda: sorted(done_parts()), ledger_lock(profiles))
     try:
         job_id = wait_for(lambda: ledger(profiles, "dev").get("profile_hardware", {}).get("job_id"),
                            what="the job id in the ledger")

@@ -17,7 +17,8 @@ import subprocess
 import pytest
 
 from conftest import ledger, run_cli, start_cli
-from test_slurm import SLURM, StallUntilWarned, _follow_requeues, _job_runs, wait_for
+from test_slurm import (SLURM, StallUntilWarned, _follow_requeues, _job_runs, ledger_lock,
+                        wait_for)
 
 TRAIN = ["stage=train", "model=tiny", "train.seq_len=64", "train.plot=false",
          "cluster.tasks_per_node=1"]
@@ -122,7 +123,8 @@ def test_time_limit_signal_checkpoints_requeues_and_finishes(slurm_cluster, prof
                      "train.checkpoint_every=100",
                      "cluster.time_min=1", "cluster.signal_delay_s=5", profiles_dir=profiles)
     stall = StallUntilWarned(lambda: ledger(profiles, "dev").get(KEY, {}),
-                             lambda: ledger(profiles, "dev")[KEY]["progress"])
+                             lambda: ledger(profiles, "dev")[KEY]["progress"],
+                             ledger_lock(profiles))
     try:
         job_id = wait_for(lambda: ledger(profiles, "dev").get(KEY, {}).get("job_id"),
                            what="the job id in the ledger")
