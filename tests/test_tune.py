@@ -99,9 +99,28 @@ def test_fit_recovers_the_factors_it_was_made_with():
     assert max(abs(e) for e in exact.after.values()) < 0.005
     assert exact.calibration.compute == pytest.approx(1.3, rel=0.02)
     assert "calibrated from 6 runs" in exact.calibration.describe()
+    assert exact.calibration.at_bound() == []
     # The default prior pulls the factors the runs pin only weakly towards 1: still most of it.
     fit = fit_calibration(runs, price, min_runs=3)
     assert max(map(abs, fit.after.values())) < max(map(abs, fit.before.values())) / 3
+
+
+def test_a_factor_the_fit_pushes_to_its_bound_names_the_profile_to_measure_again():
+    # Runs 30x slower in compute than the profile says (a profile of a loaded host): the fit
+    # stops at compute x10, which tune reports with the stage that measures compute again.
+    from orchestrator.cli.tune import bound_warning
+
+    runs, price = _runs(Calibration(compute=30.0))
+    fit = fit_calibration(runs, price, min_runs=3)
+    assert fit.calibration.compute == pytest.approx(10.0, rel=0.01)
+    assert "compute" in fit.calibration.at_bound()
+    text = bound_warning(fit.calibration)
+    assert "compute x10.00 at the fit's bound" in text
+    assert "stage=profile_model force=true" in text
+    assert "profile_hardware" not in text  # the communication factors were not pushed
+    assert Calibration(compute=1.3, p2p=0.1).at_bound() == ["p2p"]
+    # what search and train print beside their calibrated predictions
+    assert "compute at the bound: profiles to measure again" in fit.calibration.describe()
 
 
 def test_too_few_runs_keep_the_model_uncalibrated():
@@ -148,6 +167,7 @@ def test_tune_measures_candidates_calibrates_and_picks_the_fastest(chain):
     assert rec.get("why_not") is None and rec["mean_error_before"] >= 0
     assert rec["mean_error_after"] >= 0 and set(rec["factors"]) >= {"compute", "p2p"}
     assert all(0.1 <= f <= 10 for f in rec["factors"].values())
+    assert rec["at_bound"] == Calibration.of(rec["factors"], rec["runs"]).at_bound()
     assert set(rec["inputs"]) == {"hardware.json", "model/tiny.json"}
     assert "pick (measured fastest)" in proc.stdout
 
@@ -163,6 +183,12 @@ def test_tune_measures_candidates_calibrates_and_picks_the_fastest(chain):
     assert trained["layout"] == fastest["layout"]
     status = run_cli("stage=status", profiles_dir=chain, check=0)
     assert "calibration" in status.stdout and f"{len(done)} runs" in status.stdout
+    # A factor the fit pushed to its bound: status says to measure the profiles again.
+    path = chain / "local" / "calibration" / "tiny.json"
+    path.write_text(json.dumps({**rec, "at_bound": ["compute"]}))
+    status = run_cli("stage=status", profiles_dir=chain, check=0)
+    said = " ".join(status.stdout.split())  # rich wraps lines at 200 columns
+    assert "compute at the fit's bound: measure the profiles again" in said
 
     # Profiles measured again make the calibration stale: search says so and goes uncalibrated.
     hw = chain / "local" / "hardware.json"

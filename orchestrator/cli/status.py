@@ -98,6 +98,9 @@ def print_calibrations(cfg) -> None:
             factors = ", ".join(f"{k} x{v:.2f}" for k, v in rec["factors"].items())
             state = ("stale: " + note if note else
                      "current" if used is not None else "unused")
+            if rec.get("at_bound"):  # older files have no such field
+                state += (f"; {', '.join(rec['at_bound'])} at the fit's bound: measure the "
+                          f"profiles again (stage=tune says which)")
             console.print(escape(f"calibration {path.stem}: {rec['runs']} runs of "
                                  f"{len(rec['candidates'])} ({factors}); "
                                  f"{rec.get('why_not') or 'fitted'}; pick "

@@ -252,7 +252,7 @@ def tune(cfg, run_stages: Callable, console) -> List[dict]:
                 for p in (hw_file, mp_file)},
         seq_len=seq_len, steps=cfg.tune.steps,
         timing_warmup_steps=cfg.tune.timing_warmup_steps, runs=len(done),
-        factors=cal.factors, why_not=fit.why_not or None,
+        factors=cal.factors, why_not=fit.why_not or None, at_bound=cal.at_bound(),
         mean_error_before=mean_error("predicted_ms"), mean_error_after=mean_error("calibrated_ms"),
         candidates=records, pick=pick.layout if pick else None,
         pick_describe=pick.describe if pick else None)
@@ -275,6 +275,23 @@ def tune(cfg, run_stages: Callable, console) -> List[dict]:
              "log": "", "outputs": [str(out)] + ([str(plot)] if plot else []),
              "result": {"pick": pick.describe, "measured_ms": pick.measured_ms["iteration"],
                         "calibration": cal.describe()}}]
+
+
+def bound_warning(cal) -> str:
+    """What tune says of a Calibration's factors its fit pushed to their bounds, and what to
+    run instead."""
+    from orchestrator.commands import rerun_command
+    from orchestrator.planner.calibration import FACTOR_BOUNDS, FACTOR_PROFILE
+
+    names = cal.at_bound()
+    stages = [s for s in ("profile_hardware", "profile_model")
+              if any(FACTOR_PROFILE[name] == s for name in names)]
+    lo, hi = FACTOR_BOUNDS
+    return (f"{', '.join(f'{n} x{cal.factors[n]:.2f}' for n in names)} at the fit's bound "
+            f"({lo:g} to {hi:g}): the profiles are that far off these runs, more than any "
+            f"trait of a cluster (a profile of another machine, or measured while the host was "
+            f"busy?), and the factor hides it. Measure again, then tune: "
+            + "; ".join(rerun_command(s, "force=true") for s in stages))
 
 
 def _report(profile, fit, console) -> None:
@@ -300,6 +317,9 @@ def _report(profile, fit, console) -> None:
         console.print(f"tune: cost model {fit.calibration.describe()}; mean |error| "
                       f"{profile.mean_error_before:.1%} -> {profile.mean_error_after:.1%} on "
                       f"these runs", highlight=False)
+        if profile.at_bound:
+            console.print(f"[yellow]tune: {bound_warning(fit.calibration)}[/yellow]",
+                          highlight=False)
     if profile.pick_describe:
         console.print(f"tune: pick (measured fastest): {profile.pick_describe}; stage=train "
                       f"trains it, the next search prices with the calibration",

@@ -110,12 +110,30 @@ class Calibration:
     def of(cls, factors: Mapping[str, float], runs: int) -> "Calibration":
         return cls(**{name: float(factors.get(name, 1.0)) for name in FACTORS}, runs=int(runs))
 
+    def at_bound(self) -> List[str]:
+        """The factors a fit pushed to FACTOR_BOUNDS (within 1%): the profiles are that far
+        off the runs, which no trait of a cluster explains (a profile of another machine, or
+        measured on a loaded host), so the factor hides the error rather than mends it."""
+        lo, hi = (math.log(b) for b in FACTOR_BOUNDS)
+        return [name for name, value in self.factors.items()
+                if min(abs(math.log(value) - lo), abs(math.log(value) - hi)) < 0.01]
+
     def describe(self) -> str:
         if not self.runs:
             return "not calibrated"
         moved = ", ".join(f"{name} x{value:.2f}" for name, value in self.factors.items()
                           if abs(value - 1.0) >= 0.005)
-        return f"calibrated from {self.runs} runs ({moved or 'every factor 1.00'})"
+        bound = self.at_bound()
+        warn = f"; {', '.join(bound)} at the bound: profiles to measure again" if bound else ""
+        return f"calibrated from {self.runs} runs ({moved or 'every factor 1.00'}{warn})"
+
+
+# The profile whose prices each factor scales: what to measure again when a fit pushes the
+# factor to its bound (Calibration.at_bound).
+FACTOR_PROFILE = {"compute": "profile_model", "recompute": "profile_model",
+                  "optimizer": "profile_model", "tp_latency": "profile_hardware",
+                  "tp_bandwidth": "profile_hardware", "p2p": "profile_hardware",
+                  "dp_sync": "profile_hardware", "ep_comm": "profile_hardware"}
 
 
 PART_WEIGHTS = {"iteration": 1.0, "compute": 0.5, "dp_sync_exposed": 0.5, "optimizer": 0.5}

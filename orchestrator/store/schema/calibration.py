@@ -55,6 +55,9 @@ class CalibrationProfile(Profile):
                                     "ep_comm); all 1 when not fitted")
     why_not: Optional[str] = doc("why the factors were not fitted (too few runs)",
                                  default=None)
+    at_bound: List[str] = doc("factors the fit pushed to its bounds (0.1 or 10): profiles "
+                              "that far off the runs are to be measured again",
+                              default_factory=list)
     mean_error_before: Optional[float] = doc("mean |iteration error| over the runs, as "
                                              "profiled", default=None)
     mean_error_after: Optional[float] = doc("the same, calibrated (in-sample)", default=None)
