@@ -9,7 +9,7 @@ import yaml
 
 from orchestrator.config import CONF_DIR
 from orchestrator.models.config import ModelConfig, count_params, validate_model
-from orchestrator.models.gpt import GPT, cross_entropy_loss
+from orchestrator.models.gpt import GPT, cross_entropy_loss, draw_device
 from orchestrator.models.parallelize import split_pipeline, stage_layer_ranges
 
 CONF_MODEL = CONF_DIR / "model"
@@ -126,20 +126,26 @@ def test_pipeline_split_covers_each_block_once_and_matches_whole_model(layers_pe
     assert sorted(names) == sorted(model.state_dict())
 
 
-def test_pipeline_stage_built_on_meta_initialises_to_whole_model_values():
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                          reason="needs a CUDA device"))])
+def test_pipeline_stage_built_on_meta_initialises_to_whole_model_values(device):
+    # On a GPU the values are drawn there (draw_device), the same for a stage as for the whole.
     cfg = ModelConfig()
-    whole = GPT(cfg, seed=5)
+    with torch.device(device):
+        whole = GPT(cfg, seed=5)
     with torch.device("meta"):
         lazy = GPT(cfg, seed=5)
     stage = split_pipeline(lazy, [1, 3])[1]
-    stage.to_empty(device="cpu")
+    stage.to_empty(device=device)
+    assert draw_device(next(stage.parameters())).type == device
     stage.init_weights(seed=5)
     whole_params = dict(whole.named_parameters())
     for name, param in stage.named_parameters():
         assert torch.equal(param, whole_params[name]), name
-    h = whole.embed(_batch(cfg)[0])
-    h = whole.blocks[0](h, *whole.rope())
-    torch.testing.assert_close(stage(h), whole(_batch(cfg)[0]))
+    tokens = _batch(cfg)[0].to(device)
+    h = whole.blocks[0](whole.embed(tokens), *whole.rope())
+    torch.testing.assert_close(stage(h), whole(tokens))
 
 
 @pytest.mark.parametrize(

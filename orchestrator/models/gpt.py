@@ -233,26 +233,37 @@ class GPT(nn.Module):
 def init_parameters(module: nn.Module, cfg: ModelConfig, seed: int = 0) -> None:
     """Initialise the GPT parameters of `module` (a GPT or a pipeline stage of one) in place.
 
-    Each parameter's values depend only on (seed, its name, its shape), so a pipeline stage or a
-    tensor-parallel shard initialised on its own gets exactly the values of the whole model.
-    Norm weights are ones; output projections (wo, w_down) use std 0.02 / sqrt(2 * layers)
-    (GPT-2); everything else std 0.02. Parameters still on the meta device are skipped.
+    Each parameter's values depend only on (seed, its name, its shape, the device kind that
+    draws them: `draw_device`), so a pipeline stage or a tensor-parallel shard initialised on
+    its own gets exactly the values of the whole model. Norm weights are ones; output
+    projections (wo, w_down) use std 0.02 / sqrt(2 * layers) (GPT-2); everything else std 0.02.
+    Parameters still on the meta device are skipped.
     """
     for name, param in module.named_parameters():
         if param.is_meta:
             continue
+        device = draw_device(param)
         if "norm" in name:
-            full = torch.ones(param.shape)
+            full = torch.ones(param.shape, device=device)
         else:
             output_proj = name.endswith(("wo.weight", "w_down.weight", "experts.w_down"))
             std = 0.02 / math.sqrt(2 * cfg.layers) if output_proj else 0.02
             key = seed * 1_000_003 + zlib.crc32(name.encode())
-            generator = torch.Generator().manual_seed(key)
-            full = torch.randn(param.shape, generator=generator) * std
+            generator = torch.Generator(device=device).manual_seed(key)
+            full = torch.randn(param.shape, generator=generator, device=device).mul_(std)
         _copy_full_into(param, full)
     for sub in module.modules():
         if isinstance(sub, Rotary):
             sub.reset()
+
+
+def draw_device(param: torch.Tensor) -> torch.device:
+    """Where a parameter's initial values are drawn: on its GPU (drawn on the CPU, a 7B model's
+    values took ~8 CPU-s a rank, each rank of a TP group drawing every tensor whole, then a
+    copy over PCIe), else on the CPU. A GPU draws other values than a CPU for the same seed
+    (Philox against Mersenne Twister); every GPU of one kind draws the same, so the ranks of
+    a job agree whatever the layout."""
+    return param.device if param.device.type == "cuda" else torch.device("cpu")
 
 
 def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
