@@ -38,7 +38,7 @@ STEPS = 12
 # Short profiles: the lengths train runs at and two below; the default collectives.
 PROFILE_ARGS = ["profile_model.seq_lens=[128,192,256]", "profile_model.iters=8",
                 "search.plot=false"]
-TRAIN_ARGS = [f"train.steps={STEPS}", "train.checkpoint_every=0", "train.plot=false"]
+TRAIN_ARGS = [f"train.steps={STEPS}", "train.keep_checkpoints=0", "train.plot=false"]
 TUNE_ARGS = ["tune.top_k=2", f"tune.steps={STEPS}", "tune.plot=false"]
 LOCAL_LAYOUTS = {
     "dp4": ["train.pp=1", "train.tp=1"],

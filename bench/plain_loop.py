@@ -180,7 +180,7 @@ def train_run(args, mbs: int, cuda: bool, work: Path) -> dict:
            f"model={args.model}", f"model.layers={args.layers}", "train.pp=1", "train.tp=1",
            f"train.seq_len={args.seq}", f"train.global_batch_size={args.gbs}",
            f"train.micro_batch_size={mbs}", f"train.steps={args.steps}",
-           f"train.timing_warmup_steps={args.warmup}", "train.checkpoint_every=0",
+           f"train.timing_warmup_steps={args.warmup}", "train.keep_checkpoints=0",
            "train.plot=false", "train.allow_oom_risk=true", "force=true",
            f"profiles_dir={profiles}", *args.train_arg]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}

@@ -104,7 +104,7 @@ def run_train(steps: int, work: Path, world: int = WORLD, warmup: int = WARMUP) 
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     args = ["stage=train", "train.pp=1", "train.tp=1", "train.micro_batch_size=1",
             f"train.num_micro_batches={MICRO_BATCHES}", f"train.steps={steps}",
-            f"train.timing_warmup_steps={warmup}", "train.checkpoint_every=0", "train.plot=false",
+            f"train.timing_warmup_steps={warmup}", "train.keep_checkpoints=0", "train.plot=false",
             "train.allow_oom_risk=true", "force=true", f"profiles_dir={work / 'profiles'}",
             f"cluster.tasks_per_node={world}"]
     subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=work, env=env, check=True,

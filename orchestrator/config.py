@@ -258,7 +258,7 @@ class TrainConfig:
     log_every: int = 1
     timing_warmup_steps: int = 3  # iterations left out of the measured times
     checkpoint_every: int = 50  # steps; also at the last step and at a signal (0: only those)
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # 0: none written, not even at the end (a timing run)
     load: Optional[str] = None  # start from this checkpoint folder (any layout), not from scratch
     memory_interval_s: float = 0.5  # memory sampler period (0: off)
     memory_GiB: Optional[float] = None  # budget for the pre-launch check; None: the cluster's

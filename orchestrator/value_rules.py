@@ -110,7 +110,7 @@ RULES: Dict[str, Bound] = {
     "train.weight_decay": NON_NEGATIVE, "train.grad_clip": _note(NON_NEGATIVE, "0: no clipping"),
     "train.log_every": COUNT, "train.timing_warmup_steps": NON_NEGATIVE,
     "train.checkpoint_every": _note(NON_NEGATIVE, "0: at the last step and a signal only"),
-    "train.keep_checkpoints": COUNT,
+    "train.keep_checkpoints": _note(NON_NEGATIVE, "0: none written"),
     "train.memory_interval_s": _note(NON_NEGATIVE, "0: no memory sampler"),
     "train.memory_GiB": POSITIVE,
     "noop.sleep_s": NON_NEGATIVE,

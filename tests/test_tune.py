@@ -159,6 +159,9 @@ def test_tune_measures_candidates_calibrates_and_picks_the_fastest(chain):
         assert set(c["measured_ms"]) == set(c["predicted_ms"])
         key = f"train/tiny@tune={c['summary'].split('/')[-1].split('@')[0]}"
         assert ledger(chain)[key]["state"] == "done"
+        # a candidate is only timed: no checkpoint (train.keep_checkpoints=0)
+        summary = chain / "local" / c["summary"]
+        assert summary.exists() and not summary.with_suffix(".ckpt").exists()
     fastest = min(done, key=lambda c: c["measured_ms"]["iteration"])
     assert rec["pick_describe"] == fastest["describe"]
     assert rec["pick"] == fastest["layout"]

@@ -271,9 +271,13 @@ def train(ctx, run):
             last = step + 1 == t.steps  # done: nothing left for a requeued job to resume
             stopping = not last and stats.stop  # agreed by every rank in the step
             if stopping:  # before the save, so that the checkpoint carries the note
-                steps_log.warn(f"{stop.name}: checkpoint at step {step + 1} written; stopping "
-                               f"(a requeued job or a rerun resumes from it)")
-            if last or stopping or (t.checkpoint_every and (step + 1) % t.checkpoint_every == 0):
+                steps_log.warn(
+                    f"{stop.name}: checkpoint at step {step + 1} written; stopping (a requeued "
+                    f"job or a rerun resumes from it)" if t.keep_checkpoints else
+                    f"{stop.name}: stopping at step {step + 1} without a checkpoint "
+                    f"(train.keep_checkpoints=0): a requeued job or a rerun starts again")
+            due = last or stopping or (t.checkpoint_every and (step + 1) % t.checkpoint_every == 0)
+            if due and t.keep_checkpoints:  # 0: a run only timed writes none
                 _save(engine, ckpt_dir, step + 1, t, steps_log)
             if stopping:
                 monitor.stop()
