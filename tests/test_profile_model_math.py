@@ -66,6 +66,21 @@ def test_block_fit_on_exact_analytic_times_keeps_the_flop_model_and_is_exact():
     assert coeffs == pytest.approx([0.0, 4.0, 256.0 / 1e5], abs=1e-9)
 
 
+def test_block_fit_of_two_lengths_keeps_the_attention_term_selective_recompute_reruns():
+    # Two profiled lengths (the README's and the GPU check's): the FLOPs, f1 s + f2 s^2, split
+    # exactly into dense and attention work; a line through the two points had no s^2 term,
+    # so selective recompute (the attention core, priced from it) cost nothing.
+    def flops(s):
+        return 4e5 * s + 256.0 * s * s
+
+    seqs = [64, 128]
+    coeffs, resid, model = fit_block(seqs, [30 + flops(s) / 1e5 for s in seqs],
+                                     [flops(s) for s in seqs])
+    assert model == "flops" and max(abs(r) for r in resid) < 1e-9
+    assert coeffs == pytest.approx([30.0, 4.0, 256.0 / 1e5], rel=1e-6)
+    assert predict_poly(coeffs, 1024) == pytest.approx(30 + flops(1024) / 1e5, rel=1e-6)
+
+
 def test_fit_never_goes_negative_on_noise():
     # Flat, noisy times: an unconstrained quadratic would bend down; the fit keeps c >= 0.
     coeffs, _ = fit_poly_nonneg([128, 256, 384, 512], [100.0, 97.0, 103.0, 96.0], 2)

@@ -70,12 +70,11 @@ def _flops_fit(seq_lens, values, flops) -> Tuple[List[float], List[float]]:
     else:
         (a, k), _ = fit_poly_nonneg(f / fscale, v, 1)  # linear in flops
         k /= fscale
-    deg = min(2, len(np.unique(s)) - 1)
-    sscale = float(s.max())
-    fc = np.polynomial.polynomial.polyfit(s / sscale, f, deg) if deg >= 1 else np.array([0.0, f[0]])
-    fcoef = [float(c / sscale ** i) for i, c in enumerate(fc)] + [0.0] * (3 - len(fc))
-    coeffs = [a + k * fcoef[0], k * fcoef[1], k * fcoef[2]]
-    coeffs = [max(c, 0.0) for c in coeffs]
+    # flops(s) = f1 s + f2 s^2 exactly (no work without tokens): two lengths split it into
+    # the dense and the attention part, where a free polynomial through two points is a line
+    # (no s^2 term: selective recompute, the attention core, was priced at nothing).
+    f1, f2 = _per_sequence_flops(s, f)
+    coeffs = [max(c, 0.0) for c in (a, k * f1, k * f2)]
     resid = [(predict_poly(coeffs, si) - vi) / vi for si, vi in zip(s, v)]
     return coeffs, [float(r) for r in resid]
 
