@@ -92,6 +92,26 @@ def test_recompute_costs_time(model, hw):
     assert times[2] - times[0] == pytest.approx(5 * 4 * costs.full_recompute_us)
 
 
+def test_recompute_a_cpu_profile_timed_is_priced_as_timed(model_json, hw):
+    # profile_model on a CPU (tp 1) times what each recompute mode adds to a block's forward +
+    # backward, as train runs it; the cost model prices that, the FLOPs where it is absent.
+    key = ConfigKey(1, 1, 1, 1, 0, False, 2, 4, "1f1b", 1)
+    flops = StageCosts(key, ModelCost.from_dict(model_json), hw, SEQ)
+    timed_json = {**model_json, "fits": {**model_json["fits"], "1": {
+        **model_json["fits"]["1"], "recompute_us": {"selective": [3.0, 0.01, 0.0],
+                                                    "full": [40.0, 0.2, 0.0]}}}}
+    timed = StageCosts(key, ModelCost.from_dict(timed_json), hw, SEQ)
+    assert timed.compute.selective_recompute_us == pytest.approx(3.0 + 2 * 0.01 * SEQ)
+    assert timed.full_recompute_us == pytest.approx(40.0 + 2 * 0.2 * SEQ)
+    assert flops.full_recompute_us == pytest.approx(flops.compute.block.fwd_us)
+    assert timed.compute.block == flops.compute.block  # the rest as before
+    layers = model_json["model"]["layers"]
+    times = [evaluate(ParallelLayout.uniform(1, 1, 1, layers, recompute=rc, micro_batch_size=2,
+                                             num_micro_batches=4), ModelCost.from_dict(timed_json),
+                      hw, SEQ).iteration_time_us for rc in ("none", "full")]
+    assert times[1] - times[0] == pytest.approx(4 * layers * (40.0 + 2 * 0.2 * SEQ))
+
+
 def test_megatrons_sequence_parallel_backward_moves_more_than_forward(model, hw):
     key = ConfigKey(8, 4, 1, 2, 0, True, 1, 4, "1f1b", 1)
     # the collectives as moved (--tp-comm-overlap, which hides part of them: test_planner_overlap)

@@ -81,6 +81,29 @@ def test_block_fit_of_two_lengths_keeps_the_attention_term_selective_recompute_r
     assert predict_poly(coeffs, 1024) == pytest.approx(30 + flops(1024) / 1e5, rel=1e-6)
 
 
+def test_recompute_fits_what_each_mode_adds_to_the_block():
+    # A CPU's points time the block's forward + backward under each recompute mode; the fit
+    # is of what the mode adds, shaped as the forward's work, never below 1% of the forward.
+    from orchestrator.profiling.model.fit import fit_recompute
+
+    def flops(s):
+        return 4e5 * s + 256.0 * s * s
+
+    points = [{"seq_len": s, "block_fwd_us": 10 + flops(s) / 1e5,
+               "block_bwd_us": 20 + 2 * flops(s) / 1e5,
+               "block_full_us": 30 + 3 * flops(s) / 1e5 + 15 + 1.5 * flops(s) / 1e5,
+               "block_selective_us": 30 + 3 * flops(s) / 1e5 - 1.0,  # noise: "faster"
+               "flops": {"block_fwd": flops(s)}} for s in (64, 128)]
+    fits = fit_recompute(points)
+    for p in points:
+        s = p["seq_len"]
+        assert predict_poly(fits["full"], s) == pytest.approx(15 + 1.5 * flops(s) / 1e5)
+        assert predict_poly(fits["selective"], s) == pytest.approx(0.01 * p["block_fwd_us"],
+                                                                   rel=0.05)
+    assert fit_recompute([{k: v for k, v in p.items() if k != "block_full_us"}
+                          for p in points]) is None  # a point without: none (FLOPs price it)
+
+
 def test_fit_never_goes_negative_on_noise():
     # Flat, noisy times: an unconstrained quadratic would bend down; the fit keeps c >= 0.
     coeffs, _ = fit_poly_nonneg([128, 256, 384, 512], [100.0, 97.0, 103.0, 96.0], 2)

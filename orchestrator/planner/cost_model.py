@@ -421,7 +421,7 @@ class StageCosts:
         # dispatcher messages of the forward
         self.selective_recompute_us = (self.compute.selective_recompute_us
                                        + self.cp.selective_rerun_us)
-        self.full_recompute_us = (self.compute.block.fwd_us + self.tp.recompute_us
+        self.full_recompute_us = (self.compute.full_rerun_us + self.tp.recompute_us
                                   + self.cp.full_rerun_us)
         if self.moe is not None:
             self.full_recompute_us = self.full_recompute_us + self.moe_comm.layer.fwd_us

@@ -345,6 +345,9 @@ class TpFit:
     # the host's time to issue a call (us); None where they are not told apart (CPU, analytic).
     device: Optional[Mapping[str, Tuple[float, ...]]] = None
     host: Optional[Mapping[str, float]] = None
+    # What selective and full recompute add to a block's forward + backward, timed as train
+    # runs them (a CPU's tp 1: fits.recompute_us); None: priced from the FLOPs instead.
+    recompute: Optional[Mapping[str, Tuple[float, ...]]] = None
 
     def coeffs(self, part: str) -> Tuple[float, ...]:
         """The coefficients that price `part`'s work per sequence (block_fwd, ...): the
@@ -433,7 +436,8 @@ class ModelCost:
         m = profile.model
         fits = {tp: TpFit(f.block_fwd_us, f.block_bwd_us, f.other_fwd_us, f.other_bwd_us,
                           float(f.extras.get("block_optim_us", 0.0)),
-                          float(f.extras.get("other_optim_us", 0.0)), f.device_us, f.host_us)
+                          float(f.extras.get("other_optim_us", 0.0)), f.device_us, f.host_us,
+                          f.extras.get("recompute_us"))
                 for tp, f in profile.fits.items()}
         memory = {tp: (_part_memory(mem.block, m.seq_len), _part_memory(mem.other, m.seq_len))
                   for tp, mem in profile.memory.items()}
@@ -501,6 +505,13 @@ class ModelCost:
         profile): the attention score/softmax/value product that selective recompute reruns."""
         coeffs = self._fit(tp).coeffs("block_fwd")
         return max(0.0, coeffs[2] if len(coeffs) > 2 else 0.0) * seq_len ** 2
+
+    def recompute_us(self, mode: str, seq_len: float, tp: int, batch=1.0) -> Optional[float]:
+        """What recompute `mode` (selective, full) adds to one block's forward + backward for a
+        micro-batch of `batch` sequences, as profile_model timed it (a call's constant once);
+        None where the profile prices it from the FLOPs (a GPU's, analytic, tp > 1)."""
+        coeffs = (self._fit(tp).recompute or {}).get(mode)
+        return None if coeffs is None else _poly(coeffs, seq_len, batch)
 
     def other_fwd_us(self, seq_len: float, tp: int, batch=1.0) -> float:
         """Forward time (us) of embedding + final norm + LM head + loss for `batch`

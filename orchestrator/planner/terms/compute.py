@@ -5,7 +5,7 @@ for trace so its op times are the planner's compute."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -23,13 +23,16 @@ class LayerCompute:
 
     block: forward and backward of one transformer block;
     selective_recompute_us: the attention core (the s^2 term of the block's forward fit), what
-      Megatron's selective recompute reruns in the backward;
+      Megatron's selective recompute reruns in the backward, or what the profile timed it to
+      add (a CPU's);
     other: embedding + final norm + LM head + loss, all of it (cost_model splits it over the
       first and the last stage)."""
 
     block: FwdBwd
     selective_recompute_us: float
     other: FwdBwd
+    # what full recompute adds, as the profile timed it (a CPU's); None: one more forward
+    full_recompute_us: Optional[float] = None
 
     @classmethod
     def from_model(cls, model: ModelCost, seq_len: int, tp: int,
@@ -40,19 +43,29 @@ class LayerCompute:
         work (its tokens' linear work, and its balanced half-early, half-late share of the
         causal attention)."""
         b = micro_batch_size / cp
+        selective = model.recompute_us("selective", seq_len, tp, b)
         return cls(block=FwdBwd(model.block_fwd_us(seq_len, tp, b),
                                 model.block_bwd_us(seq_len, tp, b)),
-                   selective_recompute_us=b * model.attention_core_fwd_us(seq_len, tp),
+                   selective_recompute_us=(b * model.attention_core_fwd_us(seq_len, tp)
+                                           if selective is None else selective),
                    other=FwdBwd(model.other_fwd_us(seq_len, tp, b),
-                                model.other_bwd_us(seq_len, tp, b)))
+                                model.other_bwd_us(seq_len, tp, b)),
+                   full_recompute_us=model.recompute_us("full", seq_len, tp, b))
 
     def scaled(self, factor: float) -> "LayerCompute":
         """Every time times `factor` (contention, a calibrated efficiency); itself for 1."""
         if factor == 1.0:
             return self
+        full = self.full_recompute_us
         return LayerCompute(block=FwdBwd(self.block.fwd_us * factor, self.block.bwd_us * factor),
                             selective_recompute_us=self.selective_recompute_us * factor,
-                            other=FwdBwd(self.other.fwd_us * factor, self.other.bwd_us * factor))
+                            other=FwdBwd(self.other.fwd_us * factor, self.other.bwd_us * factor),
+                            full_recompute_us=None if full is None else full * factor)
+
+    @property
+    def full_rerun_us(self):
+        """What full recompute adds to a block: as timed, else its forward once more."""
+        return self.block.fwd_us if self.full_recompute_us is None else self.full_recompute_us
 
 
 def layer_compute(model: ModelCost, key, seq_len, micro_batch_size, imbalance: float,
@@ -71,9 +84,11 @@ def layer_compute(model: ModelCost, key, seq_len, micro_batch_size, imbalance: f
             scale = linear_scale(model, model.moe, imbalance) - 1.0
             lin_fwd, lin_bwd = model.block_linear_us(seq_len, key.tp, micro_batch_size / key.cp)
             extra_fwd, extra_bwd = scale * lin_fwd, scale * lin_bwd
+        full = compute.full_recompute_us  # the dense block's, as timed: its MoE part reruns too
         compute = LayerCompute(FwdBwd(compute.block.fwd_us + extra_fwd,
                                       compute.block.bwd_us + extra_bwd),
-                               compute.selective_recompute_us, compute.other)
+                               compute.selective_recompute_us, compute.other,
+                               None if full is None else full + extra_fwd)
     return compute.scaled(factor)
 
 
@@ -159,7 +174,7 @@ class StageCompute:
     def recompute_us(self, n, mode_code, k):
         """The compute recompute reruns (us per micro-batch) in a stage of n layers."""
         return recompute_rerun_us(n, mode_code, k, self.layer.selective_recompute_us,
-                                  self.layer.block.fwd_us, self.recompute_factor)
+                                  self.layer.full_rerun_us, self.recompute_factor)
 
     def optimizer_us(self, j, n):
         """The optimizer step (us) of stage j holding n layers, on one rank after ZeRO."""

@@ -158,6 +158,9 @@ def fit_points(points: Sequence[Mapping]) -> Dict[str, dict]:
         for key in OPTIM_KEYS:  # the optimizer step does not depend on the sequence length
             if all(key in p for p in pts):
                 entry[key] = float(np.median([p[key] for p in pts]))
+        recompute = fit_recompute(pts)
+        if recompute is not None:
+            entry["recompute_us"] = recompute
         host_device = fit_host_device(pts)
         if host_device is not None:  # a GPU's points: the host's and the device's times apart
             (entry["device_us"], entry["host_us"], entry["device_rel_residuals"],
@@ -166,6 +169,31 @@ def fit_points(points: Sequence[Mapping]) -> Dict[str, dict]:
         entry["source"] = sources[0] if len(sources) == 1 else "mixed"
         fits[str(tp)] = entry
     return fits
+
+
+# A point's block forward + backward under each recompute mode (profiling/model/timing.py
+# RECOMPUTE_PARTS; CPU, tp 1), by mode.
+RECOMPUTE_KEYS = {"selective": "block_selective_us", "full": "block_full_us"}
+
+
+def fit_recompute(points: Sequence[Mapping]) -> Optional[Dict[str, List[float]]]:
+    """What each recompute mode adds to a block's forward + backward, [c0, c1, c2] in s (a
+    call's constant once, the rest per sequence), fitted as the forward (fit_block, its FLOPs):
+    a point's extra is its time under the mode less its forward and backward (at least 1% of
+    the forward: a selective extra within the noise is not negative work). None unless every
+    point timed both modes."""
+    if not points or not all(key in p for p in points for key in RECOMPUTE_KEYS.values()):
+        return None
+    seqs = [p["seq_len"] for p in points]
+    flops = ([p["flops"]["block_fwd"] for p in points]
+             if all("block_fwd" in p.get("flops", {}) for p in points) else None)
+    out = {}
+    for mode, key in RECOMPUTE_KEYS.items():
+        extra = [max(p[key] - p["block_fwd_us"] - p["block_bwd_us"], 0.01 * p["block_fwd_us"])
+                 for p in points]
+        coeffs, _, _ = fit_block(seqs, extra, flops)
+        out[mode] = coeffs
+    return out
 
 
 def _per_sequence_flops(seq_lens, flops_per_seq) -> Tuple[float, float]:

@@ -25,7 +25,8 @@ from orchestrator.profiling.model.host_device import combine_host_device, time_h
 from orchestrator.profiling.model.timing import (build_point_model, combine_ranks,
                                                  fastest_and_median, local_numel, memory_point,
                                                  optimizer_step_bytes_per_element,
-                                                 time_optimizer_step_us, time_point)
+                                                 time_optimizer_step_us, time_point,
+                                                 time_recompute)
 
 
 class MeasuredTiming:
@@ -69,6 +70,10 @@ class MeasuredTiming:
         group = self.meshes[tp].get_group() if tp > 1 else None
         barrier = (lambda: dist.barrier(group=group)) if group is not None else (lambda: None)
         samples = time_point(pm, seq, self.warmup_iters, self.iters, barrier)
+        if self.device.type == "cpu" and tp == 1:
+            # A CPU runs a checkpoint's own work on the clock the cost model prices (a GPU's
+            # host issues it while the device runs the rerun's kernels: FLOPs price those).
+            samples.update(time_recompute(pm, seq, self.warmup_iters, self.iters))
         block_numel = local_numel(pm.block.parameters())
         other_numel = local_numel(pm.other_params())
         model_numel = self.layers * block_numel + other_numel  # the most a stage steps

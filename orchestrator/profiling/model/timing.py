@@ -124,6 +124,8 @@ def _zero_grads(module: torch.nn.Module) -> None:
 
 
 PARTS = ("block_fwd_us", "block_bwd_us", "other_fwd_us", "other_bwd_us")
+# The block's forward + backward under selective and under full recompute (time_recompute).
+RECOMPUTE_PARTS = {Recompute.selective: "block_selective_us", Recompute.full: "block_full_us"}
 OPTIM_MIN_NUMEL = 1 << 22  # 4M fp32 elements: master, grad and states well beyond a CPU's cache
 
 
@@ -254,6 +256,42 @@ def time_point(pm: PointModel, seq_len: int, warmup_iters: int, iters: int,
     return samples
 
 
+def time_recompute(pm: PointModel, seq_len: int, warmup_iters: int,
+                   iters: int) -> Dict[str, List[float]]:
+    """Samples (us) of the block's forward + backward under each recompute mode, run as train
+    runs it: selective checkpoints the attention core (`attn.recompute_core`), full the whole
+    block (torch.utils.checkpoint, as a pipeline stage does). On a CPU the checkpoints' own
+    work (saved-tensor hooks, the rerun's dispatch) costs more than the rerun's FLOPs say: one
+    tiny block at seq 128 took 2.72 ms forward + backward, 3.26 selective, 4.62 full (1.8
+    forwards more). Keys: RECOMPUTE_PARTS's."""
+    from torch.utils.checkpoint import checkpoint
+
+    clock = Stopwatch(pm.device)
+    x = pm.block_input(seq_len, torch.Generator().manual_seed(4321 + seq_len))
+    dy = torch.randn_like(x)
+    cos, sin = pm.rope()
+    samples: Dict[str, List[float]] = {key: [] for key in RECOMPUTE_PARTS.values()}
+    attn = pm.block.attn
+    for mode, key in RECOMPUTE_PARTS.items():
+        attn.recompute_core = mode == Recompute.selective
+        try:
+            for i in range(warmup_iters + iters):
+                clock.sync()
+                t0 = clock.mark()
+                y = (checkpoint(pm.block, x, cos, sin, use_reentrant=False)
+                     if mode == Recompute.full else pm.block(x, cos, sin))
+                y.backward(dy)
+                t1 = clock.mark()
+                x.grad = None
+                _zero_grads(pm.block)
+                del y
+                if i >= warmup_iters:
+                    samples[key].append(clock.elapsed_us(t0, t1))
+        finally:
+            attn.recompute_core = False
+    return samples
+
+
 def fastest_and_median(samples: Dict[str, List[float]]) -> Dict[str, float]:
     """Per part: the median iteration (the key itself) and the fastest ("<part>_fastest_us"), us.
 
@@ -276,7 +314,8 @@ def combine_ranks(per_rank: List[Dict[str, float]], tp: int) -> Dict[str, float]
     "<part>_us" is compute only: the part's median iteration minus the median time an iteration
     spent in TP collectives; "<part>_total_us" keeps the whole (tp > 1), "<part>_comm_us" the
     collectives, "<part>_fastest_us" the fastest iteration (whole part). "block_optim_us" and
-    "other_optim_us" (optimizer steps, time_optimizer_step_us) pass through as the groups' median.
+    "other_optim_us" (optimizer steps, time_optimizer_step_us) and the block under each
+    recompute mode (time_recompute) pass through as the groups' median.
     """
     def across(key: str) -> float:
         return median_of_group_max([r.get(key, 0.0) for r in per_rank], tp)
@@ -289,7 +328,7 @@ def combine_ranks(per_rank: List[Dict[str, float]], tp: int) -> Dict[str, float]
         if tp > 1:
             out[part.replace("_us", "_total_us")] = total
             out[part.replace("_us", "_comm_us")] = comm
-    for key in OPTIM_KEYS:
+    for key in OPTIM_KEYS + tuple(RECOMPUTE_PARTS.values()):
         if all(key in r for r in per_rank):
             out[key] = across(key)
     return out

@@ -74,7 +74,10 @@ class ModelPoint(Record):
                                    "eager (earlier profiles, analytic points)", default=None)
     extras: Dict[str, Any] = doc("*_fastest_us, *_optim_us, *_total_us, *_comm_us, iters, "
                                  "groups, flops, per-mode activation bytes per micro-batch, "
-                                 "states, megatron_act_bytes, megatron_ratio", default_factory=dict)
+                                 "states, megatron_act_bytes, megatron_ratio; on a CPU at tp 1 "
+                                 "block_selective_us and block_full_us (the block's forward + "
+                                 "backward under that recompute, as train runs it)",
+                                 default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -97,7 +100,10 @@ class TpFits(Record):
         "dispatch, kernel launches; the same for every length and micro-batch size, the "
         "median). A call costs max(host, device): they overlap", default=None)
     extras: Dict[str, Any] = doc("seq_lens, rel_residuals, block_models, source, "
-                                 "device_rel_residuals, device_models", default_factory=dict)
+                                 "device_rel_residuals, device_models; recompute_us (a CPU's "
+                                 "tp 1: what selective and full recompute add to the block's "
+                                 "forward + backward, [c0, c1, c2] as the forward's fit)",
+                                 default_factory=dict)
 
     def check(self, path: str) -> None:
         for name, most in (("block_fwd_us", 3), ("block_bwd_us", 3), ("other_fwd_us", 2),
