@@ -30,6 +30,9 @@ QUADRATIC_MARGIN = 0.5  # the free quadratic must validate this much better than
 EXACT_REL_ERR = 1e-9  # relative errors below this are round-off: both models are exact
 OTHER_KEYS = ("other_fwd_us", "other_bwd_us")
 OPTIM_KEYS = ("block_optim_us", "other_optim_us")
+# A point's block forward + backward under each recompute mode, by mode (timed by
+# profiling/model/timing.py time_recompute: a CPU, tp 1).
+RECOMPUTE_KEYS = {"selective": "block_selective_us", "full": "block_full_us"}
 
 
 def predict_poly(coeffs: Sequence[float], seq_len: float) -> float:
@@ -169,11 +172,6 @@ def fit_points(points: Sequence[Mapping]) -> Dict[str, dict]:
         entry["source"] = sources[0] if len(sources) == 1 else "mixed"
         fits[str(tp)] = entry
     return fits
-
-
-# A point's block forward + backward under each recompute mode (profiling/model/timing.py
-# RECOMPUTE_PARTS; CPU, tp 1), by mode.
-RECOMPUTE_KEYS = {"selective": "block_selective_us", "full": "block_full_us"}
 
 
 def fit_recompute(points: Sequence[Mapping]) -> Optional[Dict[str, List[float]]]:

@@ -31,7 +31,7 @@ from orchestrator.choices import Recompute
 from orchestrator.models.config import ModelConfig
 from orchestrator.profiling.measure import Stopwatch, is_cuda, median_of_group_max, summarize
 from orchestrator.profiling.model import memory as mem
-from orchestrator.profiling.model.fit import OPTIM_KEYS
+from orchestrator.profiling.model.fit import OPTIM_KEYS, RECOMPUTE_KEYS
 
 
 @dataclass
@@ -124,8 +124,6 @@ def _zero_grads(module: torch.nn.Module) -> None:
 
 
 PARTS = ("block_fwd_us", "block_bwd_us", "other_fwd_us", "other_bwd_us")
-# The block's forward + backward under selective and under full recompute (time_recompute).
-RECOMPUTE_PARTS = {Recompute.selective: "block_selective_us", Recompute.full: "block_full_us"}
 OPTIM_MIN_NUMEL = 1 << 22  # 4M fp32 elements: master, grad and states well beyond a CPU's cache
 
 
@@ -263,16 +261,16 @@ def time_recompute(pm: PointModel, seq_len: int, warmup_iters: int,
     block (torch.utils.checkpoint, as a pipeline stage does). On a CPU the checkpoints' own
     work (saved-tensor hooks, the rerun's dispatch) costs more than the rerun's FLOPs say: one
     tiny block at seq 128 took 2.72 ms forward + backward, 3.26 selective, 4.62 full (1.8
-    forwards more). Keys: RECOMPUTE_PARTS's."""
+    forwards more). Keys: fit.RECOMPUTE_KEYS's, which the fit reads."""
     from torch.utils.checkpoint import checkpoint
 
     clock = Stopwatch(pm.device)
     x = pm.block_input(seq_len, torch.Generator().manual_seed(4321 + seq_len))
     dy = torch.randn_like(x)
     cos, sin = pm.rope()
-    samples: Dict[str, List[float]] = {key: [] for key in RECOMPUTE_PARTS.values()}
+    samples: Dict[str, List[float]] = {key: [] for key in RECOMPUTE_KEYS.values()}
     attn = pm.block.attn
-    for mode, key in RECOMPUTE_PARTS.items():
+    for mode, key in RECOMPUTE_KEYS.items():
         attn.recompute_core = mode == Recompute.selective
         try:
             for i in range(warmup_iters + iters):
@@ -328,7 +326,7 @@ def combine_ranks(per_rank: List[Dict[str, float]], tp: int) -> Dict[str, float]
         if tp > 1:
             out[part.replace("_us", "_total_us")] = total
             out[part.replace("_us", "_comm_us")] = comm
-    for key in OPTIM_KEYS + tuple(RECOMPUTE_PARTS.values()):
+    for key in OPTIM_KEYS + tuple(RECOMPUTE_KEYS.values()):
         if all(key in r for r in per_rank):
             out[key] = across(key)
     return out
