@@ -324,6 +324,60 @@ def test_kernel_bytes_count_reads_and_writes_of_plain_in_place_and_foreach_ops()
     assert (plain.bytes, in_place.bytes, foreach.bytes) == (12000, 8000, 16000)
 
 
+def test_the_profiled_backward_adds_gradients_into_fp32_as_train_does_and_frees_them():
+    """Train adds each micro-batch's gradients into its fp32 buckets (train/grads.py); the
+    profile's backward pays the same add (MainGrads): 10 bytes per bf16 parameter, the sum
+    exact, the gradient freed."""
+    from orchestrator.profiling.model.timing import KernelBytes, MainGrads
+
+    pm = build_point_model(ModelConfig(dtype="bf16"), 32, 1, None, "cpu")
+    grads = MainGrads(pm.model.parameters())
+    cos, sin = pm.rope()
+    x = pm.block_input(32, torch.Generator().manual_seed(0))
+    block = list(pm.block.parameters())
+    seen = []
+    for step in range(2):
+        pm.block(x * (step + 1), cos, sin).float().square().sum().backward()
+        seen.append([p.grad.float() for p in block])
+        with KernelBytes() as counted:
+            grads.add()
+        assert counted.bytes == (4 + 2 + 4) * sum(p.numel() for p in block)
+        assert all(p.grad is None for p in block)
+    for p, first, second in zip(block, *seen):
+        assert torch.equal(grads.buffers[p], (first + second).reshape(-1))
+    assert not grads.buffers[pm.model.lm_head.weight].any()  # no gradient: nothing added
+
+
+def test_each_timed_backward_runs_trains_gradient_accumulation(monkeypatch):
+    """time_point's block and other backwards, each recompute mode's, and the GPU's queued
+    calls (run here untimed) each add the gradients their backward made: the profile times
+    what a micro-batch costs in train, gradient hooks included."""
+    from orchestrator.profiling.model import host_device, timing
+
+    pm = build_point_model(ModelConfig(), 32, 1, None, "cpu")
+    names = {p: name.split(".")[0] for name, p in pm.model.named_parameters()}
+    calls = []
+    original = timing.MainGrads.add
+
+    def add(self):
+        calls.append(sorted({names[p] for p in self.buffers if p.grad is not None}))
+        original(self)
+    monkeypatch.setattr(timing.MainGrads, "add", add)
+    block, other = ["blocks"], ["lm_head", "norm", "tok_emb"]
+    timing.time_point(pm, 32, warmup_iters=1, iters=1)
+    assert calls == [block, other] * 2
+    calls.clear()
+    timing.time_recompute(pm, 32, warmup_iters=0, iters=1)
+    assert calls == [block] * len(timing.RECOMPUTE_KEYS)
+    calls.clear()
+    x = pm.block_input(32)
+    tokens, targets = pm.tokens(32)
+    host_device._host_device_once(pm, x, torch.randn_like(x), *pm.rope(), tokens, targets,
+                                  host_device._Untimed, lambda: None,
+                                  timing.MainGrads(pm.model.parameters()))
+    assert calls == [block, other]
+
+
 def test_analytic_optimizer_step_is_its_bytes_at_the_sheets_hbm_bandwidth():
     """A GPU sheet with hbm_GBps prices each part's step from its own parameters; a sheet
     without (cpu) prices none, as before."""

@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, Mapping, Sequence, Tuple
 import torch
 
 from orchestrator.profiling.measure import median_of_group_max, summarize
-from orchestrator.profiling.model.timing import PointModel, _zero_grads
+from orchestrator.profiling.model.timing import MainGrads, PointModel, _zero_grads
 
 
 # ~10 ms at ~2 GHz: longer than issuing any one part takes; doubled while it is not.
@@ -73,12 +73,18 @@ class _Untimed:
 
 
 def _host_device_once(pm: PointModel, x, dy, cos, sin, tokens, targets, clock: QueuedClock,
-                      barrier: Callable[[], None]) -> Dict[str, Tuple[float, float]]:
-    """One iteration of _run_once's parts, each call queued: {part: (device us, host us)}."""
+                      barrier: Callable[[], None],
+                      grads: MainGrads) -> Dict[str, Tuple[float, float]]:
+    """One iteration of _run_once's parts, each call queued: {part: (device us, host us)};
+    each backward with train's gradient accumulation (`grads`), as _run_once's."""
+    def backward(tensor, grad):
+        tensor.backward(grad)
+        grads.add()
+
     out = {}
     barrier()
     fwd_dev, fwd_host, y = clock.measure(lambda: pm.block(x, cos, sin))
-    bwd_dev, bwd_host, _ = clock.measure(functools.partial(y.backward, dy))
+    bwd_dev, bwd_host, _ = clock.measure(functools.partial(backward, y, dy))
     out["block_fwd_us"], out["block_bwd_us"] = (fwd_dev, fwd_host), (bwd_dev, bwd_host)
     x.grad = None
     _zero_grads(pm.block)
@@ -89,7 +95,7 @@ def _host_device_once(pm: PointModel, x, dy, cos, sin, tokens, targets, clock: Q
         h_in = h.detach().requires_grad_(True)
         head_dev, head_host, loss = clock.measure(lambda: pm.model.head_loss(h_in, targets))
         lb_dev, lb_host, _ = clock.measure(lambda: loss.backward())
-    eb_dev, eb_host, _ = clock.measure(lambda: h.backward(h_in.grad))
+    eb_dev, eb_host, _ = clock.measure(functools.partial(backward, h, h_in.grad))
     out["other_fwd_us"] = (emb_dev + head_dev, emb_host + head_host)
     out["other_bwd_us"] = (lb_dev + eb_dev, lb_host + eb_host)
     _zero_grads(pm.model)
@@ -107,6 +113,7 @@ def time_host_device(pm: PointModel, seq_len: int, batches: Sequence[int], warmu
     with one size only where ranks must agree (TP groups run collectives)."""
     clock = clock or QueuedClock()
     cos, sin = pm.rope()
+    grads = MainGrads(pm.model.parameters())
     out: Dict[int, dict] = {}
     for batch in sorted(set(batches)):
         try:
@@ -116,7 +123,8 @@ def time_host_device(pm: PointModel, seq_len: int, batches: Sequence[int], warmu
             samples: Dict[str, List[float]] = {}
             for i in range(warmup_iters + iters):
                 times = _host_device_once(pm, x, dy, cos, sin, tokens, targets,
-                                          clock if i >= warmup_iters else _Untimed, barrier)
+                                          clock if i >= warmup_iters else _Untimed, barrier,
+                                          grads)
                 if i < warmup_iters:
                     continue
                 for part, (device_us, host_us) in times.items():

@@ -132,8 +132,9 @@ class MeasuredTiming:
                 "timing": "median of `iters` iterations per rank (fastest kept as *_fastest_us); "
                           "a TP group is its slowest rank, groups summarised by their median; "
                           "*_us exclude TP collectives (kept as *_comm_us), *_total_us include "
-                          "them; *_optim_us: the optimizer step (norm, clip, AdamW, copy) of "
-                          "the part's parameters",
+                          "them; each backward adds its gradients into fp32 buffers, as "
+                          "train's buckets accumulate them per micro-batch; *_optim_us: the "
+                          "optimizer step (norm, clip, AdamW, copy) of the part's parameters",
                 "activations": ("CUDA allocator (saved-tensor count in block_act_bytes_saved)"
                                 if self.allocator else "saved tensors (exact)"),
                 "host_device": self.host_device_note(),

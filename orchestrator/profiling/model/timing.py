@@ -123,6 +123,33 @@ def _zero_grads(module: torch.nn.Module) -> None:
         p.grad = None
 
 
+class MainGrads:
+    """What train does with each micro-batch's parameter gradients (train/grads.py): adds them
+    into its fp32 buckets (Megatron's main_grad) and frees them; with fp32 weights autograd adds
+    into the bucket's view in place, the same bytes. A timed backward calls `add` after it, so
+    the profile prices it: 10 bytes per parameter per micro-batch for bf16 weights, ~0.5 ms a
+    micro-batch for a llama2_7b block on an H200 (a fifth of its backward at micro-batch 1),
+    which profiles without it left out of every step. The buffers are made up front (zeros:
+    never denormal garbage on a CPU), so a counting mode sees only the adds. A step of one
+    micro-batch copies instead (6 bytes, not 10): priced as an add, the larger."""
+
+    def __init__(self, params):
+        self.buffers = {}
+        for p in params:
+            local = getattr(p, "_local_tensor", p)  # a DTensor's shard on this rank
+            self.buffers[p] = torch.zeros(local.numel(), dtype=torch.float32,
+                                          device=local.device)
+
+    def add(self) -> None:
+        """Add every gradient the last backward left into its buffer, and free it."""
+        for p, buf in self.buffers.items():
+            g = p.grad
+            if g is None:
+                continue
+            buf.add_(getattr(g, "_local_tensor", g).reshape(-1))
+            p.grad = None
+
+
 PARTS = ("block_fwd_us", "block_bwd_us", "other_fwd_us", "other_bwd_us")
 OPTIM_MIN_NUMEL = 1 << 22  # 4M fp32 elements: master, grad and states well beyond a CPU's cache
 
@@ -170,8 +197,10 @@ class CommTimer:
 
 
 def _run_once(pm: PointModel, x, dy, cos, sin, tokens, targets, clock: Stopwatch,
-              barrier: Callable[[], None], comm: Optional[CommTimer] = None) -> Dict[str, float]:
-    """One iteration of block fwd/bwd and other fwd/bwd; elapsed us per part."""
+              barrier: Callable[[], None], grads: MainGrads,
+              comm: Optional[CommTimer] = None) -> Dict[str, float]:
+    """One iteration of block fwd/bwd and other fwd/bwd, each backward with train's gradient
+    accumulation (`grads`); elapsed us per part."""
     region = comm.region if comm else (lambda key: contextlib.nullcontext())
     barrier()
     clock.sync()
@@ -181,6 +210,7 @@ def _run_once(pm: PointModel, x, dy, cos, sin, tokens, targets, clock: Stopwatch
     t1 = clock.mark()
     with region("block_bwd_us"):
         y.backward(dy)
+        grads.add()
     t2 = clock.mark()
     out = {"block_fwd_us": clock.elapsed_us(t0, t1), "block_bwd_us": clock.elapsed_us(t1, t2)}
     x.grad = None
@@ -204,6 +234,7 @@ def _run_once(pm: PointModel, x, dy, cos, sin, tokens, targets, clock: Stopwatch
         t4 = clock.mark()
     with region("other_bwd_us"):
         h.backward(h_in.grad)
+        grads.add()
     t5 = clock.mark()
     out["other_fwd_us"] = clock.elapsed_us(t0, t1) + clock.elapsed_us(t2, t3)
     out["other_bwd_us"] = clock.elapsed_us(t3, t4) + clock.elapsed_us(t4, t5)
@@ -233,9 +264,10 @@ def time_point(pm: PointModel, seq_len: int, warmup_iters: int, iters: int,
     dy = torch.randn_like(x)
     cos, sin = pm.rope()
     tokens, targets = pm.tokens(seq_len)
+    grads = MainGrads(pm.model.parameters())
     samples: Dict[str, List[float]] = {k: [] for k in PARTS}
     for i in range(warmup_iters + iters):
-        times = _run_once(pm, x, dy, cos, sin, tokens, targets, clock, barrier)
+        times = _run_once(pm, x, dy, cos, sin, tokens, targets, clock, barrier, grads)
         if i >= warmup_iters:
             for k, v in times.items():
                 samples[k].append(v)
@@ -248,7 +280,7 @@ def time_point(pm: PointModel, seq_len: int, warmup_iters: int, iters: int,
             # eager: the mode sees each collective op by op (a compiled block's run inside
             # its graph); the same collectives, timed bracketed by synchronisations
             with eager(pm.model), timer.mode:
-                _run_once(pm, x, dy, cos, sin, tokens, targets, clock, barrier, timer)
+                _run_once(pm, x, dy, cos, sin, tokens, targets, clock, barrier, grads, timer)
             for k in PARTS:
                 samples[comm_keys[k]].append(timer.totals_us.get(k, 0.0))
     return samples
@@ -268,6 +300,7 @@ def time_recompute(pm: PointModel, seq_len: int, warmup_iters: int,
     x = pm.block_input(seq_len, torch.Generator().manual_seed(4321 + seq_len))
     dy = torch.randn_like(x)
     cos, sin = pm.rope()
+    grads = MainGrads(pm.block.parameters())  # as time_point's backward: what modes add
     samples: Dict[str, List[float]] = {key: [] for key in RECOMPUTE_KEYS.values()}
     attn = pm.block.attn
     for mode, key in RECOMPUTE_KEYS.items():
@@ -279,6 +312,7 @@ def time_recompute(pm: PointModel, seq_len: int, warmup_iters: int,
                 y = (checkpoint(pm.block, x, cos, sin, use_reentrant=False)
                      if mode == Recompute.full else pm.block(x, cos, sin))
                 y.backward(dy)
+                grads.add()
                 t1 = clock.mark()
                 x.grad = None
                 _zero_grads(pm.block)
