@@ -122,6 +122,30 @@ def test_micro_batch_sizes_are_priced_and_ranked_as_they_run():
     assert _step_us(cost, 1) < _step_us(cost, 8, "full")
 
 
+def test_full_recompute_reruns_the_forward_inside_the_backwards_call():
+    """The backward of a fully recomputed block is one call: the host issues the rerun's
+    kernels and the backward's while the device runs both, so a host-bound forward (one
+    sequence) reruns under a device-bound backward for less than its own call, and a
+    device-bound one costs its device time, as before."""
+    from orchestrator.planner.terms.compute import LayerCompute
+
+    cost = ModelCost.from_dict(gpu_profile())
+    for s, b in ((2048, 1), (2048, 8), (1280, 1), (128, 1)):
+        fwd, bwd = (device_us(part, s, b) for part in ("block_fwd", "block_bwd"))
+        call = max(HOST["block_fwd"] + HOST["block_bwd"], fwd + bwd)
+        layer = LayerCompute.from_model(cost, s, 1, b)
+        assert layer.block.bwd_us + layer.full_rerun_us == pytest.approx(call, rel=1e-9)
+    mixed = LayerCompute.from_model(cost, 1280, 1, 1)  # a host-bound forward, then ...
+    assert HOST["block_fwd"] > device_us("block_fwd", 1280, 1)
+    assert device_us("block_bwd", 1280, 1) > HOST["block_bwd"]  # ... a device-bound backward
+    assert mixed.full_rerun_us < 0.9 * mixed.block.fwd_us
+    device_bound = LayerCompute.from_model(cost, 2048, 1, 8)
+    assert device_bound.full_rerun_us == pytest.approx(device_us("block_fwd", 2048, 8))
+    # the step prices it: mbs 1 full costs the layer's rerun more per micro-batch, and no more
+    rerun = 8 * 4 * LayerCompute.from_model(cost, 2048, 1, 1).full_rerun_us
+    assert _step_us(cost, 1, "full") - _step_us(cost, 1) == pytest.approx(rerun, rel=1e-6)
+
+
 def test_a_profile_without_host_time_prices_as_before_and_a_half_one_is_refused():
     old = gpu_profile(host_device=False)  # a CPU's, an analytic or an older GPU profile
     cost = ModelCost.from_dict(old)

@@ -366,6 +366,21 @@ class TpFit:
         value = np.maximum(self.host[part], _poly(self.device[part], s, batch))
         return float(value) if np.ndim(value) == 0 else value
 
+    def full_rerun_us(self, s, batch=1.0):
+        """What full recompute adds to a block's backward call on a GPU profile (host and
+        device apart): the backward reruns the forward inside the one call, so the host issues
+        both while the device runs both, max(host fwd + bwd, device fwd + bwd), less the
+        backward's own call. A host-bound forward before a device-bound backward (micro-batch
+        1: 1,956 us host against 1,240 on the device for a llama2_7b block at 2,048 on an
+        H200) reruns under the backward's kernels for less than its own call. None without
+        the split (the FLOPs price one more forward)."""
+        if self.host is None:
+            return None
+        fwd, bwd = (_poly(self.device[part], s, batch) for part in ("block_fwd", "block_bwd"))
+        value = np.maximum(self.host["block_fwd"] + self.host["block_bwd"], fwd + bwd) \
+            - np.maximum(self.host["block_bwd"], bwd)
+        return float(value) if np.ndim(value) == 0 else value
+
 
 def _poly(coeffs: Tuple[float, ...], s, batch=1.0):
     """The polynomial at s (a float or a numpy array), never below 0; for a call on `batch`
@@ -508,10 +523,15 @@ class ModelCost:
 
     def recompute_us(self, mode: str, seq_len: float, tp: int, batch=1.0) -> Optional[float]:
         """What recompute `mode` (selective, full) adds to one block's forward + backward for a
-        micro-batch of `batch` sequences, as profile_model timed it (a call's constant once);
-        None where the profile prices it from the FLOPs (a GPU's, analytic, tp > 1)."""
-        coeffs = (self._fit(tp).recompute or {}).get(mode)
-        return None if coeffs is None else _poly(coeffs, seq_len, batch)
+        micro-batch of `batch` sequences: as profile_model timed it (a CPU's tp 1; a call's
+        constant once); full on a GPU profile, the forward rerun inside the backward's call
+        (TpFit.full_rerun_us); None where the FLOPs price it (selective on a GPU, analytic,
+        a CPU's tp > 1)."""
+        fit = self._fit(tp)
+        coeffs = (fit.recompute or {}).get(mode)
+        if coeffs is not None:
+            return _poly(coeffs, seq_len, batch)
+        return fit.full_rerun_us(seq_len, batch) if mode == "full" else None
 
     def other_fwd_us(self, seq_len: float, tp: int, batch=1.0) -> float:
         """Forward time (us) of embedding + final norm + LM head + loss for `batch`

@@ -31,7 +31,8 @@ class LayerCompute:
     block: FwdBwd
     selective_recompute_us: float
     other: FwdBwd
-    # what full recompute adds, as the profile timed it (a CPU's); None: one more forward
+    # what full recompute adds: as the profile timed it (a CPU's), the forward rerun inside
+    # the backward's call (a GPU's: TpFit.full_rerun_us); None: one more forward
     full_recompute_us: Optional[float] = None
 
     @classmethod
@@ -64,7 +65,8 @@ class LayerCompute:
 
     @property
     def full_rerun_us(self):
-        """What full recompute adds to a block: as timed, else its forward once more."""
+        """What full recompute adds to a block: as timed or as its backward call reruns it
+        (ModelCost.recompute_us), else its forward once more."""
         return self.block.fwd_us if self.full_recompute_us is None else self.full_recompute_us
 
 
