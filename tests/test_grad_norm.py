@@ -134,6 +134,32 @@ def test_the_norm_reads_each_gradient_element_once_in_fp32():
     assert optimizer_step_bytes_per_element(True) == pytest.approx(52.0, abs=0.01)
 
 
+def test_the_mean_the_unscale_and_the_clip_are_one_pass_over_the_gradients():
+    """The buckets hold summed gradients: the step divides them into their mean together with
+    the clip (and an fp16 loss scale's unscale), one mul_ per bucket, where a division of its
+    own read and wrote every element once more each step; the clipped step stays a plain
+    loop's (the test above)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = _model()
+    optim = _sharded(model)
+    sizes = {b.numel for b in optim.buckets}
+    passes = []
+
+    class Passes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            scaling = func.overloadpacket in (torch.ops.aten.div_, torch.ops.aten.mul_)
+            if scaling and args[0].numel() in sizes:
+                passes.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Passes():
+        _backward(model)  # a bucket is launched from the last gradient hook it waits for
+        optim.finish_backward()
+        optim.step(1e-3, CLIP, inv_scale=0.5)
+    assert passes == ["mul_"] * len(optim.buckets)
+
+
 SLOW_NORM_S = 0.3  # this rank's own sum of squares, slowed down to be seen
 
 
