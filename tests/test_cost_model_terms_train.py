@@ -11,8 +11,8 @@ import torch
 from orchestrator.layout import ParallelLayout
 from orchestrator.planner import HardwareModel, ModelCost, SearchSpace, evaluate, search
 from orchestrator.profiling.model.fit import fit_points
-from orchestrator.profiling.model.timing import (combine_ranks, fastest_and_median,
-                                                 time_optimizer_step_us)
+from orchestrator.profiling.model.optimizer_step import time_optimizer_step_us
+from orchestrator.profiling.model.timing import combine_ranks, fastest_and_median
 from planner_fixtures import GiB, synthetic_hardware, synthetic_model
 
 SEQ = 512

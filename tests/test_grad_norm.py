@@ -16,7 +16,8 @@ from torch import nn
 
 from conftest import spawn_ranks
 from orchestrator.profiling.measure import Stopwatch
-from orchestrator.profiling.model.timing import KernelBytes, optimizer_step_bytes_per_element
+from orchestrator.profiling.model.optimizer_step import (KernelBytes,
+                                                         optimizer_step_bytes_per_element)
 from orchestrator.train.grads import ShardedAdamW
 from orchestrator.train.optimizers import FsdpAdamW
 

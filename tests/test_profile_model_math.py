@@ -312,7 +312,7 @@ def test_point_estimate_counts_fp32_activations_at_4_bytes():
 
 
 def test_kernel_bytes_count_reads_and_writes_of_plain_in_place_and_foreach_ops():
-    from orchestrator.profiling.model.timing import KernelBytes
+    from orchestrator.profiling.model.optimizer_step import KernelBytes
 
     a, b = torch.ones(1000), torch.ones(1000)
     with KernelBytes() as plain:
@@ -328,7 +328,8 @@ def test_the_profiled_backward_adds_gradients_into_fp32_as_train_does_and_frees_
     """Train adds each micro-batch's gradients into its fp32 buckets (train/grads.py); the
     profile's backward pays the same add (MainGrads): 10 bytes per bf16 parameter, the sum
     exact, the gradient freed."""
-    from orchestrator.profiling.model.timing import KernelBytes, MainGrads
+    from orchestrator.profiling.model.optimizer_step import KernelBytes
+    from orchestrator.profiling.model.timing import MainGrads
 
     pm = build_point_model(ModelConfig(dtype="bf16"), 32, 1, None, "cpu")
     grads = MainGrads(pm.model.parameters())
@@ -381,7 +382,8 @@ def test_each_timed_backward_runs_trains_gradient_accumulation(monkeypatch):
 def test_analytic_optimizer_step_is_its_bytes_at_the_sheets_hbm_bandwidth():
     """A GPU sheet with hbm_GBps prices each part's step from its own parameters; a sheet
     without (cpu) prices none, as before."""
-    from orchestrator.profiling.model.timing import local_numel, optimizer_step_bytes_per_element
+    from orchestrator.profiling.model.optimizer_step import optimizer_step_bytes_per_element
+    from orchestrator.profiling.model.timing import local_numel
 
     us = {}
     for device in ("h100", "cpu"):

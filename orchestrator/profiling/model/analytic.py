@@ -91,7 +91,7 @@ def ops_mode(mapping: Optional[dict] = None):
     views nor device.NO_KERNEL_OPS). `mapping`: the attention FLOP formulas (_flop_mapping)."""
     import torch
 
-    from orchestrator.profiling.model.timing import KernelBytes
+    from orchestrator.profiling.model.optimizer_step import KernelBytes
 
     mapping = mapping if mapping is not None else _flop_mapping()
 

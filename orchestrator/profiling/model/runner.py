@@ -22,11 +22,11 @@ from orchestrator.profiling.model import memory as mem
 from orchestrator.profiling.model import moe
 from orchestrator.profiling.model.plan import ProfilePlan
 from orchestrator.profiling.model.host_device import combine_host_device, time_host_device
+from orchestrator.profiling.model.optimizer_step import (optimizer_step_bytes_per_element,
+                                                         time_optimizer_step_us)
 from orchestrator.profiling.model.timing import (build_point_model, combine_ranks,
                                                  fastest_and_median, local_numel, memory_point,
-                                                 optimizer_step_bytes_per_element,
-                                                 time_optimizer_step_us, time_point,
-                                                 time_recompute)
+                                                 time_point, time_recompute)
 
 
 class MeasuredTiming:
