@@ -137,9 +137,9 @@ def test_the_norm_reads_each_gradient_element_once_in_fp32():
 
 def test_the_mean_the_unscale_and_the_clip_are_one_pass_over_the_gradients():
     """The buckets hold summed gradients: the step divides them into their mean together with
-    the clip (and an fp16 loss scale's unscale), one mul_ per bucket, where a division of its
-    own read and wrote every element once more each step; the clipped step stays a plain
-    loop's (the test above)."""
+    the clip (and an fp16 loss scale's unscale), one mul_ per bucket (ZeRO-3: per
+    parameter), where a division of its own read and wrote every element once more each step;
+    the clipped step stays a plain loop's (the tests above and below)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     model = _model()
@@ -159,6 +159,17 @@ def test_the_mean_the_unscale_and_the_clip_are_one_pass_over_the_gradients():
         optim.finish_backward()
         optim.step(1e-3, CLIP, inv_scale=0.5)
     assert passes == ["mul_"] * len(optim.buckets)
+    # ZeRO-3's per-parameter gradients (FSDP's mean over dp, the micro-batches summed) alike
+    model = _model()
+    optim = FsdpAdamW(list(model.parameters()), num_micro_batches=MICRO_BATCHES)
+    _backward(model)
+    grads = {p.grad.data_ptr() for p in model.parameters()}
+    passes.clear()
+    sizes = {p.numel() for p in model.parameters()}
+    with Passes():
+        optim.finish_backward()
+        optim.step(1e-3, CLIP, inv_scale=0.5)
+    assert passes == ["mul_"] * len(grads)
 
 
 SLOW_NORM_S = 0.3  # this rank's own sum of squares, slowed down to be seen

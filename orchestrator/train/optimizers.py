@@ -96,12 +96,17 @@ class FsdpAdamW:
         """None to remove: FSDP2 reduces the gradients itself."""
 
     def finish_backward(self) -> None:
-        """FSDP averaged over dp; the micro-batches summed: make it their mean. Partial sums
-        (sequence-parallel norms) reduced."""
+        """Partial sums (sequence-parallel norms) reduced. FSDP averaged over dp and the
+        micro-batches summed: `step` divides by `_divisor` in its one scaling pass (as
+        ShardedAdamW's)."""
         for p in self.params:
             if p.grad is not None:
                 p.grad = full_grad(p)
-                p.grad.div_(self.m / self.rescale.get(p, 1.0))
+
+    def _divisor(self, p: nn.Parameter) -> float:
+        """What p's gradient is divided by into the mean over the micro-batches (and the
+        dense replicas, for the experts)."""
+        return self.m / self.rescale.get(p, 1.0)
 
     def grad_norm(self) -> float:
         return self.reduce_norm(self.local_sumsq())
@@ -112,8 +117,9 @@ class FsdpAdamW:
         by_weight: Dict[float, List[torch.Tensor]] = {}
         for p in self.params:
             g = full_grad(p)
-            if g is not None:
-                by_weight.setdefault(replication_weight(g), []).append(local_tensor(g))
+            if g is not None:  # the mean's: the sum's over its divisor squared
+                weight = replication_weight(g) / self._divisor(p) ** 2
+                by_weight.setdefault(weight, []).append(local_tensor(g))
         total = torch.zeros((), dtype=torch.float64, device=local_tensor(self.params[0]).device)
         for weight, grads in by_weight.items():
             total = total + sumsq(grads) * weight
@@ -126,8 +132,9 @@ class FsdpAdamW:
              norm: Optional[float] = None) -> None:
         """As ShardedAdamW.step."""
         norm = self.grad_norm() * inv_scale if norm is None else norm
-        factor = inv_scale * (grad_clip / (norm + 1e-6) if 0 < grad_clip < norm else 1.0)
+        clip = inv_scale * (grad_clip / (norm + 1e-6) if 0 < grad_clip < norm else 1.0)
         for p in self.params:
+            factor = clip / self._divisor(p)
             if p.grad is not None and factor != 1.0:
                 p.grad.mul_(factor)
         for group in self.optim.param_groups:
