@@ -74,13 +74,44 @@ def test_tiny_moe_measured_profile_has_the_moe_parts_beside_a_dense_block(profil
 
 
 def test_expert_time_grows_with_the_tokens_per_expert():
+    import torch
+
     cfg = _model("tiny_moe")
     cases = [(MoePart.experts, n, 1) for n in (4, 4096)]
-    small, large = moe.measure_cases(cfg, cases, "cpu", warmup_iters=1, iters=3)
+    # one thread, as a rank sharing this machine's cores runs (runtime.cpu_threads): the
+    # backward's gradient add (train's accumulation) is multi-threaded, and two threads of
+    # this process beside other tests' ranks stretched it to ~15 ms an iteration
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        small, large = moe.measure_cases(cfg, cases, "cpu", warmup_iters=1, iters=3)
+    finally:
+        torch.set_num_threads(threads)
     # 1024x the GEMM work: even a busy CPU's noise cannot hide it
     assert large["fwd_us"] > 5 * small["fwd_us"]
     assert large["bwd_us"] > 5 * small["bwd_us"]
     assert large["act_bytes"] == pytest.approx(1024 * small["act_bytes"])
+
+
+@pytest.mark.parametrize("part", list(MoePart))
+def test_each_timed_moe_part_backward_runs_trains_gradient_accumulation(monkeypatch, part):
+    """A part's timed backward adds the gradients it made into fp32 buffers, as train's
+    buckets do each micro-batch (timing.MainGrads, as the points'): an expert's weights are
+    added whatever its tokens, once per iteration."""
+    from orchestrator.profiling.model import timing
+
+    added = []
+    original = timing.MainGrads.add
+
+    def add(self):
+        added.append(sum(p.grad is not None for p in self.buffers))
+        original(self)
+    monkeypatch.setattr(timing.MainGrads, "add", add)
+    module = moe.build_part(_model("tiny_moe"), part, 1, "cpu")
+    moe.time_case(_model("tiny_moe"), (part, 8, 1), "cpu", warmup_iters=1, iters=2,
+                  module=module)
+    params = sum(p.requires_grad for p in module.parameters())
+    assert params > 0 and added == [params] * 3
 
 
 def test_analytic_expert_flops_are_the_hand_count_and_time_is_each_gemm_on_the_sheet():

@@ -16,7 +16,8 @@ code's own module (models/moe.py) run alone on one rank, against the tokens it p
 - mlp: the same SwiGLU at ffn / tp: the dense block's FFN, so that a MoE block is the block
   less it plus the parts above (moe_costs.py).
 
-Measured: real tensors on the rank's device (measure.Stopwatch: CUDA events on a GPU), the
+Measured: real tensors on the rank's device (measure.Stopwatch: CUDA events on a GPU), each
+backward with train's gradient accumulation (timing.MainGrads, as the points'), the
 median of `iters` iterations after `warmup_iters`, every rank at once (the contention the points
 see), the ranks' median. Analytic: meta tensors; on a device sheet with efficiency curves each
 GEMM at its own FLOPs' efficiency and every other op's bytes at hbm_GBps (device.OpTimer, as the
@@ -216,9 +217,13 @@ def time_case(cfg: ModelConfig, case: MoeCase, device, warmup_iters: int,
 
     from orchestrator.profiling.measure import Stopwatch
     from orchestrator.profiling.model import memory as mem
+    from orchestrator.profiling.model.timing import MainGrads
 
     part, tokens, split = case
     module = module if module is not None else build_part(cfg, part, split, device)
+    # train's gradient accumulation, as the points' backward (an expert's: ~0.44 ms a
+    # micro-batch for one of mixtral_8x7b's on an H200, whatever its tokens)
+    grads = MainGrads(module.parameters())
     g = torch.Generator().manual_seed(4321 + tokens)
     x = part_input(cfg, part, tokens, device, g)
     y = part_forward(cfg, part, module, x, tokens)
@@ -233,6 +238,7 @@ def time_case(cfg: ModelConfig, case: MoeCase, device, warmup_iters: int,
         y = part_forward(cfg, part, module, x, tokens)
         t1 = clock.mark()
         y.backward(dy)
+        grads.add()
         t2 = clock.mark()
         if i >= warmup_iters:
             samples["fwd_us"].append(clock.elapsed_us(t0, t1) / div)
