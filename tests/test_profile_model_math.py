@@ -7,7 +7,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from orchestrator.choices import Recompute
+from orchestrator.choices import Dtype, Recompute
 from orchestrator.config import CONF_DIR, register_configs
 from orchestrator.errors import ConfigError
 from orchestrator.models.config import ModelConfig, count_block_params
@@ -399,6 +399,36 @@ def test_analytic_optimizer_step_is_its_bytes_at_the_sheets_hbm_bandwidth():
     assert us["h100"]["block_optim_us"] == pytest.approx(numel[0] * per_us, rel=1e-12)
     assert us["h100"]["other_optim_us"] == pytest.approx(numel[1] * per_us, rel=1e-12)
     assert "block_optim_us" not in us["cpu"]
+    # train's gradient add per micro-batch, apart (a measured backward holds it): the
+    # gradient and the fp32 bucket read, the bucket written
+    add_us = (Dtype.parse(cfg.model.dtype).bytes + 8) / (3350 * 1e3)
+    assert us["h100"]["block_grad_add_us"] == pytest.approx(numel[0] * add_us, rel=1e-12)
+    assert us["h100"]["other_grad_add_us"] == pytest.approx(numel[1] * add_us, rel=1e-12)
+    assert "block_grad_add_us" not in us["cpu"]
+
+
+def test_an_analytic_gradient_add_is_priced_for_trains_engine_not_megatrons():
+    """stage=train's engine adds each micro-batch's gradients into fp32 buckets (a measured
+    profile's backward holds it); Megatron fuses it into the weight-gradient GEMM: an analytic
+    profile's add goes on each backward call for the one engine and not the other."""
+    from types import SimpleNamespace
+
+    from orchestrator.planner import ModelCost
+    from orchestrator.planner.terms.compute import layer_compute
+    from planner_fixtures import synthetic_model
+
+    prof = synthetic_model("gpu", tps=(1,))
+    prof["fits"]["1"].update(block_grad_add_us=120.0, other_grad_add_us=80.0)
+    cost, plain = ModelCost.from_dict(prof), ModelCost.from_dict(synthetic_model("gpu", tps=(1,)))
+    key = SimpleNamespace(tp=1, cp=1)
+    for b in (1, 4):
+        ours = layer_compute(cost, key, 1024, b, 1.0, 1.0, "orchestrator")
+        megatron = layer_compute(cost, key, 1024, b, 1.0, 1.0, "megatron")
+        measured = layer_compute(plain, key, 1024, b, 1.0, 1.0, "orchestrator")
+        assert megatron == measured  # no add: as before
+        assert ours.block.bwd_us == pytest.approx(megatron.block.bwd_us + 120.0)  # once a call
+        assert ours.other.bwd_us == pytest.approx(megatron.other.bwd_us + 80.0)
+        assert ours.block.fwd_us == megatron.block.fwd_us
 
 
 # ---------------------------------------------------------------- per-op compute (issue 41)

@@ -376,7 +376,7 @@ class StageCosts:
         cal = self.calibration
         # a MoE block on the busiest rank (terms/compute.layer_compute, which trace reads too)
         self.compute = layer_compute(model, key, seq_len, micro_batch_size, self.imbalance,
-                                     self.contention * cal.compute)
+                                     self.contention * cal.compute, self.engine)
         # The messages are the workload model's (workload/comm.py, moe.py); the terms price them
         # and messages() lists them.
         # Megatron's --tp-comm-overlap (sequence parallelism only): the block's GEMMs hide

@@ -348,6 +348,9 @@ class TpFit:
     # What selective and full recompute add to a block's forward + backward, timed as train
     # runs them (a CPU's tp 1: fits.recompute_us); None: priced from the FLOPs instead.
     recompute: Optional[Mapping[str, Tuple[float, ...]]] = None
+    # An analytic profile's (block, other) train gradient add per micro-batch (us), which a
+    # measured profile's backward already holds (0: measured, or no hbm_GBps on the sheet)
+    grad_add_us: Tuple[float, float] = (0.0, 0.0)
 
     def coeffs(self, part: str) -> Tuple[float, ...]:
         """The coefficients that price `part`'s work per sequence (block_fwd, ...): the
@@ -448,11 +451,14 @@ class ModelCost:
     @classmethod
     def from_profile(cls, profile: ModelProfile) -> "ModelCost":
         """Build from a validated model profile."""
+        from orchestrator.profiling.model.fit import GRAD_ADD_KEYS
+
         m = profile.model
         fits = {tp: TpFit(f.block_fwd_us, f.block_bwd_us, f.other_fwd_us, f.other_bwd_us,
                           float(f.extras.get("block_optim_us", 0.0)),
                           float(f.extras.get("other_optim_us", 0.0)), f.device_us, f.host_us,
-                          f.extras.get("recompute_us"))
+                          f.extras.get("recompute_us"),
+                          tuple(float(f.extras.get(k, 0.0)) for k in GRAD_ADD_KEYS))
                 for tp, f in profile.fits.items()}
         memory = {tp: (_part_memory(mem.block, m.seq_len), _part_memory(mem.other, m.seq_len))
                   for tp, mem in profile.memory.items()}
@@ -541,6 +547,12 @@ class ModelCost:
     def other_bwd_us(self, seq_len: float, tp: int, batch=1.0) -> float:
         """Backward time (us) of "other" for `batch` sequences."""
         return self._fit(tp).call_us("other_bwd", seq_len, batch)
+
+    def grad_add_us(self, tp: int) -> Tuple[float, float]:
+        """(block, other): train's add of one micro-batch's gradients into its fp32 buckets
+        (us, one rank of a TP group of `tp`), where the profile has it apart (an analytic one);
+        (0, 0) where its backward holds it (measured) or it is unknown."""
+        return self._fit(tp).grad_add_us
 
     def optimizer_us(self, tp: int) -> Tuple[float, float]:
         """(block, other): one optimizer step (us: norm, clipping, AdamW, parameter copy) of the

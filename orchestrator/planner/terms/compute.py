@@ -9,6 +9,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from orchestrator.choices import Engine
 from orchestrator.planner.calibration import contention_factor
 from orchestrator.planner.profiles import ModelCost
 from orchestrator.planner.terms import FwdBwd
@@ -37,20 +38,24 @@ class LayerCompute:
 
     @classmethod
     def from_model(cls, model: ModelCost, seq_len: int, tp: int,
-                   micro_batch_size: int, cp: int = 1) -> "LayerCompute":
+                   micro_batch_size: int, cp: int = 1,
+                   grad_add: bool = True) -> "LayerCompute":
         """Read the profile's per-sequence fits at `seq_len` for a micro-batch: a fit's
         constant once per call (host and launch overhead does not grow with the batch), the
         rest per sequence; with context parallelism a rank does 1 / cp of the per-sequence
         work (its tokens' linear work, and its balanced half-early, half-late share of the
-        causal attention)."""
+        causal attention). `grad_add`: each backward adds its gradients into fp32 buckets
+        (stage=train's engine), where the profile has that apart (an analytic one's); Megatron
+        fuses it into the weight-gradient GEMM."""
         b = micro_batch_size / cp
         selective = model.recompute_us("selective", seq_len, tp, b)
+        block_add, other_add = model.grad_add_us(tp) if grad_add else (0.0, 0.0)
         return cls(block=FwdBwd(model.block_fwd_us(seq_len, tp, b),
-                                model.block_bwd_us(seq_len, tp, b)),
+                                model.block_bwd_us(seq_len, tp, b) + block_add),
                    selective_recompute_us=(b * model.attention_core_fwd_us(seq_len, tp)
                                            if selective is None else selective),
                    other=FwdBwd(model.other_fwd_us(seq_len, tp, b),
-                                model.other_bwd_us(seq_len, tp, b)),
+                                model.other_bwd_us(seq_len, tp, b) + other_add),
                    full_recompute_us=model.recompute_us("full", seq_len, tp, b))
 
     def scaled(self, factor: float) -> "LayerCompute":
@@ -71,13 +76,14 @@ class LayerCompute:
 
 
 def layer_compute(model: ModelCost, key, seq_len, micro_batch_size, imbalance: float,
-                  factor: float) -> LayerCompute:
+                  factor: float, engine=Engine.orchestrator) -> LayerCompute:
     """A layer's compute per micro-batch of `micro_batch_size` sequences of `seq_len` tokens
     (floats, or arrays over micro-batches) for ConfigKey `key`, times `factor` (contention x
     calibration): for a MoE model a MoE block on the busiest EP rank at `imbalance` (terms/moe:
     profile_model's MoE parts when the profile has them, else the profiled block's matmuls
-    scaled to the MoE block's)."""
-    compute = LayerCompute.from_model(model, seq_len, key.tp, micro_batch_size, key.cp)
+    scaled to the MoE block's); `engine`'s gradient accumulation (LayerCompute.from_model)."""
+    compute = LayerCompute.from_model(model, seq_len, key.tp, micro_batch_size, key.cp,
+                                      grad_add=Engine.parse(engine) == Engine.orchestrator)
     if model.moe is not None:
         if model.moe_costs is not None:  # profile_model timed its parts beside the block
             extra_fwd, extra_bwd = moe_block_delta_us(model.moe_costs, model.moe, key, seq_len,
@@ -168,7 +174,8 @@ class StageCompute:
         contention = contention_factor(model.concurrency, key.pp, key.num_micro_batches,
                                        key.virtual_stages)
         layer = layer_compute(model, key, seq_len, key.micro_batch_size,
-                              moe_imbalance(model, options), contention * cal.compute)
+                              moe_imbalance(model, options), contention * cal.compute,
+                              options.engine)
         first, last = other_split(layer.other, options.other_time_first_share)
         block_optim_us, other_optim_us = optimizer_step_us(key, model, options)
         return cls(layer, first, last, cal.recompute, block_optim_us, other_optim_us)

@@ -30,6 +30,9 @@ QUADRATIC_MARGIN = 0.5  # the free quadratic must validate this much better than
 EXACT_REL_ERR = 1e-9  # relative errors below this are round-off: both models are exact
 OTHER_KEYS = ("other_fwd_us", "other_bwd_us")
 OPTIM_KEYS = ("block_optim_us", "other_optim_us")
+# An analytic profile's train gradient add per micro-batch (its points' bytes at the sheet's
+# HBM bandwidth), which a measured profile times inside the backward (timing.MainGrads)
+GRAD_ADD_KEYS = ("block_grad_add_us", "other_grad_add_us")
 # A point's block forward + backward under each recompute mode, by mode (timed by
 # profiling/model/timing.py time_recompute: a CPU, tp 1).
 RECOMPUTE_KEYS = {"selective": "block_selective_us", "full": "block_full_us"}
@@ -131,7 +134,8 @@ def fit_points(points: Sequence[Mapping]) -> Dict[str, dict]:
     [c0, c1] (linear), the largest relative error over all four fits ("max_rel_err"), the
     residuals per series ("rel_residuals", in the order of "seq_lens") and the source of the
     points fitted ("measured" or "analytic"), and "block_optim_us" / "other_optim_us" (the
-    optimizer step of the part's parameters on one rank, us; the points' median) when the points have them.
+    optimizer step of the part's parameters on one rank, us; the points' median) and
+    GRAD_ADD_KEYS (analytic: train's gradient add per micro-batch) when the points have them.
     """
     by_tp: Dict[int, List[Mapping]] = {}
     for p in points:
@@ -158,7 +162,7 @@ def fit_points(points: Sequence[Mapping]) -> Dict[str, dict]:
         entry["seq_lens"] = seqs
         entry["rel_residuals"] = resid
         entry["block_models"] = models
-        for key in OPTIM_KEYS:  # the optimizer step does not depend on the sequence length
+        for key in OPTIM_KEYS + GRAD_ADD_KEYS:  # neither depends on the sequence length
             if all(key in p for p in pts):
                 entry[key] = float(np.median([p[key] for p in pts]))
         recompute = fit_recompute(pts)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 from typing import Dict, Optional
 
+from orchestrator.choices import Dtype
 from orchestrator.models.compile import is_compiled
 from orchestrator.models.compile_setting import train_compile
 from orchestrator.profiling.model import analytic as an
@@ -191,6 +192,11 @@ class AnalyticTiming:
             us_per_element = per_element / (float(hbm_GBps) * 1e3)
             times["block_optim_us"] = local_numel(pm.block.parameters()) * us_per_element
             times["other_optim_us"] = local_numel(pm.other_params()) * us_per_element
+            # train's add of each micro-batch's gradients into its fp32 buckets (timing.MainGrads,
+            # inside a measured backward): read the gradient and the bucket, write the bucket
+            add_us = (Dtype.parse(self.dtype).bytes + 8) / (float(hbm_GBps) * 1e3)
+            times["block_grad_add_us"] = local_numel(pm.block.parameters()) * add_us
+            times["other_grad_add_us"] = local_numel(pm.other_params()) * add_us
         return times
 
     def moe_records(self, model, cases) -> list:
@@ -207,7 +213,10 @@ class AnalyticTiming:
                            "FLOPs (FlopCounterMode, causal attention halved) / (peak x "
                            "efficiency)")
                           + "; TP collectives excluded; *_optim_us: the bytes the "
-                          "optimizer step moves (norm, clip, AdamW, copy) / hbm_GBps"
+                          "optimizer step moves (norm, clip, AdamW, copy) / hbm_GBps; "
+                          "*_grad_add_us: train's add of a micro-batch's gradients into its "
+                          "fp32 buckets / hbm_GBps, apart (Megatron fuses it into the "
+                          "weight-gradient GEMM)"
                           + ("" if self.sheet.get("hbm_GBps") else " (not on this sheet: 0)"),
                 "activations": "saved tensors under FakeTensorMode"
                                + (", CUDA RMSNorm kernel emulated" if self.gpu_kernels else ""),

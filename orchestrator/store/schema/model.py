@@ -72,7 +72,9 @@ class ModelPoint(Record):
     compiled: Optional[bool] = doc("measured: whether the block was timed torch.compile'd, as "
                                    "train runs it (train.compile; auto: on CUDA only); absent: "
                                    "eager (earlier profiles, analytic points)", default=None)
-    extras: Dict[str, Any] = doc("*_fastest_us, *_optim_us, *_total_us, *_comm_us, iters, "
+    extras: Dict[str, Any] = doc("*_fastest_us, *_optim_us, *_total_us, *_comm_us, "
+                                 "*_grad_add_us (analytic: train's gradient add per "
+                                 "micro-batch, apart), iters, "
                                  "groups, flops, per-mode activation bytes per micro-batch, "
                                  "states, megatron_act_bytes, megatron_ratio; on a CPU at tp 1 "
                                  "block_selective_us and block_full_us (the block's forward + "
