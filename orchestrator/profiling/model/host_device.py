@@ -77,14 +77,10 @@ def _host_device_once(pm: PointModel, x, dy, cos, sin, tokens, targets, clock: Q
                       grads: MainGrads) -> Dict[str, Tuple[float, float]]:
     """One iteration of _run_once's parts, each call queued: {part: (device us, host us)};
     each backward with train's gradient accumulation (`grads`), as _run_once's."""
-    def backward(tensor, grad):
-        tensor.backward(grad)
-        grads.add()
-
     out = {}
     barrier()
     fwd_dev, fwd_host, y = clock.measure(lambda: pm.block(x, cos, sin))
-    bwd_dev, bwd_host, _ = clock.measure(functools.partial(backward, y, dy))
+    bwd_dev, bwd_host, _ = clock.measure(functools.partial(grads.backward, y, dy))
     out["block_fwd_us"], out["block_bwd_us"] = (fwd_dev, fwd_host), (bwd_dev, bwd_host)
     x.grad = None
     _zero_grads(pm.block)
@@ -95,7 +91,7 @@ def _host_device_once(pm: PointModel, x, dy, cos, sin, tokens, targets, clock: Q
         h_in = h.detach().requires_grad_(True)
         head_dev, head_host, loss = clock.measure(lambda: pm.model.head_loss(h_in, targets))
         lb_dev, lb_host, _ = clock.measure(lambda: loss.backward())
-    eb_dev, eb_host, _ = clock.measure(functools.partial(backward, h, h_in.grad))
+    eb_dev, eb_host, _ = clock.measure(functools.partial(grads.backward, h, h_in.grad))
     out["other_fwd_us"] = (emb_dev + head_dev, emb_host + head_host)
     out["other_bwd_us"] = (lb_dev + eb_dev, lb_host + eb_host)
     _zero_grads(pm.model)

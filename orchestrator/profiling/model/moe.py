@@ -237,8 +237,7 @@ def time_case(cfg: ModelConfig, case: MoeCase, device, warmup_iters: int,
         t0 = clock.mark()
         y = part_forward(cfg, part, module, x, tokens)
         t1 = clock.mark()
-        y.backward(dy)
-        grads.add()
+        grads.backward(y, dy)
         t2 = clock.mark()
         if i >= warmup_iters:
             samples["fwd_us"].append(clock.elapsed_us(t0, t1) / div)

@@ -129,7 +129,8 @@ class MainGrads:
     micro-batch for a llama2_7b block on an H200 (a fifth of its backward at micro-batch 1),
     which profiles without it left out of every step. The buffers are made up front (zeros:
     never denormal garbage on a CPU), so a counting mode sees only the adds. A step of one
-    micro-batch copies instead (6 bytes, not 10): priced as an add, the larger."""
+    micro-batch copies instead (6 bytes, not 10): priced as an add, the larger. A timed
+    backward is `backward(tensor, grad)`: autograd's, then the add."""
 
     def __init__(self, params):
         self.buffers = {}
@@ -146,6 +147,11 @@ class MainGrads:
                 continue
             buf.add_(getattr(g, "_local_tensor", g).reshape(-1))
             p.grad = None
+
+    def backward(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
+        """`tensor.backward(grad)` and the add of the gradients it made, as train's step."""
+        tensor.backward(grad)
+        self.add()
 
 
 PARTS = ("block_fwd_us", "block_bwd_us", "other_fwd_us", "other_bwd_us")
@@ -206,8 +212,7 @@ def _run_once(pm: PointModel, x, dy, cos, sin, tokens, targets, clock: Stopwatch
         y = pm.block(x, cos, sin)
     t1 = clock.mark()
     with region("block_bwd_us"):
-        y.backward(dy)
-        grads.add()
+        grads.backward(y, dy)
     t2 = clock.mark()
     out = {"block_fwd_us": clock.elapsed_us(t0, t1), "block_bwd_us": clock.elapsed_us(t1, t2)}
     x.grad = None
@@ -230,8 +235,7 @@ def _run_once(pm: PointModel, x, dy, cos, sin, tokens, targets, clock: Stopwatch
             loss.backward()
         t4 = clock.mark()
     with region("other_bwd_us"):
-        h.backward(h_in.grad)
-        grads.add()
+        grads.backward(h, h_in.grad)
     t5 = clock.mark()
     out["other_fwd_us"] = clock.elapsed_us(t0, t1) + clock.elapsed_us(t2, t3)
     out["other_bwd_us"] = clock.elapsed_us(t3, t4) + clock.elapsed_us(t4, t5)
@@ -308,8 +312,7 @@ def time_recompute(pm: PointModel, seq_len: int, warmup_iters: int,
                 t0 = clock.mark()
                 y = (checkpoint(pm.block, x, cos, sin, use_reentrant=False)
                      if mode == Recompute.full else pm.block(x, cos, sin))
-                y.backward(dy)
-                grads.add()
+                grads.backward(y, dy)
                 t1 = clock.mark()
                 x.grad = None
                 _zero_grads(pm.block)
