@@ -270,6 +270,94 @@ def test_the_fused_loss_chunk_kernels_are_cross_entropy_on_a_vocabulary_shard():
     torch.testing.assert_close(got.float(), (want * grad[:, None]).to(torch.bfloat16).float())
 
 
+def _loss_case(tokens: int = 256, vocab: int = 512):
+    """bf16 logits with every eighth target padding, and F.cross_entropy's losses and logits
+    gradient of them (fp32)."""
+    import torch.nn.functional as F
+
+    from orchestrator.models.loss import IGNORE_INDEX
+
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(tokens, vocab, generator=generator).to(torch.bfloat16)
+    targets = torch.randint(0, vocab, (tokens,), generator=generator)
+    targets[::8] = IGNORE_INDEX
+    want_logits = base.float().requires_grad_()
+    want = F.cross_entropy(want_logits, targets, reduction="none")
+    want.sum().backward()
+    return base, targets, want, want_logits.grad
+
+
+def _fused_loss(base, targets, chunk):
+    """(losses, logits gradient) of token_losses(fused=True) over `base`."""
+    from orchestrator.models.loss import token_losses
+
+    logits = base.clone().requires_grad_()
+    losses = token_losses(logits, targets, chunk_elements=chunk, fused=True)
+    losses.sum().backward()
+    return losses, logits.grad
+
+
+def test_the_fused_loss_is_one_compiled_call_each_way_and_keeps_no_fp32_copy(monkeypatch):
+    """token_losses(fused=True) on logits of 8 chunks runs one compiled call forward and one
+    backward (chunked, each chunk was a compiled call: host time on a GPU, ~0.26 ms each), with
+    F.cross_entropy's losses and gradient, and inductor's code for them allocates no buffer of
+    the logits' size but the gradient itself (bf16): the fp32 conversion is fused."""
+    from torch._inductor.utils import run_and_get_code
+
+    from orchestrator.models import loss
+
+    base, targets, want, want_grad = _loss_case()
+    tokens, vocab = base.shape
+    calls = {}
+
+    def counted(fn):
+        compiled = torch.compile(fn, fullgraph=True)
+
+        def call(*args):
+            calls[fn.__name__] = calls.get(fn.__name__, 0) + 1
+            return compiled(*args)
+        return call
+
+    torch._dynamo.reset()  # compile here, so that run_and_get_code sees the code
+    monkeypatch.setattr(loss, "_FUSED", {fn.__name__: counted(fn)
+                                         for fn in (loss.chunk_forward, loss.chunk_grad)})
+    (losses, grad), codes = run_and_get_code(_fused_loss, base, targets, tokens * vocab // 8)
+    assert calls == {"chunk_forward": 1, "chunk_grad": 1}
+    torch.testing.assert_close(losses, want)
+    torch.testing.assert_close(grad.float(), want_grad, atol=4e-3, rtol=0)
+    assert len(codes) == 2
+    whole = re.compile(rf"empty_strided\w*\(\({tokens}, {vocab}\), \(\d+, \d+\), (torch\.\w+)\)")
+    found = [m.group(1) for code in codes for m in whole.finditer(code)]
+    assert found == ["torch.bfloat16"], found  # the gradient, in the logits' dtype
+
+
+def test_a_loss_whose_compile_fails_warns_once_and_runs_the_eager_chunks(monkeypatch):
+    """A compile failure of the fused loss's kernels (a dynamo error at their first call) warns
+    one line naming the loss and runs the eager chunks, with F.cross_entropy's figures; later
+    calls go eager without a word."""
+    from orchestrator.models import loss
+
+    def fails(*args):
+        raise torch._dynamo.exc.Unsupported("no such op")
+
+    monkeypatch.setattr(loss, "_FUSED", {"chunk_forward": fails, "chunk_grad": fails})
+    base, targets, want, want_grad = _loss_case()
+    with pytest.warns(UserWarning) as caught:
+        losses, grad = _fused_loss(base, targets, base.numel() // 8)
+    assert [str(w.message) for w in caught] == [
+        f"torch.compile failed for the loss ({name}), which runs eager: Unsupported: no such op"
+        for name in ("chunk_forward", "chunk_grad")]
+    torch.testing.assert_close(losses, want)
+    torch.testing.assert_close(grad.float(), want_grad, atol=4e-3, rtol=0)
+    assert loss._FUSED == {"chunk_forward": None, "chunk_grad": None}
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again, _ = _fused_loss(base, targets, base.numel() // 8)
+    torch.testing.assert_close(again, want)
+
+
 def test_the_loss_of_logits_with_no_data_is_one_chunk_with_the_same_flops_bytes_and_saved():
     """Fake logits (the analytic profile's, FakeTensorMode) are one chunk: one logsumexp
     forward and one exp backward, not one per chunk (~1200 at 128K tokens and a 150K

@@ -14,11 +14,16 @@ Under TP, as Megatron's vocab-parallel cross-entropy, three all-reduces of one f
 token cross the TP group: the max of the ranks' log-sum-exps, the sum of their exponentials
 (relative to that max), and the target's logit (from the rank that holds its vocabulary row).
 
-`fused=True` (where train compiles, train.compile) runs each chunk's arithmetic as one
-torch.compile'd kernel (torchtitan compiles its loss too): it reads the logits' chunk in their
-own dtype and writes the per-token figures (forward) or the chunk's gradient (backward), where
-the eager ops each write an fp32 copy of the chunk (about 10 passes over it against 2). The
-chunks, the saved tensors and the collectives are the same either way; only the local
+`fused=True` (where train compiles, train.compile) runs the arithmetic as one torch.compile'd
+call over all of the logits (torchtitan compiles its loss too): its kernels read the logits in
+their own dtype and write the per-token figures (forward) or the gradient (backward), the fp32
+conversion fused into the reductions and into the gradient's one pointwise kernel, so it holds
+no fp32 copy and needs no chunks. Chunked, each chunk cost a compiled call of host time
+(~0.26 ms on the H200 machine, from its profile's synchronised "other" times): at 16K tokens
+and a 32K vocabulary 32 calls a forward and 32 a backward, which made a micro-batch's loss
+host-bound up to mbs 4 at seq 2048. The eager ops write an fp32 copy of what they work on
+(about 10 passes over it against 2): they keep the chunks, as does the fused path after a
+compile failure. The saved tensors and the collectives are the same either way; only the local
 arithmetic is compiled, so it runs under TP too (on the rank's shard).
 """
 from __future__ import annotations
@@ -96,29 +101,25 @@ def chunk_grad(part: torch.Tensor, lse: torch.Tensor, local: torch.Tensor, mine:
 _FUSED: dict = {}  # name -> compiled function, or None after a compile failure (then eager)
 
 
-def _fused(fn: Callable) -> Callable:
-    """`fn` compiled (one graph; dynamo's automatic dynamic shapes: static for the first shape,
-    one dynamic graph once a second one comes, e.g. a last short chunk or the variable
-    micro-batches of dynamic micro-batching), guarded: a compile failure warns once and runs
-    `fn` eager from then on."""
+def _run_fused(fn: Callable, *args):
+    """`fn(*args)` compiled (one graph; dynamo's automatic dynamic shapes: static for the first
+    shape, one dynamic graph once a second one comes, e.g. the variable micro-batches of dynamic
+    micro-batching), or None where `fn`'s compile failed (warned once; the caller runs the
+    eager chunks from then on)."""
     name = fn.__name__
     if name not in _FUSED:
         _FUSED[name] = torch.compile(fn, fullgraph=True)
     compiled = _FUSED[name]
     if compiled is None:
-        return fn
+        return None
+    try:
+        return compiled(*args)
+    except torch._dynamo.exc.TorchDynamoException as e:
+        from orchestrator.models.compile import _cause, fallback_line
 
-    def guarded(*args):
-        try:
-            return compiled(*args)
-        except torch._dynamo.exc.TorchDynamoException as e:
-            from orchestrator.models.compile import _cause, fallback_line
-
-            _FUSED[name] = None
-            warnings.warn(fallback_line(f"loss ({name})", _cause(e)), stacklevel=2)
-            return fn(*args)
-
-    return guarded
+        _FUSED[name] = None
+        warnings.warn(fallback_line(f"loss ({name})", _cause(e)), stacklevel=3)
+        return None
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -130,15 +131,18 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         local = targets - first
         mine = (local >= 0) & (local < vocab_local) & (targets != IGNORE_INDEX)
         local = torch.where(mine, local, 0)
-        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        target_logit = torch.zeros_like(lse)
-        rows = _rows_per_chunk(logits, chunk_elements)
-        step = _fused(chunk_forward) if fused else chunk_forward
-        for start in range(0, logits.shape[0], rows):
-            end = start + rows
-            # one fp32 chunk alive at a time (eager; compiled, none)
-            lse[start:end], target_logit[start:end] = step(logits[start:end], local[start:end],
-                                                           mine[start:end])
+        whole = _run_fused(chunk_forward, logits, local, mine) if fused else None
+        if whole is not None:  # one compiled call, no fp32 copy (module docstring)
+            lse, target_logit = whole
+        else:
+            lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+            target_logit = torch.zeros_like(lse)
+            rows = _rows_per_chunk(logits, chunk_elements)
+            for start in range(0, logits.shape[0], rows):
+                end = start + rows
+                # one fp32 chunk alive at a time
+                lse[start:end], target_logit[start:end] = chunk_forward(
+                    logits[start:end], local[start:end], mine[start:end])
         if group is not None:  # the whole vocabulary's log-sum-exp, from every rank's
             top = _all_reduce(lse, "max", group)
             total = _all_reduce((lse - top).exp(), "sum", group)
@@ -152,16 +156,15 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         logits, lse, local, mine, valid = ctx.saved_tensors
+        grad = torch.where(valid, grad, 0.0)  # a padding token's loss is a constant 0
+        if ctx.fused:
+            out = _run_fused(chunk_grad, logits, lse, local, mine, grad)
+            if out is not None:
+                return out, None, None, None, None, None
         out = torch.empty_like(logits)
         rows = _rows_per_chunk(logits, ctx.chunk_elements)
-        grad = torch.where(valid, grad, 0.0)  # a padding token's loss is a constant 0
-        fused = _fused(chunk_grad) if ctx.fused else None
         for start in range(0, logits.shape[0], rows):
             end = start + rows
-            if fused is not None:
-                out[start:end] = fused(logits[start:end], lse[start:end], local[start:end],
-                                       mine[start:end], grad[start:end])
-                continue
             part = torch.sub(logits[start:end].float(), lse[start:end, None]).exp_()
             part.scatter_add_(1, local[start:end, None],
                               -mine[start:end, None].to(part.dtype))
