@@ -35,33 +35,38 @@ def device_us(part: str, s: float, b: float) -> float:
     return c[0] + b * sum(ci * s ** i for i, ci in enumerate(c) if i)
 
 
-def true_call_us(part: str, s: float, b: float) -> float:
+def true_call_us(part: str, s: float, b: float, host_per_token=None) -> float:
     """What a call takes on the GPU: the host issues while the device runs."""
-    return max(HOST[part], device_us(part, s, b))
+    return max(host_us(part, s, b, host_per_token), device_us(part, s, b))
 
 
-def gpu_points(host_device: bool = True) -> list:
+def host_us(part: str, s: float, b: float, host_per_token=None) -> float:
+    return HOST[part] + (host_per_token or {}).get(part, 0.0) * s * b
+
+
+def gpu_points(host_device: bool = True, host_per_token=None) -> list:
     """Points as profile_model writes them on a GPU: *_us are synchronised events at micro-batch
     1 (host-bound at short lengths), "host_device" the two apart per micro-batch size."""
     points = []
     for s in SEQS:
         flops = {p: 1e6 * (device_us(p, s, 1) - DEVICE[p][0]) for p in DEVICE}
         point = {"seq_len": s, "tp": 1, "source": "measured", "flops": flops,
-                 **{f"{p}_us": true_call_us(p, s, 1) for p in DEVICE}}
+                 **{f"{p}_us": true_call_us(p, s, 1, host_per_token) for p in DEVICE}}
         if host_device:
             point["host_device"] = [
                 {"micro_batch_size": b, "flops": {p: f * b for p, f in flops.items()},
                  **{f"{p}_device_us": device_us(p, s, b) for p in DEVICE},
-                 **{f"{p}_host_us": HOST[p] for p in DEVICE}} for b in SIZES]
+                 **{f"{p}_host_us": host_us(p, s, b, host_per_token) for p in DEVICE}}
+                for b in SIZES]
         points.append(point)
     return points
 
 
-def gpu_profile(host_device: bool = True) -> dict:
+def gpu_profile(host_device: bool = True, host_per_token=None) -> dict:
     """A model.json dict of a 4-layer 7B-shaped model whose fits are fit_points' of gpu_points."""
     prof = synthetic_model("gpu", hidden=4096, ffn=11008, layers=4, heads=32, vocab=32000,
                            seq_len=2048, tps=(1,))
-    prof["points"] = gpu_points(host_device)
+    prof["points"] = gpu_points(host_device, host_per_token)
     prof["fits"] = fit_points(prof["points"])
     return prof
 
@@ -92,6 +97,32 @@ def test_a_call_costs_the_slower_of_host_and_device(b):
     assert cost.block_fwd_us(128, 1, 1) == pytest.approx(HOST["block_fwd"])
     # GPU-bound at seq 2048: the device's time, not under it by the host constant's share
     assert cost.block_bwd_us(2048, 1, b) >= device_us("block_bwd", 2048, b) * (1 - 1e-9)
+
+
+def test_a_host_time_that_grows_with_the_tokens_is_fitted_and_priced():
+    """The eager loss issues its ops once per chunk of tokens (~0.26 ms a chunk of 524 on the
+    H200 machine: ~0.5 us a token): its host time is fitted as a line in the call's tokens and
+    priced so, where a median would price a micro-batch of 1 at the host time of 4; the
+    block's host samples of that machine (flat but for noise, R^2 0.30) keep their median."""
+    from orchestrator.profiling.model.fit import fit_host
+
+    per_token = {"other_fwd": 0.5, "other_bwd": 0.5}
+    fit = fit_points(gpu_points(host_per_token=per_token))["1"]
+    for part in DEVICE:
+        assert fit["host_us"][part] == pytest.approx(HOST[part], rel=1e-6)
+        assert fit["host_us_per_token"][part] == pytest.approx(per_token.get(part, 0.0),
+                                                               rel=1e-6, abs=1e-12)
+    cost = ModelCost.from_dict(gpu_profile(host_per_token=per_token))
+    for b in SIZES:
+        for s in (512, 2048):
+            assert cost.other_fwd_us(s, 1, b) == pytest.approx(
+                true_call_us("other_fwd", s, b, per_token), rel=1e-6)
+    assert cost.other_fwd_us(2048, 1, 1) == pytest.approx(300.0 + 0.5 * 2048)  # host-bound
+    assert "other fwd host 300 us + 0.5/token" in host_device_lines(
+        gpu_profile(host_per_token=per_token))[0]
+    tokens = [1024, 2048, 4096, 8192, 2048, 4096, 8192, 16384]
+    assert fit_host(tokens, [1730, 1599, 1643, 2020, 1956, 2087, 1829, 2073]) == (1892.5, 0.0)
+    assert fit_host(tokens, [2262, 2224, 2335, 2794, 2210, 2257, 2217, 2589]) == (2259.5, 0.0)
 
 
 def _step_us(cost: ModelCost, b: int, recompute: str = "none") -> float:

@@ -26,7 +26,7 @@ import json, glob, sys
 for f in glob.glob(sys.argv[1] + "/*/model/*.json"):
     d = json.load(open(f)); x = d["fits"]["1"]
     print("method.host_device:", d["method"].get("host_device")); print("compiled:", d["method"].get("compiled"))
-    print("host_us", x.get("host_us")); print("device_us", x.get("device_us"))
+    print("host_us", x.get("host_us"), "per token", x.get("host_us_per_token")); print("device_us", x.get("device_us"))
     print("resid", {k: round(max(map(abs, v)), 3) for k, v in (x.get("device_rel_residuals") or {}).items()})
     for p in d["points"]:
         print(p["seq_len"], p.get("compiled"), round(p["block_fwd_us"]), round(p["block_bwd_us"]), [(h["micro_batch_size"], round(h.get("block_fwd_device_us", 0)), round(h.get("block_fwd_host_us", 0)), round(h.get("block_bwd_device_us", 0))) for h in p.get("host_device", [])])

@@ -345,6 +345,7 @@ class TpFit:
     # the host's time to issue a call (us); None where they are not told apart (CPU, analytic).
     device: Optional[Mapping[str, Tuple[float, ...]]] = None
     host: Optional[Mapping[str, float]] = None
+    host_per_token: Optional[Mapping[str, float]] = None  # us per token of a call (None: 0)
     # What selective and full recompute add to a block's forward + backward, timed as train
     # runs them (a CPU's tp 1: fits.recompute_us); None: priced from the FLOPs instead.
     recompute: Optional[Mapping[str, Tuple[float, ...]]] = None
@@ -366,8 +367,14 @@ class TpFit:
         profiles) the fit's constant once per call and the rest per sequence (_poly)."""
         if self.host is None:
             return _poly(getattr(self, part), s, batch)
-        value = np.maximum(self.host[part], _poly(self.device[part], s, batch))
+        value = np.maximum(self.host_us(part, s, batch), _poly(self.device[part], s, batch))
         return float(value) if np.ndim(value) == 0 else value
+
+    def host_us(self, part: str, s, batch=1.0):
+        """A GPU profile's host time to issue one call of `part` on `batch` sequences of `s`
+        tokens: its constant plus its per-token term (0 but where the profile found one)."""
+        per_token = (self.host_per_token or {}).get(part, 0.0)
+        return self.host[part] + per_token * batch * s if per_token else self.host[part]
 
     def full_rerun_us(self, s, batch=1.0):
         """What full recompute adds to a block's backward call on a GPU profile (host and
@@ -380,8 +387,8 @@ class TpFit:
         if self.host is None:
             return None
         fwd, bwd = (_poly(self.device[part], s, batch) for part in ("block_fwd", "block_bwd"))
-        value = np.maximum(self.host["block_fwd"] + self.host["block_bwd"], fwd + bwd) \
-            - np.maximum(self.host["block_bwd"], bwd)
+        host_fwd, host_bwd = (self.host_us(part, s, batch) for part in ("block_fwd", "block_bwd"))
+        value = np.maximum(host_fwd + host_bwd, fwd + bwd) - np.maximum(host_bwd, bwd)
         return float(value) if np.ndim(value) == 0 else value
 
 
@@ -457,7 +464,7 @@ class ModelCost:
         fits = {tp: TpFit(f.block_fwd_us, f.block_bwd_us, f.other_fwd_us, f.other_bwd_us,
                           float(f.extras.get("block_optim_us", 0.0)),
                           float(f.extras.get("other_optim_us", 0.0)), f.device_us, f.host_us,
-                          f.extras.get("recompute_us"),
+                          f.host_us_per_token, f.extras.get("recompute_us"),
                           tuple(float(f.extras.get(k, 0.0)) for k in GRAD_ADD_KEYS))
                 for tp, f in profile.fits.items()}
         memory = {tp: (_part_memory(mem.block, m.seq_len), _part_memory(mem.other, m.seq_len))

@@ -170,8 +170,8 @@ def fit_points(points: Sequence[Mapping]) -> Dict[str, dict]:
             entry["recompute_us"] = recompute
         host_device = fit_host_device(pts)
         if host_device is not None:  # a GPU's points: the host's and the device's times apart
-            (entry["device_us"], entry["host_us"], entry["device_rel_residuals"],
-             entry["device_models"]) = host_device
+            (entry["device_us"], entry["host_us"], entry["host_us_per_token"],
+             entry["device_rel_residuals"], entry["device_models"]) = host_device
         sources = sorted({p.get("source", "measured") for p in pts})
         entry["source"] = sources[0] if len(sources) == 1 else "mixed"
         fits[str(tp)] = entry
@@ -254,15 +254,15 @@ def fit_device(part: str, seqs: Sequence[float], batches: Sequence[float],
 
 
 def fit_host_device(points: Sequence[Mapping]):
-    """(device_us, host_us, rel_residuals, device_models) of one TP degree's points from their
-    "host_device" samples (a GPU's: per micro-batch size, each part's device time alone and
-    the host's time to issue it), or None when no point has them (a CPU, analytic points).
-    device_us: per part, fit_device over every length and micro-batch size; host_us: per part,
-    the median over the samples (issuing a call does not depend on its tokens)."""
+    """(device_us, host_us, host_us_per_token, rel_residuals, device_models) of one TP degree's
+    points from their "host_device" samples (a GPU's: per micro-batch size, each part's device
+    time alone and the host's time to issue it), or None when no point has them (a CPU,
+    analytic points). device_us: per part, fit_device over every length and micro-batch size;
+    host_us and host_us_per_token: per part, fit_host over the samples' tokens."""
     samples = [(p["seq_len"], h) for p in points for h in p.get("host_device", ())]
     if not samples:
         return None
-    device, host, resid, models = {}, {}, {}, {}
+    device, host, per_token, resid, models = {}, {}, {}, {}, {}
     for part in HOST_DEVICE_PARTS:
         have = [(s, h) for s, h in samples if h.get(f"{part}_device_us", 0) > 0]
         if not have:
@@ -272,8 +272,31 @@ def fit_host_device(points: Sequence[Mapping]):
         device[part], resid[part], models[part] = fit_device(
             part, [s for s, _ in have], [h["micro_batch_size"] for _, h in have],
             [h[f"{part}_device_us"] for _, h in have], flops)
-        host[part] = float(np.median([h[f"{part}_host_us"] for _, h in have]))
-    return device, host, resid, models
+        host[part], per_token[part] = fit_host(
+            [s * h["micro_batch_size"] for s, h in have], [h[f"{part}_host_us"] for _, h in have])
+    return device, host, per_token, resid, models
+
+
+# A host line must explain this share of the samples' variance to be kept (else the median):
+# issuing a block's kernels does not depend on its tokens, and a line through the noise of
+# such samples (the H200's block forward: R^2 0.30, backward 0.41) is none.
+HOST_LINE_MIN_R2 = 0.5
+
+
+def fit_host(tokens: Sequence[float], host_us: Sequence[float]) -> Tuple[float, float]:
+    """(c0, c1): the host's time to issue a call of `tokens` tokens, c0 + c1 x tokens (us).
+    A least-squares line where its slope is positive and it explains HOST_LINE_MIN_R2 of the
+    samples' variance (the eager loss issues its ops once per chunk of tokens), else the
+    samples' median and 0."""
+    x, y = np.asarray(tokens, dtype=np.float64), np.asarray(host_us, dtype=np.float64)
+    median = (float(np.median(y)), 0.0)
+    if len(np.unique(x)) < 2 or np.ptp(y) == 0:
+        return median
+    c1, c0 = np.polyfit(x, y, 1)
+    explained = 1.0 - np.sum((y - c0 - c1 * x) ** 2) / np.sum((y - y.mean()) ** 2)
+    if c1 <= 0 or c0 < 0 or explained < HOST_LINE_MIN_R2:
+        return median
+    return float(c0), float(c1)
 
 
 def fit_activation_bytes(seq_lens: Sequence[float], act_bytes: Sequence[float]) -> List[float]:

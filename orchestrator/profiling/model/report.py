@@ -71,8 +71,10 @@ def host_device_lines(profile: Mapping) -> List[str]:
     for tp, f in sorted(profile.get("fits", {}).items(), key=lambda kv: int(kv[0])):
         if "host_us" not in f:
             continue
-        parts = ", ".join(f"{part.replace('_', ' ')} host {f['host_us'][part]:.0f} us, device "
-                          f"{' '.join(f'{c:.3g}' for c in f['device_us'][part])}"
+        per_token = f.get("host_us_per_token") or {}
+        parts = ", ".join(f"{part.replace('_', ' ')} host {f['host_us'][part]:.0f} us"
+                          f"{f' + {per_token[part]:.3g}/token' if per_token.get(part) else ''}, "
+                          f"device {' '.join(f'{c:.3g}' for c in f['device_us'][part])}"
                           for part in f["host_us"])
         lines.append(f"tp={tp} host / device (a call: max of the two; device c0 + b (c1 s + "
                      f"c2 s^2) us): {parts}")

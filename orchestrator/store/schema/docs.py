@@ -93,8 +93,9 @@ PROSE = {
   (`profile_model.micro_batch_sizes`, tp 1; the profile's own size under TP) each part's
   `*_device_us` (the kernels alone: the call queued behind a sleep kernel, CUDA events around
   it) and `*_host_us` (the wall time Python takes to issue it), and `flops`; the fits'
-  `device_us` and `host_us` come from them, and the cost model prices a call as
-  max(host, device) (they overlap). The points' `*_us` are synchronised events, both
+  `device_us`, `host_us` and `host_us_per_token` (the host's time a line in the call's tokens
+  where the samples show one, as the eager loss's chunks do) come from them, and the cost model
+  prices a call as max(host, device) (they overlap). The points' `*_us` are synchronised events, both
   together. Where the two are not told apart (a CPU: the host runs the kernels; analytic,
   imported and older profiles) there are no `device_us`/`host_us`, `method.host_device` says
   so, and a call costs the fit's constant once plus its per-sequence terms.

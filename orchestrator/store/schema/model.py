@@ -99,8 +99,13 @@ class TpFits(Record):
         "the host runs the kernels; analytic and older profiles)", default=None)
     host_us: Optional[Dict[str, float]] = doc(
         "GPU (measured, with device_us): the host's time to issue one call per part (Python, "
-        "dispatch, kernel launches; the same for every length and micro-batch size, the "
-        "median). A call costs max(host, device): they overlap", default=None)
+        "dispatch, kernel launches), its constant: c0 + host_us_per_token x the call's tokens. "
+        "A call costs max(host, device): they overlap", default=None)
+    host_us_per_token: Optional[Dict[str, float]] = doc(
+        "GPU (measured, with host_us): what issuing a call adds per token, per part: a line "
+        "through the samples where it explains half their variance (the eager loss issues its "
+        "ops once per chunk of tokens), else 0 and host_us their median; absent (earlier "
+        "profiles): 0", default=None)
     extras: Dict[str, Any] = doc("seq_lens, rel_residuals, block_models, source, "
                                  "device_rel_residuals, device_models; recompute_us (a CPU's "
                                  "tp 1: what selective and full recompute add to the block's "
@@ -113,6 +118,8 @@ class TpFits(Record):
             n = len(getattr(self, name))
             if not 1 <= n <= most:
                 raise FieldError(f"{path}.{name}", f"expected 1 to {most} coefficients, got {n}")
+        if self.host_us_per_token is not None and self.host_us is None:
+            raise FieldError(f"{path}.host_us", "missing (host_us_per_token needs it)")
         if (self.device_us is None) != (self.host_us is None):
             raise FieldError(f"{path}.{'host_us' if self.host_us is None else 'device_us'}",
                              "missing (device_us and host_us come together)")
