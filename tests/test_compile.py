@@ -104,6 +104,28 @@ def test_a_block_that_fails_to_compile_runs_eager_and_says_why_once():
     assert len(notes) == 1
 
 
+def test_a_block_past_dynamos_recompile_limit_runs_eager_and_says_why_once(monkeypatch):
+    """A compiled block called with more shapes than dynamo's recompile limit allows graphs
+    (here 1, automatic dynamic shapes off) raises under a full graph; it runs eager from then on
+    with one line, as a block that fails to compile. (Dynamo's graphs run by its eager backend:
+    the limit is dynamo's, and inductor's C++ would take the CPU half a minute.)"""
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile",
+                        lambda self, **kw: compile_module(self, backend="eager", **kw))
+    block, (cos, sin) = _tiny_block()
+    notes = []
+    compile_block(block, on_note=notes.append)
+    with torch._dynamo.config.patch(recompile_limit=1, automatic_dynamic_shapes=False):
+        for batch in (1, 2, 3):
+            x = torch.randn(batch, 8, 32, generator=torch.Generator().manual_seed(batch))
+            out = block(x, cos, sin)
+            with eager(block):
+                torch.testing.assert_close(out, block(x, cos, sin))
+    assert notes == ["torch.compile failed for the block, which runs eager: Unsupported: "
+                     "Dynamo recompile limit exceeded"], notes
+    assert not is_compiled(block)
+
+
 class _ToAsyncCollective(torch.autograd.Function):
     """x as DTensor.to_local() gives it after an async redistribute: an AsyncCollectiveTensor
     that requires grad around an inner tensor that does not."""

@@ -331,14 +331,20 @@ def test_the_fused_loss_is_one_compiled_call_each_way_and_keeps_no_fp32_copy(mon
     assert found == ["torch.bfloat16"], found  # the gradient, in the logits' dtype
 
 
-def test_a_loss_whose_compile_fails_warns_once_and_runs_the_eager_chunks(monkeypatch):
-    """A compile failure of the fused loss's kernels (a dynamo error at their first call) warns
-    one line naming the loss and runs the eager chunks, with F.cross_entropy's figures; later
-    calls go eager without a word."""
+@pytest.mark.parametrize("error", ["unsupported", "recompile limit"])
+def test_a_loss_whose_compile_fails_warns_once_and_runs_the_eager_chunks(monkeypatch, error):
+    """A compile failure of the fused loss's kernels (a dynamo error at their first call, or
+    the recompile limit a full graph raises at) warns one line naming the loss and runs the
+    eager chunks, with F.cross_entropy's figures; later calls go eager without a word."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit, Unsupported
+
     from orchestrator.models import loss
 
     def fails(*args):
-        raise torch._dynamo.exc.Unsupported("no such op")
+        if error == "unsupported":
+            raise Unsupported("no such op")
+        raise FailOnRecompileLimitHit("Hard failure due to fullgraph=True") from Unsupported(
+            "no such op")
 
     monkeypatch.setattr(loss, "_FUSED", {"chunk_forward": fails, "chunk_grad": fails})
     base, targets, want, want_grad = _loss_case()

@@ -18,7 +18,13 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
+from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+# What a compiled call raises before its graph runs, for which the caller runs the eager code
+# instead: dynamo's and the backend's failures, and the recompile limit (a full graph raises it
+# where dynamo would run the frame eager; torch._dynamo.config.recompile_limit, 8 graphs)
+COMPILE_ERRORS = (TorchDynamoException, FailOnRecompileLimitHit)
 
 def eager_parts(is_moe: bool, context_parallel: bool = False
                 ) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
@@ -99,7 +105,7 @@ def _compile_in_place(module: nn.Module, label: str,
             return module._call_impl(*args, **kwargs)
         try:
             return compiled(*_plain_inputs(args), **kwargs)
-        except torch._dynamo.exc.TorchDynamoException as e:
+        except COMPILE_ERRORS as e:
             module._compiled_call_impl = None
             if on_note is not None:
                 on_note(fallback_line(label, _cause(e)))

@@ -112,11 +112,11 @@ def _run_fused(fn: Callable, *args):
     compiled = _FUSED[name]
     if compiled is None:
         return None
+    from orchestrator.models.compile import COMPILE_ERRORS, _cause, fallback_line
+
     try:
         return compiled(*args)
-    except torch._dynamo.exc.TorchDynamoException as e:
-        from orchestrator.models.compile import _cause, fallback_line
-
+    except COMPILE_ERRORS as e:
         _FUSED[name] = None
         warnings.warn(fallback_line(f"loss ({name})", _cause(e)), stacklevel=3)
         return None
