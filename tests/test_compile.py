@@ -193,7 +193,7 @@ def _train_and_profile(cfg, rank: int, out: dict) -> None:
         engine.train_step(tokens, targets, 1e-3, 1.0)
     out["counted step"] = log.tensor_peak_bytes > 0 and engine.compiled
     # both blocks ran one compiled graph (the second reused the first's), and the loss's
-    # chunk kernels one each (models/loss.py: its forward's and its gradient's, one chunk here)
+    # forward and gradient one each (models/loss.py)
     out["graphs"] = counters["stats"]["unique_graphs"]
     out["fused loss"] = engine.fused_loss
     # profile_model's point of the same shape (train.compile=true): its block compiled by the
@@ -220,7 +220,7 @@ def _train_and_profile(cfg, rank: int, out: dict) -> None:
 def test_compiled_blocks_train_as_eager_and_profile_model_times_them_compiled():
     """train.compile=true on the CPU (inductor): a tiny model's losses over its steps are the
     eager run's within float tolerance, its two identical blocks share one compiled graph, its
-    loss's chunk arithmetic is compiled too (one graph forward, one for the gradient), the
+    loss's arithmetic is compiled too (one graph forward, one for the gradient), the
     step train counts live tensors in runs (eager), and
     profile_model's point block is compiled by the same function, timed, and its record says
     `compiled: true`."""
@@ -269,7 +269,7 @@ def _train_tp(rank: int, out: dict) -> None:
         out[f"steps {run}"] = steps
         out[f"compiled {run}"] = engine.compiled
         out[f"notes {run}"] = list(engine.compile_notes)
-    # one graph for both blocks, one each for the loss's chunk kernels (as the run above)
+    # one graph for both blocks, one each for the loss's two calls (as the run above)
     out[f"graphs {rank}"] = counters["stats"]["unique_graphs"]
 
 

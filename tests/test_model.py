@@ -297,6 +297,7 @@ def _fused_loss(base, targets, chunk):
     return losses, logits.grad
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")  # inductor's
 def test_the_fused_loss_is_one_compiled_call_each_way_and_keeps_no_fp32_copy(monkeypatch):
     """token_losses(fused=True) on logits of 8 chunks runs one compiled call forward and one
     backward (chunked, each chunk was a compiled call: host time on a GPU, ~0.26 ms each), with

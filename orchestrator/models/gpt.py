@@ -174,7 +174,7 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor,
                    fused: bool = False) -> torch.Tensor:
     """Summed next-token loss (nats) over the targets that are not IGNORE_INDEX (padding):
     micro-batches of different sizes add up to the sum a whole batch's token mean divides.
-    `fused`: each chunk's arithmetic compiled (models/loss.py; where train compiles)."""
+    `fused`: the loss one compiled call each way (models/loss.py; where train compiles)."""
     return token_losses(logits, targets, fused=fused).sum()
 
 
@@ -199,7 +199,7 @@ class GPT(nn.Module):
         finally:
             torch.set_default_dtype(default_dtype)
         self.rope = Rotary(cfg.hidden // cfg.heads, cfg.seq_len, cfg.rope_theta)
-        self.fused_loss = False  # head_loss's chunks compiled (models/loss.py)
+        self.fused_loss = False  # head_loss's loss compiled (models/loss.py)
         self.init_weights(seed)
 
     def init_weights(self, seed: int = 0) -> None:
@@ -216,7 +216,7 @@ class GPT(nn.Module):
 
     def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Hidden states and targets (batch, seq) -> mean cross-entropy loss (scalar); the
-        loss's chunks compiled when `fused_loss` is set (profile_model, where train compiles)."""
+        loss compiled when `fused_loss` is set (profile_model, where train compiles)."""
         return cross_entropy_loss(self.head(h), targets, self.fused_loss)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:

@@ -42,7 +42,7 @@ def token_losses(logits: torch.Tensor, targets: torch.Tensor,
                  chunk_elements: int = CHUNK_ELEMENTS, fused: bool = False) -> torch.Tensor:
     """The cross-entropy (nats, fp32) of each target (any shape, flattened) against logits
     (its shape + (vocab,), or a DTensor sharding the vocabulary); 0 where it is IGNORE_INDEX.
-    `fused`: each chunk's arithmetic compiled (the same values to rounding)."""
+    `fused`: its arithmetic one compiled call each way (the same values to rounding)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(logits, DTensor):

@@ -118,7 +118,7 @@ class Engine:
             autocast=None if half or self.dtype == Dtype.fp32 else self.dtype.torch,
             fsdp_dtype=self.dtype.torch if half and layout.zero == 3 else None,
             compile=compile, notes=self.compile_notes)
-        self.fused_loss = compile  # the loss's chunks compiled too (models/loss.py)
+        self.fused_loss = compile  # the loss compiled too (models/loss.py)
         self.optim = build_optimizer(self.modules, layout, self.mesh, optim, self.moe)
         # fp16: dynamic loss scale (GradScaler's rule: halve on overflow, double every 2000 steps)
         self.loss_scale = 2.0**16 if self.dtype == Dtype.fp16 else 1.0

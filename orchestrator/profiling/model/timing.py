@@ -112,7 +112,7 @@ def build_point_model(model_cfg: ModelConfig, max_seq_len: int, tp: int, tp_mesh
                     compiled=compile)
     if compile:
         pm.compile_notes += compile_block(model.blocks[0], on_note=pm.compile_notes.append)
-        model.fused_loss = True  # the loss's chunks compiled, as train runs them
+        model.fused_loss = True  # the loss compiled, as train runs it
     return pm
 
 
