@@ -33,8 +33,14 @@ for f in glob.glob(sys.argv[1] + "/*/model/*.json"):
 PY
 s timeout 60 python3 -m orchestrator stage=search $P search.seq_len=$SEQ search.global_batch_size=$GBS > $OUT/a_search.log 2>&1
 grep -iE "pick|fastest|s/iter|mbs|micro" $OUT/a_search.log | head -12
-for mbs in $MBS; do for rc in none selective full; do
-  s timeout 45 python3 -m orchestrator stage=train $P $T train.micro_batch_size=$mbs train.recompute=$rc > $OUT/a_train.log 2>&1 || tail -5 $OUT/a_train.log
+# Recompute none first, largest micro-batch first (the search's candidates, then mbs 1: the host
+# lead's question), then selective and full. After each layout its row is printed and the rows
+# and profiles in $OUT are rewritten: a call cut by the device budget still returns what ran.
+for rc in none selective full; do for mbs in $(echo $MBS | tr ' ' '\n' | sort -rn); do
+  L=$D/logs/train_${mbs}_$rc.log; mkdir -p $D/logs  # $OUT returns 8 files at most: the logs travel in the tgz
+  s timeout 45 python3 -m orchestrator stage=train $P $T train.micro_batch_size=$mbs train.recompute=$rc > $L 2>&1 || tail -5 $L
+  cp $L $OUT/a_train.log
+  python3 bench/gpu/rows.py $D > $OUT/a_rows.txt; grep -- "mbs${mbs}x" $OUT/a_rows.txt | grep -E "$([ $rc = none ] && echo '1f1b +pred' || echo "rc$rc")" | tail -1
+  tar czf $OUT/profiles_a.tgz --exclude='*.ckpt' --exclude='*.png' -C $D . 2>/dev/null  # the profiles and summaries: price other formulas offline
 done; done
-python3 bench/gpu/rows.py $D | tee $OUT/a_rows.txt
-tar czf $OUT/profiles_a.tgz --exclude='*.ckpt' --exclude='*.png' -C $D . 2>/dev/null; ls -la $OUT | tail -3  # the profiles and summaries: price other formulas offline
+cat $OUT/a_rows.txt; ls -la $OUT | tail -3
