@@ -26,6 +26,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 # where dynamo would run the frame eager; torch._dynamo.config.recompile_limit, 8 graphs)
 COMPILE_ERRORS = (TorchDynamoException, FailOnRecompileLimitHit)
 
+
 def eager_parts(is_moe: bool, context_parallel: bool = False
                 ) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
     """(the sub-modules of a block to compile, "" the whole block; why the rest stays eager,
