@@ -15,7 +15,10 @@ else
 fi
 P="$C $M profiles_dir=$D"
 T="train.pp=1 train.tp=1 train.seq_len=$SEQ train.global_batch_size=$GBS train.keep_checkpoints=0 train.plot=false train.steps=7 train.timing_warmup_steps=3"
-s() { local t0=$SECONDS; "$@"; local rc=$?; echo "== rc=$rc wall=$((SECONDS - t0)) s: ${*:2:6}"; }
+s() { local t0=$SECONDS; "$@"; local rc=$?; echo "== rc=$rc wall=$((SECONDS - t0)) s: ${*:2:6}"; keep; return $rc; }
+# after each step: the rows and the profiles and summaries (other pricing formulas can be tried
+# on them offline) rewritten in $OUT, so a call the device budget cuts short returns what ran
+keep() { python3 bench/gpu/rows.py $D > $OUT/b_rows.txt 2>&1; tar czf $OUT/profiles_b.tgz --exclude='*.ckpt' --exclude='*.png' -C $D . 2>/dev/null; }
 s timeout 200 python3 bench/plain_loop.py $BENCH --json $OUT/b_plain.json > $OUT/b_plain.log 2>&1
 tail -12 $OUT/b_plain.log
 s timeout 110 python3 -m orchestrator stage=tune $P search.seq_len=$SEQ search.global_batch_size=$GBS tune.top_k=3 tune.controls=false tune.steps=7 > $OUT/b_tune.log 2>&1
@@ -29,5 +32,4 @@ s timeout 120 python3 -m orchestrator stage=profile_model $Q "profile_model.seq_
 tail -3 $OUT/b_moe_pm.log
 s timeout 70 python3 -m orchestrator stage=train $Q train.pp=1 train.tp=1 train.seq_len=$MSEQ train.global_batch_size=4 train.micro_batch_size=1 train.steps=7 train.keep_checkpoints=0 train.plot=false > $OUT/b_moe_train.log 2>&1
 grep -E "tokens/s|error|compile" $OUT/b_moe_train.log | tail -4
-python3 bench/gpu/rows.py $D | tee $OUT/b_rows.txt
-tar czf $OUT/profiles_b.tgz --exclude='*.ckpt' --exclude='*.png' -C $D . 2>/dev/null; ls -la $OUT | tail -3  # the profiles and summaries: price other formulas offline
+cat $OUT/b_rows.txt; ls -la $OUT | tail -3
