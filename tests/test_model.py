@@ -207,6 +207,23 @@ def test_the_vocab_parallel_embedding_looks_up_and_differentiates_only_its_rows(
     assert torch.equal(grad.to_local().sum(1), torch.bincount(ids[mine], minlength=rows) * 8.0)
 
 
+def _loss_case(dtype=torch.bfloat16, tokens: int = 256, vocab: int = 512):
+    """Logits in `dtype` with every eighth target padding, and F.cross_entropy's losses and
+    logits gradient of them (fp32)."""
+    import torch.nn.functional as F
+
+    from orchestrator.models.loss import IGNORE_INDEX
+
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(tokens, vocab, generator=generator).to(dtype)
+    targets = torch.randint(0, vocab, (tokens,), generator=generator)
+    targets[::8] = IGNORE_INDEX
+    want_logits = base.float().clone().requires_grad_()  # base itself stays a plain leaf
+    want = F.cross_entropy(want_logits, targets, reduction="none")
+    want.sum().backward()
+    return base, targets, want, want_logits.grad
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_chunked_loss_is_cross_entropy_and_never_holds_the_fp32_logits(dtype):
     """models/loss.token_losses in chunks of 1/8 of the logits: every token's loss and the
@@ -214,28 +231,19 @@ def test_the_chunked_loss_is_cross_entropy_and_never_holds_the_fp32_logits(dtype
     backward together hold at most the logits, their gradient in the logits' dtype and a few
     fp32 chunks: never an fp32 copy of the whole logits (what F.cross_entropy and torch's
     loss_parallel hold under bf16, 2-3 of them)."""
-    import torch.nn.functional as F
-
-    from orchestrator.models.loss import IGNORE_INDEX, token_losses
+    from orchestrator.models.loss import token_losses
     from orchestrator.train.live_memory import LiveTensorBytes
 
-    tokens, vocab = 256, 512
-    generator = torch.Generator().manual_seed(0)
-    base = torch.randn(tokens, vocab, generator=generator)
-    targets = torch.randint(0, vocab, (tokens,), generator=generator)
-    targets[::7] = IGNORE_INDEX
-    want_logits = base.to(dtype).float().requires_grad_()
-    want = F.cross_entropy(want_logits, targets, reduction="none")
-    want.sum().backward()
-
-    logits = base.to(dtype).requires_grad_()
+    base, targets, want, want_grad = _loss_case(dtype)
+    tokens, vocab = base.shape
+    logits = base.clone().requires_grad_()
     chunk = tokens * vocab // 8
     live = LiveTensorBytes("cpu", [logits, targets])
     with live:
         losses = token_losses(logits, targets, chunk_elements=chunk)
         losses.sum().backward()
     torch.testing.assert_close(losses, want)
-    torch.testing.assert_close(logits.grad.float(), want_logits.grad,
+    torch.testing.assert_close(logits.grad.float(), want_grad,
                                **({} if dtype == torch.float32 else dict(atol=4e-3, rtol=0)))
     whole = tokens * vocab * dtype.itemsize  # the logits, and their gradient
     assert live.peak_bytes - live.start_bytes <= whole + 2 * chunk * 4 + 64 * tokens, (
@@ -268,23 +276,6 @@ def test_the_fused_loss_chunk_kernels_are_cross_entropy_on_a_vocabulary_shard():
     want[torch.arange(rows)[mine], local[mine]] -= 1.0
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), (want * grad[:, None]).to(torch.bfloat16).float())
-
-
-def _loss_case(tokens: int = 256, vocab: int = 512):
-    """bf16 logits with every eighth target padding, and F.cross_entropy's losses and logits
-    gradient of them (fp32)."""
-    import torch.nn.functional as F
-
-    from orchestrator.models.loss import IGNORE_INDEX
-
-    generator = torch.Generator().manual_seed(0)
-    base = torch.randn(tokens, vocab, generator=generator).to(torch.bfloat16)
-    targets = torch.randint(0, vocab, (tokens,), generator=generator)
-    targets[::8] = IGNORE_INDEX
-    want_logits = base.float().requires_grad_()
-    want = F.cross_entropy(want_logits, targets, reduction="none")
-    want.sum().backward()
-    return base, targets, want, want_logits.grad
 
 
 def _fused_loss(base, targets, chunk):

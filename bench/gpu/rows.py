@@ -20,7 +20,6 @@ def lead_ms(summary: dict, model_profile: str) -> float | None:
     device sum) instead of the sum of each call's max; None where it does not apply (pp > 1,
     no host/device split in the profile)."""
     from orchestrator.planner import ModelCost
-    from orchestrator.planner.profiles import _poly
 
     layout, predicted = summary["layout"], summary.get("predicted") or {}
     if layout["pp"] != 1 or "iteration_ms" not in predicted or not os.path.exists(model_profile):
@@ -33,7 +32,7 @@ def lead_ms(summary: dict, model_profile: str) -> float | None:
               "other_fwd": 1, "other_bwd": 1}
     priced = sum(n * fit.call_us(part, s, b) for part, n in counts.items())
     host = sum(n * fit.host_us(part, s, b) for part, n in counts.items())
-    device = sum(n * _poly(fit.device[part], s, b) for part, n in counts.items())
+    device = sum(n * fit.device_us(part, s, b) for part, n in counts.items())
     return predicted["iteration_ms"] - m * (priced - max(host, device)) / 1e3
 
 

@@ -367,8 +367,13 @@ class TpFit:
         profiles) the fit's constant once per call and the rest per sequence (_poly)."""
         if self.host is None:
             return _poly(getattr(self, part), s, batch)
-        value = np.maximum(self.host_us(part, s, batch), _poly(self.device[part], s, batch))
+        value = np.maximum(self.host_us(part, s, batch), self.device_us(part, s, batch))
         return float(value) if np.ndim(value) == 0 else value
+
+    def device_us(self, part: str, s, batch=1.0):
+        """A GPU profile's device time of one call of `part` on `batch` sequences of `s`
+        tokens: its constant once, the rest per sequence."""
+        return _poly(self.device[part], s, batch)
 
     def host_us(self, part: str, s, batch=1.0):
         """A GPU profile's host time to issue one call of `part` on `batch` sequences of `s`
@@ -386,7 +391,7 @@ class TpFit:
         the split (the FLOPs price one more forward)."""
         if self.host is None:
             return None
-        fwd, bwd = (_poly(self.device[part], s, batch) for part in ("block_fwd", "block_bwd"))
+        fwd, bwd = (self.device_us(part, s, batch) for part in ("block_fwd", "block_bwd"))
         host_fwd, host_bwd = (self.host_us(part, s, batch) for part in ("block_fwd", "block_bwd"))
         value = np.maximum(host_fwd + host_bwd, fwd + bwd) - np.maximum(host_bwd, bwd)
         return float(value) if np.ndim(value) == 0 else value
