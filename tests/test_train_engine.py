@@ -106,20 +106,20 @@ def _least_peak(before, counted):
     return counted if before is None or counted[1] < before[1] else before
 
 
+def _last_counted_step(layout) -> int:
+    """MEMORY_STEP, and for ZeRO 3 the FSDP_COUNTED_STEPS - 1 after it."""
+    return MEMORY_STEP + (FSDP_COUNTED_STEPS - 1 if layout.zero == 3 else 0)
+
+
 def _counted(layout, step: int) -> bool:
-    """Whether `step` runs under LiveTensorBytes: MEMORY_STEP, and for ZeRO 3 the
-    FSDP_COUNTED_STEPS - 1 after it."""
-    extra = FSDP_COUNTED_STEPS - 1 if layout.zero == 3 else 0
-    return MEMORY_STEP <= step <= MEMORY_STEP + extra
+    """Whether `step` runs under LiveTensorBytes (MEMORY_STEP.._last_counted_step)."""
+    return MEMORY_STEP <= step <= _last_counted_step(layout)
 
 
 def _steps(index: int, layout) -> int:
     """How many steps LAYOUTS[index] trains: STEPS for the reference, else SHORT_STEPS, or
-    through the last of ZeRO 3's counted steps."""
-    if index == 0:
-        return STEPS
-    extra = FSDP_COUNTED_STEPS - 1 if layout.zero == 3 else 0
-    return max(SHORT_STEPS, MEMORY_STEP + extra + 1)
+    through its last counted step."""
+    return STEPS if index == 0 else max(SHORT_STEPS, _last_counted_step(layout) + 1)
 
 
 def _worker(rank: int, out: dict) -> None:
@@ -154,7 +154,7 @@ def _worker(rank: int, out: dict) -> None:
     for pp, tp, extra in BF16_LAYOUTS:
         layout = _layout(pp, tp, extra)
         engine = Engine(layout, model, torch.device("cpu"), dtype="bf16", seed=1)
-        for step in range(MEMORY_STEP + (FSDP_COUNTED_STEPS if layout.zero == 3 else 1)):
+        for step in range(_last_counted_step(layout) + 1):
             if step == RECORDED_STEP:
                 _, out[f"comms bf16 {layout.describe()} rank {rank}"] = _record_step(
                     engine, data, layout, step, 1e-3)
