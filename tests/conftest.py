@@ -189,6 +189,11 @@ RANK_TIMEOUT_S = 300.0
 # The whole spawn, under pytest-timeout's 600 s (setup.cfg), so a hung launch fails here with the
 # ranks named rather than from the plugin's alarm.
 SPAWN_TIMEOUT_S = 540.0
+# What spawn_ranks' fork server imports before it forks a rank: what the ranks' bodies use. The
+# server starts with the environment of the first spawn_ranks call in a worker (the variables
+# spawn_ranks sets are the same every time), and its ranks share nothing else with it.
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
+                      "orchestrator.train.engine")
 
 
 def _rank_main(rank: int, body, world_size: int, store_path: str, out) -> None:
@@ -233,6 +238,7 @@ def spawn_ranks(body, world_size: int, check: bool = True,
     after `timeout_s` (then killed), give a line under "error", first. With check=True (the
     default) any error fails the calling test with every message; check=False returns them.
     """
+    import multiprocessing
     import shutil
     import tempfile
     import time
@@ -244,12 +250,15 @@ def spawn_ranks(body, world_size: int, check: bool = True,
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks' own links stay on loopback
     store_dir = tempfile.mkdtemp(prefix="spawn_ranks_")
+    # Each rank is forked from a server that imported torch once per xdist worker: a fresh
+    # interpreter per rank ("spawn") spent ~3 CPU-s importing it, most of a small test.
+    multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
     try:
         with mp.Manager() as manager:
             out = manager.dict()
             context = mp.start_processes(
                 _rank_main, args=(body, world_size, os.path.join(store_dir, "store"), out),
-                nprocs=world_size, join=False, start_method="spawn")
+                nprocs=world_size, join=False, start_method="forkserver")
             spawn_error = None
             deadline = time.monotonic() + timeout_s
             try:
