@@ -1,7 +1,7 @@
 """Ranks do not fight over the cores: waiting for a slower peer they sleep instead of spinning
 (MPICH polls at full speed inside a blocking collective; with more ranks than cores the spin
-slows the rank they wait for), and a CPU rank's intra-op threads share its host's CPUs with
-every rank on that host."""
+slows the rank they wait for), a CPU rank's intra-op threads share its host's CPUs with every
+rank on that host, and a rank's start (importing torch) runs without garbage collections."""
 import os
 import shutil
 import subprocess
@@ -48,3 +48,31 @@ def test_waiting_ranks_use_almost_no_cpu_and_wake_when_the_last_one_arrives(tmp_
 def test_cpu_threads_share_the_hosts_cpus_among_its_ranks(hostnames, rank, ranks_on_its_host):
     usable = len(os.sched_getaffinity(0))
     assert cpu_threads(hostnames, rank) == max(1, usable // ranks_on_its_host)
+
+
+def test_a_ranks_start_pauses_the_collector_then_freezes_what_it_made():
+    import gc
+
+    from orchestrator.runtime import _collector_paused
+
+    assert gc.isenabled()
+    try:
+        with pytest.raises(RuntimeError):  # an import that fails still gives the collector back
+            with _collector_paused():
+                assert not gc.isenabled()
+                made = [object() for _ in range(10)]
+                raise RuntimeError("import failed")
+        assert gc.isenabled()
+        assert gc.get_freeze_count() >= len(made)
+    finally:
+        gc.unfreeze()  # this worker's objects: collectable again
+
+
+def test_every_stages_rank_imports_name_modules_that_exist():
+    import importlib.util
+
+    from orchestrator.stages import STAGES, get_stage
+
+    named = [m for stage in STAGES for m in get_stage(stage).rank_imports]
+    assert "orchestrator.train.engine" in named
+    assert [m for m in named if importlib.util.find_spec(m) is None] == []

@@ -84,6 +84,9 @@ class Stage:
     requeues: ClassVar[int] = 3
     # True: run whenever asked, never skipped as done (what it reads may change outside us).
     always_runs: ClassVar[bool] = False
+    # The heavy modules its ranks import: a rank imports them at its start, with the garbage
+    # collector paused (runtime.run_rank); naming one here only makes a rank start sooner.
+    rank_imports: ClassVar[Tuple[str, ...]] = ()
 
     def plan(self, cfg: Config) -> StagePlan:
         """Validate the stage's config (ConfigError before anything launches); the launch."""

@@ -199,6 +199,7 @@ def stand_in_bytes(cfg) -> int:
 
 class ProfileHardware(Stage):
     name = "profile_hardware"
+    rank_imports = ("scipy.optimize", "orchestrator.profiling.hardware.collectives")  # the fits
     hash_sections = ("cluster", "profile_hardware")
     hash_exclude = ("profile_hardware.benchmarks", "profile_hardware.export",
                     "profile_hardware.plot")

@@ -147,6 +147,10 @@ def _progress(ctx, plan: ProfilePlan, total: int):
 
 class ProfileModel(Stage):
     name = "profile_model"
+    # dynamo: FakeTensorMode (analytic) and compile import it; DTensor: the TP points
+    rank_imports = ("torch._dynamo", "torch.distributed.tensor",
+                    "orchestrator.profiling.model.runner", "orchestrator.profiling.model.fit",
+                    "orchestrator.profiling.model.memory")
     hash_sections = ("cluster", "model", "profile_model")
     hash_exclude = ("profile_model.plot",)
 

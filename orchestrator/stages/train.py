@@ -47,6 +47,9 @@ def summary_path(cfg, layout, label: str = ""):
 
 class Train(Stage):
     name = "train"
+    rank_imports = ("torch._dynamo", "torch.distributed.tensor", "orchestrator.train.engine",
+                    "orchestrator.train.checkpoint", "orchestrator.train.data",
+                    "orchestrator.train.monitor", "orchestrator.train.report")
     hash_sections = ("cluster", "model", "train")
     hash_exclude = ("train.log_every", "train.plot", "train.memory_interval_s",
                     "train.checkpoint_every", "train.keep_checkpoints", "train.allow_oom_risk",
