@@ -56,14 +56,15 @@ def test_a_ranks_start_pauses_the_collector_then_freezes_what_it_made():
     from orchestrator.runtime import _collector_paused
 
     assert gc.isenabled()
+    frozen_before = gc.get_freeze_count()
     try:
         with pytest.raises(RuntimeError):  # an import that fails still gives the collector back
             with _collector_paused():
                 assert not gc.isenabled()
-                made = [object() for _ in range(10)]
+                made = [[] for _ in range(10)]  # containers: objects the collector tracks
                 raise RuntimeError("import failed")
         assert gc.isenabled()
-        assert gc.get_freeze_count() >= len(made)
+        assert gc.get_freeze_count() >= frozen_before + len(made)
     finally:
         gc.unfreeze()  # this worker's objects: collectable again
 
