@@ -1,16 +1,14 @@
 import gc
 import sys
 
-# The CLI's imports (Hydra, OmegaConf, rich, ours: ~50k objects that live as long as the
-# command) without garbage collections, and kept out of later ones.
-gc.disable()
+from orchestrator.startup import collector_paused
+
 try:
-    from orchestrator.cli import main
+    with collector_paused():  # Hydra, OmegaConf, rich, ours: ~50k objects, as long as the command
+        from orchestrator.cli import main
 except KeyboardInterrupt:  # Ctrl-C while the CLI loads: 130 and one line, as anywhere else
     print("\ninterrupted (Ctrl-C)", file=sys.stderr)
     sys.exit(130)
-gc.freeze()
-gc.enable()
 
 if __name__ == "__main__":
     try:

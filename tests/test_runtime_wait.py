@@ -53,13 +53,13 @@ def test_cpu_threads_share_the_hosts_cpus_among_its_ranks(hostnames, rank, ranks
 def test_a_ranks_start_pauses_the_collector_then_freezes_what_it_made():
     import gc
 
-    from orchestrator.runtime import _collector_paused
+    from orchestrator.startup import collector_paused
 
     assert gc.isenabled()
     frozen_before = gc.get_freeze_count()
     try:
         with pytest.raises(RuntimeError):  # an import that fails still gives the collector back
-            with _collector_paused():
+            with collector_paused():
                 assert not gc.isenabled()
                 made = [[] for _ in range(10)]  # containers: objects the collector tracks
                 raise RuntimeError("import failed")
