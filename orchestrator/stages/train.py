@@ -47,6 +47,8 @@ def summary_path(cfg, layout, label: str = ""):
 
 class Train(Stage):
     name = "train"
+    # dynamo, even where nothing compiles: DTensors, pipelining, the CPU run's live-tensor
+    # count and torch.optim's step import it on first use (docs/testing.md)
     rank_imports = ("torch._dynamo", "torch.distributed.tensor", "orchestrator.train.engine",
                     "orchestrator.train.checkpoint", "orchestrator.train.data",
                     "orchestrator.train.monitor", "orchestrator.train.report")
