@@ -7,8 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict, Iterable, Mapping, Optional, Tuple
 
-from orchestrator.planner.profiles import HardwareModel, LinkFit, ModelCost, PartMemory, TpFit
+from orchestrator.planner.hardware_model import HardwareModel, LinkFit
 
+from orchestrator.planner.model_cost import ModelCost, PartMemory, TpFit
 GiB = 1 << 30
 CONF_MODEL = Path(__file__).resolve().parent.parent / "orchestrator" / "conf" / "model"
 

@@ -94,8 +94,9 @@ def test_cp_attention_equals_one_process_causal_attention(cp_ranks, comm, tile_b
 def _planner_inputs():
     from planner_fixtures import synthetic_hardware, synthetic_model
 
-    from orchestrator.planner.profiles import HardwareModel, ModelCost
+    from orchestrator.planner.hardware_model import HardwareModel
 
+    from orchestrator.planner.model_cost import ModelCost
     model = ModelCost.from_dict(synthetic_model(layers=8, seq_len=8192, tps=(1, 2)))
     return model, HardwareModel.from_dict(synthetic_hardware(2, 8))
 

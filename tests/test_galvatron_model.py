@@ -7,7 +7,7 @@ import pytest
 from orchestrator.errors import ProfileError
 from orchestrator.interop.galvatron.model import import_model, write_galvatron_model
 from orchestrator.models.config import ModelConfig
-from orchestrator.planner.profiles import ModelCost
+from orchestrator.planner.model_cost import ModelCost
 from orchestrator.store.schema import ModelProfile
 
 MiB = 1024 * 1024

@@ -9,7 +9,7 @@ import pytest
 
 from orchestrator.layout import ParallelLayout
 from orchestrator.planner import CostOptions, SearchSpace, evaluate, search
-from orchestrator.planner.profiles import HardwareModel, LinkFit, group_span
+from orchestrator.planner.hardware_model import HardwareModel, LinkFit, group_span
 from orchestrator.planner.terms.zero import ZeroTraffic, dp_sync_us
 
 from planner_fixtures import hand_model

@@ -3,7 +3,8 @@ plain data: the JSON profiles loaded as dicts, ParallelLayout, SearchSpace)."""
 from orchestrator.planner.options import CostOptions
 from orchestrator.planner.prediction import Prediction, evaluate
 from orchestrator.planner.exports import galvatron_strategy, megatron_args
-from orchestrator.planner.profiles import HardwareModel, ModelCost
+from orchestrator.planner.hardware_model import HardwareModel
+from orchestrator.planner.model_cost import ModelCost
 from orchestrator.planner.schedule import ScheduleResult, simulate
 from orchestrator.planner.search import InfeasibleError, SearchResult, SearchSpace, search
 

@@ -64,7 +64,8 @@ from orchestrator.planner.calibration import contention_factor
 from orchestrator.planner.options import (BREAKDOWN_KINDS, MEMORY_KINDS, ConfigKey,  # noqa: F401
                                           CostOptions, GiB, budget_for_GiB,  # noqa: F401
                                           memory_reserve_GiB)  # noqa: F401
-from orchestrator.planner.profiles import HardwareModel, ModelCost
+from orchestrator.planner.hardware_model import HardwareModel
+from orchestrator.planner.model_cost import ModelCost
 from orchestrator.planner.schedule import (chunk_in_flight_pairs, in_flight_micro_batches,
                                            schedule_coefficients)
 from orchestrator.planner.terms import FwdBwd, as_value, overlap_extra_us

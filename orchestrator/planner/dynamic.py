@@ -43,7 +43,8 @@ from orchestrator.planner.microbatch_costs import (MicroBatchCosts, pack_rows, p
                                                    price_candidates)
 from orchestrator.planner.microbatch_order import _RankSearch, order_candidates
 from orchestrator.planner.microbatch_partition import _token_splits, partition
-from orchestrator.planner.profiles import HardwareModel, ModelCost
+from orchestrator.planner.hardware_model import HardwareModel
+from orchestrator.planner.model_cost import ModelCost
 from orchestrator.planner.terms import MODE_CODES, MODE_NAMES
 
 # Re-exported: the plan's types and pricing live in execution_plan.py, the partition and the

@@ -16,7 +16,8 @@ import numpy as np
 from orchestrator.layout import ParallelLayout
 from orchestrator.planner.cost_model import (ConfigKey, CostOptions, StageCosts,
                                              check_layout_for_model)
-from orchestrator.planner.profiles import HardwareModel, ModelCost
+from orchestrator.planner.hardware_model import HardwareModel
+from orchestrator.planner.model_cost import ModelCost
 from orchestrator.planner.schedule import in_flight_micro_batches
 
 

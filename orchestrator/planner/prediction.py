@@ -10,7 +10,8 @@ import numpy as np
 
 from orchestrator.choices import Engine
 from orchestrator.layout import LayoutError, ParallelLayout
-from orchestrator.planner.profiles import HardwareModel, ModelCost
+from orchestrator.planner.hardware_model import HardwareModel
+from orchestrator.planner.model_cost import ModelCost
 from orchestrator.planner.schedule import (simulate as simulate_schedule)
 from orchestrator.planner.terms import MODE_CODES
 

@@ -35,7 +35,8 @@ from orchestrator.choices import Recompute
 from orchestrator.layout import ParallelLayout
 from orchestrator.planner.cost_model import ConfigKey, GiB, StageCosts
 from orchestrator.planner.prediction import Prediction, evaluate
-from orchestrator.planner.profiles import HardwareModel, ModelCost
+from orchestrator.planner.hardware_model import HardwareModel
+from orchestrator.planner.model_cost import ModelCost
 from orchestrator.planner.terms import MODE_NAMES
 from orchestrator.planner.space import (SearchSpace, _divisors, auto_max_cp,  # noqa: F401
                                         enumerate_configs)

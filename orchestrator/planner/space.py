@@ -12,7 +12,8 @@ from typing import Dict, List, Optional, Tuple
 from orchestrator import errors
 from orchestrator.choices import CpComm, Engine, Recompute, Schedule
 from orchestrator.planner.cost_model import ConfigKey, CostOptions
-from orchestrator.planner.profiles import HardwareModel, ModelCost
+from orchestrator.planner.hardware_model import HardwareModel
+from orchestrator.planner.model_cost import ModelCost
 from orchestrator.planner.terms import MODE_NAMES
 
 

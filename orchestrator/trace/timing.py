@@ -242,7 +242,7 @@ def make_pricer(cfg, tps) -> ComputePricer:
     """The pricer for this cluster and model: the planner's compute from the model profile
     when it exists and covers every TP degree traced, else the device sheet (trace.device, or
     h100); ProfileError when the profile is another model's (model_profile)."""
-    from orchestrator.planner.profiles import ModelCost
+    from orchestrator.planner.model_cost import ModelCost
     from orchestrator.device import load_device_sheet
     from orchestrator.store import model_profile_path
 

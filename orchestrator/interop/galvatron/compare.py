@@ -18,9 +18,8 @@ from orchestrator.interop.galvatron.strategy import read_strategy
 from orchestrator.layout import LayoutError
 from orchestrator.planner.options import BREAKDOWN_KINDS, CostOptions, GiB
 from orchestrator.planner.prediction import Prediction, evaluate
-from orchestrator.planner.profiles import HardwareModel, ModelCost
-
-
+from orchestrator.planner.hardware_model import HardwareModel
+from orchestrator.planner.model_cost import ModelCost
 @dataclass(frozen=True)
 class CompareRow:
     """One line of a comparison: a breakdown term, "iteration" (ms), "peak_memory" (GiB) or

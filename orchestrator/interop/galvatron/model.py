@@ -401,8 +401,7 @@ def galvatron_model_files(profile: ModelProfile,
     model's by default): forward ms per sample at tp 1 (our tp t time x t), MiB tables of the
     sequence-parallel kind. Backward times and per-tp times other than time / tp have no place
     there; the first/last-stage tables get half of 'other' each, as our planner places it."""
-    from orchestrator.planner.profiles import ModelCost
-
+    from orchestrator.planner.model_cost import ModelCost
     cost = ModelCost.from_profile(profile)
     m, seq = profile.model, int(seq_len or profile.model.seq_len)
     dtype = Dtype.parse(m.dtype)

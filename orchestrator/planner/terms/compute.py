@@ -11,7 +11,7 @@ import numpy as np
 
 from orchestrator.choices import Engine
 from orchestrator.planner.calibration import contention_factor
-from orchestrator.planner.profiles import ModelCost
+from orchestrator.planner.model_cost import ModelCost
 from orchestrator.planner.terms import FwdBwd
 from orchestrator.planner.terms.moe import (MoeParams, linear_scale, moe_block_delta_us,
                                             moe_imbalance)

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator.bandwidth import benchmark_of
-from orchestrator.planner.profiles import HardwareModel
+from orchestrator.planner.hardware_model import HardwareModel
 from orchestrator.planner.terms import FwdBwd, as_value, overlap_extra_us
 from orchestrator.workload.comm import CpMessages
 

@@ -36,7 +36,8 @@ import numpy as np
 
 from orchestrator.bandwidth import benchmark_of
 from orchestrator.models.config import count_attention_params
-from orchestrator.planner.profiles import HardwareModel, ModelCost
+from orchestrator.planner.hardware_model import HardwareModel
+from orchestrator.planner.model_cost import ModelCost
 from orchestrator.planner.terms import FwdBwd, as_value
 from orchestrator.workload.moe import (MoeMessages, MoeShape, default_imbalance,
                                        dense_ffn_params_per_rank,

@@ -17,7 +17,7 @@ from typing import List, Sequence
 
 import numpy as np
 
-from orchestrator.planner.profiles import HardwareModel
+from orchestrator.planner.hardware_model import HardwareModel
 from orchestrator.planner.terms import FwdBwd
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Dict, Tuple
 
 from orchestrator.bandwidth import benchmark_of
-from orchestrator.planner.profiles import HardwareModel
+from orchestrator.planner.hardware_model import HardwareModel
 from orchestrator.planner.terms import FwdBwd, as_value, pipelined_extra_us, price_comms
 from orchestrator.workload.comm import TpMessages
 

@@ -52,7 +52,7 @@ import numpy as np
 
 from orchestrator.bandwidth import benchmark_of
 from orchestrator.choices import Engine
-from orchestrator.planner.profiles import HardwareModel
+from orchestrator.planner.hardware_model import HardwareModel
 from orchestrator.planner.terms import FwdBwd, overlap_extra_us, pipelined_extra_us
 from orchestrator.workload.comm import Comm
 

@@ -2,7 +2,7 @@
 `host_device`): each part of timing.py's point (block forward and backward, the other parts')
 queued behind a sleep kernel, so the host issues the whole call while the GPU still sleeps;
 CUDA events then time the kernels alone and the wall clock the host's issuing. The cost model
-prices a call from both (planner/profiles.py: max(host, device)). A CPU has no such split: the
+prices a call from both (planner/model_cost.py: max(host, device)). A CPU has no such split: the
 host runs the kernels (method.host_device says so)."""
 from __future__ import annotations
 

@@ -143,7 +143,7 @@ class MeasuredTiming:
 
     def host_device_note(self) -> str:
         """What the profile says about host time and device time (the cost model prices a
-        call from them: planner/profiles.TpFit.call_us)."""
+        call from them: planner/model_cost.TpFit.call_us)."""
         if self.device.type != "cuda":
             return ("not told apart: on a CPU the host runs the kernels, so a call's time is "
                     "both (fits: constant once per call + per-sequence terms)")
