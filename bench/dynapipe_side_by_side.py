@@ -41,6 +41,7 @@ import dynamic_microbatching as B  # noqa: E402
 from orchestrator.layout import ParallelLayout  # noqa: E402
 from orchestrator.planner import HardwareModel, ModelCost  # noqa: E402
 from orchestrator.planner.terms import MODE_NAMES  # noqa: E402
+from orchestrator.planner.terms.pipeline import boundary_intra_node  # noqa: E402
 from orchestrator.planner.dynamic import (MicroBatch, MicroBatchCosts, plan_iteration,  # noqa
                                           price_plan)
 from orchestrator.planner.execution_plan import _price_micro_batches  # noqa: E402
@@ -71,7 +72,7 @@ class Table:
         self.t = {}
         for code, rc in enumerate(RC):
             p = costs.price(bb.ravel(), ss.ravel(), np.full(bb.size, code))
-            shp = (costs.pp, n, len(self.S))
+            shp = (costs.layout.pp, n, len(self.S))
             self.t[rc] = {f: getattr(p, f).reshape(shp) for f in
                           ("fwd_us", "bwd_us", "boundary_us", "stage_time_us", "stored_bytes",
                            "extra_bytes")}
@@ -114,11 +115,23 @@ class CMWithRC:
         return self.static_mb if stage == "Embedding" else 0.0
 
 
-def make_spec_builder(table, costs, hidden):
+def p2p_lines(costs) -> np.ndarray:
+    """[pp - 1, 2]: (alpha us, us per byte) of one send across each pipeline boundary, as the
+    cost model prices it (HardwareModel.p2p_time_us: a line in the bytes), read at two sizes."""
+    key, hw = costs.whole.key, costs.hardware
+    intra = boundary_intra_node(key.pp, key.stage_ranks, hw.tasks_per_node)[:-1]
+    small, large = 1 << 20, 1 << 21
+    t_small, t_large = (np.array([hw.p2p_time_us(size, x, key.pp) for x in intra])
+                        for size in (small, large))
+    per_byte = (t_large - t_small) / (large - small)
+    return np.stack([t_small - per_byte * small, per_byte], axis=1)
+
+
+def make_spec_builder(table, costs, hidden, lines):
     """Replacement of execution_planner.construct_minibatch_spec: one DynaPipe 'layer' per
     pipeline stage, carrying our per-stage fwd/bwd (us), boundary sizes, stored/peak MB and
-    static MB."""
-    per_byte = costs.p2p_lines[0, 1]
+    static MB; `lines` the boundaries' p2p_lines."""
+    per_byte = lines[0, 1]
 
     def build(model_spec, cost_model, minibatch, rc_type, dp_size=1, tp_size=1, zero_stage=0,
               minibatch_idx=None, name="microbatch"):
@@ -129,8 +142,8 @@ def make_spec_builder(table, costs, hidden):
             mb.set_fw_exec_times(list(map(float, g("fwd_us"))))
             mb.set_bw_exec_times(list(map(float, g("bwd_us")[::-1])))
             # comm time = lat + MB*8e3/bw; lat = alpha, bw chosen so that MB -> our per-byte
-            comm_mb = [float((g("boundary_us")[j] - costs.p2p_lines[j, 0]) / per_byte) / MB
-                       for j in range(costs.pp - 1)]
+            comm_mb = [float((g("boundary_us")[j] - lines[j, 0]) / per_byte) / MB
+                       for j in range(costs.layout.pp - 1)]
             mb.set_fw_comm_size(comm_mb)
             mb.set_bw_comm_size(comm_mb[::-1])
             mb.set_model_state_memory(list(map(float, costs.static_bytes / MB)))
@@ -138,7 +151,7 @@ def make_spec_builder(table, costs, hidden):
             mb.set_model_stored_activation_memory(list(map(float, stored / MB)))
             mb.set_model_peak_activation_memory(list(map(float, (stored + g("extra_bytes"))
                                                          / MB)))
-            mb.set_activation_shapes([[(b, s, hidden)]] * costs.pp)
+            mb.set_activation_shapes([[(b, s, hidden)]] * costs.layout.pp)
             mb.check_all_set()
             mbs.append(mb)
         return DynaPipeMinibatch(name, mbs)
@@ -169,12 +182,13 @@ def main():
                                     micro_batch_size=1)
     budget = B.budget_bytes(cfg)
     costs = MicroBatchCosts(layout, model, hw)
+    lines = p2p_lines(costs)
     pp = layout.pp
     print(f"budget {budget / 2**30:.2f} GiB, static per stage GiB "
-          f"{np.round(costs.static_bytes / 2**30, 2)}, p2p lines {costs.p2p_lines.tolist()}")
+          f"{np.round(costs.static_bytes / 2**30, 2)}, p2p lines {lines.tolist()}")
 
-    alpha, per_byte = costs.p2p_lines[0]
-    assert np.allclose(costs.p2p_lines, costs.p2p_lines[0]), "boundaries differ"
+    alpha, per_byte = lines[0]
+    assert np.allclose(lines, lines[0]), "boundaries differ"
     bw_gbps = 8e-3 / per_byte
     cluster = DynaPipeCluster({j: j for j in range(pp)}, [budget / MB] * pp, bw_gbps, bw_gbps,
                               alpha, alpha)
@@ -185,7 +199,7 @@ def main():
     for n in args.sizes:
         table = Table(costs, n, args.cap)
         cm = CMWithRC(table, costs.static_bytes)
-        EP.construct_minibatch_spec = make_spec_builder(table, costs, model.hidden)
+        EP.construct_minibatch_spec = make_spec_builder(table, costs, model.hidden, lines)
         dataopt = DataAssignmentOptimizer(cm, spec, n_executors=pp, n_layers_per_stage=1,
                                           dp_size=1, tp_size=layout.tp,
                                           device_memory_limit=budget / MB,
