@@ -192,7 +192,13 @@ def train_run(args, mbs: int, cuda: bool, work: Path) -> dict:
                  if p.stat().st_mtime >= started]
     if not summaries:
         return {"error": f"no summary under {profiles}"}
-    summary = json.loads(max(summaries, key=lambda p: p.stat().st_mtime).read_text())
+    newest = max(summaries, key=lambda p: p.stat().st_mtime)
+    if args.keep_summaries:  # beside the stage=train runs of the same profiles (bench/gpu/rows.py)
+        kept = Path(args.keep_summaries) / newest.relative_to(profiles)
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(newest, kept)
+        console.print(f"mbs {mbs}: stage=train summary kept: {kept}", highlight=False, soft_wrap=True)
+    summary = json.loads(newest.read_text())
     measured = summary["measured"]
     return {"step_ms": measured["iteration_ms"], "tokens_per_s": measured["tokens_per_s"],
 }
@@ -213,6 +219,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="first steps left out of the median")
     ap.add_argument("--compile-backend", default="inductor")
     ap.add_argument("--profiles-dir", help="profiles stage=train predicts from (copied)")
+    ap.add_argument("--keep-summaries", metavar="DIR",
+                    help="copy each stage=train summary into this profiles folder (same path)")
     ap.add_argument("--train-arg", action="append", default=[],
                     help="an extra override for stage=train (repeatable), e.g. train.compile=true")
     ap.add_argument("--json", help="write the rows here")

@@ -67,8 +67,9 @@ SMOKES = {
         rf"mixtral_8x7b Megatron-LM example\s+{B} tp2 pp4 dp32 ep8 .*{B}\s+{N} {B}\s+{N} {B}"]),
     "overhead": (["--smoke"], [
         rf"local, 4 ranks: orchestrator {N} s, bare {N} s, overhead [+-]{N} s"]),
-    "plain_loop": (["--smoke"], [
+    "plain_loop": (["--smoke", "--keep-summaries", "{tmp}/kept"], [
         r"tiny x2 layers, seq 64, global batch 2 on one CPU",
+        r"mbs 1: stage=train summary kept: .*/kept/local/train/tiny/pp1-tp1-dp1-zero0-mbs1x2-1f1b\.json",
         rf"mbs1 x2 {B}\s+{N} \({N}\) {B}\s+{N} \({N}\) {B}\s+{N} \({N}\) {B}\s+{N}x"]),
     "profile_hardware_agreement": (["--smoke"], [
         r"allreduce over 2 ranks, 0.0625 MiB fp32:",
@@ -126,6 +127,7 @@ def test_bench_smoke_case_runs_to_its_end(script, request, tmp_path):
     if any("{chain}" in a for a in args):
         chain = request.getfixturevalue("chain")
         args = [a.format(chain=chain) for a in args]
+    args = [a.format(tmp=tmp_path) if "{tmp}" in a else a for a in args]
     patterns = patterns() if callable(patterns) else patterns
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "TMPDIR": str(tmp_path)}  # no Galvatron sdist cached from an earlier bench run
