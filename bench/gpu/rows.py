@@ -3,7 +3,7 @@ step, error, tokens/s, peak MiB predicted and measured, each stage's (compute, p
 optimizer) ms; for one GPU stage (pp 1) priced from a profile with host and device apart, also
 `lead`: the prediction if the host's lead carried across calls (docs/gpu.md, "The next GPU
 session"), each micro-batch max(its calls' host sum, their device sum) where the cost model
-sums each call's max. The mbs 1 rows tell which holds.
+sums each call's max (dense models without recompute only). The mbs 1 rows tell which holds.
 
     python bench/gpu/rows.py /dev/shm/prof
 """
@@ -23,6 +23,9 @@ def lead_ms(summary: dict, model_profile: str) -> float | None:
 
     layout, predicted = summary["layout"], summary.get("predicted") or {}
     if layout["pp"] != 1 or "iteration_ms" not in predicted or not os.path.exists(model_profile):
+        return None
+    # the calls counted below: a dense model's, without recompute's reruns
+    if summary.get("moe") or any(kind != "none" for kind, _ in layout.get("recompute") or []):
         return None
     fit = ModelCost.from_dict(json.load(open(model_profile)))._fit(layout["tp"])
     if fit.host is None:
