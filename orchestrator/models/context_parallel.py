@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from orchestrator.choices import CpComm
+from orchestrator.dist_names import all_gather_single, reduce_scatter_single
 from orchestrator.models.attention_tiles import SCORE_TILE_BYTES, score_tile_rows
 
 
@@ -177,22 +178,20 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, t, context):
-        import torch.distributed as dist
 
         ctx.context = context
         mine = t.permute(2, 0, 1, 3).contiguous()  # the sequence first: the gathered dim
         gathered = mine.new_empty((context.cp * mine.shape[0],) + mine.shape[1:])
-        dist.all_gather_into_tensor(gathered, mine, group=context.group)
+        all_gather_single(gathered, mine, group=context.group)
         return gathered.permute(1, 2, 0, 3)
 
     @staticmethod
     def backward(ctx, grad):
-        import torch.distributed as dist
 
         context = ctx.context
         whole = grad.permute(2, 0, 1, 3).contiguous()
         mine = whole.new_empty((whole.shape[0] // context.cp,) + whole.shape[1:])
-        dist.reduce_scatter_tensor(mine, whole, group=context.group)
+        reduce_scatter_single(mine, whole, group=context.group)
         return mine.permute(1, 2, 0, 3), None
 
 

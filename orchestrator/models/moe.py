@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from orchestrator.dist_names import all_gather_single
 from orchestrator.models.config import ModelConfig, capacity, expert_width
 from orchestrator.models.projections import each_linear
 
@@ -328,7 +329,7 @@ def _gather_etp(x: torch.Tensor, per_expert: torch.Tensor, group, etp: int):
     expert over the ranks: returns the tokens, their count per expert, and (sizes per rank and
     expert, the regrouping) for the reduce-scatter back."""
     sizes = torch.empty(etp * per_expert.numel(), dtype=per_expert.dtype)
-    _all_gather(sizes, per_expert.contiguous(), group=group)
+    all_gather_single(sizes, per_expert.contiguous(), group=group)
     # traced (meta, fake groups: no values): uniform routing, every rank's counts are these
     sizes = per_expert.unsqueeze(0).repeat(etp, 1) if x.is_meta else sizes.view(etp, -1)
     gathered = _GatherEtp.apply(x, sizes.sum(1).tolist(), group)
@@ -376,8 +377,6 @@ class _ScatterEtp(torch.autograd.Function):
         return full[order], None, None
 
 
-# torch renamed all_gather_into_tensor (2.13 warns on the old name; 2.11 has only the old one).
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _padded_all_gather(x: torch.Tensor, sizes: list, group) -> torch.Tensor:
@@ -385,5 +384,5 @@ def _padded_all_gather(x: torch.Tensor, sizes: list, group) -> torch.Tensor:
     padded = x.new_zeros((most,) + tuple(x.shape[1:]))
     padded[:x.shape[0]] = x
     out = x.new_empty((len(sizes) * most,) + tuple(x.shape[1:]))
-    _all_gather(out, padded, group=group)
+    all_gather_single(out, padded, group=group)
     return torch.cat([out[r * most:r * most + n] for r, n in enumerate(sizes)])

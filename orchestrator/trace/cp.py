@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from orchestrator.choices import CpComm
+from orchestrator.dist_names import all_gather_single, reduce_scatter_single
 from orchestrator.models.context_parallel import SwapSplit, ring_of
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention
@@ -231,7 +232,7 @@ def _gather(t: torch.Tensor, context) -> torch.Tensor:
     """(b, h, s / cp, d) -> (b, h, s, d) all-gathered along the sequence, in sequence order."""
     mine = t.permute(2, 0, 1, 3).contiguous()
     gathered = mine.new_empty((context.cp * mine.shape[0],) + mine.shape[1:])
-    dist.all_gather_into_tensor(gathered, mine, group=context.group)
+    all_gather_single(gathered, mine, group=context.group)
     # CP-rank order to sequence order (the chunks of 2cp): a gather of the rows
     return gathered.index_select(0, torch.arange(gathered.shape[0], device=t.device)
                                  ).permute(1, 2, 0, 3)
@@ -240,7 +241,7 @@ def _gather(t: torch.Tensor, context) -> torch.Tensor:
 def _scatter(t: torch.Tensor, context) -> torch.Tensor:
     whole = t.permute(2, 0, 1, 3).contiguous()
     mine = whole.new_empty((whole.shape[0] // context.cp,) + whole.shape[1:])
-    dist.reduce_scatter_tensor(mine, whole, group=context.group)
+    reduce_scatter_single(mine, whole, group=context.group)
     return mine.permute(1, 2, 0, 3)
 
 

@@ -34,11 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from orchestrator.dist_names import all_gather_single, reduce_scatter_single
 from orchestrator.workload.buckets import plan_buckets
 
 
-# torch renamed all_gather_into_tensor (2.13 warns on the old name; 2.11 has only the old one).
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -327,8 +326,8 @@ class ShardedAdamW:
         elif self.zero == 2:
             b.shard_grad = torch.empty(b.numel // self.dp, dtype=b.grad.dtype,
                                        device=b.grad.device)
-            b.work = dist.reduce_scatter_tensor(b.shard_grad, b.grad, group=self.dp_group,
-                                                async_op=True)
+            b.work = reduce_scatter_single(b.shard_grad, b.grad, group=self.dp_group,
+                                           async_op=True)
         else:
             b.work = dist.all_reduce(b.grad, group=self.dp_group, async_op=True)
 
@@ -414,13 +413,13 @@ class ShardedAdamW:
         mine = b.master.detach().to(self.weight_dtype) if gather else b.master.detach()
         if b.flat_params is not None:  # the parameters are views of flat_params
             if gather:
-                _all_gather(b.flat_params, mine, group=self.dp_group)
+                all_gather_single(b.flat_params, mine, group=self.dp_group)
             elif self.half or self.zero > 0:  # fp32 ZeRO-0: AdamW updated them in place
                 b.flat_params.copy_(mine)
             return
         if gather:
             full = torch.empty(b.numel, dtype=self.weight_dtype, device=b.master.device)
-            _all_gather(full, mine, group=self.dp_group)
+            all_gather_single(full, mine, group=self.dp_group)
         else:
             full = mine
         with torch.no_grad():
@@ -465,7 +464,7 @@ class ShardedAdamW:
         if self.zero == 0 or self.dp == 1:
             return shard
         full = torch.empty(b.numel, dtype=shard.dtype, device=shard.device)
-        _all_gather(full, shard, group=self.dp_group)
+        all_gather_single(full, shard, group=self.dp_group)
         return full
 
     def load_state_tensors(self, states: Dict[nn.Parameter, Dict[str, torch.Tensor]],

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from orchestrator.choices import Dtype
+from orchestrator.dist_names import all_gather_single, reduce_scatter_single
 from orchestrator.errors import ConfigError
 from orchestrator.profiling.hardware.fit import fit_points
 from orchestrator.profiling.hardware.groups import (check_node_of_rank, group_sizes, groups_for,
@@ -161,15 +162,6 @@ def _buffers(count: int, numel: int, dtype: torch.dtype, device) -> List[torch.T
     return [torch.zeros(numel, dtype=dtype, device=device) for _ in range(count)]
 
 
-def _all_gather_fn():
-    # torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor for the *_single names.
-    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _reduce_scatter_fn():
-    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
 def _collective_call(op: str, group, group_size: int, numel: int,
                      bufs: List[torch.Tensor]) -> Callable[[], None]:
     a, b = bufs[0], bufs[1]
@@ -177,10 +169,10 @@ def _collective_call(op: str, group, group_size: int, numel: int,
         t = a[:numel]
         return lambda: dist.all_reduce(t, group=group)
     if op == "reduce_scatter":
-        fn, src, dst = _reduce_scatter_fn(), a[:numel], b[:numel // group_size]
+        fn, src, dst = reduce_scatter_single, a[:numel], b[:numel // group_size]
         return lambda: fn(dst, src, group=group)
     if op == "all_gather":
-        fn, src, dst = _all_gather_fn(), a[:numel // group_size], b[:numel]
+        fn, src, dst = all_gather_single, a[:numel // group_size], b[:numel]
         return lambda: fn(dst, src, group=group)
     if op == "all2all":
         src, dst = a[:numel], b[:numel]
