@@ -100,10 +100,22 @@ def test_inventory_on_4_local_ranks_then_rerun_skips(profiles):
 
 def test_status_from_a_fresh_process(profiles):
     proc = run_cli("stage=status", profiles_dir=profiles, check=0)
-    assert "nothing has run" in proc.stdout
+    assert "nothing has run" in proc.stdout and "other clusters" not in proc.stdout
     run_cli("stage=noop", profiles_dir=profiles, check=0)
     proc = run_cli("stage=status", profiles_dir=profiles, check=0)
     assert "noop" in proc.stdout and "done" in proc.stdout
+    # Another cluster's runs (a Slurm user's cluster=<name>) are not in this table: status
+    # names them and the command that shows them, which does.
+    run_cli("stage=noop", "cluster.name=mysite", "cluster.tasks_per_node=1",
+            profiles_dir=profiles, check=0)
+    said = " ".join(run_cli("stage=status", profiles_dir=profiles, check=0).stdout.split())
+    assert "other clusters in" in said and "mysite (last written" in said
+    command = said.split("see one with: ")[1]
+    assert command.startswith("python -m orchestrator stage=status profiles_dir=")
+    assert command.split()[-1] == "cluster.name=mysite"  # no cluster file of that name
+    proc = run_cli(*command.split()[3:], profiles_dir=None, check=0)
+    assert "mysite/ledger.json" in " ".join(proc.stdout.split()) and "noop" in proc.stdout
+    assert "other clusters in" in proc.stdout and "local (last written" in proc.stdout
 
 
 def test_missing_input_names_the_command_that_builds_it(profiles):

@@ -92,6 +92,8 @@ def test_qwen_100b_from_a_laptop_is_fast_analytic_and_exact_in_memory(profiles):
     # machine: 126 s beside two CPU hogs and a gloo job, 60 s asked).
     proc = run_cli("stage=profile_model", "model=qwen_100b", profiles_dir=profiles, check=0)
     assert "analytic" in proc.stdout
+    # run in the CLI's process: each point's line once, not again through Hydra's log handler
+    assert "[INFO]" not in proc.stdout and proc.stdout.count("seq 131072 tp 1:") == 1
     prof = _profile(profiles, "qwen_100b")
     assert prof["source"] == "analytic"
     assert all(p["source"] == "analytic" for p in prof["points"])

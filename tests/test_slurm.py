@@ -104,6 +104,9 @@ def test_inventory_on_2_nodes_x_2_tasks(slurm_cluster, profiles):
     proc = run_cli("stage=profile_hardware", "profile_hardware.benchmarks=[inventory]", *SLURM,
                    profiles_dir=profiles, check=0)
     assert "submitted Slurm job" in proc.stdout
+    # the job's output is streamed to the console without submitit's own lines (in its log)
+    assert "submitit INFO" not in proc.stdout, proc.stdout
+    assert "Loading pickle" in "".join(p.read_text() for p in profiles.rglob("*_0_log.out"))
     profile = json.loads((profiles / "dev" / "hardware.json").read_text())
     ranks = profile["inventory"]["ranks"]
     assert [r["node"] for r in ranks] == ["n1", "n1", "n2", "n2"]
@@ -512,3 +515,20 @@ def test_the_tasks_srun_reports_killed_first_are_the_ones_named(stderr, killed):
     from orchestrator.launch.slurm import srun_killed
 
     assert srun_killed(stderr) == killed
+
+
+def test_a_jobs_output_reaches_the_console_in_whole_lines_without_submitits(tmp_path):
+    from orchestrator.launch.slurm import _stream
+
+    log, shown = tmp_path / "0_0_log.out", []
+    log.write_bytes(b"submitit INFO (2026-11-29 01:55:06,089) - Loading pickle: x.pkl\n"
+                    b"allreduce 27/27\nstep 1/3  loss 6.25")  # a line still being written
+    offset = _stream(log, 0, shown.append)
+    assert shown == ["allreduce 27/27\n"]
+    with open(log, "ab") as f:
+        f.write(" \u2713 done\nsubmitit INFO (2026-11-29 01:56:01,915) - Exiting\n"
+                "tail".encode())
+    offset = _stream(log, offset, shown.append)
+    assert shown[1:] == ["step 1/3  loss 6.25 \u2713 done\n"]
+    assert _stream(log, offset, shown.append, ended=True) == log.stat().st_size
+    assert shown[2:] == ["tail"]

@@ -186,6 +186,9 @@ def test_tune_measures_candidates_calibrates_and_picks_the_fastest(chain):
     assert trained["layout"] == fastest["layout"]
     status = run_cli("stage=status", profiles_dir=chain, check=0)
     assert "calibration" in status.stdout and f"{len(done)} runs" in status.stdout
+    # each candidate's row in the train table says tune wrote it
+    rows = [line for line in status.stdout.splitlines() if "│ tiny" in line]
+    assert sum("│ stage=tune" in line for line in rows) == len(done), status.stdout
     # A factor the fit pushed to its bound: status says to measure the profiles again.
     path = chain / "local" / "calibration" / "tiny.json"
     path.write_text(json.dumps({**rec, "at_bound": ["compute"]}))
@@ -198,6 +201,9 @@ def test_tune_measures_candidates_calibrates_and_picks_the_fastest(chain):
     hw.write_text(hw.read_text().replace('"schema_version"', '"schema_version" ', 1))
     stale = run_cli("stage=search", "search.max_tp=2", profiles_dir=chain, check=0)
     assert "calibrated from" not in stale.stdout
+    said = " ".join(stale.stdout.split())
+    assert "search: cost model uncalibrated: calibration" in said and "is stale" in said
+    assert "rerun python -m orchestrator stage=tune" in said
     status = run_cli("stage=status", profiles_dir=chain, check=0)
     assert "stale" in status.stdout
 

@@ -9,7 +9,7 @@ from typing import List
 from rich.markup import escape
 from rich.table import Table
 
-from orchestrator.commands import commands_that_launch
+from orchestrator.commands import commands_that_launch, rerun_command
 from orchestrator.console import console
 from orchestrator.launch import refresh_ledger
 from orchestrator.pipeline import ledger_for
@@ -53,7 +53,31 @@ def print_status(cfg) -> List[dict]:
         console.print(escape(f"nothing has run for cluster {cfg.cluster.name!r} yet "
                              f"({ledger.path} does not exist); start with: "
                              f"{' or '.join(commands_that_launch('all', cfg))}"))
+    print_other_clusters(cfg, Path(ledger.path))
     return [dict(entry=k, **e.to_dict()) for k, e in entries.items()]
+
+
+def print_other_clusters(cfg, ledger_path: Path) -> None:
+    """The other clusters with a ledger in the same profiles folder, newest first, and the
+    command that shows one: status shows one cluster (cluster=, local by default), and a
+    Slurm user's jobs are under theirs."""
+    others = sorted((p for p in ledger_path.parent.parent.glob("*/ledger.json")
+                     if p.parent != ledger_path.parent),
+                    key=lambda p: p.stat().st_mtime, reverse=True)
+    if not others:
+        return
+    from orchestrator.conf_folders import config_dirs, group_options
+
+    name = others[0].parent.name  # a cluster file's name, or a name given as cluster.name=
+    select = (f"cluster={name}" if name in group_options("cluster", config_dirs())
+              else f"cluster.name={name}")
+    names = ", ".join(f"{p.parent.name} (last written "
+                      f"{time.strftime('%m-%d %H:%M', time.localtime(p.stat().st_mtime))})"
+                      for p in others)
+    console.print(escape(f"other clusters in {_relative(ledger_path.parent.parent) or '.'}: "
+                         f"{names}; see one with: "
+                         f"{rerun_command('status', select)}"),
+                  highlight=False)
 
 
 def print_train_table(cfg) -> None:
@@ -66,20 +90,31 @@ def print_train_table(cfg) -> None:
         try:
             summary = read_json(path)
             if summary.get("kind") == "train":
-                rows.append({"model": str(summary["model"]), **train_row(summary)})
+                rows.append({"model": str(summary["model"]), "run": run_label(path),
+                             **train_row(summary)})
         except (OSError, ValueError, KeyError, TypeError):
             continue
     if not rows:
         return
     table = Table(title="train: predicted vs measured iteration time")
-    columns = ("model", "layout", "iteration ms", "measured ms", "error %", "tokens/s",
+    columns = ("model", "layout", "run", "iteration ms", "measured ms", "error %", "tokens/s",
                "model peak GiB", "measured peak GiB")
     for col in columns:
         table.add_column("predicted ms" if col == "iteration ms" else col,
-                         justify="left" if col in ("model", "layout") else "right")
+                         justify="left" if col in ("model", "layout", "run") else "right")
     for row in rows:
         table.add_row(*(escape(row[c]) for c in columns))
     console.print(table)
+
+
+def run_label(summary_path: Path) -> str:
+    """Which command wrote a train summary, from its file name (train/plan.py's tag, then
+    -dynamic, then @<label>: tune's candidates, a sweep point's overrides)."""
+    tag, _, label = summary_path.stem.partition("@")
+    parts = ["dynamic micro-batches"] if tag.endswith("-dynamic") else []
+    if label:
+        parts.append("stage=tune" if label == "tune" else f"sweep {label}")
+    return ", ".join(parts) or "stage=train"
 
 
 def print_calibrations(cfg) -> None:

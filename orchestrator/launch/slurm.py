@@ -260,7 +260,7 @@ class SlurmLauncher:
                 break
             time.sleep(self.poll_s)
         if on_output is not None:
-            _stream(rank0.paths.stdout, offset, on_output)
+            _stream(rank0.paths.stdout, offset, on_output, ended=True)
         return self.outcome(job, request.run_dir, state)
 
     def outcome(self, job, run_dir: str, state: str) -> LaunchResult:
@@ -284,14 +284,25 @@ class SlurmLauncher:
                           killed=killed)
 
 
-def _stream(path: Path, offset: int, on_output) -> int:
-    """Hand what `path` gained since `offset` to `on_output`; returns the new offset."""
+# submitit's own lines in a job's output (its start, the pickle it loads, its exit): they stay
+# in the job's log, the user's console shows what the stage printed.
+_SUBMITIT_LINE = b"submitit INFO ("
+
+
+def _stream(path: Path, offset: int, on_output, ended: bool = False) -> int:
+    """Hand the whole lines `path` gained since `offset` (byte offset) to `on_output`, less
+    submitit's own; returns the new offset. Until the job `ended`, a line still being written
+    waits for its end (a line is kept or dropped whole)."""
     if not path.exists():
         return offset
-    with open(path, errors="replace") as f:
+    with open(path, "rb") as f:
         f.seek(offset)
-        text = f.read()
-        offset = f.tell()
-    if text:
-        on_output(text)
+        data = f.read()
+    if not ended:
+        data = data[:data.rfind(b"\n") + 1]
+    offset += len(data)
+    shown = b"".join(line for line in data.splitlines(keepends=True)
+                     if not line.startswith(_SUBMITIT_LINE))
+    if shown:
+        on_output(shown.decode(errors="replace"))
     return offset

@@ -247,6 +247,9 @@ def _setup_logging(request: StageRequest, rank: int) -> None:
     handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(message)s"))
     root = logging.getLogger("orchestrator")
     root.setLevel(logging.INFO)
+    # The rank's log only: a stage run in the CLI's own process (one task, e.g. an analytic
+    # profile) would also print each line through Hydra's console handler, beside its own.
+    root.propagate = False
     for old in [h for h in root.handlers if getattr(h, "orchestrator_rank_log", False)]:
         root.removeHandler(old)  # one log file per launch, also when tests run stages in-process
         old.close()

@@ -214,6 +214,12 @@ def run_search(ctx, run):
         inputs.append((extra.path, extra.read(cfg)))
         notes.append(f"cost model {space.options.calibration.describe()} "
                      f"({extra.path.relative_to(folder)})")
+    if not run.plan.inputs[2:]:  # a calibration stage=tune wrote that no longer fits: say so
+        from orchestrator.train.plan import current_calibration
+
+        why = current_calibration(cfg)[2]
+        if why:
+            notes.append(f"cost model uncalibrated: {why}")
     trained = _trained_layout(inputs[2:], space, result, notes)
     strategy = _strategy(cfg, result, space, inputs, notes,
                          Provenance.from_dict(run.provenance()))
