@@ -242,6 +242,9 @@ def train(ctx, run):
         steps_log.note(f"torch.compile: each block compiled (train.compile={t.compile}); "
                        f"the first steps include compiling")
     noted = _note_compile(engine, steps_log, 0)
+    shared = _shared_cores(ctx)
+    if shared:
+        steps_log.note(shared)
     start, warnings = _resume(engine, ckpt_dir, t, load_latest, latest_checkpoint,
                               load_checkpoint, checkpoint_to_load, steps_log)
     for w in warnings:
@@ -306,6 +309,23 @@ def train(ctx, run):
         monitor.stop()
         if planner is not None:
             planner.close()
+
+
+def _shared_cores(ctx) -> str:
+    """A note when this host's CPU ranks outnumber the cores they may run on (4 ranks of the
+    local cluster on a 2-core laptop): each step then waits on the other ranks' CPU, so its
+    time, and the error of a prediction priced from profiles taken under other load, vary
+    from run to run. '' otherwise."""
+    import os
+
+    if ctx.device.type != "cpu":
+        return ""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if not cores or ctx.local_world_size <= cores:
+        return ""
+    return (f"{ctx.local_world_size} ranks share this host's {cores} CPU cores: a step waits "
+            f"on the other ranks' CPU, so its time and the prediction's error vary from run to "
+            f"run (stage=tune calibrates to what this host measures)")
 
 
 def _note_compile(engine, steps_log, noted: int) -> int:
