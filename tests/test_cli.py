@@ -67,6 +67,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(profiles, args, words)
 def test_help_and_cfg_job_work_as_in_any_hydra_app(profiles):
     proc = run_cli("--help", profiles_dir=profiles, check=0)
     assert "stage" in proc.stdout and "cluster" in proc.stdout
+    assert proc.stdout.startswith("orchestrator: ") and "cli is powered by Hydra" not in proc.stdout
     proc = run_cli("--cfg", "job", "stage=profile_hardware", profiles_dir=profiles, check=0)
     assert "tasks_per_node: 4" in proc.stdout and "name: profile_hardware" in proc.stdout
 
