@@ -154,9 +154,14 @@ def train_row(summary: Dict[str, Any]) -> Dict[str, str]:
     what the ranks themselves use) and the largest rank's measured peak."""
     measured, predicted = summary["measured"], summary.get("predicted")
     err = summary.get("iteration_time_error")
+    # variable lengths (train.microbatching): the median step of the plans, and as measured,
+    # which the error compares
+    planned = (summary.get("microbatching") or {}) if not predicted else {}
     return {"layout": summary.get("describe", ""),
-            "iteration ms": f"{predicted['iteration_ms']:.1f}" if predicted else "",
-            "measured ms": f"{measured['iteration_ms']:.1f}",
+            "iteration ms": (f"{predicted['iteration_ms']:.1f}" if predicted else
+                             f"{planned['predicted_ms']:.1f}" if planned.get("predicted_ms")
+                             else ""),
+            "measured ms": f"{planned.get('measured_ms') or measured['iteration_ms']:.1f}",
             "error %": f"{err * 100:+.1f}" if err is not None else "",
             "tokens/s": f"{measured['tokens_per_s']:.1f}",
             "model peak GiB": f"{predicted['peak_memory_MiB'] / 1024:.3f}" if predicted else "",

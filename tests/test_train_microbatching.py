@@ -4,6 +4,7 @@ measured time in the run summary, and samples no plan can hold skipped and count
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from conftest import run_cli
@@ -25,6 +26,12 @@ def test_dynamic_trains_with_a_plan_per_step_and_baselines_see_the_same_samples(
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert "dynamic micro-batching over 6 steps" in proc.stdout
     dynamic = _summary(profiles, "dynamic")
+    # the table's predicted step is the plans' median, beside the measured one the error uses
+    mb = dynamic["microbatching"]
+    row = re.search(r"iteration, median of the planned steps\s*│\s*([\d.]+) ms\s*│\s*([\d.]+) ms",
+                    proc.stdout)
+    assert row and [float(x) for x in row.groups()] == [round(mb["predicted_ms"], 1),
+                                                        round(mb["measured_ms"], 1)], proc.stdout
     losses = _losses(dynamic)
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.3, losses
     mb = dynamic["microbatching"]

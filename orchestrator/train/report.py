@@ -313,6 +313,10 @@ def print_summary(summary: dict, console) -> None:
     def fmt(v, unit=" ms"):
         return f"{v:.1f}{unit}" if v is not None else "-"
     table.add_row("iteration", fmt(p["iteration_ms"]) if p else "-", fmt(m["iteration_ms"]))
+    mb = summary.get("microbatching")
+    if mb and not p:  # variable lengths: each step's plan is its prediction
+        table.add_row("iteration, median of the planned steps", fmt(mb["predicted_ms"]),
+                      fmt(mb["measured_ms"]))
     for j, stage in enumerate(m["stages"]):
         table.add_row(f"stage {j} compute", fmt(p["stages"][j]["compute_ms"]) if p else "-",
                       fmt(stage["compute_ms"]))
@@ -327,7 +331,6 @@ def print_summary(summary: dict, console) -> None:
                   fmt(p["peak_memory_MiB"], " MiB") if p else "-",
                   fmt(max(m["peak_memory_MiB"]), " MiB"))
     console.print(table)
-    mb = summary.get("microbatching")
     if mb:
         console.print(f"{mb['kind']} micro-batching over {mb['iterations']} steps: predicted "
                       f"{mb['predicted_ms']:.1f} ms vs measured {mb['measured_ms']:.1f} ms "
