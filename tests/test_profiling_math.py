@@ -354,5 +354,12 @@ def test_report_prints_tables_and_writes_a_png(tmp_path):
     for op in OPS:
         assert op in text
     assert "busbw GB/s" in text and "overlap_coe 1.200" in text
+    # a table of more points than a screen shows each group's largest message only
+    many = [op for op in OPS if len(hw["benchmarks"][op]["points"]) > report.MAX_TABLE_ROWS]
+    assert many
+    for op in many:
+        groups = {(p["group_size"], p["layout"]) for p in hw["benchmarks"][op]["points"]}
+        assert (f"{op} (analytic): the largest message of each group, {len(groups)} of "
+                f"{len(hw['benchmarks'][op]['points'])} points") in text
     png = report.plot_busbw(hw, tmp_path / "busbw.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -20,16 +20,26 @@ def _ops(hardware: Mapping) -> List[str]:
     return [op for op in OP_ORDER if op in benches]
 
 
+MAX_TABLE_ROWS = 48  # a larger table (a 1024-node analytic profile: ~1,000 rows) is cut
+
+
 def op_table(hardware: Mapping, op: str) -> Table:
     """One op's points, nccl-tests style: a row per (group size, layout, size); times in us,
-    bandwidths in GB/s."""
+    bandwidths in GB/s. Over MAX_TABLE_ROWS points, only each (group size, layout)'s largest
+    message (its bandwidth), the title says so; hardware.json keeps every point."""
     bench = hardware["benchmarks"][op]
-    table = Table(title=f"{op} ({hardware.get('source', 'measured')})", title_justify="left")
+    points = sorted(bench.get("points", []),
+                    key=lambda p: (p["group_size"], p["layout"], p["size_bytes"]))
+    title = f"{op} ({hardware.get('source', 'measured')})"
+    if len(points) > MAX_TABLE_ROWS:
+        largest = {(p["group_size"], p["layout"]): p for p in points}  # sorted: the last wins
+        title += (f": the largest message of each group, {len(largest)} of {len(points)} "
+                  f"points (every one in hardware.json)")
+        points = list(largest.values())
+    table = Table(title=title, title_justify="left")
     for col in ("group", "layout", "size", "dtype", "time us", "p10 us", "p90 us", "algbw GB/s",
                 "busbw GB/s", "iters"):
         table.add_column(col, justify="left" if col in ("layout", "dtype") else "right")
-    points = sorted(bench.get("points", []),
-                    key=lambda p: (p["group_size"], p["layout"], p["size_bytes"]))
     for p in points:
         table.add_row(str(p["group_size"]), p["layout"], format_bytes(p["size_bytes"]),
                       str(p["dtype"]), f"{p['time_us_median']:.1f}", f"{p['time_us_p10']:.1f}",
