@@ -94,6 +94,21 @@ def test_no_feasible_layout_says_what_comes_closest(profiles):
     assert ledger(profiles, "dgx_h100")["search/llama2_7b"]["state"] == "failed"
 
 
+def test_tp_degrees_the_model_profile_lacks_are_named_with_the_command_that_adds_them(profiles):
+    analytic = ["profile_hardware.source=analytic", "profile_model.source=analytic",
+                "profile_hardware.plot=false", "profile_model.plot=false", "search.plot=false"]
+    run_cli("stage=profile_hardware", *analytic, profiles_dir=profiles, check=0)
+    run_cli("stage=profile_model", *analytic, "profile_model.max_tp=1", profiles_dir=profiles,
+            check=0)
+    proc = run_cli("stage=search", *analytic, profiles_dir=profiles, check=0)
+    said = " ".join(proc.stdout.split())
+    # tiny (4 heads, 2 KV heads) on 4 ranks: tp 2 needs a profile, tp 4 its shape forbids
+    assert "tp_not_profiled 1" in said and "tp_splits_heads 1" in said, proc.stdout
+    assert ("tp_not_profiled: the model profile has tp [1]; profile more TP degrees to search "
+            "them: python -m orchestrator stage=profile_model") in said
+    assert "'profile_model.max_tp=<tp>'" in said
+
+
 def test_uneven_middle_stages_write_the_strategy_and_an_exact_megatron_export(profiles):
     """A best layout with uneven middle stages ([1, 2, 3, 3]: activations of 1F1B shrink down
     the pipeline) is a valid answer: the strategy is written, the Megatron export says it

@@ -140,15 +140,15 @@ def enumerate_configs(model: ModelCost, hardware: HardwareModel, space: SearchSp
     for tp in _divisors(W):
         if not _degree_allowed(tp, space.tp, space.max_tp):
             continue
+        if model.heads % tp or model.kv_heads % tp:  # the model's shape first: no profile helps
+            reject("tp_splits_heads")
+            continue
         if tp not in model.tps:
             reject("tp_not_profiled")
             continue
         if space.tp_within_node and (tp > hardware.tasks_per_node
                                      or hardware.tasks_per_node % tp):
             reject("tp_crosses_node")
-            continue
-        if model.heads % tp or model.kv_heads % tp:
-            reject("tp_splits_heads")
             continue
         for cp in _divisors(W // tp):
             if cp > space.max_cp:

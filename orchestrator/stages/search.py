@@ -205,7 +205,8 @@ def run_search(ctx, run):
     hw_in, model_in = run.plan.inputs[:2]
     read = read_inputs(cfg, run.plan)
     hw, mp = read.hardware, read.model
-    result = search(model_cost(cfg, mp), HardwareModel.from_profile(hw), space)
+    cost = model_cost(cfg, mp)
+    result = search(cost, HardwareModel.from_profile(hw), space)
     (out,) = run.plan.outputs
     inputs = [(hw_in.path, hw), (model_in.path, mp)]
     notes = list(read.notes) + moe_note(cfg, space) + [overlap_note(space)]
@@ -214,6 +215,12 @@ def run_search(ctx, run):
         inputs.append((extra.path, extra.read(cfg)))
         notes.append(f"cost model {space.options.calibration.describe()} "
                      f"({extra.path.relative_to(folder)})")
+    if result.rejected.get("tp_not_profiled"):  # which setting widens it
+        from orchestrator.commands import rerun_command
+
+        notes.append(f"tp_not_profiled: the model profile has tp {sorted(cost.tps)}; profile "
+                     f"more TP degrees to search them: "
+                     f"{rerun_command('profile_model', 'profile_model.max_tp=<tp>')}")
     if not run.plan.inputs[2:]:  # a calibration stage=tune wrote that no longer fits: say so
         from orchestrator.train.plan import current_calibration
 
