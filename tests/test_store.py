@@ -149,6 +149,28 @@ def test_mark_ended_keeps_what_rank0_marked_done(tmp_path):
     assert ledger.get("search/tiny").error is None
 
 
+def test_a_queued_jobs_time_counts_from_when_it_was_seen_running(tmp_path):
+    """An afterok chain's last job waits in the queue for the others: its `took` is its run,
+    not its wait (status showed a 0.05 s search as 74 s)."""
+    import time
+
+    ledger = Ledger(tmp_path)
+    ledger.launch("search/tiny", [], queued=True, config_hash="h", launcher="slurm",
+                  run_dir=str(tmp_path))
+    time.sleep(0.2)  # queued
+    ledger.transition("search/tiny", "running", from_states=("pending",))
+    ledger.transition("search/tiny", "done")
+    entry = Ledger(tmp_path).get("search/tiny")  # through the file
+    assert entry.running_since - entry.started >= 0.2
+    assert entry.took_s == entry.ended - entry.running_since < 0.2
+    # A launch that runs at once (local) counts from its launch, as before.
+    ledger.launch("search/tiny", [], queued=False, config_hash="h", launcher="local",
+                  run_dir=str(tmp_path))
+    ledger.transition("search/tiny", "done")
+    entry = ledger.get("search/tiny")
+    assert entry.running_since is None and entry.took_s == entry.ended - entry.started
+
+
 def test_ledger_entries_round_trip_through_the_file(tmp_path):
     ledger = Ledger(tmp_path)
     ledger.launch("profile_model/tiny", ["seq128_tp1"], queued=True, config_hash="abc",

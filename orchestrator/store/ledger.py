@@ -101,7 +101,8 @@ class LedgerEntry:
     job_folder: Optional[str] = None  # slurm: submitit's folder, to re-attach from any process
     run_dir: Optional[str] = None
     log_path: Optional[str] = None
-    started: Optional[float] = None  # Unix seconds
+    started: Optional[float] = None  # Unix seconds: launched (a Slurm job: submitted)
+    running_since: Optional[float] = None  # a queued launch: when it was first seen running
     ended: Optional[float] = None
     updated: Optional[float] = None
     error: Optional[str] = None
@@ -128,7 +129,10 @@ class LedgerEntry:
 
     @property
     def took_s(self) -> Optional[float]:
-        return self.ended - self.started if self.started and self.ended else None
+        """How long it ran: from when a queued job was seen running (an afterok chain's last
+        job waits in the queue for the others), else from its launch."""
+        since = self.running_since or self.started
+        return self.ended - since if since and self.ended else None
 
     @property
     def owner(self) -> Optional[Owner]:
@@ -292,6 +296,8 @@ class Ledger:
             raise LedgerError(f"ledger entry {key}: {current} -> {to} is not allowed")
         if entry is None:
             entry = entries[key] = LedgerEntry(state=to)
+        if current is State.pending and to is State.running:
+            entry.running_since = now
         entry.state = to
         entry.updated = now
         for name, value in fields.items():
@@ -354,8 +360,9 @@ class Ledger:
             self._claim(entries, key, owner, now)
             self._move(entries, key, State.pending if queued else State.running, None, now,
                        config_hash=config_hash, launcher=launcher, job_id=None, job_folder=None,
-                       log_path=run_dir, run_dir=run_dir, started=now, ended=None, error=None,
-                       traceback=None, todo=list(subparts), summary=None, progress=None,
+                       log_path=run_dir, run_dir=run_dir, started=now, running_since=None,
+                       ended=None, error=None, traceback=None, todo=list(subparts),
+                       summary=None, progress=None,
                        host=owner.host, pid=owner.pid, pid_start=owner.pid_start, heartbeat=now)
             for sub in subparts:
                 self._move(entries, f"{key}/{sub}", State.pending, None, now, job_id=None,
