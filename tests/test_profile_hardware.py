@@ -31,6 +31,7 @@ def _hardware(profiles, cluster="local"):
 def test_full_profile_on_4_local_ranks(profiles):
     proc = run_cli("stage=profile_hardware", *QUICK, profiles_dir=profiles, check=0, timeout=600)
     assert "alpha-beta fits" in proc.stdout  # the table at the end
+    assert re.search(r"overlap ━+ 1/1", proc.stdout), proc.stdout  # its bar ends done
     hw = _hardware(profiles)
     assert set(hw["benchmarks"]) == {"allreduce", "p2p", "reduce_scatter", "all_gather",
                                      "all2all", "overlap"}
