@@ -214,7 +214,7 @@ def train(ctx, run):
     from orchestrator.train.monitor import MemoryMonitor
     from orchestrator.errors import InfeasibleError
     from orchestrator.train.plan import memory_budget_GiB, model_config, train_dtype
-    from orchestrator.train.report import StepLog, write_summary
+    from orchestrator.train.report import StepLog, shared_cores_note, write_summary
 
     cfg, t = run.cfg, run.cfg.train
     target = resolve(cfg)
@@ -242,7 +242,7 @@ def train(ctx, run):
         steps_log.note(f"torch.compile: each block compiled (train.compile={t.compile}); "
                        f"the first steps include compiling")
     noted = _note_compile(engine, steps_log, 0)
-    shared = _shared_cores(ctx)
+    shared = shared_cores_note(ctx)
     if shared:
         steps_log.note(shared)
     start, warnings = _resume(engine, ckpt_dir, t, load_latest, latest_checkpoint,
@@ -309,23 +309,6 @@ def train(ctx, run):
         monitor.stop()
         if planner is not None:
             planner.close()
-
-
-def _shared_cores(ctx) -> str:
-    """A note when this host's CPU ranks outnumber the cores they may run on (4 ranks of the
-    local cluster on a 2-core laptop): each step then waits on the other ranks' CPU, so its
-    time, and the error of a prediction priced from profiles taken under other load, vary
-    from run to run. '' otherwise."""
-    import os
-
-    if ctx.device.type != "cpu":
-        return ""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if not cores or ctx.local_world_size <= cores:
-        return ""
-    return (f"{ctx.local_world_size} ranks share this host's {cores} CPU cores: a step waits "
-            f"on the other ranks' CPU, so its time and the prediction's error vary from run to "
-            f"run (stage=tune calibrates to what this host measures)")
 
 
 def _note_compile(engine, steps_log, noted: int) -> int:

@@ -3,6 +3,7 @@ at the end the performance summary (measured beside the planner's prediction) as
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from pathlib import Path
@@ -143,6 +144,21 @@ class StepLog:
                 "peak_source": ("tensors counted in one step" if counted is not None else
                                 "CUDA allocator" if not on_cpu else "RSS over its start"),
                 "process_peak_MiB": peak, "samples": monitor.samples}
+
+
+def shared_cores_note(ctx) -> str:
+    """A note when this host's CPU ranks outnumber the cores they may run on (4 ranks of the
+    local cluster on a 2-core laptop): each step then waits on the other ranks' CPU, so its
+    time, and the error of a prediction priced from profiles taken under other load, vary
+    from run to run. '' otherwise."""
+    if ctx.device.type != "cpu":
+        return ""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if not cores or ctx.local_world_size <= cores:
+        return ""
+    return (f"{ctx.local_world_size} ranks share this host's {cores} CPU cores: a step waits "
+            f"on the other ranks' CPU, so its time and the prediction's error vary from run to "
+            f"run (stage=tune calibrates to what this host measures)")
 
 
 def _memory_MiB(device) -> float:
