@@ -139,7 +139,10 @@ def test_wait_false_returns_at_once_and_status_reattaches(slurm_cluster, profile
 
     row = wait_for(noop_row_in_status, what="status to report the noop job done")
     assert job_id in row
-    assert ledger(profiles, "dev")["noop"]["state"] == "done"
+    entry = ledger(profiles, "dev")["noop"]
+    assert entry["state"] == "done"
+    # Rank 0 stamped when the job began to run, whether or not a poll saw it running.
+    assert entry["started"] <= entry["running_since"] <= entry["ended"]
 
 
 def test_sweep_submits_one_job_per_point_with_its_own_resources(slurm_cluster, profiles):

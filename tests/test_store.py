@@ -171,6 +171,31 @@ def test_a_queued_jobs_time_counts_from_when_it_was_seen_running(tmp_path):
     assert entry.running_since is None and entry.took_s == entry.ended - entry.started
 
 
+def test_a_queued_jobs_rank_0_stamps_when_it_began_to_run(tmp_path):
+    """A chained job that starts and ends between two of the CLI's polls (or with no CLI
+    polling, wait=false) was never seen running: rank 0 marks its start itself."""
+    import time
+    from types import SimpleNamespace
+
+    from orchestrator.runtime.stage_run import StageRun
+
+    ledger = Ledger(tmp_path)
+    ledger.launch("search/tiny", [], queued=True, config_hash="h", launcher="slurm",
+                  run_dir=str(tmp_path))
+    time.sleep(0.2)  # queued
+    request = SimpleNamespace(ledger_dir=str(tmp_path), ledger_key="search/tiny", config=None,
+                              plan=None, todo=[])
+    StageRun(request, SimpleNamespace(is_root=True)).finish({"ok": 1})
+    entry = Ledger(tmp_path).get("search/tiny")
+    assert entry.state == State.done and entry.running_since - entry.started >= 0.2
+    assert entry.took_s < 0.2
+    # Other ranks do not touch the ledger.
+    ledger.launch("search/tiny", [], queued=True, config_hash="h", launcher="slurm",
+                  run_dir=str(tmp_path))
+    StageRun(request, SimpleNamespace(is_root=False))
+    assert ledger.get("search/tiny").state == State.pending
+
+
 def test_ledger_entries_round_trip_through_the_file(tmp_path):
     ledger = Ledger(tmp_path)
     ledger.launch("profile_model/tiny", ["seq128_tp1"], queued=True, config_hash="abc",

@@ -30,6 +30,9 @@ class StageRun:
         self.todo = list(request.todo)
         self.started = time.time()
         self.ledger = Ledger(request.ledger_dir) if ctx.is_root else None
+        if self.ledger is not None:  # a queued job starts: its `took` counts from here, even
+            # when it ends between two of the CLI's polls (or with no CLI polling: wait=false)
+            self.ledger.transition(self.key, State.running, from_states=(State.pending,))
 
     @property
     def key(self) -> str:
