@@ -153,6 +153,10 @@ def test_gradient_sync_is_exposed_only_with_data_parallelism(model, hw):
     block, other = model.memory(2)
     sync = hw.collective_time_us("allreduce", 8, 2, 8 * block.grad_bytes + other.grad_bytes)
     assert many.breakdown_us["dp_sync_exposed"] == pytest.approx(sync)
+    # A degree the profile lacks: the error names the ones it has and the command that adds it.
+    with pytest.raises(ProfileError, match=r"no memory for tp=16 \(profiled: \[1, 2, 4, 8\]\)"
+                                           r".*profile_model\.max_tp=16"):
+        model.memory(16)
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])

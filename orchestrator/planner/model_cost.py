@@ -234,13 +234,17 @@ class ModelCost:
         bwd = bwd[1] if len(bwd) > 1 else 0.0
         return batch * max(0.0, fwd) * seq_len, batch * max(0.0, bwd) * seq_len
 
-    def _fit(self, tp: int) -> TpFit:
-        fit = self._fits.get(tp)
-        if fit is None:
-            raise ProfileError(f"model profile {self.name} has no fit for tp={tp} (profiled: "
-                               f"{sorted(self._fits)}); rerun "
+    def _at_tp(self, table: dict, what: str, tp: int):
+        """table[tp], else a ProfileError naming the degrees profiled and the command that
+        profiles `tp`."""
+        if tp not in table:
+            raise ProfileError(f"model profile {self.name} has no {what} for tp={tp} (profiled: "
+                               f"{sorted(table)}); rerun "
                                f"`{rerun_command('profile_model', f'profile_model.max_tp={tp}')}`")
-        return fit
+        return table[tp]
+
+    def _fit(self, tp: int) -> TpFit:
+        return self._at_tp(self._fits, "fit", tp)
 
     def block_fwd_us(self, seq_len: float, tp: int, batch=1.0) -> float:
         """Forward time (us) of one transformer block for a micro-batch of `batch` sequences of
@@ -293,9 +297,4 @@ class ModelCost:
 
     def memory(self, tp: int) -> Tuple[PartMemory, PartMemory]:
         """(block, other) memory per rank of a TP group of size `tp`."""
-        mem = self._memory.get(tp)
-        if mem is None:
-            raise ProfileError(f"model profile {self.name} has no memory for tp={tp} (profiled: "
-                               f"{sorted(self._memory)}); rerun "
-                               f"`{rerun_command('profile_model')}`")
-        return mem
+        return self._at_tp(self._memory, "memory", tp)
