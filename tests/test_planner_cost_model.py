@@ -8,8 +8,8 @@ import pytest
 from orchestrator.errors import ProfileError
 from orchestrator.layout import LayoutError, ParallelLayout
 from orchestrator.planner import CostOptions, HardwareModel, ModelCost, evaluate
-from orchestrator.planner.cost_model import (BREAKDOWN_KINDS, ConfigKey, StageCosts,
-                                             overlap_extra_us)
+from orchestrator.planner.cost_model import BREAKDOWN_KINDS, ConfigKey, StageCosts
+from orchestrator.planner.terms import overlap_extra_us
 from planner_fixtures import GiB, synthetic_hardware, synthetic_model
 
 SEQ = 512

@@ -39,26 +39,21 @@ fits; across nodes the fit measured for the same nodes x members per node, else 
 plus an inter-node ring on 1/m of the buffer (HardwareModel's docstring states the rules).
 Pipeline sends use the intra- or inter-node p2p fit by whether the neighbours share a node.
 
-Memory per device of stage j (bytes), by kind, for engine=megatron: params / grads / optim from
-the profile's per-TP-rank bytes sharded over dp by ZeRO stage; activations = in-flight
-micro-batches times the stage's per-micro-batch activations for its recompute (Megatron-Core's
-layer, terms/megatron_memory.py, in the compute dtype; an end stage's short chunk at its own
-layers: the most its chunks keep at once under the schedule), plus one layer's worth while it is
-recomputed, the token ids on the first stage and the loss's logits on the last; comm_buffers;
-reserve (CostOptions.reserve_bytes). The orchestrator engine's is workload/memory.py's.
+Memory per device of stage j (bytes), by kind: planner/stage_memory_costs.py; the gradient sync
+and optimizer step after the last backward (e_0 + o_0): planner/stage_tail_costs.py. StageCosts
+inherits both.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
-from functools import lru_cache, partial
-from typing import Any, List, Optional, Tuple
+from functools import lru_cache
+from typing import Any, List, Tuple
 
 import numpy as np
 
 from orchestrator.choices import Dtype, Engine, Recompute
 from orchestrator.layout import ParallelLayout
-from orchestrator.models.config import ModelConfig
 from orchestrator.planner.calibration import contention_factor
 # CostOptions, ConfigKey and the budget's reserve live in options.py; importable from here too
 from orchestrator.planner.options import (BREAKDOWN_KINDS, MEMORY_KINDS, ConfigKey,  # noqa: F401
@@ -66,31 +61,22 @@ from orchestrator.planner.options import (BREAKDOWN_KINDS, MEMORY_KINDS, ConfigK
                                           memory_reserve_GiB)  # noqa: F401
 from orchestrator.planner.hardware_model import HardwareModel
 from orchestrator.planner.model_cost import ModelCost
-from orchestrator.planner.schedule import (chunk_in_flight_pairs, in_flight_micro_batches,
-                                           schedule_coefficients)
-from orchestrator.planner.terms import FwdBwd, as_value, overlap_extra_us
+from orchestrator.planner.schedule import in_flight_micro_batches, schedule_coefficients
+from orchestrator.planner.stage_memory_costs import StageMemoryCosts, engine_config
+from orchestrator.planner.stage_tail_costs import StageTailCosts
+from orchestrator.planner.terms import FwdBwd, as_value
 from orchestrator.planner.terms.compute import (layer_compute, optimizer_step_us,
                                                 other_on_stages, recompute_rerun_us)
 from orchestrator.planner.terms.cp_comm import CpComm
-from orchestrator.planner.terms.megatron_memory import (
-    LayerShape, embedding_activation_bytes_per_token,
-    layer_activation_bytes_per_token, loss_activation_bytes_per_token)
-from orchestrator.planner.terms.memory import (ActivationBytes, micro_batch_activation_bytes,
-                                               short_end_stage_activation_bytes,
-                                               stage_activation_bytes, tp_buffer_bytes,
-                                               zero_buffer_bytes)
-from orchestrator.planner.terms.moe import (MoeComm, MoeParams, activation_delta_bytes,
-                                            moe_imbalance)
+from orchestrator.planner.terms.memory import tp_buffer_bytes, zero_buffer_bytes
+from orchestrator.planner.terms.moe import MoeComm, MoeParams, moe_imbalance
 from orchestrator.planner.terms.pipeline import (boundary_intra_node, boundary_us,
                                                  on_end_stages, stage_send_counts, stage_sends)
 from orchestrator.planner.terms.tp_comm import TpComm, gemm_shares
-from orchestrator.planner.terms.zero import (ZeroSharding, ZeroTraffic, dp_sync_parts_us,
-                                             megatron_bucket_count, megatron_sync_parts_us,
-                                             overlapped_sync_us, zero_messages)
+from orchestrator.planner.terms.zero import ZeroSharding, ZeroTraffic, zero_messages
 from orchestrator.workload.comm import (Comm, cp_messages, layer_activation_bytes,
                                         pp_message_bytes, residual_dtype, times, tp_messages)
-from orchestrator.workload.memory import BlockActivations
-from orchestrator.workload.stage_memory import StageMemory, StageNumels
+from orchestrator.workload.stage_memory import StageNumels
 from orchestrator.workload.moe import moe_messages, tokens_per_rank
 from orchestrator.workload.states import weight_dtype
 
@@ -119,46 +105,6 @@ def _messages(build, *args):
     if any(isinstance(a, np.ndarray) for a in args):
         return build(*args)
     return _MESSAGES[build](*args)
-def _block_activations(key: "ConfigKey", model: ModelCost, block, seq_len, micro_batch_size,
-                       imbalance: float) -> BlockActivations:
-    """A layer's activations per micro-batch of `micro_batch_size` sequences of `seq_len`
-    tokens on one rank (the model profile's, per token at the rank's s / cp, counted in the
-    profile's dtype; a MoE block's FFN in block 0's FFN's place), by recompute mode: what
-    workload/memory.py's closed form starts from. Floats, or arrays over micro-batches."""
-    local = seq_len // key.cp  # a rank's tokens of each sequence
-    tokens = as_value(local * micro_batch_size)
-    per_mode = [block.act_bytes_per_token_at(mode, local) * tokens
-                for mode in Recompute]
-    if model.moe is not None:  # the MoE FFN's activations in block 0's FFN's place
-        delta = activation_delta_bytes(model, model.moe, seq_len, micro_batch_size, key.tp,
-                                       key.cp, key.etp, imbalance)
-        per_mode = [per_mode[0] + delta, per_mode[1] + delta, per_mode[2]]
-    return BlockActivations(*per_mode, elem_bytes=model.dtype_bytes)
-
-
-def _engine_memory(key: "ConfigKey", model: ModelCost, block, seq_len: int,
-                   options: CostOptions) -> StageMemory:
-    """workload/memory.py's closed form for this config, fed the model profile's activations
-    (_block_activations)."""
-    act = _block_activations(key, model, block, seq_len, key.micro_batch_size,
-                             moe_imbalance(model, options))
-    return StageMemory(_engine_config(model, seq_len), key, act, options.dtype or model.dtype,
-                       options.device, seq_len)
-
-
-def _engine_config(model: ModelCost, seq_len: int) -> ModelConfig:
-    """The profiled model's shape as the workload model reads it (with its experts)."""
-    moe = {}
-    if model.moe is not None:
-        shape = model.moe
-        moe = dict(experts=shape.experts, top_k=shape.top_k, expert_ffn=shape.width,
-                   shared_expert_ffn=shape.shared_width, dense_layers=shape.dense_layers,
-                   capacity_factor=shape.capacity_factor, aux_loss_coef=shape.aux_loss_coef)
-    return ModelConfig(name=model.name, hidden=model.hidden, ffn=model.ffn, layers=model.layers,
-                       heads=model.heads, kv_heads=model.kv_heads, vocab=model.vocab,
-                       seq_len=seq_len, dtype=model.dtype, **moe)
-
-
 def check_layout_for_model(layout: ParallelLayout, model: ModelCost) -> None:
     """Raise LayoutError when the layout cannot hold this model (layer count, head split,
     experts over ep and etp)."""
@@ -182,7 +128,7 @@ def _joint_traffic(dense: ZeroTraffic, experts: ZeroTraffic) -> ZeroTraffic:
                        gather_bwd_us=bwd(dense) + bwd(experts))
 
 
-class StageCosts:
+class StageCosts(StageMemoryCosts, StageTailCosts):
     """The cost terms (planner/terms/) of one ConfigKey, composed per layer and per stage.
 
     Per layer (floats, us per micro-batch): `compute`, `tp` and `zero_layer` (ZeRO 2/3 traffic
@@ -252,7 +198,7 @@ class StageCosts:
         self._engine_memory_args = ((key, model, block, seq_len, options)
                                     if self.engine == Engine.orchestrator else None)
         if self._engine_memory_args is not None:
-            numels = StageNumels.of(_engine_config(model, seq_len), key)
+            numels = StageNumels.of(engine_config(model, seq_len), key)
             weight = float(weight_dtype(self.compute_dtype).bytes)
             self.block_param_bytes = weight * numels.layer
             self.block_grad_bytes = 4.0 * numels.layer
@@ -288,28 +234,6 @@ class StageCosts:
         # T = alpha * sum_j t_j + beta * max_j t_j + e_0
         self.alpha, self.beta = schedule_coefficients(key.schedule, key.num_micro_batches,
                                                       key.virtual_stages)
-
-    def _megatron_activations(self, model: ModelCost, seq_len, micro_batch_size) -> None:
-        """Megatron-Core's activations (terms/megatron_memory.py): a layer's bytes per token by
-        recompute mode (a MoE block's FFN in the dense FFN's place), the token ids each
-        in-flight micro-batch keeps on the first stage, the loss's logits on the last."""
-        key = self.key
-        shape = LayerShape(model.hidden, model.heads, model.kv_heads, model.ffn)
-        elem = self.compute_dtype.bytes
-        self.act = ActivationBytes(*(layer_activation_bytes_per_token(
-            shape, key.tp, key.sequence_parallel, mode, elem) for mode in Recompute))
-        if self.moe is not None:
-            delta = activation_delta_bytes(model, self.moe, seq_len, micro_batch_size, key.tp,
-                                           key.cp, key.etp, self.imbalance) / self.tokens
-            self.act = ActivationBytes(self.act.none + delta, self.act.selective + delta,
-                                       self.act.full)
-        self.first_stage_act = on_end_stages(
-            self.tokens * embedding_activation_bytes_per_token(), 0.0 * self.tokens, key.pp)
-        self.other_act = on_end_stages(
-            0.0 * self.tokens,
-            self.tokens * loss_activation_bytes_per_token(model.hidden, model.vocab, key.tp,
-                                                          key.sequence_parallel, elem),
-            key.pp)
 
     def _price_micro_batch(self, seq_len, micro_batch_size) -> None:
         """Every term of the micro-batch's shape (b = micro_batch_size sequences of seq_len
@@ -348,27 +272,6 @@ class StageCosts:
         if not isinstance(self.tokens, np.ndarray):
             return values
         return np.reshape(values, (-1,) + (1,) * self.tokens.ndim)
-
-    @property
-    def block_activations(self) -> BlockActivations:
-        """A layer's activations per micro-batch by recompute mode, as the engine's memory
-        model takes them (_block_activations)."""
-        return _block_activations(self.key, self.model, self._block, self.seq_len,
-                                  self.micro_batch_size, self.imbalance)
-
-    @property
-    def engine_memory(self) -> Optional[StageMemory]:
-        """workload/memory.py's closed form of this config (orchestrator engine), else None."""
-        if self._engine_memory is None and self._engine_memory_args is not None:
-            self._engine_memory = _engine_memory(*self._engine_memory_args)
-        return self._engine_memory
-
-    @property
-    def comm_buffers(self) -> np.ndarray:
-        """Per stage: communication and receive buffers (orchestrator engine: the workload
-        model's, pipeline receive buffers and inputs)."""
-        memory = self.engine_memory
-        return memory.buffers if memory is not None else self._comm_buffers
 
     def _price_layer(self, model: ModelCost, seq_len: int, micro_batch_size) -> None:
         """Time per layer: compute, TP and CP communication, the MoE dispatcher, ZeRO 2/3
@@ -539,170 +442,6 @@ class StageCosts:
                + self.other.bwd_us[j])
         return out + self.sends.bwd_us[j] if sends else out
 
-    def sync_window_us(self, j: int, n):
-        """The backward of stage j's last micro-batch (recompute excluded), which its gradient
-        sync runs beside (us)."""
-        return np.asarray(n, dtype=float) * self.layer.bwd_us + self.other.bwd_us[j]
-
     def stage_time_us(self, j: int, n, mode_code, k):
         """t_j: forward + backward (us per micro-batch)."""
         return self.stage_fwd_us(j, n) + self.stage_bwd_us(j, n, mode_code, k)
-
-    def activation_bytes(self, j: int, n, mode_code, k):
-        """Peak activation bytes of stage j. Orchestrator engine: everything its ranks hold at
-        their peak beyond the states (activations in flight, gradients being accumulated, the
-        loss's logits, recompute, the optimizer's temporaries: workload/memory.py). Megatron:
-        in-flight micro-batches x stored activations (and token ids on the first stage), one
-        layer's worth while it is recomputed, and the loss's on the last stage; an end stage
-        with a short chunk holds the most of its chunks' own bytes Megatron's schedule keeps at
-        once (terms/memory.short_end_stage_activation_bytes)."""
-        if self.engine_memory is not None:
-            return self.engine_memory.peak_above_states(j, n, mode_code, k)
-        layers = stage_activation_bytes(self.act, self.tokens, self.in_flight[j], n, mode_code,
-                                        k)
-        if self.short_ends:
-            # The end stages may run a short chunk (layout.stage_chunks: the first stage's
-            # first, the last stage's last): what Megatron's schedule holds of each chunk
-            # (schedule.chunk_in_flight_pairs); middle stages run equal chunks.
-            key = self.key
-            p, v = key.pp, key.virtual_stages
-            ends = [short_end_stage_activation_bytes(
-                self.act, self.tokens, chunk_in_flight_pairs(p, stage, key.num_micro_batches,
-                                                             v, chunk), n, v, mode_code, k)
-                    for stage, chunk in ((0, 0), (p - 1, v - 1))]
-            j_arr = np.asarray(j)
-            layers = np.where(j_arr == 0, ends[0], np.where(j_arr == p - 1, ends[1], layers))
-        return layers + self.in_flight[j] * self.first_stage_act[j] + self.other_act[j]
-
-    def micro_batch_bytes(self, n, mode_code):
-        """Per micro-batch of at()'s, on every stage (n: each stage's layers as a column
-        [pp, 1]; mode_code [K]: its recompute on every layer): (stored, extra) [pp, K] bytes,
-        what one keeps while in flight and what it needs on top while it runs, so a stage holds
-        fixed_bytes + in-flight stored + the largest extra (the dynamic planner's memory, where
-        activation_bytes places each by the schedule). Orchestrator engine: workload/memory.py's
-        (StageMemory.micro_batch_bytes, gradients accumulating from the first micro-batch on
-        in extra); Megatron: the stored activations, and the layer being recomputed, the LM
-        head's activations on the last stage and the TP buffer."""
-        if self.engine_memory is not None:
-            stored, extra, fixed = self.engine_memory.micro_batch_bytes(
-                n[:, 0], self.block_activations, self.tokens, self.micro_batch_size, mode_code)
-            return stored, extra + fixed[:, None]
-        stored, working = micro_batch_activation_bytes(self.act, self.tokens, n, mode_code, n)
-        return stored + self.first_stage_act, working + self.other_act + self.tp_buffer
-
-    def fixed_bytes(self, j, n):
-        """What stage j of n layers holds whatever its micro-batches (bytes): params, grads,
-        optim, the buffers no micro-batch sizes (ZeRO 3's gathered layers; the engine's
-        receive buffers and inputs) and the reserve; micro_batch_bytes adds theirs."""
-        params, grads, optim = self.static_bytes(j, n)
-        buffers = (self.engine_memory.buffers[j] if self.engine_memory is not None
-                   else self._zero_buffers)
-        return params + grads + optim + buffers + self.reserve
-
-    def tail_bytes(self, j, n):
-        """Stage j's bytes beyond its states after the last backward (the orchestrator
-        engine's gradient norm, optimizer step and ZeRO buckets: workload/memory.py; 0 for
-        Megatron)."""
-        if self.engine_memory is not None:
-            return self.engine_memory.tail_above_states(j, n)
-        return np.zeros(np.shape(np.asarray(n)))
-
-    def static_bytes(self, j: int, n):
-        """(params, grads, optim) bytes of stage j holding n layers, after ZeRO sharding
-        (orchestrator engine: its parameters (bf16 under bf16) with the fp32 masters AdamW
-        updates, its gradient buckets and moments, workload/stage_memory.py)."""
-        n = np.asarray(n, dtype=float)
-        if self.engine_memory is not None:
-            states = self.engine_memory.states(j, n)
-            return states["params"], states["grads"], states["optim"]
-        (layer_p, layer_g, layer_o), (other_p, other_g, other_o) = (self.layer_static,
-                                                                    self.other_static)
-        return n * layer_p + other_p[j], n * layer_g + other_g[j], n * layer_o + other_o[j]
-
-    def total_bytes(self, j, params, grads, optim, activations):
-        """Sum of the memory kinds of stage(s) j (bytes), in the one order every caller uses."""
-        return params + grads + optim + activations + self.comm_buffers[j] + self.reserve
-
-    def memory_bytes(self, j: int, n, mode_code, k):
-        """Total bytes per device of stage j: params + grads + optim + activations + buffers +
-        reserve."""
-        params, grads, optim = self.static_bytes(j, n)
-        return self.total_bytes(j, params, grads, optim,
-                                self.activation_bytes(j, n, mode_code, k))
-
-    def dp_sync_parts_us(self, j: int, n, layers=None):
-        """Stage j's data-parallel sync (us) with n layers, alone: (during its last backward,
-        after the optimizer step) (terms/zero.py: dp_sync_parts_us, by engine); Megatron's as
-        (its gradient collective, its parameter all-gather: megatron_sync_parts_us), of
-        `layers` of the n (default all; "other" always in)."""
-        n = np.asarray(n, dtype=float)
-        layers = n if layers is None else np.asarray(layers, dtype=float)
-        key = self.key
-        parts = (megatron_sync_parts_us if self.engine == Engine.megatron
-                 else partial(dp_sync_parts_us, engine=self.engine))
-        during, after = parts(self.hardware, key.zero, key.replicas, key.tp,
-                              layers * self.block_grad_bytes + self.other_grad_bytes[j],
-                              layers * self.block_param_bytes + self.other_param_bytes[j])
-        if self.moe is not None:  # then the experts' over edp (stride ep x etp)
-            e_during, e_after = parts(self.hardware, key.zero, key.edp, key.ep * key.etp,
-                                      layers * self.expert_grad_bytes,
-                                      layers * self.expert_param_bytes)
-            during, after = during + e_during, after + e_after
-        return during * self.calibration.dp_sync, after * self.calibration.dp_sync
-
-    def dp_sync_us(self, j: int, n):
-        """Data-parallel sync time (us) of stage j with n layers at the end of the iteration,
-        alone (both parts)."""
-        during, after = self.dp_sync_parts_us(j, n)
-        return during + after
-
-    def optimizer_us(self, j: int, n):
-        """Optimizer step time (us) of stage j holding n layers, on one rank after ZeRO."""
-        return np.asarray(n, dtype=float) * self.block_optim_us + self.other_optim_us[j]
-
-    def tail_us(self, j: int, n):
-        """What stage j adds after its last backward: its exposed gradient sync, then its
-        optimizer step (us); e_0 + o_0 of the iteration time for j = 0."""
-        return self.dp_exposed_us(j, n) + self.optimizer_us(j, n)
-
-    def dp_exposed_us(self, j: int, n, window_us=None, parts_us=None):
-        """Part of stage j's gradient sync (us) not hidden under the backward of its last
-        micro-batch (recompute excluded from the window): `window_us` that backward (default
-        sync_window_us: this config's micro-batch), `parts_us` dp_sync_parts_us(j, n) when the
-        caller has them. Megatron: _megatron_exposed_us."""
-        n = np.asarray(n, dtype=float)
-        window = self.sync_window_us(j, n) if window_us is None else window_us
-        if self.engine == Engine.megatron:
-            return self._megatron_exposed_us(j, n, window)
-        during, after = self.dp_sync_parts_us(j, n) if parts_us is None else parts_us
-        return overlap_extra_us(window, during, self.overlap_coe) + after
-
-    def _megatron_exposed_us(self, j: int, n, window_us):
-        """Stage j's data-parallel sync (us) left exposed by Megatron-LM (terms/zero.py's module
-        docstring): with overlap_grad_reduce, its model chunk 0 (n / v layers and "other")
-        reduces its gradients in buckets beside its last backward (`window_us` less the other
-        chunks' layers), the other chunks beside the pp - 1 chunk backwards after them; with
-        overlap_param_gather (ZeRO 1/2), the parameters are gathered alike beside the next
-        iteration's first forwards; what is not overlapped is exposed whole."""
-        key, overlap = self.key, self.overlap
-        v = key.virtual_stages
-        chunk = n / v  # chunk 0's layers
-        grads0, gather0 = self.dp_sync_parts_us(j, n, chunk)
-        grads, gather = self.dp_sync_parts_us(j, n)
-        grads_rest, gather_rest = grads - grads0, gather - gather0
-        if not overlap.grad_reduce:
-            return grads + gather
-        params0 = (chunk * (self.block_param_bytes + self.expert_param_bytes)
-                   + self.other_param_bytes[j]) / self.model.dtype_bytes
-        buckets = megatron_bucket_count(params0, key.dp)
-        behind = max(min(key.pp, key.num_micro_batches) - 1, 0) * chunk  # layers after chunk 0
-        rest = (v > 1) * behind
-        exposed = overlapped_sync_us(grads0, grads_rest,
-                                     window_us - (n - chunk) * self.layer.bwd_us,
-                                     rest * self.layer.bwd_us, buckets, self.overlap_coe)
-        if overlap.param_gather:
-            return exposed + overlapped_sync_us(gather0, gather_rest,
-                                                chunk * self.layer.fwd_us + self.other.fwd_us[j],
-                                                rest * self.layer.fwd_us, buckets,
-                                                self.overlap_coe)
-        return exposed + gather
