@@ -260,3 +260,31 @@ def test_measured_parts_takes_each_stage_s_ranks_in_the_layout_s_rank_order():
                 for r in range(4)]
     stages = measured_parts(per_rank, layout)["stages"]
     assert [round(s["compute_ms"]) for s in stages] == [100, 200]
+
+
+def test_a_result_of_another_config_is_kept_aside_with_its_plots_not_overwritten(tmp_path):
+    """A rerun of the same layout under other settings (steps, lr, the model's shape) writes a
+    new result: the earlier one, a measurement of its own, is moved beside it, not lost."""
+    import json
+    from types import SimpleNamespace
+
+    from orchestrator.train.report import _set_aside_another_configs
+
+    out = tmp_path / "pp1-tp1-dp4-zero0-mbs1x2-1f1b.json"
+    out.write_text(json.dumps({"provenance": {"config_hash": "sixty-steps"}}))
+    out.with_suffix(".png").write_bytes(b"png")
+    notes = []
+    log = SimpleNamespace(note=notes.append)
+    _set_aside_another_configs(out, "sixty-steps", log)  # the same config: rewritten in place
+    assert out.exists() and notes == []
+    _set_aside_another_configs(out, "two-steps", log)
+    (kept,) = tmp_path.glob(f"{out.name}.old-*")
+    assert json.loads(kept.read_text())["provenance"]["config_hash"] == "sixty-steps"
+    (plot,) = tmp_path.glob("*.png.old-*")
+    assert plot.name == f"{out.stem}.png.old-{kept.name.rsplit('.old-', 1)[1]}"
+    assert not out.exists() and notes == [f"{out.name} was written under another config: "
+                                          f"kept as {kept.name}"]
+    # A second one in the same second does not overwrite the first kept one.
+    out.write_text(json.dumps({"provenance": {"config_hash": "two-steps"}}))
+    _set_aside_another_configs(out, "three-steps", log)
+    assert len(list(tmp_path.glob(f"{out.name}.old-*"))) == 2

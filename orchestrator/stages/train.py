@@ -459,6 +459,8 @@ def _set_aside_unusable(ckpt_dir, t, steps_log, latest_checkpoint) -> None:
     Rank 0 decides and moves; every rank learns it (collective)."""
     import torch.distributed as dist
 
+    from orchestrator.store import set_aside
+
     note = [None]
     if steps_log.ctx.is_root:
         info = latest_checkpoint(ckpt_dir) if ckpt_dir.exists() else None
@@ -467,8 +469,7 @@ def _set_aside_unusable(ckpt_dir, t, steps_log, latest_checkpoint) -> None:
             else "made under other settings" if info.extra.get("identity") != steps_log.identity
             else f"already at step {info.step} of {t.steps}" if info.step >= t.steps else "")
         if why:
-            aside = ckpt_dir.with_name(f"{ckpt_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
-            ckpt_dir.rename(aside)
+            aside = set_aside(ckpt_dir)
             note[0] = (f"checkpoints in {ckpt_dir} {why}: moved to {aside.name}; "
                        f"training from step 0")
     dist.broadcast_object_list(note, src=0)

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from orchestrator.choices import Backend, Dtype, Group
-from orchestrator.store import cluster_dir, file_sha256, new_profile, write_json
+from orchestrator.store import (cluster_dir, file_sha256, new_profile, read_json, set_aside,
+                               write_json)
 
 log = logging.getLogger("orchestrator.train")
 GiB = 2**30
@@ -223,10 +224,30 @@ def relative_inputs(cfg, target) -> dict:
     return {str(name): {"sha256": file_sha256(path), "source": None}}
 
 
+def _set_aside_another_configs(out: Path, config_hash: str, steps_log: StepLog) -> None:
+    """The layout's result written under another config (steps, lr, data, the model's shape)
+    is a measurement of its own: moved aside with its plots (store.set_aside), not
+    overwritten, and said in a note."""
+    try:
+        written = read_json(out)["provenance"]["config_hash"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # none, or nothing readable to keep
+    if written == config_hash:
+        return
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside = set_aside(out, stamp)
+    for plot in (out.with_suffix(".png"), out.with_suffix(".memory.png")):
+        if plot.exists():
+            set_aside(plot, stamp)
+    steps_log.note(f"{out.name} was written under another config: kept as {aside.name}")
+
+
 def write_summary(run, cfg, target, prediction, note, per_rank, steps_log: StepLog, out: Path,
                   data_text: str) -> dict:
     """Rank 0: the summary file (+ PNGs), a table on the console; the stage's result row."""
     from orchestrator.train.plan import train_dtype
+
+    _set_aside_another_configs(out, run.request.config_hash, steps_log)
 
     layout = target.layout
     measured = measured_parts(per_rank, layout)
