@@ -124,12 +124,14 @@ def stale_outputs(plan: StagePlan, folder: Path) -> str:
     return ""
 
 
-def parts_made(plan: StagePlan) -> Dict[str, dict]:
-    """Sub-part name -> what it was made under (`parts` of the output file; {} if unreadable)."""
+def parts_made(plan: StagePlan) -> Tuple[Dict[str, dict], Tuple[str, ...]]:
+    """Sub-part name -> what it was made under (`parts` of the output file), and the parts the
+    file says a run has yet to make (`unfinished`: a stopped run's); ({}, ()) if unreadable."""
     try:
-        return dict(read_json(plan.outputs[0]).get("parts") or {}) if plan.outputs else {}
+        written = read_json(plan.outputs[0]) if plan.outputs else {}
+        return dict(written.get("parts") or {}), tuple(written.get("unfinished") or ())
     except (OSError, ValueError, AttributeError):
-        return {}
+        return {}, ()
 
 
 def _part_current(plan: StagePlan, ledger: Ledger, name: str, made: Optional[dict]) -> bool:
@@ -151,17 +153,23 @@ def decide(plan: StagePlan, ledger: Ledger, force: bool = False) -> Decision:
     if get_stage(plan.stage).always_runs:
         return Decision(todo=plan.subparts, done=False)
     stale = stale_outputs(plan, ledger.path.parent)
+    left: Tuple[str, ...] = ()  # what the output file says a stopped run had yet to make
     if force or stale:
         todo = plan.subparts
     else:
-        made = parts_made(plan)
-        todo = tuple(s for s in plan.subparts if not _part_current(plan, ledger, s, made.get(s)))
-    done = not force and not stale and not todo and ledger.is_done(plan.key, plan.config_hash)
+        made, left = parts_made(plan)
+        todo = tuple(s for s in plan.subparts if s in left
+                     or not _part_current(plan, ledger, s, made.get(s)))
+    done = (not force and not stale and not todo and not left
+            and ledger.is_done(plan.key, plan.config_hash))
     unfinished = ""
     if plan.subparts and not todo and not done:
         entry = ledger.get(plan.key)
         unfinished = (f"every part is done, the stage is not "
-                      f"({entry.state if entry else 'not in the ledger'}); finishing it")
+                      f"({entry.state if entry else 'not in the ledger'}); finishing it"
+                      if not left else
+                      f"every planned part is done; the file still lists "
+                      f"{', '.join(left)} as unfinished; finishing it")
     return Decision(todo=tuple(todo), done=done, stale_reason=stale, unfinished=unfinished)
 
 
@@ -199,10 +207,14 @@ def rebuild_entries(folder: Path) -> Tuple[Dict[str, LedgerEntry], List[str]]:
             if not isinstance(written, dict) or written.get("kind") != kind:
                 continue  # e.g. strategy/<m>.layout.json
             key = key_of(path)
-            entries[key] = LedgerEntry(state=State.done, config_hash=prov.get("config_hash"),
+            left = written.get("unfinished") or []  # a stopped run's: not done
+            entries[key] = LedgerEntry(state=State.cancelled if left else State.done,
+                                       config_hash=prov.get("config_hash"),
                                        job_id=prov.get("job_id"), started=prov.get("started"),
                                        ended=prov.get("ended"))
             for name, made in (written.get("parts") or {}).items():
+                if name in left:
+                    continue
                 entries[f"{key}/{name}"] = LedgerEntry(
                     state=State.done, config_hash=made.get("config_hash"),
                     job_id=made.get("job_id"), ended=made.get("ended"))

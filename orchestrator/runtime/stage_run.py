@@ -17,7 +17,8 @@ from orchestrator.config import Config
 from orchestrator.runtime.context import RankContext
 from orchestrator.runtime.request import StageRequest
 from orchestrator.stages import StagePlan
-from orchestrator.store import new_profile, provenance, read_json
+from orchestrator.console import stage_console
+from orchestrator.store import new_profile, provenance, read_json, set_aside, write_json
 from orchestrator.store.ledger import Ledger, State
 
 
@@ -79,27 +80,46 @@ class StageRun:
         cluster or the model profiled), else a new one.
 
         Parts made under other settings stay, each marked in `parts` with what it was made
-        under, until they are redone; a corrupt file or one of another shape is started anew.
-        """
+        under, until they are redone. A file of another source or shape (or a corrupt one) is
+        kept aside (store.set_aside), not written over part by part. `unfinished` lists the
+        parts this run makes (and those a stopped run left, where still planned), written at
+        once; mark_part takes each off, so a file a stopped run leaves says it is not whole."""
+        profile, written = None, None
         if path.exists():
             try:
                 old = read_json(path)
                 if ((old.get("kind"), old.get("source")) == (kind, source)
                         and old.get(identity) == fields[identity]):
+                    written = old.get("unfinished")
                     old["provenance"] = self.provenance()
-                    return old
+                    profile = old
             except ValueError:
                 pass
-        return new_profile(kind, source, self.provenance(), **fields)
+            if profile is None:
+                aside = set_aside(path)
+                stage_console().print(f"{self.plan.stage}: {path} is of another source or "
+                                      f"shape: kept as {aside.name}", markup=False)
+        if profile is None:
+            profile = new_profile(kind, source, self.provenance(), **fields)
+        left = [n for n in profile.pop("unfinished", None) or () if n in self.plan.subparts]
+        unfinished = list(dict.fromkeys(left + list(self.todo)))
+        if unfinished:
+            profile["unfinished"] = unfinished
+        if unfinished != (written or []):  # on disk at once: a stop before the first part
+            write_json(path, profile)  # leaves a file that says so
+        return profile
 
     def mark_part(self, profile: dict, name: str) -> None:
         """Rank 0, after sub-part `name` was merged into `profile`: record the settings it was
-        made under (`parts`) and the run's provenance."""
+        made under (`parts`) and the run's provenance; take it off `unfinished`."""
         profile["parts"] = {**(profile.get("parts") or {}), name: {
             "config_hash": self.request.config_hash,
             "settings": dataclasses.asdict(getattr(self.cfg, self.plan.stage)),
             "selection": list(self.plan.selection), "job_id": self.ctx.job_id,
             "ended": time.time()}}
+        left = [n for n in profile.pop("unfinished", None) or () if n != name]
+        if left:
+            profile["unfinished"] = left
         profile["provenance"] = self.provenance()
 
     def finish(self, result: Optional[dict]) -> None:

@@ -292,6 +292,11 @@ def read_profile(path: str | os.PathLike, cls: Type[P], rebuild: str,
         raise ProfileError(f"{path}: corrupt JSON ({e}). Rerun: {rebuild} force=true")
     if not isinstance(raw, dict) or raw.get("kind") != kind:
         raise ProfileError(f"{path}: not a {kind} profile. Rerun: {rebuild} force=true")
+    left = raw.get("unfinished")
+    if left:  # a run of its stage is making it, or was stopped (schema/header.py)
+        names = ", ".join(map(str, left[:4])) + (", ..." if len(left) > 4 else "")
+        raise ProfileError(f"{path}: unfinished: {len(left)} part(s) still to make ({names}); "
+                           f"the run making it is going on or was stopped. Finish it: {rebuild}")
     version = raw.get("schema_version")
     if version != SCHEMA_VERSION:
         raise ProfileError(f"{path}: schema version {version}, this orchestrator reads "
