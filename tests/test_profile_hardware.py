@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from conftest import fill_disk, ledger, run_cli, start_cli, tiny_disk
+from orchestrator.commands import rerun_command
+from orchestrator.errors import ProfileError
 from orchestrator.profiling.hardware.fit import fit_points, predict_fit_time_us
 from orchestrator.interop.galvatron.hardware import import_hardware
 from orchestrator.profiling.measure import busbw_factor
@@ -69,6 +71,8 @@ def test_killed_rank_in_all2all_then_rerun_resumes(profiles):
     args = ["stage=profile_hardware", "profile_hardware.benchmarks=[inventory,allreduce,all2all,overlap]",
             "profile_hardware.max_size_bytes=16777216", "profile_hardware.max_time_s=0.1",
             "profile_hardware.min_size_bytes=65536"]
+    # An analytic profile is there: the measured run keeps it aside, not written over
+    run_cli("stage=profile_hardware", "profile_hardware.source=analytic", profiles_dir=profiles)
     proc = start_cli(*args, profiles_dir=profiles)
     try:
         deadline = time.monotonic() + 300
@@ -95,6 +99,23 @@ def test_killed_rank_in_all2all_then_rerun_resumes(profiles):
     hw = _hardware(profiles)  # valid, with what finished before the kill
     assert set(hw["benchmarks"]) == {"allreduce"} and len(hw["inventory"]["ranks"]) == 4
     allreduce_before = hw["benchmarks"]["allreduce"]
+    (kept,) = (profiles / "local").glob("hardware.json.old-*")
+    assert json.loads(kept.read_text())["source"] == "analytic"
+    rank0_log = (Path(log_dir) / "rank0.log").read_text()  # mpiexec's output of an aborted job
+    assert f"is of another source or shape: kept as {kept.name}" in rank0_log  # may be cut
+    # The file says it is not whole: a reader refuses it, naming what to run
+    assert hw["unfinished"] == ["all2all", "overlap"]
+    with pytest.raises(ProfileError, match=r"unfinished: 2 part\(s\) still to make \(all2all, "
+                                           r"overlap\).*Finish it: python -m orchestrator "
+                                           r"stage=profile_hardware"):
+        read_profile(profiles / "local" / "hardware.json", HardwareProfile,
+                     rerun_command("profile_hardware"))
+    # A ledger rebuilt from the files (this one lost) takes the file's word: not done
+    (profiles / "local" / "ledger.json").write_text("[]")
+    run_cli("stage=status", profiles_dir=profiles)
+    rebuilt = ledger(profiles)
+    assert rebuilt["profile_hardware"]["state"] == "cancelled"
+    assert "profile_hardware/allreduce" in rebuilt and "profile_hardware/all2all" not in rebuilt
 
     proc = run_cli(*args, profiles_dir=profiles, check=0, timeout=600)
     assert "skipping: inventory, allreduce" in proc.stdout
@@ -102,6 +123,14 @@ def test_killed_rank_in_all2all_then_rerun_resumes(profiles):
     hw = _hardware(profiles)
     assert set(hw["benchmarks"]) == {"allreduce", "all2all", "overlap"}
     assert hw["benchmarks"]["allreduce"] == allreduce_before  # not measured again
+    assert "unfinished" not in hw
+    # A part a stopped run left that this command no longer plans: the next run clears it
+    hw["unfinished"] = ["all_gather"]
+    (profiles / "local" / "hardware.json").write_text(json.dumps(hw))
+    proc = run_cli(*args, profiles_dir=profiles, check=0)
+    assert "the file still lists all_gather as unfinished; finishing it" in proc.stdout
+    assert "unfinished" not in _hardware(profiles)
+    assert "finishing" not in run_cli(*args, profiles_dir=profiles, check=0).stdout
     assert all(ledger(profiles)[f"profile_hardware/{b}"]["state"] == "done"
                for b in ("inventory", "allreduce", "all2all", "overlap"))
 

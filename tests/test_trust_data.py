@@ -119,6 +119,11 @@ def test_corrupt_ledger_is_rebuilt_and_intact_results_reused(chain):
     for p in outputs:
         assert (p.stat().st_mtime_ns, p.read_bytes()) == stamps[p], p
     assert list((chain / "local").glob("ledger.corrupt.*"))
+    # `{}` (no entries at all) is a ledger lost, not an empty one; its copy is a second one
+    (chain / "local" / "ledger.json").write_text("{}")
+    proc = run_cli("stage=status", profiles_dir=chain)
+    assert "ledger.json was corrupt" in proc.stderr
+    assert len(list((chain / "local").glob("ledger.corrupt.*"))) == 2
     entries = ledger(chain)
     assert entries["profile_hardware/all2all"]["state"] == "done"
     assert entries["profile_model/tiny/seq64_tp2"]["state"] == "done"

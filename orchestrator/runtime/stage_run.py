@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 import traceback
 from pathlib import Path
@@ -20,6 +21,8 @@ from orchestrator.stages import StagePlan
 from orchestrator.console import stage_console
 from orchestrator.store import new_profile, provenance, read_json, set_aside, write_json
 from orchestrator.store.ledger import Ledger, State
+
+log = logging.getLogger("orchestrator.stage_run")
 
 
 class StageRun:
@@ -97,8 +100,9 @@ class StageRun:
                 pass
             if profile is None:
                 aside = set_aside(path)
-                stage_console().print(f"{self.plan.stage}: {path} is of another source or "
-                                      f"shape: kept as {aside.name}", markup=False)
+                note = f"{path} is of another source or shape: kept as {aside.name}"
+                stage_console().print(f"{self.plan.stage}: {note}", markup=False)
+                log.info("%s", note)  # the rank's log keeps it where mpiexec's output is cut
         if profile is None:
             profile = new_profile(kind, source, self.provenance(), **fields)
         left = [n for n in profile.pop("unfinished", None) or () if n in self.plan.subparts]

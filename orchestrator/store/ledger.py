@@ -204,17 +204,21 @@ class Ledger:
         if not self.path.exists():
             return {}
         try:
-            raw = read_json(self.path).get("entries", {})
+            raw = read_json(self.path)["entries"]  # `{}` is not an empty ledger: one lost
             if not isinstance(raw, dict):
                 raise ValueError("entries is not a mapping")
             return {key: LedgerEntry.from_dict(e) for key, e in raw.items()}
-        except (ValueError, AttributeError, TypeError):
+        except (ValueError, AttributeError, TypeError, KeyError):
             return self._recover()
 
     def _recover(self) -> Dict[str, LedgerEntry]:
         """A corrupt ledger must not stop the user nor cost intact results: keep it aside,
         rebuild the entries from the outputs' provenance, write them, warn once on stderr."""
-        kept = self.path.with_suffix(f".corrupt.{int(time.time())}")
+        stamp, n = int(time.time()), 1
+        kept = self.path.with_suffix(f".corrupt.{stamp}")
+        while kept.exists():  # two in one second: neither overwrites the other
+            n += 1
+            kept = self.path.with_suffix(f".corrupt.{stamp}-{n}")
         self.path.rename(kept)
         entries, files = self._rebuild(self.path.parent) if self._rebuild else ({}, [])
         self._write(entries)
