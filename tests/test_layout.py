@@ -367,3 +367,18 @@ def test_the_fix_named_is_for_the_file_that_is_wrong(tmp_path):
         strategy_layout(cfg)
     assert str(err.value) == (f"train.layout={own}: seq_len: missing; fix that file (the form "
                               f"of {strategy}: docs/stages/train.md) or leave train.layout unset")
+
+
+def test_a_global_batch_the_strategys_layout_cannot_split_is_refused_not_rounded():
+    """train.global_batch_size over the strategy's layout: refused as over an explicit one
+    (it trained 8 where 3 was asked)."""
+    from orchestrator.train.plan import LAYOUT_FIELDS, _override
+
+    layout = ParallelLayout.uniform(4, 1, 1, 4, num_micro_batches=2)  # dp 4, mbs 1
+    train = SimpleNamespace(**dict.fromkeys(LAYOUT_FIELDS), recompute=None, global_batch_size=3)
+    train.micro_batch_size = 2
+    with pytest.raises(LayoutError, match=r"^global batch 3 is not divisible by dp\(4\) \* "
+                                          r"micro_batch_size\(2\) of the strategy's layout"):
+        _override(layout, SimpleNamespace(train=train))
+    train.global_batch_size = 16
+    assert _override(layout, SimpleNamespace(train=train)).num_micro_batches == 2

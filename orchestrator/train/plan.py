@@ -252,8 +252,12 @@ def _override(layout: ParallelLayout, cfg) -> ParallelLayout:
     elif "layers_per_stage" in changes:
         changes["recompute"] = ()
     if t.global_batch_size and t.num_micro_batches is None:
-        per = layout.dp * changes.get("micro_batch_size", layout.micro_batch_size)
-        changes["num_micro_batches"] = max(1, t.global_batch_size // per)
+        mbs = changes.get("micro_batch_size", layout.micro_batch_size)
+        if t.global_batch_size % (layout.dp * mbs):  # as an explicit layout's (explicit_layout)
+            raise LayoutError(f"global batch {t.global_batch_size} is not divisible by "
+                              f"dp({layout.dp}) * micro_batch_size({mbs}) of the strategy's "
+                              f"layout; set train.global_batch_size or train.num_micro_batches")
+        changes["num_micro_batches"] = t.global_batch_size // (layout.dp * mbs)
     return dataclasses.replace(layout, **changes) if changes else layout
 
 
