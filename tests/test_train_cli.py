@@ -92,6 +92,12 @@ def test_a_length_mean_beyond_seq_len_is_refused_before_launch(profiles):
                    "train.length_mean=65", *SHORT, profiles_dir=profiles)
     line = one_error_line(proc, 2)
     assert "train.length_mean(65) must be in (0, seq_len(64)]" in line, line
+    # a length beyond the model's context: the two overrides that fix it
+    proc = run_cli("stage=train", "train.pp=1", "train.tp=1", "train.seq_len=512",
+                   profiles_dir=profiles)
+    line = one_error_line(proc, 2)
+    assert ("train.seq_len(512) > model.seq_len(256), the model's context: set "
+            "model.seq_len=512, or train.seq_len=<n> up to 256") in line, line
     assert not (profiles / "local" / "runs").exists()  # nothing launched
 
 

@@ -370,7 +370,12 @@ def check_target(cfg, target: TrainTarget, world: int) -> None:
     except ValueError as e:
         raise LayoutError(str(e)) from None
     if target.seq_len > cfg.model.seq_len:
-        raise LayoutError(f"train.seq_len({target.seq_len}) > model.seq_len({cfg.model.seq_len})")
+        given = (f"train.seq_len({target.seq_len})" if cfg.train.seq_len
+                 else f"the seq_len {target.seq_len} of {target.strategy_file} (searched with "
+                      f"search.seq_len)")
+        raise LayoutError(f"{given} > model.seq_len({cfg.model.seq_len}), the model's context: "
+                          f"set model.seq_len={target.seq_len}, or train.seq_len=<n> up to "
+                          f"{cfg.model.seq_len}")
     if cfg.train.microbatching != Microbatching.fixed and layout.zero == 3:
         raise LayoutError(f"train.microbatching={cfg.train.microbatching} runs ZeRO 0-2: with "
                           f"ZeRO-3 the dp ranks' different micro-batch counts would stall "
