@@ -40,6 +40,11 @@ PARENT_POLL_S = 0.5
 RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=10)
 # Set by the shell each local rank runs under (launch.local): its pid.
 RANK_SHELL_ENV = "ORCHESTRATOR_RANK_SHELL"
+# A peer's socket closed under a torch.distributed collective (gloo's words): the peer died.
+# Its rank shell records the signal that killed it (launch/local.RANK_SHELL) within
+# milliseconds; this rank's Abort must not end that shell first, or the error names this rank.
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+PEER_LOST_GRACE_S = 1.0
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # libc, loaded once here: a forked child about to exec (subprocess's preexec_fn) must not load a
 # library, which could wait forever on a lock another thread held at the fork.
@@ -359,6 +364,8 @@ def run_rank(request: StageRequest):
                 print(f"rank 0: {unwritten}; the launcher reports the exit code only",
                       file=sys.stderr, flush=True)
         if ctx is not None and ctx.world_size > 1:
+            if any(words in str(e) for words in PEER_LOST):
+                time.sleep(PEER_LOST_GRACE_S)
             ctx.comm.Abort(1)
         raise
 
