@@ -62,6 +62,26 @@ def test_a_layout_that_does_not_divide_is_one_line_before_launch(profiles):
     assert not (profiles / "local" / "runs").exists()  # nothing launched
     proc = run_cli("stage=train", "train.tp=4", "model.kv_heads=2", profiles_dir=profiles)
     assert proc.returncode == 2 and "tp(4) does not divide model.kv_heads(2)" in proc.stderr
+    # more stages (or model chunks) than layers, in the keys the user gave
+    for args, words in ((["train.pp=4", "model.layers=2"],
+                         "train: train.pp(4) > the 2 layers of model=tiny: each stage holds a "
+                         "layer at least"),
+                        (["train.pp=2", "train.schedule=interleaved", "train.virtual_stages=3"],
+                         "train.pp(2) x virtual_stages(3) = 6 chunks > the 4 layers")):
+        line = one_error_line(run_cli("stage=train", *args, profiles_dir=profiles), 2)
+        assert words in line, line
+
+
+def test_a_layout_file_of_another_layer_count_says_so(profiles, tmp_path):
+    from orchestrator.layout import ParallelLayout
+
+    own = tmp_path / "mine.layout.json"
+    own.write_text(json.dumps({"seq_len": 64,
+                               "layout": ParallelLayout.uniform(4, 1, 1, 4).to_dict()}))
+    line = one_error_line(run_cli("stage=train", f"train.layout={own}", "model.layers=8",
+                                  profiles_dir=profiles), 2)
+    assert line == (f"error: train: {own} is a layout of 4 layers; model=tiny has 8: give "
+                    f"train.layout a layout of this model, or give train.pp/train.tp"), line
 
 
 def test_a_load_path_without_a_checkpoint_is_one_line_before_launch(profiles, tmp_path):

@@ -157,6 +157,10 @@ def explicit_layout(cfg, world: int) -> ParallelLayout:
                   sequence_parallel=tp > 1 if t.sequence_parallel is None
                   else bool(t.sequence_parallel))
     recompute = t.recompute or Recompute.none
+    if not t.layers_per_stage and pp * v > layers:
+        chunks = f"train.pp({pp})" + (f" x virtual_stages({v}) = {pp * v} chunks" if v > 1 else "")
+        raise LayoutError(f"{chunks} > the {layers} layers of model={cfg.model.name}: each "
+                          f"{'chunk' if v > 1 else 'stage'} holds a layer at least")
     if t.layers_per_stage:
         stages = tuple(int(n) for n in t.layers_per_stage)
         per_stage = tuple((recompute, 0 if recompute == Recompute.none else n) for n in stages)
@@ -347,6 +351,11 @@ def check_target(cfg, target: TrainTarget, world: int) -> None:
     layout, model = target.layout, cfg.model
     if layout.world_size != world:
         raise LayoutError(world_mismatch_text(cfg, target, world))
+    if target.source != "explicit" and layout.num_layers != model.layers:
+        fix = (f"search again: {rerun_command('search')}" if target.source == "strategy"
+               else "give train.layout a layout of this model, or give train.pp/train.tp")
+        raise LayoutError(f"{target.strategy_file} is a layout of {layout.num_layers} layers; "
+                          f"model={model.name} has {model.layers}: {fix}")
     layout.check_model_layers(model.layers, model.name)
     layout.check_equal_chunks()
     if layout.cp > 1 and layout.cp_comm in (CpComm.a2a, CpComm["a2a+p2p"]):
