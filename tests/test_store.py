@@ -130,6 +130,12 @@ def test_ledger_refuses_edges_that_would_undo_results(tmp_path):
 def test_mark_ended_keeps_what_rank0_marked_done(tmp_path):
     """The launcher's failure report and rank 0's `done` race: done wins, unfinished parts fail."""
     ledger = Ledger(tmp_path)
+    # an earlier launch that started p2p
+    ledger.launch("profile_hardware", ["p2p"], queued=False, config_hash="h", launcher="local",
+                  run_dir=str(tmp_path))
+    ledger.start_subpart("profile_hardware/p2p", "h", str(tmp_path), job_id=None)
+    ledger.mark_ended("profile_hardware", "failed", ["p2p"], "killed")
+    assert ledger.get("profile_hardware/p2p").started is not None
     ledger.launch("profile_hardware", ["allreduce", "p2p"], queued=True, config_hash="h",
                   launcher="slurm", run_dir=str(tmp_path))
     ledger.start_subpart("profile_hardware/allreduce", "h", str(tmp_path), job_id="7")
@@ -140,6 +146,9 @@ def test_mark_ended_keeps_what_rank0_marked_done(tmp_path):
     assert entries["profile_hardware"].error == "scancel"
     assert entries["profile_hardware/allreduce"].state == State.done
     assert entries["profile_hardware/p2p"].state == State.cancelled
+    # p2p never started in the last launch: no start and no took (not the earlier run's)
+    assert entries["profile_hardware/p2p"].started is None
+    assert entries["profile_hardware/p2p"].took_s is None
     # Rank 0 finished the stage before the report arrived: the report changes nothing.
     ledger.launch("search/tiny", [], queued=False, config_hash="h", launcher="local",
                   run_dir=str(tmp_path))

@@ -36,7 +36,11 @@ def print_status(cfg) -> List[dict]:
         table.add_column(col)
     colours = {"done": "green", "failed": "red", "cancelled": "yellow", "running": "cyan",
                "pending": "white"}
-    for key in sorted(entries, key=lambda k: (entries[k].started or 0, k)):
+    def order(key):  # a part its run never reached (no start) sits with its stage
+        parent = entries.get(key.rsplit("/", 1)[0])
+        return (entries[key].started or (parent.started if parent else None) or 0, key)
+
+    for key in sorted(entries, key=order):
         e = entries[key]
         took = f"{e.took_s:.1f}s" if e.took_s is not None else ""
         started = time.strftime("%m-%d %H:%M:%S", time.localtime(e.started)) if e.started else ""

@@ -368,9 +368,11 @@ class Ledger:
                        ended=None, error=None, traceback=None, todo=list(subparts),
                        summary=None, progress=None,
                        host=owner.host, pid=owner.pid, pid_start=owner.pid_start, heartbeat=now)
-            for sub in subparts:
+            for sub in subparts:  # started when it starts (start_subpart): a part this run
+                # never reached has no start, not the last run's
                 self._move(entries, f"{key}/{sub}", State.pending, None, now, job_id=None,
-                           config_hash=config_hash, log_path=run_dir, ended=None, error=None)
+                           config_hash=config_hash, log_path=run_dir, started=None,
+                           running_since=None, ended=None, error=None)
 
     def _others(self, entries: Dict[str, LedgerEntry], key: str, owner: Owner):
         """Active launches of `key`, of a part of it or of what it is part of, owned by
