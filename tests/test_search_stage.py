@@ -192,6 +192,17 @@ def test_advice_for_another_node_count_works_and_never_costs_the_strategy(chain)
             f"launcher=slurm; here: python -m orchestrator stage=train {where} cluster.nodes=1"
             in line), line
     assert "stage=search" not in line
+    # a profile with a form priced from published figures names that command too, which plans
+    from orchestrator.pipeline import check_launchable, plan_stage
+    analytic = "profile_hardware.source=analytic"
+    with _as_the_cli("profile_hardware", "cluster.nodes=2", where) as cfg:
+        with pytest.raises(ConfigError) as refused:
+            check_launchable(plan_stage("profile_hardware", cfg), cfg)
+    assert str(refused.value).endswith(
+        f"; or from published figures, on no ranks: python -m orchestrator "
+        f"stage=profile_hardware cluster.nodes=2 {where} {analytic}"), str(refused.value)
+    with _as_the_cli("profile_hardware", "cluster.nodes=2", where, analytic) as cfg:
+        check_launchable(plan_stage("profile_hardware", cfg), cfg)
     # stage=status of an empty folder prints the first command to run: the same two.
     with _as_the_cli("status", "cluster.nodes=2", where) as cfg:
         first = commands_that_launch("all", cfg)

@@ -133,9 +133,13 @@ def check_ranks_reachable(stage: str, ranks: Ranks, cfg: Config) -> None:
     launcher refuses anyway. Both commands it prints run as printed."""
     if ranks == Ranks.cluster and local_cannot_reach(cfg.launcher.name, cfg.cluster.nodes):
         slurm, here = commands_that_launch(stage, cfg)
+        priced = ""
+        if stage in ("profile_hardware", "profile_model"):  # the profiles with an analytic form
+            priced = (f"; or from published figures, on no ranks: "
+                      f"{rerun_command(stage, f'{stage}.source=analytic')}")
         raise ConfigError(f"launcher=local runs {stage} on this machine only: cluster.nodes"
                           f"({cfg.cluster.nodes}) must be 1. On {cfg.cluster.nodes} nodes: "
-                          f"{slurm}; here: {here}")
+                          f"{slurm}; here: {here}{priced}")
 
 
 def get_stage(name: str) -> Stage:
