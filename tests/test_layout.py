@@ -382,3 +382,23 @@ def test_a_global_batch_the_strategys_layout_cannot_split_is_refused_not_rounded
         _override(layout, SimpleNamespace(train=train))
     train.global_batch_size = 16
     assert _override(layout, SimpleNamespace(train=train)).num_micro_batches == 2
+
+
+def test_training_a_strategy_of_another_batch_says_so():
+    """A search for another batch failed (the strategy it would replace is kept): train runs
+    the strategy's batch, and its note says which, and how to get the other."""
+    from pathlib import Path
+
+    from orchestrator.train.plan import LAYOUT_FIELDS, TrainTarget, strategy_batch_note
+
+    layout = ParallelLayout.uniform(4, 1, 1, 4, num_micro_batches=1)  # dp 4 x mbs 1 x 1: 4
+    train = SimpleNamespace(**dict.fromkeys(LAYOUT_FIELDS), global_batch_size=None)
+    cfg = SimpleNamespace(train=train, search=SimpleNamespace(global_batch_size=8))
+    target = TrainTarget(layout, 64, "strategy", Path("/p/local/strategy/tiny.layout.json"))
+    assert strategy_batch_note(cfg, target).startswith(
+        "tiny.layout.json is a layout for a global batch of 4, not search.global_batch_size=8: "
+        "training its 4 (search for the other: python -m orchestrator stage=search")
+    cfg.search.global_batch_size = 4
+    assert strategy_batch_note(cfg, target) is None
+    cfg.search.global_batch_size, train.global_batch_size = 8, 4  # the user chose the batch
+    assert strategy_batch_note(cfg, target) is None

@@ -213,7 +213,8 @@ def train(ctx, run):
     from orchestrator.train.lr import lr_at, warmup_steps
     from orchestrator.train.monitor import MemoryMonitor
     from orchestrator.errors import InfeasibleError
-    from orchestrator.train.plan import memory_budget_GiB, model_config, train_dtype
+    from orchestrator.train.plan import (memory_budget_GiB, model_config, strategy_batch_note,
+                                         train_dtype)
     from orchestrator.train.report import StepLog, shared_cores_note, write_summary
 
     cfg, t = run.cfg, run.cfg.train
@@ -242,9 +243,9 @@ def train(ctx, run):
         steps_log.note(f"torch.compile: each block compiled (train.compile={t.compile}); "
                        f"the first steps include compiling")
     noted = _note_compile(engine, steps_log, 0)
-    shared = shared_cores_note(ctx)
-    if shared:
-        steps_log.note(shared)
+    for text in (shared_cores_note(ctx), strategy_batch_note(cfg, target)):
+        if text:
+            steps_log.note(text)
     start, warnings = _resume(engine, ckpt_dir, t, load_latest, latest_checkpoint,
                               load_checkpoint, checkpoint_to_load, steps_log)
     for w in warnings:
