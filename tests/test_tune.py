@@ -208,15 +208,6 @@ def test_tune_measures_candidates_calibrates_and_picks_the_fastest(chain):
     assert "stale" in status.stdout
 
 
-def test_tune_with_one_run_stays_uncalibrated(chain):
-    proc = run_cli(*TUNE, "tune.top_k=1", "tune.controls=false", profiles_dir=chain, check=0,
-                   timeout=300)
-    rec = _record(chain)
-    assert rec["runs"] == 1 and "at least 3 needed" in rec["why_not"]
-    assert set(rec["factors"].values()) == {1.0}
-    assert "stays uncalibrated" in proc.stdout
-
-
 def test_failed_candidates_are_recorded_and_excluded(chain):
     """Every candidate refused (train's memory check, before any rank starts): each recorded
     with its reason, no pick, exit 3, nothing of the profiles touched."""
@@ -234,6 +225,14 @@ def test_tune_refuses_bad_settings(profiles):
     proc = run_cli("stage=tune", "tune.steps=2", "tune.timing_warmup_steps=3",
                    profiles_dir=profiles, check=2)
     assert "tune.steps(2) must be more than tune.timing_warmup_steps(3)" in proc.stderr
+    # fewer candidates than the fit needs, by the settings alone: refused before any run
+    # (too few runs that succeed keep the model uncalibrated: test_too_few_runs_...)
+    proc = run_cli("stage=tune", "tune.top_k=1", "tune.controls=false", profiles_dir=profiles,
+                   check=2)
+    assert ("tune.top_k(1) candidates with tune.controls=false: fewer than the "
+            "tune.min_runs(3) runs the fit needs; raise tune.top_k or set tune.controls=true"
+            in proc.stderr), proc.stderr
+    assert not (profiles / "local" / "runs").exists()
 
 
 # ---------------------------------------------------------------- the dev Slurm cluster

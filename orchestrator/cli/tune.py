@@ -138,6 +138,10 @@ def _check(cfg) -> None:
                           f"({t.timing_warmup_steps}): no step would be timed")
     if t.min_runs < 2:
         raise ConfigError(f"tune.min_runs({t.min_runs}) must be >= 2")
+    if not t.controls and t.top_k < t.min_runs:  # runs that could never be fitted
+        raise ConfigError(f"tune.top_k({t.top_k}) candidates with tune.controls=false: fewer than "
+                          f"the tune.min_runs({t.min_runs}) runs the fit needs; raise tune.top_k "
+                          f"or set tune.controls=true")
     if cfg.train.microbatching != Microbatching.fixed:
         raise ConfigError("stage=tune measures fixed-length layouts; leave train.microbatching "
                           "at fixed")
