@@ -401,7 +401,8 @@ def test_launch_refuses_a_live_owner_and_takes_over_a_gone_one(tmp_path):
     assert ledger.end_if_gone("profile_model/tiny")
     entry = ledger.get("profile_model/tiny")
     assert entry.state.value == "failed"
-    assert entry.error == f"the run's processes are gone (pid {other.pid})"
+    assert entry.error == (f"the run's processes are gone (pid {other.pid}); rerun its command "
+                           f"to resume")
     assert ledger.get("profile_model/tiny/a").state.value == "failed"
     ledger.launch("profile_model/tiny", ["a"], queued=False, config_hash="h", launcher="local",
                   run_dir="r2")
@@ -470,8 +471,8 @@ def test_a_run_on_another_host_is_refused_while_its_heartbeat_is_fresh(tmp_path)
     assert ledger.end_if_gone("train/small")  # no heartbeat for too long: gone
     entry = ledger.get("train/small")
     assert entry.state.value == "failed" and entry.state_text() == "failed"
-    assert re.fullmatch(r"the run on host hostb \(pid 4242\) sent no heartbeat for \d+ s",
-                        entry.error), entry.error
+    assert re.fullmatch(r"the run on host hostb \(pid 4242\) sent no heartbeat for \d+ s; "
+                        r"rerun its command to resume", entry.error), entry.error
     ledger.launch("train/small", [], queued=False, config_hash="h", launcher="local",
                   run_dir="r2")  # and a new run takes it
     assert ledger.get("train/small").pid == os.getpid()

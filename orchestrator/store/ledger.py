@@ -487,7 +487,9 @@ class Ledger:
 
 def gone_reason(entry: LedgerEntry, now: float) -> str:
     """Why a launch whose owner is gone (at `now`) was marked failed."""
+    again = "rerun its command to resume"
     if entry.owner is None or entry.owner.here:
-        return f"the run's processes are gone (pid {entry.pid})"
+        return f"the run's processes are gone (pid {entry.pid}); {again}"
     silent_s = now - (entry.heartbeat or entry.started or now)
-    return f"the run on host {entry.host} (pid {entry.pid}) sent no heartbeat for {silent_s:.0f} s"
+    return (f"the run on host {entry.host} (pid {entry.pid}) sent no heartbeat for "
+            f"{silent_s:.0f} s; {again}")
