@@ -143,6 +143,15 @@ def test_bad_import_commands_exit_2_in_one_line(args, words, profiles):
     assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
+def test_an_export_path_that_is_a_file_is_refused_in_one_line(profiles, tmp_path):
+    afile = tmp_path / "notes.txt"
+    afile.write_text("mine")
+    proc = run_cli("stage=export", f"export.path={afile}", profiles_dir=profiles, check=2)
+    assert proc.stderr.strip() == (f"error: export.path={afile} is a file: export writes a "
+                                   f"folder of files; give a folder (new or existing)")
+    assert afile.read_text() == "mine"
+
+
 def test_a_folder_without_known_files_and_a_missing_shape(tmp_path, user_dir, profiles):
     (tmp_path / "empty").mkdir()
     proc = run_cli("stage=import", f"import.path={tmp_path / 'empty'}", profiles_dir=profiles,

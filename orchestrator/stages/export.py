@@ -102,6 +102,10 @@ class Export(Stage):
         spec = cfg.export
         if not spec.path:
             raise ConfigError("stage=export needs export.path=<a folder to write into>")
+        out = Path(spec.path).expanduser()
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"export.path={spec.path} is a file: export writes a folder of "
+                              f"files; give a folder (new or existing)")
         if spec.format not in FORMATS:
             raise ConfigError(f"export.format={spec.format!r}; allowed: {', '.join(FORMATS)}")
         if cfg.model.experts:
