@@ -389,7 +389,8 @@ def test_training_a_strategy_of_another_batch_says_so():
     the strategy's batch, and its note says which, and how to get the other."""
     from pathlib import Path
 
-    from orchestrator.train.plan import LAYOUT_FIELDS, TrainTarget, strategy_batch_note
+    from orchestrator.train.plan import LAYOUT_FIELDS, TrainTarget
+    from orchestrator.train.report import strategy_batch_note
 
     layout = ParallelLayout.uniform(4, 1, 1, 4, num_micro_batches=1)  # dp 4 x mbs 1 x 1: 4
     train = SimpleNamespace(**dict.fromkeys(LAYOUT_FIELDS), global_batch_size=None)

@@ -213,9 +213,9 @@ def train(ctx, run):
     from orchestrator.train.lr import lr_at, warmup_steps
     from orchestrator.train.monitor import MemoryMonitor
     from orchestrator.errors import InfeasibleError
-    from orchestrator.train.plan import (memory_budget_GiB, model_config, strategy_batch_note,
-                                         train_dtype)
-    from orchestrator.train.report import StepLog, shared_cores_note, write_summary
+    from orchestrator.train.plan import memory_budget_GiB, model_config, train_dtype
+    from orchestrator.train.report import (StepLog, shared_cores_note, strategy_batch_note,
+                                           write_summary)
 
     cfg, t = run.cfg, run.cfg.train
     target = resolve(cfg)

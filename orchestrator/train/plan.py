@@ -284,20 +284,6 @@ def resolve(cfg) -> TrainTarget:
     return target
 
 
-def strategy_batch_note(cfg, target: TrainTarget) -> Optional[str]:
-    """The strategy's global batch where it is not the one this command's search section asks
-    (a search for another batch failed, or was never run): train runs the strategy's, and
-    says so."""
-    t, layout = cfg.train, target.layout
-    if (target.source != "strategy" or t.global_batch_size or t.num_micro_batches
-            or layout.global_batch_size == cfg.search.global_batch_size):
-        return None
-    return (f"{target.strategy_file.name} is a layout for a global batch of "
-            f"{layout.global_batch_size}, not search.global_batch_size="
-            f"{cfg.search.global_batch_size}: training its {layout.global_batch_size} (search "
-            f"for the other: {rerun_command('search')}; or set train.global_batch_size)")
-
-
 def batch_key(cfg, target: TrainTarget) -> str:
     """The override that set the layout's micro-batches per iteration, as a message names it."""
     t = cfg.train

@@ -147,6 +147,22 @@ class StepLog:
                 "process_peak_MiB": peak, "samples": monitor.samples}
 
 
+def strategy_batch_note(cfg, target) -> Optional[str]:
+    """(target: train/plan.TrainTarget) The strategy's global batch where it is not the one this command's search section asks
+    (a search for another batch failed, or was never run): train runs the strategy's, and
+    says so."""
+    from orchestrator.commands import rerun_command
+
+    t, layout = cfg.train, target.layout
+    if (target.source != "strategy" or t.global_batch_size or t.num_micro_batches
+            or layout.global_batch_size == cfg.search.global_batch_size):
+        return None
+    return (f"{target.strategy_file.name} is a layout for a global batch of "
+            f"{layout.global_batch_size}, not search.global_batch_size="
+            f"{cfg.search.global_batch_size}: training its {layout.global_batch_size} (search "
+            f"for the other: {rerun_command('search')}; or set train.global_batch_size)")
+
+
 def shared_cores_note(ctx) -> str:
     """A note when this host's CPU ranks outnumber the cores they may run on (4 ranks of the
     local cluster on a 2-core laptop): each step then waits on the other ranks' CPU, so its
