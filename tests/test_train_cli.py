@@ -213,6 +213,16 @@ def test_a_checkpoint_reloads_in_another_layout(profiles):
     assert sorted(got, key=int) == [str(s) for s in range(1, 7)]  # 1-3 from the checkpoint
     for step in ("4", "5", "6"):  # trained by pp2*tp2 from dp4's state
         assert abs(got[step] - want[step]) <= 1e-4 * abs(want[step]), step
+    # The same layout for longer: it goes on from its step 6, and says on whose schedule; the
+    # 6-step result (another config) is kept beside the new one, not overwritten.
+    proc = run_cli("stage=train", "train.pp=1", "train.tp=1", "train.steps=7",
+                   "train.checkpoint_every=3", *SHORT, profiles_dir=profiles, check=0)
+    assert (f"resumed from {dp4}.ckpt/step_00000006 (step 6, of a 6-step run: on to step 7 on "
+            f"this run's learning-rate schedule)") in " ".join(proc.stdout.split()), proc.stdout
+    (kept,) = dp4.parent.glob(f"{dp4.name}.json.old-*")
+    assert json.loads(kept.read_text())["losses"] == want
+    assert sorted(json.loads(dp4.with_suffix(".json").read_text())["losses"], key=int) == [
+        str(s) for s in range(1, 8)]
 
 
 def test_a_text_corpus_trains_and_its_loss_falls(profiles):

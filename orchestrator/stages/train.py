@@ -420,7 +420,10 @@ def _resume(engine, ckpt_dir, t, load_latest, latest_checkpoint, load_checkpoint
     if info is not None:
         engine.load_state(state(), info.step)
         steps_log.restore(info.extra)
-        steps_log.note(f"resumed from {info.path} (step {info.step})")
+        of = info.extra.get("steps")  # a run of other steps goes on on this run's lr schedule
+        longer = (f", of a {of}-step run: on to step {t.steps} on this run's learning-rate "
+                  f"schedule" if of and of != t.steps else "")
+        steps_log.note(f"resumed from {info.path} (step {info.step}{longer})")
         return info.step, warnings
     if t.load:
         try:  # checked before launch too; a folder can change in between

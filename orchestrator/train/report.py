@@ -53,7 +53,8 @@ class StepLog:
         """What a checkpoint carries besides tensors."""
         return {"identity": self.identity, "model": self._model(),
                 "losses": {str(k): v for k, v in sorted(self.losses.items())},
-                "layout": self.layout.describe(), "notes": list(self.notes), "time": time.time()}
+                "layout": self.layout.describe(), "notes": list(self.notes), "time": time.time(),
+                "steps": self.t.steps}
 
     def _model(self) -> Dict[str, Any]:
         """The model's fields, kept with a checkpoint: a `train.load` of it by another model
