@@ -192,7 +192,11 @@ def override_type_error(dotted_key: str, value: Any) -> Optional[str]:
         return None if not dataclasses.is_dataclass(section) else user_spelling(
             f"{dotted_key}={_shown(value)}: {cause}")
     where, bad, expected = found
-    return user_spelling(f"{where}={_shown(bad)}: expected {_type_words(expected)[0]}")
+    brackets = ""  # `key=3,1` is a sweep of 3 and 1 to Hydra, not a list
+    if (where == dotted_key and typing.get_origin(expected) in (list, List)
+            and not isinstance(bad, (list, tuple))):
+        brackets = f", in brackets: {where}=[...] (a,b without them is a sweep: -m)"
+    return user_spelling(f"{where}={_shown(bad)}: expected {_type_words(expected)[0]}{brackets}")
 
 
 def _is_free_form(hint) -> bool:

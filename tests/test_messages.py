@@ -157,6 +157,9 @@ def test_a_misspelled_group_choice_in_a_sweep_exits_2_in_one_line(profiles):
     ("force=maybe", "force='maybe': expected true or false"),
     ("search.zero_stages=[0,one]", "search.zero_stages[1]='one': expected an integer"),
     ("search.schedules=1f1b", "search.schedules='1f1b': expected a list of items from 1f1b"),
+    ("train.layers_per_stage=3,1", "train.layers_per_stage=3: expected a list of integers, in "
+                                   "brackets: train.layers_per_stage=[...] (a,b without them is "
+                                   "a sweep: -m)"),
     ("import_.path=[a]", "import.path=['a']: expected a string"),  # as main() passes it
 ])
 def test_a_wrong_type_names_the_key_and_the_type_expected(arg, line):
