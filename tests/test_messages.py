@@ -228,18 +228,19 @@ def test_printed_fix_commands_do_the_fix(profiles):
 
 def test_planner_message_keeps_brackets_and_profiles_dir(profiles):
     hw = synthetic_hardware(1, 4, name="local")
-    del hw["benchmarks"]["reduce_scatter"]
+    del hw["benchmarks"]["reduce_scatter"], hw["benchmarks"]["all_gather"]
     write_json(profiles / "local" / "hardware.json", hw)
     write_json(profiles / "local" / "model" / "tiny.json", synthetic_model("tiny", layers=4))
     shape = ("model.hidden=256", "model.ffn=1024", "model.heads=8", "model.kv_heads=8",
              "model.vocab=1000", "model.dtype=bf16")  # the synthetic profile's
     proc = run_cli("stage=search", "search.zero_stages=[2]", *shape, profiles_dir=profiles)
     line = one_error_line(proc, 4)
-    assert "no 'reduce_scatter' fits" in line
+    # every benchmark the profile lacks in one command, not one per search
+    assert "no fits for reduce_scatter, all_gather (this one needs all_gather)" in line
     fix = line.split("rerun `", 1)[1].rstrip("`")
     assert shlex.split(fix) == ["python", "-m", "orchestrator", "stage=profile_hardware",
                                 *shape, f"profiles_dir={profiles}",
-                                "profile_hardware.benchmarks=[reduce_scatter]"]
+                                "profile_hardware.benchmarks=[reduce_scatter,all_gather]"]
 
 
 def test_the_plan_carries_the_overrides_to_the_ranks(tmp_path):

@@ -13,6 +13,7 @@ from typing import Any, Dict, Mapping, Tuple
 import numpy as np
 
 from orchestrator.bandwidth import busbw_factor, half_allreduce_line
+from orchestrator.choices import Op
 from orchestrator.commands import rerun_command
 from orchestrator.errors import ProfileError
 from orchestrator.store import parse_profile
@@ -182,10 +183,14 @@ class HardwareModel:
             other = {"consec": "strided", "strided": "consec",
                      "intra": "inter", "inter": "intra"}.get(layout)
             fits = self._fits.get((op, other))
-        if not fits:
-            raise ProfileError(
-                f"hardware profile of {self.name} has no {op!r} fits; rerun "
-                f"`{rerun_command('profile_hardware', f'profile_hardware.benchmarks=[{op}]')}`")
+        if not fits:  # every benchmark it lacks in one command, not one per search
+            measured = {o for o, _ in self._fits}
+            missing = [o.value for o in Op if o.value not in measured] or [op]
+            needs = "" if missing == [op] else f" (this one needs {op})"
+            fix = rerun_command("profile_hardware",
+                                f"profile_hardware.benchmarks=[{','.join(missing)}]")
+            raise ProfileError(f"hardware profile of {self.name} has no fits for "
+                               f"{', '.join(missing)}{needs}; rerun `{fix}`")
         line = _pick_line(op, fits, group_size)
         self._cache[key] = line
         return line
