@@ -395,7 +395,10 @@ def test_profiles_missing_sections_say_what_to_rerun():
         ModelCost.from_dict({"model": {}})
     hw = HardwareModel.from_dict({"cluster": {"tasks_per_node": 8, "world_size": 8},
                                   "benchmarks": {}})
-    with pytest.raises(ProfileError, match=r"benchmarks=\[allreduce\]"):
+    with pytest.raises(ProfileError, match=r"no fits for allreduce, p2p, reduce_scatter, "
+                                           r"all_gather, all2all \(this one needs allreduce\).*"
+                                           r"benchmarks=\[allreduce,p2p,reduce_scatter,all_gather,"
+                                           r"all2all\]"):
         hw.time_us("allreduce", 4, "consec", 1e6)
 
 
