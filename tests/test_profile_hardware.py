@@ -131,6 +131,11 @@ def test_killed_rank_in_all2all_then_rerun_resumes(profiles):
     assert "the file still lists all_gather as unfinished; finishing it" in proc.stdout
     assert "unfinished" not in _hardware(profiles)
     assert "finishing" not in run_cli(*args, profiles_dir=profiles, check=0).stdout
+    # An analytic profile written whole over the measured one keeps the measured one aside too
+    run_cli("stage=profile_hardware", "profile_hardware.source=analytic", profiles_dir=profiles)
+    sources = {json.loads(p.read_text())["source"]
+               for p in (profiles / "local").glob("hardware.json.old-*")}
+    assert sources == {"analytic", "measured"} and _hardware(profiles)["source"] == "analytic"
     assert all(ledger(profiles)[f"profile_hardware/{b}"]["state"] == "done"
                for b in ("inventory", "allreduce", "all2all", "overlap"))
 

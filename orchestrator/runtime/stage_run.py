@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import time
 import traceback
@@ -34,6 +35,7 @@ class StageRun:
         self.todo = list(request.todo)
         self.started = time.time()
         self.ledger = Ledger(request.ledger_dir) if ctx.is_root else None
+        self._aside: Optional[Path] = None  # a file of another source, kept aside on first write
         if self.ledger is not None:  # a queued job starts: its `took` counts from here, even
             # when it ends between two of the CLI's polls (or with no CLI polling: wait=false)
             self.ledger.transition(self.key, State.running, from_states=(State.pending,))
@@ -83,39 +85,61 @@ class StageRun:
         cluster or the model profiled), else a new one.
 
         Parts made under other settings stay, each marked in `parts` with what it was made
-        under, until they are redone. A file of another source or shape (or a corrupt one) is
-        kept aside (store.set_aside), not written over part by part. `unfinished` lists the
-        parts this run makes (and those a stopped run left, where still planned), written at
-        once; mark_part takes each off, so a file a stopped run leaves says it is not whole."""
-        profile, written = None, None
-        if path.exists():
-            try:
-                old = read_json(path)
-                if ((old.get("kind"), old.get("source")) == (kind, source)
-                        and old.get(identity) == fields[identity]):
-                    written = old.get("unfinished")
-                    old["provenance"] = self.provenance()
-                    profile = old
-            except ValueError:
-                pass
-            if profile is None:
-                aside = set_aside(path)
-                note = f"{path} is of another source or shape: kept as {aside.name}"
-                stage_console().print(f"{self.plan.stage}: {note}", markup=False)
-                log.info("%s", note)  # the rank's log keeps it where mpiexec's output is cut
-        if profile is None:
-            profile = new_profile(kind, source, self.provenance(), **fields)
+        under, until they are redone. A file of another source or shape (or a corrupt one)
+        stays until this run has made its first part, then is kept aside (mark_part), not
+        written over. `unfinished` lists the parts this run makes that the file has no data of
+        (and those a stopped run left, where still planned); mark_part takes each off, so a
+        file a stopped run leaves says it is not whole, and readers refuse it."""
+        old = self._same_profile(path, kind, source, identity, fields[identity])
+        if old is None and path.exists():
+            self._aside = path  # moved when this run writes there first
+        written = old.get("unfinished") if old is not None else None
+        if old is not None:
+            old["provenance"] = self.provenance()
+        profile = old if old is not None else new_profile(kind, source, self.provenance(),
+                                                          **fields)
+        made = profile.get("parts") or {}
         left = [n for n in profile.pop("unfinished", None) or () if n in self.plan.subparts]
-        unfinished = list(dict.fromkeys(left + list(self.todo)))
+        unfinished = [n for n in dict.fromkeys(left + list(self.todo)) if n not in made]
         if unfinished:
             profile["unfinished"] = unfinished
-        if unfinished != (written or []):  # on disk at once: a stop before the first part
+        if old is not None and unfinished != (written or []):  # a stop before the first part
             write_json(path, profile)  # leaves a file that says so
         return profile
 
+    @staticmethod
+    def _same_profile(path: Path, kind: str, source: str, identity: str,
+                      value) -> Optional[dict]:
+        """The profile at `path` when it is of this kind, source and identity; else None."""
+        try:
+            old = read_json(path)
+        except (OSError, ValueError):
+            return None
+        if (isinstance(old, dict) and (old.get("kind"), old.get("source")) == (kind, source)
+                and old.get(identity) == json.loads(json.dumps(value))):  # as the file holds it
+            return old
+        return None
+
+    def keep_aside_other(self, path: Path, kind: str, source: str, identity: str,
+                         value) -> None:
+        """Before a whole profile of `source` is written at `path` (an analytic one, an import):
+        a file there of another source or shape is kept aside, not written over."""
+        if path.exists() and self._same_profile(path, kind, source, identity, value) is None:
+            self._aside = path
+            self._keep_aside()
+
+    def _keep_aside(self) -> None:
+        if self._aside is not None and self._aside.exists():
+            aside = set_aside(self._aside)
+            note = f"{self._aside} is of another source or shape: kept as {aside.name}"
+            stage_console().print(f"{self.plan.stage}: {note}", markup=False)
+            log.info("%s", note)  # the rank's log keeps it where mpiexec's output is cut
+        self._aside = None
+
     def mark_part(self, profile: dict, name: str) -> None:
-        """Rank 0, after sub-part `name` was merged into `profile`: record the settings it was
-        made under (`parts`) and the run's provenance; take it off `unfinished`."""
+        """Rank 0, after sub-part `name` was merged into `profile` (and before its write):
+        record the settings it was made under (`parts`) and the run's provenance; take it off
+        `unfinished`; keep aside the file of another source it will replace."""
         profile["parts"] = {**(profile.get("parts") or {}), name: {
             "config_hash": self.request.config_hash,
             "settings": dataclasses.asdict(getattr(self.cfg, self.plan.stage)),
@@ -125,6 +149,7 @@ class StageRun:
         if left:
             profile["unfinished"] = left
         profile["provenance"] = self.provenance()
+        self._keep_aside()
 
     def finish(self, result: Optional[dict]) -> None:
         """Rank 0: mark the stage done in the ledger."""

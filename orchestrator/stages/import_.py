@@ -151,6 +151,8 @@ def run_import(ctx, run) -> dict:
             {"kind": "hardware", "source": Source.galvatron.value, **imported.body}, "hardware")
         profile.provenance, profile.imported = prov, _record(plan, imported)
         path = hardware_path(cfg.profiles_dir, c.name)
+        run.keep_aside_other(path, "hardware", Source.galvatron.value, "cluster",
+                             profile.to_dict()["cluster"])
         write_profile(path, profile)
         _print_lists(f"hardware -> {path}", imported)
         written["hardware"] = str(path)
@@ -160,6 +162,8 @@ def run_import(ctx, run) -> dict:
             {"kind": "model", "source": Source.galvatron.value, **imported.body}, "model")
         profile.provenance, profile.imported = prov, _record(plan, imported)
         path = model_profile_path(cfg.profiles_dir, cfg.cluster.name, cfg.model.name)
+        run.keep_aside_other(path, "model", Source.galvatron.value, "model",
+                             profile.to_dict()["model"])
         write_profile(path, profile)
         _print_lists(f"model -> {path}", imported)
         written["model"] = str(path)

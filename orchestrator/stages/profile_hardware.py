@@ -116,6 +116,7 @@ def _run_analytic(ctx, run, path: Path) -> dict:
         record = profile.to_dict()
         run.mark_part(record, "analytic")
         profile = HardwareProfile.from_dict(record)
+        run.keep_aside_other(path, "hardware", "analytic", "cluster", record["cluster"])
         write_profile(path, profile)
     return _finish_outputs(profile.to_dict(), cfg, path)
 

@@ -76,8 +76,8 @@ class Profile(Record):
     imported: Optional[ImportRecord] = doc("source galvatron (stage=import): the files read, "
                                            "what does not map, what was assumed", default=None)
     unfinished: Optional[List[str]] = doc(
-        "the sub-parts the run writing this file has yet to make, while it runs or after it was "
-        "stopped (absent once it made them all): a reader refuses the file until a rerun of "
+        "the sub-parts the run writing this file has no data of yet, while it runs or after it "
+        "was stopped (absent once it made them all): a reader refuses the file until a rerun of "
         "its stage finishes it", default=None)
 
     def check(self, path: str) -> None:
