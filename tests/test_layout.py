@@ -403,3 +403,5 @@ def test_training_a_strategy_of_another_batch_says_so():
     assert strategy_batch_note(cfg, target) is None
     cfg.search.global_batch_size, train.global_batch_size = 8, 4  # the user chose the batch
     assert strategy_batch_note(cfg, target) is None
+    train.global_batch_size, train.micro_batch_size = None, 2  # or its micro-batches
+    assert strategy_batch_note(cfg, target) is None

@@ -156,6 +156,7 @@ def strategy_batch_note(cfg, target) -> Optional[str]:
 
     t, layout = cfg.train, target.layout
     if (target.source != "strategy" or t.global_batch_size or t.num_micro_batches
+            or t.micro_batch_size  # the user changed the batch
             or layout.global_batch_size == cfg.search.global_batch_size):
         return None
     return (f"{target.strategy_file.name} is a layout for a global batch of "
