@@ -368,7 +368,9 @@ def test_train_cp_runs_from_the_cli_predicted_checkpoints_and_resumes(chain):
     summary = json.loads((chain / "local" / "train" / "tiny" /
                           "pp1-tp2-cp2-dp1-zero0-sp-mbs1x8-1f1b.json").read_text())
     # the ranks' own lines reach the terminal, not always a captured stdout: the summary says it
-    assert any(n.startswith("resumed from") and n.endswith("(step 2)") for n in summary["notes"])
+    assert any(n.startswith("resumed from") and n.endswith(
+        "(step 2, of a 2-step run: on to step 3 on this run's learning-rate schedule)")
+        for n in summary["notes"]), summary["notes"]
     assert summary["layout"]["cp"] == 2 and summary["layout"]["cp_comm"] == "p2p"
     assert sorted(summary["losses"], key=int) == ["1", "2", "3"]
     assert summary["predicted"]["iteration_ms"] > 0
