@@ -118,12 +118,12 @@ def test_corrupt_ledger_is_rebuilt_and_intact_results_reused(chain):
     assert "rebuilt" in proc.stderr and "intact results are reused" in proc.stderr
     for p in outputs:
         assert (p.stat().st_mtime_ns, p.read_bytes()) == stamps[p], p
-    assert list((chain / "local").glob("ledger.corrupt.*"))
+    assert list((chain / "local").glob("ledger.json.corrupt-*"))
     # `{}` (no entries at all) is a ledger lost, not an empty one; its copy is a second one
     (chain / "local" / "ledger.json").write_text("{}")
     proc = run_cli("stage=status", profiles_dir=chain)
     assert "ledger.json was corrupt" in proc.stderr
-    assert len(list((chain / "local").glob("ledger.corrupt.*"))) == 2
+    assert len(list((chain / "local").glob("ledger.json.corrupt-*"))) == 2
     entries = ledger(chain)
     assert entries["profile_hardware/all2all"]["state"] == "done"
     assert entries["profile_model/tiny/seq64_tp2"]["state"] == "done"

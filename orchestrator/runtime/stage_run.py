@@ -91,19 +91,19 @@ class StageRun:
         (and those a stopped run left, where still planned); mark_part takes each off, so a
         file a stopped run leaves says it is not whole, and readers refuse it."""
         old = self._same_profile(path, kind, source, identity, fields[identity])
-        if old is None and path.exists():
-            self._aside = path  # moved when this run writes there first
-        written = old.get("unfinished") if old is not None else None
-        if old is not None:
+        if old is None:
+            self._aside = path if path.exists() else None  # moved when this run writes there
+            profile = new_profile(kind, source, self.provenance(), **fields)
+        else:
             old["provenance"] = self.provenance()
-        profile = old if old is not None else new_profile(kind, source, self.provenance(),
-                                                          **fields)
+            profile = old
+        written = profile.pop("unfinished", None) or []
         made = profile.get("parts") or {}
-        left = [n for n in profile.pop("unfinished", None) or () if n in self.plan.subparts]
+        left = [n for n in written if n in self.plan.subparts]
         unfinished = [n for n in dict.fromkeys(left + list(self.todo)) if n not in made]
         if unfinished:
             profile["unfinished"] = unfinished
-        if old is not None and unfinished != (written or []):  # a stop before the first part
+        if old is not None and unfinished != written:  # a stop before the first part
             write_json(path, profile)  # leaves a file that says so
         return profile
 
@@ -125,16 +125,13 @@ class StageRun:
         """Before a whole profile of `source` is written at `path` (an analytic one, an import):
         a file there of another source or shape is kept aside, not written over."""
         if path.exists() and self._same_profile(path, kind, source, identity, value) is None:
-            self._aside = path
-            self._keep_aside()
+            self._keep_aside(path)
 
-    def _keep_aside(self) -> None:
-        if self._aside is not None and self._aside.exists():
-            aside = set_aside(self._aside)
-            note = f"{self._aside} is of another source or shape: kept as {aside.name}"
-            stage_console().print(f"{self.plan.stage}: {note}", markup=False)
-            log.info("%s", note)  # the rank's log keeps it where mpiexec's output is cut
-        self._aside = None
+    def _keep_aside(self, path: Path) -> None:
+        aside = set_aside(path)
+        note = f"{path} is of another source or shape: kept as {aside.name}"
+        stage_console().print(f"{self.plan.stage}: {note}", markup=False)
+        log.info("%s", note)  # the rank's log keeps it where mpiexec's output is cut
 
     def mark_part(self, profile: dict, name: str) -> None:
         """Rank 0, after sub-part `name` was merged into `profile` (and before its write):
@@ -149,7 +146,9 @@ class StageRun:
         if left:
             profile["unfinished"] = left
         profile["provenance"] = self.provenance()
-        self._keep_aside()
+        if self._aside is not None and self._aside.exists():  # resume_profile's, on first write
+            self._keep_aside(self._aside)
+        self._aside = None
 
     def finish(self, result: Optional[dict]) -> None:
         """Rank 0: mark the stage done in the ledger."""

@@ -240,17 +240,17 @@ def new_profile(kind: str, source: str, prov: dict, **fields) -> dict:
             "provenance": prov, **fields}
 
 
-def set_aside(path: str | os.PathLike, stamp: Optional[str] = None) -> Path:
-    """Rename `path` (a file or folder) to `<name>.old-<stamp>` beside it, so that what a new
-    run writes in its place does not destroy it (a name no reader's glob picks up); returns
+def set_aside(path: str | os.PathLike, stamp: Optional[str] = None, tag: str = "old") -> Path:
+    """Rename `path` (a file or folder) to `<name>.<tag>-<stamp>` beside it, so that what a
+    new run writes in its place does not destroy it (a name no reader's glob picks up); returns
     the new path. `stamp` defaults to now (YYYYmmdd-HHMMSS); a second one in the same second
     gets a counter."""
     path = Path(path)
     stamp = stamp or time.strftime("%Y%m%d-%H%M%S")
-    aside, n = path.with_name(f"{path.name}.old-{stamp}"), 1
+    aside, n = path.with_name(f"{path.name}.{tag}-{stamp}"), 1
     while aside.exists():
         n += 1
-        aside = path.with_name(f"{path.name}.old-{stamp}-{n}")
+        aside = path.with_name(f"{path.name}.{tag}-{stamp}-{n}")
     return path.rename(aside)
 
 

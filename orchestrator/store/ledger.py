@@ -39,7 +39,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
 from filelock import FileLock, Timeout
 
 from orchestrator.errors import LaunchError
-from orchestrator.store import keep_reserve, read_json, write_json
+from orchestrator.store import keep_reserve, read_json, set_aside, write_json
 from orchestrator.store.owner import HEARTBEAT_S, Owner, pid_alive
 
 LEDGER_NAME = "ledger.json"
@@ -214,12 +214,7 @@ class Ledger:
     def _recover(self) -> Dict[str, LedgerEntry]:
         """A corrupt ledger must not stop the user nor cost intact results: keep it aside,
         rebuild the entries from the outputs' provenance, write them, warn once on stderr."""
-        stamp, n = int(time.time()), 1
-        kept = self.path.with_suffix(f".corrupt.{stamp}")
-        while kept.exists():  # two in one second: neither overwrites the other
-            n += 1
-            kept = self.path.with_suffix(f".corrupt.{stamp}-{n}")
-        self.path.rename(kept)
+        kept = set_aside(self.path, tag="corrupt")  # two in one second: both kept
         entries, files = self._rebuild(self.path.parent) if self._rebuild else ({}, [])
         self._write(entries)
         sys.stderr.write(f"warning: {LEDGER_NAME} was corrupt (kept as {kept.name}); rebuilt "

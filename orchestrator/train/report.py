@@ -149,9 +149,9 @@ class StepLog:
 
 
 def strategy_batch_note(cfg, target) -> Optional[str]:
-    """(target: train/plan.TrainTarget) The strategy's global batch where it is not the one this command's search section asks
+    """The strategy's global batch where it is not the one this command's search section asks
     (a search for another batch failed, or was never run): train runs the strategy's, and
-    says so."""
+    says so (`target`: train/plan.TrainTarget)."""
     from orchestrator.commands import rerun_command
 
     t, layout = cfg.train, target.layout
