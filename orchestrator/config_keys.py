@@ -172,6 +172,10 @@ def override_type_error(dotted_key: str, value: Any) -> Optional[str]:
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
     hint = _schema_hint(dotted_key)
+    if (_optional_inner(hint)[0] is bool and isinstance(value, int)
+            and not isinstance(value, bool) and value not in (0, 1)):
+        # OmegaConf takes any integer as a boolean: `wait=2` is a slip, not true
+        return user_spelling(f"{dotted_key}={value}: expected true or false")
     head, _, rest = dotted_key.partition(".")
     section = typing.get_type_hints(Config).get(head)
     cause = "does not fit the schema"

@@ -363,7 +363,7 @@ def test_the_fix_named_is_for_the_file_that_is_wrong(tmp_path):
     own = tmp_path / "mine.layout.json"
     own.write_text(json.dumps({"layout": _layout_file()["layout"]}))
     cfg.train.layout = str(own)
-    with pytest.raises(ProfileError) as err:
+    with pytest.raises(ConfigError) as err:  # the user's input: exit 2
         strategy_layout(cfg)
     assert str(err.value) == (f"train.layout={own}: seq_len: missing; fix that file (the form "
                               f"of {strategy}: docs/stages/train.md) or leave train.layout unset")

@@ -155,6 +155,8 @@ def test_a_misspelled_group_choice_in_a_sweep_exits_2_in_one_line(profiles):
     ("train.lr=fast", "train.lr='fast': expected a number"),
     ("cluster.links.nic_Gbps=[1]", "cluster.links.nic_Gbps=[1]: expected a number"),
     ("force=maybe", "force='maybe': expected true or false"),
+    ("wait=2", "wait=2: expected true or false"),  # OmegaConf would take it as true
+    ("search.fast_mode=7", "search.fast_mode=7: expected true or false"),
     ("search.zero_stages=[0,one]", "search.zero_stages[1]='one': expected an integer"),
     ("search.schedules=1f1b", "search.schedules='1f1b': expected a list of items from 1f1b"),
     ("train.layers_per_stage=3,1", "train.layers_per_stage=3: expected a list of integers, in "
@@ -176,7 +178,7 @@ def test_a_wrong_type_in_a_sweep_value_is_refused():
 
 def test_values_of_the_right_type_pass():
     check_closed_choices(["stage=noop", "trace.configs=[[8,2,2],[16,4,2]]", "cluster.nodes=2",
-                          "train.lr=1", "train.lr=3e-4", "force=yes", "train.pp=null",
+                          "train.lr=1", "train.lr=3e-4", "force=yes", "wait=0", "train.pp=null",
                           "search.zero_stages=[0,1]", "search.schedules=[1f1b,interleaved]",
                           "cluster.links={nic_Gbps: 100}", "train.seq_len=${model.seq_len}",
                           "cluster.sbatch_args.exclusive=[1,a]", "train.pp=range(1,3)"])

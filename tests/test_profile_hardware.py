@@ -101,6 +101,7 @@ def test_killed_rank_in_all2all_then_rerun_resumes(profiles):
     allreduce_before = hw["benchmarks"]["allreduce"]
     (kept,) = (profiles / "local").glob("hardware.json.old-*")
     assert json.loads(kept.read_text())["source"] == "analytic"
+    assert kept.with_name(kept.name.replace(".json", ".png", 1)).exists()  # its plot with it
     rank0_log = (Path(log_dir) / "rank0.log").read_text()  # mpiexec's output of an aborted job
     assert f"is of another source or shape: kept as {kept.name}" in rank0_log  # may be cut
     # The file says it is not whole: a reader refuses it, naming what to run

@@ -109,6 +109,11 @@ def test_qwen_100b_from_a_laptop_is_fast_analytic_and_exact_in_memory(profiles):
     assert prof["memory"]["8"]["block"]["param_bytes"] == 2 * ((n - norms) // 8 + norms)
     # full recompute keeps the layer input: 2 bytes x hidden per token, sharded over tp
     assert prof["memory"]["8"]["block"]["act_bytes_per_token"]["full"] == 2 * cfg.hidden / 8
+    # A rerun under another micro-batch size redoes the points and says which size it timed
+    assert prof["micro_batch_size"] == 1
+    run_cli("stage=profile_model", "model=qwen_100b", "profile_model.micro_batch_size=2",
+            profiles_dir=profiles, check=0)
+    assert _profile(profiles, "qwen_100b")["micro_batch_size"] == 2
 
 
 def test_invalid_tp_for_the_model_is_exit_2_before_launch(profiles):

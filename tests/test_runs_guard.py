@@ -88,6 +88,7 @@ def test_second_run_of_a_stage_is_refused_naming_the_first(profiles):
         err = second.stderr.strip()
         assert len(err.splitlines()) == 1, err
         assert "noop is already running" in err
+        assert "part(s) on" not in second.stdout  # no launch line for a launch refused
         assert f"pid {first.pid} on host" in err and f"job {entry['job_id']}" in err
         assert f"`kill {first.pid}`" in err
         assert ledger(profiles)["noop"]["job_id"] == entry["job_id"]  # the first's launch stays

@@ -127,6 +127,19 @@ def test_ledger_refuses_edges_that_would_undo_results(tmp_path):
     assert ledger.get("search/tiny").state == State.done
 
 
+def test_a_stage_a_ledger_rebuilt_mid_run_calls_cancelled_still_finishes(tmp_path):
+    """The ledger lost while a profile run goes on: rebuilt from the file, which still lists
+    parts, the stage is cancelled (not done); rank 0's `done` at the end still lands."""
+    from orchestrator.pipeline import rebuild_entries
+
+    write_json(tmp_path / "hardware.json", {**_profile(), "unfinished": ["p2p"]})
+    (tmp_path / "ledger.json").write_text("[]")
+    ledger = Ledger(tmp_path, rebuild=rebuild_entries)
+    assert ledger.get("profile_hardware").state == State.cancelled
+    ledger.transition("profile_hardware", "done", summary={"path": "hardware.json"})
+    assert ledger.get("profile_hardware").state == State.done
+
+
 def test_mark_ended_keeps_what_rank0_marked_done(tmp_path):
     """The launcher's failure report and rank 0's `done` race: done wins, unfinished parts fail."""
     ledger = Ledger(tmp_path)

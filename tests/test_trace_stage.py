@@ -97,7 +97,8 @@ def test_a_model_that_does_not_split_over_tp_is_skipped_with_its_reason():
     specs, skipped = plan_configs([[16, 2, 2], [24, 2, 3], [32, 2, 4]], settings, model)
     assert specs == []
     assert [s.index for s in skipped] == [0, 1, 2]
-    # The sequence over TP (255 % 2), then the first field TP does not divide.
-    assert "model.seq_len(255) is not divisible by tp(2)" in skipped[0].reason
+    # The sequence over TP (255 % 2: trace.seq_len's, not the model's 256), then the first
+    # field TP does not divide.
+    assert "trace.seq_len(255) is not divisible by tp(2)" in skipped[0].reason
     assert "model.heads(4) is not divisible by tp(3)" in skipped[1].reason
     assert "model.kv_heads(2) is not divisible by tp(4)" in skipped[2].reason

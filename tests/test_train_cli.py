@@ -42,11 +42,11 @@ def test_without_a_strategy_names_the_command_that_writes_one(profiles):
     assert "train.pp" in proc.stderr  # or give a layout
 
 
-def test_a_garbled_layout_file_is_one_line_exit_4_before_launch(profiles, tmp_path):
-    own = tmp_path / "mine.layout.json"
+def test_a_garbled_layout_file_is_one_line_exit_2_before_launch(profiles, tmp_path):
+    own = tmp_path / "mine.layout.json"  # the user's input, as train.load is: exit 2
     own.write_text('{"seq_len": 64, "layout": {"pp": 1,}}')
     line = one_error_line(run_cli("stage=train", f"train.layout={own}", profiles_dir=profiles),
-                          4)
+                          2)
     assert line == (f"error: train.layout={own}: not JSON: Expecting property name enclosed in "
                     f"double quotes at line 1, column 36; fix that file (the form of "
                     f"{profiles / 'local' / 'strategy' / 'tiny.layout.json'}: "

@@ -114,9 +114,9 @@ def run_stages(cfg: Config, plans: Optional[List[StagePlan]] = None) -> List[dic
                                ledger_dir=str(ledger.path.parent),
                                run_dir=str(_run_dir(run_base, plan.stage, len(plans))),
                                launcher=launcher.name, config_sources=sources)
-        console.print(_launch_line(plan, request.todo, launcher))
         ledger.launch(plan.key, request.todo, queued=launcher.queued, config_hash=plan.config_hash,
-                      launcher=launcher.name, run_dir=request.run_dir)
+                      launcher=launcher.name, run_dir=request.run_dir)  # may refuse: said first
+        console.print(_launch_line(plan, request.todo, launcher))
         try:
             _write_run_config(cfg, run_base, sources)
             handle = launcher.submit(request, after=previous_job)

@@ -82,7 +82,8 @@ class StageRun:
 
     def resume_profile(self, path: Path, kind: str, source: str, identity: str, **fields) -> dict:
         """The profile at `path` if it holds the same kind, source and `fields[identity]` (the
-        cluster or the model profiled), else a new one.
+        cluster or the model profiled), else a new one of `fields`. A resumed one takes this
+        run's settings among `fields` (a number or string: `micro_batch_size`).
 
         Parts made under other settings stay, each marked in `parts` with what it was made
         under, until they are redone. A file of another source or shape (or a corrupt one)
@@ -96,6 +97,9 @@ class StageRun:
             profile = new_profile(kind, source, self.provenance(), **fields)
         else:
             old["provenance"] = self.provenance()
+            # this run's settings (e.g. micro_batch_size); what parts add to stays as it is
+            old.update({k: v for k, v in fields.items()
+                        if v is not None and not isinstance(v, (list, dict))})
             profile = old
         written = profile.pop("unfinished", None) or []
         made = profile.get("parts") or {}
@@ -128,7 +132,11 @@ class StageRun:
             self._keep_aside(path)
 
     def _keep_aside(self, path: Path) -> None:
-        aside = set_aside(path)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        aside = set_aside(path, stamp)
+        plot = path.with_suffix(".png")  # its plot goes with it: the new run writes its own
+        if plot.exists():
+            set_aside(plot, stamp)
         note = f"{path} is of another source or shape: kept as {aside.name}"
         stage_console().print(f"{self.plan.stage}: {note}", markup=False)
         log.info("%s", note)  # the rank's log keeps it where mpiexec's output is cut

@@ -69,13 +69,15 @@ ACTIVE = (State.pending, State.running)  # a launch that has not ended
 # Allowed edges. What matters most: `done` is left only by a new launch (pending/running), so a
 # late failure report (a lost-job timeout, a Ctrl-C after the job finished) never undoes results
 # rank 0 recorded. `failed -> done`: a job given up as lost that finished after all;
-# `done -> done`: two launches of one key (sweep points) that both finished.
+# `cancelled -> done`: one whose stop came after its last write, or whose stage a ledger rebuilt
+# mid-run called cancelled (a file still `unfinished`); `done -> done`: two launches of one key
+# (sweep points) that both finished.
 TRANSITIONS = {
     None: {State.pending, State.running},
     State.pending: {State.pending, State.running, State.done, State.failed, State.cancelled},
     State.running: {State.pending, State.running, State.done, State.failed, State.cancelled},
     State.failed: {State.pending, State.running, State.done, State.failed},
-    State.cancelled: {State.pending, State.running, State.cancelled},
+    State.cancelled: {State.pending, State.running, State.done, State.cancelled},
     State.done: {State.pending, State.running, State.done},
 }
 

@@ -211,14 +211,15 @@ def read_layout_file(path: Path) -> Tuple[ParallelLayout, int]:
 
 
 def strategy_layout(cfg) -> tuple:
-    """(layout, seq_len) of the strategy search wrote (or of train.layout); ProfileError naming
-    the command that writes it when there is none, or, when it cannot be read, what is wrong
-    with which field and the fix of that file: search rewrites its own, a file given as
-    train.layout is the user's to fix."""
+    """(layout, seq_len) of the strategy search wrote (or of train.layout). Search's own:
+    ProfileError (exit 4) naming the command that writes it when there is none, or, when it
+    cannot be read, what is wrong with which field and that search rewrites it. A file given as
+    train.layout is the user's input, as train.load is: ConfigError (exit 2) when it is not
+    there or cannot be read, saying which field and that the fix is theirs."""
     path = chosen_layout_file(cfg)
     fix = rerun_command("search")
     if cfg.train.layout and not path.exists():
-        raise ProfileError(f"train.layout={cfg.train.layout}: no such file; give a layout file "
+        raise ConfigError(f"train.layout={cfg.train.layout}: no such file; give a layout file "
                            f"(the form of {layout_file(cfg)}) or leave train.layout unset")
     if not path.exists():
         raise ProfileError(f"no strategy for model {cfg.model.name} on cluster "
@@ -228,7 +229,7 @@ def strategy_layout(cfg) -> tuple:
         return read_layout_file(path)
     except LayoutFileError as e:
         if cfg.train.layout:
-            raise ProfileError(f"train.layout={cfg.train.layout}: {e}; fix that file (the form "
+            raise ConfigError(f"train.layout={cfg.train.layout}: {e}; fix that file (the form "
                                f"of {layout_file(cfg)}: docs/stages/train.md) or leave "
                                f"train.layout unset") from None
         raise ProfileError(f"{path}: {e}; rewrite it with {fix} force=true") from None
