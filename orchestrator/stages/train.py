@@ -124,7 +124,6 @@ def check_load(cfg) -> None:
     complete.json and DCP's .metadata only."""
     from orchestrator.train.checkpoint import (CheckpointError, checkpoint_to_load, saved_shapes,
                                                shape_mismatch)
-    from orchestrator.train.engine import state_shapes
     from orchestrator.train.plan import model_config
 
     load = cfg.train.load
@@ -133,6 +132,7 @@ def check_load(cfg) -> None:
         saved = saved_shapes(found.path)
     except CheckpointError as e:
         raise ConfigError(f"train.load={load}: {e}") from None
+    from orchestrator.train.engine import state_shapes  # torch and dynamo: ~2 CPU-s, once found
     model = model_config(cfg, cfg.model.seq_len)  # the shapes do not depend on the length
     mismatch = shape_mismatch(saved, state_shapes(model))
     if mismatch:
