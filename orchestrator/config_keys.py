@@ -37,7 +37,11 @@ def check_path_name(key: str, value: Any) -> None:
 
 
 def check_path_names(cfg: Config) -> None:
-    """check_path_name on every key of PATH_NAME_KEYS in `cfg`."""
+    """check_path_name on every key of PATH_NAME_KEYS in `cfg`; an empty profiles_dir (e.g. a
+    shell variable that was not set) would put every file in the current folder."""
+    if not str(cfg.profiles_dir).strip():
+        raise ConfigError("profiles_dir is empty: give the folder for profiles and runs "
+                          "(profiles_dir=profiles is the default)")
     for key in PATH_NAME_KEYS:
         value = cfg
         for part in key.split("."):

@@ -290,6 +290,14 @@ def _cli_as_user(*args, profiles_dir, env=None):
                           env={**os.environ, **(env or {})})
 
 
+def test_an_empty_profiles_dir_is_refused_not_the_current_folder(tmp_path):
+    """`profiles_dir=$UNSET`: nothing lands in the folder the command runs in."""
+    line = one_error_line(run_cli("stage=noop", profiles_dir="", cwd=tmp_path), 2)
+    assert line == ("error: profiles_dir is empty: give the folder for profiles and runs "
+                    "(profiles_dir=profiles is the default)")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_read_only_profiles_folder_is_one_line_exit_2(profiles):
     run_cli("stage=noop", profiles_dir=profiles, check=0)
     cluster_dir = profiles / "local"

@@ -172,6 +172,27 @@ def test_every_reader_refuses_a_moe_profile_copied_to_a_dense_model(profiles, re
         reader(_config(profiles))
 
 
+@pytest.mark.parametrize("reader", [_search, _train_prediction_and_tune,
+                                    _train_variable_length_planner, _trace, _export])
+@pytest.mark.parametrize("damage, words", [
+    ("garbled", r"tiny\.json: .*Rerun: python -m orchestrator stage=profile_model"),
+    ("unfinished", r"unfinished: 1 part\(s\) still to make \(seq64_tp1\).*Finish it: "
+                   r"python -m orchestrator stage=profile_model")], ids=["garbled", "unfinished"])
+def test_every_reader_refuses_a_garbled_or_unfinished_model_profile(profiles, reader, damage,
+                                                                    words):
+    """Not one of them prices from the device sheet instead (trace did): the user made this
+    file, and the command that mends it is in the message."""
+    write_json(profiles / "local" / "hardware.json", synthetic_hardware(1, 4, name="local"))
+    path = profiles / "local" / "model" / "tiny.json"
+    if damage == "garbled":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text('{"kind": "model", ')
+    else:
+        write_json(path, {**_profile_dict(_model("tiny")), "unfinished": ["seq64_tp1"]})
+    with pytest.raises(ProfileError, match=words):
+        reader(_config(profiles))
+
+
 def test_every_reader_refuses_hardware_of_another_cluster(profiles):
     write_json(profiles / "local" / "hardware.json", synthetic_hardware(2, 2, name="dev"))
     write_json(profiles / "local" / "model" / "tiny.json", _profile_dict(_model("tiny")))

@@ -190,7 +190,7 @@ class Trace(Stage):
         from orchestrator.trace.timing import model_profile
 
         check_model(cfg)
-        model_profile(cfg)  # a profile of another model is refused before anything runs
+        model_profile(cfg)  # a profile it cannot use is refused before anything runs
         specs, skipped = plan_configs(_configs(cfg), settings(cfg), cfg.model)
         specs, skipped = _simai_skips(specs, skipped, cfg.trace.export, is_moe(cfg.model))
         if not specs:

@@ -210,11 +210,11 @@ class ComputePricer:
 
 def model_profile(cfg):
     """(ModelProfile or None, note): the cluster's profile of cfg.model; None, with why, when
-    there is none or it is unreadable (the device sheet prices then). ProfileError (exit 4)
-    when it is a profile of another model (store.schema.identity): a file that claims to be
-    this model but is not is stale, not a fallback."""
+    there is none (the device sheet prices then). ProfileError (exit 4, with the command that
+    mends it) when it is corrupt, unfinished (a stopped run's) or a profile of another model
+    (store.schema.identity): a file the user made for this model is never silently replaced
+    by the sheet, as search and train refuse it too."""
     from orchestrator.commands import rerun_command
-    from orchestrator.errors import ProfileError
     from orchestrator.store import check_identity, model_profile_path, read_profile
     from orchestrator.store.schema import ModelProfile
 
@@ -222,10 +222,7 @@ def model_profile(cfg):
     if not path.exists():
         return None, f"no model profile {path}"
     rebuild = rerun_command("profile_model")
-    try:
-        profile = read_profile(path, ModelProfile, rebuild)
-    except ProfileError as e:
-        return None, f"model profile unusable ({e})"
+    profile = read_profile(path, ModelProfile, rebuild)
     check_identity(path, profile, cfg, rebuild)
     return profile, ""
 
@@ -241,7 +238,7 @@ def planner_options(cfg) -> CostOptions:
 def make_pricer(cfg, tps) -> ComputePricer:
     """The pricer for this cluster and model: the planner's compute from the model profile
     when it exists and covers every TP degree traced, else the device sheet (trace.device, or
-    h100); ProfileError when the profile is another model's (model_profile)."""
+    h100); ProfileError when the profile cannot be used (model_profile)."""
     from orchestrator.planner.model_cost import ModelCost
     from orchestrator.device import load_device_sheet
     from orchestrator.store import model_profile_path
