@@ -342,6 +342,15 @@ def test_slurm_not_configured_is_one_line_exit_2(slurm_cluster, profiles):
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     line = one_error_line(proc, 2)
     assert "SLURM_CONF" in line
+    # SLURM_CONF naming no file: at once (sbatch would retry it for 60 s), no launch made
+    runs = sorted(profiles.rglob("runs/*"))
+    missing = profiles.parent / "nowhere.conf"
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=30,
+                          env={**env, "SLURM_CONF": str(missing)})
+    assert one_error_line(proc, 2) == (f"error: SLURM_CONF={missing}: no such file; set it to "
+                                       f"the cluster's slurm.conf, or unset it for Slurm's own "
+                                       f"default")
+    assert sorted(profiles.rglob("runs/*")) == runs
 
 
 def test_no_slurm_commands_is_one_line_exit_2(profiles, tmp_path):

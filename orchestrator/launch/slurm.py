@@ -112,7 +112,7 @@ def make_executor(cluster, folder, *, ranks: str, name: str, after: Optional[str
 
 # What sbatch says when it cannot talk to Slurm at all (no slurm.conf, slurmctld down).
 _UNREACHABLE = ("Could not establish a configuration source", "Unable to contact slurm controller",
-                "Connection refused", "Unable to establish")
+                "Connection refused", "Unable to establish", "Unable to process configuration file")
 
 
 def sbatch_error(stderr: str) -> OrchestratorError:
@@ -198,6 +198,10 @@ class SlurmLauncher:
             raise ConfigError(f"launcher=slurm: {', '.join(missing)} not found on PATH; run on "
                               f"a Slurm login node or put Slurm's commands on PATH "
                               f"(launcher=local runs without Slurm)")
+        conf = os.environ.get("SLURM_CONF")
+        if conf and not Path(conf).is_file():  # else sbatch retries it for 60 s, then fails
+            raise ConfigError(f"SLURM_CONF={conf}: no such file; set it to the cluster's "
+                              f"slurm.conf, or unset it for Slurm's own default")
         self.cluster = cfg.cluster
         self.poll_s = cfg.launcher.poll_s
 
