@@ -266,8 +266,8 @@ class HardwareModel:
         ranks, and the (n - m) / n leaving the node through the rank's own NIC at the bus
         bandwidth of an all-reduce with one rank per node over those nodes (profile_hardware
         measures all-to-all over consecutive groups only, up to its max_tp; an all-to-all's
-        off-node bytes do not shrink with m as a ring's do). A profile without fits spanning nodes falls back to
-        collective_line (rule 4)."""
+        off-node bytes do not shrink with m as a ring's do). A profile without fits spanning
+        nodes falls back to collective_line (rule 4)."""
         if group_size <= 1:
             return 0.0, 0.0
         nodes, per_node = group_span(group_size, stride, self.tasks_per_node)
