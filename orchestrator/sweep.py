@@ -22,7 +22,8 @@ return value (the CLI's stage rows) becomes a row; at the end it prints the tabl
 as `sweep.csv` and `sweep.json` in Hydra's sweep folder (profiles/<cluster>/multirun/<time>/). A
 point that fails (an invalid value, a failed job) is a row with its error; the sweep then exits
 with the worst exit code of its points. A point whose layout cannot exist on these ranks or this
-model (InvalidLayout, from search or train alike) is a row "skipped" with its reason, exit 0.
+model (InvalidLayout, from search or train alike) is a row "skipped" with its reason, exit 0;
+a sweep whose every point is skipped ran nothing: exit 2 (ConfigError), after its table.
 """
 from __future__ import annotations
 
@@ -174,6 +175,7 @@ class SweepTable(Callback):
     def __init__(self) -> None:
         self.rows: List[Dict[str, str]] = []
         self.exit_codes: List[int] = []
+        self.states: List[str] = []
         self.sweep_dir: Optional[Path] = None
 
     def on_multirun_start(self, config, **kwargs) -> None:
@@ -202,6 +204,7 @@ class SweepTable(Callback):
                            "exit_code": 1}]
         last = stage_rows[-1] if isinstance(stage_rows, list) else {}
         self.exit_codes.append(int(last.get("exit_code") or 0))
+        self.states.append(str(last.get("state") or ""))
         self.rows.append({c: "" for c in COLUMNS} | {"point": point} | _row_values(last))
 
     def on_multirun_end(self, config, **kwargs) -> None:
@@ -213,6 +216,13 @@ class SweepTable(Callback):
         worst = max(self.exit_codes, default=0)
         if worst:
             sys.exit(worst)
+        if all(state == "skipped" for state in self.states):  # a script must not read success
+            from orchestrator.console import report_error
+            from orchestrator.errors import ConfigError
+
+            report_error(ConfigError(f"every point of the sweep was skipped ({len(self.rows)}): "
+                                     f"none can run on these ranks or this model (the table "
+                                     f"says why each)"))
 
 
 def write_table(rows: List[Dict[str, str]], folder: Path) -> None:

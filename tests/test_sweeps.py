@@ -193,6 +193,17 @@ def test_readme_sweep_skips_a_layout_these_ranks_cannot_hold_and_exits_0(inputs)
     assert "error:" not in proc.stderr  # nothing failed
 
 
+def test_a_sweep_whose_every_point_is_skipped_exits_2_after_its_table(inputs):
+    """Nothing ran: a script must not read it as success."""
+    proc = run_cli("-m", "stage=search", "search.pp=3", "search.tp=1,2", "search.plot=false",
+                   profiles_dir=inputs)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert [r["state"] for r in _sweep_table(inputs)] == ["skipped", "skipped"]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: every point of the sweep was skipped (2): none can run on these ranks or this "
+        "model (the table says why each)")
+
+
 def test_a_train_row_names_its_predicted_and_measured_peaks_apart():
     from orchestrator.sweep import COLUMNS, train_row
 
