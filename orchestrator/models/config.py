@@ -58,11 +58,12 @@ def model_fields(cfg: ModelConfig) -> dict:
             for f in fields(cfg)}
 
 
-def validate_model(cfg: ModelConfig, tp: int = 1) -> None:
+def validate_model(cfg: ModelConfig, tp: int = 1, seq_len_key: str = "model.seq_len") -> None:
     """Raise ValueError naming the offending numbers if `cfg` cannot be built or split over `tp` ranks.
 
     With tensor parallelism, query and KV heads, the FFN width and the vocabulary (vocab-parallel
     embedding and head) are split over tp, and so is the sequence (sequence parallelism).
+    `seq_len_key`: the key the user set the length with (e.g. trace.seq_len), as messages name it.
     """
     for field in ("hidden", "ffn", "layers", "heads", "kv_heads", "vocab", "seq_len"):
         value = getattr(cfg, field)
@@ -101,7 +102,8 @@ def validate_model(cfg: ModelConfig, tp: int = 1) -> None:
         splits += (("shared_expert_ffn", cfg.shared_expert_ffn, "the shared expert's columns"),)
     for field, value, why in splits:
         if value % tp:
-            raise ValueError(f"model.{field}({value}) is not divisible by tp({tp}); needed for {why}")
+            key = seq_len_key if field == "seq_len" else f"model.{field}"
+            raise ValueError(f"{key}({value}) is not divisible by tp({tp}); needed for {why}")
 
 
 def validate_moe(cfg: ModelConfig) -> None:

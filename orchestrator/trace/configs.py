@@ -141,13 +141,9 @@ def check_config(index: int, config: Sequence[int], settings: TraceSettings, mod
     dp = ws // (pp * tp * cp)
     # Heads, KV heads, FFN, vocabulary and sequence over TP: the checks the TP sharding itself
     # makes (apply_tensor_parallel), here before tracing so the configuration is skipped.
-    try:
-        validate_model(dataclasses.replace(model, seq_len=settings.seq_len), tp=tp)
-    except ValueError as e:
-        if settings.seq_len == model.seq_len:
-            raise
-        raise ValueError(str(e).replace(f"model.seq_len({settings.seq_len})",
-                                        f"trace.seq_len({settings.seq_len})")) from None
+    validate_model(dataclasses.replace(model, seq_len=settings.seq_len), tp=tp,
+                   seq_len_key="model.seq_len" if settings.seq_len == model.seq_len
+                   else "trace.seq_len")
     if settings.layers_per_stage is not None:
         layers = tuple(settings.layers_per_stage)
         if len(layers) != pp or sum(layers) != model.layers:
