@@ -109,10 +109,11 @@ def main() -> None:
              "profile_hardware.plot=false", *common], scratch)
         cli(["stage=profile_model", "profile_model.source=analytic", "profile_model.plot=false",
              *common], scratch)
+    # compute priced as the planner column below prices it (search.engine=megatron)
     cli(["stage=trace", f"trace.world_size={args.world_size}", f"trace.pp={args.pp}",
          f"trace.tp={args.tp}", f"trace.global_batch_size={args.gbs}",
          f"trace.seq_len={args.seq}", f"trace.cp={args.cp}", f"trace.cp_comm={args.cp_comm}",
-         "trace.export=simai", *common], scratch)
+         "trace.export=simai", "search.engine=megatron", *common], scratch)
     (folder,) = (profiles / "dgx_h100" / "trace").glob(
         f"SIM_{args.model}_*_WS{args.world_size}_PP{args.pp}_TP{args.tp}_*")
     summary = json.loads((folder / "summary.json").read_text())

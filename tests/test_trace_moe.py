@@ -234,7 +234,7 @@ def test_megatron_arguments_for_the_experts():
     """summary.json's Megatron command line: the layout's and the experts' (names as Megatron-LM's
     arguments.py spells them), --moe-layer-freq in its list form."""
     from orchestrator.layout import ParallelLayout
-    from orchestrator.trace.megatron_args import megatron_command_args
+    from orchestrator.trace.megatron_args import ZERO1_NOTE, megatron_command_args
 
     deepseek = ModelConfig(**yaml.safe_load(
         (REPO / "orchestrator/conf/model/deepseek_v3.yaml").read_text()))
@@ -253,6 +253,10 @@ def test_megatron_arguments_for_the_experts():
     assert pairs["--moe-token-dispatcher-type"] == "alltoall"
     assert pairs["--moe-router-load-balancing-type"] == "seq_aux_loss"
     assert "--moe-grouped-gemm" not in args and "--tensor-model-parallel-size" in args
+    # --use-distributed-optimizer reduce-scatters where the traced ZeRO-1 all-reduces: said
+    assert "--use-distributed-optimizer" in args and ZERO1_NOTE in notes
+    _, notes = megatron_command_args(deepseek, dataclasses.replace(layout, zero=2))
+    assert ZERO1_NOTE not in notes
     capped = dataclasses.replace(MOE, capacity_factor=1.25)
     args, _ = megatron_command_args(capped, _spec([16, 2, 2, 1, 4]).layout)
     assert args[args.index("--moe-expert-capacity-factor") + 1] == "1.25"

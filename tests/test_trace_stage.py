@@ -102,3 +102,39 @@ def test_a_model_that_does_not_split_over_tp_is_skipped_with_its_reason():
     assert "trace.seq_len(255) is not divisible by tp(2)" in skipped[0].reason
     assert "model.heads(4) is not divisible by tp(3)" in skipped[1].reason
     assert "model.kv_heads(2) is not divisible by tp(4)" in skipped[2].reason
+
+
+def test_what_prices_the_trace_is_in_its_hash(tmp_path):
+    """A rerun after the model profile changed, a calibration appeared or search.engine changed
+    retraces (the hash of every configuration changes); a rerun with none of them resumes."""
+    from planner_fixtures import shaped_like
+    from test_limits import _cfg
+
+    from orchestrator.pipeline import plan_stage
+    from orchestrator.store import calibration_path, file_sha256, write_json
+
+    def trace_hash(*overrides):
+        return plan_stage("trace", _cfg("stage=trace", "trace.world_size=8", "trace.pp=2",
+                                        "trace.tp=2", "trace.global_batch_size=8",
+                                        f"profiles_dir={tmp_path}", *overrides)).config_hash
+
+    sheet = trace_hash()
+    assert trace_hash() == sheet
+    assert trace_hash("search.engine=megatron") != sheet
+    assert trace_hash("search.moe_imbalance=1.5") != sheet
+    def profile(**kw):
+        raw = shaped_like("tiny", **kw)
+        raw["model"]["dtype"] = "fp32"  # tiny's
+        return raw
+
+    model = tmp_path / "local" / "model" / "tiny.json"
+    write_json(model, profile())
+    profiled = trace_hash()
+    assert profiled != sheet
+    write_json(model, profile(tflops=300.0))  # measured again: other figures
+    remeasured = trace_hash()
+    assert remeasured not in (sheet, profiled)
+    write_json(calibration_path(tmp_path, "local", "tiny"), {
+        "inputs": {"model/tiny.json": {"sha256": file_sha256(model)}},
+        "runs": 2, "factors": {"compute": 1.2}})
+    assert trace_hash() != remeasured

@@ -81,6 +81,24 @@ def settings(cfg) -> TraceSettings:
         cp=t.cp, cp_comm=t.cp_comm, cp_a2a=t.cp_a2a, ep=t.ep, etp=t.etp)
 
 
+def pricing_inputs(cfg) -> dict:
+    """Trace.hash_extra: the cost model's options the trace prices with, and the sha256 of each
+    profile file it reads (None where there is none: the device sheet, no calibration)."""
+    from orchestrator.store import file_sha256, model_profile_path
+    from orchestrator.trace.timing import planner_options
+    from orchestrator.train.plan import OVERLAP_KNOBS, current_calibration
+
+    options = planner_options(cfg)
+    model_path = model_profile_path(cfg.profiles_dir, cfg.cluster.name, cfg.model.name)
+    _, calibration_path, _ = current_calibration(cfg)
+    return {"pricing": {
+        "engine": str(options.engine), "moe_imbalance": options.moe_imbalance,
+        "dtype": str(options.dtype), "device": str(options.device),
+        **{knob: getattr(options, knob, None) for knob in OVERLAP_KNOBS},
+        "model_profile": file_sha256(model_path) if model_path.exists() else None,
+        "calibration": file_sha256(calibration_path) if calibration_path else None}}
+
+
 def check_model(cfg) -> None:
     """The model's mixture-of-experts fields (top_k in 1..experts, capacity_factor > 0, ...)
     and what trace follows of train for a MoE model (ZeRO 0-2), before any configuration: a
@@ -185,6 +203,14 @@ class Trace(Stage):
                     "trace.all_ranks")
     sweep_section = "trace"
     torch_distributed = False  # one process; the tracer makes its own fake process group
+
+    def hash_extra(self, cfg) -> dict:
+        """What prices the trace's compute beside the trace section (trace/timing.make_pricer):
+        the planner's options (search.engine and its overlap knobs, search.moe_imbalance, train's
+        dtype and device) and the contents of the model profile and the calibration it reads.
+        A model measured again or a new calibration (stage=tune) retraces every configuration,
+        as it makes the search's strategy stale."""
+        return pricing_inputs(cfg)
 
     def plan(self, cfg):
         from orchestrator.trace.timing import model_profile
