@@ -221,6 +221,62 @@ def test_failed_candidates_are_recorded_and_excluded(chain):
     assert (chain / "local" / "strategy" / "tiny.layout.json").read_text() == before
 
 
+def test_a_candidate_another_command_runs_stops_tune_instead_of_being_left_out(tmp_path,
+                                                                              monkeypatch):
+    """A second tune on the same profiles folder meets the first one's candidate running: it
+    must stop (exit 5, the first's pid and how to stop it), as a second run of a stage does,
+    not leave the candidate out and go on. Left out, the two tunes each timed part of the
+    candidates while the other's ranks shared the CPUs, and each wrote its own pick."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from orchestrator.cli import tune as tune_cli
+    from orchestrator.config import CONF_DIR, register_configs
+    from orchestrator.errors import LaunchError, ProfileError
+    from orchestrator.choices import Ranks
+    from orchestrator.stages import StagePlan
+    from orchestrator.store.ledger import LedgerBusy, RunInProgress
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        composed = compose(config_name="config",
+                           overrides=["stage=tune", f"profiles_dir={tmp_path}"])
+    cfg = OmegaConf.to_object(composed)
+    layout = ParallelLayout(world_size=4, pp=2, tp=1, dp=2, micro_batch_size=1,
+                            num_micro_batches=4, layers_per_stage=(2, 2))
+    cand = tune_cli.Candidate("top 1", layout, 1.0)
+
+    class Decision:
+        done = False
+
+    monkeypatch.setattr(tune_cli, "plan_stage", lambda stage, c, produced: StagePlan(
+        stage="train", key="train/tiny", ranks=Ranks.cluster, world_size=4,
+        outputs=(tmp_path / "t.json",)))
+    monkeypatch.setattr(tune_cli, "decide", lambda plan, ledger, force: Decision())
+    monkeypatch.setattr(tune_cli, "ledger_for", lambda c: None)
+
+    class Console:
+        def print(self, *args, **kwargs):
+            pass
+
+    for refusal in (RunInProgress("train/tiny@tune=x is already running (pid 1 on host h)"),
+                    LedgerBusy("the ledger is locked by pid 1 on host h")):
+        def running_elsewhere(c, plans, refusal=refusal):
+            raise refusal
+
+        with pytest.raises(RunInProgress) as raised:
+            tune_cli._run_candidate(cfg, cand, 256, tmp_path, running_elsewhere, Console())
+        assert raised.value is refusal and raised.value.exit_code == 5
+
+    # A candidate that fails on its own (a crash, a stale profile) is still left out.
+    for failure in (LaunchError("rank 1 was killed by signal 9"), ProfileError("stale")):
+        def failing(c, plans, failure=failure):
+            raise failure
+
+        assert tune_cli._run_candidate(cfg, cand, 256, tmp_path, failing, Console()) == \
+            (None, str(failure))
+
+
 def test_tune_refuses_bad_settings(profiles):
     proc = run_cli("stage=tune", "tune.steps=2", "tune.timing_warmup_steps=3",
                    profiles_dir=profiles, check=2)

@@ -31,6 +31,7 @@ from orchestrator.stages.search_config import check_work, search_space, validate
 from orchestrator.store import (calibration_path, cluster_dir, file_sha256, hardware_path,
                                 model_profile_path, provenance, strategy_path, write_json,
                                 write_profile)
+from orchestrator.store.ledger import RunInProgress
 
 FAMILIES = ("pure dp", "tp-heavy", "pp-heavy")
 MOE_FAMILIES = ("no ep", "ep-heavy")  # a mixture-of-experts model's controls besides
@@ -170,6 +171,12 @@ def _run_candidate(cfg, cand: Candidate, seq_len: int, work: Path, run_stages,
             # time a fresh run.
             shutil.rmtree(summary.with_suffix(".ckpt"), ignore_errors=True)
         run_stages(c, [plan])
+    except RunInProgress:
+        # Another command runs this candidate (a second tune on the profiles folder) or holds
+        # the ledger: not a failure of the layout. Left out, the two tunes would each time
+        # part of the candidates while the other's ranks share the CPUs, and each write its
+        # own pick over the other's: refused (exit 5), as a second run of a stage is.
+        raise
     except OrchestratorError as e:
         console.print(f"[yellow]tune[/]: {cand.role} failed, left out: {e}", highlight=False)
         return None, str(e)
