@@ -221,6 +221,27 @@ def test_ctrl_c_exits_130_then_rerun_resumes(profiles):
     assert "✓ noop: done" in rerun.stdout
 
 
+def test_sigterm_of_the_cli_cancels_like_ctrl_c_then_rerun_resumes(profiles):
+    """`kill <pid>` (what a refused second run says to do): the ranks stop, the ledger says
+    cancelled and one line says what to rerun, as for a Ctrl-C; exit 143 (128 + SIGTERM).
+    Python's default used to end the CLI silently and leave the launch `running`."""
+    proc = start_cli(*SLOW_NOOP, profiles_dir=profiles)
+    try:
+        _wait_until_running(proc, profiles)
+        os.kill(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=WAIT_S)
+    finally:
+        _stop(proc)
+    assert proc.returncode == 143, out
+    assert "Traceback" not in out and "noop: interrupted (SIGTERM)" in out, out
+    assert "rerun the same command to resume" in out
+    entry = ledger(profiles)["noop"]
+    assert entry["state"] == "cancelled" and entry["error"] == "interrupted (SIGTERM)"
+    assert not _rank_pids(profiles)
+    rerun = run_cli("stage=noop", profiles_dir=profiles, check=0, timeout=WAIT_S)
+    assert "✓ noop: done" in rerun.stdout
+
+
 # `python -m orchestrator <args>` run through runpy, paused at one point before any launch until
 # the test's Ctrl-C; it creates the file named by argv[2] once paused there.
 _PAUSED_CLI = """

@@ -17,6 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rich.markup import escape
 
 from orchestrator.cli.checks import check_closed_choices, check_site, selected_sources
+from orchestrator.cli.interrupt import interrupted_by, interrupted_exit_code, stop_on_sigterm
 from orchestrator.cli.run import _disk_need, _unrecorded_ends, run_stages
 from orchestrator.cli.status import print_status
 from orchestrator.commands import set_user_overrides
@@ -104,8 +105,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         check_site([] if completing else argv)
     except ConfigError as e:
         report_error(e)
+    stop_on_sigterm()  # `kill <pid>` stops a run as a Ctrl-C does: cancelled, one line
     try:
         hydra_main()
     except KeyboardInterrupt:
-        err_console.print("\ninterrupted (Ctrl-C)")
-        sys.exit(130)
+        err_console.print(f"\ninterrupted ({interrupted_by()})")
+        sys.exit(interrupted_exit_code())

@@ -14,6 +14,7 @@ from rich.markup import escape
 
 from orchestrator.choices import Ranks
 from orchestrator.cli.checks import selected_sources
+from orchestrator.cli.interrupt import interrupted_by, interrupted_exit_code
 from orchestrator.config import Config
 from orchestrator.console import console, err_console
 from orchestrator.errors import LaunchError
@@ -188,7 +189,7 @@ def _stop_interrupted(ledger, launcher, handle, request: StageRequest, pending) 
         console.print(f"\nSlurm job(s) {jobs} keep running; `stage=status` re-attaches, "
                       f"`scancel {jobs}` stops them")
     if any(h is handle for h, _ in pending):
-        raise SystemExit(130)
+        raise SystemExit(interrupted_exit_code())
     if handle is not None:
         launcher.stop(handle)  # not yet followed by the ledger: it must not run on
     _interrupted(ledger, request)
@@ -196,10 +197,10 @@ def _stop_interrupted(ledger, launcher, handle, request: StageRequest, pending) 
 
 def _interrupted(ledger, request: StageRequest) -> NoReturn:
     key = request.ledger_key
-    ledger.mark_ended(key, State.cancelled, request.todo, "interrupted (Ctrl-C)")
-    err_console.print(escape(f"\n{key}: interrupted (Ctrl-C); parts finished before are "
-                             f"kept, rerun the same command to resume"))
-    raise SystemExit(130)
+    ledger.mark_ended(key, State.cancelled, request.todo, f"interrupted ({interrupted_by()})")
+    err_console.print(escape(f"\n{key}: interrupted ({interrupted_by()}); parts finished "
+                             f"before are kept, rerun the same command to resume"))
+    raise SystemExit(interrupted_exit_code())
 
 
 def _finish(ledger, launcher, handle, request: StageRequest) -> dict:
