@@ -677,3 +677,17 @@ def test_stopping_a_launch_the_moment_it_starts_ends_its_ranks():
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         subprocess.run(["pkill", "-9", "-f", marker])
+
+
+def test_an_interrupted_chain_says_to_rerun_once_its_queued_jobs_end():
+    """Ctrl-C while a Slurm chain is submitted: the jobs already queued run on and hold their
+    stages (a rerun meanwhile is refused, naming them), so the line says when to rerun."""
+    from orchestrator.cli.run import interrupted_line
+
+    alone = interrupted_line("search/tiny")
+    assert alone.endswith("interrupted (Ctrl-C); parts finished before are kept, rerun the "
+                          "same command to resume")
+    chained = interrupted_line("search/tiny", "1414 1415")
+    assert chained.startswith(alone)
+    assert chained.endswith(" once Slurm job(s) 1414 1415 have ended (`stage=status` shows "
+                            "them), or after `scancel 1414 1415`")

@@ -184,23 +184,32 @@ def _stop_interrupted(ledger, launcher, handle, request: StageRequest, pending) 
     """Ctrl-C during or after a launch (`handle` None: its submit): a batch job the ledger
     follows runs on without us (the user chose Slurm so it would); a local launch, or a job
     not yet followed, is stopped and recorded cancelled."""
+    jobs = " ".join(launcher.job_id(h) for h, _ in pending)
     if pending:
-        jobs = " ".join(launcher.job_id(h) for h, _ in pending)
         console.print(f"\nSlurm job(s) {jobs} keep running; `stage=status` re-attaches, "
                       f"`scancel {jobs}` stops them")
     if any(h is handle for h, _ in pending):
         raise SystemExit(interrupted_exit_code())
     if handle is not None:
         launcher.stop(handle)  # not yet followed by the ledger: it must not run on
-    _interrupted(ledger, request)
+    _interrupted(ledger, request, jobs)
 
 
-def _interrupted(ledger, request: StageRequest) -> NoReturn:
+def _interrupted(ledger, request: StageRequest, running_jobs: str = "") -> NoReturn:
+    """Record the stage cancelled and exit; `running_jobs`: the Slurm jobs of this command that
+    run on (a rerun is refused while they hold their stages, so the line says when to rerun)."""
     key = request.ledger_key
     ledger.mark_ended(key, State.cancelled, request.todo, f"interrupted ({interrupted_by()})")
-    err_console.print(escape(f"\n{key}: interrupted ({interrupted_by()}); parts finished "
-                             f"before are kept, rerun the same command to resume"))
+    err_console.print(escape("\n" + interrupted_line(key, running_jobs)))
     raise SystemExit(interrupted_exit_code())
+
+
+def interrupted_line(key: str, running_jobs: str = "") -> str:
+    """What the user reads when the stage `key` was interrupted (_interrupted)."""
+    when = (f" once Slurm job(s) {running_jobs} have ended (`stage=status` shows them), or after "
+            f"`scancel {running_jobs}`" if running_jobs else "")
+    return (f"{key}: interrupted ({interrupted_by()}); parts finished before are kept, rerun the "
+            f"same command to resume{when}")
 
 
 def _finish(ledger, launcher, handle, request: StageRequest) -> dict:
