@@ -347,9 +347,11 @@ def run_rank(request: StageRequest):
             dist.destroy_process_group()
         return result if ctx.is_root else None
     except SystemExit:
-        # submitit's signal handler on task 0: the job is checkpointed and requeued (RankJob),
-        # not failed; the requeued job overwrites what this one left.
-        log.warning("rank %d: stopped by the time limit or a preemption; the job is requeued", rank)
+        # submitit's signal handler on task 0 (the job is checkpointed and requeued, RankJob;
+        # the requeued job overwrites what this one left), or a stage stopping on SIGTERM
+        # (train's checkpoint), which a scancel sends too: not a failure of the rank.
+        log.warning("rank %d: stopped by a signal from Slurm (a time limit or a preemption "
+                    "requeues the job, a scancel ends it)", rank)
         raise
     except BaseException as e:
         error = _as_file_error(e, request, rank)
