@@ -691,3 +691,7 @@ def test_an_interrupted_chain_says_to_rerun_once_its_queued_jobs_end():
     assert chained.startswith(alone)
     assert chained.endswith(" once Slurm job(s) 1414 1415 have ended (`stage=status` shows "
                             "them), or after `scancel 1414 1415`")
+    # a stage that finished as the interrupt came is not called interrupted
+    assert interrupted_line("train/tiny", done=True) == (
+        "train/tiny: done as the interrupt (Ctrl-C) came; the command stops here: rerun it for "
+        "what follows (a rerun skips what is done)")

@@ -200,14 +200,20 @@ def _interrupted(ledger, request: StageRequest, running_jobs: str = "") -> NoRet
     run on (a rerun is refused while they hold their stages, so the line says when to rerun)."""
     key = request.ledger_key
     ledger.mark_ended(key, State.cancelled, request.todo, f"interrupted ({interrupted_by()})")
-    err_console.print(escape("\n" + interrupted_line(key, running_jobs)))
+    entry = ledger.get(key)  # done stays done: rank 0 may have finished as the interrupt came
+    done = entry is not None and entry.state == State.done
+    err_console.print(escape("\n" + interrupted_line(key, running_jobs, done)))
     raise SystemExit(interrupted_exit_code())
 
 
-def interrupted_line(key: str, running_jobs: str = "") -> str:
-    """What the user reads when the stage `key` was interrupted (_interrupted)."""
+def interrupted_line(key: str, running_jobs: str = "", done: bool = False) -> str:
+    """What the user reads when the stage `key` was interrupted (_interrupted); `done`: it
+    finished all the same (the command still stops: what follows it does not run)."""
     when = (f" once Slurm job(s) {running_jobs} have ended (`stage=status` shows them), or after "
             f"`scancel {running_jobs}`" if running_jobs else "")
+    if done:
+        return (f"{key}: done as the interrupt ({interrupted_by()}) came; the command stops "
+                f"here: rerun it{when} for what follows (a rerun skips what is done)")
     return (f"{key}: interrupted ({interrupted_by()}); parts finished before are kept, rerun the "
             f"same command to resume{when}")
 
