@@ -470,7 +470,8 @@ def _launched_on(folder: Path, host: str, key: str, heartbeat: float) -> None:
     ledger.launch(key, ["a"], queued=False, config_hash="h", launcher="local", run_dir="r")
     with ledger._locked() as entries:
         entries[key].host, entries[key].pid, entries[key].pid_start = host, 4242, 99
-        entries[key].heartbeat = heartbeat
+        entries[key].heartbeat = entries[key].updated = heartbeat  # its last stamp
+        entries[key].started = min(entries[key].started, heartbeat)
 
 
 def test_a_run_on_another_host_is_refused_while_its_heartbeat_is_fresh(tmp_path):
@@ -489,10 +490,12 @@ def test_a_run_on_another_host_is_refused_while_its_heartbeat_is_fresh(tmp_path)
     assert refused.value.exit_code == 5
     assert ledger.get("train/tiny").pid == 4242  # not taken over
 
-    _launched_on(tmp_path, "hostb", "train/small", time.time() - HEARTBEAT_STALE_S - 5)
+    last_beat = time.time() - HEARTBEAT_STALE_S - 5
+    _launched_on(tmp_path, "hostb", "train/small", last_beat)
     assert ledger.end_if_gone("train/small")  # no heartbeat for too long: gone
     entry = ledger.get("train/small")
     assert entry.state.value == "failed" and entry.state_text() == "failed"
+    assert entry.ended <= last_beat + 1  # it ended at its last sign of life, not when noticed
     assert re.fullmatch(r"the run on host hostb \(pid 4242\) sent no heartbeat for \d+ s; "
                         r"rerun its command to resume", entry.error), entry.error
     ledger.launch("train/small", [], queued=False, config_hash="h", launcher="local",

@@ -392,7 +392,8 @@ class Ledger:
         for k, e in list(self._others(entries, key, owner)):
             if e.owner_alive(now):
                 raise RunInProgress(e.busy_message(k))
-            self._end(entries, k, State.failed, e.todo, gone_reason(e, now), now)
+            self._end(entries, k, State.failed, e.todo, gone_reason(e, now), now,
+                      ended=last_seen(e, now))
 
     def end_if_gone(self, key: str) -> bool:
         """Mark `key` failed if it is still active but its processes are gone (its CLI was
@@ -405,7 +406,8 @@ class Ledger:
             now = time.time()
             if entry.owner_alive(now):
                 return False
-            self._end(entries, key, State.failed, entry.todo, gone_reason(entry, now), now)
+            self._end(entries, key, State.failed, entry.todo, gone_reason(entry, now), now,
+                      ended=last_seen(entry, now))
             return True
 
     @contextlib.contextmanager
@@ -475,11 +477,21 @@ class Ledger:
                        if f"{key}/{sub}" in entries)
 
     def _end(self, entries: Dict[str, LedgerEntry], key: str, state: State, todo: Sequence[str],
-             message: str, now: float) -> None:
+             message: str, now: float, ended: Optional[float] = None) -> None:
+        """`ended`: when the launch ended, if not `now` (a gone run's last sign of life)."""
         still = ACTIVE + (state,)
-        self._move(entries, key, state, still, now, ended=now, error=message or None)
+        ended = now if ended is None else ended
+        self._move(entries, key, state, still, now, ended=ended, error=message or None)
         for sub in todo:
-            self._move(entries, f"{key}/{sub}", state, still, now, ended=now)
+            self._move(entries, f"{key}/{sub}", state, still, now, ended=ended)
+
+
+def last_seen(entry: LedgerEntry, now: float) -> float:
+    """When a launch whose owner is gone last showed life (its owner's heartbeat, its last
+    update, its start; `now` if it has none): its end, so that its `took` does not run on until
+    the command that noticed it (a status a day later)."""
+    stamps = [t for t in (entry.heartbeat, entry.updated, entry.started) if t]
+    return min(now, max(stamps)) if stamps else now
 
 
 def gone_reason(entry: LedgerEntry, now: float) -> str:
