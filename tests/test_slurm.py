@@ -175,6 +175,7 @@ def test_cancelled_job_then_rerun_resumes(slurm_cluster, profiles):
             proc.kill()
     assert proc.returncode == 5, out
     assert "cancelled" in out and "rerun the same command to resume" in out
+    assert "killed by signal" not in out  # Slurm's own SIGTERM to the tasks: the state says why
     entries = ledger(profiles, "dev")
     assert entries["profile_hardware"]["state"] == "cancelled"
     assert entries["profile_hardware/inventory"]["state"] == "done"
@@ -518,6 +519,19 @@ def test_the_tasks_srun_reports_killed_first_are_the_ones_named(stderr, killed):
     from orchestrator.launch.slurm import srun_killed
 
     assert srun_killed(stderr) == killed
+
+
+def test_slurms_own_signals_in_a_cancelled_job_are_not_named_as_a_kill():
+    """scancel (or the time limit, a preemption) stops the tasks with SIGTERM: srun reports them
+    Terminated, which is not a `kill` the other ranks failed because of."""
+    from orchestrator.launch.slurm import not_slurms, srun_killed
+
+    terminated = srun_killed("srun: error: n1: tasks 0-1: Terminated\n")
+    assert terminated == [(0, 15), (1, 15)]
+    for state in ("CANCELLED", "PREEMPTED", "TIMEOUT"):
+        assert not_slurms(state, terminated) == []
+    assert not_slurms("FAILED", terminated) == terminated  # a `kill` in a job that failed
+    assert not_slurms("CANCELLED", [(2, 11)]) == [(2, 11)]  # a crash is named whatever ended it
 
 
 def test_a_jobs_output_reaches_the_console_in_whole_lines_without_submitits(tmp_path):

@@ -181,6 +181,21 @@ def srun_killed(stderr: str) -> List[Tuple[int, int]]:
     return [(rank, number) for rank in ranks]
 
 
+# Job states in which Slurm itself signalled the tasks (scancel, a preemption, the time limit:
+# SIGTERM, then SIGKILL after KillWait).
+SLURM_ENDED = ("CANCELLED", "PREEMPTED", "TIMEOUT")
+SLURM_SIGNALS = (int(signal.SIGTERM), int(signal.SIGKILL))
+
+
+def not_slurms(state: str, killed: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    """The (rank, signal) of `killed` that Slurm did not send itself: in a job that ended
+    `state` CANCELLED, PREEMPTED or TIMEOUT its SIGTERM and SIGKILL are how it stopped the tasks
+    (the state says why), not a `kill` that the other ranks failed because of."""
+    if state not in SLURM_ENDED:
+        return killed
+    return [(rank, sig) for rank, sig in killed if sig not in SLURM_SIGNALS]
+
+
 def _ledger_state(slurm_state: str) -> str:
     """The ledger state of a job that did not finish well (COMPLETED with no result: failed)."""
     if slurm_state in ("CANCELLED", "PREEMPTED"):
@@ -285,7 +300,7 @@ class SlurmLauncher:
             killed = []
         return unfinished(_ledger_state(state), run_dir, self.job_id(job),
                           f"Slurm job {job.job_id} ended {how}", folder, job_folder=folder,
-                          killed=killed)
+                          killed=not_slurms(state, killed))
 
 
 # submitit's own lines in a job's output (its start, the pickle it loads, its exit): they stay
