@@ -544,6 +544,7 @@ def test_a_jobs_output_reaches_the_console_in_whole_lines_without_submitits(tmp_
     assert shown == ["allreduce 27/27\n"]
     with open(log, "ab") as f:
         f.write(" \u2713 done\nsubmitit INFO (2026-11-29 01:56:01,915) - Exiting\n"
+                "submitit WARNING (2026-11-29 01:56:02,001) - Bypassing signal SIGCONT\n"
                 "tail".encode())
     offset = _stream(log, offset, shown.append)
     assert shown[1:] == ["step 1/3  loss 6.25 \u2713 done\n"]

@@ -303,9 +303,10 @@ class SlurmLauncher:
                           killed=not_slurms(state, killed))
 
 
-# submitit's own lines in a job's output (its start, the pickle it loads, its exit): they stay
-# in the job's log, the user's console shows what the stage printed.
-_SUBMITIT_LINE = b"submitit INFO ("
+# submitit's own lines in a job's output (its start, the pickle it loads, its exit, the signals
+# it passes on, "Bypassing signal SIGCONT" after a scancel): they stay in the job's log, the
+# user's console shows what the stage printed.
+_SUBMITIT_LINE = (b"submitit INFO (", b"submitit WARNING (")
 
 
 def _stream(path: Path, offset: int, on_output, ended: bool = False) -> int:
