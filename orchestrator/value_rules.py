@@ -13,6 +13,7 @@ model's) stays with the stage's own checks; `NOT_RULED` names the numeric keys l
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
 
@@ -31,7 +32,10 @@ class Bound:
     note: str = ""
 
     def allows(self, x: float) -> bool:
-        """Whether `x` lies in the range."""
+        """Whether `x` lies in the range (nan and inf never do: every comparison with nan is
+        false, so `train.lr=nan` passed `> 0` and trained to a nan loss)."""
+        if not math.isfinite(x):
+            return False
         if self.lo is not None and (x <= self.lo if self.lo_open else x < self.lo):
             return False
         return self.hi is None or (x < self.hi if self.hi_open else x <= self.hi)
@@ -176,6 +180,8 @@ def value_error(key: str, value: Any) -> Optional[str]:
             continue
         if not bound.allows(item):
             note = f" ({bound.note})" if bound.note else ""
+            if not math.isfinite(item):
+                note += " and finite"
             if item is value:
                 return user_spelling(f"{key}({item}) must be {bound.text()}{note}")
             return user_spelling(f"{key}({value}): every item must be {bound.text()}{note}, "

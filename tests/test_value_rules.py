@@ -131,3 +131,24 @@ def test_negative_learning_rate_is_refused_in_one_line_exit_2(profiles):
                                   "train.lr=1e-3,-1", profiles_dir=profiles, timeout=120), 2)
     assert line == "error: train.lr(-1.0) must be > 0"
     assert not profiles.exists()
+
+
+@pytest.mark.parametrize("key", sorted(RULES))
+def test_nan_and_inf_are_refused_for_every_ruled_key(key):
+    """Before: every comparison with nan is false, so `train.lr=nan` passed `> 0`, trained to
+    a nan loss and recorded `done`; `cluster.device_mem_GiB: .nan` in a site file passed too."""
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        message = value_error(key, bad)
+        assert message is not None and message.startswith(f"{key}({bad}) must be "), message
+        assert message.endswith("and finite")
+
+
+def test_nan_on_the_command_line_and_in_a_composed_config_is_refused():
+    with pytest.raises(ConfigError, match=r"train.lr\(nan\) must be > 0 and finite"):
+        check_override_values(["stage=train", "train.lr=nan"])
+    with pytest.raises(ConfigError, match=r"model.norm_eps\(inf\) must be > 0 and finite"):
+        check_override_values(["model.norm_eps=inf"])
+    cfg = _cfg()
+    cfg.cluster.device_mem_GiB = float("nan")
+    with pytest.raises(ConfigError, match=r"cluster.device_mem_GiB\(nan\)"):
+        check_values(cfg)
