@@ -210,9 +210,10 @@ def check_group_file(group: str, path: Path) -> None:
                                           override_type_error, unknown_key_message)
 
     root, node, text = read_group_file(path, group)
+    target = package_of(text, group)
+    _check_named(group, path, target, root)
     if node is None:
         return
-    target = package_of(text, group)
     section = Config
     for name in target.split(".") if target else ():
         section = _field_type(section, name)
@@ -252,6 +253,31 @@ def check_group_file(group: str, path: Path) -> None:
                                                       throw_on_resolution_failure=False))
             except ConfigError as e:
                 raise refuse(leaf, str(e)) from None
+
+
+# Groups whose `name` is a folder under the profiles folder (profiles/<cluster.name>/,
+# model/<model.name>.json, train/<model.name>/).
+NAMED_GROUPS = ("cluster", "model")
+
+
+def _check_named(group: str, path: Path, target: str, root) -> None:
+    """ConfigError when a cluster or model file sets no `name:` of its own: it would take the
+    schema's default (`local`, `tiny`) or its `defaults:` parent's, and its profiles would
+    replace that cluster's or model's own (profile_model kept tiny.json aside and wrote this
+    model's shape there)."""
+    import yaml
+
+    if group not in NAMED_GROUPS or target != group:
+        return
+    if isinstance(root, yaml.MappingNode) and any(
+            getattr(k, "value", None) == "name" for k, _ in root.value):
+        return
+    from orchestrator.config import Config
+
+    default = getattr(getattr(Config(), group), "name")
+    raise ConfigError(f"{path}: sets no name; add `name: {path.stem}` (the file's name): "
+                      f"profiles land in folders named by it, and without it this {group} "
+                      f"would be named {default!r} and replace that {group}'s profiles")
 
 
 def _resolve(merged, target: str) -> None:

@@ -181,6 +181,11 @@ BAD_SITE_FILES = [
     ("name: mysite\nlinks:\n  nic_gbps: 1\n", "line 3: unknown key cluster.links.nic_gbps"),
     ("name: mysite\nnodes: 2024-01-01\n", "line 2: cluster.nodes='2024-01-01': expected an"),
     ("name: ../up\n", "line 1: cluster.name='../up': it names a folder or file"),
+    # no name of its own: it would be `local` (or its defaults' parent's) and take its profiles
+    ("", "sets no name; add `name: mysite` (the file's name)"),
+    ("# only a comment\n", "sets no name; add `name: mysite`"),
+    ("nodes: 1\n", "sets no name; add `name: mysite`"),
+    ("defaults:\n  - local\n  - _self_\nnodes: 1\n", "sets no name; add `name: mysite`"),
     ("# @package _global_\ncluster:\n  nodez: 2\n", "line 3: unknown key cluster.nodez"),
 ]
 
@@ -199,8 +204,6 @@ def test_every_way_a_site_file_is_wrong_is_one_line_naming_file_line_and_key(tmp
 
 
 @pytest.mark.parametrize("text", [
-    "",  # empty: the schema's defaults
-    "# only a comment\n",
     "name: mysite\npartition: 2024-01-01\n",  # Hydra's loader keeps a plain date as text
     "name: mysite\nsbatch_args:\n  <<: {comment: x}\n",  # a YAML merge key
     "name: mysite\ntime_min: ${model.layers}\n",  # another section, resolved by Hydra
@@ -298,3 +301,18 @@ def test_a_path_name_from_a_config_dir_file_is_refused_after_composing(tmp_path)
         assert "cluster.name='../evil'" in one_error_line(proc, 2)
     assert _files(work) == []
     assert not (tmp_path / "evil").exists()
+
+
+def test_a_site_model_file_without_a_name_is_refused_before_it_replaces_tinys_profiles(tmp_path):
+    """Before: conf/model/mymodel.yaml without `name:` was named `tiny` (the schema's default):
+    profile_model said `profile_model/tiny: done`, kept the real tiny.json aside and wrote
+    mymodel's shape in its place; `model=tiny` then found its profile stale."""
+    site = _site(tmp_path / "conf", {"model/mymodel.yaml": "hidden: 256\nffn: 768\nlayers: 8\n"
+                                     "heads: 8\nkv_heads: 8\nvocab: 32000\nseq_len: 512\n"})
+    proc = run_cli("stage=profile_model", "model=mymodel", "cluster=dgx_h100",
+                   profiles_dir=tmp_path / "profiles", cwd=tmp_path)
+    line = one_error_line(proc, 2)
+    assert line.startswith(f"error: {site / 'model' / 'mymodel.yaml'}: sets no name; add "
+                           f"`name: mymodel`"), line
+    assert "'tiny'" in line
+    assert not (tmp_path / "profiles").exists()
