@@ -91,6 +91,25 @@ def quote_equals(arg: str) -> str:
 _QUOTED_ITEM = re.compile(r"'([^'\\]*=[^'\\]*)'")  # an item quote_equals quoted
 
 
+# A value Hydra's lexer refuses though it holds none of the grammar: a path starting with `~`
+# (`train.data=~/corpus.txt`: the shell expands `~` only after `name=` with no dot), or
+# holding a letter outside ASCII (`profiles_dir=/data/données`). Hydra's answer is a
+# LexerNoViableAltException in 5 lines and exit code 1; quoted, it is the value as typed.
+_PLAIN_VALUE = re.compile(r"[^\[\]{}(),'\"\\$=]+")
+
+
+def quote_plain(arg: str) -> str:
+    """`key=~/x` as Hydra's grammar takes it, `key='~/x'`, when Hydra's lexer refuses the value
+    but it holds no grammar (no quotes, brackets, braces, commas, `$` or `=`); any other
+    argument as it is."""
+    key, eq, value = arg.partition("=")
+    if (arg.startswith("-") or not eq or not _KEY.fullmatch(key) or key[:1] == "~"
+            or not _PLAIN_VALUE.fullmatch(value) or _parses(arg)):
+        return arg
+    quoted = f"{key}='{value}'"
+    return quoted if _parses(quoted) else arg
+
+
 def typed_form(arg: str) -> str:
     """The inverse of quote_equals and free_form_spelling: `key='--mpi=pmix'` as the user may
     type it, `key=--mpi=pmix`, when quote_equals makes exactly `arg` of that; else `arg`. A printed fix
@@ -98,6 +117,8 @@ def typed_form(arg: str) -> str:
     if arg.startswith("++") and free_form_spelling(arg[2:]) == arg:
         arg = arg[2:]
     key, eq, value = arg.partition("=")
+    if len(value) > 1 and value[0] == value[-1] == "'" and quote_plain(key + eq + value[1:-1]) == arg:
+        return key + eq + value[1:-1]
     plain = key + eq + _QUOTED_ITEM.sub(r"\1", value)
     return plain if plain != arg and quote_equals(plain) == arg else arg
 
@@ -149,7 +170,7 @@ def hydra_argv(argv: Sequence[str]) -> List[str]:
         if arg.startswith("-") or (i and argv[i - 1] in _VALUED_FLAGS):
             rewritten.append(arg)
             continue
-        rewritten.append(quote_equals(free_form_spelling(schema_spelling(arg))))
+        rewritten.append(quote_plain(quote_equals(free_form_spelling(schema_spelling(arg)))))
         overrides.append(rewritten[-1])
     check_equals_quoted(overrides)
     return rewritten

@@ -89,3 +89,18 @@ def test_a_fix_command_shows_such_a_value_as_typed():
     finally:
         set_user_overrides([])
     assert shlex.split(command)[3:] == ["stage=search", *typed]
+
+
+@pytest.mark.parametrize("arg, key, value", [
+    # Before: Hydra's LexerNoViableAltException in 5 lines, exit code 1.
+    ("train.data=~/corpus.txt", "data", "~/corpus.txt"),  # the shell leaves ~ after `a.b=`
+    ("train.data=/data/données.txt", "data", "/data/données.txt"),
+    ("train.load=/ckpt/日本", "load", "/ckpt/日本"),
+])
+def test_a_path_hydras_lexer_refuses_but_holding_no_grammar_is_taken_as_typed(arg, key, value):
+    assert getattr(_composed([arg]).train, key) == value
+    from orchestrator.overrides import typed_form
+
+    assert typed_form(hydra_argv([arg])[0]) == arg  # a fix command shows it as typed
+    assert hydra_argv(["-m", "train.data=a,b"]) == ["-m", "train.data=a,b"]  # a sweep as before
+
