@@ -104,3 +104,19 @@ def test_a_path_hydras_lexer_refuses_but_holding_no_grammar_is_taken_as_typed(ar
     assert typed_form(hydra_argv([arg])[0]) == arg  # a fix command shows it as typed
     assert hydra_argv(["-m", "train.data=a,b"]) == ["-m", "train.data=a,b"]  # a sweep as before
 
+
+def test_a_tilde_path_runs_from_home_not_a_folder_named_tilde(tmp_path):
+    """Before: profiles_dir='~/p' wrote ./~/p/...; train.data=~/x was a Hydra grammar error."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    (home / "corpus.txt").write_text("x")
+    proc = run_cli("stage=profile_hardware", "profile_hardware.source=analytic",
+                   "cluster=dgx_h100", "profiles_dir=~/p", profiles_dir=None, cwd=cwd,
+                   env={"HOME": str(home)}, check=0)
+    assert (home / "p" / "dgx_h100" / "hardware.json").is_file(), proc.stdout + proc.stderr
+    assert list(cwd.iterdir()) == []
+    line = one_error_line(run_cli("stage=train", "train.data=~/nofile.txt", "train.pp=1",
+                                  "train.tp=1", "profiles_dir=~/p", profiles_dir=None, cwd=cwd,
+                                  env={"HOME": str(home)}), 2)
+    assert f"{home}/nofile.txt" in line, line

@@ -43,6 +43,7 @@ def orchestrate(composed: DictConfig):
         return _failed(composed_error(e, selected_sources(), HydraConfig.get().overrides.task),
                        composed)
     set_user_overrides(HydraConfig.get().overrides.task)  # printed fix commands keep them
+    _expand_home(cfg)
     try:
         check_path_names(cfg)  # also what a cluster or model file names: before any folder
         check_values(cfg)  # every number in its range (value_rules.py), group files' too
@@ -61,6 +62,26 @@ def orchestrate(composed: DictConfig):
         return _failed(e, cfg)
     except OSError as e:  # a file we must write: the profiles folder is read-only, full, ...
         return _failed(file_error(e, cfg.profiles_dir, _disk_need(e, cfg)), cfg)
+
+
+# Paths the user gives, read with `~` as the shell would have expanded it (export.path,
+# import.path and search.compare already are): `profiles_dir='~/p'` made a folder named `~`
+# in the current one, `train.data=~/corpus.txt` (the shell leaves `~` after a dotted key)
+# named no file.
+_HOME_PATHS = ("profiles_dir", "train.data", "train.load", "train.layout")
+
+
+def _expand_home(cfg: Config) -> None:
+    import os
+
+    for key in _HOME_PATHS:
+        *parents, leaf = key.split(".")
+        section = cfg
+        for name in parents:
+            section = getattr(section, name)
+        value = getattr(section, leaf)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(section, leaf, os.path.expanduser(value))
 
 
 def _failed(error: OrchestratorError, cfg: Config):
