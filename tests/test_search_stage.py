@@ -233,3 +233,27 @@ def test_advice_for_another_node_count_works_and_never_costs_the_strategy(chain)
             f"as tiny@8-ranks.layout.json)" in line), line
     plan = _plan_train(where, f"train.layout={kept}")  # the printed command plans
     assert plan.world_size == 4
+
+
+def test_a_tp_degree_the_models_vocab_or_ffn_cannot_take_is_not_sent_to_profile_model(
+        profiles, tmp_path):
+    """Before: a vocabulary of 511 made tp 2 `tp_not_profiled`, with the advice to profile it
+    (profile_model.max_tp=<tp>), which profile_model refuses ("lower profile_model.max_tp"): the
+    planner split only heads and KV heads, train and profile_model split FFN and vocab too."""
+    site = tmp_path / "site"
+    (site / "model").mkdir(parents=True)
+    shape = "hidden: 128\nffn: {ffn}\nlayers: 4\nheads: 4\nkv_heads: 2\nvocab: {vocab}\nseq_len: 256\n"
+    (site / "model" / "v511.yaml").write_text("name: v511\n" + shape.format(ffn=384, vocab=511))
+    (site / "model" / "f383.yaml").write_text("name: f383\n" + shape.format(ffn=383, vocab=512))
+    env = {"ORCHESTRATOR_CONF": str(site)}
+    analytic = ["profile_hardware.source=analytic", "profile_model.source=analytic",
+                "profile_hardware.plot=false", "profile_model.plot=false", "search.plot=false"]
+    run_cli("stage=profile_hardware", *analytic, profiles_dir=profiles, env=env, check=0)
+    for model in ("v511", "f383"):
+        run_cli("stage=profile_model", *analytic, f"model={model}", profiles_dir=profiles,
+                env=env, check=0)
+        proc = run_cli("stage=search", *analytic, f"model={model}", profiles_dir=profiles,
+                       env=env, check=0)
+        said = " ".join(proc.stdout.split())
+        assert "tp_splits_heads 2" in said, proc.stdout  # tp 2 and tp 4 of 4 ranks
+        assert "tp_not_profiled" not in said and "profile_model.max_tp" not in said

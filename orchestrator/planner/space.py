@@ -140,7 +140,9 @@ def enumerate_configs(model: ModelCost, hardware: HardwareModel, space: SearchSp
     for tp in _divisors(W):
         if not _degree_allowed(tp, space.tp, space.max_tp):
             continue
-        if model.heads % tp or model.kv_heads % tp:  # the model's shape first: no profile helps
+        # The model's shape first, as validate_model splits it (heads, KV heads, FFN columns,
+        # vocab rows): no profile helps; profile_model refuses such a TP degree.
+        if model.heads % tp or model.kv_heads % tp or model.ffn % tp or model.vocab % tp:
             reject("tp_splits_heads")
             continue
         if tp not in model.tps:
