@@ -257,3 +257,11 @@ def test_a_tp_degree_the_models_vocab_or_ffn_cannot_take_is_not_sent_to_profile_
         said = " ".join(proc.stdout.split())
         assert "tp_splits_heads 2" in said, proc.stdout  # tp 2 and tp 4 of 4 ranks
         assert "tp_not_profiled" not in said and "profile_model.max_tp" not in said
+    # When nothing is left, the one line says why each layout went, and what TP must divide
+    # (before: only "Relax: ... search.max_tp raise", which cannot help such a model).
+    proc = run_cli("stage=search", *analytic, "model=v511", "search.global_batch_size=2",
+                   profiles_dir=profiles, env=env)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "(rejected: " in proc.stderr and "tp_splits_heads 2" in proc.stderr, proc.stderr
+    assert "a TP degree must divide model.heads(4), model.kv_heads(2), model.ffn(384) and " \
+           "model.vocab(511)" in proc.stderr

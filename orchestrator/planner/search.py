@@ -83,9 +83,11 @@ class InfeasibleError(errors.InfeasibleError):
 
     def __init__(self, message: str, bound: str, closest: Optional[ParallelLayout] = None,
                  needed_bytes: Optional[float] = None, suggestions: Sequence[str] = (),
-                 relax: Optional[Dict[str, str]] = None):
+                 relax: Optional[Dict[str, str]] = None,
+                 rejected: Optional[Dict[str, int]] = None):
         super().__init__(message)
         self.relax = dict(relax or {})  # SearchSpace field -> how to relax it
+        self.rejected = dict(rejected or {})  # the layouts dropped, by reason
         self.bound = bound
         self.closest = closest
         self.needed_bytes = needed_bytes
@@ -378,7 +380,7 @@ def search(model_cost: ModelCost, hardware: HardwareModel, space: SearchSpace) -
             f"global_batch_size={space.global_batch_size} with {sizes} (rejected: {reasons}); "
             f"relax global_batch_size (a multiple of world_size / (tp * pp))"
             f"{' or micro_batch_sizes' if listed else ''}, or raise max_pp/max_tp",
-            bound="global_batch_size", suggestions=tuple(relax), relax=relax)
+            bound="global_batch_size", suggestions=tuple(relax), relax=relax, rejected=rejected)
     modes = space.recompute
     budget = float(space.memory_budget_bytes)
     fast = space.fast_mode

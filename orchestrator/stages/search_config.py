@@ -196,9 +196,16 @@ def infeasible_advice(err, cfg) -> str:
     relax = dict(err.relax)
     if err.needed_bytes is None:
         advice = "; ".join(f"{keys[field]} {how}" for field, how in relax.items())
+        rejected = getattr(err, "rejected", None)
+        why = (" (rejected: " + ", ".join(f"{k} {v}" for k, v in sorted(rejected.items()))
+               + ")" if rejected else "")
+        shape = (f"; tp_splits_heads: a TP degree must divide model.heads({cfg.model.heads}), "
+                 f"model.kv_heads({cfg.model.kv_heads}), model.ffn({cfg.model.ffn}) and "
+                 f"model.vocab({cfg.model.vocab})"
+                 if rejected and rejected.get("tp_splits_heads") else "")
         return (f"no (pp, tp, dp, micro-batch) combination divides search.global_batch_size"
-                f"({s.global_batch_size}) on {search_space(cfg).world_size} devices. Relax: "
-                f"{advice}")
+                f"({s.global_batch_size}) on {search_space(cfg).world_size} devices{why}"
+                f"{shape}. Relax: {advice}")
     reserve = _reserve_GiB(cfg)
     own_GiB = err.needed_bytes / GiB - reserve
     needed_GiB = math.ceil(budget_for_GiB(own_GiB, s.reserve_fraction, s.reserve_GiB) * 100) / 100
