@@ -29,16 +29,16 @@ def device_sheets() -> list:
     return group_options("device", config_dirs())
 
 
-def load_device_sheet(name: str) -> dict:
+def load_device_sheet(name: str, key: str = "profile_model.device") -> dict:
     """conf/device/<name>.yaml as a dict (a site's sheet first, as Hydra's groups); ConfigError
-    naming the sheets there if it is missing."""
+    naming `key` (the setting that named it) and the sheets there if it is missing."""
     import yaml
 
     dirs = config_dirs()
     path = next((d / "device" / f"{name}.yaml" for d in dirs
                  if (d / "device" / f"{name}.yaml").is_file()), DEVICE_DIR / f"{name}.yaml")
     if not path.exists():
-        raise ConfigError(f"profile_model.device={name!r}: no sheet {path}; "
+        raise ConfigError(f"{key}={name!r}: no sheet {path}; "
                           f"available: {', '.join(device_sheets())}")
     with open(path) as f:
         sheet = yaml.safe_load(f) or {}

@@ -122,6 +122,7 @@ def test_what_prices_the_trace_is_in_its_hash(tmp_path):
     assert trace_hash() == sheet
     assert trace_hash("search.engine=megatron") != sheet
     assert trace_hash("search.moe_imbalance=1.5") != sheet
+
     def profile(**kw):
         raw = shaped_like("tiny", **kw)
         raw["model"]["dtype"] = "fp32"  # tiny's
@@ -138,3 +139,14 @@ def test_what_prices_the_trace_is_in_its_hash(tmp_path):
         "inputs": {"model/tiny.json": {"sha256": file_sha256(model)}},
         "runs": 2, "factors": {"compute": 1.2}})
     assert trace_hash() != remeasured
+
+
+def test_an_unknown_trace_device_names_trace_device(profiles):
+    """Before: `trace.device=h1000` was refused as `profile_model.device='h1000'`, a key the
+    command never set."""
+    from conftest import one_error_line
+
+    line = one_error_line(run_cli("stage=trace", "trace.world_size=8", "trace.pp=1",
+                                  "trace.tp=2", "trace.device=h1000", profiles_dir=profiles), 2)
+    assert line.startswith("error: trace.device='h1000': no sheet "), line
+    assert "available: a100, cpu, h100, h200" in line

@@ -243,7 +243,7 @@ def make_pricer(cfg, tps) -> ComputePricer:
     from orchestrator.device import load_device_sheet
     from orchestrator.store import model_profile_path
 
-    sheet = load_device_sheet(cfg.trace.device)
+    sheet = load_device_sheet(cfg.trace.device, key="trace.device")
     profile, why = model_profile(cfg)
     if profile is None:
         return ComputePricer(sheet, note=f"{why}: device sheet {sheet['name']} for every op")
