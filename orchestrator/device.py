@@ -45,6 +45,7 @@ def load_device_sheet(name: str, key: str = "profile_model.device") -> dict:
     for key in ("peak_TFLOPs", "efficiency", "type"):
         if key not in sheet:
             raise ConfigError(f"device sheet {path} lacks {key!r}")
+    _check_numbers(sheet, path)
     try:
         check_efficiency(sheet)
     except ValueError as e:
@@ -55,6 +56,24 @@ def load_device_sheet(name: str, key: str = "profile_model.device") -> dict:
     except ValueError as e:
         raise ConfigError(f"device sheet {path}: peak_TFLOPs: {e}") from None
     return sheet
+
+
+def _check_numbers(sheet: dict, path) -> None:
+    """ConfigError naming the sheet and the key when a memory, bandwidth or peak is not a finite
+    number > 0 (a site's sheet: `hbm_GBps: fast` was a ValueError traceback, a peak of -1 priced
+    every op at a few microseconds)."""
+    import math
+
+    peaks = sheet["peak_TFLOPs"]
+    if not isinstance(peaks, dict):
+        raise ConfigError(f"device sheet {path}: peak_TFLOPs must map dtypes to TFLOP/s "
+                          f"(bf16: 989.4), not {peaks!r}")
+    values = [(key, sheet[key]) for key in ("mem_GiB", "hbm_GBps") if sheet.get(key) is not None]
+    values += [(f"peak_TFLOPs.{k}", v) for k, v in peaks.items()]
+    for key, value in values:
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not math.isfinite(value) or value <= 0):
+            raise ConfigError(f"device sheet {path}: {key}={value!r} must be a number > 0")
 
 
 def dense_peak_flops(sheet: dict, dtype: str) -> float:

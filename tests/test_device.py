@@ -141,3 +141,26 @@ def test_model_flops_are_six_per_parameter_and_token_plus_causal_attention():
     tokens = 1024
     attention = 12 * 2 * 1024 * 512 * tokens / 2
     assert model_flops(10**9, 2, 1024, 512, tokens) == 6 * 10**9 * tokens + attention
+
+
+@pytest.mark.parametrize("line, old, says", [
+    ("hbm_GBps: fast", "hbm_GBps: 3350", "hbm_GBps='fast' must be a number > 0"),
+    ("  fp32: -1", "  fp32: 66.9", "peak_TFLOPs.fp32=-1 must be a number > 0"),
+    ("mem_GiB: .nan", "mem_GiB: 80", "mem_GiB=nan must be a number > 0"),
+])
+def test_a_site_device_sheet_with_a_bad_number_is_refused_naming_it(tmp_path, monkeypatch, line,
+                                                                   old, says):
+    """Before: `hbm_GBps: fast` in a site's sheet was a ValueError traceback (exit 1); a peak of
+    -1 priced tiny's block at 2 us and wrote the profile."""
+    from orchestrator.conf_folders import CONF_DIR
+
+    text = (CONF_DIR / "device" / "h100.yaml").read_text().replace("name: h100", "name: mine")
+    lines = [line if (l.startswith(old) and (old.startswith(" ") or not l.startswith(" ")))
+             else l for l in text.splitlines()]
+    assert line in lines
+    (tmp_path / "device").mkdir()
+    (tmp_path / "device" / "mine.yaml").write_text("\n".join(lines) + "\n")
+    monkeypatch.setenv("ORCHESTRATOR_CONF", str(tmp_path))
+    with pytest.raises(ConfigError) as error:
+        load_device_sheet("mine")
+    assert str(error.value) == f"device sheet {tmp_path / 'device' / 'mine.yaml'}: {says}"
