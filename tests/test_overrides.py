@@ -120,3 +120,14 @@ def test_a_tilde_path_runs_from_home_not_a_folder_named_tilde(tmp_path):
                                   "train.tp=1", "profiles_dir=~/p", profiles_dir=None, cwd=cwd,
                                   env={"HOME": str(home)}), 2)
     assert f"{home}/nofile.txt" in line, line
+
+
+def test_cfg_with_a_sweep_is_one_line_exit_2(tmp_path):
+    """Before: Hydra's `ValueError: Only one of --run, --multirun, --cfg, --info and
+    --shell_completion can be specified` as a 15-line traceback, exit 1."""
+    for args in (["--cfg", "job", "-m", "model=tiny,tiny_moe"], ["-m", "--info", "stage=noop"]):
+        line = one_error_line(run_cli(*args, profiles_dir=tmp_path / "p"), 2)
+        assert "cannot be combined: Hydra takes one of --run, -m, --cfg, --info" in line, line
+    assert not (tmp_path / "p").exists()
+    assert run_cli("--cfg", "job", "model=tiny_moe", profiles_dir=tmp_path / "p",
+                   check=0).stdout.startswith("stage:")

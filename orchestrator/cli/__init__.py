@@ -84,6 +84,22 @@ def _expand_home(cfg: Config) -> None:
             setattr(section, leaf, os.path.expanduser(value))
 
 
+# Hydra's modes, of which a command takes one (Hydra: a ValueError traceback, exit 1).
+_MODES = {"--run": "--run", "-r": "--run", "--multirun": "-m", "-m": "-m", "--cfg": "--cfg",
+          "-c": "--cfg", "--info": "--info", "-i": "--info", "--shell-completion": "-sc",
+          "-sc": "-sc"}
+
+
+def _check_one_mode(argv: List[str]) -> None:
+    """ConfigError for `--cfg job -m ...` and the like: one line saying what each does."""
+    modes = sorted({_MODES[a.split("=")[0]] for a in argv if a.split("=")[0] in _MODES})
+    if len(modes) > 1:
+        hint = (" (--cfg job prints one point's config: give it without -m and with one value "
+                "per key)" if "--cfg" in modes and "-m" in modes else "")
+        raise ConfigError(f"{' and '.join(modes)} cannot be combined: Hydra takes one of --run, "
+                          f"-m, --cfg, --info and --shell-completion{hint}")
+
+
 def _failed(error: OrchestratorError, cfg: Config):
     """One line on stderr; in a sweep a row of its table (the sweep goes on), else the exit."""
     if _unrecorded_ends:
@@ -119,6 +135,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     # Tab completion's `query=bash` / `install=bash` are Hydra's words, not config keys.
     completing = any(a in ("-sc", "--shell-completion") for a in argv)
     try:
+        _check_one_mode(argv)
         if not completing:
             check_sweep_size(argv)  # before a sweep's values are listed
             check_closed_choices(argv)
