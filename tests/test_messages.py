@@ -71,7 +71,7 @@ def test_unknown_key_in_a_sweep_is_refused():
 def test_known_keys_groups_hydra_and_free_form_dicts_pass():
     check_closed_choices(["stage=noop", "cluster=dev", "model=tiny", "launcher=local",
                           "search.max_tp=2", "+cluster.sbatch_args.comment=x",
-                          "cluster.sbatch_args.exclusive=true", "~search.seq_len",
+                          "cluster.sbatch_args.exclusive=true", "~train",
                           "hydra.job.chdir=false", "hydra/job_logging=disabled",
                           "model.hidden=192",
                           "cluster.links.nic_Gbps=100", "profiles_dir=/tmp/x", "force=true"])

@@ -131,3 +131,27 @@ def test_cfg_with_a_sweep_is_one_line_exit_2(tmp_path):
     assert not (tmp_path / "p").exists()
     assert run_cli("--cfg", "job", "model=tiny_moe", profiles_dir=tmp_path / "p",
                    check=0).stdout.startswith("stage:")
+
+
+@pytest.mark.parametrize("arg, says", [
+    ("+model.hidden=64", "+model.hidden: model.hidden is already in the config; write "
+                         "model.hidden=... without the '+'"),
+    ("+model=tiny", "+model: model is already chosen; write model=... without the '+'"),
+    ("~cluster.name", "~cluster.name: cluster.name is a typed key and cannot be deleted"),
+    ("~search.max_tp", "~search.max_tp: search.max_tp is a typed key and cannot be deleted"),
+])
+def test_a_plus_or_tilde_hydra_refuses_is_one_line_before_it(arg, says):
+    """Before: Hydra's 'Could not append to config' / 'does not support deletion' in 5-7
+    lines, exit 1."""
+    from orchestrator.cli.checks import check_closed_choices
+
+    with pytest.raises(ConfigError) as error:
+        check_closed_choices(["stage=search", arg])
+    assert str(error.value).startswith(says), str(error.value)
+
+
+def test_plus_and_tilde_hydra_takes_still_pass():
+    from orchestrator.cli.checks import check_closed_choices
+
+    check_closed_choices(["++model.hidden=64", "~train", "~model", "+cluster.sbatch_args.x=1",
+                          "cluster.sbatch_args.x=1", "++model=tiny_moe", "hydra.verbose=true"])

@@ -23,6 +23,7 @@ from orchestrator.config_keys import (
     schema_has_key,
     unknown_key_message,
 )
+from orchestrator.config import Config
 from orchestrator.errors import ConfigError
 from orchestrator.overrides import config_dir_args, unknown_choice_message
 from orchestrator.site_files import check_group_file
@@ -123,6 +124,7 @@ def check_closed_choices(argv: List[str]) -> None:
             pass  # Hydra's own settings and group selections: Hydra knows them
         elif not schema_has_key(key):
             raise ConfigError(unknown_key_message(key))
+        _check_prefix(o, key, group_names)
         if o.is_delete():
             continue
         values = _override_values(o, groups.get(key) or (
@@ -139,6 +141,31 @@ def check_closed_choices(argv: List[str]) -> None:
         _check_choice(key, values)
         if key not in group_names and key.split(".")[0].split("/")[0] != "hydra":
             _check_types(key, list(o.sweep_iterator()) if o.is_sweep_override() else values)
+
+
+def _check_prefix(o, key: str, group_names) -> None:
+    """ConfigError for a `+` or `~` Hydra would refuse in several lines, exit 1: `+key=v` for a
+    key the config already holds (`+model.hidden=64`, `+model=tiny`), `~key` for a typed key
+    (`~cluster.name`: a dataclass field cannot be deleted). `++` and free-form keys pass."""
+    import dataclasses
+
+    from orchestrator.config_keys import _field_type, inside_free_form
+
+    if key == "hydra" or key.startswith(("hydra.", "hydra/")) or inside_free_form(key):
+        return
+    typed = o.input_line.split("=", 1)[0] if o.input_line else key
+    if o.is_add() and not o.is_force_add() and (key in group_names or schema_has_key(key)):
+        what = "chosen" if key in group_names else "in the config"
+        raise ConfigError(f"{typed}: {key} is already {what}; write {key}=... without the '+' "
+                          f"(or '++' to add or replace)")
+    if o.is_delete() and key not in group_names:
+        head, _, leaf = key.rpartition(".")
+        section = Config
+        for name in head.split(".") if head else ():
+            section = _field_type(section, name)
+        if not dataclasses.is_dataclass(_field_type(section, leaf)):
+            raise ConfigError(f"{typed}: {key} is a typed key and cannot be deleted; set it "
+                              f"({key}=...), or leave it out for its default")
 
 
 def _check_choice(key: str, values: list) -> None:
