@@ -258,6 +258,8 @@ def check_group_file(group: str, path: Path) -> None:
 # Groups whose `name` is a folder under the profiles folder (profiles/<cluster.name>/,
 # model/<model.name>.json, train/<model.name>/).
 NAMED_GROUPS = ("cluster", "model")
+# A model's shape: no default fits another model (the schema's are tiny's).
+MODEL_SHAPE = ("hidden", "ffn", "layers", "heads", "kv_heads", "vocab", "seq_len")
 
 
 def _check_named(group: str, path: Path, target: str, root) -> None:
@@ -269,8 +271,14 @@ def _check_named(group: str, path: Path, target: str, root) -> None:
 
     if group not in NAMED_GROUPS or target != group:
         return
-    if isinstance(root, yaml.MappingNode) and any(
-            getattr(k, "value", None) == "name" for k, _ in root.value):
+    keys = {getattr(k, "value", None) for k, _ in root.value} if isinstance(
+        root, yaml.MappingNode) else set()
+    missing = [k for k in MODEL_SHAPE if k not in keys]
+    if group == "model" and "name" in keys and "defaults" not in keys and missing:
+        raise ConfigError(f"{path}: sets no {', '.join(missing)}; a model file gives its whole "
+                          f"shape ({', '.join(MODEL_SHAPE)}), else it takes tiny's (or put "
+                          f"`defaults: [<model>, _self_]` first to start from another model)")
+    if "name" in keys:
         return
     from orchestrator.config import Config
 

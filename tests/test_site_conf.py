@@ -316,3 +316,25 @@ def test_a_site_model_file_without_a_name_is_refused_before_it_replaces_tinys_pr
                            f"`name: mymodel`"), line
     assert "'tiny'" in line
     assert not (tmp_path / "profiles").exists()
+
+
+@pytest.mark.parametrize("text, says", [
+    ("name: mymodel\nhidden: 4096\nlayers: 32\nheads: 32\nkv_heads: 8\n",
+     "sets no ffn, vocab, seq_len; a model file gives its whole shape"),
+    ("name: mymodel\nhidden: 64\n", "sets no ffn, layers, heads, kv_heads, vocab, seq_len"),
+])
+def test_a_site_model_file_missing_part_of_its_shape_is_refused(tmp_path, text, says):
+    """Before: the missing keys took tiny's values (vocab 512, seq_len 256, ...) silently."""
+    from orchestrator.site_files import check_group_file
+
+    path = tmp_path / "mymodel.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as error:
+        check_group_file("model", path)
+    assert str(error.value).startswith(f"{path}: {says}"), str(error.value)
+    # a whole shape, or one that starts from another model's, passes
+    path.write_text("name: mymodel\nhidden: 64\nffn: 192\nlayers: 2\nheads: 2\nkv_heads: 2\n"
+                    "vocab: 512\nseq_len: 128\n")
+    check_group_file("model", path)
+    path.write_text("defaults:\n  - tiny\n  - _self_\nname: mymodel\nlayers: 2\n")
+    check_group_file("model", path)
