@@ -256,3 +256,17 @@ def test_a_pp_tp_sweep_skips_what_cannot_run_and_compares(profiles):
             assert row["error %"] and float(row["tokens/s"]) > 0
     status = run_cli("stage=status", profiles_dir=profiles, check=0)
     assert "predicted vs measured" in status.stdout
+
+
+def test_a_train_seq_len_tp_cannot_split_names_train_seq_len(tmp_path):
+    """Before: `train.seq_len=63 train.tp=2` was refused as `model.seq_len(63)`, a key the
+    command never set (trace's twin was fixed with validate_model's seq_len_key)."""
+    from conftest import one_error_line, run_cli
+
+    line = one_error_line(run_cli("stage=train", "train.pp=1", "train.tp=2", "train.seq_len=63",
+                                  profiles_dir=tmp_path / "p"), 2)
+    assert line == ("error: train: train.seq_len(63) is not divisible by tp(2); needed for "
+                    "sequence parallelism"), line
+    line = one_error_line(run_cli("stage=train", "train.pp=1", "train.tp=2", "model.seq_len=63",
+                                  profiles_dir=tmp_path / "p"), 2)
+    assert "model.seq_len(63) is not divisible by tp(2)" in line, line

@@ -375,8 +375,12 @@ def check_target(cfg, target: TrainTarget, world: int) -> None:
         if value % layout.tp:
             raise LayoutError(f"tp({layout.tp}) does not divide model.{field}({value})")
     model_cfg = dataclasses.replace(_model_config(cfg.model), seq_len=target.seq_len)
+    # The key the length came from (it said model.seq_len(63) for train.seq_len=63).
+    seq_len_key = ("train.seq_len" if cfg.train.seq_len else
+                   "model.seq_len" if target.seq_len == cfg.model.seq_len else
+                   f"search.seq_len (the strategy {target.strategy_file})")
     try:
-        validate_model(model_cfg, tp=layout.tp)
+        validate_model(model_cfg, tp=layout.tp, seq_len_key=seq_len_key)
     except ValueError as e:
         raise LayoutError(str(e)) from None
     if target.seq_len > cfg.model.seq_len:
