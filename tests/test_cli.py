@@ -148,3 +148,16 @@ def test_the_login_nodes_checks_do_not_import_torch(tmp_path, args, code):
     proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert f"exit {code} torch False" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_an_nccl_cluster_on_the_local_launcher_without_its_gpus_is_refused_before_launch(
+        profiles):
+    """Before: `stage=train cluster=dgx_h100` on a machine with no GPU started 8 local ranks,
+    each failed with `LaunchError: ... this rank sees no GPU`, exit 5."""
+    proc = run_cli("stage=train", "cluster=dgx_h100", "train.pp=1", "train.tp=1",
+                   profiles_dir=profiles)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    err = proc.stderr.strip()
+    assert len(err.splitlines()) == 1 and "is an nccl cluster (one rank per GPU)" in err, err
+    assert "launcher=local starts its 8 ranks on this machine" in err and "launcher=slurm" in err
+    assert not (profiles / "dgx_h100" / "runs").exists()

@@ -53,6 +53,16 @@ def check_launchable(plan: StagePlan, cfg: Config) -> None:
         check_limit(cfg.limits, "max_local_ranks", plan.world_size,
                     f"cluster.tasks_per_node={cfg.cluster.tasks_per_node}",
                     "ranks launcher=local starts on this machine")
+        if cfg.cluster.backend == Backend.nccl:  # one rank per GPU of this machine
+            import torch
+
+            gpus = torch.cuda.device_count()
+            if gpus < plan.world_size:
+                raise ConfigError(
+                    f"cluster={cfg.cluster.name} is an nccl cluster (one rank per GPU) and "
+                    f"launcher=local starts its {plan.world_size} ranks on this machine, which "
+                    f"has {gpus} GPU(s): use launcher=slurm, or a gloo cluster here "
+                    f"(cluster=local)")
 
 
 def _drop(section: dict, dotted: str) -> None:
