@@ -139,6 +139,8 @@ def test_cfg_with_a_sweep_is_one_line_exit_2(tmp_path):
     ("+model=tiny", "+model: model is already chosen; write model=... without the '+'"),
     ("~cluster.name", "~cluster.name: cluster.name is a typed key and cannot be deleted"),
     ("~search.max_tp", "~search.max_tp: search.max_tp is a typed key and cannot be deleted"),
+    ("~stage", "~stage: a command runs the stage it names (stage=<name>); without one it runs "
+               "stage=all"),
 ])
 def test_a_plus_or_tilde_hydra_refuses_is_one_line_before_it(arg, says):
     """Before: Hydra's 'Could not append to config' / 'does not support deletion' in 5-7

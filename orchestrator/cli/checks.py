@@ -158,6 +158,9 @@ def _check_prefix(o, key: str, group_names) -> None:
         what = "chosen" if key in group_names else "in the config"
         raise ConfigError(f"{typed}: {key} is already {what}; write {key}=... without the '+' "
                           f"(or '++' to add or replace)")
+    if o.is_delete() and key == "stage":  # Hydra drops the choice: the default, stage=all, ran
+        raise ConfigError(f"{typed}: a command runs the stage it names (stage=<name>); without "
+                          f"one it runs stage=all")
     if o.is_delete() and key not in group_names:
         head, _, leaf = key.rpartition(".")
         section = Config
