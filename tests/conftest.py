@@ -44,10 +44,12 @@ def one_error_line(proc, code: int) -> str:
 
 
 def default_sigint() -> None:
-    """In a child before exec: SIGINT back to its default. A suite started in the background
-    of a non-interactive shell (`.ci/run &`) inherits SIGINT ignored, and Python then never
-    raises KeyboardInterrupt: the tests that send Ctrl-C would hang."""
+    """In a child before exec: SIGINT (and SIGHUP) back to their defaults. A suite started in
+    the background of a non-interactive shell (`.ci/run &`) inherits SIGINT ignored, and Python
+    then never raises KeyboardInterrupt: the tests that send Ctrl-C would hang; under `nohup`
+    SIGHUP is ignored, which the CLI keeps ignoring (the tests that send it would hang)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def start_cli(*args, profiles_dir, env=None):

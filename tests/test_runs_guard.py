@@ -221,22 +221,24 @@ def test_ctrl_c_exits_130_then_rerun_resumes(profiles):
     assert "✓ noop: done" in rerun.stdout
 
 
-def test_sigterm_of_the_cli_cancels_like_ctrl_c_then_rerun_resumes(profiles):
-    """`kill <pid>` (what a refused second run says to do): the ranks stop, the ledger says
-    cancelled and one line says what to rerun, as for a Ctrl-C; exit 143 (128 + SIGTERM).
-    Python's default used to end the CLI silently and leave the launch `running`."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_of_the_cli_cancels_like_ctrl_c_then_rerun_resumes(profiles, sig):
+    """`kill <pid>` (what a refused second run says to do), or SIGHUP (a closed terminal, a
+    dropped ssh connection): the ranks stop, the ledger says cancelled and one line says what to
+    rerun, as for a Ctrl-C; exit 128 + the signal. Python's default used to end the CLI
+    silently and leave the launch `running`."""
     proc = start_cli(*SLOW_NOOP, profiles_dir=profiles)
     try:
         _wait_until_running(proc, profiles)
-        os.kill(proc.pid, signal.SIGTERM)
+        os.kill(proc.pid, sig)
         out, _ = proc.communicate(timeout=WAIT_S)
     finally:
         _stop(proc)
-    assert proc.returncode == 143, out
-    assert "Traceback" not in out and "noop: interrupted (SIGTERM)" in out, out
+    assert proc.returncode == 128 + sig, out
+    assert "Traceback" not in out and f"noop: interrupted ({sig.name})" in out, out
     assert "rerun the same command to resume" in out
     entry = ledger(profiles)["noop"]
-    assert entry["state"] == "cancelled" and entry["error"] == "interrupted (SIGTERM)"
+    assert entry["state"] == "cancelled" and entry["error"] == f"interrupted ({sig.name})"
     assert not _rank_pids(profiles)
     rerun = run_cli("stage=noop", profiles_dir=profiles, check=0, timeout=WAIT_S)
     assert "✓ noop: done" in rerun.stdout

@@ -2,6 +2,8 @@
 and the one line a failure prints."""
 from __future__ import annotations
 
+import contextlib
+
 import os
 from datetime import datetime
 from pathlib import Path
@@ -202,7 +204,8 @@ def _interrupted(ledger, request: StageRequest, running_jobs: str = "") -> NoRet
     ledger.mark_ended(key, State.cancelled, request.todo, f"interrupted ({interrupted_by()})")
     entry = ledger.get(key)  # done stays done: rank 0 may have finished as the interrupt came
     done = entry is not None and entry.state == State.done
-    err_console.print(escape("\n" + interrupted_line(key, running_jobs, done)))
+    with contextlib.suppress(OSError):  # a SIGHUP's terminal may be gone; the ledger says it
+        err_console.print(escape("\n" + interrupted_line(key, running_jobs, done)))
     raise SystemExit(interrupted_exit_code())
 
 
