@@ -60,6 +60,15 @@ def _field_type(node: type, name: str) -> Optional[type]:
     return hint
 
 
+def is_section(dotted_key: str) -> bool:
+    """Whether `dotted_key` names a section of the config (a dataclass, e.g. "train"), not a
+    typed leaf (e.g. "cluster.name")."""
+    node: Optional[type] = Config
+    for name in dotted_key.split("."):
+        node = _field_type(node, name)
+    return dataclasses.is_dataclass(node)
+
+
 def choice_type(dotted_key: str, node: type = None) -> Optional[type]:
     """The Choice enum a config key (e.g. "search.schedules") holds, alone, optional or in a
     list; None for any other key. Lets the CLI refuse a bad choice in one line before Hydra."""

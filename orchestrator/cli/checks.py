@@ -23,7 +23,6 @@ from orchestrator.config_keys import (
     schema_has_key,
     unknown_key_message,
 )
-from orchestrator.config import Config
 from orchestrator.errors import ConfigError
 from orchestrator.overrides import config_dir_args, unknown_choice_message
 from orchestrator.site_files import check_group_file
@@ -147,9 +146,7 @@ def _check_prefix(o, key: str, group_names) -> None:
     """ConfigError for a `+` or `~` Hydra would refuse in several lines, exit 1: `+key=v` for a
     key the config already holds (`+model.hidden=64`, `+model=tiny`), `~key` for a typed key
     (`~cluster.name`: a dataclass field cannot be deleted). `++` and free-form keys pass."""
-    import dataclasses
-
-    from orchestrator.config_keys import _field_type, inside_free_form
+    from orchestrator.config_keys import inside_free_form, is_section
 
     if key == "hydra" or key.startswith(("hydra.", "hydra/")) or inside_free_form(key):
         return
@@ -161,14 +158,9 @@ def _check_prefix(o, key: str, group_names) -> None:
     if o.is_delete() and key == "stage":  # Hydra drops the choice: the default, stage=all, ran
         raise ConfigError(f"{typed}: a command runs the stage it names (stage=<name>); without "
                           f"one it runs stage=all")
-    if o.is_delete() and key not in group_names:
-        head, _, leaf = key.rpartition(".")
-        section = Config
-        for name in head.split(".") if head else ():
-            section = _field_type(section, name)
-        if not dataclasses.is_dataclass(_field_type(section, leaf)):
-            raise ConfigError(f"{typed}: {key} is a typed key and cannot be deleted; set it "
-                              f"({key}=...), or leave it out for its default")
+    if o.is_delete() and key not in group_names and not is_section(key):
+        raise ConfigError(f"{typed}: {key} is a typed key and cannot be deleted; set it "
+                          f"({key}=...), or leave it out for its default")
 
 
 def _check_choice(key: str, values: list) -> None:
