@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -117,6 +118,17 @@ def test_status_from_a_fresh_process(profiles):
     proc = run_cli(*command.split()[3:], profiles_dir=None, check=0)
     assert "mysite/ledger.json" in " ".join(proc.stdout.split()) and "noop" in proc.stdout
     assert "other clusters in" in proc.stdout and "local (last written" in proc.stdout
+
+
+def test_a_relative_profiles_dir_is_recorded_absolute(tmp_path):
+    # A run started as `profiles_dir=p` in one folder, seen by `stage=status` from another (a
+    # second login node, a job's rank): the ledger's run folder must name the same files there.
+    (tmp_path / "here").mkdir()
+    run_cli("stage=noop", "cluster.tasks_per_node=1", profiles_dir="p", cwd=tmp_path / "here",
+            check=0)
+    entry = ledger(tmp_path / "here" / "p")["noop"]
+    assert Path(entry["run_dir"]).is_absolute() and Path(entry["run_dir"]).is_dir()
+    assert Path(entry["log_path"]).is_absolute()
 
 
 def test_missing_input_names_the_command_that_builds_it(profiles):

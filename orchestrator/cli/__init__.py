@@ -82,6 +82,11 @@ def _expand_home(cfg: Config) -> None:
         value = getattr(section, leaf)
         if isinstance(value, str) and value.startswith("~"):
             setattr(section, leaf, os.path.expanduser(value))
+    # The ledger records run folders and logs under profiles_dir: relative, they named nothing
+    # for a `stage=status profiles_dir=/shared/p` typed in another folder or on another login
+    # node. A job's ranks get the absolute folder too, whatever their working directory.
+    if cfg.profiles_dir.strip():  # an empty one is refused by the checks, not made `.`
+        cfg.profiles_dir = os.path.abspath(cfg.profiles_dir)
 
 
 # Hydra's modes, of which a command takes one (Hydra: a ValueError traceback, exit 1).
