@@ -506,6 +506,25 @@ def test_without_accounting_squeue_and_the_result_end_a_job(slurm_cluster, profi
     assert entry["error"].startswith(f"Slurm job {job_id} ended (how is unknown: no accounting")
 
 
+def test_a_cancelled_job_is_waited_for_until_its_tasks_have_ended(slurm_cluster, tmp_path):
+    """Slurm calls a job CANCELLED at scancel, while its tasks still run their SIGTERM handler
+    (train writes its signal checkpoint there) within KillWait: the CLI returns only after."""
+    from orchestrator.launch.slurm import wait_completing
+
+    marker = tmp_path / "handler_done"
+    script = f"trap 'sleep 3; touch {marker}; exit 0' TERM; sleep 100 & wait"
+    job_id = subprocess.run(["sbatch", "--parsable", "-n1", f"--chdir={tmp_path}", "--wrap", script],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    state = lambda: (sacct(job_id, "State") or [""])[0]  # noqa: E731
+    wait_for(lambda: state() == "RUNNING", what="the job to run")
+    subprocess.run(["scancel", job_id], check=True)
+    wait_for(lambda: state().startswith("CANCELLED"), what="CANCELLED")
+    wait_completing(job_id, poll_s=0.2)
+    assert marker.exists()
+    assert subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True,
+                          text=True).stdout.strip() == ""
+
+
 @pytest.mark.parametrize("stderr, killed", [
     # What srun wrote (dev cluster) after `kill -9` of task 2's rank, then its own stop of the rest.
     ("srun: error: n2: task 2: Killed\nsrun: launch/slurm: _step_signal: Terminating StepId=8.0\n"

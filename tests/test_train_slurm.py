@@ -81,11 +81,14 @@ def test_scancel_then_rerun_continues_the_same_loss_trajectory(slurm_cluster, tm
         seen = max(_checkpoint_steps(profiles))
         job_id = ledger(profiles, "dev")[KEY]["job_id"]
         subprocess.run(["scancel", job_id], check=True)
-        out, _ = proc.communicate(timeout=120)
+        out, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 5, out
+    # it returned once the ranks had ended (their SIGTERM checkpoint written, within KillWait)
+    assert subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True,
+                          text=True).stdout.strip() == ""
     assert "cancelled" in out and "rerun the same command" in out, out
     assert ledger(profiles, "dev")[KEY]["state"] == "cancelled"
     assert not _summaries(profiles)

@@ -144,6 +144,20 @@ def squeue_state(job_id: str) -> Optional[str]:
     return states[0] if states else ""
 
 
+# How long a job's ranks may take to end after Slurm called it ended: its KillWait (30 s by
+# default) and the epilog, with room to spare.
+COMPLETING_LIMIT_S = 180.0
+
+
+def wait_completing(job_id: str, poll_s: float, limit_s: float = COMPLETING_LIMIT_S) -> None:
+    """Wait while squeue lists the job COMPLETING. Slurm calls a cancelled, preempted or timed
+    out job ended at once, but its ranks run on through KillWait, writing their signal
+    checkpoint: a rerun started meanwhile began from the checkpoint before it."""
+    deadline = time.monotonic() + limit_s
+    while squeue_state(job_id) == "COMPLETING" and time.monotonic() < deadline:
+        time.sleep(poll_s)
+
+
 def job_state(job: submitit.SlurmJob) -> Tuple[str, bool]:
     """(Slurm state, whether Slurm has ended the job) of a one-task submitit job (or task 0).
 
@@ -278,6 +292,8 @@ class SlurmLauncher:
             if ended:
                 break
             time.sleep(self.poll_s)
+        if state != "COMPLETED":
+            wait_completing(job.job_id, self.poll_s)
         if on_output is not None:
             _stream(rank0.paths.stdout, offset, on_output, ended=True)
         return self.outcome(job, request.run_dir, state)
