@@ -314,7 +314,7 @@ class TraceConfig:
     etp: int = 1
     schedule: Schedule = Schedule["1f1b"]
     virtual_stages: int = 2  # interleaved only
-    zero: int = 0  # 0: all-reduce gradients; 1: + parameter all-gather; 2: reduce-scatter
+    zero: int = 0  # 0: all-reduce gradients; 1: reduce-scatter + parameter all-gather; 2: as 1, freed
     recompute: Recompute = Recompute.none
     layers_per_stage: Optional[List[int]] = None  # uneven pipeline split
     all_ranks: bool = False  # every rank, not one per pipeline stage (small worlds: checking)

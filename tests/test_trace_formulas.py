@@ -213,7 +213,7 @@ def test_first_stage_1f1b_sends_m_forwards_and_receives_m_gradients():
 
 
 # ------------------------------------------------------------------ data parallel
-GRAD_OP = {0: "all_reduce", 1: "all_reduce", 2: "reduce_scatter"}
+GRAD_OP = {0: "all_reduce", 1: "reduce_scatter", 2: "reduce_scatter"}
 
 
 @pytest.mark.parametrize("case", ["sp_zero0", "sp_zero1", "sp_zero2", "no_sp_zero1",

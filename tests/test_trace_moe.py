@@ -119,7 +119,8 @@ def test_expert_gradients_reduce_over_the_edp_group():
         lay = spec.layout
         records = _traced(config, rank)
         edp = _colls(records, "edp", phase="dp")
-        assert edp and {(r["op"], r["dtype"]) for r in edp} == {("all_reduce", "fp32")}
+        # ZeRO 1: reduce-scattered (Megatron's distributed optimizer)
+        assert edp and {(r["op"], r["dtype"]) for r in edp} == {("reduce_scatter", "fp32")}
         assert {(r["group_size"], r["group_stride"]) for r in edp} \
             == {(lay.edp, lay.ep * lay.etp)}
         assert sum(r["bytes"] for r in edp) == expert_grad_sync_bytes(
@@ -189,7 +190,7 @@ def test_simai_workload_has_the_expert_parallel_items():
     """trace.export=simai for EP 2 x ETP 2 = TP 2 (SimAI's expert grid): header `ep: 2`, per MoE
     layer and micro-batch a moelayer item with the all-to-alls as ALLTOALL_EP lines (counts,
     dispatch, combine forward; two backward) and the ETP messages un-suffixed (the TP group),
-    the expert gradients as ALLREDUCE_DP_EP / ALLGATHER_DP_EP."""
+    the expert gradients as REDUCESCATTER_DP_EP / ALLGATHER_DP_EP (ZeRO 1)."""
     from test_trace_simai import check_one_group_per_line, parse
 
     from orchestrator.trace.simai import (COMM_TYPES, MOE_COMM_TYPES, simai_file_name,
@@ -220,7 +221,7 @@ def test_simai_workload_has_the_expert_parallel_items():
     wg = {row[9]: int(row[10]) for row in items if row[0] in ("grad_param_comm", "grad_gather")
           and row[9] != "NONE"}
     # gradients fp32, the updated weights gathered in bf16
-    assert wg["ALLREDUCE_DP_EP"] == 2 * wg["ALLGATHER_DP_EP"] == expert_grad_sync_bytes(
+    assert wg["REDUCESCATTER_DP_EP"] == 2 * wg["ALLGATHER_DP_EP"] == expert_grad_sync_bytes(
         MoeShape.of(MOE), lay.ep, lay.etp, layers=2)
     check_one_group_per_line(items, records, lay.cp)
     assert "-ep2-" in simai_file_name(spec, MOE.name, 1, moe=True)
@@ -234,7 +235,7 @@ def test_megatron_arguments_for_the_experts():
     """summary.json's Megatron command line: the layout's and the experts' (names as Megatron-LM's
     arguments.py spells them), --moe-layer-freq in its list form."""
     from orchestrator.layout import ParallelLayout
-    from orchestrator.trace.megatron_args import ZERO1_NOTE, megatron_command_args
+    from orchestrator.trace.megatron_args import megatron_command_args
 
     deepseek = ModelConfig(**yaml.safe_load(
         (REPO / "orchestrator/conf/model/deepseek_v3.yaml").read_text()))
@@ -253,10 +254,9 @@ def test_megatron_arguments_for_the_experts():
     assert pairs["--moe-token-dispatcher-type"] == "alltoall"
     assert pairs["--moe-router-load-balancing-type"] == "seq_aux_loss"
     assert "--moe-grouped-gemm" not in args and "--tensor-model-parallel-size" in args
-    # --use-distributed-optimizer reduce-scatters where the traced ZeRO-1 all-reduces: said
-    assert "--use-distributed-optimizer" in args and ZERO1_NOTE in notes
-    _, notes = megatron_command_args(deepseek, dataclasses.replace(layout, zero=2))
-    assert ZERO1_NOTE not in notes
+    # the traced ZeRO-1 is --use-distributed-optimizer's reduce-scatter: nothing to add
+    assert "--use-distributed-optimizer" in args
+    assert not any("ZeRO-1" in note for note in notes), notes
     capped = dataclasses.replace(MOE, capacity_factor=1.25)
     args, _ = megatron_command_args(capped, _spec([16, 2, 2, 1, 4]).layout)
     assert args[args.index("--moe-expert-capacity-factor") + 1] == "1.25"
@@ -289,7 +289,7 @@ def test_bad_expert_configurations_are_refused_before_tracing(profiles):
     assert "traced SIM_tiny_moe_Config0_WS16_PP2_TP2_DP4_EP2_ETP2_nMICROB2" in good.stdout
     folder = next(profiles.glob("*/trace/SIM_tiny_moe_Config0_*_EP2_ETP2_*"))
     text = next(folder.glob("tiny_moe-*-ep2-*-MOE-True-*-stage1.txt")).read_text()
-    assert "ALLTOALL_EP" in text and "ALLREDUCE_DP_EP" in text
+    assert "ALLTOALL_EP" in text and "ALLREDUCE_DP_EP" in text  # trace.zero=0
     summary = json.loads((folder / "summary.json").read_text())
     assert "--expert-model-parallel-size" in summary["megatron_args"]
     assert "every (stage, EP rank)" in summary["rank_rule"]

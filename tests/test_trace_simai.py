@@ -235,8 +235,8 @@ def test_cp_ring_is_written_as_the_all_gather_moving_its_bytes_over_the_ep_group
     assert comms_of(items, col, 3)["ALLGATHER"] == SEQ // cp * MBS * HIDDEN * BF16_BYTES
     assert all(comms_of(items, f"layer2_{p}", 3).keys() <= {"ALLGATHER", "REDUCESCATTER"}
                for p in ("attention_row", "mlp_column", "mlp_row"))
-    # gradients over the dp x cp replicas: SimAI's DP group (wg column)
-    assert by_name(items)["grad_param_comm"][9] == "ALLREDUCE"
+    # gradients over the dp x cp replicas: SimAI's DP group (wg column), ZeRO 1's reduce-scatter
+    assert by_name(items)["grad_param_comm"][9] == "REDUCESCATTER"
     assert by_name(items)["grad_gather"][9] == "ALLGATHER"
 
 

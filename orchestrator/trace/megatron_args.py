@@ -25,14 +25,4 @@ def megatron_command_args(model: ModelConfig,
         except ExportError as e:
             args, notes = [], [str(e)]
     notes += [str(w.message) for w in caught]
-    if layout.zero == 1 and layout.replicas > 1:
-        notes.append(ZERO1_NOTE)
     return args + megatron_moe_args(model), notes
-
-
-# The trace runs train's ZeRO-1 optimizer (train/grads.py), whose gradient sync is not the one
-# of Megatron's distributed optimizer that --use-distributed-optimizer asks for.
-ZERO1_NOTE = ("trace.zero=1 records stage=train's ZeRO-1: each gradient bucket all-reduced, then "
-              "the updated parameters all-gathered. Megatron's distributed optimizer "
-              "reduce-scatters the buckets instead (half an all-reduce's traffic), as "
-              "search.engine=megatron prices it; trace.zero=2 records those messages")

@@ -8,8 +8,11 @@ the rest of the backward. One collective per bucket, not per parameter: per-para
 cost ~10x more on gloo.
 
 - ZeRO-0: all-reduce each bucket; every rank updates the whole bucket.
-- ZeRO-1: all-reduce; each rank updates its 1/dp slice of every bucket, then all-gathers params.
-- ZeRO-2: reduce-scatter (each rank keeps only its slice of the gradients), then as ZeRO-1.
+- ZeRO-1: reduce-scatter in place, into the rank's slice of the bucket (Megatron's distributed
+  optimizer: half an all-reduce's traffic, the whole bucket kept from step to step); each rank
+  updates its 1/dp slice of every bucket, then all-gathers params.
+- ZeRO-2: reduce-scatter into a slice of its own (the whole bucket is freed after), then as
+  ZeRO-1.
 The optimizer (AdamW) runs on fp32 flat master slices, a few big tensors: the step costs a few
 fused kernels instead of one per parameter.
 
@@ -323,6 +326,10 @@ class ShardedAdamW:
         # The sum over replicas of summed gradients (fp32): `step` divides by grad_divisor.
         if self.dp == 1:
             b.work = None
+        elif self.zero == 1:  # in place: the other ranks' slices are left partial, unused
+            lo, hi = self._owned(b)
+            b.work = reduce_scatter_single(b.grad[lo:hi], b.grad, group=self.dp_group,
+                                           async_op=True)
         elif self.zero == 2:
             b.shard_grad = torch.empty(b.numel // self.dp, dtype=b.grad.dtype,
                                        device=b.grad.device)

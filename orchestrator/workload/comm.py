@@ -40,9 +40,9 @@ virtual stage sends its output forward and receives its gradient back; each that
 first receives its input and sends its input's gradient back (residual dtype, 1/tp of the
 sequence with SP).
 
-Data parallel (train/grads.py): ZeRO 0/1 all-reduce each fp32 gradient bucket
-(workload/buckets.py), ZeRO 2 reduce-scatters it, during the backward once the last micro-batch
-has accumulated; ZeRO 1/2 all-gather the updated parameters after the step, in the weights'
+Data parallel (train/grads.py): ZeRO 0 all-reduces each fp32 gradient bucket
+(workload/buckets.py), ZeRO 1 and 2 reduce-scatter it (Megatron's distributed optimizer), during
+the backward once the last micro-batch has accumulated; ZeRO 1/2 all-gather the updated parameters after the step, in the weights'
 dtype (bf16 under bf16: Megatron's distributed optimizer gathers bf16). ZeRO 3 (FSDP2,
 one unit per block and one per chunk for the rest) all-gathers each unit's parameters (in the
 weights' dtype; gradients reduce-scattered in fp32) in forward
@@ -422,7 +422,7 @@ def _dp_comms(model, layout, rank, bucket_MiB: float, weights: Dtype) -> List[Co
     out = []
     group = layout.replica_group
     for plan in plan_buckets([p.local_numel for p in params], dp, bucket_MiB):
-        grad_op = "reduce_scatter" if layout.zero == 2 else "all_reduce"
+        grad_op = "reduce_scatter" if layout.zero in (1, 2) else "all_reduce"
         out.append(Comm(grad_op, group, plan.bytes, "fp32", "bwd", 1, "gradient bucket"))
         if layout.zero >= 1:
             out.append(Comm("all_gather", group, plan.numel * weights.bytes, weights.value,

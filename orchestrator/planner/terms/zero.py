@@ -135,11 +135,11 @@ class ZeroTraffic:
 def sync_ops(engine: Engine, zero: int) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
     """(during the last backward, after the optimizer step): the ops of the once-per-iteration
     data-parallel sync, each on the stage's gradients ("reduce_scatter", "all_reduce") or its
-    parameters ("all_gather"). Ours: ZeRO 0/1 all-reduce the gradient buckets, ZeRO 2 and 3
+    parameters ("all_gather"). Ours: ZeRO 0 all-reduces the gradient buckets, ZeRO 1, 2 and 3
     reduce-scatter them, ZeRO 1/2 all-gather the stepped parameters after. Megatron's, all
     during: all-reduce (ZeRO 0), reduce-scatter + all-gather (1), all-gather (2), none (3)."""
     if engine == Engine.orchestrator:
-        during = ("all_reduce",) if zero < 2 else ("reduce_scatter",)
+        during = ("all_reduce",) if zero == 0 else ("reduce_scatter",)
         return during, ("all_gather",) if zero in (1, 2) else ()
     return {0: ("all_reduce",), 1: ("reduce_scatter", "all_gather"), 2: ("all_gather",),
             3: ()}[zero], ()
