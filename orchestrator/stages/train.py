@@ -418,7 +418,7 @@ def _resume(engine, ckpt_dir, t, load_latest, latest_checkpoint, load_checkpoint
     _set_aside_unusable(ckpt_dir, t, steps_log, latest_checkpoint)
     info, warnings = load_latest(ckpt_dir, state)
     if info is not None:
-        engine.load_state(state(), info.step)
+        engine.load_state(state(), info.step, info.extra)
         steps_log.restore(info.extra)
         of = info.extra.get("steps")  # a run of other steps goes on on this run's lr schedule
         longer = (f", of a {of}-step run: on to step {t.steps} on this run's learning-rate "
@@ -432,7 +432,7 @@ def _resume(engine, ckpt_dir, t, load_latest, latest_checkpoint, load_checkpoint
             raise CheckpointError(f"train.load={t.load}: {e}") from None
         warnings = warnings + skipped
         extra = load_checkpoint(found, state())
-        engine.load_state(state(), found.step)
+        engine.load_state(state(), found.step, extra)
         steps_log.restore(extra)
         steps_log.note(f"loaded {found.path} (step {found.step}, layout "
                        f"{extra.get('layout', '?')})")
@@ -485,5 +485,6 @@ def _save(engine, ckpt_dir, step: int, t, steps_log) -> None:
     from orchestrator.train.checkpoint import save_checkpoint
 
     start = time.perf_counter()
-    save_checkpoint(ckpt_dir, step, engine.state(), steps_log.extra(), keep=t.keep_checkpoints)
+    extra = {**steps_log.extra(), **engine.checkpoint_extra()}
+    save_checkpoint(ckpt_dir, step, engine.state(), extra, keep=t.keep_checkpoints)
     steps_log.checkpointed(step, time.perf_counter() - start)

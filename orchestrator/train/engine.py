@@ -123,6 +123,9 @@ class Engine:
         # fp16: dynamic loss scale (GradScaler's rule: halve on overflow, double every 2000 steps)
         self.loss_scale = 2.0**16 if self.dtype == Dtype.fp16 else 1.0
         self._good_steps = 0
+        # AdamW updates made (a step whose norm is not finite makes none, nor does an iteration
+        # stage=train skips): its bias correction counts these, and a checkpoint carries them
+        self.optimizer_steps = 0
         # Marks of the step's parts (CUDA events on a GPU), read after the step: no host sync
         # inside it but the gradient norm's (the clip is decided on the host)
         self.clock = Stopwatch(device)
@@ -338,6 +341,7 @@ class Engine:
             self.optim.zero_grads()
         else:
             self.optim.step(lr, grad_clip, inv_scale, norm)
+            self.optimizer_steps += 1
         self._update_loss_scale(skipped)
         end = self.clock.mark()
         loss, stop = self._global_loss(local_loss, stop)
@@ -448,8 +452,17 @@ class Engine:
                 optim[f"{name}.{key}"] = _placed_like(t, p)
         return {"model": model, "optim": optim}
 
-    def load_state(self, state: dict, step: int) -> None:
-        """After a checkpoint was loaded into `state()`'s tensors: hand them to the optimizer."""
+    def checkpoint_extra(self) -> dict:
+        """What a checkpoint carries of the engine besides tensors (JSON): the AdamW updates
+        made, which the training step overcounts when updates were skipped."""
+        return {"optimizer_steps": self.optimizer_steps}
+
+    def load_state(self, state: dict, step: int, extra: Optional[dict] = None) -> None:
+        """After a checkpoint of `step` was loaded into `state()`'s tensors: hand them to the
+        optimizer, whose update count is the checkpoint's `extra` one (checkpoint_extra), or
+        `step` for a checkpoint without it."""
+        self.optimizer_steps = int((extra or {}).get("optimizer_steps", step))
+        step = self.optimizer_steps
         states, masters = {}, {}
         for name, p in self.named_parameters().items():
             states[p] = {key: _local_like(state["optim"][f"{name}.{key}"], p)
