@@ -3,7 +3,8 @@ run made no optimizer step: stage=train skips an iteration in which a dp rank ha
 that fits (dynamic micro-batching), and the engine skips the update of a step whose gradient
 norm is not finite. AdamW's bias correction counts the updates made, not the steps, so a
 checkpoint carries that count (Engine.checkpoint_extra) and the resumed optimizer takes it,
-not the step number. On 2 gloo ranks (ZeRO-1: the sharded optimizer's count) in seconds."""
+not the step number; under fp16 it carries the dynamic loss scale too. On gloo ranks, in
+seconds."""
 from __future__ import annotations
 
 import functools
@@ -68,3 +69,51 @@ def test_resume_after_steps_without_an_update_continues_the_same_trajectory(tmp_
             want, got = out[f"losses {step} {rank}"]
             assert abs(got - want) <= 1e-6 * abs(want), (step, rank, want, got)
         assert out[f"max param diff {rank}"] <= 1e-7, out[f"max param diff {rank}"]
+
+
+def _fp16_worker(rank: int, out: dict, folder: str) -> None:
+    from orchestrator.layout import ParallelLayout
+    from orchestrator.models.config import ModelConfig
+    from orchestrator.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from orchestrator.train.data import make_data
+    from orchestrator.train.engine import Engine
+
+    model = ModelConfig(**MODEL)
+    layout = ParallelLayout.uniform(1, 1, 1, MODEL["layers"], micro_batch_size=1,
+                                    num_micro_batches=PER_RANK)
+    data = make_data(None, model.vocab, model.seq_len, seed=0)
+
+    def train(engine, step: int, nan: bool = False):
+        tokens, targets = data.rank_batch(step, 0, 1, PER_RANK)
+        hook = None
+        if nan:  # an overflow: the step is skipped and the loss scale halved
+            first = next(iter(engine.named_parameters().values()))
+            hook = first.register_hook(lambda g: g * float("nan"))
+        try:
+            return engine.train_step(tokens, targets, 1e-2, 1.0)
+        finally:
+            if hook is not None:
+                hook.remove()
+
+    straight = Engine(layout, model, torch.device("cpu"), dtype="fp16", seed=1)
+    train(straight, 0)
+    train(straight, 1, nan=True)
+    train(straight, 2)
+    save_checkpoint(folder, 3, straight.state(), straight.checkpoint_extra())
+    resumed = Engine(layout, model, torch.device("cpu"), dtype="fp16", seed=2)
+    state = resumed.state()
+    info = latest_checkpoint(folder)
+    load_checkpoint(info, state)
+    resumed.load_state(state, info.step, info.extra)
+    out["scales"] = [e.loss_scale for e in (straight, resumed)]
+    out["losses"] = [train(e, 3).loss for e in (straight, resumed)]
+
+
+def test_an_fp16_resume_keeps_the_loss_scale(tmp_path):
+    """GradScaler's state is a checkpoint's: a resumed fp16 run that started its scale afresh
+    at 2^16 would overflow (skip) steps the straight run trains."""
+    out = spawn_ranks(functools.partial(_fp16_worker, folder=str(tmp_path)), 1)
+    straight, resumed = out["scales"]
+    assert straight == 2.0**15 and resumed == straight, out["scales"]
+    want, got = out["losses"]
+    assert abs(got - want) <= 1e-6 * abs(want), out["losses"]

@@ -454,15 +454,24 @@ class Engine:
 
     def checkpoint_extra(self) -> dict:
         """What a checkpoint carries of the engine besides tensors (JSON): the AdamW updates
-        made, which the training step overcounts when updates were skipped."""
-        return {"optimizer_steps": self.optimizer_steps}
+        made, which the training step overcounts when updates were skipped; under fp16 the
+        dynamic loss scale and its count of good steps (GradScaler's state)."""
+        extra = {"optimizer_steps": self.optimizer_steps}
+        if self.dtype == Dtype.fp16:
+            extra |= {"loss_scale": self.loss_scale, "loss_scale_good_steps": self._good_steps}
+        return extra
 
     def load_state(self, state: dict, step: int, extra: Optional[dict] = None) -> None:
         """After a checkpoint of `step` was loaded into `state()`'s tensors: hand them to the
         optimizer, whose update count is the checkpoint's `extra` one (checkpoint_extra), or
-        `step` for a checkpoint without it."""
-        self.optimizer_steps = int((extra or {}).get("optimizer_steps", step))
+        `step` for a checkpoint without it; an fp16 run's loss scale where an fp16 run saved
+        one (another dtype's checkpoint starts the scale afresh)."""
+        extra = extra or {}
+        self.optimizer_steps = int(extra.get("optimizer_steps", step))
         step = self.optimizer_steps
+        if self.dtype == Dtype.fp16 and "loss_scale" in extra:
+            self.loss_scale = float(extra["loss_scale"])
+            self._good_steps = int(extra.get("loss_scale_good_steps", 0))
         states, masters = {}, {}
         for name, p in self.named_parameters().items():
             states[p] = {key: _local_like(state["optim"][f"{name}.{key}"], p)
