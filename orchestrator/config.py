@@ -125,8 +125,9 @@ class ProfileModelConfig:
     min_seq_len: int = 128
     max_seq_len: Optional[int] = None  # None: model.seq_len
     seq_len_step: Optional[int] = None  # None: about 4 points from min to max (multiples of 32)
-    # TP degrees 1, 2, 4, ... up to max_tp; each must divide the model's heads, KV heads, FFN and
-    # vocab. None: every degree the model allows, up to the world size (measured) or 8 (analytic).
+    # TP degrees 1, 2, 4, ... up to max_tp; each must divide the model's heads, KV heads and FFN
+    # (the vocabulary is padded for it). None: every degree the model allows, up to the world size
+    # (measured) or 8 (analytic).
     max_tp: Optional[int] = None
     micro_batch_size: int = 1
     # GPU (measured): micro-batch sizes whose parts are timed with host and device apart (tp 1;

@@ -81,6 +81,7 @@ RULES: Dict[str, Bound] = {
     "model.dense_layers": NON_NEGATIVE,
     "model.capacity_factor": _note(POSITIVE, "null: dropless"),
     "model.aux_loss_coef": NON_NEGATIVE,
+    "model.make_vocab_size_divisible_by": _note(COUNT, "1: pad only what TP needs"),
     "profile_hardware.min_size_bytes": COUNT, "profile_hardware.max_size_bytes": COUNT,
     "profile_hardware.size_step": _note(Bound(lo=2), "the factor between two sizes"),
     "profile_hardware.max_tp": COUNT, "profile_hardware.max_group": COUNT,

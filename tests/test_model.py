@@ -58,7 +58,9 @@ def test_attention_is_causal():
         ({"kv_heads": 3}, 1, "model.heads(4) is not divisible by model.kv_heads(3)"),
         ({}, 4, "model.kv_heads(2) is not divisible by tp(4)"),
         ({"kv_heads": 4, "ffn": 390}, 4, "model.ffn(390) is not divisible by tp(4)"),
-        ({"kv_heads": 4, "vocab": 510}, 4, "model.vocab(510) is not divisible by tp(4)"),
+        # a vocabulary tp does not divide is padded (models/config.vocab_rows), not refused
+        ({"make_vocab_size_divisible_by": 0}, 1,
+         "model.make_vocab_size_divisible_by(0) must be a positive integer"),
         ({"kv_heads": 4, "seq_len": 250}, 4, "model.seq_len(250) is not divisible by tp(4)"),
         ({"layers": 0}, 1, "model.layers(0) must be a positive integer"),
         ({"dtype": "fp8"}, 1, "model.dtype('fp8') must be one of"),

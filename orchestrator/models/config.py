@@ -24,6 +24,12 @@ class ModelConfig:
     blocks keep `ffn`. `capacity_factor` None is dropless; a number c caps each expert at
     ceil(tokens x top_k / experts x c) of a routing group's tokens (the rest dropped, as
     Megatron's). `aux_loss_coef` weighs the sequence-wise load-balancing loss (DeepSeek-V3's).
+
+    `make_vocab_size_divisible_by` (Megatron-LM's flag of that name): the embedding and the LM
+    head have `padded_vocab` rows, `vocab` rounded up to a multiple of it x the TP degree, so a
+    vocabulary of any size splits over TP (GPT-2's 50257); the data and the loss's labels stay
+    below `vocab`, the padded rows are ordinary parameters. Default 1: pad only what TP needs
+    (nothing where tp divides `vocab`); Megatron's own default is 128.
     """
 
     name: str = "tiny"
@@ -44,6 +50,7 @@ class ModelConfig:
     dense_layers: int = 0  # the first blocks keep a dense FFN (DeepSeek-V3: 3)
     capacity_factor: Optional[float] = None  # None: dropless
     aux_loss_coef: float = 0.01
+    make_vocab_size_divisible_by: int = 1  # Megatron's 128 pads further (vocab_rows)
 
     def __post_init__(self) -> None:
         try:  # "bfloat16" and "bf16" name one dtype
@@ -58,14 +65,32 @@ def model_fields(cfg: ModelConfig) -> dict:
             for f in fields(cfg)}
 
 
+def padded_vocab(vocab: int, tp: int, divisible_by: int = 1) -> int:
+    """The embedding's and LM head's rows for a vocabulary of `vocab` tokens on `tp` TP ranks:
+    `vocab` rounded up to a multiple of divisible_by x tp (Megatron-LM's
+    _vocab_size_with_padding, --make-vocab-size-divisible-by). The one rule every part that
+    sizes the vocabulary uses (through `vocab_rows`)."""
+    multiple = divisible_by * tp
+    return -(-vocab // multiple) * multiple
+
+
+def vocab_rows(cfg, tp: int = 1) -> int:
+    """`padded_vocab` of a model (a ModelConfig, its DictConfig, a profile's ModelSummary or the
+    planner's ModelCost: anything with `vocab` and, optionally, `make_vocab_size_divisible_by`,
+    absent or None: 1) on `tp` TP ranks."""
+    return padded_vocab(cfg.vocab, tp, getattr(cfg, "make_vocab_size_divisible_by", None) or 1)
+
+
 def validate_model(cfg: ModelConfig, tp: int = 1, seq_len_key: str = "model.seq_len") -> None:
     """Raise ValueError naming the offending numbers if `cfg` cannot be built or split over `tp` ranks.
 
-    With tensor parallelism, query and KV heads, the FFN width and the vocabulary (vocab-parallel
-    embedding and head) are split over tp, and so is the sequence (sequence parallelism).
+    With tensor parallelism, query and KV heads and the FFN width are split over tp, and so is the
+    sequence (sequence parallelism); the vocabulary (vocab-parallel embedding and head) is padded
+    to a multiple of tp (vocab_rows), so it never refuses a degree.
     `seq_len_key`: the key the user set the length with (e.g. trace.seq_len), as messages name it.
     """
-    for field in ("hidden", "ffn", "layers", "heads", "kv_heads", "vocab", "seq_len"):
+    for field in ("hidden", "ffn", "layers", "heads", "kv_heads", "vocab", "seq_len",
+                  "make_vocab_size_divisible_by"):
         value = getattr(cfg, field)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"model.{field}({value}) must be a positive integer")
@@ -90,12 +115,12 @@ def validate_model(cfg: ModelConfig, tp: int = 1, seq_len_key: str = "model.seq_
             f"model.heads({cfg.heads}) is not divisible by model.kv_heads({cfg.kv_heads})"
         )
     validate_moe(cfg)
-    # Each TP rank holds whole heads: its share of query heads, KV heads, FFN columns and vocab rows.
+    # Each TP rank holds whole heads: its share of query heads, KV heads and FFN columns (and
+    # of the vocabulary's rows, padded to a multiple of tp: vocab_rows).
     splits = (
         ("heads", cfg.heads, "query heads"),
         ("kv_heads", cfg.kv_heads, "KV heads (wk/wv are split column-wise)"),
         ("ffn", cfg.ffn, "FFN columns"),
-        ("vocab", cfg.vocab, "vocab-parallel embedding and LM head"),
         ("seq_len", cfg.seq_len, "sequence parallelism"),
     )
     if cfg.shared_expert_ffn:

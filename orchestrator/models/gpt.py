@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from orchestrator.choices import Dtype
-from orchestrator.models.config import ModelConfig, is_moe_block, validate_model
+from orchestrator.models.config import ModelConfig, is_moe_block, validate_model, vocab_rows
 from orchestrator.models.loss import IGNORE_INDEX, token_losses  # noqa: F401 (IGNORE_INDEX:
 # padding of variable-length samples, which counts in no loss; imported from here)
 from orchestrator.models.moe import MoE
@@ -181,21 +181,24 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor,
 class GPT(nn.Module):
     """The whole model. `GPT(cfg)` under `torch.device("meta")` allocates nothing (for counting).
 
-    Parameters are created in `cfg.dtype` and initialised deterministically from `seed`.
+    Parameters are created in `cfg.dtype` and initialised deterministically from `seed`. The
+    embedding and LM head have `vocab_rows(cfg, tp)` rows: the vocabulary padded for `tp` TP
+    ranks (Megatron's --make-vocab-size-divisible-by; cfg.vocab where nothing pads).
     """
 
-    def __init__(self, cfg: ModelConfig, seed: int = 0):
+    def __init__(self, cfg: ModelConfig, seed: int = 0, tp: int = 1):
         super().__init__()
         validate_model(cfg)
         self.cfg = cfg
+        rows = vocab_rows(cfg, tp)
         dtype = torch_dtype(cfg.dtype)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            self.tok_emb = nn.Embedding(cfg.vocab, cfg.hidden)
+            self.tok_emb = nn.Embedding(rows, cfg.hidden)
             self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.layers))
             self.norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
-            self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden, rows, bias=False)
         finally:
             torch.set_default_dtype(default_dtype)
         self.rope = Rotary(cfg.hidden // cfg.heads, cfg.seq_len, cfg.rope_theta)

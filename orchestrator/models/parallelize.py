@@ -36,7 +36,8 @@ def apply_tensor_parallel(
     Column-wise: wq, wk, wv, w_gate, w_up (each rank owns whole heads / FFN columns).
     Row-wise: wo, w_down (partial sums reduced: all-reduce, or reduce-scatter with SP).
     Embedding: row-wise over the vocabulary, tokens replicated, each rank looking up only its own
-    rows (`VocabParallelEmbedding`, Megatron's). LM head: column-wise over vocab.
+    rows (`VocabParallelEmbedding`, Megatron's). LM head: column-wise over vocab. Both hold the
+    vocabulary padded for tp (`GPT(cfg, tp=tp)`), an equal share of rows on each rank.
     With `sequence_parallel`, the norms run on a sequence shard and the residual stream between
     layers is this rank's (batch, seq / tp, hidden) slice.
     With `loss_parallel`, logits stay vocab-sharded DTensors; forward and backward must then run
@@ -49,6 +50,10 @@ def apply_tensor_parallel(
         raise ValueError(f"tp_mesh must be 1-D (e.g. mesh['tp']), got {tp_mesh.ndim} dims")
     tp = tp_mesh.size()
     validate_model(model.cfg, tp=tp)
+    rows = model.tok_emb.num_embeddings
+    if rows % tp:  # GPT(cfg, tp=tp) pads them (models/config.vocab_rows)
+        raise ValueError(f"the embedding's {rows} vocabulary rows do not split over tp({tp}): "
+                         f"build the model with GPT(cfg, tp={tp})")
 
     # Layout of the residual stream between modules: sequence shard with SP, else replicated.
     stream = Shard(1) if sequence_parallel else Replicate()

@@ -90,7 +90,7 @@ class Train(Stage):
         check_length_mean(cfg.train, target.seq_len if target else
                           cfg.train.seq_len or cfg.search.seq_len or cfg.model.seq_len)
         if cfg.train.load:  # no checkpoint there, or another model's: refused before launch
-            check_load(cfg)
+            check_load(cfg, target.layout.tp if target else None)
         if cfg.train.data:  # a bad corpus path is a config error, before launch
             from orchestrator.train.data import make_data
 
@@ -117,11 +117,12 @@ class Train(Stage):
 STAGE = Train()
 
 
-def check_load(cfg) -> None:
+def check_load(cfg, tp: Optional[int] = None) -> None:
     """ConfigError (exit 2, before launch: on Slurm before the queue wait) when train.load names
     no complete checkpoint, or one the ranks would refuse for this model: a tensor missing or of
-    another global shape (`shape_mismatch`, their rule; any layout is fine, DCP reshards). Reads
-    complete.json and DCP's .metadata only."""
+    another global shape (`shape_mismatch`, their rule; any layout is fine, DCP reshards). `tp`:
+    the layout's TP degree, which the vocabulary's padded rows depend on (state_shapes; None:
+    not known yet, their rows not compared). Reads complete.json and DCP's .metadata only."""
     from orchestrator.train.checkpoint import (CheckpointError, checkpoint_to_load, saved_shapes,
                                                shape_mismatch)
     from orchestrator.train.plan import model_config
@@ -134,9 +135,29 @@ def check_load(cfg) -> None:
         raise ConfigError(f"train.load={load}: {e}") from None
     from orchestrator.train.engine import state_shapes  # torch and dynamo: ~2 CPU-s, once found
     model = model_config(cfg, cfg.model.seq_len)  # the shapes do not depend on the length
-    mismatch = shape_mismatch(saved, state_shapes(model))
+    mismatch = shape_mismatch(saved, state_shapes(model, tp))
+    if mismatch and tp is not None and not shape_mismatch(saved, state_shapes(model, None)):
+        raise ConfigError(padded_rows_text(load, found, model, tp, saved))
     if mismatch:
         raise ConfigError(another_model_text(load, found, model, mismatch))
+
+
+def padded_rows_text(load: str, found, model, tp: int, saved) -> str:
+    """The line refusing a checkpoint of this model whose only difference is the vocabulary's
+    padded rows (models/config.vocab_rows: they depend on the TP degree): what it holds, what
+    this layout pads to, and the TP degrees that pad alike."""
+    from orchestrator.models.config import padded_vocab, vocab_rows
+    from orchestrator.train.engine import VOCAB_PARAMS
+
+    rows = tuple(saved[f"model.{VOCAB_PARAMS[0]}"])[0]
+    divisor = model.make_vocab_size_divisible_by
+    fixes = [f"tp {t}" for t in (1, 2, 4, 8) if vocab_rows(model, t) == rows][:2]
+    fixes += [f"model.make_vocab_size_divisible_by={d}" for d in range(1, rows // tp + 1)
+              if padded_vocab(model.vocab, tp, d) == rows][:1]
+    return (f"train.load={load}: checkpoint {found.path} holds model.vocab({model.vocab}) padded "
+            f"to {rows} rows; tp {tp} pads it to {vocab_rows(model, tp)} "
+            f"(model.make_vocab_size_divisible_by={divisor}: a multiple of {divisor} x tp)"
+            + (f". Train it with {' or '.join(fixes)}" if fixes else ""))
 
 
 # Fields that never change what a checkpoint holds of a model: left out of its differences.

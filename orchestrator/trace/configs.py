@@ -139,8 +139,9 @@ def check_config(index: int, config: Sequence[int], settings: TraceSettings, mod
     if ws % (pp * tp * cp):
         raise ValueError(f"WORLD_SIZE({ws}) % (PP({pp}) * TP({tp}){cp_text}) != 0")
     dp = ws // (pp * tp * cp)
-    # Heads, KV heads, FFN, vocabulary and sequence over TP: the checks the TP sharding itself
-    # makes (apply_tensor_parallel), here before tracing so the configuration is skipped.
+    # Heads, KV heads, FFN and sequence over TP (the vocabulary is padded for it: vocab_rows):
+    # the checks the TP sharding itself makes (apply_tensor_parallel), here before tracing so
+    # the configuration is skipped.
     validate_model(dataclasses.replace(model, seq_len=settings.seq_len), tp=tp,
                    seq_len_key="model.seq_len" if settings.seq_len == model.seq_len
                    else "trace.seq_len")

@@ -77,7 +77,7 @@ def build_chunks(layout: ParallelLayout, model: ModelConfig, mesh: LayoutMesh, p
     `compile`: each block compiled (apply_compile); `notes` gets its lines (what stays eager
     and why, now and at a part's first forward)."""
     with torch.device("meta"):
-        whole = GPT(model, seed)
+        whole = GPT(model, seed, tp=layout.tp)  # its vocabulary padded for tp
     per_virtual = virtual_stage_layers(layout)
     ranges = stage_layer_ranges(per_virtual, model.layers)
     stages = [c * layout.pp + pp_rank for c in range(layout.virtual_stages)]

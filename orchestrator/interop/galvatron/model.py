@@ -242,7 +242,7 @@ def _tps(layer: Mapping, model: ModelConfig, max_tp: Optional[int]) -> List[int]
         try:
             validate_model(model, tp)
         except ValueError:
-            continue  # heads, ffn or vocab do not split over tp
+            continue  # heads or ffn do not split over tp
         if max_tp is None or tp <= max_tp:
             out.append(tp)
     return out

@@ -51,6 +51,7 @@ model.experts=0; this command asks for model.name=tiny_moe, model.experts=8: sta
 
 - Model (`model`), compared:
   {_codes(MODEL_IDENTITY)};
+  `make_vocab_size_divisible_by` (absent: 1, the only value not written);
   `experts` (0 or absent: a dense model, which records no other MoE field);
   for a mixture-of-experts model also
   {_codes(MOE_IDENTITY[1:])},

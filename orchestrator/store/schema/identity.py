@@ -11,7 +11,8 @@ tune, trace's pricer, export.
 
 Model profiles (`ModelSummary`), field by field:
 - recorded and compared: name (the file is the model's; a copy of another's is refused), hidden,
-  ffn, heads, kv_heads, vocab, dtype (the shapes and bytes timed and counted), layers (the
+  ffn, heads, kv_heads, vocab, make_vocab_size_divisible_by (the embedding's and head's rows
+  at each tp: 1 when absent), dtype (the shapes and bytes timed and counted), layers (the
   planner takes the block count from the profile, and profile_model times the optimizer step
   against the whole model's parameters), and for a mixture-of-experts model experts, top_k,
   expert_ffn, shared_expert_ffn, dense_layers (what its MoE parts time), capacity_factor (routing
@@ -44,6 +45,9 @@ MODEL_IDENTITY = ("name", "hidden", "ffn", "layers", "heads", "kv_heads", "vocab
 # of the others.
 MOE_IDENTITY = ("experts", "top_k", "expert_ffn", "shared_expert_ffn", "dense_layers",
                 "capacity_factor", "aux_loss_coef")
+# The vocabulary's padding (Megatron's --make-vocab-size-divisible-by): compared, and written
+# only when it is not 1.
+PADDING = "make_vocab_size_divisible_by"
 CLUSTER_IDENTITY = ("name", "tasks_per_node")
 MEASURED_CLUSTER_IDENTITY = CLUSTER_IDENTITY + ("backend",)
 
@@ -61,6 +65,8 @@ def model_identity(model) -> Dict[str, Any]:
     is a ModelConfig, its DictConfig or a profile's ModelSummary."""
     identity = {f: _plain(getattr(model, f)) for f in MODEL_IDENTITY}
     identity["kv_heads"] = identity["kv_heads"] or identity["heads"]  # absent: no GQA
+    # the vocabulary's padding (models/config.vocab_rows); absent (profiles before it): 1
+    identity[PADDING] = getattr(model, PADDING, None) or 1
     identity["experts"] = getattr(model, "experts", None) or 0
     if identity["experts"]:
         identity.update({f: _plain(getattr(model, f)) for f in MOE_IDENTITY[1:]})
@@ -73,6 +79,8 @@ def model_summary(model) -> Dict[str, Any]:
     summary = {**model_identity(model), "seq_len": int(model.seq_len)}
     if not summary["experts"]:
         del summary["experts"]
+    if summary[PADDING] == 1:  # a profile written before the key reads the same
+        del summary[PADDING]
     return summary
 
 

@@ -22,6 +22,9 @@ class ModelSummary(Record):
     heads: int = doc("attention heads")
     kv_heads: Optional[int] = doc("key/value heads (GQA); heads when absent", default=None)
     vocab: int = doc("vocabulary size")
+    make_vocab_size_divisible_by: Optional[int] = doc(
+        "the embedding and LM head hold vocab rounded up to a multiple of this x tp (Megatron's "
+        "--make-vocab-size-divisible-by); absent: 1, written only when not 1", default=None)
     seq_len: int = doc("the model's sequence length", default=0)
     dtype: Dtype = doc("parameter and activation dtype", default=Dtype.bf16)
     experts: Optional[int] = doc("routed experts per MoE block (MoE models only)", default=None)
