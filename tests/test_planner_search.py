@@ -51,7 +51,7 @@ def all_layouts(model, hw, space):
     W = space.world_size
     for tp in _divisors(W):
         if (tp > space.max_tp or tp not in model.tps or model.heads % tp or model.kv_heads % tp
-                or model.ffn % tp or model.vocab % tp  # the shape TP must split
+                or model.ffn % tp  # the shape TP must split (the vocabulary is padded)
                 or (space.tp_within_node and (tp > hw.tasks_per_node or hw.tasks_per_node % tp))):
             continue
         for pp in _divisors(W // tp):
@@ -107,7 +107,7 @@ def _budget_between(model, hw, space, frac):
     L = model.layers
     for tp in (t for t in model.tps if space.world_size % t == 0 and t <= hw.tasks_per_node
                and model.heads % t == 0 and model.kv_heads % t == 0
-               and model.ffn % t == 0 and model.vocab % t == 0):
+               and model.ffn % t == 0):
         for pp in (p for p in _divisors(space.world_size // tp) if p <= L):
             lay_full = ParallelLayout.uniform(space.world_size, tp, pp, L, recompute="full",
                                               zero=max(space.zero_stages)

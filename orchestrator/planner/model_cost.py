@@ -151,7 +151,8 @@ class ModelCost:
     def __init__(self, name: str, hidden: int, ffn: int, layers: int, heads: int, kv_heads: int,
                  vocab: int, seq_len: int, dtype: str, fits: Mapping[int, TpFit],
                  memory: Mapping[int, Tuple[PartMemory, PartMemory]],
-                 concurrency: Optional[Concurrency] = None, moe: Optional[MoeShape] = None):
+                 concurrency: Optional[Concurrency] = None, moe: Optional[MoeShape] = None,
+                 make_vocab_size_divisible_by: int = 1):
         self.name = name
         # The experts of a mixture-of-experts model (None: dense; with_moe): planner/terms/moe.py
         # prices a layout's MoE blocks from the profiled (dense) block and them.
@@ -168,6 +169,8 @@ class ModelCost:
         self.heads = int(heads)
         self.kv_heads = int(kv_heads)
         self.vocab = int(vocab)
+        # The embedding and LM head hold vocab padded for each tp (models/config.vocab_rows).
+        self.make_vocab_size_divisible_by = int(make_vocab_size_divisible_by or 1)
         self.seq_len = int(seq_len)
         try:
             self.dtype = Dtype.parse(dtype)
@@ -197,7 +200,8 @@ class ModelCost:
         cost = cls(name=m.name, hidden=m.hidden, ffn=m.ffn, layers=m.layers, heads=m.heads,
                    kv_heads=m.kv_heads, vocab=m.vocab, seq_len=m.seq_len, dtype=m.dtype,
                    fits=fits, memory=memory,
-                   concurrency=Concurrency.from_method(profile.method))
+                   concurrency=Concurrency.from_method(profile.method),
+                   make_vocab_size_divisible_by=m.make_vocab_size_divisible_by or 1)
         cost.moe_costs = moe_costs(profile)
         return cost
 

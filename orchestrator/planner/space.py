@@ -140,9 +140,10 @@ def enumerate_configs(model: ModelCost, hardware: HardwareModel, space: SearchSp
     for tp in _divisors(W):
         if not _degree_allowed(tp, space.tp, space.max_tp):
             continue
-        # The model's shape first, as validate_model splits it (heads, KV heads, FFN columns,
-        # vocab rows): no profile helps; profile_model refuses such a TP degree.
-        if model.heads % tp or model.kv_heads % tp or model.ffn % tp or model.vocab % tp:
+        # The model's shape first, as validate_model splits it (heads, KV heads, FFN columns;
+        # the vocabulary is padded to a multiple of tp, models/config.vocab_rows): no profile
+        # helps; profile_model refuses such a TP degree.
+        if model.heads % tp or model.kv_heads % tp or model.ffn % tp:
             reject("tp_splits_heads")
             continue
         if tp not in model.tps:

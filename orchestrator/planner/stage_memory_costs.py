@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 
 from orchestrator.choices import Recompute
-from orchestrator.models.config import ModelConfig
+from orchestrator.models.config import ModelConfig, vocab_rows
 from orchestrator.planner.model_cost import ModelCost
 from orchestrator.planner.options import ConfigKey, CostOptions
 from orchestrator.planner.schedule import chunk_in_flight_pairs
@@ -72,6 +72,7 @@ def engine_config(model: ModelCost, seq_len: int) -> ModelConfig:
                    capacity_factor=shape.capacity_factor, aux_loss_coef=shape.aux_loss_coef)
     return ModelConfig(name=model.name, hidden=model.hidden, ffn=model.ffn, layers=model.layers,
                        heads=model.heads, kv_heads=model.kv_heads, vocab=model.vocab,
+                       make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
                        seq_len=seq_len, dtype=model.dtype, **moe)
 
 
@@ -97,7 +98,8 @@ class StageMemoryCosts:
             self.tokens * embedding_activation_bytes_per_token(), 0.0 * self.tokens, key.pp)
         self.other_act = on_end_stages(
             0.0 * self.tokens,
-            self.tokens * loss_activation_bytes_per_token(model.hidden, model.vocab, key.tp,
+            self.tokens * loss_activation_bytes_per_token(model.hidden,
+                                                          vocab_rows(model, key.tp), key.tp,
                                                           key.sequence_parallel, elem),
             key.pp)
 

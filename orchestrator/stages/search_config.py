@@ -200,8 +200,7 @@ def infeasible_advice(err, cfg) -> str:
         why = (" (rejected: " + ", ".join(f"{k} {v}" for k, v in sorted(rejected.items()))
                + ")" if rejected else "")
         shape = (f"; tp_splits_heads: a TP degree must divide model.heads({cfg.model.heads}), "
-                 f"model.kv_heads({cfg.model.kv_heads}), model.ffn({cfg.model.ffn}) and "
-                 f"model.vocab({cfg.model.vocab})"
+                 f"model.kv_heads({cfg.model.kv_heads}) and model.ffn({cfg.model.ffn})"
                  if rejected and rejected.get("tp_splits_heads") else "")
         return (f"no (pp, tp, dp, micro-batch) combination divides search.global_batch_size"
                 f"({s.global_batch_size}) on {search_space(cfg).world_size} devices{why}"

@@ -42,7 +42,7 @@ import numpy as np
 
 from orchestrator.choices import CpComm, Dtype, Recompute
 from orchestrator.layout import ParallelLayout
-from orchestrator.models.config import ModelConfig
+from orchestrator.models.config import ModelConfig, vocab_rows
 from orchestrator.workload.buckets import plan_buckets
 from orchestrator.models.attention_tiles import score_tile_rows
 from orchestrator.models.loss_chunks import CHUNK_ELEMENTS as LOSS_CHUNK_ELEMENTS
@@ -298,7 +298,8 @@ def rank_memory(model: ModelConfig, layout: ParallelLayout, rank: int, act: Bloc
     pp_rank = layout.coordinate(rank, "pp")
     dp, zero, m = layout.replicas, layout.zero, layout.num_micro_batches
     tokens = layout.micro_batch_size * seq_len // layout.cp  # this rank's
-    vocab_local = chunk_size(model.vocab, layout.tp, layout.coordinate(rank, "tp"))
+    vocab_local = chunk_size(vocab_rows(model, layout.tp), layout.tp,
+                             layout.coordinate(rank, "tp"))
     head_kept, head_fwd, head_bwd = _head_bytes(model, layout, dtype, tokens, cuda, vocab_local)
     attention_fwd = cp_attention_bytes(model, layout, tokens, dtype)[0]
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import List, Tuple
 
 from orchestrator.layout import ParallelLayout
-from orchestrator.models.config import ModelConfig, expert_width, is_moe_block
+from orchestrator.models.config import ModelConfig, expert_width, is_moe_block, vocab_rows
 
 
 @dataclass(frozen=True)
@@ -98,8 +98,9 @@ def block_parameters(model: ModelConfig, index: int, tp: int, tp_rank: int, ep: 
 
 def chunk_parameters(model: ModelConfig, layers: range, is_first: bool, is_last: bool,
                      tp: int, tp_rank: int, ep: int = 1, etp: int = 1) -> List[Param]:
-    """One model chunk's parameters (a PipelineStageModule), in registration order."""
-    h, vocab = model.hidden, model.vocab
+    """One model chunk's parameters (a PipelineStageModule), in registration order; the
+    embedding and LM head with the vocabulary padded for tp (models/config.vocab_rows)."""
+    h, vocab = model.hidden, vocab_rows(model, tp)
     out: List[Param] = []
     if is_first:
         out.append(Param("tok_emb.weight", (vocab, h), _local((vocab, h), 0, tp, tp_rank),

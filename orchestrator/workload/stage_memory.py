@@ -10,7 +10,7 @@ import numpy as np
 
 from orchestrator.choices import Dtype, Recompute
 from orchestrator.layout import ParallelLayout
-from orchestrator.models.config import ModelConfig
+from orchestrator.models.config import ModelConfig, vocab_rows
 from orchestrator.workload.order import stage_order
 from orchestrator.workload.params import (Param, block_parameters, chunk_size, is_expert)
 
@@ -84,7 +84,7 @@ class StageNumels:
         params = _block_params(model, layout)
         expert = float(sum(p.local_numel for p in params if is_expert(p)))
         h, pp = model.hidden, layout.pp
-        vocab_local = chunk_size(model.vocab, layout.tp, 0)
+        vocab_local = chunk_size(vocab_rows(model, layout.tp), layout.tp, 0)
         first = np.zeros(pp)
         first[0] += vocab_local * h
         last = np.zeros(pp)
@@ -107,7 +107,7 @@ class StageMemory:
         tp, pp, dp, zero = layout.tp, layout.pp, layout.replicas, layout.zero
         m, v = layout.num_micro_batches, layout.virtual_stages
         cuda = device.startswith("cuda")
-        h, vocab = model.hidden, model.vocab
+        h, vocab = model.hidden, vocab_rows(model, layout.tp)
         tokens = layout.micro_batch_size * seq_len // layout.cp  # a rank's
         params = _block_params(model, layout)
         block = [p.local_numel for p in params]
