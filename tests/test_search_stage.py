@@ -235,11 +235,14 @@ def test_advice_for_another_node_count_works_and_never_costs_the_strategy(chain)
     assert plan.world_size == 4
 
 
-def test_a_tp_degree_the_models_vocab_or_ffn_cannot_take_is_not_sent_to_profile_model(
+def test_a_tp_degree_the_models_ffn_cannot_take_is_not_sent_to_profile_model_and_a_vocab_is_padded(
         profiles, tmp_path):
     """Before: a vocabulary of 511 made tp 2 `tp_not_profiled`, with the advice to profile it
     (profile_model.max_tp=<tp>), which profile_model refuses ("lower profile_model.max_tp"): the
-    planner split only heads and KV heads, train and profile_model split FFN and vocab too."""
+    planner split only heads and KV heads, train and profile_model split FFN and vocab too. Now
+    the vocabulary is padded for tp (model.make_vocab_size_divisible_by, Megatron's rule):
+    profile_model profiles tp 2 of the 511-token model and search takes it; an FFN of 383
+    still refuses it."""
     site = tmp_path / "site"
     (site / "model").mkdir(parents=True)
     shape = "hidden: 128\nffn: {ffn}\nlayers: 4\nheads: 4\nkv_heads: 2\nvocab: {vocab}\nseq_len: 256\n"
@@ -249,19 +252,24 @@ def test_a_tp_degree_the_models_vocab_or_ffn_cannot_take_is_not_sent_to_profile_
     analytic = ["profile_hardware.source=analytic", "profile_model.source=analytic",
                 "profile_hardware.plot=false", "profile_model.plot=false", "search.plot=false"]
     run_cli("stage=profile_hardware", *analytic, profiles_dir=profiles, env=env, check=0)
-    for model in ("v511", "f383"):
+    for model, refused in (("v511", 1), ("f383", 2)):  # tp 4 of 4 ranks: the 2 KV heads
         run_cli("stage=profile_model", *analytic, f"model={model}", profiles_dir=profiles,
                 env=env, check=0)
         proc = run_cli("stage=search", *analytic, f"model={model}", profiles_dir=profiles,
                        env=env, check=0)
         said = " ".join(proc.stdout.split())
-        assert "tp_splits_heads 2" in said, proc.stdout  # tp 2 and tp 4 of 4 ranks
+        assert f"tp_splits_heads {refused}" in said, proc.stdout
         assert "tp_not_profiled" not in said and "profile_model.max_tp" not in said
+    profile = json.loads((profiles / "local" / "model" / "v511.json").read_text())
+    assert sorted(int(tp) for tp in profile["fits"]) == [1, 2]
+    # its embedding and head: 512 rows at tp 2 (256 a rank), 511 at tp 1 (fp32: 4 B each)
+    other = {int(tp): m["other"]["param_bytes"] for tp, m in profile["memory"].items()}
+    assert other == {1: 4 * (2 * 511 * 128 + 128), 2: 4 * (2 * 256 * 128 + 128)}, other
     # When nothing is left, the one line says why each layout went, and what TP must divide
     # (before: only "Relax: ... search.max_tp raise", which cannot help such a model).
-    proc = run_cli("stage=search", *analytic, "model=v511", "search.global_batch_size=2",
+    proc = run_cli("stage=search", *analytic, "model=f383", "search.global_batch_size=2",
                    profiles_dir=profiles, env=env)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "(rejected: " in proc.stderr and "tp_splits_heads 2" in proc.stderr, proc.stderr
-    assert "a TP degree must divide model.heads(4), model.kv_heads(2), model.ffn(384) and " \
-           "model.vocab(511)" in proc.stderr
+    assert "a TP degree must divide model.heads(4), model.kv_heads(2) and model.ffn(383)" \
+        in proc.stderr

@@ -26,7 +26,7 @@ from orchestrator.choices import Dtype
 from orchestrator.device import (ATTENTION_KERNELS, DEVICE_DIR,  # noqa: F401
                                  NO_KERNEL_OPS, OpCost, OpTimer, device_sheets, flops_to_us,
                                  has_curves, load_device_sheet, op_kind, peak_flops)
-from orchestrator.models.config import ModelConfig, count_block_params
+from orchestrator.models.config import ModelConfig, count_block_params, vocab_rows
 
 # Causal attention: a flash kernel computes only the blocks on or below the diagonal.
 CAUSAL_ATTENTION_FRACTION = 0.5
@@ -266,19 +266,20 @@ def estimate_point_bytes(cfg: ModelConfig, seq_len: int, batch: int = 1) -> floa
     and fp32 logits with their gradient and softmax."""
     elem = Dtype.parse(cfg.dtype).bytes
     block_params = count_block_params(cfg)
-    other_params = 2 * cfg.vocab * cfg.hidden + cfg.hidden
+    vocab = vocab_rows(cfg, 1)
+    other_params = 2 * vocab * cfg.hidden + cfg.hidden
     states = 18 * (block_params + other_params)
     tokens, h = seq_len * batch, cfg.hidden
     g, f = cfg.kv_heads / cfg.heads, cfg.ffn / cfg.hidden
     block_act = tokens * h * (24 + 4 * g + 8 * f) * elem / 2
-    other_act = tokens * (3 * 4 * cfg.vocab + 4 * h * elem)
+    other_act = tokens * (3 * 4 * vocab + 4 * h * elem)
     return float(states + block_act + other_act)
 
 
 def estimate_point_flops(cfg: ModelConfig, seq_len: int, batch: int = 1) -> float:
     """Forward + backward FLOPs of one block and the LM head at `seq_len` (6 N s + attention)."""
     s = seq_len * batch
-    dense = 6 * s * (count_block_params(cfg) + cfg.vocab * cfg.hidden)
+    dense = 6 * s * (count_block_params(cfg) + vocab_rows(cfg, 1) * cfg.hidden)
     attention = 3 * 4 * seq_len * s * cfg.hidden * CAUSAL_ATTENTION_FRACTION
     return float(dense + attention)
 

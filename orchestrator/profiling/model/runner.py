@@ -18,6 +18,7 @@ from typing import Dict, Optional
 from orchestrator.choices import Dtype
 from orchestrator.models.compile import is_compiled
 from orchestrator.models.compile_setting import train_compile
+from orchestrator.models.config import vocab_rows
 from orchestrator.profiling.model import analytic as an
 from orchestrator.profiling.model import memory as mem
 from orchestrator.profiling.model import moe
@@ -234,10 +235,10 @@ class PointRunner:
         self.model = cfg.model
         self.batch = int(cfg.profile_model.micro_batch_size)
         self._flops_mode = an.fake_tensors_mode()
-        with self._flops_mode:  # FLOPs of tp=1 at every length; a rank executes flops / tp
-            self._flops_model = build_point_model(self.model, max(plan.seq_lens), 1, None, "cpu",
-                                                  self.batch)
-        self._flops_by_seq: Dict[int, tuple] = {}
+        # FLOPs of tp=1 at every length, its vocabulary padded as for the point's tp
+        # (models/config.vocab_rows); a rank executes flops / tp. One model per row count.
+        self._flops_models: Dict[int, object] = {}
+        self._flops_by_seq: Dict[tuple, tuple] = {}
         self._pm = None
 
     @contextlib.contextmanager
@@ -253,17 +254,23 @@ class PointRunner:
             finally:
                 self._pm = None
 
-    def _counts(self, seq: int):
-        """(FLOPs, ops) of tp=1 at `seq` (analytic.count_ops), counted once per length."""
-        if seq not in self._flops_by_seq:
+    def _counts(self, seq: int, tp: int):
+        """(FLOPs, ops) of tp=1 at `seq` (analytic.count_ops) with the vocabulary padded for
+        `tp`, counted once per length and padded row count."""
+        rows = vocab_rows(self.model, tp)
+        if (seq, rows) not in self._flops_by_seq:
             with self._flops_mode:
-                self._flops_by_seq[seq] = an.count_ops(self._flops_model, seq)
-        return self._flops_by_seq[seq]
+                if rows not in self._flops_models:
+                    self._flops_models[rows] = build_point_model(
+                        self.model, max(self.plan.seq_lens), 1, None, "cpu", self.batch,
+                        vocab_tp=tp)
+                self._flops_by_seq[seq, rows] = an.count_ops(self._flops_models[rows], seq)
+        return self._flops_by_seq[seq, rows]
 
     def point(self, seq: int, tp: int) -> Optional[dict]:
         """The record of (seq, tp) (schema: docs/profile-schema.md); None off rank 0 of a
         measured job."""
-        pm, (flops, ops) = self._pm, self._counts(seq)
+        pm, (flops, ops) = self._pm, self._counts(seq, tp)
         times = self.timing.times_us(pm, seq, tp, flops, ops)
         with self.timing.tensors():  # every rank of a group: the block's TP collectives run
             memory = memory_point(pm, seq, gpu_kernels=self.timing.gpu_kernels,

@@ -90,11 +90,13 @@ class PointModel:
 
 
 def build_point_model(model_cfg: ModelConfig, max_seq_len: int, tp: int, tp_mesh, device,
-                      batch: int = 1, compile: bool = False) -> PointModel:
+                      batch: int = 1, compile: bool = False,
+                      vocab_tp: Optional[int] = None) -> PointModel:
     """A one-layer GPT of `model_cfg`'s shape (a MoE model's dense block) serving lengths up to
     `max_seq_len` on `device`, sharded over `tp_mesh` (a 1-D DeviceMesh of tp ranks; None when
     tp == 1); `compile`: its block compiled by train's function (models/compile.compile_block),
-    after TP as train's."""
+    after TP as train's. Its vocabulary is padded for `vocab_tp` ranks (models/config.vocab_rows;
+    None: tp), as train pads it: an unsharded model counts the FLOPs of another degree's head."""
     from orchestrator.models.compile import compile_block
     from orchestrator.models.gpt import GPT
     from orchestrator.models.parallelize import apply_tensor_parallel
@@ -103,7 +105,7 @@ def build_point_model(model_cfg: ModelConfig, max_seq_len: int, tp: int, tp_mesh
 
     cfg = replace(dense_twin(model_cfg), layers=1, seq_len=max_seq_len)  # a MoE model's dense block
     # Built (and initialised from CPU generators) on the CPU, then moved: one layer is small.
-    model = GPT(cfg)
+    model = GPT(cfg, tp=vocab_tp or tp)
     if torch.device(device).type != "cpu":
         model = model.to(device)
     if tp > 1:
