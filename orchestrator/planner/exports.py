@@ -117,6 +117,14 @@ def moe_layer_freq(model: ModelConfig) -> str:
     return f"([0]*{model.dense_layers}+[1]*{moe})" if model.dense_layers else f"([1]*{moe})"
 
 
+def megatron_model_args(model: ModelConfig) -> List[str]:
+    """The arguments of `model` the layout's (megatron_args) leave out: the vocabulary's padding,
+    always written (Megatron's own default, 128, would pad further than what was priced and
+    trained: models/config.vocab_rows), and the experts' (megatron_moe_args)."""
+    divisor = getattr(model, "make_vocab_size_divisible_by", None) or 1
+    return ["--make-vocab-size-divisible-by", str(divisor)] + megatron_moe_args(model)
+
+
 def megatron_moe_args(model: ModelConfig) -> List[str]:
     """The mixture-of-experts arguments of `model` (empty for a dense one); the expert grid's
     sizes are the layout's (megatron_args).

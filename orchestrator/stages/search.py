@@ -126,13 +126,13 @@ def _exporters(out: Path, model, overlap=None):
     """(name, build(layout, strict), write(path, exported), path) of each trainer's export;
     `overlap`: what the Megatron args say was overlapped (exports.megatron_args)."""
     from orchestrator.planner import galvatron_strategy, megatron_args
-    from orchestrator.planner.exports import ExportError, megatron_moe_args
+    from orchestrator.planner.exports import ExportError, megatron_model_args
 
     def write_args(path, args):
         atomic_write(path, lambda f: f.write(" ".join(args) + "\n"))
 
     def megatron(layout, strict):
-        return megatron_args(layout, strict, overlap) + megatron_moe_args(model)
+        return megatron_args(layout, strict, overlap) + megatron_model_args(model)
 
     def galvatron(layout, strict):
         if model.experts:

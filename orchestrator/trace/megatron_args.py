@@ -1,6 +1,7 @@
 """The Megatron-LM command line of a traced configuration (summary.json's `megatron_args`): the
-layout's and, for a mixture-of-experts model, the model's MoE arguments (planner/exports.py:
-megatron_args, megatron_moe_args), that make Megatron run what the trace records.
+layout's, the vocabulary's padding and, for a mixture-of-experts model, the model's MoE
+arguments (planner/exports.py: megatron_args, megatron_model_args), that make Megatron run what
+the trace records.
 """
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from orchestrator.models.config import ModelConfig
 
 def megatron_command_args(model: ModelConfig,
                           layout: ParallelLayout) -> Tuple[List[str], List[str]]:
-    """(Megatron-LM arguments for the layout and the model's experts, notes on what the layout
-    arguments approximate: planner/exports.megatron_args with strict=False)."""
-    from orchestrator.planner.exports import ExportError, megatron_args, megatron_moe_args
+    """(Megatron-LM arguments for the layout, the vocabulary's padding and the model's experts,
+    notes on what the layout arguments approximate: planner/exports.megatron_args with
+    strict=False)."""
+    from orchestrator.planner.exports import ExportError, megatron_args, megatron_model_args
 
     notes: List[str] = []
     with warnings.catch_warnings(record=True) as caught:
@@ -25,4 +27,4 @@ def megatron_command_args(model: ModelConfig,
         except ExportError as e:
             args, notes = [], [str(e)]
     notes += [str(w.message) for w in caught]
-    return args + megatron_moe_args(model), notes
+    return args + megatron_model_args(model), notes
