@@ -140,6 +140,41 @@ def test_a_stage_a_ledger_rebuilt_mid_run_calls_cancelled_still_finishes(tmp_pat
     assert ledger.get("profile_hardware").state == State.done
 
 
+def _train_plan(summary, config_hash):
+    from orchestrator.choices import Ranks
+    from orchestrator.stages import StagePlan
+
+    return StagePlan(stage="train", key=f"train/tiny/{summary.stem}", former_key="train/tiny",
+                     ranks=Ranks.cluster, world_size=4, outputs=(summary,),
+                     config_hash=config_hash)
+
+
+def _launched(ledger, key, config_hash, state):
+    ledger.launch(key, [], queued=False, config_hash=config_hash, launcher="local", run_dir="r")
+    ledger.transition(key, state)
+
+
+def test_a_train_layout_takes_the_model_key_as_its_record_until_it_has_its_own(tmp_path):
+    """Each train layout has its own ledger key; `train/<model>` (every layout's before, and
+    stage=all's before search has written the layout) done under the same hash is done too,
+    until the layout's own key has a record: that one decides then."""
+    from orchestrator.pipeline import decide
+
+    summary = tmp_path / "train" / "tiny" / "pp1-tp1-dp4-zero0-mbs1x2-1f1b.json"
+    write_json(summary, {"kind": "train", "provenance": {"config_hash": "hA"}})
+    plan, ledger = _train_plan(summary, "hA"), Ledger(tmp_path)
+    assert not decide(plan, ledger).done
+    _launched(ledger, "train/tiny", "hB", "done")  # another layout's, recorded before
+    assert not decide(plan, ledger).done
+    _launched(ledger, "train/tiny", "hA", "done")
+    assert decide(plan, ledger).done
+    _launched(ledger, plan.key, "hA", "failed")  # its own record now
+    assert not decide(plan, ledger).done
+    _launched(ledger, plan.key, "hA", "done")
+    _launched(ledger, "train/tiny", "hB", "done")
+    assert decide(plan, ledger).done
+
+
 def test_mark_ended_keeps_what_rank0_marked_done(tmp_path):
     """The launcher's failure report and rank 0's `done` race: done wins, unfinished parts fail."""
     ledger = Ledger(tmp_path)

@@ -151,6 +151,7 @@ def test_kill_one_rank_then_rerun_resumes_the_same_loss_trajectory(tmp_path):
 
     killed = tmp_path / "killed"
     cli = start_cli(*args, profiles_dir=killed)
+    key = "train/tiny/pp2-tp1-dp2-zero0-mbs1x4-1f1b"  # the layout's own ledger key
     ckpt = killed / "local" / "train" / "tiny" / "pp2-tp1-dp2-zero0-mbs1x4-1f1b.ckpt"
     deadline = time.time() + 120
     while not (ckpt / "step_00000004").exists() and time.time() < deadline:
@@ -165,7 +166,7 @@ def test_kill_one_rank_then_rerun_resumes_the_same_loss_trajectory(tmp_path):
     try:
         status = run_cli("stage=status", profiles_dir=killed, check=0)
         assert "step " in status.stdout  # the ledger tells how far the run is
-        assert ledger(killed)["train/tiny"]["state"] == "running"
+        assert ledger(killed)[key]["state"] == "running"
         os.kill(pids[-1], signal.SIGKILL)
     finally:
         for pid in pids:
@@ -177,7 +178,7 @@ def test_kill_one_rank_then_rerun_resumes_the_same_loss_trajectory(tmp_path):
     assert cli.returncode == 5, out
     # the killed rank is named, not rank 0 that saw its socket close (gloo) and aborted
     assert re.search(r"rank \d was killed by signal 9 \(SIGKILL", out), out
-    assert ledger(killed)["train/tiny"]["state"] == "failed"
+    assert ledger(killed)[key]["state"] == "failed"
 
     proc = run_cli(*args, profiles_dir=killed, check=0)
     assert "resumed from" in proc.stdout
@@ -204,7 +205,7 @@ def test_a_checkpoint_reloads_in_another_layout(profiles):
                   "(model=tiny)"):
         assert words in line, line
     assert set((profiles / "local" / "runs").iterdir()) == runs  # nothing launched
-    assert "train/tiny_moe" not in ledger(profiles)
+    assert not [k for k in ledger(profiles) if k.startswith("train/tiny_moe")]
     proc = run_cli("stage=train", "train.pp=2", "train.tp=2", *common,
                    f"train.load={dp4}.ckpt/step_00000003", profiles_dir=profiles, check=0)
     assert "loaded" in proc.stdout
@@ -223,6 +224,51 @@ def test_a_checkpoint_reloads_in_another_layout(profiles):
     assert json.loads(kept.read_text())["losses"] == want
     assert sorted(json.loads(dp4.with_suffix(".json").read_text())["losses"], key=int) == [
         str(s) for s in range(1, 8)]
+
+
+def test_layouts_a_b_a_keep_a_done_each_under_its_own_ledger_key(profiles):
+    """Before: one ledger entry `train/<model>` held the last layout's hash, so A, then B, then A
+    again trained A from step 0 and moved its finished checkpoints aside. Each layout has its
+    own record now: the third run says A is done and launches nothing."""
+    common = ["stage=train", "cluster.tasks_per_node=2", "train.steps=2",
+              "train.timing_warmup_steps=1", *SHORT]
+    a, b = ["train.pp=1", "train.tp=1"], ["train.pp=2", "train.tp=1"]
+    a_tag, b_tag = "pp1-tp1-dp2-zero0-mbs1x4-1f1b", "pp2-tp1-dp1-zero0-mbs1x8-1f1b"
+    run_cli(*common, *a, profiles_dir=profiles, check=0)
+    run_cli(*common, *b, profiles_dir=profiles, check=0)
+    folder = profiles / "local" / "train" / "tiny"
+    first = (folder / f"{a_tag}.json").read_text()
+    runs = set((profiles / "local" / "runs").iterdir())
+    again = run_cli(*common, *a, profiles_dir=profiles, check=0)
+    assert f"train/tiny/{a_tag}: done" in again.stdout, again.stdout
+    assert "moved to" not in again.stdout and "training from step 0" not in again.stdout
+    assert set((profiles / "local" / "runs").iterdir()) == runs  # nothing launched
+    assert (folder / f"{a_tag}.json").read_text() == first
+    assert (folder / f"{a_tag}.ckpt" / "step_00000002" / "complete.json").exists()
+    assert not list(folder.glob("*.ckpt.old-*"))
+    entries = ledger(profiles)
+    assert {k: entries[k]["state"] for k in entries if k.startswith("train/")} == {
+        f"train/tiny/{a_tag}": "done", f"train/tiny/{b_tag}": "done"}
+    status = run_cli("stage=status", profiles_dir=profiles, check=0).stdout
+    assert a_tag in status and b_tag in status
+
+
+def test_stage_all_whose_search_changes_the_layout_records_the_layout_it_trained(profiles):
+    """stage=all plans train before search runs: when search then writes another layout, the
+    ranks train that one, so the run is recorded as `train/<model>` rather than under the key
+    of the layout planned (the old one's). Before, the same command run again found the new
+    layout with no record, trained it from step 0 and moved its checkpoints aside."""
+    common = ["stage=all", "cluster.tasks_per_node=2", "profile_hardware.source=analytic",
+              "profile_model.source=analytic", "profile_model.plot=false", "train.steps=2",
+              "train.timing_warmup_steps=1", *SHORT]
+    run_cli(*common, "search.pp=1", profiles_dir=profiles, check=0)
+    changed = run_cli(*common, "search.pp=2", profiles_dir=profiles, check=0)
+    assert "✓ train/tiny: done -> " in changed.stdout, changed.stdout
+    runs = set((profiles / "local" / "runs").iterdir())
+    again = run_cli(*common, "search.pp=2", profiles_dir=profiles, check=0)
+    assert re.search(r"✓ train/tiny/pp2-\S+: done \(config", again.stdout), again.stdout
+    assert "moved to" not in again.stdout
+    assert set((profiles / "local" / "runs").iterdir()) == runs  # nothing launched
 
 
 def test_a_text_corpus_trains_and_its_loss_falls(profiles):

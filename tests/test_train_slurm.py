@@ -22,7 +22,9 @@ from test_slurm import (SLURM, StallUntilWarned, _follow_requeues, _job_runs, le
 
 TRAIN = ["stage=train", "model=tiny", "train.seq_len=64", "train.plot=false",
          "cluster.tasks_per_node=1"]
-KEY = "train/tiny"
+# Each layout's own ledger key, named as its summary (2 ranks: pp2 is dp1, pp1 is dp2).
+PP2_KEY = "train/tiny/pp2-tp1-dp1-zero0-mbs1x8-1f1b"
+PP1_KEY = "train/tiny/pp1-tp1-dp2-zero0-mbs1x4-1f1b"
 RUN_S = 480  # one 24-step pp2 Slurm run, on a loaded machine
 
 
@@ -79,7 +81,7 @@ def test_scancel_then_rerun_continues_the_same_loss_trajectory(slurm_cluster, tm
         wait_for(lambda: [s for s in _checkpoint_steps(profiles) if s >= 8], timeout_s=240,
                   every_s=0.2, what="a checkpoint at step 8 or later")
         seen = max(_checkpoint_steps(profiles))
-        job_id = ledger(profiles, "dev")[KEY]["job_id"]
+        job_id = ledger(profiles, "dev")[PP2_KEY]["job_id"]
         subprocess.run(["scancel", job_id], check=True)
         out, _ = proc.communicate(timeout=300)
     finally:
@@ -90,11 +92,11 @@ def test_scancel_then_rerun_continues_the_same_loss_trajectory(slurm_cluster, tm
     assert subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True,
                           text=True).stdout.strip() == ""
     assert "cancelled" in out and "rerun the same command" in out, out
-    assert ledger(profiles, "dev")[KEY]["state"] == "cancelled"
+    assert ledger(profiles, "dev")[PP2_KEY]["state"] == "cancelled"
     assert not _summaries(profiles)
 
     run_cli(*args, profiles_dir=profiles, check=0, timeout=RUN_S)
-    entry = ledger(profiles, "dev")[KEY]
+    entry = ledger(profiles, "dev")[PP2_KEY]
     assert entry["state"] == "done" and entry["job_id"] != job_id
     resumed = _only_summary(profiles)
     # From the last checkpoint: at least the one seen; SIGTERM's own one when the ranks wrote
@@ -125,15 +127,15 @@ def test_time_limit_signal_checkpoints_requeues_and_finishes(slurm_cluster, prof
     proc = start_cli(*TRAIN, *SLURM, "train.pp=1", "train.tp=1", f"train.steps={steps}",
                      "train.checkpoint_every=100",
                      "cluster.time_min=1", "cluster.signal_delay_s=5", profiles_dir=profiles)
-    stall = StallUntilWarned(lambda: ledger(profiles, "dev").get(KEY, {}),
-                             lambda: ledger(profiles, "dev")[KEY]["progress"],
+    stall = StallUntilWarned(lambda: ledger(profiles, "dev").get(PP1_KEY, {}),
+                             lambda: ledger(profiles, "dev")[PP1_KEY]["progress"],
                              ledger_lock(profiles))
     try:
-        job_id = wait_for(lambda: ledger(profiles, "dev").get(KEY, {}).get("job_id"),
+        job_id = wait_for(lambda: ledger(profiles, "dev").get(PP1_KEY, {}).get("job_id"),
                            what="the job id in the ledger")
         # Once a run has checkpointed on the signal, the job gets 10 minutes: the resumed run
         # finishes even on a loaded machine.
-        at_requeue = _follow_requeues(proc, job_id, lambda: ledger(profiles, "dev")[KEY],
+        at_requeue = _follow_requeues(proc, job_id, lambda: ledger(profiles, "dev")[PP1_KEY],
                                       release_after_s=5,  # the ledger entry at each requeue
                                       extend_when=lambda: _signal_checkpoints(profiles),
                                       each_poll=stall)
@@ -147,7 +149,7 @@ def test_time_limit_signal_checkpoints_requeues_and_finishes(slurm_cluster, prof
     assert at_requeue and _job_runs(job_id) == ["REQUEUED"] * len(at_requeue) + ["COMPLETED"]
     # Nothing was marked failed when the ranks stopped: the stage stays running for the rerun.
     assert all(e["state"] in ("running", "pending") and e["error"] is None for e in at_requeue)
-    entry = ledger(profiles, "dev")[KEY]
+    entry = ledger(profiles, "dev")[PP1_KEY]
     assert (entry["state"], entry["job_id"], entry["error"]) == ("done", job_id, None)
     states = [line.split(": ")[1] for line in out.splitlines()
               if line.startswith(f"  job {job_id}: ")]
@@ -180,7 +182,7 @@ def test_pp_sweep_writes_a_summary_per_point_and_one_table(slurm_cluster, profil
         layout = summary["layout"]
         assert (layout["pp"], layout["tp"], layout["dp"]) == (pp, 1, 2 // pp)
         assert len(_losses(summary)) == 5 and summary["measured"]["iteration_ms"] > 0
-        entry = ledger(profiles, "dev")[f"{KEY}@pp={pp}"]
+        entry = ledger(profiles, "dev")[f"train/tiny/{name[:-len('.json')]}"]
         assert entry["state"] == "done" and entry["job_id"] == summary["provenance"]["job_id"]
         job_ids.add(entry["job_id"])
     assert len(job_ids) == 2  # a job per point

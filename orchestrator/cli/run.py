@@ -98,6 +98,7 @@ def run_stages(cfg: Config, plans: Optional[List[StagePlan]] = None) -> List[dic
     rows, pending, produced_now, previous_job = [], [], set(), None
     for plan in plans:
         # Decided now: an earlier stage of this command may have just written its inputs.
+        plan = get_stage(plan.stage).launch_plan(plan, produced_now)
         decision = decide(plan, ledger, force=cfg.force)
         if decision.done:
             console.print(f"[green]✓[/] {escape(plan.key)}: done (config {plan.config_hash}); "

@@ -163,7 +163,8 @@ def _run_candidate(cfg, cand: Candidate, seq_len: int, work: Path, run_stages,
                   f"(predicted {cand.predicted_ms:.1f} ms)", highlight=False)
     try:
         plan = plan_stage("train", c, {})
-        plan = dataclasses.replace(plan, key=f"train/{cfg.model.name}@tune={tag}", detail="tune",
+        plan = dataclasses.replace(plan, key=f"train/{cfg.model.name}@tune={tag}",
+                                   former_key=None, detail="tune",
                                    outputs=tuple(labelled(p, "tune") for p in plan.outputs))
         summary = plan.outputs[0]
         if not decide(plan, ledger_for(c), force=cfg.force).done:

@@ -94,6 +94,7 @@ def _sweep_point(plan: StagePlan, label: str) -> StagePlan:
     if not label:
         return plan
     return dataclasses.replace(plan, key=f"{plan.key}@{label}",
+                               former_key=plan.former_key and f"{plan.former_key}@{label}",
                                outputs=tuple(labelled(p, label) for p in plan.outputs))
 
 
@@ -171,7 +172,9 @@ def decide(plan: StagePlan, ledger: Ledger, force: bool = False) -> Decision:
         todo = tuple(s for s in plan.subparts if s in left
                      or not _part_current(plan, ledger, s, made.get(s)))
     done = (not force and not stale and not todo and not left
-            and ledger.is_done(plan.key, plan.config_hash))
+            and (ledger.is_done(plan.key, plan.config_hash)
+                 or (plan.former_key is not None and ledger.get(plan.key) is None
+                     and ledger.is_done(plan.former_key, plan.config_hash))))
     unfinished = ""
     if plan.subparts and not todo and not done:
         entry = ledger.get(plan.key)

@@ -65,6 +65,11 @@ class StagePlan:
     config_hash: str = ""  # set by pipeline.plan_stage
     # The command line's overrides, for the fix commands the ranks print (they never see argv).
     user_overrides: Tuple[str, ...] = ()
+    # The key the stage's results were recorded under before it had one per output (train:
+    # `train/<model>` before `train/<model>/<layout tag>`), and still are when the layout is not
+    # known when planning (stage=all before search): done there under the same config hash is
+    # done here, while `key` has no record of its own. None: no such key.
+    former_key: Optional[str] = None
 
 
 class Stage:
@@ -97,6 +102,11 @@ class Stage:
         (profile_model: whether the block is timed compiled); {} adds nothing to the hash."""
         return {}
 
+    def launch_plan(self, plan: StagePlan, produced_now) -> StagePlan:
+        """The plan to launch once the stages named in `produced_now` have run (or been
+        submitted) earlier in this command, rewriting its inputs: `plan` by default."""
+        return plan
+
     def read_inputs(self, cfg: Config, plan: StagePlan) -> List[str]:
         """Read and check the plan's input profiles, each against the model and cluster `cfg`
         asks for (ProfileError, exit 4, naming the file and the command that rebuilds it); the
@@ -116,10 +126,12 @@ class Stage:
         return None
 
     def make_plan(self, cfg: Config, key: str, ranks: Ranks = Ranks.cluster,
-                  subparts=(), inputs=(), outputs=(), detail=None, selection=()) -> StagePlan:
+                  subparts=(), inputs=(), outputs=(), detail=None, selection=(),
+                  former_key=None) -> StagePlan:
         """A StagePlan of this stage; the world size follows from `ranks`."""
         world = cluster_world_size(cfg.cluster) if ranks == Ranks.cluster else 1
-        return StagePlan(stage=self.name, key=key, ranks=Ranks(ranks), world_size=world,
+        return StagePlan(stage=self.name, key=key, former_key=former_key, ranks=Ranks(ranks),
+                         world_size=world,
                          subparts=tuple(subparts), selection=tuple(selection),
                          inputs=tuple(inputs),
                          outputs=tuple(Path(p) for p in outputs), detail=detail,

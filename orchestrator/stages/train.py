@@ -8,12 +8,14 @@ before a Slurm time limit: the job is requeued and resumes), and rank 0 writes
 profiles/<cluster>/train/<model>/<layout-tag>.json (+ .png, memory PNG): measured iteration
 times without warm-up, tokens/s, peak memory per rank, and the planner's prediction for the
 same layout beside each measured part. A rerun of the same command resumes from the last
-checkpoint (profiles/<cluster>/train/<model>/<layout-tag>.ckpt/).
+checkpoint (profiles/<cluster>/train/<model>/<layout-tag>.ckpt/). Each layout has its own ledger
+key, `train/<model>/<layout-tag>`, so training another layout in between never makes one
+train again.
 """
 from __future__ import annotations
 
 import contextlib
-
+import dataclasses
 import logging
 import signal
 import time
@@ -96,10 +98,25 @@ class Train(Stage):
 
             make_data(cfg.train.data, cfg.model.vocab, cfg.train.seq_len or cfg.model.seq_len,
                       cfg.train.seed)
-        # The ranks name the summary themselves when search writes the layout in this command.
-        return self.make_plan(cfg, key=f"train/{cfg.model.name}", ranks=Ranks.cluster,
+        # Each layout has its own ledger key, named as its summary (`train/tiny/<layout tag>`):
+        # A, B, then A again finds A done. When search writes the layout in this command the
+        # ranks name the summary themselves, under `train/<model>` (`launch_plan`), which a
+        # later run of that layout takes as its own record until it has one (`former_key`).
+        model_key = f"train/{cfg.model.name}"
+        return self.make_plan(cfg, key=f"{model_key}/{outputs[0].stem}" if outputs else model_key,
+                              former_key=model_key if outputs else None, ranks=Ranks.cluster,
                               inputs=inputs, outputs=outputs,
                               detail=point_label(cfg, self.sweep_section))
+
+    def launch_plan(self, plan, produced_now):
+        """Search ran in this command (stage=all): the strategy's layout this plan named its key
+        after may have changed (the ranks train the new one), so the run is recorded under
+        `train/<model>`, which the next plan of that layout takes as its record."""
+        rewritten = any(i.profile is StrategyLayout and i.producer in produced_now
+                        for i in plan.inputs)
+        if rewritten and plan.former_key:
+            return dataclasses.replace(plan, key=plan.former_key, former_key=None)
+        return plan
 
     def read_inputs(self, cfg, plan) -> List[str]:
         strategy = [x for x in plan.inputs if x.profile is StrategyLayout]
