@@ -175,6 +175,19 @@ def test_a_train_layout_takes_the_model_key_as_its_record_until_it_has_its_own(t
     assert decide(plan, ledger).done
 
 
+def test_a_rebuilt_ledger_keys_each_train_summary_as_its_run_does(tmp_path):
+    from orchestrator.pipeline import rebuild_entries
+
+    folder = tmp_path / "train" / "tiny"
+    for stem in ("pp1-tp1-dp4-zero0-mbs1x2-1f1b", "pp2-tp1-dp2-zero0-mbs1x4-1f1b@pp=2",
+                 "pp1-tp2-dp2-zero0-sp-mbs1x4-1f1b@tune"):
+        write_json(folder / f"{stem}.json", {"kind": "train", "provenance": {"config_hash": "h"}})
+    entries, _ = rebuild_entries(tmp_path)
+    assert sorted(entries) == ["train/tiny/pp1-tp1-dp4-zero0-mbs1x2-1f1b",
+                               "train/tiny/pp2-tp1-dp2-zero0-mbs1x4-1f1b@pp=2",
+                               "train/tiny@tune=pp1-tp2-dp2-zero0-sp-mbs1x4-1f1b"]
+
+
 def test_mark_ended_keeps_what_rank0_marked_done(tmp_path):
     """The launcher's failure report and rank 0's `done` race: done wins, unfinished parts fail."""
     ledger = Ledger(tmp_path)

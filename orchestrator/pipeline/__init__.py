@@ -196,12 +196,20 @@ def ledger_for(cfg: Config) -> Ledger:
     return Ledger(cluster_dir(cfg.profiles_dir, cfg.cluster.name), rebuild=rebuild_entries)
 
 
+def _train_key(path: Path) -> str:
+    """The ledger key of a train summary: `train/<model>/<stem>` (a layout's, a sweep point's
+    `<tag>@<label>`), `train/<model>@tune=<tag>` for stage=tune's candidates."""
+    tag, _, label = path.stem.partition("@")
+    if label == "tune":
+        return f"train/{path.parent.name}@tune={tag}"
+    return f"train/{path.parent.name}/{path.stem}"
+
+
 # Output files of a cluster folder: (glob, kind, the ledger key of a file's path).
 _OUTPUTS = (("hardware.json", "hardware", lambda path: "profile_hardware"),
             ("model/*.json", "model", lambda path: f"profile_model/{path.stem}"),
             ("strategy/*.json", "strategy", lambda path: f"search/{path.stem}"),
-            ("train/*/*.json", "train", lambda path: f"train/{path.parent.name}"
-             + (f"@{path.stem.split('@', 1)[1]}" if "@" in path.stem else "")))
+            ("train/*/*.json", "train", _train_key))
 
 
 def rebuild_entries(folder: Path) -> Tuple[Dict[str, LedgerEntry], List[str]]:
