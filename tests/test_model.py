@@ -50,6 +50,53 @@ def test_attention_is_causal():
     torch.testing.assert_close(model(tokens)[:, :10], model(changed)[:, :10])
 
 
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_packed_samples_each_compute_what_they_compute_alone(recompute):
+    """Samples packed back to back into a row (train.microbatching=dynamic | packed) attend only
+    to themselves, their positions from 0 (Megatron's --reset-attention-mask
+    --reset-position-ids): each sample's logits in the row, through the whole model and
+    through pipeline stages on segments (any recompute), are those of the sample alone."""
+    from orchestrator.train.data import packed_segments, packed_tensors
+
+    cfg = ModelConfig(layers=2)
+    model = GPT(cfg)
+    rows, row_len = [[5, 9, 3], [12, 8]], 24  # sample lengths per row; padding after them
+    generator = torch.Generator().manual_seed(1)
+    lengths = [n for row in rows for n in row]
+    windows = {i: torch.randint(0, cfg.vocab, (n + 1,), generator=generator)
+               for i, n in enumerate(lengths)}
+    index = iter(range(len(lengths)))
+    sample_rows = [[next(index) for _ in row] for row in rows]
+    tokens, targets = packed_tensors(windows, sample_rows, row_len)
+    segments = packed_segments(rows, row_len)
+    assert segments[0].tolist() == [0] * 5 + [1] * 9 + [2] * 3 + [3] * 7
+    stages = split_pipeline(model, [1, 1])
+    for stage in stages:
+        stage.recompute_blocks = frozenset(stage.blocks) if recompute == "full" else frozenset()
+        for block in stage.blocks.values():
+            block.attn.recompute_core = recompute == "selective"
+    whole = model(tokens, segments=segments)
+    h = tokens.clone()
+    for stage in stages:
+        h = stage(h, segments=segments)
+    torch.testing.assert_close(h, whole)
+    h.sum().backward()  # the recompute's backward reruns the masked forward
+    for r, row in enumerate(sample_rows):
+        at = 0
+        for sample in row:
+            n = len(windows[sample]) - 1
+            alone = model(windows[sample][None, :-1])[0]
+            torch.testing.assert_close(whole[r, at:at + n], alone, rtol=1e-5, atol=1e-5)
+            at += n
+    # the token-mean loss over the packed rows is the one over the samples run alone
+    alone_sum = sum(cross_entropy_loss(model(w[None, :-1]), w[None, 1:]) * (len(w) - 1)
+                    for w in windows.values())
+    torch.testing.assert_close(model(tokens, targets, segments=segments),
+                               alone_sum / sum(lengths))
+    # without the segments a later sample sees the ones before it in its row
+    assert not torch.allclose(model(tokens)[0, 5:14], whole[0, 5:14], atol=1e-4)
+
+
 @pytest.mark.parametrize(
     "overrides, tp, message",
     [

@@ -1,7 +1,8 @@
 """Training on variable-length micro-batches (train/executor.py) on 4 real CPU processes over
 gloo, against today's train_step and a single-process reference on the whole batch, also under
 context parallelism and for a mixture-of-experts model with expert parallelism; and the
-variable-length data it eats. One launch for every case (a launch costs seconds)."""
+variable-length data it eats, and samples packed into rows against the same samples alone. One
+launch for every case (a launch costs seconds)."""
 from __future__ import annotations
 
 import os
@@ -171,7 +172,42 @@ def _unequal(rank, out, name, layout, plan_by_dp, pad_to_max=False, extra_warmup
     out[(name, rank)] = (stats.loss, loss, stats.grad_norm, norm, diff)
 
 
+def _packed(rank, out, name, layout, modes=("selective", "full")):
+    """The executor on this dp rank's 4 samples packed back to back into rows of SEQ_LEN
+    tokens (pack_rows; the first row one micro-batch, the rest another), against the
+    whole-batch reference on the same samples each padded alone: packed samples attend only
+    to themselves, their positions from 0, on every pipeline stage."""
+    from orchestrator.planner.dynamic import pack_rows
+    from orchestrator.train.data import packed_segments, packed_tensors
+    from orchestrator.train.engine import Engine
+    from orchestrator.train.executor import MicroBatchInput
+
+    data = make_data(None, 128, SEQ_LEN, seed=0)
+    windows = _global_samples(data, 4 * layout.dp)
+    engine = Engine(layout, _model(), torch.device("cpu"), seed=1)
+    mine = windows[4 * engine.dp_rank:4 * engine.dp_rank + 4]
+    lengths = [len(w) - 1 for w in mine]
+    rows = pack_rows(lengths, SEQ_LEN)
+    batches = []
+    for group, mode in zip((rows[:1], rows[1:]), modes):
+        tokens, targets = packed_tensors(dict(enumerate(mine)), group, SEQ_LEN)
+        segments = packed_segments([[lengths[i] for i in row] for row in group], SEQ_LEN)
+        batches.append(MicroBatchInput(tokens, targets, mode, segments=segments))
+    stats = engine.train_step_micro_batches(batches, LR, 0.0, _real_tokens(windows),
+                                            total_rows=layout.dp * len(rows))
+    loss, norm, params, clear = _reference(windows, [[((0, 1), "none"), ((2, 3), "none")]]
+                                           * layout.dp)
+    diff = 0.0
+    if layout.tp == 1:  # TP shards the parameters: the loss and gradient norm tell there
+        mine_params = _params(engine)
+        diff = _max_diff(mine_params, {k: params[k] for k in mine_params}, clear)
+    out[(name, rank)] = (stats.loss, loss, stats.grad_norm, norm, diff,
+                         max(len(row) for row in rows), len(rows))
+
+
 def _worker(rank: int, out: dict) -> None:
+    _packed(rank, out, "packed pp2 tp2", _layout(2, 2, m=2))
+    _packed(rank, out, "packed dp4", _layout(1, 1, m=1), modes=("none", "selective"))
     _equal_shapes(rank, out, "equal pp2 tp1", _layout(2, 1, m=2))
     _equal_shapes(rank, out, "equal pp2 tp2", _layout(2, 2, m=2))
     # context parallelism (the ring, with SP inside each CP rank) and MoE with EP over dp ranks
@@ -231,6 +267,19 @@ def test_unequal_micro_batches_give_the_whole_batch_token_mean(results, case):
     under eager 1F1B's op order (the planner's extra warm-up forwards)."""
     for rank in range(WORLD_SIZE):
         loss, want_loss, norm, want_norm, param_diff = results[(case, rank)]
+        assert loss == pytest.approx(want_loss, rel=1e-5), (case, rank)
+        assert norm == pytest.approx(want_norm, rel=1e-4), (case, rank)
+        assert param_diff < 1e-5, (case, rank, param_diff)
+
+
+@pytest.mark.parametrize("case", ["packed pp2 tp2", "packed dp4"])
+def test_packed_rows_give_the_loss_of_the_samples_alone(results, case):
+    """Samples packed into rows (train.microbatching=dynamic | packed), through the pipeline
+    executor with sequence parallelism and the plain loop: loss, gradient norm and updated
+    parameters are those of the samples each padded alone (no sample attends to another)."""
+    for rank in range(WORLD_SIZE):
+        loss, want_loss, norm, want_norm, param_diff, most, rows = results[(case, rank)]
+        assert most >= 2 and rows >= 2, (case, rank, most, rows)  # some row does pack
         assert loss == pytest.approx(want_loss, rel=1e-5), (case, rank)
         assert norm == pytest.approx(want_norm, rel=1e-4), (case, rank)
         assert param_diff < 1e-5, (case, rank, param_diff)

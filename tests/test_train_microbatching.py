@@ -1,17 +1,23 @@
-"""`stage=train train.microbatching=dynamic | padded | packed` on 4 local CPU ranks (pp2 dp2,
-tiny): variable-length samples, a plan per iteration, each plan's prediction beside its
-measured time in the run summary, and samples no plan can hold skipped and counted."""
+"""`stage=train train.microbatching=dynamic | padded | packed` on 4 local CPU ranks (pp2 dp2 or
+pp1 tp2 dp2, tiny): variable-length samples, a plan per iteration, each plan's prediction beside
+its measured time in the run summary, samples no plan can hold skipped and counted, and packed
+rows whose samples stay independent (the padded run's losses)."""
 from __future__ import annotations
 
 import json
 import re
 from pathlib import Path
 
+import pytest
 from conftest import run_cli
 from test_train_cli import _analytic_profiles, _losses
 
 RUN = ["stage=train", "train.pp=2", "train.global_batch_size=16", "train.seq_len=128",
        "train.plot=false", "train.memory_interval_s=0.2", "train.timing_warmup_steps=1"]
+# a layout whose dynamic plans pack samples into rows; a learning rate per step that does not
+# depend on train.steps (warm-up, then flat), so runs of 6 and 2 steps compare step by step
+RUN_TP = ["stage=train", "train.pp=1", "train.tp=2", *RUN[2:], "train.warmup_steps=2",
+          "train.min_lr_ratio=1"]
 
 
 def _summary(profiles, kind: str) -> dict:
@@ -21,8 +27,12 @@ def _summary(profiles, kind: str) -> dict:
 
 
 def test_dynamic_trains_with_a_plan_per_step_and_baselines_see_the_same_samples(profiles):
+    """At pp1 tp2 dp2 (padded lengths multiples of tp), where the dynamic plans pack short
+    samples into rows: packed samples attend only to themselves, their positions from 0, so
+    the padded baseline's losses are the dynamic run's, step by step."""
     _analytic_profiles(profiles)
-    proc = run_cli(*RUN, "train.microbatching=dynamic", "train.steps=6", profiles_dir=profiles)
+    proc = run_cli(*RUN_TP, "train.microbatching=dynamic", "train.steps=6",
+                   profiles_dir=profiles)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert "dynamic micro-batching over 6 steps" in proc.stdout
     dynamic = _summary(profiles, "dynamic")
@@ -51,9 +61,13 @@ def test_dynamic_trains_with_a_plan_per_step_and_baselines_see_the_same_samples(
     assert mb["predicted_ms"] > 0 and mb["error"] is not None
 
     # The padded baseline: the same samples (same real tokens per step), the layout's
-    # micro-batches of one sequence padded to the longest of the step; the first loss is the
-    # same token mean over the same samples from the same weights.
-    proc = run_cli(*RUN, "train.microbatching=padded", "train.steps=2", profiles_dir=profiles)
+    # micro-batches of one sequence padded to the longest of the step; every loss is the
+    # same token mean over the same samples from the same weights (packed or not).
+    # some micro-batch holds more samples than rows: packed
+    assert any(0 < rows < size for step in mb["steps"] for rank in step["micro_batches"]
+               for size, _, _, rows in rank), mb["steps"]
+    proc = run_cli(*RUN_TP, "train.microbatching=padded", "train.steps=2",
+                   profiles_dir=profiles)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     padded = _summary(profiles, "padded")
     steps = padded["microbatching"]["steps"]
@@ -63,7 +77,7 @@ def test_dynamic_trains_with_a_plan_per_step_and_baselines_see_the_same_samples(
         assert all(size == 1 and p == longest for rank in step["micro_batches"]
                    for size, p, _, _ in rank)
         assert all(len(rank) == 8 for rank in step["micro_batches"])
-    assert abs(_losses(padded)[0] - losses[0]) < 1e-4, (_losses(padded)[0], losses[0])
+    assert _losses(padded) == pytest.approx(losses[:2], rel=1e-5), (_losses(padded), losses)
     # The fixed-length run of the same layout keeps its own summary name.
     assert not list((Path(profiles) / "local" / "train" / "tiny").glob("*1f1b.json"))
 
@@ -109,9 +123,9 @@ def test_dynamic_trains_context_parallel_and_moe_with_expert_parallelism(profile
     """train.microbatching=dynamic with cp 2 over dp 2 (each micro-batch's sequences split over
     the CP pair, padded lengths multiples of 2 x cp) and tiny_moe with ep 2 over dp 4 (the dp
     ranks of an expert group run their micro-batches in lockstep) trains on 4 ranks, every
-    sample once per step. (Its losses against the fixed run's and a one-process reference:
-    test_train_dynamic.py, on the same engine path; a CLI run's dynamic plan may pack samples
-    into rows, which changes attention, so its loss is not the padded run's.)"""
+    sample once per step. (Its losses
+    against the fixed run's and a one-process reference: test_train_dynamic.py, on the same
+    engine path.)"""
     _analytic_profiles(profiles)
     run_cli("stage=profile_model", "model=tiny_moe", "profile_model.source=analytic",
             "profile_model.plot=false", profiles_dir=profiles, check=0)

@@ -58,9 +58,14 @@ class Rotary(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., :d/2], x[..., d/2:]) of x (batch, seq, heads, head_dim) by position."""
+    """Rotate pairs (x[..., :d/2], x[..., d/2:]) of x (batch, seq, heads, head_dim) by position:
+    cos/sin the tables (positions 0.., seq_len, head_dim / 2), or per token (batch, seq,
+    head_dim / 2: packed rows, each sample's positions from 0, `packed_rows`)."""
     seq = x.shape[1]
-    cos, sin = cos[:seq, None, :], sin[:seq, None, :]  # broadcast over heads
+    if cos.dim() == 3:
+        cos, sin = cos[:, :seq, None, :], sin[:, :seq, None, :]
+    else:
+        cos, sin = cos[:seq, None, :], sin[:seq, None, :]  # broadcast over heads
     x1, x2 = x.float().chunk(2, dim=-1)
     rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
     return rotated.type_as(x)
@@ -68,6 +73,34 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def _attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def _masked_attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           mask: torch.Tensor) -> torch.Tensor:
+    """Attention under a boolean mask (batch, 1, seq, seq), True where a query may attend:
+    packed rows' block-diagonal causal mask (`packed_rows`)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def packed_rows(segments: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What attention needs for rows that hold several samples back to back (packed rows, as
+    Megatron's --reset-attention-mask --reset-position-ids): `segments` (batch, seq) int gives
+    each token's sample within its row, non-decreasing along the row (a row's padding is a
+    segment of its own). Returns the rotary tables at each token's position within its own
+    sample (cos, sin: batch, seq, head_dim / 2) and the block-diagonal causal mask (batch, 1,
+    seq, seq) bool: a token attends to the tokens of its own sample up to itself, so each
+    sample computes what it would alone. The mask is dense: attention still computes the whole
+    row (seq^2 per row, as the planner prices a packed row)."""
+    seq = segments.shape[1]
+    index = torch.arange(seq, device=segments.device)
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    first = torch.cummax(torch.where(starts, index, 0), dim=1).values
+    positions = index - first  # (batch, seq), from 0 in each sample
+    same = segments[:, :, None] == segments[:, None, :]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=segments.device).tril()
+    return cos[positions], sin[positions], (same & causal).unsqueeze(1)
 
 
 class Attention(nn.Module):
@@ -90,8 +123,14 @@ class Attention(nn.Module):
         # How the input projections run (set from outside: sequence parallelism's own).
         self.project = each_linear
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`mask`: None, causal over the whole sequence; else packed rows' boolean mask (batch,
+        1, seq, seq) with cos/sin per token (`packed_rows`)."""
         batch, seq, _ = x.shape
+        if mask is not None and self.context is not None:
+            raise ValueError("packed rows (a block-diagonal attention mask) are not supported "
+                             "under context parallelism")
         # -1: the number of heads on this rank (all of them, or heads / tp after column sharding).
         q, k, v = (t.view(batch, seq, -1, self.head_dim)
                    for t in self.project(x, (self.wq, self.wk, self.wv)))
@@ -100,10 +139,13 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
         core = _attention_core if self.context is None else self.context.attention
+        args = (q, k, v)
+        if mask is not None:
+            core, args = _masked_attention_core, (q, k, v, mask)
         if self.recompute_core and torch.is_grad_enabled():
-            out = checkpoint(core, q, k, v, use_reentrant=False)
+            out = checkpoint(core, *args, use_reentrant=False)
         else:
-            out = core(q, k, v)
+            out = core(*args)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -154,8 +196,13 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
         self.mlp = MoE(cfg) if is_moe_block(cfg, index) else MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`mask`: packed rows' attention mask, cos/sin then per token (`packed_rows`)."""
+        if mask is None:
+            x = x + self.attn(self.attn_norm(x), cos, sin)
+        else:  # a keyword: tensor parallelism's PrepareModuleInput takes (x, cos, sin) only
+            x = x + self.attn(self.attn_norm(x), cos, sin, mask=mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -222,12 +269,19 @@ class GPT(nn.Module):
         loss compiled when `fused_loss` is set (profile_model, where train compiles)."""
         return cross_entropy_loss(self.head(h), targets, self.fused_loss)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Loss (scalar) if targets are given, else logits (batch, seq, vocab)."""
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                segments: torch.Tensor | None = None) -> torch.Tensor:
+        """Loss (scalar) if targets are given, else logits (batch, seq, vocab). `segments`
+        (batch, seq) int: rows of samples packed back to back, each token's sample in its row;
+        each sample then attends only to itself, its positions from 0 (`packed_rows`)."""
         cos, sin = self.rope()
+        extra = ()
+        if segments is not None:
+            cos, sin, mask = packed_rows(segments, cos, sin)
+            extra = (mask,)
         h = self.embed(tokens)
         for block in self.blocks:
-            h = block(h, cos, sin)
+            h = block(h, cos, sin, *extra)
         logits = self.head(h)
         return logits if targets is None else cross_entropy_loss(logits, targets)
 

@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from orchestrator.models.config import validate_model
-from orchestrator.models.gpt import GPT, Rotary, init_parameters
+from orchestrator.models.gpt import GPT, Rotary, init_parameters, packed_rows
 from orchestrator.models.moe import MoE, ExpertParallel
 
 
@@ -292,21 +292,28 @@ class PipelineStageModule(nn.Module):
         """Initialise this stage's parameters to the values the whole model would get."""
         init_parameters(self, self.cfg, seed)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        """`segments` (batch, seq) int: packed rows (several samples back to back in a row),
+        each token's sample in its row, on every stage: attention stays within each sample and
+        positions restart at 0 per sample (models/gpt.packed_rows); None: causal over the row."""
         if self.autocast_dtype is None:
-            return self._forward(x)
+            return self._forward(x, segments)
         with torch.autocast(x.device.type, dtype=self.autocast_dtype):
-            return self._forward(x)
+            return self._forward(x, segments)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = self.rope()
+        extra = ()
+        if segments is not None:
+            cos, sin, mask = packed_rows(segments, cos, sin)
+            extra = (mask,)
         h = self.tok_emb(x) if self.is_first else x
         recompute = torch.is_grad_enabled() and self.recompute_blocks
         for name, block in self.blocks.items():
             if recompute and name in self.recompute_blocks:
-                h = checkpoint(block, h, cos, sin, use_reentrant=False)
+                h = checkpoint(block, h, cos, sin, *extra, use_reentrant=False)
             else:
-                h = block(h, cos, sin)
+                h = block(h, cos, sin, *extra)
         return self.lm_head(self.norm(h)) if self.is_last else h
 
 

@@ -263,6 +263,22 @@ def packed_tensors(windows: Mapping[int, torch.Tensor], rows: Sequence[Sequence[
     return tokens, targets
 
 
+def packed_segments(row_lengths: Sequence[Sequence[int]], row_len: int) -> torch.Tensor:
+    """int64 (len(row_lengths), row_len): each token's sample within its packed row (0, 1, ..
+    in row order; the row's padding after them one more segment), for packed rows of samples of
+    these lengths (tokens) back to back, as packed_tensors lays them out. The model attends
+    within each segment only and restarts positions per segment (models/gpt.packed_rows)."""
+    segments = torch.empty((len(row_lengths), row_len), dtype=torch.int64)
+    for r, lengths in enumerate(row_lengths):
+        if sum(lengths) > row_len:
+            raise ValueError(f"row {r}: samples of {list(lengths)} tokens hold more than "
+                             f"row_len({row_len})")
+        ids = torch.arange(len(lengths) + 1)
+        counts = torch.tensor([*lengths, row_len - sum(lengths)])
+        segments[r] = torch.repeat_interleave(ids, counts)
+    return segments
+
+
 def _text_files(folder: str) -> Iterator[str]:
     """Files with a TEXT_SUFFIXES suffix under `folder`, depth first in sorted name order,
     skipping hidden folders, __pycache__ and symlinked folders (no cycles)."""

@@ -288,6 +288,9 @@ class Engine:
         carry their part of its one loss, summed over them)."""
         mb = mb.to(self.device)
         if self.context is not None:
+            if mb.segments is not None:
+                raise ValueError("packed rows under context parallelism are not supported: "
+                                 "the planner pads there (planner/dynamic.py)")
             mb = dataclasses.replace(mb, tokens=self.context.split(mb.tokens),
                                      targets=self.context.split(mb.targets))
         if self.moe:

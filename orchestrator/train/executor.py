@@ -33,16 +33,26 @@ class MicroBatchInput:
     """One micro-batch to run: int64 (batch, padded_len) tokens and targets (IGNORE_INDEX at
     padding), its recompute mode ("none" | "selective" | "full"), and for a mixture-of-experts
     model the gradient its MoE layers' balance loss is injected with (aux_grad_scale; None:
-    left as set)."""
+    left as set). `segments` (batch, padded_len) int64 for packed rows (several samples back
+    to back in a row): each token's sample in its row (train/data.packed_segments), which every
+    stage's attention stays within; None: one sample per row, causal over it."""
 
     tokens: torch.Tensor
     targets: torch.Tensor
     recompute: Recompute = Recompute.none
     aux_grad_scale: Optional[float] = None
+    segments: Optional[torch.Tensor] = None
 
     def to(self, device: torch.device) -> "MicroBatchInput":
+        segments = None if self.segments is None else self.segments.to(device)
         return dataclasses.replace(self, tokens=self.tokens.to(device),
-                                   targets=self.targets.to(device))
+                                   targets=self.targets.to(device), segments=segments)
+
+
+def stage_forward(module, x: torch.Tensor, mb: MicroBatchInput) -> torch.Tensor:
+    """A stage module's forward of micro-batch `mb` (x: its tokens or the previous stage's
+    activations), its packed rows' segments passed where it has them."""
+    return module(x) if mb.segments is None else module(x, segments=mb.segments)
 
 
 def prepare(module, mb: MicroBatchInput) -> None:
@@ -138,7 +148,7 @@ class PipelineExecutor:
             x = self._recv(self._activation_shape(mb), stage - 1, False, stage, i)
             x.requires_grad_(True)
         start = self.now()
-        out = self.modules[chunk](x)
+        out = stage_forward(self.modules[chunk], x, mb)
         if stage == self.num_virtual - 1:
             out = self.loss_fn(out, mb.targets)
             losses.append(out.detach())
@@ -189,7 +199,7 @@ def run_plain(module, batches: Sequence[MicroBatchInput], loss_fn: LossFn,
     for mb in batches:
         prepare(module, mb)
         start = now()
-        loss = loss_fn(module(mb.tokens), mb.targets)
+        loss = loss_fn(stage_forward(module, mb.tokens, mb), mb.targets)
         loss.backward()
         spans.append((start, now()))
         losses.append(loss.detach())

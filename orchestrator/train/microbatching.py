@@ -119,8 +119,9 @@ class IterationPlanner:
 def rank_inputs(iteration: Iteration, data, dp_rank: int, samples_per_rank: int) -> List[Any]:
     """dp rank `dp_rank`'s micro-batches as the engine runs them (MicroBatchInput: tokens and
     targets with padding ignored), in the plan's order. A packed micro-batch's rows hold their
-    samples back to back (attention spans the row, as the planner prices it)."""
-    from orchestrator.train.data import micro_batch_tensors, packed_tensors
+    samples back to back, with the segments that keep each sample's attention and positions
+    its own (data.packed_segments); every pipeline stage builds the same from the plan."""
+    from orchestrator.train.data import micro_batch_tensors, packed_segments, packed_tensors
     from orchestrator.train.executor import MicroBatchInput
 
     plan = iteration.plan
@@ -132,11 +133,14 @@ def rank_inputs(iteration: Iteration, data, dp_rank: int, samples_per_rank: int)
     windows = dict(zip(index, cut))
     out = []
     for mb, rows in zip(plan.micro_batches[dp_rank], _rows(plan, dp_rank)):
+        segments = None
         if rows:
             tokens, targets = packed_tensors(windows, rows, mb.padded_len)
+            segments = packed_segments([[len(windows[s]) - 1 for s in row] for row in rows],
+                                       mb.padded_len)
         else:
             tokens, targets = micro_batch_tensors(windows, mb)
-        out.append(MicroBatchInput(tokens, targets, mb.recompute))
+        out.append(MicroBatchInput(tokens, targets, mb.recompute, segments=segments))
     return out
 
 
