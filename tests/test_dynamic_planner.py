@@ -291,6 +291,25 @@ def test_pack_rows_and_the_baselines():
     assert dynamic.to_dict()["kind"] == "dynamic"
 
 
+def test_context_parallel_plans_never_pack_and_the_packed_baseline_is_refused():
+    """Ring attention has no per-sample mask, so under cp > 1 a packed row would let its
+    samples attend to each other: the plans pad every sample in a row of its own instead, and
+    the packed baseline is a ConfigError. Without CP the same many short samples do pack."""
+    rng = np.random.default_rng(5)
+    lengths = [rng.integers(4, 40, 32).tolist() for _ in range(2)]
+    cp_layout = ParallelLayout.uniform(8, 2, 1, MODEL.layers, cp=2)  # tp2 cp2 dp2
+    for fast in (False, True):
+        plain = plan_iteration(lengths, layout(pp=2, tp=2, dp=2), MODEL, HW, 1e12,
+                               max_seq_len=512, fast_mode=fast)
+        assert any(rows for rank in plain.packed_rows for rows in rank), fast
+        cp = plan_iteration(lengths, cp_layout, MODEL, HW, 1e12, max_seq_len=512,
+                            fast_mode=fast)
+        assert not any(rows for rank in (cp.packed_rows or ()) for rows in rank), fast
+        assert sorted(s for mb in cp.micro_batches[0] for s in mb.samples) == list(range(32))
+    with pytest.raises(ConfigError, match="packed needs cp=1"):
+        packed_plan(lengths, cp_layout, MODEL, HW, 1e12, max_seq_len=512)
+
+
 def test_row_counts_equal_pack_rows_for_every_run():
     # By hand: rows of 10 over [3, 4, 5, 6]: [0, 4) -> (3, 4), (5,), (6,); [1, 4) -> (4, 5), (6,).
     counts = row_counts(np.array([3, 4, 5, 6]), np.full(5, 10), np.arange(5))

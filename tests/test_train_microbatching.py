@@ -123,7 +123,8 @@ def test_dynamic_trains_context_parallel_and_moe_with_expert_parallelism(profile
     """train.microbatching=dynamic with cp 2 over dp 2 (each micro-batch's sequences split over
     the CP pair, padded lengths multiples of 2 x cp) and tiny_moe with ep 2 over dp 4 (the dp
     ranks of an expert group run their micro-batches in lockstep) trains on 4 ranks, every
-    sample once per step. (Its losses
+    sample once per step; under context parallelism the plans never pack (ring attention has
+    no per-sample mask) and train.microbatching=packed is refused before launch. (Its losses
     against the fixed run's and a one-process reference: test_train_dynamic.py, on the same
     engine path.)"""
     _analytic_profiles(profiles)
@@ -148,6 +149,8 @@ def test_dynamic_trains_context_parallel_and_moe_with_expert_parallelism(profile
             assert sizes == [16 // len(sizes)] * len(sizes), (model, sizes)  # each sample once
             if model == "tiny":  # the CP pair cuts each sequence into 2 x cp chunks
                 assert all(p % 4 == 0 for rank in step["micro_batches"] for _, p, _, _ in rank)
+                assert all(rows == 0 for rank in step["micro_batches"]
+                           for _, _, _, rows in rank)  # padded, never packed
             else:  # the expert groups (dp ranks 0, 1 and 2, 3) in lockstep
                 counts = [len(rank) for rank in step["micro_batches"]]
                 assert counts[0] == counts[1] and counts[2] == counts[3], counts
@@ -157,3 +160,7 @@ def test_dynamic_trains_context_parallel_and_moe_with_expert_parallelism(profile
         if model == "tiny_moe":
             aux = summary["moe"]["aux_loss"]  # the balance loss, over every micro-batch
             assert len(aux) == 2 and all(0 < v < 1 for v in aux.values()), aux
+    proc = run_cli("stage=train", *cases["tiny"], "train.global_batch_size=16",
+                   "train.microbatching=packed", "train.steps=2", profiles_dir=profiles)
+    assert proc.returncode == 2, proc.stderr + proc.stdout
+    assert "train.microbatching=packed needs cp=1, got cp=2" in proc.stderr, proc.stderr

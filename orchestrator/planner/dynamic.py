@@ -62,6 +62,14 @@ def _fast_mode(fast_mode: Optional[bool]) -> bool:
     return os.environ.get("ORCHESTRATOR_FAST_MODE", "") not in ("", "0")
 
 
+def packs(layout: ParallelLayout) -> bool:
+    """Whether a layout's micro-batches may pack samples into rows: not under context
+    parallelism, whose ring attention splits each row over the CP ranks with a causal mask of
+    global positions and has no per-sample mask (models/context_parallel.py); there every
+    sample gets a row of its own, padded."""
+    return layout.cp == 1
+
+
 def _pad_multiple(layout: ParallelLayout, options: PlanOptions) -> int:
     """Padded lengths are multiples of pad_multiple, of tp under sequence parallelism, and of
     2 x cp x tp under context parallelism (a sequence cut into 2 cp equal chunks, each split
@@ -122,7 +130,8 @@ def _plan_rank(costs: MicroBatchCosts, lengths: np.ndarray, indices: np.ndarray,
         if attempt:  # over the budget: fast mode's adjustment bound gives way to the budget
             steps = options.normal_adjustments
         cands = price_candidates(costs, lengths[ordered], padded, dp_budget, max_seq_len,
-                                 _token_splits(padded, options.fast_splits) if fast else None)
+                                 _token_splits(padded, options.fast_splits) if fast else None,
+                                 pack=packs(layout))
         best, seen = None, set()
         objective, first = partition(cands, fill_drain, groups, fast=fast)
         variants = [first] if np.isfinite(objective) else []
@@ -312,7 +321,9 @@ def _keep_faster_baselines(costs: MicroBatchCosts, results: List[_RankResult],
     the budget: the partition's objective only approximates the simulation, and it packs in
     sorted order, which can need more rows than data order."""
     layout = costs.layout
-    for build in (_padded_micro_batches, _packed_micro_batches):
+    builds = (_padded_micro_batches, _packed_micro_batches) if packs(layout) else \
+        (_padded_micro_batches,)
+    for build in builds:
         mbs, packed = build(lengths_per_rank, layout, max_seq_len)
         if layout.schedule == Schedule.interleaved and any(len(x) % layout.pp for x in mbs):
             continue  # interleaving needs a multiple of pp micro-batches
@@ -361,7 +372,11 @@ def packed_plan(lengths_per_rank: Sequence[Sequence[int]], layout: ParallelLayou
                 max_seq_len: int, costs: Optional[MicroBatchCosts] = None) -> ExecutionPlan:
     """Baseline: samples packed into rows of max_seq_len tokens (pack_rows), micro-batches of
     layout.micro_batch_size rows, each row priced as one max_seq_len sequence (attention over
-    the whole row), the layout's recompute."""
+    the whole row), the layout's recompute. ConfigError under context parallelism (packs)."""
+    if not packs(layout):
+        raise ConfigError(f"train.microbatching=packed needs cp=1 (cp={layout.cp}): ring "
+                          f"attention has no per-sample mask for packed rows; use "
+                          f"train.microbatching=dynamic or padded")
     costs = costs or MicroBatchCosts(layout, model, hardware)
     mbs, packed = _packed_micro_batches(lengths_per_rank, layout, max_seq_len)
     return _baseline_plan(costs, mbs, packed, memory_budget_bytes, Microbatching.packed)

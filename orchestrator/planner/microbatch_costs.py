@@ -188,19 +188,23 @@ def fastest_fitting(costs: MicroBatchCosts, b: np.ndarray, s: np.ndarray,
 
 def price_candidates(costs: MicroBatchCosts, sorted_lengths: np.ndarray,
                      sorted_padded: np.ndarray, budget: float, max_seq_len: int,
-                     bounds: Optional[np.ndarray] = None) -> Candidates:
+                     bounds: Optional[np.ndarray] = None, pack: bool = True) -> Candidates:
     """Every run between split positions `bounds` (default 0..n) of the ascending lengths
     (sorted_padded: each rounded up), priced as its samples packed by pack_rows into rows of
     the run's padded length (at worst one sample per row: padded) or into rows of
     max_seq_len, whichever is faster; each row is priced as one sequence of its length
-    (attention over the whole row)."""
+    (attention over the whole row: the model's packed rows keep each sample to itself with a
+    dense block-diagonal causal mask, models/gpt.packed_rows, so they compute the whole row's
+    scores, as priced). `pack` False: one sample per row, padded (layouts that cannot pack,
+    dynamic.packs)."""
     n = len(sorted_padded)
     bounds = np.arange(n + 1) if bounds is None else np.asarray(bounds)
     g = len(bounds)
     a, c = np.triu_indices(g, k=1)
     own_len = sorted_padded[bounds[c] - 1]
     own_caps = np.concatenate([[0], sorted_padded[bounds[1:] - 1]])
-    own_rows = row_counts(sorted_lengths, own_caps, bounds)[a, c]
+    own_rows = (row_counts(sorted_lengths, own_caps, bounds)[a, c] if pack
+                else bounds[c] - bounds[a])
     long_rows = row_counts(sorted_lengths, np.full(g, max_seq_len), bounds)[a, c]
     # Many runs share (rows, length): price each pair once.
     pairs, inverse = np.unique(own_rows * (max_seq_len + 1) + own_len, return_inverse=True)
@@ -210,7 +214,7 @@ def price_candidates(costs: MicroBatchCosts, sorted_lengths: np.ndarray,
                                         budget)
     t_own, mode_own = t_own[inverse], mode_own[inverse]
     t_long, mode_long = t_long[long_rows - 1], mode_long[long_rows - 1]
-    use_long = t_long < t_own
+    use_long = (t_long < t_own) & pack
     out = [np.zeros((g, g), dtype=dtype) for dtype in (float, np.int64, np.int64, np.int64)]
     out[0][:] = np.inf
     for array, values in zip(out, (np.where(use_long, t_long, t_own),

@@ -394,6 +394,10 @@ def check_target(cfg, target: TrainTarget, world: int) -> None:
         raise LayoutError(f"train.microbatching={cfg.train.microbatching} runs ZeRO 0-2: with "
                           f"ZeRO-3 the dp ranks' different micro-batch counts would stall "
                           f"FSDP's gathers; set train.zero=2 (or 0/1)")
+    if cfg.train.microbatching == Microbatching.packed and layout.cp > 1:
+        raise LayoutError(f"train.microbatching=packed needs cp=1, got cp={layout.cp}: ring "
+                          f"attention has no per-sample mask for packed rows; use "
+                          f"train.microbatching=dynamic or padded (they pad under cp)")
     if cfg.train.steps < 1:
         raise LayoutError(f"train.steps({cfg.train.steps}) must be >= 1")
     backend = cfg.cluster.backend
