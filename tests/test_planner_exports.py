@@ -206,3 +206,15 @@ def test_galvatron_has_no_interleaving():
         galvatron_strategy(layout)
     with pytest.warns(UserWarning):
         assert galvatron_strategy(layout, strict=False)["pipeline_type"] == "pipedream_flush"
+
+
+def test_megatron_zero3_is_fsdp2_only_where_megatron_runs_it():
+    """Megatron-LM's validate_args: --use-torch-fsdp2 asserts pipeline_model_parallel_size == 1,
+    expert_model_parallel_size == 1 and no gradient-accumulation fusion (on by default)."""
+    a = _args_dict(megatron_args(ParallelLayout.uniform(16, 2, 1, 8, zero=3,
+                                                        num_micro_batches=4)))
+    assert a["--use-torch-fsdp2"] is True and a["--no-gradient-accumulation-fusion"] is True
+    piped = ParallelLayout.uniform(16, 2, 2, 8, zero=3, num_micro_batches=4)
+    for strict in (True, False):
+        with pytest.raises(ExportError, match=r"ZeRO 3 with pp\(2\)"):
+            megatron_args(piped, strict=strict)

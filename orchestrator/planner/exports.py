@@ -39,7 +39,8 @@ def megatron_args(layout: ParallelLayout, strict: bool = True,
     Megatron expresses every partition a ParallelLayout holds, uneven and interleaved with
     short end chunks included (megatron_partition); one recompute setting for every stage
     (block method: the first r layers of each model chunk, all of a shorter one); ZeRO 1 as
-    --use-distributed-optimizer and ZeRO 3 as --use-torch-fsdp2. Anything else is an
+    --use-distributed-optimizer and ZeRO 3 as --use-torch-fsdp2 (pp 1 and ep 1 only: an
+    ExportError otherwise, strict or not). Anything else is an
     ExportError (strict) or, with strict=False, approximated on the memory-safe side (ZeRO 2 ->
     distributed optimizer, differing recompute -> the most recompute any stage has) with a
     warning."""
@@ -66,7 +67,13 @@ def megatron_args(layout: ParallelLayout, strict: bool = True,
                          "parameters); its distributed optimizer is ZeRO-1")
         args.append("--use-distributed-optimizer")
     elif layout.zero == 3:
-        args.append("--use-torch-fsdp2")
+        # Megatron's torch FSDP2 runs without pipeline and expert parallelism only, and refuses
+        # its default gradient-accumulation fusion (arguments.py, validate_args); no other
+        # Megatron option holds a ZeRO-3 layout's memory, so it is not written, strict or not
+        if layout.pp > 1 or layout.ep > 1:
+            raise ExportError(f"ZeRO 3 with pp({layout.pp}), ep({layout.ep}): Megatron-LM's "
+                              f"--use-torch-fsdp2 runs only with pp 1 and ep 1")
+        args += ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"]
 
     args += megatron_partition(layout)
     if v > 1 and layout.pp == 2:
