@@ -132,6 +132,16 @@ def _simai_skips(specs, skipped, export, moe: bool):
     return keep, sorted(skipped, key=lambda s: s.index)
 
 
+def megatron_overlap(cfg):
+    """The Overlap the search.* overlap knobs ask for (None: on): what search's Megatron export
+    writes, so the trace's `megatron_args` say the same."""
+    from orchestrator.planner import CostOptions
+    from orchestrator.train.plan import OVERLAP_KNOBS
+
+    return CostOptions(**{k: getattr(cfg.search, k, None)
+                          for k in OVERLAP_KNOBS}).megatron_overlap()
+
+
 def run_trace(ctx, run) -> dict:
     from orchestrator.console import stage_console
     from orchestrator.trace.output import read_index, write_index
@@ -167,7 +177,7 @@ def run_trace(ctx, run) -> dict:
                 summary = trace_configuration(
                     spec, cfg.model, pricer, out / name, all_ranks=cfg.trace.all_ranks,
                     bucket_MiB=cfg.trace.bucket_MiB, export=cfg.trace.export,
-                    captures=captures)
+                    captures=captures, overlap=megatron_overlap(cfg))
                 done.append(summary)
                 entries[name] = {"config": summary["config"], "index": spec.index,
                                  "state": "done", "path": str(out / name),

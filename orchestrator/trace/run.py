@@ -25,10 +25,11 @@ def trace_configuration(spec: TraceSpec, model, pricer: ComputePricer, folder: P
                         all_ranks: bool = False, replay: bool = True, bucket_MiB: float = 25.0,
                         export: Optional[str] = None,
                         on_rank: Callable[[int], None] = lambda rank: None,
-                        captures: Optional[dict] = None) -> dict:
+                        captures: Optional[dict] = None, overlap=None) -> dict:
     """Trace the representative ranks (or all), write their files and summary.json into
     `folder`; returns the summary. `captures`: chunk captures shared across configurations
-    (tracer.trace_rank); one for this configuration when not given."""
+    (tracer.trace_rank); one for this configuration when not given. `overlap`: what the
+    Megatron arguments say is overlapped (megatron_command_args)."""
     start = time.perf_counter()
     ranks = spec.all_ranks() if all_ranks else spec.representative_ranks()
     representatives = set(spec.representative_ranks())  # every traced list includes them
@@ -59,7 +60,7 @@ def trace_configuration(spec: TraceSpec, model, pricer: ComputePricer, folder: P
     elapsed = time.perf_counter() - start
     lay = spec.layout
     mean_s = sum(seconds_alone) / len(seconds_alone)
-    megatron = megatron_command_args(model, lay)
+    megatron = megatron_command_args(model, lay, overlap)
     totals: Dict[str, dict] = {}
     for stage_totals in per_stage.values():
         _merge(totals, stage_totals)
