@@ -6,7 +6,7 @@ the trace records.
 from __future__ import annotations
 
 import warnings
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig
