@@ -227,7 +227,9 @@ def run_search(ctx, run):
         why = current_calibration(cfg)[2]
         if why:
             notes.append(f"cost model uncalibrated: {why}")
-    trained = _trained_layout(inputs[2:], space, result, notes)
+    trained = _trained_layout(inputs[2:], space, result, notes,
+                              lambda layout: _in_space(layout, space, cost,
+                                                       HardwareModel.from_profile(hw)))
     strategy = _strategy(cfg, result, space, inputs, notes,
                          Provenance.from_dict(run.provenance()))
     kept = keep_other_world(out, space.world_size)
@@ -295,14 +297,49 @@ def keep_other_world(out: Path, world_size: int) -> Optional[Path]:
     return kept
 
 
-def _trained_layout(calibration_inputs, space, result, notes: List[str]):
+def _in_space(layout, space, model_cost, hardware) -> bool:
+    """Whether the search could have chosen `layout`: its degrees, ZeRO stage, recompute modes,
+    micro-batch size, schedule and sequence parallelism among the space's, and its memory within
+    the space's budget (the reserve kept)."""
+    from orchestrator.layout import LayoutError
+    from orchestrator.planner import evaluate
+    from orchestrator.planner.space import _degree_allowed
+
+    per_replica = space.global_batch_size // max(1, layout.dp)
+    mbs = (space.micro_batch_sizes if space.micro_batch_sizes is not None
+           else [d for d in range(1, per_replica + 1) if per_replica % d == 0])
+    if not (_degree_allowed(layout.tp, space.tp, space.max_tp)
+            and _degree_allowed(layout.pp, space.pp, space.max_pp)
+            and layout.cp <= space.max_cp and (layout.cp == 1 or layout.cp_comm in space.cp_comms)
+            and (space.ep is None or layout.ep == space.ep)
+            and (space.etp is None or layout.etp == space.etp)
+            and layout.zero in space.zero_stages
+            and all(mode in space.recompute for mode, _ in layout.recompute)
+            and layout.micro_batch_size in mbs and layout.schedule in space.schedules
+            and (layout.virtual_stages == 1 or layout.virtual_stages in space.virtual_stages)
+            and layout.sequence_parallel in space.sequence_parallel):
+        return False
+    try:
+        return evaluate(layout, model_cost, hardware, space.seq_len, space.memory_budget_bytes,
+                        space.options).feasible
+    except (LayoutError, ValueError):
+        return False
+
+
+def _trained_layout(calibration_inputs, space, result, notes: List[str], in_space=None):
     """What stage=train trains: stage=tune's measured fastest when the calibration read has one
-    for this space (same devices, batch and length), else the predicted best."""
+    for this space (same devices, batch and length, and a layout this search could choose:
+    `in_space`), else the predicted best."""
     for _, calibration in calibration_inputs:
         pick = calibration.pick
         if (pick is not None and pick.world_size == space.world_size
                 and pick.global_batch_size == space.global_batch_size
                 and calibration.seq_len == space.seq_len):
+            if in_space is not None and not in_space(pick):
+                notes.append(f"stage=tune's measured fastest ({calibration.pick_describe}) is "
+                             f"outside this search's space (search.* settings): stage=train "
+                             f"trains the predicted best")
+                return result.best
             if pick != result.best:
                 notes.append(f"stage=train trains stage=tune's measured fastest "
                              f"({calibration.pick_describe}), not the predicted best")
