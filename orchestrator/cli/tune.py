@@ -271,6 +271,14 @@ def tune(cfg, run_stages: Callable, console) -> List[dict]:
         candidates=records, pick=pick.layout if pick else None,
         pick_describe=pick.describe if pick else None)
     out = calibration_path(cfg.profiles_dir, cfg.cluster.name, cfg.model.name)
+    if pick is None and _fitted(cfg):
+        # Every candidate failed (a train setting refusing them all, a crash): no run to learn
+        # from, so the calibration an earlier tune fitted to these profiles stays in use.
+        _report(profile, dataclasses.replace(fit, why_not="no run to fit: the calibration "
+                                             "fitted before stays in use"), console)
+        reasons = "; ".join(sorted({f"{r.role}: {r.reason}" for r in records})[:3])
+        raise InfeasibleError(f"tune: every candidate failed ({len(records)}): {reasons}; the "
+                              f"calibration fitted before is kept: {out}")
     write_profile(out, profile)
     if pick is not None:  # what stage=train trains next
         write_json(layout_file(cfg), {"model": cfg.model.name, "seq_len": seq_len,
@@ -289,6 +297,14 @@ def tune(cfg, run_stages: Callable, console) -> List[dict]:
              "log": "", "outputs": [str(out)] + ([str(plot)] if plot else []),
              "result": {"pick": pick.describe, "measured_ms": pick.measured_ms["iteration"],
                         "calibration": cal.describe()}}]
+
+
+def _fitted(cfg) -> bool:
+    """Whether the cluster's calibration of this model is one fitted to the profiles on disk."""
+    from orchestrator.train.plan import current_calibration
+
+    calibration, used, _ = current_calibration(cfg)
+    return used is not None and calibration.runs > 0
 
 
 def bound_warning(cal) -> str:
