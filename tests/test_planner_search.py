@@ -370,3 +370,20 @@ def test_megatron_search_with_short_chunks_names_the_closest_when_nothing_fits()
         search(model, hw, space)
     closest = caught.value.closest
     assert closest.num_layers == 7 and closest.virtual_stages == 2 and closest.short_chunks
+
+
+def test_megatron_engine_offers_zero3_only_without_pipeline_or_experts():
+    """Megatron-LM's ZeRO 3 (--use-torch-fsdp2) refuses pp > 1 (its validate_args), so the
+    Megatron engine's space has ZeRO 3 at pp 1 only, where ours has it at every pp."""
+    from orchestrator.planner.space import enumerate_configs
+
+    model = ModelCost.from_dict(synthetic_model("tiny", layers=4, hidden=256, ffn=1024))
+    hw = HardwareModel.from_dict(synthetic_hardware(1, 8))
+    zero3_pps = {}
+    for engine in ("orchestrator", "megatron"):
+        space = _space(zero_stages=(0, 3), options=CostOptions(reserve_bytes=0, engine=engine))
+        rejected = {}
+        configs = enumerate_configs(model, hw, space, rejected)
+        zero3_pps[engine] = {c.pp for c in configs if c.zero == 3}
+        assert ("engine_megatron_zero3_pp_ep" in rejected) == (engine == "megatron")
+    assert zero3_pps["megatron"] == {1} and max(zero3_pps["orchestrator"]) > 1

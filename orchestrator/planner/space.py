@@ -266,6 +266,12 @@ def _batch_configs(space: SearchSpace, schedules, L: int, W: int, tp: int, conte
                             # stage=train: FSDP shards an expert split over one dim only
                             reject("engine_moe_zero3_etp")
                             continue
+                        if (zero == 3 and (pp > 1 or ep > 1)
+                                and space.options.engine == Engine.megatron):
+                            # Megatron-LM's ZeRO 3 (--use-torch-fsdp2) refuses pipeline and
+                            # expert parallelism (arguments.py): its export could not run it
+                            reject("engine_megatron_zero3_pp_ep")
+                            continue
                         configs.append(ConfigKey(W, tp, pp, dp, zero, sp, mbs, m, sched, v, cp,
                                                  cp_comm, a2a, ep, etp))
     return configs

@@ -298,26 +298,18 @@ def keep_other_world(out: Path, world_size: int) -> Optional[Path]:
 
 
 def _in_space(layout, space, model_cost, hardware) -> bool:
-    """Whether the search could have chosen `layout`: its degrees, ZeRO stage, recompute modes,
-    micro-batch size, schedule and sequence parallelism among the space's, and its memory within
-    the space's budget (the reserve kept)."""
+    """Whether the search could have chosen `layout`: its configuration among those the space
+    enumerates (planner/space.py's own rules: degrees, ZeRO stages, micro-batch sizes,
+    schedules, sequence parallelism), its recompute modes among the space's, and its memory
+    within the space's budget (the reserve kept)."""
     from orchestrator.layout import LayoutError
     from orchestrator.planner import evaluate
-    from orchestrator.planner.space import _degree_allowed
+    from orchestrator.planner.options import ConfigKey
+    from orchestrator.planner.space import enumerate_configs
 
-    per_replica = space.global_batch_size // max(1, layout.dp)
-    mbs = (space.micro_batch_sizes if space.micro_batch_sizes is not None
-           else [d for d in range(1, per_replica + 1) if per_replica % d == 0])
-    if not (_degree_allowed(layout.tp, space.tp, space.max_tp)
-            and _degree_allowed(layout.pp, space.pp, space.max_pp)
-            and layout.cp <= space.max_cp and (layout.cp == 1 or layout.cp_comm in space.cp_comms)
-            and (space.ep is None or layout.ep == space.ep)
-            and (space.etp is None or layout.etp == space.etp)
-            and layout.zero in space.zero_stages
-            and all(mode in space.recompute for mode, _ in layout.recompute)
-            and layout.micro_batch_size in mbs and layout.schedule in space.schedules
-            and (layout.virtual_stages == 1 or layout.virtual_stages in space.virtual_stages)
-            and layout.sequence_parallel in space.sequence_parallel):
+    if ConfigKey.of(layout) not in set(enumerate_configs(model_cost, hardware, space, {})):
+        return False
+    if not all(mode in space.recompute for mode, _ in layout.recompute):
         return False
     try:
         return evaluate(layout, model_cost, hardware, space.seq_len, space.memory_budget_bytes,
