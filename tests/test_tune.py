@@ -176,8 +176,11 @@ def test_tune_measures_candidates_calibrates_and_picks_the_fastest(chain):
 
     # A rerun measures nothing again; the next search prices with the calibration and keeps
     # the measured pick as the layout to train.
+    calibration = (chain / "local" / "calibration" / "tiny.json").read_bytes()
     again = run_cli(*TUNE, "tune.top_k=1", profiles_dir=chain, check=0, timeout=300)
     assert again.stdout.count("skipping (force=true redoes it)") == len(roles)
+    # ... and leaves the calibration as it was: a rewrite made search and trace run again
+    assert (chain / "local" / "calibration" / "tiny.json").read_bytes() == calibration
     search = run_cli("stage=search", "search.max_tp=2", profiles_dir=chain, check=0)
     assert f"calibrated from {len(done)} runs" in search.stdout
     strategy = json.loads((chain / "local" / "strategy" / "tiny.json").read_text())

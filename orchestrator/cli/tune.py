@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import shutil
 import socket
 import statistics
@@ -279,7 +280,8 @@ def tune(cfg, run_stages: Callable, console) -> List[dict]:
         reasons = "; ".join(sorted({f"{r.role}: {r.reason}" for r in records})[:3])
         raise InfeasibleError(f"tune: every candidate failed ({len(records)}): {reasons}; the "
                               f"calibration fitted before is kept: {out}")
-    write_profile(out, profile)
+    if not _same_fit(out, profile):  # a rerun that measured nothing new leaves it (and so
+        write_profile(out, profile)  # the searches and traces priced from it) as it was
     if pick is not None:  # what stage=train trains next
         write_json(layout_file(cfg), {"model": cfg.model.name, "seq_len": seq_len,
                                       "layout": pick.layout.to_dict(),
@@ -297,6 +299,20 @@ def tune(cfg, run_stages: Callable, console) -> List[dict]:
              "log": "", "outputs": [str(out)] + ([str(plot)] if plot else []),
              "result": {"pick": pick.describe, "measured_ms": pick.measured_ms["iteration"],
                         "calibration": cal.describe()}}]
+
+
+def _same_fit(path: Path, profile) -> bool:
+    """Whether the calibration at `path` says what `profile` says, its provenance (when and by
+    which command it was written) aside."""
+    from orchestrator.store import read_json
+
+    try:
+        old = read_json(path)
+    except (OSError, ValueError):
+        return False
+    new = json.loads(json.dumps(profile.to_dict()))  # as it would read back (tuples: lists)
+    return ({k: v for k, v in old.items() if k != "provenance"}
+            == {k: v for k, v in new.items() if k != "provenance"})
 
 
 def _fitted(cfg) -> bool:
