@@ -18,6 +18,21 @@ MODEL = dict(hidden=32, ffn=64, layers=2, heads=4, kv_heads=2, vocab=64, seq_len
 PER_RANK = 2  # samples per dp rank and step
 
 
+def _step(engine, data, layout, step: int, nan: bool = False):
+    """One training step of this rank's samples; `nan`: its gradient overflows (the engine
+    skips the update)."""
+    tokens, targets = data.rank_batch(step, engine.dp_rank, layout.dp, PER_RANK)
+    hook = None
+    if nan:
+        first = next(iter(engine.named_parameters().values()))
+        hook = first.register_hook(lambda g: g * float("nan"))
+    try:
+        return engine.train_step(tokens, targets, 1e-2, 1.0)
+    finally:
+        if hook is not None:
+            hook.remove()
+
+
 def _worker(rank: int, out: dict, folder: str) -> None:
     from orchestrator.layout import ParallelLayout
     from orchestrator.models.config import ModelConfig
@@ -31,16 +46,7 @@ def _worker(rank: int, out: dict, folder: str) -> None:
     data = make_data(None, model.vocab, model.seq_len, seed=0)
 
     def train(engine, step: int, nan: bool = False):
-        tokens, targets = data.rank_batch(step, engine.dp_rank, layout.dp, PER_RANK)
-        hook = None
-        if nan:  # a gradient that overflowed: the engine skips this step's update
-            first = next(iter(engine.named_parameters().values()))
-            hook = first.register_hook(lambda g: g * float("nan"))
-        try:
-            return engine.train_step(tokens, targets, 1e-2, 1.0)
-        finally:
-            if hook is not None:
-                hook.remove()
+        return _step(engine, data, layout, step, nan)
 
     straight = Engine(layout, model, torch.device("cpu"), seed=1)
     train(straight, 0)
@@ -83,17 +89,8 @@ def _fp16_worker(rank: int, out: dict, folder: str) -> None:
                                     num_micro_batches=PER_RANK)
     data = make_data(None, model.vocab, model.seq_len, seed=0)
 
-    def train(engine, step: int, nan: bool = False):
-        tokens, targets = data.rank_batch(step, 0, 1, PER_RANK)
-        hook = None
-        if nan:  # an overflow: the step is skipped and the loss scale halved
-            first = next(iter(engine.named_parameters().values()))
-            hook = first.register_hook(lambda g: g * float("nan"))
-        try:
-            return engine.train_step(tokens, targets, 1e-2, 1.0)
-        finally:
-            if hook is not None:
-                hook.remove()
+    def train(engine, step: int, nan: bool = False):  # nan: an overflow, the scale halved
+        return _step(engine, data, layout, step, nan)
 
     straight = Engine(layout, model, torch.device("cpu"), dtype="fp16", seed=1)
     train(straight, 0)
