@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -218,3 +219,25 @@ def test_megatron_zero3_is_fsdp2_only_where_megatron_runs_it():
     for strict in (True, False):
         with pytest.raises(ExportError, match=r"ZeRO 3 with pp\(2\)"):
             megatron_args(piped, strict=strict)
+
+
+def test_megatron_model_args_give_the_architecture_megatron_would_otherwise_default():
+    """Megatron ties the embedding and the output layer, has linear biases, GELU and LayerNorm
+    by default: every model here is Llama-style with an untied head, so the exported command
+    says so (for llama2_7b an untied head is 131M parameters the planner priced)."""
+    import yaml
+
+    from orchestrator.models.config import ModelConfig
+    from orchestrator.planner.exports import megatron_model_args
+
+    llama = ModelConfig(**yaml.safe_load(
+        (Path(__file__).parent.parent / "orchestrator/conf/model/llama2_7b.yaml").read_text()))
+    a = _args_dict(megatron_model_args(llama))
+    assert a["--untie-embeddings-and-output-weights"] is True
+    assert a["--swiglu"] is True and a["--disable-bias-linear"] is True
+    assert (a["--normalization"], a["--position-embedding-type"]) == ("RMSNorm", "rope")
+    assert (a["--hidden-size"], a["--ffn-hidden-size"], a["--num-attention-heads"]) == (
+        str(llama.hidden), str(llama.ffn), str(llama.heads))
+    assert "--group-query-attention" not in a  # llama2_7b: as many KV heads as heads
+    gqa = _args_dict(megatron_model_args(ModelConfig(heads=4, kv_heads=2)))
+    assert gqa["--group-query-attention"] is True and gqa["--num-query-groups"] == "2"

@@ -120,7 +120,8 @@ def test_profiles_record_the_divisor_and_the_megatron_export_writes_it():
     assert model_identity(plain) != model_identity(wide)
     args = megatron_model_args(wide)
     assert args[args.index("--make-vocab-size-divisible-by") + 1] == "128"
-    assert megatron_model_args(plain)[:2] == ["--make-vocab-size-divisible-by", "1"]
+    args = megatron_model_args(plain)
+    assert args[args.index("--make-vocab-size-divisible-by") + 1] == "1"
 
 
 def test_checkpoint_shapes_follow_the_tp_the_rows_are_padded_for():

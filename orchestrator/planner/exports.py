@@ -125,11 +125,22 @@ def moe_layer_freq(model: ModelConfig) -> str:
 
 
 def megatron_model_args(model: ModelConfig) -> List[str]:
-    """The arguments of `model` the layout's (megatron_args) leave out: the vocabulary's padding,
-    always written (Megatron's own default, 128, would pad further than what was priced and
-    trained: models/config.vocab_rows), and the experts' (megatron_moe_args)."""
+    """The arguments of `model` the layout's (megatron_args) leave out: its shape and
+    architecture (Llama-style: RMSNorm, GQA, RoPE, SwiGLU, no linear biases, and an untied head,
+    which Megatron ties by default: for llama2_7b 131M parameters fewer than priced), the
+    vocabulary's padding, always written (Megatron's own default, 128, would pad further than
+    what was priced and trained: models/config.vocab_rows), and the experts'
+    (megatron_moe_args). The sequence length and the tokenizer are the run's."""
     divisor = getattr(model, "make_vocab_size_divisible_by", None) or 1
-    return ["--make-vocab-size-divisible-by", str(divisor)] + megatron_moe_args(model)
+    args = ["--hidden-size", str(model.hidden), "--ffn-hidden-size", str(model.ffn),
+            "--num-attention-heads", str(model.heads)]
+    if model.kv_heads != model.heads:
+        args += ["--group-query-attention", "--num-query-groups", str(model.kv_heads)]
+    args += ["--swiglu", "--normalization", "RMSNorm", "--norm-epsilon", f"{model.norm_eps:g}",
+             "--position-embedding-type", "rope", "--rotary-base", f"{model.rope_theta:g}",
+             "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+             "--make-vocab-size-divisible-by", str(divisor)]
+    return args + megatron_moe_args(model)
 
 
 def megatron_moe_args(model: ModelConfig) -> List[str]:
