@@ -239,5 +239,6 @@ def test_megatron_model_args_give_the_architecture_megatron_would_otherwise_defa
     assert (a["--hidden-size"], a["--ffn-hidden-size"], a["--num-attention-heads"]) == (
         str(llama.hidden), str(llama.ffn), str(llama.heads))
     assert "--group-query-attention" not in a  # llama2_7b: as many KV heads as heads
-    gqa = _args_dict(megatron_model_args(ModelConfig(heads=4, kv_heads=2)))
+    gqa = _args_dict(megatron_model_args(ModelConfig(heads=4, kv_heads=2, rope_theta=1e6)))
     assert gqa["--group-query-attention"] is True and gqa["--num-query-groups"] == "2"
+    assert gqa["--rotary-base"] == "1000000"  # Megatron parses it as an int

@@ -137,10 +137,15 @@ def megatron_model_args(model: ModelConfig) -> List[str]:
     if model.kv_heads != model.heads:
         args += ["--group-query-attention", "--num-query-groups", str(model.kv_heads)]
     args += ["--swiglu", "--normalization", "RMSNorm", "--norm-epsilon", f"{model.norm_eps:g}",
-             "--position-embedding-type", "rope", "--rotary-base", f"{model.rope_theta:g}",
+             "--position-embedding-type", "rope", "--rotary-base", _rotary_base(model.rope_theta),
              "--disable-bias-linear", "--untie-embeddings-and-output-weights",
              "--make-vocab-size-divisible-by", str(divisor)]
     return args + megatron_moe_args(model)
+
+
+def _rotary_base(theta: float) -> str:
+    """Megatron-LM parses --rotary-base as an int (arguments.py): 1000000, never 1e+06."""
+    return str(int(theta)) if float(theta).is_integer() else repr(float(theta))
 
 
 def megatron_moe_args(model: ModelConfig) -> List[str]:
