@@ -221,6 +221,10 @@ def test_failed_candidates_are_recorded_and_excluded(chain):
     assert rec["runs"] == 0 and rec.get("pick") is None
     assert all(c["state"] == "failed" and "GiB" in c["reason"] for c in rec["candidates"])
     assert "every candidate failed" in proc.stderr
+    # each reason whole, below the table (cut at 60 characters there, the cause was lost)
+    for c in rec["candidates"]:
+        assert " ".join(f"tune: {c['role']} failed: {c['reason']}".split()) in " ".join(
+            proc.stdout.split())
     assert (chain / "local" / "strategy" / "tiny.layout.json").read_text() == before
 
 

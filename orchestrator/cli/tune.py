@@ -353,10 +353,14 @@ def _report(profile, fit, console) -> None:
         meas = r.measured_ms.get("iteration")
         pred, calib = r.predicted_ms["iteration"], r.calibrated_ms["iteration"]
         table.add_row(r.role, escape(r.describe), f"{pred:.1f}", f"{calib:.1f}",
-                      f"{meas:.1f}" if meas else f"failed: {escape((r.reason or '')[:60])}",
+                      f"{meas:.1f}" if meas else "failed (below)",
                       f"{pred / meas - 1:+.1%}" if meas else "",
                       f"{calib / meas - 1:+.1%}" if meas else "")
     console.print(table)
+    for r in profile.candidates:  # whole: a reason names the layout first, its cause after
+        if not r.measured_ms.get("iteration"):
+            console.print(escape(f"tune: {r.role} failed: {r.reason or 'no reason recorded'}"),
+                          highlight=False)
     if fit.why_not:
         console.print(f"tune: {fit.why_not}", highlight=False)
     else:
