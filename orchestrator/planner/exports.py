@@ -63,8 +63,10 @@ def megatron_args(layout: ParallelLayout, strict: bool = True,
     if layout.zero == 1:
         args.append("--use-distributed-optimizer")
     elif layout.zero == 2:
-        _problem(strict, "Megatron-LM has no ZeRO-2 (sharded gradients without sharded "
-                         "parameters); its distributed optimizer is ZeRO-1")
+        _problem(strict, "Megatron-LM's ZeRO-2 is Megatron-FSDP (--use-megatron-fsdp "
+                         "--data-parallel-sharding-strategy optim_grads), which is not priced "
+                         "here; written as its distributed optimizer (ZeRO-1), which shards "
+                         "less")
         args.append("--use-distributed-optimizer")
     elif layout.zero == 3:
         # Megatron's torch FSDP2 runs without pipeline and expert parallelism only, and refuses
