@@ -226,6 +226,9 @@ def test_failed_candidates_are_recorded_and_excluded(chain):
         assert " ".join(f"tune: {c['role']} failed: {c['reason']}".split()) in " ".join(
             proc.stdout.split())
     assert (chain / "local" / "strategy" / "tiny.layout.json").read_text() == before
+    # status does not call a calibration fitted from no run plainly "current"
+    status = " ".join(run_cli("stage=status", profiles_dir=chain, check=0).stdout.split())
+    assert "calibration tiny: 0 runs" in status and "current, not fitted" in status
 
 
 def test_a_candidate_another_command_runs_stops_tune_instead_of_being_left_out(tmp_path,

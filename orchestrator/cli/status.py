@@ -136,7 +136,9 @@ def print_calibrations(cfg) -> None:
             calibration, used, note = current_calibration(model_cfg)
             factors = ", ".join(f"{k} x{v:.2f}" for k, v in rec["factors"].items())
             state = ("stale: " + note if note else
-                     "current" if used is not None else "unused")
+                     "unused" if used is None else
+                     "current, not fitted: no factor applied" if rec.get("why_not") else
+                     "current")
             if rec.get("at_bound"):  # older files have no such field
                 state += (f"; {', '.join(rec['at_bound'])} at the fit's bound: measure the "
                           f"profiles again (stage=tune says which)")
