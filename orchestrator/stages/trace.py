@@ -132,21 +132,11 @@ def _simai_skips(specs, skipped, export, moe: bool):
     return keep, sorted(skipped, key=lambda s: s.index)
 
 
-def megatron_overlap(cfg):
-    """The Overlap the search.* overlap knobs ask for (None: on): what search's Megatron export
-    writes, so the trace's `megatron_args` say the same."""
-    from orchestrator.planner import CostOptions
-    from orchestrator.train.plan import OVERLAP_KNOBS
-
-    return CostOptions(**{k: getattr(cfg.search, k, None)
-                          for k in OVERLAP_KNOBS}).megatron_overlap()
-
-
 def run_trace(ctx, run) -> dict:
     from orchestrator.console import stage_console
     from orchestrator.trace.output import read_index, write_index
     from orchestrator.trace.run import trace_configuration
-    from orchestrator.trace.timing import make_pricer
+    from orchestrator.trace.timing import make_pricer, planner_options
 
     cfg, plan = run.cfg, run.plan.detail
     console = stage_console()
@@ -166,6 +156,8 @@ def run_trace(ctx, run) -> dict:
                   f"{len(plan.specs) - len(specs)} done before; {pricer.note}")
     done, failed = [], []
     captures: dict = {}  # a chunk shape met in one configuration is not traced again
+    # What the Megatron arguments say is overlapped: the options search prices and exports with
+    overlap = planner_options(cfg).megatron_overlap()
     for spec in plan.specs:
         name = spec.dir_name(model_name)
         if spec not in specs:
@@ -177,7 +169,7 @@ def run_trace(ctx, run) -> dict:
                 summary = trace_configuration(
                     spec, cfg.model, pricer, out / name, all_ranks=cfg.trace.all_ranks,
                     bucket_MiB=cfg.trace.bucket_MiB, export=cfg.trace.export,
-                    captures=captures, overlap=megatron_overlap(cfg))
+                    captures=captures, overlap=overlap)
                 done.append(summary)
                 entries[name] = {"config": summary["config"], "index": spec.index,
                                  "state": "done", "path": str(out / name),
