@@ -267,9 +267,9 @@ def test_a_checkpoint_fits_any_layout_of_its_model_and_no_other():
     """The CLI's check of train.load: the engine's state keys and global shapes of a model,
     against what a checkpoint holds (the ranks' own rule), and the line that refuses it."""
     from orchestrator.models.config import ModelConfig
-    from orchestrator.stages.train import another_model_text
+    from orchestrator.train.load_check import another_model_text
     from orchestrator.train.checkpoint import CheckpointInfo, shape_mismatch
-    from orchestrator.train.engine import state_shapes
+    from orchestrator.train.load_check import state_shapes
 
     tiny = ModelConfig()
     saved = state_shapes(tiny)  # any layout saves these: DTensors by their global shape

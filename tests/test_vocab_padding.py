@@ -127,7 +127,7 @@ def test_profiles_record_the_divisor_and_the_megatron_export_writes_it():
 def test_checkpoint_shapes_follow_the_tp_the_rows_are_padded_for():
     """train.load's check before launch: the embedding's rows at the layout's tp, not compared
     while the tp is not known yet (search writes the layout in the same command)."""
-    from orchestrator.train.engine import state_shapes
+    from orchestrator.train.load_check import state_shapes
 
     model = ModelConfig(**ODD)
     assert state_shapes(model, 2)["model.tok_emb.weight"] == (128, 64)
@@ -183,8 +183,8 @@ def test_a_checkpoint_padded_for_another_tp_is_named_as_such():
     other rows: the line says so and what pads alike (before this check: "of another model")."""
     from types import SimpleNamespace
 
-    from orchestrator.stages.train import padded_rows_text
-    from orchestrator.train.engine import state_shapes
+    from orchestrator.train.load_check import padded_rows_text
+    from orchestrator.train.load_check import state_shapes
 
     model = ModelConfig(**{**ODD, "vocab": 511})
     saved = state_shapes(model, 2)  # 512 rows

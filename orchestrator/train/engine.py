@@ -42,7 +42,7 @@ from orchestrator.choices import Dtype, Group
 from orchestrator.layout import ParallelLayout
 from orchestrator.models.config import ModelConfig, expert_width, is_moe
 from orchestrator.models.compile import eager, is_compiled
-from orchestrator.models.gpt import GPT, cross_entropy_loss, token_loss_sum
+from orchestrator.models.gpt import cross_entropy_loss, token_loss_sum
 from orchestrator.models.moe import MoE
 from orchestrator.profiling.measure import Stopwatch
 from orchestrator.train.build import (OptimSettings, apply_recompute, build_chunks,
@@ -482,26 +482,6 @@ class Engine:
             if local_tensor(p).dtype != torch.float32:  # bf16 weights: their masters' values
                 masters[p] = _local_like(state["model"][name], p)
         self.optim.load_state_tensors(states, step, masters)
-
-
-def state_shapes(model: ModelConfig, tp: Optional[int] = 1) -> Dict[str, Optional[tuple]]:
-    """{DCP key: global shape} of what `Engine.state()` saves for `model` on all ranks together,
-    in any layout of `tp` TP ranks (a sharded parameter keeps its global shape): each parameter
-    under "model." and its two AdamW moments under "optim.". The embedding's and LM head's rows
-    are the vocabulary padded for tp (models/config.vocab_rows); `tp` None (not known yet): their
-    shape None, not compared (checkpoint.shape_mismatch). Built on the meta device: nothing is
-    allocated."""
-    with torch.device("meta"):
-        whole = GPT(dataclasses.replace(model, dtype=Dtype.fp32), tp=tp or 1)
-    params = {name: None if tp is None and name in VOCAB_PARAMS else tuple(p.shape)
-              for name, p in whole.named_parameters()}
-    return {**{f"model.{name}": shape for name, shape in params.items()},
-            **{f"optim.{name}.{key}": shape for name, shape in params.items()
-               for key in OPTIM_MOMENTS}}
-
-
-# The parameters with a row per (padded) vocabulary entry.
-VOCAB_PARAMS = ("tok_emb.weight", "lm_head.weight")
 
 
 def _placed_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
